@@ -1,0 +1,137 @@
+"""The `conveyor` command: train, config, plot, show.
+
+User mistakes (bad config, missing files) end with a one-line `error:` message
+and exit status 2, never a traceback; set CONVEYOR_DEBUG=1 to see the traceback
+anyway. Anything else is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML config file (overrides go on top)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides, e.g. actor_rollout_ref.rollout.temperature=0.7")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conveyor", description="RL post-training of LLMs over a key-value data plane.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="run training (no arguments: the default tiny MoE GRPO run)")
+    _add_config_args(t)
+
+    c = sub.add_parser("config", help="print the resolved config as YAML")
+    _add_config_args(c)
+    c.add_argument("--describe", action="store_true", help="add each key's documentation as a comment")
+
+    pl = sub.add_parser("plot", help="draw a run's metrics (and MoE expert load) as PNGs")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+
+    sh = sub.add_parser("show", help="print a run's latest generation dump")
+    sh.add_argument("run_dir")
+    sh.add_argument("--step", type=int, help="a specific dumped step")
+    sh.add_argument("-n", type=int, default=8, help="samples to show")
+
+    w = sub.add_parser("warmstart", help="build the tiny model's supervised warm start (done on first use anyway)")
+    _add_config_args(w)
+    return p
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from conveyor.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        from conveyor.trainer.ppo import run_training
+    except ImportError as err:
+        raise ValueError(f"no trainer is available in this installation ({err})") from err
+    run_training(cfg)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from conveyor.config import config_to_yaml, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    sys.stdout.write(config_to_yaml(cfg, with_help=args.describe))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from conveyor.metrics.plots import plot_run
+
+    paths = plot_run(args.run_dir, args.out)
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from conveyor.metrics.dumps import format_generations, latest_generations
+
+    step, rows = latest_generations(args.run_dir, step=args.step)
+    print(format_generations(step, rows[: args.n]))
+    return 0
+
+
+def _cmd_warmstart(args: argparse.Namespace) -> int:
+    from conveyor.config import load_config
+    from conveyor.trainer.setup import prepare_default_model
+
+    cfg = load_config(args.config, args.overrides)
+    path = prepare_default_model(cfg)
+    print(path)
+    return 0
+
+
+_COMMANDS = {
+    "train": _cmd_train,
+    "config": _cmd_config,
+    "plot": _cmd_plot,
+    "show": _cmd_show,
+    "warmstart": _cmd_warmstart,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `conveyor` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]  # `conveyor` alone runs the default training
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return _COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        if os.environ.get("CONVEYOR_DEBUG"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,718 @@
+"""Every setting of a run, as dataclasses: the one source of truth for names, defaults and checks.
+
+Paths follow verl's where the concept is shared (`data.train_batch_size`,
+`actor_rollout_ref.rollout.n`, `algorithm.adv_estimator`, ...), so its users
+feel at home. A config is built from defaults, then an optional YAML file, then
+dotted command-line overrides; every step validates, and every user mistake is a
+`ConfigError` (a `ValueError`) that names the key and says what to change.
+There is deliberately no YAML copy of the defaults: `conveyor config` prints
+them from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "parse_overrides",
+    "config_to_dict",
+    "config_to_yaml",
+    "REMOVED_KEYS",
+]
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the key and the fix."""
+
+
+def F(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at the call sites
+    """A dataclass field with its one-line documentation."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def S(cls: type, help: str) -> Any:
+    """A nested section field."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+# Keys that existed once and were renamed: using one is an error that names the new key.
+REMOVED_KEYS: dict[str, str] = {
+    "moe_load_balance_monitor_interval": (
+        "the engine-level key 'moe_load_balance_monitor_interval' was removed; "
+        "use actor_rollout_ref.rollout.moe_load_balance_metrics_interval"
+    ),
+}
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class SyntheticTaskConfig:
+    """The built-in arithmetic task used when no data files are given."""
+
+    num_train: int = F(8000, "number of training problems generated (at most the train split holds)")
+    num_val: int = F(128, "number of held-out problems (never in the training set)")
+    max_operand: int = F(99, "largest operand")
+    ops: list = F(["+"], "operators to draw from: any of +, -, *")
+
+    def __post_init__(self) -> None:
+        _check(self.num_train > 0, "data.synthetic.num_train", "must be > 0")
+        _check(self.num_val > 0, "data.synthetic.num_val", "must be > 0")
+        _check(self.max_operand >= 1, "data.synthetic.max_operand", "must be >= 1")
+        bad = [o for o in self.ops if o not in ("+", "-", "*")]
+        _check(not bad and bool(self.ops), "data.synthetic.ops", f"must be a non-empty list of +, -, *; got {self.ops}")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they are shaped."""
+
+    train_files: Optional[list] = F(None, "verl-style parquet files of training prompts; null = the synthetic task")
+    val_files: Optional[list] = F(None, "parquet files of held-out prompts; null = the synthetic task's test split")
+    train_batch_size: int = F(16, "prompts per step (each sampled actor_rollout_ref.rollout.n times)")
+    val_batch_size: Optional[int] = F(None, "held-out prompts used per validation; null = all")
+    max_prompt_length: int = F(64, "longest prompt in tokens")
+    max_response_length: int = F(6, "most tokens generated per response")
+    truncation: str = F("error", "what to do with a prompt longer than max_prompt_length: error, left or right")
+    shuffle: bool = F(True, "shuffle training prompts each epoch")
+    seed: int = F(1, "seed of the prompt order and of the synthetic task")
+    synthetic: SyntheticTaskConfig = S(SyntheticTaskConfig, "the built-in task")
+
+    def __post_init__(self) -> None:
+        _check(self.train_batch_size > 0, "data.train_batch_size", "must be > 0")
+        _check(self.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
+        _check(self.max_response_length > 0, "data.max_response_length", "must be > 0")
+        _check(self.truncation in ("error", "left", "right"), "data.truncation", "must be one of error, left, right")
+        _check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size", "must be > 0 or null")
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class TinyModelConfig:
+    """The tiny model built from config when actor_rollout_ref.model.path is null."""
+
+    arch: str = F("qwen3_moe", "qwen3_moe, qwen3 (dense), mixtral or olmoe")
+    hidden_size: int = F(64, "hidden size")
+    num_layers: int = F(2, "decoder layers")
+    num_heads: int = F(4, "attention heads")
+    num_kv_heads: int = F(2, "key/value heads")
+    intermediate_size: int = F(128, "MLP width (dense layers; expert width for MoE)")
+    num_experts: int = F(8, "experts per MoE layer")
+    top_k: int = F(2, "experts chosen per token")
+    warmstart_steps: int = F(150, "supervised steps on the task format before RL (0 = start from random init)")
+    warmstart_lr: float = F(3e-3, "learning rate of the warm start")
+    seed: int = F(0, "initialisation seed")
+
+    def __post_init__(self) -> None:
+        archs = ("qwen3_moe", "qwen3", "mixtral", "olmoe")
+        _check(self.arch in archs, "actor_rollout_ref.model.tiny.arch", f"must be one of {list(archs)}")
+        for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "num_experts", "top_k"):
+            _check(getattr(self, k) > 0, f"actor_rollout_ref.model.tiny.{k}", "must be > 0")
+        _check(self.top_k <= self.num_experts, "actor_rollout_ref.model.tiny.top_k", "must be <= num_experts")
+        _check(self.warmstart_steps >= 0, "actor_rollout_ref.model.tiny.warmstart_steps", "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: Optional[str] = F(None, "local Hugging Face checkpoint directory; null = build the tiny model")
+    tokenizer_path: Optional[str] = F(None, "tokenizer directory if not the model's")
+    dtype: str = F("float32", "parameter dtype: float32 or bfloat16")
+    tiny: TinyModelConfig = S(TinyModelConfig, "the built-in tiny model")
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "actor_rollout_ref.model.dtype",
+               "must be float32, bfloat16 or float16")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = F(2e-3, "learning rate")
+    weight_decay: float = F(0.0, "AdamW weight decay")
+    betas: list = F([0.9, 0.99], "AdamW betas")
+    lr_warmup_steps: int = F(0, "linear warm-up steps")
+    lr_scheduler: str = F("constant", "constant or cosine (after warm-up)")
+    min_lr_ratio: float = F(0.0, "cosine floor as a fraction of lr")
+
+    def _validate(self, prefix: str) -> None:
+        _check(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.betas", "must be two numbers in [0, 1)")
+        _check(self.lr_warmup_steps >= 0, f"{prefix}.lr_warmup_steps", "must be >= 0")
+        _check(self.lr_scheduler in ("constant", "cosine"), f"{prefix}.lr_scheduler", "must be constant or cosine")
+        _check(0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio", "must be in [0, 1]")
+
+
+@dataclass
+class RouterReplayConfig:
+    """Routing replay for MoE models."""
+
+    mode: str = F("disabled", "disabled, or R3: training forwards use the experts recorded at rollout")
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("disabled", "R3"), "actor_rollout_ref.actor.router_replay.mode", "must be disabled or R3")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which policy loss."""
+
+    loss_mode: str = F("vanilla", "policy loss from the registry (vanilla = PPO clip with dual clip)")
+
+
+@dataclass
+class ActorConfig:
+    """The policy update."""
+
+    optim: OptimConfig = S(OptimConfig, "optimizer")
+    ppo_mini_batch_size: int = F(16, "prompts per optimizer step (times rollout.n sequences)")
+    ppo_micro_batch_size_per_gpu: int = F(64, "sequences per forward/backward (gradient accumulation)")
+    ppo_epochs: int = F(1, "passes over the batch per step")
+    shuffle: bool = F(True, "shuffle sequences into mini-batches")
+    clip_ratio: float = F(0.2, "PPO clip range (both sides unless clip_ratio_low/high are set)")
+    clip_ratio_low: Optional[float] = F(None, "lower clip range; null = clip_ratio")
+    clip_ratio_high: Optional[float] = F(None, "upper clip range; null = clip_ratio")
+    clip_ratio_c: float = F(3.0, "dual-clip bound for negative advantages (> 1)")
+    loss_agg_mode: str = F("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    entropy_coeff: float = F(0.0, "entropy bonus coefficient")
+    use_kl_loss: bool = F(False, "add a KL(policy || reference) loss term")
+    kl_loss_coef: float = F(0.001, "KL loss coefficient")
+    kl_loss_type: str = F("low_var_kl", "k1 (kl), k2 (mse), k3 (low_var_kl) or abs")
+    grad_clip: float = F(1.0, "gradient norm clip")
+    policy_loss: PolicyLossConfig = S(PolicyLossConfig, "policy loss")
+    router_replay: RouterReplayConfig = S(RouterReplayConfig, "MoE routing replay")
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.actor"
+        self.optim._validate(f"{p}.optim")
+        _check(self.ppo_mini_batch_size > 0, f"{p}.ppo_mini_batch_size", "must be > 0")
+        _check(self.ppo_micro_batch_size_per_gpu > 0, f"{p}.ppo_micro_batch_size_per_gpu", "must be > 0")
+        _check(self.ppo_epochs > 0, f"{p}.ppo_epochs", "must be > 0")
+        _check(self.clip_ratio > 0, f"{p}.clip_ratio", f"must be > 0, got {self.clip_ratio}")
+        for k in ("clip_ratio_low", "clip_ratio_high"):
+            v = getattr(self, k)
+            _check(v is None or v > 0, f"{p}.{k}", f"must be > 0, got {v}")
+        _check(self.clip_ratio_c > 1, f"{p}.clip_ratio_c", f"must be > 1, got {self.clip_ratio_c}")
+        _check(self.loss_agg_mode in _AGG_MODES, f"{p}.loss_agg_mode", f"must be one of {list(_AGG_MODES)}")
+        _check(self.kl_loss_type in _KL_TYPES, f"{p}.kl_loss_type", f"must be one of {list(_KL_TYPES)}")
+        _check(self.grad_clip > 0, f"{p}.grad_clip", "must be > 0")
+        _check(self.kl_loss_coef >= 0, f"{p}.kl_loss_coef", "must be >= 0")
+
+
+_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+_KL_TYPES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (used when a KL term is on)."""
+
+    log_prob_micro_batch_size_per_gpu: int = F(128, "sequences per reference forward")
+
+
+@dataclass
+class ValKwargs:
+    """Sampling for validation."""
+
+    temperature: float = F(0.0, "0 = greedy")
+    top_p: float = F(1.0, "nucleus sampling")
+    top_k: int = F(0, "top-k sampling (0 = off)")
+    n: int = F(1, "samples per held-out prompt")
+    do_sample: bool = F(False, "sample instead of greedy decoding")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation."""
+
+    name: str = F("hf", "rollout engine (hf)")
+    n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)")
+    temperature: float = F(1.0, "sampling temperature")
+    top_p: float = F(1.0, "nucleus sampling (1 = off)")
+    top_k: int = F(0, "top-k sampling (0 = off)")
+    do_sample: bool = F(True, "sample (false = greedy)")
+    log_prob_micro_batch_size_per_gpu: int = F(128, "sequences per old-log-prob forward")
+    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics every N steps (0 = off)")
+    val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout"
+        _check(self.name == "hf", f"{p}.name", "only the hf engine exists")
+        _check(self.n > 0, f"{p}.n", "must be > 0")
+        _check(self.temperature > 0, f"{p}.temperature", "must be > 0 (use do_sample=false for greedy)")
+        _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
+        _check(self.moe_load_balance_metrics_interval >= 0, f"{p}.moe_load_balance_metrics_interval", "must be >= 0")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """Policy, rollout and reference: one model, three roles."""
+
+    model: ModelConfig = S(ModelConfig, "model")
+    actor: ActorConfig = S(ActorConfig, "actor")
+    ref: RefConfig = S(RefConfig, "reference")
+    rollout: RolloutConfig = S(RolloutConfig, "rollout")
+
+
+@dataclass
+class CriticConfig:
+    """The value model (used by GAE)."""
+
+    enable: Optional[bool] = F(None, "null = on exactly when the advantage estimator needs values")
+    optim: OptimConfig = S(OptimConfig, "optimizer")
+    ppo_mini_batch_size: int = F(16, "prompts per critic optimizer step")
+    ppo_micro_batch_size_per_gpu: int = F(64, "sequences per forward/backward")
+    ppo_epochs: int = F(1, "passes over the batch per step")
+    cliprange_value: float = F(0.5, "value clip range")
+    loss_agg_mode: str = F("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    grad_clip: float = F(1.0, "gradient norm clip")
+
+    def __post_init__(self) -> None:
+        self.optim._validate("critic.optim")
+        _check(self.ppo_mini_batch_size > 0, "critic.ppo_mini_batch_size", "must be > 0")
+        _check(self.ppo_micro_batch_size_per_gpu > 0, "critic.ppo_micro_batch_size_per_gpu", "must be > 0")
+        _check(self.ppo_epochs > 0, "critic.ppo_epochs", "must be > 0")
+        _check(self.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
+        _check(self.loss_agg_mode in _AGG_MODES, "critic.loss_agg_mode", f"must be one of {list(_AGG_MODES)}")
+
+
+@dataclass
+class KLControlConfig:
+    """The in-reward KL coefficient."""
+
+    type: str = F("fixed", "fixed or adaptive")
+    kl_coef: float = F(0.001, "initial coefficient")
+    target_kl: float = F(0.1, "adaptive: target KL")
+    horizon: int = F(10000, "adaptive: horizon")
+
+    def __post_init__(self) -> None:
+        _check(self.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type", "must be fixed or adaptive")
+        _check(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
+        _check(self.horizon > 0, "algorithm.kl_ctrl.horizon", "must be > 0")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correcting for the gap between sampler and trainer log-probs."""
+
+    bypass_mode: bool = F(False, "use the rollout's log-probs as old log-probs (no old-log-prob forward)")
+    rollout_is: Optional[str] = F(None, "truncated importance weights: null, token or sequence")
+    rollout_is_threshold: float = F(2.0, "upper truncation of the importance weights")
+
+    def __post_init__(self) -> None:
+        _check(self.rollout_is in (None, "token", "sequence"), "algorithm.rollout_correction.rollout_is",
+               "must be null, token or sequence")
+        _check(self.rollout_is_threshold > 0, "algorithm.rollout_correction.rollout_is_threshold", "must be > 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and in-reward KL."""
+
+    adv_estimator: str = F("grpo", "gae, grpo, rloo or reinforce_plus_plus")
+    gamma: float = F(1.0, "discount")
+    lam: float = F(1.0, "GAE lambda")
+    norm_adv_by_std_in_grpo: bool = F(True, "GRPO: divide by the group's reward std")
+    use_kl_in_reward: bool = F(False, "subtract kl_ctrl.kl_coef * KL from the token rewards")
+    kl_penalty: str = F("kl", "KL estimator for the in-reward penalty: k1 (kl), k2 (mse), k3 (low_var_kl) or abs")
+    kl_ctrl: KLControlConfig = S(KLControlConfig, "in-reward KL controller")
+    rollout_correction: RolloutCorrectionConfig = S(RolloutCorrectionConfig, "rollout correction")
+
+    def __post_init__(self) -> None:
+        ests = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+        _check(self.adv_estimator in ests, "algorithm.adv_estimator", f"must be one of {list(ests)}")
+        _check(0 <= self.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "algorithm.lam", "must be in [0, 1]")
+        _check(self.kl_penalty in _KL_TYPES, "algorithm.kl_penalty", f"must be one of {list(_KL_TYPES)}")
+
+
+@dataclass
+class PrometheusConfig:
+    """Live training metrics over HTTP."""
+
+    enabled: bool = F(False, "serve the latest step metrics (and the data plane's) for Prometheus")
+    port: int = F(0, "port (0 = pick a free one; the chosen port is logged)")
+    host: str = F("127.0.0.1", "bind address")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "trainer.prometheus.port", "must be in [0, 65535]")
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: steps, logging, checkpoints, devices."""
+
+    total_training_steps: int = F(40, "optimizer steps to run")
+    project_name: str = F("conveyor", "tracker project")
+    experiment_name: str = F("tiny-moe-grpo", "tracker run name and run directory name")
+    logger: list = F(["console", "jsonl"], "trackers: console, jsonl, tensorboard, wandb, mlflow")
+    default_local_dir: Optional[str] = F(None, "run directory; null = runs/<experiment_name> under the working directory")
+    test_freq: int = F(10, "validate every N steps (and before the first; 0 = only before and after)")
+    val_before_train: bool = F(True, "validate at step 0")
+    save_freq: int = F(0, "checkpoint every N steps (0 = only at the end)")
+    max_ckpt_to_keep: Optional[int] = F(2, "newest checkpoints kept (null = all)")
+    resume_mode: str = F("auto", "auto (continue from the newest checkpoint), disable, or resume_path")
+    resume_from_path: Optional[str] = F(None, "checkpoint directory for resume_mode=resume_path")
+    save_on_interrupt: bool = F(True, "save a checkpoint on Ctrl-C")
+    dump_freq: int = F(10, "write sample generations every N steps (0 = off)")
+    dump_num: int = F(8, "generations per dump")
+    seed: int = F(0, "seed of sampling and of mini-batch shuffling")
+    device: str = F("auto", "auto, cpu or cuda")
+    nnodes: int = F(1, "nodes (Ray)")
+    n_gpus_per_node: int = F(0, "GPUs per node (0 = CPU workers)")
+    num_cpu_workers: int = F(1, "data-parallel actor ranks when running on CPUs")
+    progress_bar: bool = F(True, "show a progress bar with ETA on a terminal")
+    prometheus: PrometheusConfig = S(PrometheusConfig, "live metrics endpoint")
+
+    def __post_init__(self) -> None:
+        from_loggers = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+        _check(self.total_training_steps > 0, "trainer.total_training_steps", "must be > 0")
+        bad = [x for x in self.logger if x not in from_loggers]
+        if bad:
+            near = difflib.get_close_matches(str(bad[0]), from_loggers, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"trainer.logger: unknown logger {bad[0]!r}{hint}; valid: {list(from_loggers)}")
+        for k in ("test_freq", "save_freq", "dump_freq", "dump_num"):
+            _check(getattr(self, k) >= 0, f"trainer.{k}", "must be >= 0")
+        _check(self.max_ckpt_to_keep is None or self.max_ckpt_to_keep > 0, "trainer.max_ckpt_to_keep", "must be > 0 or null")
+        _check(self.resume_mode in ("auto", "disable", "resume_path"), "trainer.resume_mode",
+               "must be auto, disable or resume_path")
+        _check(self.resume_mode != "resume_path" or bool(self.resume_from_path), "trainer.resume_from_path",
+               "must be set when trainer.resume_mode=resume_path")
+        _check(self.device in ("auto", "cpu", "cuda"), "trainer.device", "must be auto, cpu or cuda")
+        _check(self.nnodes > 0, "trainer.nnodes", "must be > 0")
+        _check(self.n_gpus_per_node >= 0, "trainer.n_gpus_per_node", "must be >= 0")
+        _check(self.num_cpu_workers > 0, "trainer.num_cpu_workers", "must be > 0")
+
+
+@dataclass
+class DataPlaneMetricsConfig:
+    """Prometheus metrics of the data plane."""
+
+    enabled: bool = F(False, "serve data-plane metrics over HTTP")
+    port: int = F(0, "port (0 = pick a free one; the chosen port is logged)")
+    host: str = F("127.0.0.1", "bind address")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "transfer_queue.metrics.port", "must be in [0, 65535]")
+
+
+@dataclass
+class TransferQueueConfig:
+    """The data plane."""
+
+    backend: str = F("memory", "memory (embedded), ray, or transferqueue")
+    num_storage_actors: int = F(1, "ray backend: storage actors")
+    storage_actor_cpus: float = F(0.05, "ray backend: logical CPUs each storage actor reserves")
+    transferqueue: dict = F({}, "transferqueue backend: passed through to the transferqueue package")
+    metrics: DataPlaneMetricsConfig = S(DataPlaneMetricsConfig, "Prometheus metrics")
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("memory", "ray", "transferqueue"), "transfer_queue.backend",
+               "must be memory, ray or transferqueue")
+        _check(self.num_storage_actors > 0, "transfer_queue.num_storage_actors", "must be > 0")
+        _check(self.storage_actor_cpus >= 0, "transfer_queue.storage_actor_cpus", "must be >= 0")
+
+
+@dataclass
+class RayConfig:
+    """How to reach or start Ray (only when workers or the data plane use it)."""
+
+    address: Optional[str] = F(None, "existing cluster address (auto = the local head); null = start a local one")
+    num_cpus: Optional[int] = F(None, "logical CPUs of a locally started Ray (null = the machine's)")
+    worker_cpus: float = F(0.5, "logical CPUs each worker actor reserves (fractional so small machines fit)")
+    timeout_s: float = F(60.0, "seconds to wait for resources before failing")
+
+    def __post_init__(self) -> None:
+        _check(self.worker_cpus >= 0, "ray.worker_cpus", "must be >= 0")
+        _check(self.timeout_s > 0, "ray.timeout_s", "must be > 0")
+
+
+@dataclass
+class Config:
+    """The root of a run's configuration."""
+
+    data: DataConfig = S(DataConfig, "prompts")
+    actor_rollout_ref: ActorRolloutRefConfig = S(ActorRolloutRefConfig, "policy, rollout and reference")
+    critic: CriticConfig = S(CriticConfig, "value model")
+    algorithm: AlgorithmConfig = S(AlgorithmConfig, "advantages and KL")
+    trainer: TrainerConfig = S(TrainerConfig, "the loop")
+    transfer_queue: TransferQueueConfig = S(TransferQueueConfig, "the data plane")
+    ray: RayConfig = S(RayConfig, "Ray")
+
+    def __post_init__(self) -> None:
+        bs = self.data.train_batch_size
+        mb = self.actor_rollout_ref.actor.ppo_mini_batch_size
+        _check(bs % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
+               f"data.train_batch_size={bs} must be divisible by it (got {mb})")
+        if self.use_critic:
+            cmb = self.critic.ppo_mini_batch_size
+            _check(bs % cmb == 0, "critic.ppo_mini_batch_size",
+                   f"data.train_batch_size={bs} must be divisible by it (got {cmb})")
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether a value model runs (explicit, or because the estimator needs values)."""
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether a reference policy is needed (a KL term is on)."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory."""
+        if self.trainer.default_local_dir:
+            return Path(self.trainer.default_local_dir)
+        return Path("runs") / self.trainer.experiment_name
+
+
+# --------------------------------------------------------------------------- building
+def _all_paths(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        out.append(path)
+        sub = _section_type(cls, f.name)
+        if sub is not None:
+            out.extend(_all_paths(sub, path + "."))
+    return out
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _section_type(cls: type, name: str) -> type | None:
+    t = _hints(cls)[name]
+    return t if dataclasses.is_dataclass(t) else None
+
+
+def _nearest(path: str) -> str:
+    """The valid key a mistyped one most likely meant ('' when nothing is close)."""
+    paths = _all_paths(Config)
+    section, _, leaf = path.rpartition(".")
+    siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == section]
+    near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
+    if near:
+        return f"{section}.{near[0]}" if section else near[0]
+    # The right leaf in the wrong section (e.g. `temperature=` at the top level).
+    same_leaf = [p for p in paths if p.rpartition(".")[2] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    near = difflib.get_close_matches(path, paths, n=1, cutoff=0.6)
+    if near and not path.startswith(near[0] + "."):
+        return near[0]
+    return ""
+
+
+def _unknown_key_message(path: str) -> str:
+    near = _nearest(path)
+    if near:
+        return f"unknown config key {path}; did you mean {near}?"
+    section = path.rpartition(".")[0]
+    siblings = [p.rpartition(".")[2] for p in _all_paths(Config) if p.rpartition(".")[0] == section]
+    return f"unknown config key {path}; valid keys under {section or 'the top level'}: {', '.join(siblings)}"
+
+
+def _type_name(t: Any) -> str:
+    origin = typing.get_origin(t)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    return getattr(t, "__name__", str(t))
+
+
+def _coerce(value: Any, t: Any, path: str) -> Any:
+    """Check (and where lossless, convert) a value to the field's type."""
+    origin = typing.get_origin(t)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], path)
+    if value is None:
+        raise ConfigError(f"{path}: expected {_type_name(t)}, got null")
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-6" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif t is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif t is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, str):  # trainer.logger=console is a one-item list
+            return [v.strip() for v in value.split(",") if v.strip()]
+    elif t is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:
+        return value
+    raise ConfigError(f"{path}: expected {_type_name(t)}, got {type(value).__name__} {value!r}")
+
+
+def _check_removed(data: Any, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        return
+    for k, v in data.items():
+        if k in REMOVED_KEYS:
+            raise ConfigError(f"{prefix}{k}: {REMOVED_KEYS[k]}")
+        _check_removed(v, f"{prefix}{k}.")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {type(data).__name__}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(_unknown_key_message(path))
+        t = hints[key]
+        if dataclasses.is_dataclass(t):
+            kwargs[key] = _build(t, value if value is not None else {}, path + ".")
+        elif t is dict and isinstance(value, dict):
+            kwargs[key] = dict(value)  # pass-through sections take any keys
+        else:
+            kwargs[key] = _coerce(value, t, path)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # pragma: no cover - names were checked above
+        raise ConfigError(f"{prefix.rstrip('.')}: {err}") from err
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts."""
+    return dataclasses.asdict(cfg)
+
+
+def _deep_merge(base: dict, upd: dict) -> dict:
+    out = dict(base)
+    for k, v in upd.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn `a.b.c=value` strings into a nested dict (values parsed as YAML: numbers, bools, lists)."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.total_training_steps=10)")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} sets a key below {part!r}, which is a value")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(config_file: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then a YAML file, then dotted overrides; validated."""
+    data: dict = {}
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config {path}: not valid YAML ({err})") from err
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+        data = loaded
+    data = _deep_merge(data, parse_overrides(overrides or []))
+    _check_removed(data)
+    return _build(Config, data, "")
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build a validated Config from nested dicts (e.g. a saved config.yaml)."""
+    _check_removed(data)
+    return _build(Config, data, "")
+
+
+def config_to_yaml(cfg: Config, with_help: bool = False) -> str:
+    """The resolved config as YAML; with_help adds each field's documentation as a comment."""
+    if not with_help:
+        return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
+    lines: list[str] = []
+    _yaml_with_help(cfg, 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_with_help(obj: Any, indent: int, lines: list[str]) -> None:
+    pad = "  " * indent
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        help_ = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{pad}{f.name}:  # {help_}")
+            _yaml_with_help(value, indent + 1, lines)
+        else:
+            dumped = yaml.safe_dump(value, default_flow_style=True).strip()
+            if dumped.endswith("..."):
+                dumped = dumped[:-3].strip()
+            lines.append(f"{pad}{f.name}: {dumped}  # {help_}")

@@ -1,0 +1,123 @@
+"""The data-plane interface: a key-value store of samples, in partitions, one column per field.
+
+A backend stores what it is given and returns exactly that: dense tensors stay
+dense (same dtype and shape), ragged per-sample tensors stay ragged, Python
+values stay Python values. It never fills in a missing key or field. Where the
+storage lives (this process, Ray actors, another package) is the backend's
+business; callers see only these operations.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Iterable, Mapping, Sequence
+
+from tensordict import TensorDict
+
+from conveyor.protocol import KVBatchMeta
+
+__all__ = ["DataPlane", "FieldNotFoundError", "Fields"]
+
+# What `kv_batch_put` accepts: a TensorDict, or a mapping of field name to a
+# (B, ...) tensor, a jagged nested tensor, a list of per-sample tensors of
+# different shapes, or a list of per-sample Python values.
+Fields = "TensorDict | Mapping[str, Any]"
+
+
+class FieldNotFoundError(KeyError):
+    """A requested key or field is not in the partition; the message names what is missing and where."""
+
+    def __init__(self, partition_id: str, fields: Sequence[str] = (), keys: Sequence[str] = ()):
+        self.partition_id = partition_id
+        self.fields = list(fields)
+        self.keys = list(keys)
+        parts = []
+        if self.fields:
+            parts.append(f"field(s) {self.fields}")
+        if self.keys:
+            shown = self.keys[:5]
+            more = f" and {len(self.keys) - 5} more" if len(self.keys) > 5 else ""
+            parts.append(f"key(s) {shown}{more}")
+        what = " and ".join(parts) or "nothing"
+        super().__init__(f"{what} not found in partition {partition_id!r}")
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return self.args[0]
+
+
+class DataPlane(abc.ABC):
+    """Interface every data-plane backend implements."""
+
+    backend: str = "abstract"
+
+    @abc.abstractmethod
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Any,
+        tags: Sequence[dict] | None = None,
+    ) -> KVBatchMeta:
+        """Write `fields` (one row per key) for `keys` in `partition_id` and return a handle to them."""
+
+    @abc.abstractmethod
+    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """Read `select_fields` for `keys` (rows in the order of `keys`); missing ones raise FieldNotFoundError."""
+
+    @abc.abstractmethod
+    def kv_list(self, partition_id: str) -> list[str]:
+        """The keys stored in `partition_id`, in first-written order (empty if the partition is unknown)."""
+
+    @abc.abstractmethod
+    def kv_clear(self, partition_id: str, keys: Iterable[str] | None = None) -> None:
+        """Drop `keys` from `partition_id`, or the whole partition when `keys` is None."""
+
+    metrics_server: Any = None  # set by make_data_plane when metrics are served
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Free the backend's storage (called once by close)."""
+
+    def close(self) -> None:
+        """Release storage and stop any metrics server; safe to call twice."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        try:
+            self._release()
+        finally:
+            if self.metrics_server is not None:
+                self.metrics_server.shutdown()
+                self.metrics_server = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return getattr(self, "_closed", False)
+
+    def get(self, meta: KVBatchMeta, select_fields: Sequence[str]) -> TensorDict:
+        """Read `select_fields` for the samples a handle points at."""
+        return self.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=list(select_fields))
+
+    def put(self, meta: KVBatchMeta, fields: Any) -> KVBatchMeta:
+        """Write `fields` for the samples a handle points at; returns the handle with the new fields listed."""
+        out = self.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=fields)
+        return meta.with_fields(out.fields)
+
+    def __enter__(self) -> "DataPlane":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def field_items(fields: Any) -> list[tuple[str, Any]]:
+    """The (name, column) pairs of a TensorDict or mapping given to kv_batch_put."""
+    if isinstance(fields, TensorDict) or hasattr(fields, "batch_size"):
+        out = []
+        for name in fields.keys():
+            out.append((name, fields.get(name)))
+        return out
+    if isinstance(fields, Mapping):
+        return list(fields.items())
+    raise TypeError(f"kv_batch_put takes a TensorDict or a mapping of field name to column, got {type(fields).__name__}")

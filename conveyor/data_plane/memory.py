@@ -1,0 +1,274 @@
+"""The embedded, in-process data plane: the default backend.
+
+Columns are kept as the tensors the writer handed over (no serialization, no
+copy on put); a get indexes them, which is the only copy made. Writers must not
+modify a tensor in place after putting it. It deliberately has no eviction and
+no persistence: a partition lives until `kv_clear` or `close`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from conveyor.data_plane.base import DataPlane, FieldNotFoundError, field_items
+from conveyor.data_plane.prometheus import DataPlaneMetrics
+from conveyor.protocol import KVBatchMeta
+
+__all__ = ["MemoryDataPlane"]
+
+_DENSE, _NESTED, _LIST = "dense", "nested", "list"
+
+
+@dataclass
+class _Column:
+    """One field of one partition: dense blocks indexed by (block, row), or per-key Python objects."""
+
+    kind: str
+    # dense: the tensors as put, and key -> (block index, row)
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    loc: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # nested / list: key -> per-sample value (a tensor view for nested)
+    values: dict[str, Any] = field(default_factory=dict)
+    trailing: tuple | None = None
+    dtype: torch.dtype | None = None
+
+    def __contains__(self, key: str) -> bool:
+        return key in (self.loc if self.kind == _DENSE else self.values)
+
+    def drop(self, key: str) -> None:
+        (self.loc if self.kind == _DENSE else self.values).pop(key, None)
+
+    def compact(self) -> None:
+        # Release blocks no key points at any more, so cleared data is freed.
+        if self.kind != _DENSE or not self.blocks:
+            return
+        used = {b for b, _ in self.loc.values()}
+        for i in range(len(self.blocks)):
+            if i not in used:
+                self.blocks[i] = None  # type: ignore[call-overload]
+
+
+@dataclass
+class _Partition:
+    keys: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+    tags: dict[str, dict] = field(default_factory=dict)
+    columns: dict[str, _Column] = field(default_factory=dict)
+
+
+def _column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
+    """Classify a column given to put and check it has one row per key."""
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            rows = list(value.unbind(0))
+            kind = _NESTED
+        else:
+            if value.dim() == 0:
+                raise ValueError(f"field {name!r} is a 0-d tensor; give one row per key (shape ({n}, ...))")
+            rows = value
+            kind = _DENSE
+    elif isinstance(value, (list, tuple)):
+        rows = list(value)
+        kind = _LIST
+    else:
+        raise ValueError(
+            f"field {name!r} has type {type(value).__name__}; give a tensor with one row per key, "
+            "a jagged nested tensor, or a list with one value per key"
+        )
+    if len(rows) != n:
+        raise ValueError(f"field {name!r} has {len(rows)} rows for {n} keys; give one row per key")
+    return kind, rows
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MemoryDataPlane(DataPlane):
+    """In-process, thread-safe key-value sample store (backend `memory`)."""
+
+    backend = "memory"
+
+    def __init__(self, metrics: DataPlaneMetrics | None = None):
+        self._partitions: dict[str, _Partition] = {}
+        self._lock = threading.RLock()
+        self.metrics = metrics
+        self._closed = False
+
+    # -- writes ---------------------------------------------------------
+    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None) -> KVBatchMeta:
+        """Write one row per key of every given field into the partition; returns a handle listing its fields."""
+        self._check_open()
+        keys = [str(k) for k in keys]
+        n = len(keys)
+        if len(set(keys)) != n:
+            raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
+        if tags is not None and len(tags) != n:
+            raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
+        items = [(name, *_column_kind(name, value, n)) for name, value in field_items(fields)]
+        metric_ctx = self.metrics.time("put") if self.metrics else None
+        if metric_ctx:
+            metric_ctx.__enter__()
+        nbytes = 0
+        with self._lock:
+            part = self._partitions.setdefault(partition_id, _Partition())
+            for k in keys:
+                part.keys.setdefault(k, None)
+            if tags is not None:
+                for k, t in zip(keys, tags):
+                    part.tags[k] = dict(t)
+            for name, kind, rows in items:
+                col = part.columns.get(name)
+                if col is None:
+                    col = part.columns[name] = _Column(kind=kind)
+                elif col.kind != kind:
+                    raise ValueError(
+                        f"field {name!r} in partition {partition_id!r} was stored as {col.kind}; this put gives {kind}"
+                    )
+                if kind == _DENSE:
+                    if col.trailing is None:
+                        col.trailing, col.dtype = tuple(rows.shape[1:]), rows.dtype
+                    elif (col.trailing, col.dtype) != (tuple(rows.shape[1:]), rows.dtype):
+                        raise ValueError(
+                            f"field {name!r} in partition {partition_id!r} holds rows of shape {col.trailing} "
+                            f"and dtype {col.dtype}; this put gives {tuple(rows.shape[1:])} {rows.dtype}"
+                        )
+                    b = len(col.blocks)
+                    col.blocks.append(rows)
+                    for i, k in enumerate(keys):
+                        col.loc[k] = (b, i)
+                    nbytes += _nbytes(rows)
+                else:
+                    for k, v in zip(keys, rows):
+                        col.values[k] = v
+                        if isinstance(v, torch.Tensor):
+                            nbytes += _nbytes(v)
+                    if kind == _NESTED:
+                        col.dtype = rows[0].dtype if rows else col.dtype
+            present = [f for f, c in part.columns.items() if all(k in c for k in keys)]
+            out_tags = [dict(part.tags.get(k, {})) for k in keys]
+            live = len(part.keys)
+        if metric_ctx:
+            metric_ctx.__exit__(None, None, None)
+            self.metrics.record_put(n, nbytes)
+            self.metrics.set_live(partition_id, live)
+        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
+
+    # -- reads ----------------------------------------------------------
+    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """Rows of `select_fields` for `keys`, in the order of `keys`; anything missing is a FieldNotFoundError."""
+        self._check_open()
+        keys = [str(k) for k in keys]
+        select_fields = list(select_fields)
+        metric_ctx = self.metrics.time("get") if self.metrics else None
+        if metric_ctx:
+            metric_ctx.__enter__()
+        with self._lock:
+            part = self._partitions.get(partition_id)
+            if part is None:
+                raise FieldNotFoundError(partition_id, fields=select_fields, keys=keys)
+            missing_keys = [k for k in keys if k not in part.keys]
+            if missing_keys:
+                raise FieldNotFoundError(partition_id, keys=missing_keys)
+            missing_fields = [f for f in select_fields if f not in part.columns]
+            if missing_fields:
+                raise FieldNotFoundError(partition_id, fields=missing_fields)
+            plan = []
+            for name in select_fields:
+                col = part.columns[name]
+                lacking = [k for k in keys if k not in col]
+                if lacking:
+                    raise FieldNotFoundError(partition_id, fields=[name], keys=lacking)
+                if col.kind == _DENSE:
+                    plan.append((name, col.kind, [col.loc[k] for k in keys], list(col.blocks), col))
+                else:
+                    plan.append((name, col.kind, [col.values[k] for k in keys], None, col))
+        # Indexing happens outside the lock: the references taken above stay
+        # valid even if another thread clears the partition meanwhile.
+        out = TensorDict(batch_size=[len(keys)])
+        nbytes = 0
+        for name, kind, rows, blocks, col in plan:
+            if kind == _DENSE:
+                value = _gather_dense(rows, blocks, col)
+                nbytes += _nbytes(value)
+            elif kind == _NESTED:
+                value = torch.nested.as_nested_tensor([r.clone() for r in rows], layout=torch.jagged) if rows else \
+                    torch.nested.nested_tensor([], layout=torch.jagged, dtype=col.dtype)
+                nbytes += sum(_nbytes(r) for r in rows)
+            else:
+                value = NonTensorStack(*rows, batch_size=[len(rows)]) if rows else NonTensorStack(batch_size=[0])
+                nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
+            out.set(name, value)
+        if metric_ctx:
+            metric_ctx.__exit__(None, None, None)
+            self.metrics.record_get(len(keys), nbytes)
+        return out
+
+    def kv_list(self, partition_id: str) -> list[str]:
+        """Keys of the partition in first-written order."""
+        with self._lock:
+            part = self._partitions.get(partition_id)
+            return list(part.keys) if part else []
+
+    def list_partitions(self) -> list[str]:
+        """Names of the partitions that hold data."""
+        with self._lock:
+            return list(self._partitions)
+
+    def kv_clear(self, partition_id: str, keys: Iterable[str] | None = None) -> None:
+        """Drop keys (or the whole partition) and free what only they referenced."""
+        with self._lock:
+            part = self._partitions.get(partition_id)
+            if part is None:
+                return
+            if keys is None:
+                del self._partitions[partition_id]
+                live = 0
+            else:
+                for k in keys:
+                    k = str(k)
+                    part.keys.pop(k, None)
+                    part.tags.pop(k, None)
+                    for col in part.columns.values():
+                        col.drop(k)
+                for col in part.columns.values():
+                    col.compact()
+                live = len(part.keys)
+                if not live:
+                    del self._partitions[partition_id]
+        if self.metrics:
+            self.metrics.set_live(partition_id, live)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._partitions.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
+
+
+def _gather_dense(locs: list[tuple[int, int]], blocks: list[torch.Tensor], col: _Column) -> torch.Tensor:
+    """Index rows out of the blocks they were put in, one index_select per block touched."""
+    if not locs:
+        return torch.empty((0, *(col.trailing or ())), dtype=col.dtype)
+    first_block = locs[0][0]
+    if all(b == first_block for b, _ in locs):
+        src = blocks[first_block]
+        idx = torch.tensor([r for _, r in locs], dtype=torch.long)
+        return src.index_select(0, idx)
+    out = torch.empty((len(locs), *col.trailing), dtype=col.dtype, device=blocks[first_block].device)
+    by_block: dict[int, tuple[list[int], list[int]]] = {}
+    for pos, (b, r) in enumerate(locs):
+        dst, src_rows = by_block.setdefault(b, ([], []))
+        dst.append(pos)
+        src_rows.append(r)
+    for b, (dst, src_rows) in by_block.items():
+        out.index_copy_(0, torch.tensor(dst), blocks[b].index_select(0, torch.tensor(src_rows)))
+    return out
