@@ -1,0 +1,45 @@
+"""Prompt sources and reward functions: synthetic task, parquet files, reward registry, prompt dataset.
+
+A prompt record is a plain dict in verl's format: ``data_source`` (str),
+``prompt`` (list of ``{"role", "content"}`` messages), ``ability`` (str),
+``reward_model`` (``{"style": "rule", "ground_truth": str}``) and
+``extra_info`` (dict). Nothing here touches tensors, models or the data plane.
+"""
+
+from conveyor.tasks.dataset import TRUNCATION_MODES, PromptDataset, check_prompt_length, render_prompt
+from conveyor.tasks.parquet import load_parquet_records, write_parquet_records
+from conveyor.tasks.rewards import (
+    REWARD_FNS,
+    RewardFunctionError,
+    compute_score,
+    extract_gsm8k_answer,
+    get_reward_fn,
+    gsm8k_score,
+    register_reward_fn,
+)
+from conveyor.tasks.synthetic import (
+    ARITHMETIC_ALPHABET,
+    ARITHMETIC_DATA_SOURCE,
+    arithmetic_split,
+    make_arithmetic_records,
+)
+
+__all__ = [
+    "ARITHMETIC_ALPHABET",
+    "ARITHMETIC_DATA_SOURCE",
+    "REWARD_FNS",
+    "TRUNCATION_MODES",
+    "PromptDataset",
+    "RewardFunctionError",
+    "arithmetic_split",
+    "check_prompt_length",
+    "compute_score",
+    "extract_gsm8k_answer",
+    "get_reward_fn",
+    "gsm8k_score",
+    "load_parquet_records",
+    "make_arithmetic_records",
+    "register_reward_fn",
+    "render_prompt",
+    "write_parquet_records",
+]

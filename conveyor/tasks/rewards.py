@@ -1,0 +1,222 @@
+"""Rule-based reward functions, chosen by a sample's `data_source`.
+
+A reward function has the signature
+``fn(solution_str, ground_truth, extra_info=None) -> float`` and is added to
+``REWARD_FNS`` with the ``register_reward_fn(*data_sources)`` decorator.
+
+Lookup rule (``get_reward_fn``): an exact match on the data source wins;
+otherwise the data source is cut back at each "/" from the right and the
+longest registered prefix wins, so ``"synthetic/arithmetic/hard"`` uses the
+``"synthetic/arithmetic"`` function and ``"openai/gsm8k/test"`` the
+``"openai/gsm8k"`` one. Aliases are explicit registrations: the GSM8K scorer
+is registered both as ``"openai/gsm8k"`` (verl's name) and ``"gsm8k"``.
+
+Built in:
+- ``synthetic/arithmetic``: exact match after stripping whitespace.
+- ``openai/gsm8k`` and ``gsm8k``: the number after the last ``"####"``
+  (strict). For the flexible variant, which takes the last number in the
+  text, register ``functools.partial(gsm8k_score, method="flexible")`` with
+  ``overwrite=True``.
+
+This module scores strings; it does not decode tokens or place the score on
+a token (the reward worker does that).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Callable, Optional
+
+__all__ = [
+    "REWARD_FNS",
+    "RewardFn",
+    "RewardFunctionError",
+    "arithmetic_exact_match",
+    "compute_score",
+    "extract_gsm8k_answer",
+    "get_reward_fn",
+    "gsm8k_score",
+    "gsm8k_strict",
+    "normalize_number",
+    "register_reward_fn",
+]
+
+RewardFn = Callable[..., float]
+"""`fn(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float`."""
+
+REWARD_FNS: dict[str, RewardFn] = {}
+"""The registry: data source (or prefix, see the module docstring) -> reward function."""
+
+# How much of a solution to quote in an error message: enough to recognise it,
+# short enough to keep logs readable.
+_SOLUTION_PREVIEW_CHARS = 200
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something that is not a finite number."""
+
+
+def register_reward_fn(*data_sources: str, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under each of `data_sources`.
+
+    Registering a name that already maps to a different function is a
+    `ValueError` unless `overwrite=True`.
+    """
+    if not data_sources:
+        raise ValueError("register_reward_fn needs at least one data_source name")
+    for ds in data_sources:
+        if not isinstance(ds, str) or not ds:
+            raise ValueError(f"data_source names must be non-empty strings, got {ds!r}")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if not callable(fn):
+            raise ValueError(f"register_reward_fn expects a callable, got {type(fn).__name__}")
+        for ds in data_sources:
+            existing = REWARD_FNS.get(ds)
+            if existing is not None and existing is not fn and not overwrite:
+                raise ValueError(
+                    f"data_source {ds!r} already has reward function {_fn_name(existing)}; "
+                    "pass overwrite=True to replace it"
+                )
+            REWARD_FNS[ds] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward_fn(data_source: str) -> RewardFn:
+    """The reward function for `data_source`: exact match, else the longest registered "/"-prefix."""
+    if not isinstance(data_source, str):
+        raise ValueError(f"data_source must be a string, got {data_source!r} ({type(data_source).__name__})")
+    fn = REWARD_FNS.get(data_source)
+    if fn is not None:
+        return fn
+    prefix = data_source
+    while "/" in prefix:
+        prefix = prefix.rsplit("/", 1)[0]
+        fn = REWARD_FNS.get(prefix)
+        if fn is not None:
+            return fn
+    raise ValueError(
+        f"no reward function for data_source {data_source!r}; registered: {sorted(REWARD_FNS)}. "
+        "Register one with conveyor.tasks.register_reward_fn"
+    )
+
+
+def _fn_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None
+) -> float:
+    """Score one solution with the reward function for `data_source`, as a finite float.
+
+    Raises `ValueError` for an unknown data source and `RewardFunctionError`
+    when the function raises or returns something other than a finite number.
+    """
+    fn = get_reward_fn(data_source)
+    preview = solution_str[:_SOLUTION_PREVIEW_CHARS] if isinstance(solution_str, str) else solution_str
+    try:
+        result = fn(solution_str, ground_truth, extra_info)
+    except Exception as e:
+        raise RewardFunctionError(
+            f"reward function {_fn_name(fn)} for data_source {data_source!r} raised "
+            f"{type(e).__name__}: {e}; solution starts with {preview!r}"
+        ) from e
+    value: Optional[float] = None
+    if not isinstance(result, (str, bytes)):
+        try:
+            value = float(result)
+        except (TypeError, ValueError):
+            value = None
+    if value is None or not math.isfinite(value):
+        raise RewardFunctionError(
+            f"reward function {_fn_name(fn)} for data_source {data_source!r} returned {result!r} "
+            f"({type(result).__name__}), not a finite number; solution starts with {preview!r}"
+        )
+    return value
+
+
+@register_reward_fn("synthetic/arithmetic")
+def arithmetic_exact_match(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+    """1.0 when the solution equals the ground truth after stripping surrounding whitespace, else 0.0."""
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+# A number as written in GSM8K text: optional sign and "$", digits with
+# optional thousands commas, an optional decimal part. It must end on a digit
+# so that a sentence-ending comma or full stop is not taken in.
+_NUMBER = r"-?\$?-?\d(?:[\d,]*\d)?(?:\.\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_STRICT_RE = re.compile(r"####\s*(" + _NUMBER + r")")
+
+
+def normalize_number(text: str) -> Optional[str]:
+    """Canonical decimal string of a number written like "$1,234.50" or "-7" ("1234.5", "-7"); None if not one."""
+    cleaned = re.sub(r"[\s,$]", "", text).rstrip(".")
+    negative = cleaned.count("-") % 2 == 1
+    cleaned = cleaned.replace("-", "")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    if negative:
+        value = -value
+    # normalize() drops trailing zeros ("42.00" -> "42"); format with "f" to
+    # avoid exponent notation ("4E+1") and fold "-0" into "0".
+    value = value.normalize()
+    if value == 0:
+        return "0"
+    return format(value, "f")
+
+
+def extract_gsm8k_answer(text: str, method: str = "strict") -> Optional[str]:
+    """The final numeric answer in `text`, normalised, or None.
+
+    strict: the number after the last "####" marker (GSM8K's answer format);
+    flexible: the last number anywhere in the text.
+    """
+    if method == "strict":
+        matches = _STRICT_RE.findall(text)
+    elif method == "flexible":
+        matches = _NUMBER_RE.findall(text)
+    else:
+        raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
+    if not matches:
+        return None
+    return normalize_number(matches[-1])
+
+
+def gsm8k_score(
+    solution_str: str,
+    ground_truth: str,
+    extra_info: Optional[dict] = None,
+    *,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """`score` if the extracted answer equals the ground truth, `format_score` if it differs, 0.0 if none is found.
+
+    The ground truth may be a bare number ("1,234") or a full GSM8K solution
+    ending in "#### 1234".
+    """
+    answer = extract_gsm8k_answer(solution_str, method=method)
+    if answer is None:
+        return 0.0
+    gt = str(ground_truth)
+    expected = extract_gsm8k_answer(gt, "strict") if "####" in gt else normalize_number(gt)
+    if expected is None:
+        raise ValueError(f"ground_truth {ground_truth!r} is not a number")
+    return score if answer == expected else format_score
+
+
+@register_reward_fn("openai/gsm8k", "gsm8k")
+def gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+    """GSM8K reward in strict mode: 1.0 when the number after the last "####" equals the ground truth."""
+    return gsm8k_score(solution_str, ground_truth, extra_info, method="strict")
