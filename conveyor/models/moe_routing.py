@@ -1,0 +1,317 @@
+"""Capture and replay of Mixture-of-Experts routing in Hugging Face causal LMs.
+
+The rollout records, for every token and every sparse MoE layer, the top-k
+experts the router chose (`RoutingRecorder`); the trainer can then force its
+own forward over the same tokens through those experts (`replay_routing`,
+"routing replay") so the training forward computes log-probs of the same
+sub-network that sampled the tokens, while the router still gets gradients
+through its own softmax probabilities at the replayed ids.
+`compute_routing_agreement` measures how often the two forwards would have
+routed alike without replay.
+
+Both mechanisms are plain `torch` module hooks, installed only inside their
+context and removed on exit, so a model outside a context runs untouched.
+The router (`block.gate`) of each sparse block returns
+`(router_logits, routing_weights, expert_ids)`; recording reads `expert_ids`
+from that output and replay replaces the last two entries. What differs
+between architectures (only whether the top-k weights are renormalised) sits
+in the small `_ARCHS` table keyed by the sparse block's class name.
+
+It deliberately does not compute load-balance metrics (that is
+`conveyor.metrics.moe_load_balance`), store routing anywhere, or support
+routers that do not follow the Hugging Face v5 `*TopKRouter` contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "MoEInfo",
+    "moe_info",
+    "RoutingRecorder",
+    "replay_routing",
+    "compute_routing_agreement",
+    "routed_experts_dtype",
+]
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """How one architecture's sparse block exposes and post-processes its router."""
+
+    router_attr: str
+    renormalize: Callable[[nn.Module], bool]
+
+
+def _router_flag(router: nn.Module) -> bool:
+    return bool(getattr(router, "norm_topk_prob"))
+
+
+# Keyed by sparse-block class name so that matching needs no import of every
+# modeling module. Mixtral always renormalises its top-k; the others follow
+# `config.norm_topk_prob`, copied onto the router.
+_ARCHS: dict[str, _Arch] = {
+    "MixtralSparseMoeBlock": _Arch("gate", lambda router: True),
+    "Qwen3MoeSparseMoeBlock": _Arch("gate", _router_flag),
+    "OlmoeSparseMoeBlock": _Arch("gate", _router_flag),
+    "Qwen2MoeSparseMoeBlock": _Arch("gate", _router_flag),
+}
+
+
+@dataclass(frozen=True)
+class _MoELayer:
+    """One sparse MoE layer: its block, its router and how to renormalise."""
+
+    block: nn.Module
+    router: nn.Module
+    arch: _Arch
+
+
+@dataclass
+class MoEInfo:
+    """Shape of a model's routing: sparse MoE layers, experts per layer, experts per token."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+
+def _find_moe_layers(model: nn.Module) -> list[_MoELayer]:
+    # `named_modules` walks registration order, which for decoder stacks is
+    # depth order; dense layers (e.g. Qwen3-MoE `mlp_only_layers`) are skipped.
+    layers = []
+    for _, module in model.named_modules():
+        arch = _ARCHS.get(type(module).__name__)
+        if arch is not None:
+            layers.append(_MoELayer(module, getattr(module, arch.router_attr), arch))
+    return layers
+
+
+def _require_moe_layers(model: nn.Module) -> list[_MoELayer]:
+    layers = _find_moe_layers(model)
+    if not layers:
+        raise ValueError(
+            f"model {type(model).__name__} has no sparse MoE layer this module knows "
+            f"(known blocks: {sorted(_ARCHS)})"
+        )
+    return layers
+
+
+def moe_info(model: nn.Module) -> MoEInfo | None:
+    """Routing shape of `model`, or None for a dense model."""
+    layers = _find_moe_layers(model)
+    if not layers:
+        return None
+    experts = {int(layer.router.num_experts) for layer in layers}
+    top_ks = {int(layer.router.top_k) for layer in layers}
+    if len(experts) != 1 or len(top_ks) != 1:
+        raise ValueError(
+            f"model {type(model).__name__} mixes MoE layer shapes (num_experts {sorted(experts)}, "
+            f"top_k {sorted(top_ks)}); a single (B, S, L, K) routing tensor cannot describe it"
+        )
+    return MoEInfo(num_layers=len(layers), num_experts=experts.pop(), top_k=top_ks.pop())
+
+
+def routed_experts_dtype(num_experts: int) -> torch.dtype:
+    """Smallest signed integer dtype holding expert ids 0..num_experts-1 and -1."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts <= torch.iinfo(torch.int8).max:
+        return torch.int8
+    if num_experts <= torch.iinfo(torch.int16).max:
+        return torch.int16
+    raise ValueError(f"num_experts={num_experts} does not fit int16 expert ids")
+
+
+def _block_hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    assert isinstance(hidden, torch.Tensor) and hidden.dim() == 3, "sparse block input must be (B, S, H)"
+    return hidden
+
+
+class RoutingRecorder:
+    """Context manager recording each forward's top-k expert ids per MoE layer; `pop()` gives (B, S, L, K)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._layers = _require_moe_layers(model)
+        self._handles: list[RemovableHandle] = []
+        # The forward in progress: its (B, S) and one (B*S, K) tensor per layer.
+        self._shape: tuple[int, int] | None = None
+        self._current: list[torch.Tensor] = []
+        self._done: list[tuple[tuple[int, int], list[torch.Tensor]]] = []
+
+    def __enter__(self) -> RoutingRecorder:
+        if self._handles:
+            raise RuntimeError("RoutingRecorder is already active; it cannot be entered twice")
+        try:
+            first = self._layers[0].block
+            self._handles.append(first.register_forward_pre_hook(self._start_forward, with_kwargs=True))
+            for index, layer in enumerate(self._layers):
+                self._handles.append(layer.router.register_forward_hook(self._make_router_hook(index)))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._shape = None
+        self._current = []
+
+    def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = _block_hidden(args, kwargs)
+        self._shape = (hidden.shape[0], hidden.shape[1])
+        self._current = []
+
+    def _make_router_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: tuple) -> None:
+            # Accept a layer only as the next one of the forward begun at the
+            # first block; a gradient-checkpointing recompute in backward runs
+            # the layers in reverse and so never completes a record.
+            if self._shape is None or len(self._current) != index:
+                return
+            self._current.append(output[2].detach())
+            if index == len(self._layers) - 1:
+                self._done.append((self._shape, self._current))
+                self._shape = None
+                self._current = []
+
+        return hook
+
+    @staticmethod
+    def _assemble(shape: tuple[int, int], per_layer: list[torch.Tensor]) -> torch.Tensor:
+        device = per_layer[0].device
+        stacked = torch.stack([ids.to(device) for ids in per_layer], dim=1)  # (B*S, L, K)
+        return stacked.reshape(shape[0], shape[1], len(per_layer), -1).to(torch.int16)
+
+    def pop(self) -> torch.Tensor:
+        """Routing of the most recent complete forward, (B, S, L, K) int16 on the model's device; clears all."""
+        if not self._done:
+            raise RuntimeError("RoutingRecorder.pop: no complete forward was recorded since the last pop")
+        shape, per_layer = self._done[-1]
+        self._done = []
+        return self._assemble(shape, per_layer)
+
+    def pop_all(self) -> list[torch.Tensor]:
+        """Routing of every complete forward since the last pop, in order, each (B, S_i, L, K) int16; clears all."""
+        done, self._done = self._done, []
+        return [self._assemble(shape, per_layer) for shape, per_layer in done]
+
+
+@contextlib.contextmanager
+def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[None]:
+    """Route every MoE layer of forwards over (B, S) inputs through `routed_experts: (B, S, L, K)`."""
+    layers = _require_moe_layers(model)
+    info = moe_info(model)
+    assert info is not None
+    if not isinstance(routed_experts, torch.Tensor) or routed_experts.dim() != 4:
+        shape = tuple(routed_experts.shape) if isinstance(routed_experts, torch.Tensor) else type(routed_experts)
+        raise ValueError(f"routed_experts must be a (B, S, L, K) tensor, got {shape}")
+    if routed_experts.dtype.is_floating_point or routed_experts.dtype.is_complex or routed_experts.dtype == torch.bool:
+        raise ValueError(f"routed_experts must hold integer expert ids, got dtype {routed_experts.dtype}")
+    batch, seq, num_layers, top_k = routed_experts.shape
+    if (num_layers, top_k) != (info.num_layers, info.top_k):
+        raise ValueError(
+            f"routed_experts has shape {tuple(routed_experts.shape)} but the model has "
+            f"{info.num_layers} MoE layers with top_k={info.top_k} (expected (B, S, {info.num_layers}, {info.top_k}))"
+        )
+    # One host sync at entry buys a clear error instead of an index failure deep in a kernel.
+    if routed_experts.numel() and (
+        bool((routed_experts < -1).any()) or bool((routed_experts >= info.num_experts).any())
+    ):
+        raise ValueError(f"routed_experts ids must lie in [-1, {info.num_experts - 1}]")
+
+    handles: list[RemovableHandle] = []
+    try:
+        for index, layer in enumerate(layers):
+            device = layer.router.weight.device
+            ids = routed_experts[:, :, index, :].reshape(batch * seq, top_k).to(device=device, dtype=torch.long)
+            fallback = (ids < 0).any(dim=-1, keepdim=True)  # (B*S, 1): unknown routing, keep the router's own
+            handles.append(
+                layer.block.register_forward_pre_hook(
+                    _make_shape_check(routed_experts.shape, index), with_kwargs=True
+                )
+            )
+            # prepend: run before any other hook (a recorder, HF output capture) so they see the replayed routing.
+            handles.append(
+                layer.router.register_forward_hook(
+                    _make_replay_hook(ids, fallback, layer.arch.renormalize(layer.router)), prepend=True
+                )
+            )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _make_shape_check(shape: torch.Size, index: int) -> Callable[..., None]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = _block_hidden(args, kwargs)
+        if tuple(hidden.shape[:2]) != tuple(shape[:2]):
+            raise ValueError(
+                f"routed_experts has shape {tuple(shape)} but MoE layer {index} sees a forward over inputs "
+                f"of shape {tuple(hidden.shape[:2])}; the first two dimensions must match (B, S)"
+            )
+
+    return hook
+
+
+def _make_replay_hook(ids: torch.Tensor, fallback: torch.Tensor, renormalize: bool) -> Callable[..., tuple]:
+    def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
+        logits, own_weights, own_ids = output
+        assert own_ids.shape == ids.shape, "shape check on the sparse block must have caught this"
+        chosen = torch.where(fallback, own_ids, ids)
+        # Same arithmetic as the routers: float32 softmax, gather, optional renormalisation.
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights = probs.gather(-1, chosen)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (logits, weights.to(own_weights.dtype), chosen)
+
+    return hook
+
+
+def compute_routing_agreement(
+    train_experts: torch.Tensor, rollout_experts: torch.Tensor, valid_mask: torch.Tensor
+) -> float:
+    """Fraction of (token, layer) pairs whose top-k expert set matches; `*_experts: (B, S, L, K)`, `valid_mask: (B, S)`.
+
+    Counted over tokens where `valid_mask` is true and, per layer, the ids on
+    both sides are all >= 0 (-1 marks unknown routing). Order within the top-k
+    does not matter. Returns NaN when no pair qualifies.
+    """
+    if train_experts.dim() != 4:
+        raise ValueError(f"train_experts must be (B, S, L, K), got shape {tuple(train_experts.shape)}")
+    if rollout_experts.shape != train_experts.shape:
+        raise ValueError(
+            f"rollout_experts has shape {tuple(rollout_experts.shape)} but train_experts has "
+            f"shape {tuple(train_experts.shape)}"
+        )
+    if valid_mask.shape != train_experts.shape[:2]:
+        raise ValueError(
+            f"valid_mask has shape {tuple(valid_mask.shape)} but the experts tensors are "
+            f"{tuple(train_experts.shape)}; expected (B, S) = {tuple(train_experts.shape[:2])}"
+        )
+    train = train_experts.long()
+    rollout = rollout_experts.to(device=train.device, dtype=torch.long)
+    known = (rollout >= 0).all(dim=-1) & (train >= 0).all(dim=-1)  # (B, S, L)
+    counted = known & valid_mask.to(device=train.device, dtype=torch.bool).unsqueeze(-1)
+    # Ids within one top-k are distinct, so sorted equality is set equality.
+    same = (train.sort(dim=-1).values == rollout.sort(dim=-1).values).all(dim=-1)
+    total = int(counted.sum())
+    if total == 0:
+        return math.nan
+    return float((same & counted).sum()) / total
