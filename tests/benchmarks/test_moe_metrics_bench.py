@@ -1,0 +1,67 @@
+"""Smoke test: the MoE metrics benchmark runs end to end at a tiny size and reports sane figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from conveyor.metrics.moe_load_balance import count_expert_assignments
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_metrics.py"
+
+
+def load_benchmark() -> ModuleType:
+    # Loaded by path: benchmarks/ is a folder of scripts, not an installed package.
+    spec = importlib.util.spec_from_file_location("moe_metrics_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = ["--batch", "3", "--seq-len", "24", "--response-len", "16", "--layers", "2", "--top-k", "2",
+        "--experts", "4", "--reps", "2"]
+
+
+def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    result = load_benchmark().main(TINY)
+    out = capsys.readouterr().out
+    assert result["shape"] == (3, 24, 2, 2) and result["dtype"] == "torch.int16"
+    for key in ("clone_ms", "conveyor_ms", "conveyor_ratio"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    assert result["metric_keys"] == 2 * 3 + 6  # per-layer max/min/avg for 2 layers + 6 cross-layer keys
+    assert 0.0 <= result["masked_fraction"] < 1.0
+    assert "conveyor" in out and "x clone" in out
+    if "verl_ms" in result:
+        assert result["verl_agrees"], result["verl_max_abs_diff"]
+    else:
+        assert "verl comparison skipped" in out
+
+
+def test_no_verl_flag_skips_comparison(capsys: pytest.CaptureFixture[str]) -> None:
+    result = load_benchmark().main([*TINY, "--no-verl"])
+    assert "verl_ms" not in result and "verl" not in capsys.readouterr().out
+
+
+def test_inputs_mark_the_last_valid_slot_unknown() -> None:
+    routed, mask = load_benchmark().make_inputs(4, 20, 12, 3, 2, 5, 1 / 3, seed=1)
+    assert routed.dtype == torch.int16 and mask.shape == (4, 12)
+    lengths = mask.sum(dim=1)
+    assert bool((lengths >= 1).all())
+    for b, length in enumerate(lengths.tolist()):
+        assert mask[b, :length].all() and not mask[b, length:].any()  # right-padded
+        assert bool((routed[b, 20 - 12 + length - 1] == -1).all())
+        assert bool((routed[b, 20 - 12 : 20 - 12 + length - 1] >= 0).all())
+    # The -1 slots are exactly one per sequence per layer per top-k slot, so they cost that many counts.
+    counts = count_expert_assignments(routed, mask, 5)
+    assert int(counts.sum()) == (int(lengths.sum()) - 4) * 3 * 2
+
+
+def test_bad_flags_are_rejected() -> None:
+    with pytest.raises(SystemExit):
+        load_benchmark().main(["--seq-len", "8", "--response-len", "16"])
