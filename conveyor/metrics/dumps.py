@@ -1,0 +1,178 @@
+"""Sample generations saved with a run, and their rendering for `conveyor show RUN_DIR`.
+
+Every `trainer.dump_freq` steps the trainer writes the step's samples to
+`run_dir/generations/step_{step:06d}.jsonl`, one JSON object per sample with
+at least `prompt`, `response`, `ground_truth`, `data_source`, `reward` and
+`advantage` (values may be null), plus any extra keys it gives. Files are
+written whole and renamed into place, so a reader never sees half a dump.
+
+This module does not choose which samples to dump or how many (the trainer
+does), and it keeps no index: the files are the record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+from conveyor.metrics.trackers import to_json_value
+
+__all__ = ["REQUIRED_KEYS", "write_generations", "latest_generations", "format_generations", "dump_path"]
+
+REQUIRED_KEYS = ("prompt", "response", "ground_truth", "data_source", "reward", "advantage")
+
+_DUMP_NAME = re.compile(r"^step_(\d+)\.jsonl$")
+_HOW_TO_ENABLE = "set trainer.dump_freq=N (N > 0) to write generation dumps every N steps"
+
+
+def dump_path(run_dir: str | Path, step: int) -> Path:
+    """Where the dump of `step` lives: run_dir/generations/step_{step:06d}.jsonl."""
+    return Path(run_dir) / "generations" / f"step_{step:06d}.jsonl"
+
+
+def write_generations(run_dir: str | Path, step: int, rows: Sequence[dict[str, Any]]) -> Path:
+    """Write one step's samples (each a dict with `REQUIRED_KEYS` and any extras) and return the file path."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not rows:
+        raise ValueError(f"rows is empty: nothing to dump for step {step}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"rows[{i}] must be a dict, got {type(row).__name__}")
+        missing = [k for k in REQUIRED_KEYS if k not in row]
+        if missing:
+            raise ValueError(
+                f"rows[{i}] lacks {', '.join(missing)}; every row needs {', '.join(REQUIRED_KEYS)} (None allowed)"
+            )
+    path = dump_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            ordered = {k: row[k] for k in REQUIRED_KEYS}
+            ordered.update({k: v for k, v in row.items() if k not in ordered})
+            f.write(json.dumps(to_json_value(ordered), ensure_ascii=False, allow_nan=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _available_steps(gen_dir: Path) -> list[int]:
+    steps = []
+    for p in gen_dir.iterdir():
+        m = _DUMP_NAME.match(p.name)
+        if m and p.is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """(step, rows) of the dump at `step`, or of the latest dump when `step` is None."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist")
+    gen_dir = run_dir / "generations"
+    steps = _available_steps(gen_dir) if gen_dir.is_dir() else []
+    if not steps:
+        raise ValueError(f"no generation dumps in {gen_dir}; {_HOW_TO_ENABLE}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        nearest = min(steps, key=lambda s: (abs(s - step), s))
+        raise ValueError(
+            f"no generation dump for step {step} in {gen_dir}; nearest is step {nearest} (have {len(steps)} dumps)"
+        )
+    rows = []
+    with dump_path(run_dir, step).open("r", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return step, rows
+
+
+def _as_text(value: Any) -> str:
+    """Text of a prompt or response: chat messages as 'role: content' lines, other values as-is."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return "\n".join(f"{m.get('role', '?')}: {m['content']}" for m in value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _fmt_score(value: Any, signed: bool = False) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:+.3f}" if signed else f"{value:.3f}"
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return value
+    return "-" if value is None else str(value)
+
+
+def _wrap(text: str, width: int, max_lines: int, keep: str) -> list[str]:
+    """Wrap `text` to `width` and keep at most `max_lines`: the "head", the "tail", or both ends."""
+    lines: list[str] = []
+    for para in text.splitlines() or [""]:
+        lines.extend(textwrap.wrap(para, width=width) or [""])
+    if len(lines) <= max_lines:
+        return lines
+    cut = len(lines) - (max_lines - 1)
+    note = f"... [{cut} more lines] ..."
+    if keep == "head":
+        return lines[: max_lines - 1] + [note]
+    if keep == "tail":
+        return [note] + lines[-(max_lines - 1) :]
+    head = (max_lines - 1) // 2
+    return lines[:head] + [note] + lines[-(max_lines - 1 - head) :]
+
+
+def format_generations(
+    step: int,
+    rows: Sequence[dict[str, Any]],
+    width: int = 100,
+    max_samples: int | None = None,
+    max_lines: int = 8,
+) -> str:
+    """A readable rendering of one dump: a summary, then per sample its scores, prompt (tail), response and ground truth."""
+    if width < 40:
+        raise ValueError(f"width must be at least 40 columns, got {width}")
+    if max_lines < 3:
+        raise ValueError(f"max_lines must be at least 3, got {max_lines}")
+    rewards = [r.get("reward") for r in rows]
+    numeric = [float(x) for x in rewards if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    summary = f"step {step}: {len(rows)} samples"
+    if numeric:
+        summary += f", reward mean {sum(numeric) / len(numeric):.3f} (min {min(numeric):.3f}, max {max(numeric):.3f})"
+    out = [summary, "=" * min(width, max(len(summary), 40))]
+    shown = rows if max_samples is None else rows[:max_samples]
+    body = width - 4
+    for i, row in enumerate(shown, start=1):
+        reward, advantage = _fmt_score(row.get("reward")), _fmt_score(row.get("advantage"), signed=True)
+        head = f"[{i}/{len(rows)}] reward {reward}  advantage {advantage}"
+        if row.get("data_source") is not None:
+            head += f"  source {row['data_source']}"
+        out.append(head[:width])
+        # A long chat prompt ends with the question, so keep its tail; a response is read from the start.
+        out.append("  prompt:")
+        out.extend("    " + ln for ln in _wrap(_as_text(row.get("prompt")), body, max_lines, keep="tail"))
+        out.append("  response:")
+        out.extend("    " + ln for ln in _wrap(_as_text(row.get("response")), body, max_lines, keep="both"))
+        if row.get("ground_truth") is not None:
+            truth = _as_text(row["ground_truth"]).replace("\n", " ")
+            out.append("  " + textwrap.shorten(f"ground truth: {truth}", width=width - 2, placeholder=" ..."))
+        extras = {k: v for k, v in row.items() if k not in REQUIRED_KEYS}
+        if extras:
+            text = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in extras.items())
+            out.append("  " + textwrap.shorten(f"extra: {text}", width=width - 2, placeholder=" ..."))
+        out.append("")
+    if len(shown) < len(rows):
+        out.append(f"... {len(rows) - len(shown)} more samples not shown")
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,363 @@
+"""PNG plots of a finished (or running) run, from the files it wrote: `conveyor plot RUN_DIR`.
+
+Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
+`run_dir/moe_expert_load.jsonl` (one `{"step", "num_experts", "counts":
+[[count per expert] per layer]}` per line), and draws:
+
+- `reward.png`: reward mean with its min/max band; accuracy (validation, training batch) below;
+- `losses.png`: policy loss, value loss, KL loss;
+- `kl_entropy.png`: the KL metrics and the policy entropy;
+- `response_length.png`: mean length with its min/max band; clip ratio;
+- `throughput.png`: tokens/s; time per stage stacked, with the step time;
+- `moe_expert_load.png`: layers x experts heatmap of the latest record;
+- `moe_expert_load_over_time.png`: experts x steps for the most imbalanced layer.
+
+A panel whose metrics were never logged is left out, and a figure with no
+panels is not written. Drawing goes through matplotlib's object API on the Agg
+canvas, so it never touches pyplot's global state or needs a display. This
+module does not read TensorBoard, W&B or MLflow stores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from conveyor.metrics.trackers import read_metrics_jsonl
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "plot_run",
+    "read_moe_expert_load",
+    "relative_expert_load",
+    "most_imbalanced_layer",
+    "FIG_WIDTH_IN",
+    "PANEL_HEIGHT_IN",
+    "DPI",
+]
+
+FIG_WIDTH_IN = 10.0
+PANEL_HEIGHT_IN = 3.2
+DPI = 100
+
+# Reward metric families, first present wins (the trainer's name, then verl's).
+_REWARD_PREFIXES = ("reward", "critic/score", "critic/rewards")
+_LOSS_KEYS = (("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss"), ("actor/kl_loss", "KL loss"))
+_VAL_ACC = re.compile(r"^val[^/]*/.*acc", re.IGNORECASE)
+
+Panel = Callable[[Any], None]
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records that hold a number for `key`."""
+    steps, values = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            steps.append(r["step"])
+            values.append(float(v))
+    return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+
+def _has(records: Sequence[dict[str, Any]], key: str) -> bool:
+    return _series(records, key)[0].size > 0
+
+
+def _all_keys(records: Sequence[dict[str, Any]]) -> list[str]:
+    keys: set[str] = set()
+    for r in records:
+        keys.update(r)
+    keys.discard("step")
+    return sorted(keys)
+
+
+def read_moe_expert_load(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a `moe_expert_load.jsonl` sorted by step (last wins per step), counts as (layers, experts) arrays."""
+    path = Path(path)
+    by_step: dict[int, dict[str, Any]] = {}
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                step, num_experts = int(rec["step"]), int(rec["num_experts"])
+                counts = np.asarray(rec["counts"], dtype=float)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                logger.warning("%s:%d is not a valid expert-load record (%s); skipped", path, lineno, err)
+                continue
+            if counts.ndim != 2 or counts.shape[1] != num_experts:
+                logger.warning(
+                    "%s:%d counts have shape %s, expected (layers, %d); skipped", path, lineno, counts.shape, num_experts
+                )
+                continue
+            by_step[step] = {"step": step, "num_experts": num_experts, "counts": counts}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def relative_expert_load(counts: np.ndarray) -> np.ndarray:
+    """counts: (L, E) -> load relative to an even split per layer (1 = balanced); NaN for empty layers."""
+    totals = counts.sum(axis=-1, keepdims=True)
+    even = totals / counts.shape[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(even > 0, counts / np.where(even > 0, even, 1.0), np.nan)
+
+
+def most_imbalanced_layer(counts: np.ndarray) -> int | None:
+    """counts: (L, E) -> the layer whose busiest expert is furthest above an even share (max_vio); None if all empty."""
+    rel = relative_expert_load(np.asarray(counts, dtype=float))
+    busiest = np.where(np.isfinite(rel), rel, -np.inf).max(axis=1)
+    if not np.isfinite(busiest).any():
+        return None
+    return int(np.argmax(busiest))
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _figure(n_panels: int, height_in: float | None = None):
+    """A Figure on an Agg canvas with `n_panels` stacked axes sharing the step axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(FIG_WIDTH_IN, height_in or PANEL_HEIGHT_IN * n_panels), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n_panels, 1, sharex=True, squeeze=False)[:, 0]
+    return fig, axes
+
+
+def _save_panels(path: Path, title: str, panels: list[Panel]) -> Path | None:
+    """Draw each panel on its own axes and save; nothing is written when there are no panels."""
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels))
+    fig.suptitle(title)
+    for panel, ax in zip(panels, axes):
+        panel(ax)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize="small")
+    axes[-1].set_xlabel("step")
+    fig.savefig(path)
+    return path
+
+
+def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
+    """Mean of `{prefix}/mean` as a line, with the `{prefix}/min`..`{prefix}/max` band when logged."""
+    steps, mean = _series(records, f"{prefix}/mean")
+    if steps.size == 0:
+        return None
+
+    def draw(ax) -> None:
+        lo_s, lo = _series(records, f"{prefix}/min")
+        hi_s, hi = _series(records, f"{prefix}/max")
+        if lo_s.size and hi_s.size:
+            common, i_lo, i_hi = np.intersect1d(lo_s, hi_s, return_indices=True)
+            ax.fill_between(common, lo[i_lo], hi[i_hi], alpha=0.25, label="min..max")
+        ax.plot(steps, mean, marker="." if steps.size < 50 else None, label=f"{prefix}/mean")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+
+    return draw
+
+
+def _lines_panel(records, keys: Sequence[str], title: str, ylabel: str, markers: bool = False) -> Panel | None:
+    """One line per key that was logged."""
+    present = [k for k in keys if _has(records, k)]
+    if not present:
+        return None
+
+    def draw(ax) -> None:
+        for key in present:
+            steps, values = _series(records, key)
+            ax.plot(steps, values, marker="o" if markers or steps.size < 50 else None, markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+
+    return draw
+
+
+def _throughput_panels(records) -> list[Panel]:
+    panels: list[Panel] = []
+    tput = _lines_panel(records, ["perf/throughput"], "Throughput", "tokens / s")
+    if tput:
+        panels.append(tput)
+    stage_keys = [k for k in _all_keys(records) if k.startswith("timing_s/") and k != "timing_s/step"]
+    has_step = _has(records, "timing_s/step")
+    if stage_keys or has_step:
+
+        def draw(ax) -> None:
+            if stage_keys:
+                rows = [r for r in records if any(k in r for k in stage_keys)]
+                steps = np.asarray([r["step"] for r in rows], dtype=float)
+                stacks = [[_num_or_zero(r.get(k)) for r in rows] for k in stage_keys]
+                ax.stackplot(steps, stacks, labels=[k.removeprefix("timing_s/") for k in stage_keys], alpha=0.8)
+            if has_step:
+                steps, values = _series(records, "timing_s/step")
+                ax.plot(steps, values, color="black", linewidth=1.5, label="step (total)")
+            ax.set_title("Time per step, by stage")
+            ax.set_ylabel("seconds")
+
+        panels.append(draw)
+    return panels
+
+
+def _num_or_zero(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return 0.0
+
+
+def _plot_moe_latest(path: Path, record: dict[str, Any]) -> Path:
+    from matplotlib.colors import TwoSlopeNorm
+
+    rel = relative_expert_load(record["counts"])
+    num_layers, num_experts = rel.shape
+    fig, axes = _figure(1, height_in=min(12.0, max(3.5, 1.5 + 0.35 * num_layers)))
+    ax = axes[0]
+    vmax = max(2.0, float(np.nanmax(rel)) if np.isfinite(rel).any() else 2.0)
+    im = ax.imshow(
+        np.ma.masked_invalid(rel), aspect="auto", cmap=_load_cmap(), norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
+        interpolation="nearest",
+    )
+    fig.colorbar(im, ax=ax, label="load / even share (1 = balanced)")
+    empty = " (grey: no tokens)" if np.isnan(rel).any() else ""
+    ax.set_title(f"MoE expert load at step {record['step']} (tokens routed per expert, per layer){empty}")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    _integer_ticks(ax.xaxis, num_experts)
+    _integer_ticks(ax.yaxis, num_layers)
+    fig.savefig(path)
+    return path
+
+
+def _plot_moe_over_time(path: Path, records: list[dict[str, Any]]) -> Path | None:
+    from matplotlib.colors import TwoSlopeNorm
+
+    latest = records[-1]
+    shape = latest["counts"].shape
+    same = [r for r in records if r["counts"].shape == shape]
+    layer = most_imbalanced_layer(latest["counts"])
+    if layer is None:
+        return None
+    steps = np.asarray([r["step"] for r in same], dtype=float)
+    load = np.stack([relative_expert_load(r["counts"])[layer] for r in same], axis=1)  # (E, S)
+    fig, axes = _figure(1, height_in=min(12.0, max(3.5, 1.5 + 0.25 * shape[1])))
+    ax = axes[0]
+    vmax = max(2.0, float(np.nanmax(load)) if np.isfinite(load).any() else 2.0)
+    mesh = ax.pcolormesh(
+        steps, np.arange(shape[1]), np.ma.masked_invalid(load), shading="nearest", cmap=_load_cmap(),
+        norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
+    )
+    fig.colorbar(mesh, ax=ax, label="load / even share (1 = balanced)")
+    ax.set_title(f"MoE expert load over steps, layer {layer} (the most imbalanced at step {latest['step']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert")
+    _integer_ticks(ax.yaxis, shape[1])
+    fig.savefig(path)
+    return path
+
+
+def _load_cmap():
+    """Blue (starved) - white (even share) - red (overloaded); grey where a layer saw no tokens."""
+    import matplotlib
+
+    return matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.8")
+
+
+def _integer_ticks(axis, n: int) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    if n <= 32:
+        axis.set_ticks(range(n))
+    else:
+        axis.set_major_locator(MaxNLocator(nbins=16, integer=True))
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write the PNGs of a run into `out_dir` (default `run_dir/plots`); returns the paths written."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("plotting needs matplotlib, which is not installed: pip install 'conveyor[plot]'") from None
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist")
+    metrics_path = run_dir / "metrics.jsonl"
+    moe_path = run_dir / "moe_expert_load.jsonl"
+    records = read_metrics_jsonl(metrics_path) if metrics_path.is_file() else []
+    moe_records = read_moe_expert_load(moe_path) if moe_path.is_file() else []
+    if not records and not moe_records:
+        raise ValueError(
+            f"nothing to plot in {run_dir}: {metrics_path.name} is missing or empty "
+            "(add 'jsonl' to trainer.logger to write it)"
+        )
+    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+
+    figures: list[tuple[str, str, list[Panel | None]]] = []
+    reward_prefix = next((p for p in _REWARD_PREFIXES if _has(records, f"{p}/mean")), None)
+    acc_keys = sorted((k for k in _all_keys(records) if _VAL_ACC.search(k)), key=lambda k: (k != "val/accuracy", k))
+    acc_keys += ["reward/accuracy"]  # the training batch's accuracy, when the task reports one
+    figures.append(
+        (
+            "reward.png",
+            "Reward",
+            [
+                _band_panel(records, reward_prefix, f"Reward ({reward_prefix})", "reward") if reward_prefix else None,
+                _lines_panel(records, acc_keys, "Accuracy (validation and training batch)", "accuracy", markers=True),
+            ],
+        )
+    )
+    figures.append(
+        ("losses.png", "Losses", [_lines_panel(records, [k], f"{label} ({k})", "loss") for k, label in _LOSS_KEYS])
+    )
+    kl_keys = [k for k in _all_keys(records) if k.startswith("actor/") and "kl" in k and "coef" not in k]
+    figures.append(
+        (
+            "kl_entropy.png",
+            "KL and entropy",
+            [
+                _lines_panel(records, kl_keys, "KL", "KL"),
+                _lines_panel(records, ["actor/entropy"], "Policy entropy (actor/entropy)", "nats / token"),
+            ],
+        )
+    )
+    figures.append(
+        (
+            "response_length.png",
+            "Response length",
+            [
+                _band_panel(records, "response_length", "Response length (response_length)", "tokens"),
+                _lines_panel(records, ["response_length/clip_ratio"], "Responses cut at max length", "fraction"),
+            ],
+        )
+    )
+    figures.append(("throughput.png", "Throughput and step time", list(_throughput_panels(records))))
+
+    written: list[Path] = []
+    for name, title, panels in figures:
+        path = _save_panels(out / name, title, [p for p in panels if p is not None])
+        if path is not None:
+            written.append(path)
+        else:
+            logger.info("%s: no metrics for it in %s; skipped", name, metrics_path)
+    if moe_records:
+        written.append(_plot_moe_latest(out / "moe_expert_load.png", moe_records[-1]))
+        path = _plot_moe_over_time(out / "moe_expert_load_over_time.png", moe_records)
+        if path is not None:
+            written.append(path)
+    return written

@@ -1,0 +1,138 @@
+"""plot_run on a synthetic run directory: the right PNGs, of the right size, with something drawn in them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+from PIL import Image  # noqa: E402  (a matplotlib dependency)
+
+from conveyor.metrics.plots import (  # noqa: E402
+    DPI,
+    FIG_WIDTH_IN,
+    PANEL_HEIGHT_IN,
+    most_imbalanced_layer,
+    plot_run,
+    read_moe_expert_load,
+    relative_expert_load,
+)
+from conveyor.metrics.trackers import JsonlTracker  # noqa: E402
+
+NUM_LAYERS, NUM_EXPERTS = 3, 4
+
+
+def _write_run(run_dir, steps=12, with_moe=True):
+    tracker = JsonlTracker(run_dir / "metrics.jsonl")
+    for s in range(1, steps + 1):
+        m = {
+            "reward/mean": s / steps,
+            "reward/min": 0.0,
+            "reward/max": 1.0,
+            "reward/accuracy": s / (2 * steps),
+            "actor/pg_loss": 0.1 * math.sin(s),
+            "critic/vf_loss": 1.0 / s,
+            "actor/kl_loss": 0.01 * s,
+            "actor/ppo_kl": 1e-3 * s,
+            "actor/entropy": 2.0 - s / steps,
+            "response_length/mean": 20.0 + s,
+            "response_length/min": 4.0,
+            "response_length/max": 40.0,
+            "perf/throughput": 1000.0 + 25 * s,
+            "timing_s/gen": 1.0,
+            "timing_s/update_actor": 0.5 + 0.01 * s,
+            "timing_s/step": 1.7,
+        }
+        if s % 4 == 0:
+            m["val/accuracy"] = s / (2 * steps)
+        tracker.log(m, s)
+    tracker.close()
+    if with_moe:
+        with (run_dir / "moe_expert_load.jsonl").open("w") as f:
+            for s in range(1, steps + 1):
+                counts = [[10 + (s + e) % 3 for e in range(NUM_EXPERTS)] for _ in range(NUM_LAYERS)]
+                counts[1][2] += 40  # layer 1 is the imbalanced one
+                f.write(json.dumps({"step": s, "num_experts": NUM_EXPERTS, "counts": counts}) + "\n")
+
+
+def _check_png(path, panels=None, height_px=None):
+    img = Image.open(path)
+    img.load()
+    width, height = img.size
+    assert width == round(FIG_WIDTH_IN * DPI)
+    if panels is not None:
+        assert height == round(PANEL_HEIGHT_IN * panels * DPI)
+    if height_px is not None:
+        assert height == height_px
+    pixels = np.asarray(img.convert("RGB"), dtype=float)
+    assert pixels.std() > 0
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 1
+
+
+def test_plot_run_writes_every_figure(tmp_path):
+    _write_run(tmp_path)
+    paths = plot_run(tmp_path)
+    names = [p.name for p in paths]
+    assert names == [
+        "reward.png",
+        "losses.png",
+        "kl_entropy.png",
+        "response_length.png",
+        "throughput.png",
+        "moe_expert_load.png",
+        "moe_expert_load_over_time.png",
+    ]
+    assert all(p.parent == tmp_path / "plots" and p.is_file() for p in paths)
+    panels = {"reward.png": 2, "losses.png": 3, "kl_entropy.png": 2, "response_length.png": 1, "throughput.png": 2}
+    for p in paths:
+        _check_png(p, panels=panels.get(p.name))
+
+
+def test_missing_metrics_drop_their_panels_and_figures(tmp_path):
+    tracker = JsonlTracker(tmp_path / "metrics.jsonl")
+    for s in range(1, 4):
+        tracker.log({"critic/score/mean": 0.1 * s, "actor/pg_loss": -0.1 * s}, s)
+    tracker.close()
+    out = tmp_path / "figs"
+    paths = plot_run(tmp_path, out_dir=out)
+    assert [p.name for p in paths] == ["reward.png", "losses.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["losses.png", "reward.png"]
+    # One panel each: the reward without validation, the policy loss alone.
+    _check_png(out / "reward.png", panels=1)
+    _check_png(out / "losses.png", panels=1)
+
+
+def test_relative_load_and_most_imbalanced_layer_by_hand():
+    counts = np.array([[2, 2, 2, 2], [8, 0, 0, 0], [0, 0, 0, 0], [3, 1, 2, 2]])
+    rel = relative_expert_load(counts)
+    # Even share per layer: 2, 2, (empty), 2.
+    np.testing.assert_allclose(rel[0], [1, 1, 1, 1])
+    np.testing.assert_allclose(rel[1], [4, 0, 0, 0])
+    assert np.isnan(rel[2]).all()
+    np.testing.assert_allclose(rel[3], [1.5, 0.5, 1.0, 1.0])
+    assert most_imbalanced_layer(counts) == 1
+    assert most_imbalanced_layer(np.zeros((2, 3))) is None
+
+
+def test_moe_reader_keeps_last_record_per_step_and_skips_bad_lines(tmp_path):
+    path = tmp_path / "moe_expert_load.jsonl"
+    path.write_text(
+        json.dumps({"step": 2, "num_experts": 2, "counts": [[1, 1]]}) + "\n"
+        + json.dumps({"step": 1, "num_experts": 2, "counts": [[5, 0]]}) + "\n"
+        + json.dumps({"step": 2, "num_experts": 2, "counts": [[0, 7]]}) + "\n"
+        + json.dumps({"step": 3, "num_experts": 3, "counts": [[1, 1]]}) + "\n"  # wrong width
+        + '{"step": 4, "num_e'  # torn by a crash
+    )
+    records = read_moe_expert_load(path)
+    assert [r["step"] for r in records] == [1, 2]
+    np.testing.assert_array_equal(records[1]["counts"], [[0, 7]])
+
+
+def test_plot_run_errors_name_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        plot_run(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"metrics.jsonl .*trainer.logger"):
+        plot_run(tmp_path)
