@@ -554,7 +554,10 @@ def _coerce(value: Any, t: Any, path: str) -> Any:
         args = [a for a in typing.get_args(t) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], path)
+        try:
+            return _coerce(value, args[0], path)
+        except ConfigError:  # say that null is allowed too
+            raise ConfigError(f"{path}: expected {_type_name(t)}, got {type(value).__name__} {value!r}") from None
     if value is None:
         raise ConfigError(f"{path}: expected {_type_name(t)}, got null")
     if t is bool:

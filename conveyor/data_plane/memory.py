@@ -22,6 +22,8 @@ from conveyor.protocol import KVBatchMeta
 __all__ = ["MemoryDataPlane"]
 
 _DENSE, _NESTED, _LIST = "dense", "nested", "list"
+_ROW_BITS = 40  # rows per put block < 2**40
+_ROW_MASK = (1 << _ROW_BITS) - 1
 
 
 @dataclass
@@ -29,9 +31,12 @@ class _Column:
     """One field of one partition: dense blocks indexed by (block, row), or per-key Python objects."""
 
     kind: str
-    # dense: the tensors as put, and key -> (block index, row)
+    # dense: the tensors as put, and key -> block index << _ROW_BITS | row.
+    # One int per key rather than a (block, row) tuple: ints are not tracked by
+    # the garbage collector, tuples are, and 10k keys x 20 fields of tuples
+    # made full collections (hundreds of ms) fire inside puts.
     blocks: list[torch.Tensor] = field(default_factory=list)
-    loc: dict[str, tuple[int, int]] = field(default_factory=dict)
+    loc: dict[str, int] = field(default_factory=dict)
     # nested / list: key -> per-sample value (a tensor view for nested)
     values: dict[str, Any] = field(default_factory=dict)
     trailing: tuple | None = None
@@ -40,6 +45,11 @@ class _Column:
     def __contains__(self, key: str) -> bool:
         return key in (self.loc if self.kind == _DENSE else self.values)
 
+    def has_all(self, keys: Sequence[str]) -> bool:
+        # map/all keep the per-key loop in C: puts and gets of 10k keys x 20
+        # fields spend most of their time in these membership checks otherwise.
+        return all(map((self.loc if self.kind == _DENSE else self.values).__contains__, keys))
+
     def drop(self, key: str) -> None:
         (self.loc if self.kind == _DENSE else self.values).pop(key, None)
 
@@ -47,7 +57,7 @@ class _Column:
         # Release blocks no key points at any more, so cleared data is freed.
         if self.kind != _DENSE or not self.blocks:
             return
-        used = {b for b, _ in self.loc.values()}
+        used = {v >> _ROW_BITS for v in self.loc.values()}
         for i in range(len(self.blocks)):
             if i not in used:
                 self.blocks[i] = None  # type: ignore[call-overload]
@@ -86,6 +96,19 @@ def _column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
     return kind, rows
 
 
+def _check_compatible(col: _Column | None, name: str, kind: str, rows: Any, partition_id: str) -> None:
+    """Refuse a put whose column differs in kind, or (dense) in row shape or dtype, from what the field holds."""
+    if col is None:
+        return
+    if col.kind != kind:
+        raise ValueError(f"field {name!r} in partition {partition_id!r} was stored as {col.kind}; this put gives {kind}")
+    if kind == _DENSE and col.trailing is not None and (col.trailing, col.dtype) != (tuple(rows.shape[1:]), rows.dtype):
+        raise ValueError(
+            f"field {name!r} in partition {partition_id!r} holds rows of shape {col.trailing} "
+            f"and dtype {col.dtype}; this put gives {tuple(rows.shape[1:])} {rows.dtype}"
+        )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -117,9 +140,12 @@ class MemoryDataPlane(DataPlane):
             metric_ctx.__enter__()
         nbytes = 0
         with self._lock:
+            # Check every column before writing any, so a refused put leaves no partial rows behind.
+            existing = self._partitions.get(partition_id)
+            for name, kind, rows in items:
+                _check_compatible(existing.columns.get(name) if existing else None, name, kind, rows, partition_id)
             part = self._partitions.setdefault(partition_id, _Partition())
-            for k in keys:
-                part.keys.setdefault(k, None)
+            part.keys.update(dict.fromkeys(keys))  # existing keys keep their place
             if tags is not None:
                 for k, t in zip(keys, tags):
                     part.tags[k] = dict(t)
@@ -127,31 +153,23 @@ class MemoryDataPlane(DataPlane):
                 col = part.columns.get(name)
                 if col is None:
                     col = part.columns[name] = _Column(kind=kind)
-                elif col.kind != kind:
-                    raise ValueError(
-                        f"field {name!r} in partition {partition_id!r} was stored as {col.kind}; this put gives {kind}"
-                    )
                 if kind == _DENSE:
                     if col.trailing is None:
                         col.trailing, col.dtype = tuple(rows.shape[1:]), rows.dtype
-                    elif (col.trailing, col.dtype) != (tuple(rows.shape[1:]), rows.dtype):
-                        raise ValueError(
-                            f"field {name!r} in partition {partition_id!r} holds rows of shape {col.trailing} "
-                            f"and dtype {col.dtype}; this put gives {tuple(rows.shape[1:])} {rows.dtype}"
-                        )
                     b = len(col.blocks)
                     col.blocks.append(rows)
-                    for i, k in enumerate(keys):
-                        col.loc[k] = (b, i)
+                    col.loc.update(zip(keys, range(b << _ROW_BITS, (b << _ROW_BITS) + n)))
                     nbytes += _nbytes(rows)
                 else:
                     for k, v in zip(keys, rows):
                         col.values[k] = v
                         if isinstance(v, torch.Tensor):
                             nbytes += _nbytes(v)
-                    if kind == _NESTED:
-                        col.dtype = rows[0].dtype if rows else col.dtype
-            present = [f for f, c in part.columns.items() if all(k in c for k in keys)]
+                    if kind == _NESTED and rows:
+                        col.dtype = rows[0].dtype
+                        if col.trailing is None:  # only to shape an empty get
+                            col.trailing = tuple(rows[0].shape[1:])
+            present = [f for f, c in part.columns.items() if c.has_all(keys)]
             out_tags = [dict(part.tags.get(k, {})) for k in keys]
             live = len(part.keys)
         if metric_ctx:
@@ -182,13 +200,13 @@ class MemoryDataPlane(DataPlane):
             plan = []
             for name in select_fields:
                 col = part.columns[name]
-                lacking = [k for k in keys if k not in col]
-                if lacking:
+                if not col.has_all(keys):
+                    lacking = [k for k in keys if k not in col]
                     raise FieldNotFoundError(partition_id, fields=[name], keys=lacking)
                 if col.kind == _DENSE:
-                    plan.append((name, col.kind, [col.loc[k] for k in keys], list(col.blocks), col))
+                    plan.append((name, col.kind, list(map(col.loc.__getitem__, keys)), list(col.blocks), col))
                 else:
-                    plan.append((name, col.kind, [col.values[k] for k in keys], None, col))
+                    plan.append((name, col.kind, list(map(col.values.__getitem__, keys)), None, col))
         # Indexing happens outside the lock: the references taken above stay
         # valid even if another thread clears the partition meanwhile.
         out = TensorDict(batch_size=[len(keys)])
@@ -198,8 +216,8 @@ class MemoryDataPlane(DataPlane):
                 value = _gather_dense(rows, blocks, col)
                 nbytes += _nbytes(value)
             elif kind == _NESTED:
-                value = torch.nested.as_nested_tensor([r.clone() for r in rows], layout=torch.jagged) if rows else \
-                    torch.nested.nested_tensor([], layout=torch.jagged, dtype=col.dtype)
+                # as_nested_tensor copies the rows into one new buffer: that is the only copy.
+                value = torch.nested.as_nested_tensor(rows, layout=torch.jagged) if rows else _empty_nested(col)
                 nbytes += sum(_nbytes(r) for r in rows)
             else:
                 value = NonTensorStack(*rows, batch_size=[len(rows)]) if rows else NonTensorStack(batch_size=[0])
@@ -254,18 +272,30 @@ class MemoryDataPlane(DataPlane):
             raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
 
 
-def _gather_dense(locs: list[tuple[int, int]], blocks: list[torch.Tensor], col: _Column) -> torch.Tensor:
-    """Index rows out of the blocks they were put in, one index_select per block touched."""
+def _empty_nested(col: _Column) -> torch.Tensor:
+    """A jagged nested tensor with no rows (a rank that got no keys), of the column's dtype."""
+    values = torch.empty((0, *(col.trailing or ())), dtype=col.dtype)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
+
+
+def _gather_dense(locs: list[int], blocks: list[torch.Tensor], col: _Column) -> torch.Tensor:
+    """Index rows out of the blocks they were put in (locs as in `_Column.loc`), one index_select per block."""
     if not locs:
         return torch.empty((0, *(col.trailing or ())), dtype=col.dtype)
-    first_block = locs[0][0]
-    if all(b == first_block for b, _ in locs):
+    first_block = locs[0] >> _ROW_BITS
+    lo, hi = first_block << _ROW_BITS, (first_block + 1) << _ROW_BITS
+    if lo <= min(locs) and max(locs) < hi:
         src = blocks[first_block]
-        idx = torch.tensor([r for _, r in locs], dtype=torch.long)
-        return src.index_select(0, idx)
+        row_ids = [v - lo for v in locs]
+        # Reading back a whole block in put order is the common case: one
+        # clone, which skips index_select's per-call thread-pool overhead.
+        if len(row_ids) == src.shape[0] and row_ids == list(range(len(row_ids))):
+            return src.clone(memory_format=torch.contiguous_format)  # contiguous, as index_select gives
+        return src.index_select(0, torch.tensor(row_ids, dtype=torch.long))
     out = torch.empty((len(locs), *col.trailing), dtype=col.dtype, device=blocks[first_block].device)
     by_block: dict[int, tuple[list[int], list[int]]] = {}
-    for pos, (b, r) in enumerate(locs):
+    for pos, v in enumerate(locs):
+        b, r = v >> _ROW_BITS, v & _ROW_MASK
         dst, src_rows = by_block.setdefault(b, ([], []))
         dst.append(pos)
         src_rows.append(r)

@@ -1,0 +1,338 @@
+"""Tests of the configuration: defaults, YAML file + dotted overrides, parsing, error messages and the YAML dump."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conveyor.config import (
+    REMOVED_KEYS,
+    Config,
+    ConfigError,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+    parse_overrides,
+)
+
+NEW_MOE_KEY = "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"
+
+
+def write_yaml(tmp_path: Path, data: dict | str, name: str = "run.yaml") -> Path:
+    """Write `data` (a mapping, or YAML text as is) to a file under `tmp_path`."""
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+# --------------------------------------------------------------------------- defaults and precedence
+def test_defaults_load() -> None:
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.data.train_batch_size == 16
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.transfer_queue.backend == "memory"
+    assert cfg.transfer_queue.metrics.enabled is False and cfg.transfer_queue.metrics.port == 0
+    assert cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval == 0
+    assert cfg.use_critic is False and cfg.use_reference is False
+
+
+def test_defaults_are_not_shared_between_instances() -> None:
+    a, b = Config(), Config()
+    a.trainer.logger.append("wandb")
+    a.actor_rollout_ref.actor.optim.betas[0] = 0.5
+    assert b.trainer.logger == ["console", "jsonl"]
+    assert b.actor_rollout_ref.actor.optim.betas == [0.9, 0.99]
+
+
+def test_yaml_then_overrides_precedence(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        {
+            "trainer": {"total_training_steps": 7, "experiment_name": "from-yaml"},
+            "actor_rollout_ref": {"rollout": {"temperature": 0.5, "n": 4}},
+        },
+    )
+    cfg = load_config(path, ["trainer.total_training_steps=9", "actor_rollout_ref.rollout.n=2",
+                             "actor_rollout_ref.rollout.n=3"])
+    assert cfg.trainer.total_training_steps == 9  # override beats the file
+    assert cfg.actor_rollout_ref.rollout.n == 3  # the last override wins
+    assert cfg.trainer.experiment_name == "from-yaml"  # file beats the default
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.5
+    # untouched siblings keep their defaults (the merge is deep, not per section)
+    assert cfg.actor_rollout_ref.rollout.top_p == Config().actor_rollout_ref.rollout.top_p
+    assert cfg.trainer.logger == Config().trainer.logger
+    assert cfg.data == Config().data
+
+
+def test_empty_yaml_file_is_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write_yaml(tmp_path, "")) == Config()
+
+
+# --------------------------------------------------------------------------- parsing
+def test_values_are_parsed(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "trainer.logger=[console,jsonl,tensorboard]",
+            "data.shuffle=false",
+            "trainer.val_before_train=True",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            "critic.optim.lr=3e-4",
+            "data.train_files=[a.parquet,b.parquet]",
+            "trainer.default_local_dir=null",
+            "actor_rollout_ref.model.tiny.warmstart_lr=1",
+            "trainer.experiment_name=42",
+        ],
+    )
+    assert cfg.trainer.logger == ["console", "jsonl", "tensorboard"]
+    assert cfg.data.shuffle is False and cfg.trainer.val_before_train is True
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5
+    assert isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.critic.optim.lr == 3e-4
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.trainer.default_local_dir is None
+    assert cfg.actor_rollout_ref.model.tiny.warmstart_lr == 1.0
+    assert isinstance(cfg.actor_rollout_ref.model.tiny.warmstart_lr, float)
+    assert cfg.trainer.experiment_name == "42"
+
+
+def test_single_item_list_and_yaml_exponent(tmp_path: Path) -> None:
+    assert load_config(None, ["trainer.logger=console"]).trainer.logger == ["console"]
+    # PyYAML reads 1e-5 (no dot) as a string; the float field still gets a float
+    path = write_yaml(tmp_path, "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-5\n")
+    assert load_config(path).actor_rollout_ref.actor.optim.lr == 1e-5
+
+
+def test_passthrough_section_takes_any_keys() -> None:
+    cfg = load_config(None, ["transfer_queue.backend=transferqueue",
+                             "transfer_queue.transferqueue.storage_backend=MooncakeStore",
+                             "transfer_queue.transferqueue.segment_size=1024"])
+    assert cfg.transfer_queue.transferqueue == {"storage_backend": "MooncakeStore", "segment_size": 1024}
+
+
+def test_parse_overrides_builds_nested_dicts() -> None:
+    assert parse_overrides(["a.b.c=1", "a.b.d=[x, y]", "+e=true"]) == {"a": {"b": {"c": 1, "d": ["x", "y"]}}, "e": True}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["trainer.total_training_steps"])
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_overrides(["trainer..x=1"])
+
+
+# --------------------------------------------------------------------------- errors
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("trainer.totl_training_steps=3", "trainer.total_training_steps"),
+        ("temperature=0.7", "actor_rollout_ref.rollout.temperature"),
+        ("actor_rollout_ref.rollout.temprature=0.7", "actor_rollout_ref.rollout.temperature"),
+        ("data.train_batchsize=8", "data.train_batch_size"),
+        ("algorithm.adv_estimater=gae", "algorithm.adv_estimator"),
+    ],
+)
+def test_unknown_key_suggests_the_nearest(override: str, suggestion: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == f"unknown config key {key}; did you mean {suggestion}?"
+
+
+def test_unknown_key_without_a_near_one_lists_the_valid_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.zzzzzzzz=1"])
+    msg = str(info.value)
+    assert "trainer.zzzzzzzz" in msg and "total_training_steps" in msg and "logger" in msg
+
+
+def test_unknown_key_in_a_file(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, {"trainer": {"totl_training_steps": 3}})
+    with pytest.raises(ConfigError, match="did you mean trainer.total_training_steps"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        ("trainer.total_training_steps=abc", "trainer.total_training_steps", "int"),
+        ("data.max_prompt_length=1.5", "data.max_prompt_length", "int"),
+        ("data.shuffle=maybe", "data.shuffle", "bool"),
+        ("data.shuffle=1", "data.shuffle", "bool"),
+        ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr", "float"),
+        ("trainer.logger=5", "trainer.logger", "list"),
+        ("trainer.total_training_steps=true", "trainer.total_training_steps", "int"),
+        ("data.val_batch_size=many", "data.val_batch_size", "int or null"),
+        ("trainer.project_name=null", "trainer.project_name", "str"),
+    ],
+)
+def test_wrong_type_names_key_and_expected_type(override: str, key: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(f"{key}: expected {expected}, got ")
+
+
+def test_section_given_a_value_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="trainer: expected a mapping"):
+        load_config(write_yaml(tmp_path, {"trainer": 5}))
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ["moe_load_balance_monitor_interval=5"],
+        ["actor_rollout_ref.rollout.moe_load_balance_monitor_interval=5"],
+        ["actor_rollout_ref.rollout.engine_kwargs.vllm.moe_load_balance_monitor_interval=5"],
+        ["transfer_queue.transferqueue.moe_load_balance_monitor_interval=5"],
+    ],
+)
+def test_removed_key_names_the_new_key(where: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, where)
+    msg = str(info.value)
+    assert "moe_load_balance_monitor_interval" in msg and NEW_MOE_KEY in msg
+    assert msg.startswith(where[0].split("=")[0] + ":")  # the full path of the offending key
+
+
+def test_removed_key_in_a_file(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, {"actor_rollout_ref": {"rollout": {"moe_load_balance_monitor_interval": 10}}})
+    with pytest.raises(ConfigError, match=NEW_MOE_KEY):
+        load_config(path)
+    assert "moe_load_balance_monitor_interval" in REMOVED_KEYS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["actor_rollout_ref.actor.optim.lr=-1e-5"], "actor_rollout_ref.actor.optim.lr"),
+        (["critic.optim.lr=0"], "critic.optim.lr"),
+        (["actor_rollout_ref.actor.clip_ratio=0"], "actor_rollout_ref.actor.clip_ratio"),
+        (["actor_rollout_ref.actor.clip_ratio=-0.2"], "actor_rollout_ref.actor.clip_ratio"),
+        (["actor_rollout_ref.actor.clip_ratio_high=0"], "actor_rollout_ref.actor.clip_ratio_high"),
+        (["actor_rollout_ref.actor.clip_ratio_c=1"], "actor_rollout_ref.actor.clip_ratio_c"),
+        (["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=5"],
+         "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size"),
+        (["data.train_batch_size=0"], "data.train_batch_size"),
+        (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n"),
+        (["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature"),
+        (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p"),
+        (["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=-1"], NEW_MOE_KEY),
+        (["algorithm.gamma=1.5"], "algorithm.gamma"),
+        (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
+        (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode"),
+        (["trainer.total_training_steps=0"], "trainer.total_training_steps"),
+        (["trainer.logger=[console,jsnl]"], "trainer.logger"),
+        (["transfer_queue.backend=redis"], "transfer_queue.backend"),
+        (["transfer_queue.metrics.port=70000"], "transfer_queue.metrics.port"),
+        (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
+    ],
+)
+def test_out_of_range_values(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(f"{key}: ")
+
+
+def test_out_of_range_messages_say_what_to_change() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=5"])
+    assert "data.train_batch_size=16 must be divisible by it (got 5)" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.logger=[console,jsnl]"])
+    assert "did you mean 'jsonl'" in str(info.value)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write_yaml(tmp_path, "trainer: [unclosed", "bad.yaml"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write_yaml(tmp_path, "- a\n- b\n", "list.yaml"))
+
+
+# --------------------------------------------------------------------------- YAML dump
+CHANGED = [
+    "trainer.total_training_steps=3",
+    "trainer.logger=[console]",
+    "actor_rollout_ref.actor.optim.lr=1e-5",
+    "actor_rollout_ref.rollout.temperature=0.7",
+    "algorithm.adv_estimator=gae",
+    "data.train_files=[x.parquet]",
+    "data.synthetic.ops=['+', '*']",
+    "transfer_queue.transferqueue.storage_backend=SimpleStorage",
+    f"{NEW_MOE_KEY}=5",
+]
+
+
+@pytest.mark.parametrize("with_help", [False, True])
+def test_yaml_roundtrip(tmp_path: Path, with_help: bool) -> None:
+    cfg = load_config(None, CHANGED)
+    text = config_to_yaml(cfg, with_help=with_help)
+    path = write_yaml(tmp_path, text)
+    back = load_config(path)
+    assert back == cfg
+    assert config_to_dict(back) == config_to_dict(cfg)
+    assert load_config(write_yaml(tmp_path, config_to_yaml(Config(), with_help=with_help), "d.yaml")) == Config()
+
+
+def test_yaml_dump_is_plain_nested_mappings() -> None:
+    data = yaml.safe_load(config_to_yaml(Config()))
+    assert list(data) == [f.name for f in dataclasses.fields(Config)]
+    assert data["actor_rollout_ref"]["rollout"]["temperature"] == 1.0
+    assert data["trainer"]["logger"] == ["console", "jsonl"]
+
+
+def test_describe_comments_every_line() -> None:
+    text = config_to_yaml(Config(), with_help=True)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == len(config_leaf_and_section_paths(Config))
+    for line in lines:
+        assert "  # " in line and line.split("  # ", 1)[1].strip(), line
+    assert "temperature: 1.0  # sampling temperature" in text
+
+
+# --------------------------------------------------------------------------- documentation
+def config_leaf_and_section_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted path of `cls`, sections included, in field order."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(config_leaf_and_section_paths(hints[f.name], f"{prefix}{f.name}."))
+    return out
+
+
+def walk_fields(cls: type, prefix: str = ""):
+    """(dotted path, dataclass field) for every field of `cls` and of its nested sections."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield prefix + f.name, f
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from walk_fields(hints[f.name], f"{prefix}{f.name}.")
+
+
+def test_every_field_has_help() -> None:
+    seen = 0
+    for path, f in walk_fields(Config):
+        help_ = f.metadata.get("help")
+        assert isinstance(help_, str) and help_.strip(), f"{path} has no help string"
+        seen += 1
+    assert seen > 100  # the walk reached the nested sections
+
+
+def test_every_section_has_a_docstring() -> None:
+    hints = typing.get_type_hints(Config)
+    sections = {Config} | {hints[f.name] for f in dataclasses.fields(Config)}
+    for cls in sections:
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), cls.__name__
