@@ -1,0 +1,285 @@
+"""Batched sampling from a Hugging Face causal LM with a KV cache: the default rollout engine.
+
+`HFRollout.generate` runs one prefill forward over the left-padded prompts and
+then one single-token forward per step with a `DynamicCache`, in a decode loop
+of our own rather than `model.generate`: it records exactly what the trainer
+needs (per-token log-probs, routing aligned with the sequence) and carries
+none of generate's per-step machinery (logits processors, stopping criteria,
+kwargs plumbing, a rebuilt 4-D attention mask). Output buffers are allocated
+once, there is one host sync per step (not per row), and top-k / top-p
+filtering only runs when enabled. On a CPU the rollout is most of a training
+step; `benchmarks/rollout.py` compares the two.
+
+What it returns is what the trainer needs: right-padded `responses`, a
+`response_mask` up to and including EOS, the log-prob of every sampled token
+(`rollout_log_probs`), and for MoE models on request the expert ids each
+token was routed to (`routed_experts`).
+
+`rollout_log_probs` are taken under the full `softmax(logits / temperature)`,
+before top-k / top-p truncation: that is what the trainer's forward at the
+same temperature computes, so with no truncation the on-policy ratio is 1
+up to float rounding. (With truncation, the sampling distribution differs
+from the one scored; that is the usual convention of RL trainers.) Greedy
+decoding scores under temperature 1.
+
+It deliberately does not batch requests across calls, page the cache, or
+serve; faster engines belong in sibling modules of this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
+
+__all__ = ["HFRollout"]
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward keyword that takes the KV cache: `cache` in recent transformers, `past_key_values` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model: torch.nn.Module) -> DynamicCache:
+    config = getattr(model, "config", None)
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def _filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """`logits` (B, V) with everything outside the top-k / nucleus set to -inf (at least one token kept)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens strictly before it already reach top_p,
+        # so the first token is never dropped.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@dataclass(frozen=True)
+class _Sampler:
+    """How to pick the next token from logits, and under which distribution to score it."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    do_sample: bool
+    generator: torch.Generator | None
+
+    def filters(self, vocab_size: int) -> bool:
+        """Whether top-k / top-p truncation changes anything at this vocabulary size."""
+        return self.do_sample and ((0 < self.top_k < vocab_size) or self.top_p < 1.0)
+
+    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """`logits` (B, V) -> (token (B,) long, log_probs (B, V) float32 of the full tempered softmax)."""
+        logits = logits.float()
+        if not self.do_sample:
+            return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        if self.filters(logits.shape[-1]):
+            probs = torch.softmax(_filter_top_k_top_p(logits, self.top_k, self.top_p), dim=-1)
+        else:
+            probs = logp.exp()
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1), logp
+
+
+class HFRollout:
+    """Batched sampling with a KV cache from a Hugging Face causal LM (`model`), in our own decode loop."""
+
+    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, eos_token_id: int) -> None:
+        if pad_token_id is None:
+            raise ValueError("HFRollout: `pad_token_id` is None; the tokenizer needs a pad token")
+        if eos_token_id is None:
+            raise ValueError("HFRollout: `eos_token_id` is None; the tokenizer needs an EOS token")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_id = int(eos_token_id)
+        self._cache_kw = _cache_kwarg(model)
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        do_sample: bool = True,
+        generator: torch.Generator | None = None,
+        capture_routing: bool = False,
+    ) -> dict[str, Tensor]:
+        """Sample up to `max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
+
+        Returns `responses` (B, R) long right-padded with pad, `response_mask` (B, R) bool (through EOS),
+        `rollout_log_probs` (B, R) float32 (0 off the mask), and with `capture_routing` on an MoE model
+        `routed_experts` (B, P+R, L, K) int16 (-1 where unknown); R <= max_new_tokens is the number of
+        steps taken. `top_k` 0 or -1 and `top_p` 1 mean no truncation; `generator` must live on the
+        model's device.
+        """
+        _check_args(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, do_sample)
+        model = self.model
+        device = next(model.parameters()).device
+        input_ids = input_ids.to(device=device, dtype=torch.long)
+        prompt_mask = attention_mask.to(device=device, dtype=torch.long)
+        if not bool(prompt_mask.any(dim=-1).all()):
+            raise ValueError("HFRollout.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
+        if not bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()):
+            raise ValueError(
+                "HFRollout.generate: `attention_mask` has padding after a real token; pad prompts on the left "
+                "(tokenizer.padding_side = 'left')"
+            )
+        sampler = _Sampler(float(temperature), int(top_k), float(top_p), bool(do_sample), generator)
+        info = moe_info(model) if capture_routing else None
+
+        was_training = model.training
+        model.eval()
+        try:
+            with RoutingRecorder(model) if info is not None else contextlib.nullcontext() as recorder:
+                return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info)
+        finally:
+            model.train(was_training)
+
+    def _decode(
+        self,
+        input_ids: Tensor,
+        prompt_mask: Tensor,
+        steps_max: int,
+        sampler: _Sampler,
+        recorder: RoutingRecorder | None,
+        info: MoEInfo | None,
+    ) -> dict[str, Tensor]:
+        """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
+        batch, prompt_len = input_ids.shape
+        device = input_ids.device
+        # Buffers are made outside inference mode so that callers may edit the
+        # returned tensors in place; writing into them inside it is allowed.
+        responses = torch.full((batch, steps_max), self.pad_token_id, dtype=torch.long, device=device)
+        log_probs = torch.zeros((batch, steps_max), dtype=torch.float32, device=device)
+        response_mask = torch.zeros((batch, steps_max), dtype=torch.bool, device=device)
+        routed = None
+        if recorder is not None:
+            assert info is not None
+            routed = torch.full(
+                (batch, prompt_len + steps_max, info.num_layers, info.top_k), -1, dtype=torch.int16, device=device
+            )
+        # The attention mask of every step is a prefix of this one: the prompt's,
+        # then ones (rows that finished keep attending; their outputs are unused).
+        full_mask = torch.ones((batch, prompt_len + steps_max), dtype=torch.long, device=device)
+        full_mask[:, :prompt_len] = prompt_mask
+        # With sdpa, a ready (B, 1, 1, K) boolean mask is used as is, which
+        # saves rebuilding the 4-D mask from the 2-D one at every step.
+        step_masks = full_mask.bool()[:, None, None, :] if self._can_pass_4d_mask() else full_mask
+
+        steps = 0
+        with torch.inference_mode():
+            cache = _new_cache(self.model)
+            # Left padding: a row's first real token sits at position 0, as in
+            # the trainer's forward over prompt + response.
+            position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)
+            logits = self._forward(input_ids, prompt_mask, position_ids, cache)
+            if recorder is not None:
+                routed[:, :prompt_len] = recorder.pop()
+            next_pos = position_ids[:, -1:] + 1
+            finished = torch.zeros(batch, dtype=torch.bool, device=device)
+            pad = torch.full((batch,), self.pad_token_id, dtype=torch.long, device=device)
+            for t in range(steps_max):
+                token, logp = sampler(logits)
+                token = torch.where(finished, pad, token)
+                responses[:, t] = token
+                response_mask[:, t] = ~finished
+                log_probs[:, t] = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill_(finished, 0.0)
+                finished = finished | (token == self.eos_token_id)
+                steps = t + 1
+                # One host sync per step (not per row) to stop early; the
+                # forward below costs far more than this check.
+                if steps == steps_max or bool(finished.all()):
+                    break
+                logits = self._forward(token.unsqueeze(-1), step_masks[..., : prompt_len + t + 1], next_pos, cache)
+                if recorder is not None:
+                    routed[:, prompt_len + t] = recorder.pop()[:, 0]
+                next_pos = next_pos + 1
+
+        out = {
+            "responses": responses[:, :steps].contiguous(),
+            "response_mask": response_mask[:, :steps].contiguous(),
+            "rollout_log_probs": log_probs[:, :steps].contiguous(),
+        }
+        if routed is not None:
+            # Only tokens fed through the model have a routing: a row's last
+            # sampled token (its EOS or the step-limit token) and the pads after
+            # it get -1, as do the prompt's left pads.
+            resp_len = out["response_mask"].sum(dim=-1, keepdim=True)
+            fed = torch.arange(steps, device=device).unsqueeze(0) < resp_len - 1
+            known = torch.cat([prompt_mask.bool(), fed], dim=1)
+            out["routed_experts"] = routed[:, : prompt_len + steps].masked_fill(~known[:, :, None, None], -1)
+        return out
+
+    def _can_pass_4d_mask(self) -> bool:
+        """Whether decode steps may take a boolean (B, 1, 1, K) padding mask instead of the 2-D one."""
+        config = getattr(self.model, "config", None)
+        if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+            return False
+        # Sliding-window or hybrid layers need masks that a padding mask alone does not express.
+        if getattr(config, "sliding_window", None) is not None:
+            return False
+        layer_types = getattr(config, "layer_types", None) or []
+        return all(kind == "full_attention" for kind in layer_types)
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: Any) -> Tensor:
+        """Last-position logits (B, V) of one forward that extends `cache`."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1, :]
+
+
+def _check_args(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    do_sample: bool,
+) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"HFRollout.generate: `input_ids` must be (B, P), got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"HFRollout.generate: `attention_mask` shape {tuple(attention_mask.shape)} differs from "
+            f"`input_ids` shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError("HFRollout.generate: `input_ids` has no prompt tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"HFRollout.generate: `max_new_tokens` must be >= 1, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"HFRollout.generate: `temperature` must be > 0 when sampling, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"HFRollout.generate: `top_p` must be in (0, 1], got {top_p}")
+    if top_k < -1:
+        raise ValueError(f"HFRollout.generate: `top_k` must be >= 0 (or -1 for off), got {top_k}")

@@ -1,0 +1,349 @@
+"""Tests for the HF rollout engine: shapes, EOS handling, padding, log-probs, sampling and routing capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.models.moe_routing import RoutingRecorder, moe_info
+from conveyor.models.tiny import TINY_ARCHS, build_tiny_model
+from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout.hf import HFRollout, _filter_top_k_top_p, _Sampler
+
+MOE_ARCHS = [a for a in TINY_ARCHS if a != "qwen3"]
+PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1="]
+NEVER_EOS = 10_000  # outside the vocabulary: rows only stop at max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    # A wider init than the default makes the logits peaked enough that greedy
+    # choices are far from ties, so padded and unpadded runs agree exactly.
+    return {arch: build_tiny_model(arch, tok, seed=0, initializer_range=0.3).eval() for arch in TINY_ARCHS}
+
+
+def _prompts(tok, texts=PROMPTS):
+    enc = tok(texts, padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _engine(model, tok, eos=None):
+    return HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id if eos is None else eos)
+
+
+def _teacher_forced_log_probs(model, ids, mask, out, temperature):
+    """log_softmax(logits / T) at the response tokens, from one forward over prompt + response."""
+    seq = torch.cat([ids, out["responses"]], dim=1)
+    att = torch.cat([mask, out["response_mask"].long()], dim=1)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=att, position_ids=pos).logits
+    p, r = ids.shape[1], out["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, p - 1 : p + r - 1].float() / temperature, dim=-1)
+    return logp.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1), logits[:, p - 1 : p + r - 1]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_shapes_dtypes_and_full_length(arch, models, tok) -> None:
+    ids, mask = _prompts(tok)
+    out = _engine(models[arch], tok, eos=NEVER_EOS).generate(
+        ids, mask, max_new_tokens=5, generator=torch.Generator().manual_seed(0)
+    )
+    assert set(out) == {"responses", "response_mask", "rollout_log_probs"}
+    assert out["responses"].shape == (4, 5) and out["responses"].dtype == torch.long
+    assert out["response_mask"].shape == (4, 5) and out["response_mask"].dtype == torch.bool
+    assert out["rollout_log_probs"].shape == (4, 5) and out["rollout_log_probs"].dtype == torch.float32
+    assert out["response_mask"].all()
+    assert (out["rollout_log_probs"] < 0).all()
+    assert ((out["responses"] >= 0) & (out["responses"] < len(tok))).all()
+    # Outputs are ordinary tensors: callers may edit them in place.
+    assert not out["responses"].is_inference()
+    out["responses"][0, 0] = 0
+
+
+def test_eos_stops_rows_and_masks_after_it(models, tok) -> None:
+    model = models["qwen3_moe"]
+    ids, mask = _prompts(tok)
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=8, do_sample=False)["responses"]
+    # Pick as EOS the token row 0 emits at step 2 (if it also appeared earlier, the first one counts).
+    eos = int(free[0, 2])
+    out = _engine(model, tok, eos=eos).generate(ids, mask, max_new_tokens=8, do_sample=False)
+    # Expected by hand from the free run: each row cut after its first `eos`, pad after.
+    stops = []
+    for row in free.tolist():
+        stops.append(row.index(eos) + 1 if eos in row else len(row))
+    steps = max(stops)
+    assert out["responses"].shape == (4, steps)
+    for b, stop in enumerate(stops):
+        assert out["responses"][b, :stop].tolist() == free[b, :stop].tolist()
+        assert out["responses"][b, stop:].eq(tok.pad_token_id).all()
+        assert out["response_mask"][b].tolist() == [True] * stop + [False] * (steps - stop)
+        assert out["rollout_log_probs"][b, stop:].eq(0).all()
+        assert out["rollout_log_probs"][b, :stop].lt(0).all()
+    assert stops[0] <= 3
+
+
+def test_stops_as_soon_as_every_row_is_done(models, tok) -> None:
+    model = models["qwen3"]
+    ids, mask = _prompts(tok)
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=1, do_sample=False)["responses"]
+    # Alone in its batch, a row whose first greedy token is the EOS ends the loop after one step.
+    for b in range(ids.shape[0]):
+        out = _engine(model, tok, eos=int(free[b, 0])).generate(
+            ids[b : b + 1], mask[b : b + 1], max_new_tokens=10, do_sample=False
+        )
+        assert out["responses"].shape == (1, 1)
+        assert out["response_mask"].tolist() == [[True]]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_left_padding_gives_the_unpadded_greedy_continuation(arch, models, tok) -> None:
+    model = models[arch]
+    ids, mask = _prompts(tok)
+    assert (mask == 0).any()  # the batch really is left-padded
+    engine = _engine(model, tok, eos=NEVER_EOS)
+    batched = engine.generate(ids, mask, max_new_tokens=6, do_sample=False)
+    for b, text in enumerate(PROMPTS):
+        one_ids, one_mask = _prompts(tok, [text])
+        alone = engine.generate(one_ids, one_mask, max_new_tokens=6, do_sample=False)
+        assert batched["responses"][b].tolist() == alone["responses"][0].tolist()
+        torch.testing.assert_close(batched["rollout_log_probs"][b], alone["rollout_log_probs"][0], atol=1e-5, rtol=0)
+
+
+def test_position_ids_count_real_tokens_only(models, tok) -> None:
+    # Rotary models are blind to a constant shift of positions, so the outputs
+    # alone cannot show this; the trainer computes positions this way, so the
+    # rollout must feed the same ones.
+    model = models["qwen3_moe"]
+    ids, mask = _prompts(tok)
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True
+    )
+    try:
+        _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=4, do_sample=False)
+    finally:
+        handle.remove()
+    assert len(seen) == 4  # prefill + 3 decode steps (the last token is never fed)
+    lengths = mask.sum(-1)
+    expected_prefill = torch.stack([torch.arange(ids.shape[1]) - (ids.shape[1] - n) for n in lengths]).clamp(min=0)
+    assert torch.equal(seen[0], expected_prefill)
+    for t, pos in enumerate(seen[1:]):
+        assert torch.equal(pos, (lengths + t).unsqueeze(-1))
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 0.9)])
+def test_rollout_log_probs_match_a_teacher_forced_forward(arch, temperature, top_k, top_p, models, tok) -> None:
+    model = models[arch]
+    ids, mask = _prompts(tok)
+    # A real EOS so that some rows may stop early and exercise the masking.
+    out = _engine(model, tok).generate(
+        ids, mask, max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p,
+        generator=torch.Generator().manual_seed(1),
+    )
+    expected, logits = _teacher_forced_log_probs(model, ids, mask, out, temperature)
+    m = out["response_mask"]
+    # Scored under the full softmax(logits / T), before any top-k / top-p truncation.
+    torch.testing.assert_close(out["rollout_log_probs"][m], expected[m], atol=1e-5, rtol=0)
+    assert out["rollout_log_probs"][~m].eq(0).all()
+    if top_k > 0:
+        rank = (logits > logits.gather(-1, out["responses"].unsqueeze(-1))).sum(-1)
+        assert (rank[m] < top_k).all()
+
+
+def test_greedy_log_probs_use_temperature_one(models, tok) -> None:
+    model = models["mixtral"]
+    ids, mask = _prompts(tok)
+    out = _engine(model, tok).generate(ids, mask, max_new_tokens=4, do_sample=False, temperature=0.3)
+    expected, logits = _teacher_forced_log_probs(model, ids, mask, out, 1.0)
+    m = out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"][m], expected[m], atol=1e-5, rtol=0)
+    assert torch.equal(out["responses"][m], logits.argmax(-1)[m])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_top_k_one_equals_greedy(arch, models, tok) -> None:
+    ids, mask = _prompts(tok)
+    engine = _engine(models[arch], tok)
+    greedy = engine.generate(ids, mask, max_new_tokens=6, do_sample=False)
+    top1 = engine.generate(ids, mask, max_new_tokens=6, top_k=1, generator=torch.Generator().manual_seed(5))
+    for key in greedy:
+        assert torch.equal(top1[key], greedy[key]), key
+
+
+def test_seeded_generator_is_deterministic(models, tok) -> None:
+    ids, mask = _prompts(tok)
+    engine = _engine(models["olmoe"], tok, eos=NEVER_EOS)
+    runs = [
+        engine.generate(ids, mask, max_new_tokens=8, generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)
+    ]
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
+    assert not torch.equal(runs[0]["responses"], runs[2]["responses"])
+
+
+def _truncated_tempered(logits, temperature, top_k, top_p):
+    """The sampling distribution by hand: tempered softmax, top-k, then the smallest most-likely set reaching top_p."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, token in enumerate(probs.argsort(descending=True).tolist()):
+        if (top_k > 0 and rank >= top_k) or mass >= top_p:
+            break
+        keep[token] = True
+        mass += float(probs[token])
+    expected = torch.where(keep, probs, torch.zeros_like(probs))
+    return expected / expected.sum(), keep
+
+
+def _assert_frequencies(tokens, expected, keep) -> None:
+    n = tokens.numel()
+    freq = torch.bincount(tokens, minlength=expected.numel()).float() / n
+    assert freq[~keep].sum() == 0  # nothing outside the truncated set
+    se = (expected * (1 - expected) / n).sqrt()
+    assert ((freq - expected).abs() <= 5 * se + 1e-3).all(), (freq, expected)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.5, 3, 1.0), (0.6, 0, 1.0), (1.5, 0, 0.8), (1.0, 4, 0.5)])
+def test_sampler_follows_the_truncated_tempered_distribution(temperature, top_k, top_p, models, tok) -> None:
+    ids, _ = _prompts(tok, ["1+2="])
+    with torch.no_grad():
+        logits = models["qwen3_moe"](input_ids=ids).logits[0, -1]
+    n = 20000
+    sampler = _Sampler(temperature, top_k, top_p, True, torch.Generator().manual_seed(0))
+    tokens, logp = sampler(logits.expand(n, -1))
+    expected, keep = _truncated_tempered(logits, temperature, top_k, top_p)
+    _assert_frequencies(tokens, expected, keep)
+    # Scored under the full tempered softmax whatever the truncation.
+    torch.testing.assert_close(logp[0], torch.log_softmax(logits / temperature, dim=-1))
+
+
+def test_generate_samples_from_the_truncated_tempered_distribution(models, tok) -> None:
+    model = models["qwen3_moe"]
+    n, temperature, top_k = 2000, 0.5, 3
+    ids, mask = _prompts(tok, ["1+2="])
+    out = _engine(model, tok).generate(
+        ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1, temperature=temperature, top_k=top_k,
+        generator=torch.Generator().manual_seed(0),
+    )
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1]
+    expected, keep = _truncated_tempered(logits, temperature, top_k, 1.0)
+    _assert_frequencies(out["responses"][:, 0], expected, keep)
+
+
+def test_filter_top_k_top_p_by_hand() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    inf = float("-inf")
+
+    def kept(top_k, top_p):
+        return (_filter_top_k_top_p(logits, top_k, top_p) != inf)[0].tolist()
+
+    assert kept(0, 0.6) == [True, True, False, False]  # 0.5 < 0.6, 0.5 + 0.3 reaches it
+    assert kept(0, 0.85) == [True, True, True, False]
+    assert kept(0, 0.1) == [True, False, False, False]  # the top token is always kept
+    assert kept(2, 1.0) == [True, True, False, False]
+    assert kept(3, 0.6) == [True, True, False, False]
+    shuffled = logits[:, [2, 0, 3, 1]]
+    assert (_filter_top_k_top_p(shuffled, 0, 0.6) != inf)[0].tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routed_experts_match_a_teacher_forced_forward(arch, models, tok) -> None:
+    model = models[arch]
+    info = moe_info(model)
+    ids, mask = _prompts(tok)
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=6, do_sample=False)["responses"]
+    # An EOS that row 0 emits at step 1, so rows end at different steps.
+    out = _engine(model, tok, eos=int(free[0, 1])).generate(
+        ids, mask, max_new_tokens=6, generator=torch.Generator().manual_seed(2), do_sample=False,
+        capture_routing=True,
+    )
+    routed = out["routed_experts"]
+    p, r = ids.shape[1], out["responses"].shape[1]
+    assert routed.shape == (4, p + r, info.num_layers, info.top_k) and routed.dtype == torch.int16
+    assert routed.is_contiguous() and not routed.is_inference()
+
+    # Where -1 must be: prompt pads, each row's last sampled token, and everything after it.
+    resp_len = out["response_mask"].sum(-1)
+    known = torch.zeros(4, p + r, dtype=torch.bool)
+    known[:, :p] = mask.bool()
+    for b in range(4):
+        known[b, p : p + int(resp_len[b]) - 1] = True
+    assert (resp_len < r).any()  # some row ended early
+    assert torch.equal((routed >= 0).all(-1).all(-1), known)
+    assert torch.equal((routed == -1).all(-1).all(-1), ~known)
+
+    seq = torch.cat([ids, out["responses"]], dim=1)
+    att = torch.cat([mask, out["response_mask"].long()], dim=1)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), RoutingRecorder(model) as rec:
+        model(input_ids=seq, attention_mask=att, position_ids=pos)
+        expected = rec.pop()
+    assert torch.equal(routed[known], expected[known])
+
+
+def test_capture_routing_on_a_dense_model_omits_the_key(models, tok) -> None:
+    ids, mask = _prompts(tok)
+    out = _engine(models["qwen3"], tok).generate(ids, mask, max_new_tokens=3, capture_routing=True)
+    assert "routed_experts" not in out
+
+
+def test_training_mode_is_restored_and_no_grad_leaks(models, tok) -> None:
+    model = models["qwen3_moe"]
+    ids, mask = _prompts(tok)
+    model.train()
+    try:
+        out = _engine(model, tok).generate(ids, mask, max_new_tokens=3)
+        assert model.training
+        assert not out["rollout_log_probs"].requires_grad
+    finally:
+        model.eval()
+    _engine(model, tok).generate(ids, mask, max_new_tokens=2)
+    assert not model.training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 2, "temperature": 0.0}, "temperature"),
+        ({"max_new_tokens": 2, "top_p": 0.0}, "top_p"),
+        ({"max_new_tokens": 2, "top_k": -2}, "top_k"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match, models, tok) -> None:
+    ids, mask = _prompts(tok)
+    with pytest.raises(ValueError, match=match):
+        _engine(models["qwen3"], tok).generate(ids, mask, **kwargs)
+
+
+def test_bad_inputs_raise(models, tok) -> None:
+    ids, mask = _prompts(tok)
+    engine = _engine(models["qwen3"], tok)
+    with pytest.raises(ValueError, match="attention_mask"):
+        engine.generate(ids, mask[:, 1:], max_new_tokens=2)
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate(ids[0], mask[0], max_new_tokens=2)
+    empty_row = mask.clone()
+    empty_row[1] = 0
+    with pytest.raises(ValueError, match="all zeros"):
+        engine.generate(ids, empty_row, max_new_tokens=2)
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        engine.generate(ids, mask.flip(-1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        HFRollout(models["qwen3"], pad_token_id=None, eos_token_id=1)
+
+
+def test_greedy_ignores_temperature_zero(models, tok) -> None:
+    ids, mask = _prompts(tok)
+    engine = _engine(models["qwen3"], tok)
+    a = engine.generate(ids, mask, max_new_tokens=3, do_sample=False, temperature=0.0)
+    b = engine.generate(ids, mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(a["responses"], b["responses"])
