@@ -261,6 +261,8 @@ class RolloutMoELoadBalanceMetricsAccumulator:
     def __init__(self, model_config: Any | None = None) -> None:
         self.model_config = model_config
         self.counts: torch.Tensor | None = None
+        # The counts behind the most recent pop_metrics(), kept for saving per-expert load.
+        self.last_counts: torch.Tensor | None = None
         self.num_experts: int | None = None
         self._num_experts_resolved = False
         # First step at which the trainer should ask the data plane for routed_experts again.
@@ -335,6 +337,7 @@ class RolloutMoELoadBalanceMetricsAccumulator:
     def pop_metrics(self, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
         """compute() then reset()."""
         metrics = self.compute(prefix)
+        self.last_counts = self.counts
         self.reset()
         return metrics
 

@@ -12,7 +12,10 @@ longest registered prefix wins, so ``"synthetic/arithmetic/hard"`` uses the
 is registered both as ``"openai/gsm8k"`` (verl's name) and ``"gsm8k"``.
 
 Built in:
-- ``synthetic/arithmetic``: exact match after stripping whitespace.
+- ``synthetic/arithmetic``: 1.0 for an exact match (after stripping
+  whitespace), else partial credit below 0.5 for digits in the right places
+  (``arithmetic_partial_credit``); accuracy is always exact match (score 1.0).
+  ``arithmetic_exact_match`` is the strict 0/1 variant.
 - ``openai/gsm8k`` and ``gsm8k``: the number after the last ``"####"``
   (strict). For the flexible variant, which takes the last number in the
   text, register ``functools.partial(gsm8k_score, method="flexible")`` with
@@ -34,6 +37,7 @@ __all__ = [
     "RewardFn",
     "RewardFunctionError",
     "arithmetic_exact_match",
+    "arithmetic_partial_credit",
     "compute_score",
     "extract_gsm8k_answer",
     "get_reward_fn",
@@ -140,10 +144,27 @@ def compute_score(
     return value
 
 
-@register_reward_fn("synthetic/arithmetic")
 def arithmetic_exact_match(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
     """1.0 when the solution equals the ground truth after stripping surrounding whitespace, else 0.0."""
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+@register_reward_fn("synthetic/arithmetic")
+def arithmetic_partial_credit(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+    """1.0 for an exact answer; else 0.5 x the fraction of digits right when both are right-aligned (0 if not a number).
+
+    A 0/1 reward gives a group of samples no signal until one of them is exactly
+    right; crediting correct digits gives every group a gradient, while any
+    wrong answer stays below half of a right one.
+    """
+    sol, truth = solution_str.strip(), str(ground_truth).strip()
+    if sol == truth:
+        return 1.0
+    if not sol.isdigit() or not truth.isdigit():
+        return 0.0
+    width = max(len(sol), len(truth))
+    matches = sum(a == b for a, b in zip(reversed(sol), reversed(truth)))
+    return 0.5 * matches / width
 
 
 # A number as written in GSM8K text: optional sign and "$", digits with

@@ -1,0 +1,1 @@
+"""Metrics: reduction, data statistics, MoE load balance, trackers and plots."""

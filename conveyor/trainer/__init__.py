@@ -1,0 +1,1 @@
+"""The training loop (`ppo.py`), its set-up, the supervised warm start and checkpoints."""

@@ -1,0 +1,563 @@
+"""The synchronous PPO/GRPO trainer: one step is a pipeline of stages over the data plane.
+
+Read `PPOTrainer.step` top to bottom: every stage is a method that passes a
+handle (`KVBatchMeta`) to a worker group or reads the few fields it needs
+itself, computes, and writes its outputs back to the step's partition. The
+trainer holds no sample tensors between stages. Algorithms are picked by name
+from registries in `conveyor.algos`; nothing here branches on the estimator
+beyond "does it need a critic" and "is a KL term on".
+
+What it deliberately does not do: place workers (the worker groups do),
+reduce metrics across ranks itself (`conveyor.metrics.reduce` does), or know
+how the data plane stores anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from conveyor.algos.advantages import compute_advantage
+from conveyor.algos.correction import bypass_old_log_prob
+from conveyor.algos.kl import apply_kl_penalty, make_kl_controller
+from conveyor.config import Config, config_to_dict, config_to_yaml
+from conveyor.data_plane.base import DataPlane
+from conveyor.metrics.data import compute_data_metrics
+from conveyor.metrics.moe_load_balance import (
+    RolloutMoELoadBalanceMetricsAccumulator,
+    compute_moe_lb_metrics,
+    get_metric_data_with_optional_routed_experts,
+)
+from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
+from conveyor.protocol import KVBatchMeta
+from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_prompt
+from conveyor.trainer import checkpoint as ckpt
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PPOTrainer", "run_training", "NonFiniteError"]
+
+
+class NonFiniteError(ValueError):
+    """A reward, advantage or loss became NaN or infinite; the message names the step and the field."""
+
+
+@contextlib.contextmanager
+def _timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _check_finite(step: int, name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    vals = t[mask.bool()] if mask is not None else t
+    if vals.numel() and not bool(torch.isfinite(vals).all()):
+        bad = int((~torch.isfinite(vals)).sum())
+        raise NonFiniteError(f"step {step}: field {name!r} has {bad} NaN or infinite value(s)")
+
+
+class PPOTrainer:
+    """Drives the stages of each step through the worker groups and the data plane."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        data_plane: DataPlane,
+        workers: Any,
+        tokenizer: Any,
+        train_records: list[dict],
+        val_records: list[dict],
+        tracking: Any,
+        run_dir: Path,
+        model_config: Any = None,
+        prometheus: Any = None,
+    ):
+        self.cfg = cfg
+        self.dp = data_plane
+        self.workers = workers
+        self.tokenizer = tokenizer
+        self.train_data = PromptDataset(train_records, seed=cfg.data.seed)
+        self.val_records = val_records
+        self.tracking = tracking
+        self.run_dir = Path(run_dir)
+        self.prometheus = prometheus
+        self.global_step = 0
+        kc = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
+        self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
+        self.val_history: list[tuple[int, float]] = []
+        arr = cfg.actor_rollout_ref
+        self.capture_routing = arr.rollout.moe_load_balance_metrics_interval > 0 or arr.actor.router_replay.mode == "R3"
+        self.mini_batches_per_epoch = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
+        self.total_optim_steps = cfg.trainer.total_training_steps * arr.actor.ppo_epochs * self.mini_batches_per_epoch
+
+    # ================================================================ the loop
+    def fit(self) -> dict[str, float]:
+        """Run (or continue) training to trainer.total_training_steps; returns the last step's metrics."""
+        t = self.cfg.trainer
+        self._maybe_resume()
+        if self.global_step == 0 and t.val_before_train and self.val_records:
+            self._log(self._validate(), step=0)
+        last: dict[str, float] = {}
+        bar = self._progress_bar()
+        interrupted = False
+        previous_handler = self._install_sigint()
+        try:
+            while self.global_step < t.total_training_steps:
+                self.global_step += 1
+                metrics = self.step()
+                is_last = self.global_step == t.total_training_steps
+                if self.val_records and ((t.test_freq and self.global_step % t.test_freq == 0) or is_last):
+                    metrics.update(self._validate())
+                if (t.save_freq and self.global_step % t.save_freq == 0) or is_last:
+                    self.save_checkpoint()
+                self._log(metrics, step=self.global_step)
+                last = metrics
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+        except KeyboardInterrupt:
+            interrupted = True
+            if t.save_on_interrupt and self.global_step > 0:
+                logger.warning("interrupted: saving a checkpoint of the last finished step before exiting")
+                # The interrupted step did not finish: the checkpoint is of the one before.
+                self.global_step -= 1
+                if self.global_step > 0:
+                    self.save_checkpoint()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            signal.signal(signal.SIGINT, previous_handler) if previous_handler is not None else None
+            if not interrupted:
+                self._report_accuracy()
+        return last
+
+    def step(self) -> dict[str, float]:
+        """One synchronous step; returns its metrics (the partition is cleared whatever happens)."""
+        step = self.global_step
+        part = f"train-{step}"
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        t_start = time.perf_counter()
+        try:
+            with _timer("prompts", timings):
+                meta = self._put_prompts(self.train_data.next_batch(self.cfg.data.train_batch_size), part,
+                                         n=self.cfg.actor_rollout_ref.rollout.n)
+            with _timer("gen", timings):
+                meta, gen_metrics = self._generate(meta, seed=self._seed("gen"))
+            metrics.update(gen_metrics)
+            with _timer("reward", timings):
+                meta = self._compute_reward(meta)
+            with _timer("old_log_prob", timings):
+                meta = self._compute_old_log_prob(meta, metrics)
+            if self.cfg.use_reference:
+                with _timer("ref", timings):
+                    meta = self._compute_ref_log_prob(meta)
+            if self.cfg.use_critic:
+                with _timer("values", timings):
+                    meta = self._compute_values(meta)
+            with _timer("adv", timings):
+                meta = self._compute_advantage(meta, metrics)
+            if self.cfg.use_critic:
+                with _timer("update_critic", timings):
+                    metrics.update(self._update_critic(meta))
+            with _timer("update_actor", timings):
+                metrics.update(self._update_actor(meta))
+            with _timer("metrics", timings):
+                metrics.update(self._compute_metrics(meta, timings))
+            if self.cfg.trainer.dump_freq and step % self.cfg.trainer.dump_freq == 0:
+                self._dump_generations(meta)
+        finally:
+            self.dp.kv_clear(part)
+        timings["step"] = time.perf_counter() - t_start
+        metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
+        n_tokens = metrics.pop("_tokens", 0.0)
+        metrics["perf/total_num_tokens"] = n_tokens
+        metrics["perf/throughput"] = n_tokens / timings["step"] if timings["step"] > 0 else 0.0
+        metrics["training/global_step"] = float(step)
+        metrics["training/epoch"] = float(self.train_data.epoch)
+        return metrics
+
+    # ================================================================ stages
+    def _put_prompts(self, records: list[dict], partition_id: str, n: int) -> KVBatchMeta:
+        """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them."""
+        d = self.cfg.data
+        pad = self.tokenizer.pad_token_id
+        token_lists, texts = [], []
+        for rec in records:
+            text = render_prompt(rec, self.tokenizer)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            try:
+                ids = check_prompt_length(ids, d.max_prompt_length, d.truncation)
+            except ValueError as err:
+                raise ValueError(f"prompt {text[:60]!r} (data_source {rec.get('data_source')!r}): {err}") from err
+            if not ids:
+                raise ValueError(f"prompt {text[:60]!r} is empty after tokenization")
+            token_lists.append(ids)
+            texts.append(text)
+        width = max(len(x) for x in token_lists)
+        rows = len(records) * n
+        prompts = torch.full((rows, width), pad, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.bool)
+        keys, uids, sources, truths, raw, tags = [], [], [], [], [], []
+        for i, (rec, ids) in enumerate(zip(records, token_lists)):
+            uid = f"{partition_id}/p{i}"
+            for j in range(n):
+                r = i * n + j
+                prompts[r, width - len(ids):] = torch.tensor(ids)
+                mask[r, width - len(ids):] = True
+                keys.append(f"{uid}/s{j}")
+                uids.append(uid)
+                sources.append(rec["data_source"])
+                truths.append(str(rec["reward_model"]["ground_truth"]))
+                raw.append(texts[i])
+                tags.append({"seq_len": len(ids)})
+        fields = {"prompts": prompts, "prompt_mask": mask, "uid": uids, "data_source": sources,
+                  "ground_truth": truths, "raw_prompt": raw}
+        return self.dp.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
+
+    def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
+        """Stage 2: the rollout writes responses, response_mask, rollout_log_probs (and routed_experts)."""
+        r = self.cfg.actor_rollout_ref.rollout
+        kw = r.val_kwargs if validate else r
+        greedy = validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0)
+        params = {
+            "max_new_tokens": self.cfg.data.max_response_length,
+            "temperature": 1.0 if greedy else kw.temperature,
+            "top_p": kw.top_p,
+            "top_k": kw.top_k,
+            "do_sample": False if greedy else kw.do_sample,
+            "seed": seed,
+            "capture_routing": self.capture_routing and not validate,
+        }
+        out = self.workers.actor.call("generate_sequences", meta.with_extra_info(**params))
+        metrics = reduce_rank_metrics(out.extra_info, prefix="")
+        gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
+        gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
+        return out, gen
+
+    def _compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 3: rule-based scores by data_source into rm_scores."""
+        return self.workers.reward.call("compute_reward", meta)
+
+    def _compute_old_log_prob(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
+        """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            td = self.dp.get(meta, ["rollout_log_probs"])
+            return self.dp.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])})
+        call = meta.with_extra_info(
+            calculate_entropy=True,
+            compute_loss=False,
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+            routing_agreement=self.capture_routing,
+        )
+        out = self.workers.actor.call("compute_log_prob", call)
+        reduced = reduce_rank_metrics(out.extra_info)
+        metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/")})
+        return out
+
+    def _compute_ref_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 5: ref_log_prob from the frozen reference policy."""
+        call = meta.with_extra_info(temperature=self.cfg.actor_rollout_ref.rollout.temperature, compute_loss=False)
+        return self.workers.ref.call("compute_log_prob", call)
+
+    def _compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 6: values from the critic."""
+        return self.workers.critic.call("compute_values", meta)
+
+    def _compute_advantage(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
+        """Stage 7: token_level_rewards (after any in-reward KL), advantages and returns."""
+        algo = self.cfg.algorithm
+        fields = ["rm_scores", "response_mask", "uid"]
+        if algo.use_kl_in_reward:
+            fields += ["old_log_probs", "ref_log_prob"]
+        if self.cfg.use_critic:
+            fields.append("values")
+        td = self.dp.get(meta, fields)
+        mask = td["response_mask"].bool()
+        _check_finite(self.global_step, "rm_scores", td["rm_scores"], mask)
+        rewards = td["rm_scores"]
+        if algo.use_kl_in_reward:
+            rewards, current_kl = apply_kl_penalty(
+                rewards, td["old_log_probs"], td["ref_log_prob"], mask, kl_coef=self.kl_ctrl.value, kind=algo.kl_penalty
+            )
+            self.kl_ctrl.update(current_kl, n_steps=self.cfg.data.train_batch_size)
+            metrics["actor/reward_kl_penalty"] = current_kl
+            metrics["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
+        advantages, returns = compute_advantage(
+            algo.adv_estimator, rewards, mask,
+            values=td["values"] if self.cfg.use_critic else None,
+            group_index=list(td["uid"]),
+            gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+        )
+        _check_finite(self.global_step, "advantages", advantages, mask)
+        return self.dp.put(meta, {"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
+
+    def _mini_batches(self, meta: KVBatchMeta, mini_batch_prompts: int, epochs: int, shuffle: bool, salt: str) -> list[KVBatchMeta]:
+        """The handles of each optimizer step: `epochs` passes, each split into mini-batches of whole samples."""
+        n = self.cfg.actor_rollout_ref.rollout.n
+        size = mini_batch_prompts * n
+        gen = torch.Generator().manual_seed(self._seed(salt))
+        out = []
+        for _ in range(epochs):
+            order = torch.randperm(len(meta), generator=gen).tolist() if shuffle else list(range(len(meta)))
+            out.extend(meta.select(order[i : i + size]) for i in range(0, len(order), size))
+        return out
+
+    def _update_critic(self, meta: KVBatchMeta) -> dict[str, float]:
+        """Stage 8a: critic optimizer steps over mini-batches."""
+        c = self.cfg.critic
+        results = []
+        for mb in self._mini_batches(meta, c.ppo_mini_batch_size, c.ppo_epochs, True, "critic"):
+            out = self.workers.critic.call("update_critic", mb.with_extra_info(total_optim_steps=self.total_optim_steps))
+            results.append(reduce_rank_metrics(out.extra_info))
+        merged = mean_over_calls(results)
+        return {(k if k.startswith("critic/") else f"critic/{k}"): v for k, v in merged.items()}
+
+    def _update_actor(self, meta: KVBatchMeta) -> dict[str, float]:
+        """Stage 8b: PPO epochs over mini-batches, one actor optimizer step each."""
+        a = self.cfg.actor_rollout_ref.actor
+        results = []
+        for mb in self._mini_batches(meta, a.ppo_mini_batch_size, a.ppo_epochs, a.shuffle, "actor"):
+            call = mb.with_extra_info(
+                temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                compute_loss=True,
+                total_optim_steps=self.total_optim_steps,
+            )
+            out = self.workers.actor.call("update_actor", call)
+            results.append(reduce_rank_metrics(out.extra_info))
+        merged = mean_over_calls(results)
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"):
+            if key in merged and not math.isfinite(merged[key]) and key == "actor/pg_loss":
+                raise NonFiniteError(f"step {self.global_step}: field 'actor/pg_loss' is not finite ({merged[key]})")
+        return {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in merged.items()}
+
+    def _compute_metrics(self, meta: KVBatchMeta, timings: dict[str, float]) -> dict[str, float]:
+        """Stage 9: data metrics of the step (and, every interval, MoE router load balance)."""
+        fields = ["rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask",
+                  "rollout_log_probs", "old_log_probs"]
+        if self.cfg.use_critic:
+            fields.append("values")
+        interval = self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval
+        td = get_metric_data_with_optional_routed_experts(
+            meta.keys, meta.partition_id, fields, interval, self.global_step, self.moe_acc, self.dp.kv_batch_get
+        )
+        metrics = compute_data_metrics(td, use_critic=self.cfg.use_critic,
+                                       max_response_length=self.cfg.data.max_response_length)
+        with _timer("moe_metrics", timings):
+            moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
+        if moe:
+            metrics.update(moe)
+            self._save_expert_load()
+        return metrics
+
+    # ================================================================ validation
+    def _validate(self) -> dict[str, float]:
+        """Greedy decoding on the held-out prompts: val/accuracy (score >= 1) and val/reward."""
+        part = f"val-{self.global_step}"
+        try:
+            meta = self._put_prompts(self.val_records, part, n=self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+            meta, _ = self._generate(meta, seed=self._seed("val"), validate=True)
+            meta = self._compute_reward(meta)
+            td = self.dp.get(meta, ["acc", "data_source", "response_mask"])
+        finally:
+            self.dp.kv_clear(part)
+        scores = td["acc"].float()
+        correct = (scores >= 1.0).float()
+        out = {"val/accuracy": float(correct.mean()), "val/reward": float(scores.mean()),
+               "val/response_length": float(td["response_mask"].sum(-1).float().mean())}
+        sources = list(td["data_source"])
+        if len(set(sources)) > 1:
+            for src in sorted(set(sources)):
+                idx = torch.tensor([s == src for s in sources])
+                out[f"val/accuracy/{src}"] = float(correct[idx].mean())
+        self.val_history.append((self.global_step, out["val/accuracy"]))
+        return out
+
+    def _report_accuracy(self) -> None:
+        if len(self.val_history) < 2:
+            return
+        first_step, first = self.val_history[0]
+        last_step, last = self.val_history[-1]
+        ratio = f"{last / first:.1f}x" if first > 0 else "n/a (step-0 accuracy is 0)"
+        msg = (f"held-out exact-match accuracy: step {first_step} = {first:.3f}, step {last_step} = {last:.3f} "
+               f"({ratio})")
+        print(msg, flush=True)
+
+    # ================================================================ outputs
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self.tracking.log(metrics, step=step)
+        if self.prometheus is not None:
+            self.prometheus.update(metrics, step)
+
+    def _save_expert_load(self) -> None:
+        counts = getattr(self.moe_acc, "last_counts", None)
+        if counts is None:
+            return
+        import json
+
+        record = {"step": self.global_step, "num_experts": int(counts.shape[1]), "counts": counts.tolist()}
+        with open(self.run_dir / "moe_expert_load.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _dump_generations(self, meta: KVBatchMeta) -> None:
+        from conveyor.metrics.dumps import write_generations
+
+        k = min(self.cfg.trainer.dump_num, len(meta))
+        sub = meta.select(list(range(k)))
+        td = self.dp.get(sub, ["raw_prompt", "responses", "response_mask", "ground_truth", "data_source", "acc",
+                               "advantages"])
+        rows = []
+        for i in range(k):
+            n = int(td["response_mask"][i].sum())
+            rows.append({
+                "prompt": td["raw_prompt"][i],
+                "response": self.tokenizer.decode(td["responses"][i][:n].tolist(), skip_special_tokens=True),
+                "ground_truth": td["ground_truth"][i],
+                "data_source": td["data_source"][i],
+                "reward": float(td["acc"][i]),
+                "advantage": float(td["advantages"][i][:max(n, 1)].mean()),
+                "key": sub.keys[i],
+            })
+        write_generations(self.run_dir, self.global_step, rows)
+
+    def _progress_bar(self):
+        t = self.cfg.trainer
+        if not t.progress_bar or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=t.total_training_steps, initial=self.global_step, desc="train", unit="step", file=sys.stderr)
+
+    def _seed(self, salt: str) -> int:
+        """A seed that depends only on (trainer.seed, step, purpose): resumed runs sample the same."""
+        code = sum(ord(c) * 31**i for i, c in enumerate(salt)) % 1_000_003
+        return (self.cfg.trainer.seed * 1_000_003 + self.global_step * 7_919 + code) % (2**62)
+
+    def _install_sigint(self):
+        # Python's default handler raises KeyboardInterrupt, which fit() turns
+        # into a checkpoint; only restore whatever handler was there after.
+        try:
+            return signal.getsignal(signal.SIGINT)
+        except (ValueError, TypeError):
+            return None
+
+    # ================================================================ checkpoints
+    @property
+    def ckpt_root(self) -> Path:
+        """Where checkpoints go."""
+        return self.run_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Write model, optimizer, data order and RNG states of the current step."""
+        parts = {"actor": self.workers.actor.call_rank0("state_dict")}
+        if self.workers.critic is not None:
+            parts["critic"] = self.workers.critic.call_rank0("state_dict")
+        parts["trainer_state"] = {
+            "global_step": self.global_step,
+            "dataset": self.train_data.state_dict(),
+            "rng": ckpt.rng_state(),
+            "kl_coef": float(self.kl_ctrl.value),
+            "moe_counts": self.moe_acc.counts,
+            "moe_retry_step": self.moe_acc.routed_experts_retry_step,
+            "val_history": list(self.val_history),
+        }
+        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, parts, self.cfg.trainer.max_ckpt_to_keep)
+
+    def _maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        path = Path(t.resume_from_path) if t.resume_mode == "resume_path" else ckpt.latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return
+        parts = ckpt.load_checkpoint(path)
+        self.workers.actor.call_all("load_state_dict", parts["actor"])
+        if self.workers.critic is not None:
+            if "critic" not in parts:
+                raise ValueError(f"checkpoint {path} has no critic state but this run uses a critic")
+            self.workers.critic.call_all("load_state_dict", parts["critic"])
+        st = parts["trainer_state"]
+        self.global_step = int(st["global_step"])
+        self.train_data.load_state_dict(st["dataset"])
+        ckpt.set_rng_state(st["rng"])
+        self.kl_ctrl.value = st["kl_coef"]
+        self.moe_acc.counts = st.get("moe_counts")
+        self.moe_acc.routed_experts_retry_step = st.get("moe_retry_step", 0)
+        self.val_history = [tuple(x) for x in st.get("val_history", [])]
+        logger.info("resumed from %s (step %d)", path, self.global_step)
+
+
+def run_training(cfg: Config) -> dict[str, float]:
+    """Build everything from `cfg`, train, and close the data plane (and workers) whatever happens."""
+    from conveyor.metrics.trackers import Tracking
+    from conveyor.models.loading import load_tokenizer
+    from conveyor.trainer.setup import build_data_plane, build_worker_groups, load_prompt_records, prepare_default_model
+
+    import transformers
+
+    # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
+    transformers.utils.logging.disable_progress_bar()
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    torch.manual_seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed % 2**32)
+
+    model_path = prepare_default_model(cfg)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
+    train_records, val_records = load_prompt_records(cfg)
+
+    registry = server = gauges = None
+    if cfg.trainer.prometheus.enabled:
+        from prometheus_client import CollectorRegistry
+
+        from conveyor.data_plane.prometheus import serve_registry
+        from conveyor.metrics.train_prometheus import TrainingGauges
+
+        registry = CollectorRegistry()
+        gauges = TrainingGauges(registry)
+        server, port = serve_registry(registry, cfg.trainer.prometheus.host, cfg.trainer.prometheus.port)
+        logger.info("training metrics for Prometheus at http://%s:%d/metrics", cfg.trainer.prometheus.host, port)
+
+    data_plane = None
+    workers = None
+    tracking = None
+    failed = True
+    try:
+        data_plane = build_data_plane(cfg, registry=registry)
+        workers = build_worker_groups(cfg, model_path, data_plane, tokenizer)
+        from transformers import AutoConfig
+
+        tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
+                            experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+        trainer = PPOTrainer(
+            cfg, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
+            val_records=val_records, tracking=tracking, run_dir=run_dir,
+            model_config=AutoConfig.from_pretrained(model_path), prometheus=gauges,
+        )
+        result = trainer.fit()
+        failed = False
+        return result
+    finally:
+        if tracking is not None:
+            tracking.close(failed=failed)
+        if workers is not None:
+            workers.shutdown()
+        if data_plane is not None:
+            data_plane.close()
+        if server is not None:
+            server.shutdown()

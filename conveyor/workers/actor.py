@@ -1,0 +1,327 @@
+"""The policy worker: rollout, log-probs and the PPO update of one rank; also serves as the frozen reference.
+
+Every endpoint takes a handle, reads the fields it needs from the data plane,
+computes, writes its outputs back and returns a handle whose `extra_info` holds
+this rank's metrics (token-weighted ones as `@sum`/`@count` pairs, see
+`conveyor.metrics.reduce`) and memory figures. It knows its rank and world size
+only to all-reduce gradients and normalisers; where it runs is the worker
+group's business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from conveyor.algos.kl import kl_penalty
+from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.algos.losses import agg_loss, get_policy_loss
+from conveyor.algos.correction import compute_rollout_is_weights
+from conveyor.config import Config
+from conveyor.data_plane.base import DataPlane
+from conveyor.metrics.reduce import weighted
+from conveyor.models.loading import load_causal_lm, load_tokenizer
+from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreement, moe_info, replay_routing
+from conveyor.protocol import KVBatchMeta
+from conveyor.rollout.hf import HFRollout
+from conveyor.workers import dist
+from conveyor.workers.perf import memory_metrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PolicyWorker", "sequence_inputs", "lr_factor"]
+
+
+def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids), each (B, P+R), from left-padded prompts and right-padded responses."""
+    input_ids = torch.cat([td["prompts"], td["responses"]], dim=1)
+    attention_mask = torch.cat([td["prompt_mask"].long(), td["response_mask"].long()], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def lr_factor(step: int, warmup: int, total: int, scheduler: str, min_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer-schedule step `step` (0-based): linear warm-up then constant or cosine."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if scheduler == "cosine":
+        span = max(1, total - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+class PolicyWorker:
+    """One rank of the actor (role "actor": rollout + update) or of the reference policy (role "ref")."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        model_path: str,
+        data_plane: DataPlane,
+        role: str = "actor",
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+    ):
+        assert role in ("actor", "ref")
+        self.cfg = cfg
+        self.role = role
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        self.dp = data_plane
+        arr = cfg.actor_rollout_ref
+        self.model = load_causal_lm(model_path, dtype=arr.model.dtype, device=self.device)
+        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path)
+        self.moe = moe_info(self.model)
+        if role == "ref":
+            self.model.requires_grad_(False)
+            self.model.eval()
+            self.optimizer = None
+        else:
+            optim = arr.actor.optim
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+            )
+            self.rollout = HFRollout(
+                self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id
+            )
+        self.optim_steps = 0  # optimizer steps taken, drives the lr schedule
+
+    # ------------------------------------------------------------------ helpers
+    def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
+        info = dict(metrics)
+        info.update(memory_metrics(self.device))
+        return KVBatchMeta(meta.keys, meta.partition_id, list(dict.fromkeys(meta.fields + fields)), meta.tags, info)
+
+    def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
+        return self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(self.device)
+
+    def _put(self, meta: KVBatchMeta, fields: dict[str, Any]) -> None:
+        cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+        self.dp.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
+
+    def _forward(
+        self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
+        record_routing: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
+        input_ids, attention_mask, position_ids = sequence_inputs(td)
+        resp_len = td["responses"].shape[1]
+        replay = replay_routing(self.model, routed_experts) if routed_experts is not None else contextlib.nullcontext()
+        recorder = RoutingRecorder(self.model) if record_routing else None
+        with replay, (recorder if recorder is not None else contextlib.nullcontext()):
+            # Only the positions that predict response tokens need the LM head.
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=resp_len + 1,
+            )
+            own_routing = recorder.pop() if recorder is not None else None
+        logits = out.logits[:, :-1, :].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy)
+        return log_probs, entropy, own_routing
+
+    def _micro_batches(self, n: int, size: int) -> list[slice]:
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    # ------------------------------------------------------------------ endpoints
+    def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Sample responses for the handle's prompts: writes responses, response_mask, rollout_log_probs (+ routed_experts)."""
+        info = meta.extra_info
+        td = self._get(meta, ["prompts", "prompt_mask"])
+        generator = None
+        if info.get("seed") is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(info["seed"]) + 7919 * self.rank)
+        t0 = time.perf_counter()
+        out = self.rollout.generate(
+            td["prompts"],
+            td["prompt_mask"],
+            max_new_tokens=int(info["max_new_tokens"]),
+            temperature=float(info.get("temperature", 1.0)),
+            top_p=float(info.get("top_p", 1.0)),
+            top_k=int(info.get("top_k", 0)),
+            do_sample=bool(info.get("do_sample", True)),
+            generator=generator,
+            capture_routing=bool(info.get("capture_routing", False)),
+        )
+        elapsed = time.perf_counter() - t0
+        fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
+        if "routed_experts" in out:
+            from conveyor.models.moe_routing import routed_experts_dtype
+
+            fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
+        self._put(meta, fields)
+        n_tokens = float(out["response_mask"].sum())
+        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed}
+        return self._result(meta, list(fields), metrics)
+
+    @torch.no_grad()
+    def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Forward without grad: writes old_log_probs (+ entropy) for the actor, ref_log_prob for the reference."""
+        info = meta.extra_info
+        temperature = float(info.get("temperature", 1.0))
+        with_entropy = bool(info.get("calculate_entropy", False)) and self.role == "actor"
+        replay_on = self.role == "actor" and self.cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
+        want_agreement = self.role == "actor" and self.moe is not None and bool(info.get("routing_agreement", False))
+        fields = ["prompts", "prompt_mask", "responses", "response_mask"]
+        if replay_on or want_agreement:
+            fields.append("routed_experts")
+        td = self._get(meta, fields)
+        micro = (
+            self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+            if self.role == "actor"
+            else self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        )
+        self.model.eval()
+        lps, ents, agree_sum, agree_n = [], [], 0.0, 0
+        for sl in self._micro_batches(len(td), micro):
+            mb = td[sl]
+            routed = mb["routed_experts"].long() if replay_on else None
+            lp, ent, own = self._forward(mb, temperature, with_entropy, routed, record_routing=want_agreement and not replay_on)
+            lps.append(lp)
+            if ent is not None:
+                ents.append(ent)
+            if want_agreement and own is not None:
+                valid = torch.cat([mb["prompt_mask"].bool(), mb["response_mask"].bool()], dim=1)
+                frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
+                if not math.isnan(frac):
+                    n = int(valid.sum())
+                    agree_sum += frac * n
+                    agree_n += n
+        mask = td["response_mask"].bool()
+        log_probs = torch.cat(lps) * mask
+        metrics: dict[str, float] = {}
+        if self.role == "ref":
+            out = {"ref_log_prob": log_probs}
+        else:
+            out = {"old_log_probs": log_probs}
+            if ents:
+                entropy = torch.cat(ents) * mask
+                out["entropy"] = entropy
+                metrics.update(weighted("actor/entropy", float(entropy.sum()), float(mask.sum())))
+            if agree_n:
+                metrics.update(weighted("actor/moe/routing_agreement", agree_sum, agree_n))
+        self._put(meta, out)
+        return self._result(meta, list(out), metrics)
+
+    def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""
+        assert self.role == "actor", "the reference policy is never updated"
+        acfg = self.cfg.actor_rollout_ref.actor
+        algo = self.cfg.algorithm
+        info = meta.extra_info
+        temperature = float(info.get("temperature", 1.0))
+        use_is = algo.rollout_correction.rollout_is is not None
+        replay_on = acfg.router_replay.mode == "R3" and self.moe is not None
+        fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        if acfg.use_kl_loss:
+            fields.append("ref_log_prob")
+        if use_is:
+            fields.append("rollout_log_probs")
+        if replay_on:
+            fields.append("routed_experts")
+        td = self._get(meta, fields)
+        mask = td["response_mask"].bool()
+
+        # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
+        counts = torch.tensor([float(mask.sum()), float(len(td))], dtype=torch.float64)
+        dist.all_reduce_sum(counts, self.world_size)
+        num_tokens, num_seqs = counts[0].item(), counts[1].item()
+
+        factor = lr_factor(self.optim_steps, acfg.optim.lr_warmup_steps, int(info.get("total_optim_steps", 1)),
+                           acfg.optim.lr_scheduler, acfg.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = acfg.optim.lr * factor
+        policy_loss_fn = get_policy_loss(acfg.policy_loss.loss_mode)
+        low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
+        high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+
+        def add(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + float(value)
+
+        for sl in self._micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu):
+            mb = td[sl]
+            mmask = mb["response_mask"].bool()
+            ntok = float(mmask.sum())
+            routed = mb["routed_experts"].long() if replay_on else None
+            log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0, routed)
+            is_weights = None
+            if use_is:
+                is_weights, _ = compute_rollout_is_weights(
+                    mb["old_log_probs"], mb["rollout_log_probs"], mmask,
+                    level=algo.rollout_correction.rollout_is, threshold=algo.rollout_correction.rollout_is_threshold,
+                )
+            pg_loss, pg_m = policy_loss_fn(
+                mb["old_log_probs"], log_prob, mb["advantages"], mmask,
+                clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=acfg.clip_ratio_c,
+                loss_agg_mode=acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, is_weights=is_weights,
+            )
+            loss = pg_loss
+            if entropy is not None:
+                ent_loss = agg_loss(entropy, mmask, acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss = loss - acfg.entropy_coeff * ent_loss
+                add("actor/entropy_loss@sum", ent_loss.item())
+            if acfg.use_kl_loss:
+                kl = kl_penalty(log_prob, mb["ref_log_prob"], acfg.kl_loss_type)
+                kl_loss = agg_loss(kl, mmask, acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss = loss + acfg.kl_loss_coef * kl_loss
+                add("actor/kl_loss@sum", kl_loss.item())
+            loss.backward()
+            add("actor/pg_loss@sum", pg_loss.item())
+            for name, value in pg_m.items():
+                # pg_m holds micro-batch token means; weight them back into sums.
+                add(f"actor/{name}@sum", float(value) * ntok)
+                add(f"actor/{name}@count", ntok)
+
+        dist.all_reduce_grads(self.model, self.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), acfg.grad_clip)
+        metrics = dict(sums)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)
+            metrics["actor/skipped_steps@sum"] = 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optim_steps += 1
+        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/lr"] = acfg.optim.lr * factor
+        return self._result(meta, [], metrics)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state of this rank (rank 0's is what a checkpoint keeps)."""
+        state = {"model": self.model.state_dict(), "optim_steps": self.optim_steps}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore model and optimizer state."""
+        self.model.load_state_dict(state["model"])
+        self.optim_steps = int(state.get("optim_steps", 0))
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_hf(self, path: str) -> str:
+        """Write the current policy as a Hugging Face checkpoint directory (for serving or evaluation)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path

@@ -1,0 +1,43 @@
+"""Suite-wide fixtures: one model cache per test session, tiny run configs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _conveyor_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Build tiny models into a session-local cache, never the user's ~/.cache."""
+    old = os.environ.get("CONVEYOR_CACHE")
+    path = tmp_path_factory.mktemp("conveyor-cache")
+    os.environ["CONVEYOR_CACHE"] = str(path)
+    yield str(path)
+    if old is None:
+        os.environ.pop("CONVEYOR_CACHE", None)
+    else:
+        os.environ["CONVEYOR_CACHE"] = old
+
+
+# A run small enough for a test: 4 prompts x 2 samples, 2 steps, no warm start.
+TINY_RUN = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "critic.ppo_mini_batch_size=2",
+    "data.synthetic.num_train=64",
+    "data.synthetic.num_val=8",
+    "actor_rollout_ref.model.tiny.warmstart_steps=0",
+    "trainer.total_training_steps=2",
+    "trainer.test_freq=0",
+    "trainer.logger=[jsonl]",
+    "trainer.progress_bar=false",
+    "trainer.dump_freq=0",
+]
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """Overrides for a tiny run writing into tmp_path."""
+    return TINY_RUN + [f"trainer.default_local_dir={tmp_path}"]
