@@ -377,7 +377,8 @@ def compute_moe_lb_metrics(
     metrics = accumulator.pop_metrics()
     metrics[f"{DEFAULT_PREFIX}/routed_experts_found"] = 1.0 if assignments > 0 else 0.0
     metrics[f"{DEFAULT_PREFIX}/routed_expert_assignments"] = float(assignments)
-    if not counted and assignments == 0:
+    # One warning per cause: a missing routed_experts field was already reported.
+    if not counted and assignments == 0 and "missing_routed_experts" not in accumulator._warned_keys:
         accumulator.warn_skip_once(
             "no_routed_expert_counts",
             "MoE load-balance metrics are enabled but no routed expert assignments were counted "
@@ -422,6 +423,6 @@ def get_metric_data_with_optional_routed_experts(
     accumulator.warn_skip_once(
         "missing_routed_experts",
         f"Skipping MoE load-balance metrics: {missing}; will ask again at step "
-        f"{accumulator.routed_experts_retry_step} (is routed-expert capture on in the rollout?)",
+        f"{accumulator.routed_experts_retry_step} (dense models have no routing; for MoE models the rollout records it when this interval is > 0)",
     )
     return data
