@@ -1,34 +1,40 @@
 # Two commands do all the set-up on a fresh machine: `make train` and `make test`.
 # Both create .venv if missing and install conveyor into it; a second run only
-# checks that the install is current (a stamp file newer than pyproject.toml).
+# checks that the install is current (stamp files newer than pyproject.toml).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch; a GPU machine can pass TORCH_SPEC=torch (any build it has).
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,plot,tensorboard,wandb,mlflow,ray
-STAMP := $(VENV)/.installed
+BASE_STAMP := $(VENV)/.installed-base
+DEV_STAMP := $(VENV)/.installed-dev
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install train test bench clean
+.PHONY: install install-dev train test bench clean
 
-install: $(STAMP)
+install: $(BASE_STAMP)
+install-dev: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	@touch $(STAMP)
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[plot]"
+	@touch $@
+
+# Test-only extras: pytest, hypothesis and the optional backends the tests exercise for real.
+$(DEV_STAMP): $(BASE_STAMP)
+	$(PIP) -e ".[dev]"
+	@touch $@
 
 train: install
 	$(VENV)/bin/conveyor train $(ARGS)
 
-test: install
+test: install-dev
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-bench: install
-	$(PY) -m pip install -q -r benchmarks/requirements.txt
+bench: install-dev
+	$(PIP) -r benchmarks/requirements.txt
 	$(PY) benchmarks/run_all.py
 
 clean:

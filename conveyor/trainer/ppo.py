@@ -113,29 +113,39 @@ class PPOTrainer:
         last: dict[str, float] = {}
         bar = self._progress_bar()
         interrupted = False
+        stopping = False  # the loop itself stopped, on Ctrl-C, between two steps
+        saved_step = self.global_step  # a resumed run starts at a saved step
+        self._stop_requested = False
         previous_handler = self._install_sigint()
         try:
             while self.global_step < t.total_training_steps:
+                if self._stop_requested:
+                    stopping = True
+                    raise KeyboardInterrupt
                 self.global_step += 1
                 metrics = self.step()
                 is_last = self.global_step == t.total_training_steps
                 if self.val_records and ((t.test_freq and self.global_step % t.test_freq == 0) or is_last):
                     metrics.update(self._validate())
+                # Logged before saved: a crash in between makes the resumed run repeat the
+                # step (the metrics reader keeps its last record) rather than lose its record.
+                self._log(metrics, step=self.global_step)
                 if (t.save_freq and self.global_step % t.save_freq == 0) or is_last:
                     self.save_checkpoint()
-                self._log(metrics, step=self.global_step)
+                    saved_step = self.global_step
                 last = metrics
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
         except KeyboardInterrupt:
             interrupted = True
-            if t.save_on_interrupt and self.global_step > 0:
-                logger.warning("interrupted: saving a checkpoint of the last finished step before exiting")
-                # The interrupted step did not finish: the checkpoint is of the one before.
-                self.global_step -= 1
-                if self.global_step > 0:
-                    self.save_checkpoint()
+            if stopping and self.global_step > saved_step:
+                self.save_checkpoint()
+            elif not stopping and self.global_step > saved_step:
+                # The step had advanced the prompt order and maybe the model: a checkpoint
+                # now would describe no step, so the newest one stays the last good state.
+                logger.warning("interrupted in the middle of step %d: nothing saved; a resumed run repeats it",
+                               self.global_step)
             raise
         finally:
             if bar is not None:
@@ -340,9 +350,8 @@ class PPOTrainer:
             out = self.workers.actor.call("update_actor", call)
             results.append(reduce_rank_metrics(out.extra_info))
         merged = mean_over_calls(results)
-        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"):
-            if key in merged and not math.isfinite(merged[key]) and key == "actor/pg_loss":
-                raise NonFiniteError(f"step {self.global_step}: field 'actor/pg_loss' is not finite ({merged[key]})")
+        if not math.isfinite(merged.get("actor/pg_loss", 0.0)):
+            raise NonFiniteError(f"step {self.global_step}: field 'actor/pg_loss' is not finite ({merged['actor/pg_loss']})")
         return {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in merged.items()}
 
     def _compute_metrics(self, meta: KVBatchMeta, timings: dict[str, float]) -> dict[str, float]:
@@ -448,12 +457,25 @@ class PPOTrainer:
         return (self.cfg.trainer.seed * 1_000_003 + self.global_step * 7_919 + code) % (2**62)
 
     def _install_sigint(self):
-        # Python's default handler raises KeyboardInterrupt, which fit() turns
-        # into a checkpoint; only restore whatever handler was there after.
-        try:
-            return signal.getsignal(signal.SIGINT)
-        except (ValueError, TypeError):
+        # A step stopped half-way has advanced the prompt order and maybe the
+        # model, so no checkpoint can describe it: with save_on_interrupt the
+        # first Ctrl-C lets the running step finish (fit then saves it), a
+        # second one stops at once. Returns the handler to restore afterwards.
+        if not self.cfg.trainer.save_on_interrupt:
             return None
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._on_sigint)
+        except (ValueError, TypeError):  # not the main thread, where Ctrl-C never arrives anyway
+            return None
+        return previous if previous is not None else signal.default_int_handler
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        logger.warning("Ctrl-C: finishing step %d, then saving a checkpoint and stopping "
+                       "(press Ctrl-C again to stop at once, without saving it)", self.global_step)
 
     # ================================================================ checkpoints
     @property
@@ -506,11 +528,13 @@ def run_training(cfg: Config) -> dict[str, float]:
     from conveyor.metrics.trackers import Tracking
     from conveyor.models.loading import load_tokenizer
     from conveyor.trainer.setup import build_data_plane, build_worker_groups, load_prompt_records, prepare_default_model
+    from conveyor.trainer.setup import resolve_device
 
     import transformers
 
     # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
     transformers.utils.logging.disable_progress_bar()
+    resolve_device(cfg)  # an unusable device fails before anything is built or written
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
