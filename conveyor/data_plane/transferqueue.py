@@ -1,0 +1,822 @@
+"""The `transferqueue` data plane: an adapter onto the TransferQueue package (`pip install 'conveyor[transferqueue]'`).
+
+TransferQueue keeps samples in storage processes (by default its
+`SimpleStorage` units, Ray actors reached over ZMQ) under a controller actor
+that maps user keys to sample slots and tracks which fields each sample has.
+This adapter starts that controller and storage with the package's own config
+(passed through unchanged from `transfer_queue.transferqueue.*`), or attaches
+to a running one, and implements conveyor's `DataPlane` on top with conveyor's
+guarantees, which the package alone does not give:
+
+- the package returns every multi-dimensional tensor field as a jagged nested
+  tensor and may cast a list of tensors to one dtype; the adapter records each
+  field's kind (dense, ragged, list), dtype and row shape per partition and
+  rebuilds exactly what was put (dense stays dense, without a copy where the
+  returned buffer allows it);
+- list columns are stored pickled, one value per sample, so any Python value
+  (and tensors of mixed dtypes) comes back as it was;
+- a missing key or field is a `FieldNotFoundError` naming what is missing and
+  the partition; the package's own "not found" errors are translated;
+- a put whose field kind, row shape or dtype differs from what the partition
+  holds is refused before anything is written.
+
+The per-partition field record lives in the controller itself (as the tags of
+a shadow partition named `__conveyor_schema__/<partition>`), so every process
+that attaches to the same controller sees it.
+
+Ray is needed (the package's controller and storage units are Ray actors): the
+adapter starts a local Ray when none is running and asks for a fraction of a
+logical CPU per actor, so it fits next to the trainer on a 2-core machine.
+Every wait is bounded by `timeout_s`.
+
+It deliberately does not: expose the package's samplers, consumption tracking
+or streaming dataloader; move tensors between devices; or manage Mooncake or
+Yuanrong binaries (their bootstrap is the package's, started and stopped as the
+package does it, with the processes it starts stopped on `close()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import difflib
+import logging
+import os
+import pickle
+import threading
+import uuid
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any, Iterable, Sequence
+
+import ray
+import torch
+import transfer_queue
+from omegaconf import DictConfig, OmegaConf
+from tensordict import NonTensorStack, TensorDict
+from transfer_queue.client import AsyncTransferQueueClient
+from transfer_queue.controller import TransferQueueController
+from transfer_queue.sampler import BaseSampler
+from transfer_queue.storage import StorageKeyNotFoundError
+from transfer_queue.storage.bootstrap import StorageBootstrapProvider
+from transfer_queue.storage.simple_storage import SimpleStorageUnit
+from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
+
+from conveyor.data_plane.base import DataPlane, FieldNotFoundError, field_items
+from conveyor.data_plane.memory import _DENSE, _LIST, _NESTED, _column_kind
+from conveyor.protocol import KVBatchMeta
+
+__all__ = ["TransferQueueDataPlane", "SCHEMA_PREFIX", "NAMESPACE"]
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "transfer_queue"  # the Ray namespace the package keeps its controller in
+SCHEMA_PREFIX = "__conveyor_schema__/"  # shadow partitions holding each partition's field record
+_CONFIG_KEY = "transfer_queue.transferqueue"
+_RAY_LOCAL_CPUS = 4  # logical CPUs of a Ray started here: a count, not a reservation of cores
+
+
+def _default_config() -> DictConfig:
+    """The package's own defaults (its config.yaml), objects allowed (a sampler may be an instance)."""
+    conf = OmegaConf.create({}, flags={"allow_objects": True})
+    return OmegaConf.merge(conf, OmegaConf.load(resources.files("transfer_queue") / "config.yaml"))
+
+
+def _check_keys(given: Mapping, default: Any, path: str) -> None:
+    """Refuse keys the package's config does not have, suggesting the nearest one."""
+    if not isinstance(default, Mapping) or not default:
+        return  # a free-form entry (e.g. ucx_env_vars, RayStore): anything goes
+    for key, value in given.items():
+        if key not in default:
+            near = difflib.get_close_matches(str(key), [str(k) for k in default], n=1)
+            hint = f"; did you mean {path}.{near[0]}?" if near else f"; valid keys: {sorted(default)}"
+            raise ValueError(f"{path}.{key} is not a TransferQueue setting{hint}")
+        if isinstance(value, Mapping):
+            _check_keys(value, default[key], f"{path}.{key}")
+
+
+def _resolve_config(tq_config: Mapping | None) -> DictConfig:
+    """The package's defaults merged with `tq_config`, validated (unknown keys, backend, sampler)."""
+    if tq_config is not None and not isinstance(tq_config, Mapping):
+        raise ValueError(f"{_CONFIG_KEY} must be a mapping of TransferQueue settings, got {type(tq_config).__name__}")
+    default = _default_config()
+    given = dict(tq_config or {})
+    _check_keys(given, default, _CONFIG_KEY)
+    conf = OmegaConf.merge(default, OmegaConf.create(given, flags={"allow_objects": True}))
+    backends = [k for k in default.backend if k != "storage_backend"]
+    if conf.backend.storage_backend not in backends:
+        raise ValueError(
+            f"{_CONFIG_KEY}.backend.storage_backend={conf.backend.storage_backend!r} is not a TransferQueue "
+            f"storage backend; choose one of {backends}"
+        )
+    units = conf.backend.SimpleStorage.num_data_storage_units
+    if not isinstance(units, int) or units < 1:
+        raise ValueError(
+            f"{_CONFIG_KEY}.backend.SimpleStorage.num_data_storage_units must be an int >= 1, got {units!r}"
+        )
+    sampler = conf.controller.sampler
+    if isinstance(sampler, str):
+        sampler = getattr(transfer_queue, sampler, None)
+    if not (isinstance(sampler, BaseSampler) or (isinstance(sampler, type) and issubclass(sampler, BaseSampler))):
+        raise ValueError(
+            f"{_CONFIG_KEY}.controller.sampler={conf.controller.sampler!r} is not a TransferQueue sampler "
+            "(e.g. SequentialSampler)"
+        )
+    return conf
+
+
+# -- the per-partition field record -------------------------------------------
+# One entry per field: {"kind": dense|nested|list, "dtype": "float32"|None,
+# "trailing": [row shape after the batch dim]|None}. Plain strings and lists,
+# because the package sends tags through msgpack.
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_of(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def _spec(kind: str, rows: Any) -> dict:
+    """The field record of a column classified by `_column_kind`."""
+    if kind == _DENSE:
+        return {"kind": kind, "dtype": _dtype_name(rows.dtype), "trailing": list(rows.shape[1:])}
+    if kind == _NESTED and rows:
+        return {"kind": kind, "dtype": _dtype_name(rows[0].dtype), "trailing": list(rows[0].shape[1:])}
+    return {"kind": kind, "dtype": None, "trailing": None}
+
+
+def _check_compatible(spec: dict | None, name: str, new: dict, partition_id: str) -> None:
+    """Refuse a put whose column differs in kind, or (tensors) in row shape or dtype, from the partition's record."""
+    if spec is None:
+        return
+    if spec["kind"] != new["kind"]:
+        raise ValueError(
+            f"field {name!r} in partition {partition_id!r} was stored as {spec['kind']}; this put gives {new['kind']}"
+        )
+    if new["kind"] == _DENSE and (spec["trailing"], spec["dtype"]) != (new["trailing"], new["dtype"]):
+        raise ValueError(
+            f"field {name!r} in partition {partition_id!r} holds rows of shape {tuple(spec['trailing'])} "
+            f"and dtype {spec['dtype']}; this put gives {tuple(new['trailing'])} {new['dtype']}"
+        )
+    # The package refuses a dtype change of a ragged field only after the data is
+    # written, so check it here, before anything is sent.
+    if new["kind"] == _NESTED and None not in (spec["dtype"], new["dtype"]) and spec["dtype"] != new["dtype"]:
+        raise ValueError(
+            f"field {name!r} in partition {partition_id!r} holds ragged rows of dtype {spec['dtype']}; "
+            f"this put gives {new['dtype']}"
+        )
+
+
+def _foreign_spec(schema: dict) -> dict:
+    """A record for a field written by another TransferQueue user (not through conveyor), from the package's schema."""
+    if schema.get("is_non_tensor"):
+        return {"kind": "foreign", "dtype": None, "trailing": None}
+    dtype = schema.get("dtype")
+    dtype_name = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    if schema.get("is_nested"):
+        return {"kind": _NESTED, "dtype": dtype_name, "trailing": None}
+    return {"kind": _DENSE, "dtype": dtype_name, "trailing": None}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# -- converting what the package returns back to what was put ---------------------
+
+
+def _rows(value: Any) -> list:
+    """The per-sample values of a column as the package returned it (nested tensor, tensor, stack or list)."""
+    if isinstance(value, NonTensorStack):
+        return value.tolist()
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    return list(value)
+
+
+def _to_dense(name: str, value: Any, n: int, spec: dict) -> torch.Tensor:
+    """A (n, *trailing) tensor of the recorded dtype from the package's jagged/dense/list column."""
+    dtype = _dtype_of(spec["dtype"])
+    trailing = tuple(spec["trailing"]) if spec["trailing"] is not None else None
+    if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged:
+        # Rows of one shape packed back to back: the buffer is the dense batch, no copy needed.
+        values = value.values()
+        if trailing is None:
+            trailing = tuple(value.unbind(0)[0].shape) if n else ()
+        if values.is_contiguous() and values.numel() == n * _numel(trailing):
+            out = values.view(n, *trailing)
+        else:
+            out = torch.stack(value.unbind(0))
+    elif isinstance(value, torch.Tensor) and not value.is_nested:
+        out = value
+    else:
+        out = torch.stack(_rows(value))
+    if trailing is not None and tuple(out.shape) != (n, *trailing):
+        # Key-value backends give 1-D fields back as (n, 1); the record says what was put.
+        if out.numel() != n * _numel(trailing):
+            raise RuntimeError(
+                f"transferqueue returned field {name!r} with shape {tuple(out.shape)}; "
+                f"it was put with rows of shape {trailing}"
+            )
+        out = out.reshape(n, *trailing)
+    if dtype is not None and out.dtype != dtype:
+        raise RuntimeError(f"transferqueue returned field {name!r} as {out.dtype}; it was put as {dtype}")
+    return out
+
+
+def _numel(shape: tuple) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _to_nested(name: str, value: Any, spec: dict) -> torch.Tensor:
+    """A jagged nested tensor of the recorded dtype from the package's column."""
+    dtype = _dtype_of(spec["dtype"])
+    if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged:
+        out = value  # the package packs rows exactly as the memory backend does
+    else:
+        out = torch.nested.as_nested_tensor(_rows(value), layout=torch.jagged)
+    if dtype is not None and out.dtype != dtype:
+        raise RuntimeError(f"transferqueue returned field {name!r} as {out.dtype}; it was put as {dtype}")
+    return out
+
+
+def _empty_column(spec: dict) -> Any:
+    """A zero-row column of the recorded kind (a get of no keys)."""
+    dtype = _dtype_of(spec["dtype"]) or torch.float32
+    trailing = tuple(spec["trailing"] or ())
+    if spec["kind"] == _DENSE:
+        return torch.empty((0, *trailing), dtype=dtype)
+    if spec["kind"] == _NESTED:
+        values = torch.empty((0, *trailing), dtype=dtype)
+        return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
+    return NonTensorStack(batch_size=[0])
+
+
+class TransferQueueDataPlane(DataPlane):
+    """Data plane backed by the TransferQueue package (backend `transferqueue`).
+
+    `tq_config` is the package's own config (its config.yaml keys: `controller`,
+    `backend.storage_backend`, `backend.SimpleStorage`, `backend.MooncakeStore`,
+    `metrics`, ...), merged over its defaults. `actor_cpus` is the logical CPU
+    count each controller or storage actor reserves; `timeout_s` bounds every
+    wait. With `controller_name`, attach to a running controller of that name
+    (in Ray namespace `transfer_queue`) instead of starting one; an attached
+    plane never stops what it did not start. A plane can be pickled (e.g. sent
+    to a Ray worker): the copy attaches to the same controller and storage.
+    """
+
+    backend = "transferqueue"
+
+    def __init__(
+        self,
+        metrics: Any = None,
+        tq_config: Mapping | None = None,
+        *,
+        actor_cpus: float = 0.05,
+        timeout_s: float = 120.0,
+        controller_name: str | None = None,
+    ):
+        if actor_cpus < 0:
+            raise ValueError(f"actor_cpus must be >= 0, got {actor_cpus}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.metrics = metrics
+        self._closed = False
+        self._timeout_s = float(timeout_s)
+        self._actor_cpus = float(actor_cpus)
+        self._started_ray = False
+        self._controller = None  # the actor handle, only when this plane started it
+        self._storage: Any = None  # what the storage bootstrap started (to stop on close)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: AsyncTransferQueueClient | None = None
+        self.tq_metrics_endpoint: str | None = None
+        if controller_name is not None:
+            if tq_config:
+                raise ValueError(
+                    "give either tq_config (start a TransferQueue) or controller_name (attach to one), not both"
+                )
+            if not ray.is_initialized():
+                raise ValueError(
+                    f"controller_name={controller_name!r} needs Ray connected to the cluster that runs it; "
+                    "call ray.init(address=...) first"
+                )
+            self.controller_name = controller_name
+            controller_info, backend, backend_conf = self._attach(controller_name)
+        else:
+            conf = _resolve_config(tq_config)
+            self.controller_name = f"conveyor-tq-{uuid.uuid4().hex[:8]}"
+            try:
+                controller_info, backend, backend_conf = self._start(conf)
+            except BaseException:
+                self._stop_started()
+                raise
+        self._connection = (controller_info, backend, backend_conf)
+        try:
+            self._connect(*self._connection)
+        except BaseException:
+            self._disconnect()
+            self._stop_started()
+            raise
+
+    # -- start, attach, connect, stop ---------------------------------------
+    def _ensure_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        cpus = max(_RAY_LOCAL_CPUS, os.cpu_count() or 1)
+        logger.info("starting a local Ray for the transferqueue data plane (%d logical CPUs)", cpus)
+        ray.init(num_cpus=cpus, include_dashboard=False)
+        self._started_ray = True
+
+    def _wait(self, ref: Any, what: str) -> Any:
+        """ray.get with the plane's timeout, failing with a message that says what did not come up."""
+        try:
+            return ray.get(ref, timeout=self._timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            free = ray.available_resources().get("CPU", 0.0)
+            raise RuntimeError(
+                f"transferqueue: {what} did not answer within {self._timeout_s:g}s (Ray has {free:g} logical CPUs "
+                f"free; each TransferQueue actor asks for {self._actor_cpus:g}). Free Ray resources, lower "
+                "actor_cpus, or raise timeout_s."
+            ) from err
+
+    def _start(self, conf: DictConfig) -> tuple[Any, str, Any]:
+        """Start Ray (if needed), the controller and the storage; return how to reach them."""
+        self._ensure_ray()
+        backend = conf.backend.storage_backend
+        units = int(conf.backend.SimpleStorage.num_data_storage_units) if backend == "SimpleStorage" else 0
+        need = self._actor_cpus * (1 + units)
+        free = ray.available_resources().get("CPU", 0.0)
+        if need > free + 1e-9:
+            raise RuntimeError(
+                f"transferqueue needs {need:g} logical Ray CPUs for its controller and {units} storage unit(s) "
+                f"({self._actor_cpus:g} each) but Ray has {free:g} free; lower actor_cpus or "
+                f"{_CONFIG_KEY}.backend.SimpleStorage.num_data_storage_units, or give Ray more CPUs"
+            )
+        sampler = conf.controller.sampler
+        if isinstance(sampler, str):
+            sampler = getattr(transfer_queue, sampler)
+        self._controller = TransferQueueController.options(
+            name=self.controller_name, namespace=NAMESPACE, num_cpus=self._actor_cpus
+        ).remote(sampler=sampler, polling_mode=bool(conf.controller.polling_mode))
+        controller_ready = self._controller.get_zmq_server_info.remote()
+        if backend == "SimpleStorage":
+            # Started while the controller comes up: the units do not need it to start.
+            self._start_simple_storage(conf)
+        controller_info = self._wait(controller_ready, "the TransferQueue controller")
+        conf.controller.zmq_info = controller_info
+        if backend != "SimpleStorage":
+            provider = StorageBootstrapProvider.get_provider(backend)
+            # RayStore has no bootstrap; Mooncake and Yuanrong start their own processes.
+            self._storage = {backend: provider(conf)} if provider is not None else None
+        self._wait(self._controller.store_config.remote(conf), "the TransferQueue controller (store_config)")
+        if conf.metrics.get("enabled", False):
+            self._start_package_metrics(conf)
+        return controller_info, backend, _plain(conf.backend[backend])
+
+    def _start_simple_storage(self, conf: DictConfig) -> None:
+        """Start the SimpleStorage units as the package's bootstrap does, with fractional CPUs and no fixed names."""
+        su_conf = dict(conf.backend.SimpleStorage)
+        su_conf["_run_id"] = uuid.uuid4().hex
+        count = int(su_conf["num_data_storage_units"])
+        options: dict[str, Any] = {"num_cpus": self._actor_cpus}
+        ssd = su_conf.get("ssd_offload") or {}
+        if ssd.get("enabled", False) and ssd.get("glibc_mmap_threshold_bytes") is not None:
+            threshold = str(int(ssd["glibc_mmap_threshold_bytes"]))
+            options["runtime_env"] = {"env_vars": {"MALLOC_MMAP_THRESHOLD_": threshold}}
+        strategies = get_node_round_robin_scheduling_strategies(
+            count, required_node_resource=su_conf.get("required_node_resource")
+        )
+        handles: dict[str, Any] = {}
+        self._storage = {"SimpleStorage": handles}  # stopped by close, also if start-up fails below
+        for rank in range(count):
+            handles[f"TransferQueueStorageUnit#{rank}"] = SimpleStorageUnit.options(
+                scheduling_strategy=strategies[rank], **options
+            ).remote(config=su_conf)
+        infos = self._wait(
+            [h.get_zmq_server_info.remote() for h in handles.values()], f"{count} TransferQueue storage unit(s)"
+        )
+        conf.backend.SimpleStorage.zmq_info = dict(zip(handles, infos))
+
+    def _start_package_metrics(self, conf: DictConfig) -> None:
+        """The package's own Prometheus exporter (`metrics.enabled`), on the controller and each storage unit."""
+        endpoint = self._wait(self._controller.start_metrics.remote(port=int(conf.metrics.get("port", 0))), "metrics")
+        conf.metrics.endpoint = endpoint
+        self._wait(self._controller.store_config.remote(conf), "the TransferQueue controller (store_config)")
+        units = (self._storage or {}).get("SimpleStorage")
+        if units:
+            infos = conf.backend.SimpleStorage.zmq_info
+            self._wait(self._controller.register_storage_units_for_metrics.remote(infos), "metrics")
+            self._wait([h.start_metrics.remote(port=0) for h in units.values()], "storage-unit metrics")
+        self.tq_metrics_endpoint = str(endpoint)
+        logger.info("TransferQueue metrics at http://%s/metrics", endpoint)
+
+    def _attach(self, name: str) -> tuple[Any, str, Any]:
+        """Find a running controller by name and read how to reach its storage."""
+        try:
+            controller = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError as err:
+            raise ValueError(f"no TransferQueue controller named {name!r} in Ray namespace {NAMESPACE!r}") from err
+        conf = self._wait(controller.get_config.remote(), f"the TransferQueue controller {name!r}")
+        if conf is None:
+            raise RuntimeError(
+                f"the TransferQueue controller {name!r} has not finished starting (it holds no config yet)"
+            )
+        backend = conf.backend.storage_backend
+        return conf.controller.zmq_info, backend, _plain(conf.backend[backend])
+
+    def _connect(self, controller_info: Any, backend: str, backend_conf: Any) -> None:
+        """Create this process's client (its own event-loop thread) and storage manager."""
+        self._loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self._loop.run_forever, name="conveyor-transferqueue", daemon=True)
+        thread.start()
+        self._thread = thread
+        self._client = AsyncTransferQueueClient(
+            client_id=f"conveyor-{uuid.uuid4().hex[:8]}", controller_info=controller_info
+        )
+        self._client.initialize_storage_manager(manager_type=backend, config=backend_conf)
+
+    def _disconnect(self) -> None:
+        """Stop this process's client and its event loop."""
+        loop, client, thread = self._loop, self._client, self._thread
+        self._loop = self._client = self._thread = None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            if thread is not None:
+                thread.join(timeout=5)
+            if thread is None or not thread.is_alive():
+                loop.close()
+        if client is not None:
+            try:
+                client.close()
+            except Exception as err:  # closing must not hide the error that led here
+                logger.warning("closing the TransferQueue client failed: %s", err)
+
+    def _stop_started(self) -> None:
+        """Stop the storage, controller and Ray this plane started (nothing for an attached plane)."""
+        storage, self._storage = self._storage, None
+        for backend, started in (storage or {}).items():
+            try:
+                self._stop_storage(backend, started)
+            except Exception as err:
+                logger.warning("stopping TransferQueue %s storage failed: %s", backend, err)
+        if self._controller is not None:
+            try:
+                ray.kill(self._controller)
+            except Exception as err:
+                logger.warning("stopping the TransferQueue controller failed: %s", err)
+            self._controller = None
+        if self._started_ray:
+            self._started_ray = False
+            ray.shutdown()
+
+    def _stop_storage(self, backend: str, started: Any) -> None:
+        if started is None:
+            return
+        if backend == "SimpleStorage":
+            handles = list(started.values())
+            try:
+                ray.get([h.shutdown.remote() for h in handles], timeout=min(self._timeout_s, 15.0))
+            except Exception as err:
+                logger.warning("TransferQueue storage units did not shut down cleanly: %s", err)
+            for h in handles:
+                ray.kill(h)
+        elif backend == "MooncakeStore":
+            procs = started.values() if isinstance(started, dict) else [started]
+            for proc in procs:
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=5)
+                    except Exception:
+                        proc.kill()
+        elif backend == "Yuanrong":
+            from transfer_queue.utils.yuanrong_utils import cleanup_yuanrong_resources
+
+            cleanup_yuanrong_resources(started)
+
+    def _release(self) -> None:
+        self._disconnect()
+        self._stop_started()
+
+    def __getstate__(self) -> dict:
+        """A pickled plane carries only how to reach the controller and storage; the copy owns nothing."""
+        if self._closed:
+            raise RuntimeError("cannot pickle a closed transferqueue data plane")
+        return {
+            "connection": self._connection,
+            "timeout_s": self._timeout_s,
+            "actor_cpus": self._actor_cpus,
+            "controller_name": self.controller_name,
+            "tq_metrics_endpoint": self.tq_metrics_endpoint,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.metrics = None  # the owner's registry stays with the owner
+        self.metrics_server = None
+        self._closed = False
+        self._timeout_s = state["timeout_s"]
+        self._actor_cpus = state["actor_cpus"]
+        self.controller_name = state["controller_name"]
+        self.tq_metrics_endpoint = state["tq_metrics_endpoint"]
+        self._started_ray = False
+        self._controller = None
+        self._storage = None
+        self._loop = self._client = self._thread = None
+        self._connection = state["connection"]
+        self._connect(*self._connection)
+
+    # -- running the package's coroutines -------------------------------------
+    def _run(self, coro: Any, what: str) -> Any:
+        """Run one coroutine on the client's loop, bounded by timeout_s."""
+        self._check_open()
+        threads = torch.get_num_threads()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError as err:
+            future.cancel()
+            raise TimeoutError(
+                f"transferqueue {what} did not finish within {self._timeout_s:g}s; "
+                "is the TransferQueue controller and storage still running?"
+            ) from err
+        finally:
+            # The package sets torch's process-wide thread count around each
+            # transfer and restores its own import-time value, not the caller's.
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
+
+    @staticmethod
+    def _check_partition(partition_id: str) -> None:
+        if not isinstance(partition_id, str) or not partition_id:
+            raise ValueError(f"partition_id must be a non-empty string, got {partition_id!r}")
+        if partition_id.startswith(SCHEMA_PREFIX):
+            raise ValueError(f"partition_id {partition_id!r} uses the reserved prefix {SCHEMA_PREFIX!r}")
+
+    async def _schema(self, partition_id: str) -> dict[str, dict]:
+        """The partition's field records, in first-written order."""
+        pid = SCHEMA_PREFIX + partition_id
+        listing = await self._client.async_kv_list(pid)
+        return {f: spec for f, spec in listing.get(pid, {}).items() if spec}
+
+    async def _register(self, partition_id: str, specs: dict[str, dict]) -> None:
+        meta = await self._client.async_kv_retrieve_meta(
+            keys=list(specs), partition_id=SCHEMA_PREFIX + partition_id, create=True
+        )
+        meta.custom_meta = [dict(s) for s in specs.values()]
+        await self._client.async_set_custom_meta(meta)
+
+    async def _unregister(self, partition_id: str, fields: list[str]) -> None:
+        meta = await self._client.async_kv_retrieve_meta(keys=fields, partition_id=SCHEMA_PREFIX + partition_id)
+        if meta.size:
+            await self._client.async_clear_samples(meta)
+
+    async def _keys(self, partition_id: str) -> list[str] | None:
+        """The partition's keys in first-written order, None when the controller has no such partition."""
+        listing = await self._client.async_kv_list(partition_id)
+        return list(listing[partition_id]) if partition_id in listing else None
+
+    # -- writes ---------------------------------------------------------------
+    def kv_batch_put(
+        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None
+    ) -> KVBatchMeta:
+        """Write one row per key of every given field into the partition; returns a handle listing its fields."""
+        self._check_open()
+        self._check_partition(partition_id)
+        keys = [str(k) for k in keys]
+        n = len(keys)
+        if len(set(keys)) != n:
+            raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
+        if tags is not None and len(tags) != n:
+            raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
+        items = [(name, *_column_kind(name, value, n)) for name, value in field_items(fields)]
+        specs = {name: _spec(kind, rows) for name, kind, rows in items}
+        nbytes = 0
+        columns: dict[str, Any] = {}
+        for name, kind, rows in items:
+            if kind == _DENSE:
+                columns[name] = rows
+                nbytes += _nbytes(rows)
+            elif kind == _NESTED:
+                columns[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+                nbytes += sum(_nbytes(r) for r in rows)
+            else:
+                # Pickled, so the package neither packs tensors of mixed dtypes into
+                # one nested tensor nor turns tuples into lists on the wire.
+                blobs = [pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for v in rows]
+                columns[name] = NonTensorStack(*blobs, batch_size=[n])
+                nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
+        timer = self.metrics.time("put") if self.metrics else None
+        if timer:
+            timer.__enter__()
+        present, out_tags, live = self._run(
+            self._put(keys, partition_id, columns, specs, tags), f"put to partition {partition_id!r}"
+        )
+        if timer:
+            timer.__exit__(None, None, None)
+            self.metrics.record_put(n, nbytes)
+            self.metrics.set_live(partition_id, live)
+        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
+
+    async def _put(self, keys: list[str], partition_id: str, columns: dict, specs: dict, tags: Sequence[dict] | None):
+        client = self._client
+        schema = await self._schema(partition_id)
+        for name, spec in specs.items():
+            _check_compatible(schema.get(name), name, spec, partition_id)
+        new = {name: spec for name, spec in specs.items() if name not in schema}
+        if not keys:
+            return [f for f in {**schema, **new}], [], len(await self._keys(partition_id) or [])
+        if new:
+            # Recorded before the data, so a reader never meets a field it cannot rebuild.
+            await self._register(partition_id, new)
+        try:
+            meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id, create=True)
+            if meta.size != len(keys):
+                raise RuntimeError(
+                    f"transferqueue registered {meta.size} of {len(keys)} keys in partition {partition_id!r}"
+                )
+            if tags is not None:
+                meta.custom_meta = [dict(t) for t in tags]  # a put's tags replace the key's tags
+            if columns:
+                meta = await client.async_put(TensorDict(columns, batch_size=[len(keys)]), meta)
+            elif tags is not None:
+                await client.async_set_custom_meta(meta)
+        except Exception:
+            if new:
+                await self._unregister(partition_id, list(new))
+            raise
+        order = [*schema, *new]
+        got = set(meta.field_names)
+        present = [f for f in order if f in got] + sorted(got.difference(order))
+        live = len(await self._keys(partition_id) or []) if self.metrics else 0
+        return present, [dict(t) for t in meta.custom_meta], live
+
+    # -- reads ----------------------------------------------------------------
+    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """Rows of `select_fields` for `keys`, in the order of `keys`; anything missing is a FieldNotFoundError."""
+        self._check_open()
+        self._check_partition(partition_id)
+        keys = [str(k) for k in keys]
+        select_fields = list(select_fields)
+        timer = self.metrics.time("get") if self.metrics else None
+        if timer:
+            timer.__enter__()
+        out = self._run(self._get(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
+        if timer:
+            timer.__exit__(None, None, None)
+            self.metrics.record_get(len(keys), _td_nbytes(out))
+        return out
+
+    async def _get(self, keys: list[str], partition_id: str, select: list[str]) -> TensorDict:
+        client = self._client
+        n = len(keys)
+        if not n:
+            schema = await self._schema(partition_id)
+            if not schema and await self._keys(partition_id) is None:
+                raise FieldNotFoundError(partition_id, fields=select, keys=keys)
+            missing = [f for f in select if f not in schema]
+            if missing:
+                raise FieldNotFoundError(partition_id, fields=missing)
+            out = TensorDict(batch_size=[0])
+            for f in select:
+                out.set(f, _empty_column(schema[f]))
+            return out
+        schema, meta = await asyncio.gather(
+            self._schema(partition_id), client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id)
+        )
+        if meta.size != n:
+            await self._raise_missing_keys(keys, partition_id, select)
+        got = set(meta.field_names)
+        if any(f not in got for f in select):
+            await self._raise_missing_fields(keys, partition_id, select, got, schema)
+        out = TensorDict(batch_size=[n])
+        if not select:
+            return out
+        try:
+            data = await client.async_get_data(meta.select_fields(select))
+        except StorageKeyNotFoundError:
+            # Cleared by another process between the lookup and the read: say what is gone.
+            meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id)
+            if meta.size != n:
+                await self._raise_missing_keys(keys, partition_id, select)
+            await self._raise_missing_fields(keys, partition_id, select, set(meta.field_names), schema)
+            raise
+        for f in select:
+            spec = schema.get(f) or _foreign_spec(meta.field_schema.get(f, {}))
+            value = data.get(f)
+            if spec["kind"] == _DENSE:
+                value = _to_dense(f, value, n, spec)
+            elif spec["kind"] == _NESTED:
+                value = _to_nested(f, value, spec)
+            elif spec["kind"] == _LIST:
+                value = NonTensorStack(*[pickle.loads(b) for b in _rows(value)], batch_size=[n])
+            out.set(f, value)
+        return out
+
+    async def _raise_missing_keys(self, keys: list[str], partition_id: str, select: list[str]) -> None:
+        stored = await self._keys(partition_id)
+        if not stored:
+            raise FieldNotFoundError(partition_id, fields=select, keys=keys)
+        stored_set = set(stored)
+        raise FieldNotFoundError(partition_id, keys=list(dict.fromkeys(k for k in keys if k not in stored_set)))
+
+    async def _raise_missing_fields(
+        self, keys: list[str], partition_id: str, select: list[str], got: set[str], schema: dict
+    ) -> None:
+        absent = [f for f in select if f not in got and f not in schema]
+        if absent:
+            raise FieldNotFoundError(partition_id, fields=absent)
+        for f in select:
+            if f not in got:
+                lacking = await self._lacking(list(dict.fromkeys(keys)), partition_id, f)
+                if lacking:
+                    raise FieldNotFoundError(partition_id, fields=[f], keys=lacking)
+
+    async def _lacking(self, keys: list[str], partition_id: str, field: str) -> list[str]:
+        """The keys without `field`, found by halving: one lookup per group that has the field throughout."""
+        meta = await self._client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id)
+        if field in meta.field_names and meta.size == len(keys):
+            return []
+        if len(keys) == 1:
+            return keys
+        mid = len(keys) // 2
+        left, right = await asyncio.gather(
+            self._lacking(keys[:mid], partition_id, field), self._lacking(keys[mid:], partition_id, field)
+        )
+        return left + right
+
+    def kv_list(self, partition_id: str) -> list[str]:
+        """Keys of the partition in first-written order (empty for an unknown partition or a closed plane)."""
+        if self._closed:
+            return []
+        self._check_partition(partition_id)
+        return self._run(self._keys(partition_id), f"list of partition {partition_id!r}") or []
+
+    def list_partitions(self) -> list[str]:
+        """Names of the partitions that hold data."""
+        if self._closed:
+            return []
+        ids = self._run(self._client.async_get_partition_list(), "list of partitions")
+        return [p for p in ids if not p.startswith(SCHEMA_PREFIX)]
+
+    def kv_clear(self, partition_id: str, keys: Iterable[str] | None = None) -> None:
+        """Drop keys (or the whole partition, with its field record) from storage and the controller."""
+        if self._closed:
+            return
+        self._check_partition(partition_id)
+        keys = None if keys is None else list(dict.fromkeys(str(k) for k in keys))
+        live = self._run(self._clear(partition_id, keys), f"clear of partition {partition_id!r}")
+        if self.metrics:
+            self.metrics.set_live(partition_id, live)
+
+    async def _clear(self, partition_id: str, keys: list[str] | None) -> int:
+        client = self._client
+        if keys is not None:
+            stored = await self._keys(partition_id)
+            doomed = set(keys)
+            left = [k for k in stored or [] if k not in doomed]
+            if left:
+                known = set(stored)
+                gone = [k for k in keys if k in known]
+                meta = await client.async_kv_retrieve_meta(keys=gone, partition_id=partition_id)
+                if meta.size:
+                    await client.async_clear_samples(meta)
+                return len(left)
+            if stored is None:
+                return 0
+        # A partition losing its last key is dropped whole, field record and all, so a
+        # later put may give its fields another shape (as the memory backend allows).
+        # (The package keeps a partition emptied key by key, and will not drop it after.)
+        for pid in (partition_id, SCHEMA_PREFIX + partition_id):
+            if await self._keys(pid) is not None:
+                await client.async_clear_partition(pid)
+        return 0
+
+
+def _plain(node: Any) -> Any:
+    """A storage backend's config as plain dicts (objects such as ZMQ server infos kept), detached from the rest."""
+    return OmegaConf.to_container(node) if isinstance(node, DictConfig) else node
+
+
+def _td_nbytes(td: TensorDict) -> int:
+    """Tensor bytes of a get's result (dense, ragged, and tensors inside list columns)."""
+    total = 0
+    for name in td.keys():
+        value = td.get(name)
+        if isinstance(value, NonTensorStack):
+            total += sum(_nbytes(v) for v in value.tolist() if isinstance(v, torch.Tensor))
+        elif value.is_nested:
+            total += _nbytes(value.values())
+        else:
+            total += _nbytes(value)
+    return total
