@@ -348,15 +348,35 @@ class AlgorithmConfig:
 
 
 @dataclass
-class PrometheusConfig:
-    """Live training metrics over HTTP."""
+class CustomRewardFunctionConfig:
+    """A reward function of the user's, loaded from a Python file (verl's custom_reward_function)."""
 
-    enabled: bool = F(False, "serve the latest step metrics (and the data plane's) for Prometheus")
-    port: int = F(0, "port (0 = pick a free one; the chosen port is logged)")
-    host: str = F("127.0.0.1", "bind address")
+    path: Optional[str] = F(None, "Python file defining the function; null = the reward registry by data_source")
+    name: str = F("compute_score", "the function in that file: fn(data_source, solution_str, ground_truth, "
+                  "extra_info=None) -> float, used for every sample")
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port < 65536, "trainer.prometheus.port", "must be in [0, 65535]")
+        _check(bool(self.name) and self.name.isidentifier(), "reward.custom_reward_function.name",
+               f"must be a Python function name, got {self.name!r}")
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    custom_reward_function: CustomRewardFunctionConfig = S(CustomRewardFunctionConfig, "a reward function from a file")
+
+
+@dataclass
+class MetricsEndpointConfig:
+    """A Prometheus endpoint (used for trainer.prometheus and transfer_queue.metrics)."""
+
+    enabled: bool = F(False, "serve these metrics over HTTP for Prometheus")
+    port: int = F(0, "port (0 = pick a free one; the chosen port is logged)")
+    host: str = F("127.0.0.1", "bind address (127.0.0.1 = this machine only)")
+
+    def _validate(self, prefix: str) -> None:
+        _check(0 <= self.port < 65536, f"{prefix}.port", "must be in [0, 65535]")
 
 
 @dataclass
@@ -383,7 +403,7 @@ class TrainerConfig:
     n_gpus_per_node: int = F(0, "GPUs per node (0 = CPU workers)")
     num_cpu_workers: int = F(1, "data-parallel actor ranks when running on CPUs")
     progress_bar: bool = F(True, "show a progress bar with ETA on a terminal")
-    prometheus: PrometheusConfig = S(PrometheusConfig, "live metrics endpoint")
+    prometheus: MetricsEndpointConfig = S(MetricsEndpointConfig, "live training metrics (and the data plane's)")
 
     def __post_init__(self) -> None:
         from_loggers = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -404,18 +424,7 @@ class TrainerConfig:
         _check(self.nnodes > 0, "trainer.nnodes", "must be > 0")
         _check(self.n_gpus_per_node >= 0, "trainer.n_gpus_per_node", "must be >= 0")
         _check(self.num_cpu_workers > 0, "trainer.num_cpu_workers", "must be > 0")
-
-
-@dataclass
-class DataPlaneMetricsConfig:
-    """Prometheus metrics of the data plane."""
-
-    enabled: bool = F(False, "serve data-plane metrics over HTTP")
-    port: int = F(0, "port (0 = pick a free one; the chosen port is logged)")
-    host: str = F("127.0.0.1", "bind address")
-
-    def __post_init__(self) -> None:
-        _check(0 <= self.port < 65536, "transfer_queue.metrics.port", "must be in [0, 65535]")
+        self.prometheus._validate("trainer.prometheus")
 
 
 @dataclass
@@ -426,13 +435,14 @@ class TransferQueueConfig:
     num_storage_actors: int = F(1, "ray backend: storage actors")
     storage_actor_cpus: float = F(0.05, "ray backend: logical CPUs each storage actor reserves")
     transferqueue: dict = F({}, "transferqueue backend: passed through to the transferqueue package")
-    metrics: DataPlaneMetricsConfig = S(DataPlaneMetricsConfig, "Prometheus metrics")
+    metrics: MetricsEndpointConfig = S(MetricsEndpointConfig, "Prometheus metrics of the data plane")
 
     def __post_init__(self) -> None:
         _check(self.backend in ("memory", "ray", "transferqueue"), "transfer_queue.backend",
                "must be memory, ray or transferqueue")
         _check(self.num_storage_actors > 0, "transfer_queue.num_storage_actors", "must be > 0")
         _check(self.storage_actor_cpus >= 0, "transfer_queue.storage_actor_cpus", "must be >= 0")
+        self.metrics._validate("transfer_queue.metrics")
 
 
 @dataclass
@@ -457,6 +467,7 @@ class Config:
     actor_rollout_ref: ActorRolloutRefConfig = S(ActorRolloutRefConfig, "policy, rollout and reference")
     critic: CriticConfig = S(CriticConfig, "value model")
     algorithm: AlgorithmConfig = S(AlgorithmConfig, "advantages and KL")
+    reward: RewardConfig = S(RewardConfig, "reward functions")
     trainer: TrainerConfig = S(TrainerConfig, "the loop")
     transfer_queue: TransferQueueConfig = S(TransferQueueConfig, "the data plane")
     ray: RayConfig = S(RayConfig, "Ray")
@@ -682,7 +693,11 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] | No
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"--config {path}: not valid YAML ({err})") from err
+            # One line, as every config error is: where, then what.
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(err, "problem", None) or " ".join(str(err).split())
+            raise ConfigError(f"--config {path}: not valid YAML{where}: {what}") from err
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
         data = loaded

@@ -44,6 +44,10 @@ class FieldNotFoundError(KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return self.args[0]
 
+    def __reduce__(self) -> tuple:
+        # Rebuild from the parts, not the formatted message, so the error survives pickling (out of a Ray worker).
+        return (type(self), (self.partition_id, self.fields, self.keys))
+
 
 class DataPlane(abc.ABC):
     """Interface every data-plane backend implements."""

@@ -557,11 +557,15 @@ def run_training(cfg: Config) -> dict[str, float]:
         server, port = serve_registry(registry, cfg.trainer.prometheus.host, cfg.trainer.prometheus.port)
         logger.info("training metrics for Prometheus at http://%s:%d/metrics", cfg.trainer.prometheus.host, port)
 
+    from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
+
     data_plane = None
     workers = None
     tracking = None
     failed = True
+    ray_started = False
     try:
+        ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
         workers = build_worker_groups(cfg, model_path, data_plane, tokenizer)
         from transformers import AutoConfig
@@ -585,3 +589,4 @@ def run_training(cfg: Config) -> dict[str, float]:
             data_plane.close()
         if server is not None:
             server.shutdown()
+        shutdown_ray(ray_started)  # after the data plane: its storage actors live in Ray

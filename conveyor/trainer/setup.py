@@ -72,6 +72,20 @@ def load_prompt_records(cfg: Config) -> tuple[list[dict], list[dict]]:
         val = []
     if d.val_batch_size is not None:
         val = val[: d.val_batch_size]
+    if not cfg.reward.custom_reward_function.path:
+        # Checked now, not at the first reward stage after the model is built and has generated.
+        from conveyor.tasks.rewards import get_reward_fn
+
+        checked: set[str] = set()
+        for rec in train + val:
+            source = rec.get("data_source")
+            if isinstance(source, str) and source in checked:
+                continue
+            try:
+                get_reward_fn(source)  # a non-string data_source is refused here too
+            except ValueError as err:
+                raise ValueError(f"{err}, or set reward.custom_reward_function.path") from err
+            checked.add(source)
     return train, val
 
 
@@ -128,15 +142,19 @@ def prepare_default_model(cfg: Config) -> str:
 
 
 def build_data_plane(cfg: Config, registry: Any = None) -> DataPlane:
-    """The data plane of `transfer_queue.*`, registering its metrics in `registry` when one is given."""
+    """The data plane of `transfer_queue.*` (`ray` instead of `memory` when workers run on Ray), metrics in `registry`."""
+    from conveyor.ray_utils import data_plane_backend
+
     tq = cfg.transfer_queue
+    backend = data_plane_backend(cfg)
     options: dict[str, Any] = {}
-    if tq.backend == "ray":
-        options = {"num_storage_actors": tq.num_storage_actors, "actor_cpus": tq.storage_actor_cpus}
-    elif tq.backend == "transferqueue":
+    if backend == "ray":
+        options = {"num_storage_actors": tq.num_storage_actors, "actor_cpus": tq.storage_actor_cpus,
+                   "timeout_s": cfg.ray.timeout_s}
+    elif backend == "transferqueue":
         options = {"tq_config": dict(tq.transferqueue)}
     return make_data_plane(
-        tq.backend,
+        backend,
         metrics_enabled=tq.metrics.enabled,
         metrics_port=tq.metrics.port,
         metrics_host=tq.metrics.host,
@@ -186,8 +204,10 @@ def build_worker_groups(cfg: Config, model_path: str, data_plane: DataPlane, tok
             cfg, model_path=model_path, data_plane=data_plane, rank=rank, world_size=world_size, device=device))
         if cfg.use_critic else None
     )
+    custom = cfg.reward.custom_reward_function
     reward = LocalWorkerGroup("reward", lambda rank, world_size: RewardWorker(
-        tokenizer=tokenizer, data_plane=data_plane, rank=rank, world_size=world_size))
+        tokenizer=tokenizer, data_plane=data_plane, rank=rank, world_size=world_size,
+        custom_reward_path=custom.path, custom_reward_name=custom.name))
     return WorkerGroups(actor=actor, ref=ref, critic=critic, reward=reward)
 
 
