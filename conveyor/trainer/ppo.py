@@ -265,7 +265,7 @@ class PPOTrainer:
 
     def _compute_old_log_prob(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
-        if self.cfg.algorithm.rollout_correction.bypass_mode:
+        if self.cfg.bypass_old_log_prob:
             td = self.dp.get(meta, ["rollout_log_probs"])
             return self.dp.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])})
         call = meta.with_extra_info(
@@ -346,6 +346,8 @@ class PPOTrainer:
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                 compute_loss=True,
                 total_optim_steps=self.total_optim_steps,
+                # Without an old-log-prob forward, the update's forward reports the entropy.
+                calculate_entropy=self.cfg.bypass_old_log_prob,
             )
             out = self.workers.actor.call("update_actor", call)
             results.append(reduce_rank_metrics(out.extra_info))

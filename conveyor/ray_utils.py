@@ -1,0 +1,89 @@
+"""Starting and stopping Ray for a run: connect to a cluster, or start a local one sized by config.
+
+A run starts Ray only when its workers or its data plane need it, and stops it
+only if it started it (a Ray that was already initialised, e.g. by a notebook
+or a test, is left running). It deliberately ships no code or environment to
+the cluster (no `runtime_env`): every node must already have conveyor and its
+dependencies installed, and see the model checkpoint at the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+__all__ = ["ensure_ray", "shutdown_ray", "needs_ray", "data_plane_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+def needs_ray(cfg: Any) -> bool:
+    """Whether this run uses Ray: workers as Ray actors, or the `ray` data-plane backend."""
+    from conveyor.trainer.setup import use_ray
+
+    return use_ray(cfg) or cfg.transfer_queue.backend == "ray"
+
+
+def data_plane_backend(cfg: Any) -> str:
+    """The data-plane backend of a run: `transfer_queue.backend`, but `ray` for `memory` when workers run on Ray."""
+    from conveyor.trainer.setup import use_ray
+
+    backend = cfg.transfer_queue.backend
+    if backend == "memory" and use_ray(cfg):
+        # The embedded store lives in the trainer's process; worker actors in other processes cannot reach it.
+        logger.info("workers run on Ray: using the ray data plane instead of transfer_queue.backend=memory "
+                    "(the memory store cannot be shared across processes)")
+        return "ray"
+    return backend
+
+
+def ensure_ray(cfg: Any) -> bool:
+    """Initialise Ray unless it already is (connect to `ray.address`, else start a local one); True if we did."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ValueError(
+            f"this run needs Ray (workers or data plane on Ray): pip install 'conveyor[ray]' ({err})"
+        ) from err
+    if ray.is_initialized():
+        return False
+    # Worker output (warnings, tracebacks) belongs in the run's console.
+    common: dict[str, Any] = {"log_to_driver": True}
+    if cfg.ray.address:
+        logger.info("connecting to the Ray cluster at %s", cfg.ray.address)
+        _check_reachable(cfg.ray.address, cfg.ray.timeout_s)
+        try:
+            ray.init(address=cfg.ray.address, **common)
+        except ConnectionError as err:
+            raise ValueError(f"ray.address={cfg.ray.address!r}: cannot connect to a Ray cluster there ({err}); "
+                             "start one with `ray start --head`, or unset ray.address to start a local one") from err
+    else:
+        num_cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else os.cpu_count() or 1
+        logger.info("starting a local Ray with %d logical CPUs", num_cpus)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+    return True
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast on a host:port where nothing listens (Ray itself retries such an address for minutes)."""
+    if "://" in address or address == "auto" or ":" not in address:
+        return  # "auto" and client addresses fail fast in ray.init on their own
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as err:
+        raise ValueError(f"ray.address={address!r}: no Ray head answers there ({err}); start one with "
+                         "`ray start --head --port=6379` on that node, or fix ray.address") from err
+
+
+def shutdown_ray(started: bool) -> None:
+    """Shut Ray down if `ensure_ray` started it (disconnects from a cluster; stops a local one)."""
+    if not started:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,367 @@
+"""Worker groups on Ray: the ranks of a role as Ray actors, with `torch.distributed` inside the role.
+
+`RayWorkerGroup` starts one actor per rank, joins the ranks into a process
+group (gloo on CPU, nccl on GPU; rank 0 picks its node's IP and a free port),
+then builds the worker in every rank with `rank=` and `world_size=`. A call
+splits the handle over the ranks (`split_for_ranks`), runs every rank at once
+and merges what they return with `BatchData.concat`, so per-rank metrics
+arrive as lists, one entry per rank. A failure in any rank is reported at once
+as one `WorkerError` naming the role, the rank and the endpoint, with the
+original exception's type and message; the other ranks of that role are
+stopped (they may be waiting in a collective that will never complete).
+
+Placement: the data-parallel roles (actor, and the reference and critic when
+used) share one placement group with one bundle per rank, so rank i of every
+role lands on the same GPU (each takes a fraction of it) and on the same node.
+Ranks are numbered node by node. Resources that the cluster cannot provide are
+a `ValueError` at once (or after `ray.timeout_s` when they exist but are
+busy), never a silent wait.
+
+What it deliberately does not do: restart failed ranks, shard models
+(each rank holds a full copy; gradients are all-reduced in
+`conveyor.workers.dist`), or start Ray (`conveyor.ray_utils.ensure_ray`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Sequence
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from conveyor.protocol import BatchData, KVBatchMeta
+from conveyor.workers.group import WorkerGroup, split_for_ranks, wrap_worker_error
+
+__all__ = ["RayWorkerGroup", "RayPlacement", "build_ray_worker_groups"]
+
+logger = logging.getLogger(__name__)
+
+# Ray refuses a bundle whose every resource is zero; with ray.worker_cpus=0 a
+# CPU rank's bundle holds this token amount instead.
+_MIN_BUNDLE_CPU = 0.001
+
+
+# --------------------------------------------------------------------------- the rank actor
+class _RankActor:
+    """One rank: joins the role's process group, then holds the worker and runs its endpoints."""
+
+    def __init__(self, role: str, rank: int, world_size: int, num_threads: int):
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.worker: Any = None
+        # Every rank's model-loading progress bars would interleave in the driver's console.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # A rank reserves a fraction of the node's CPUs; letting torch use them all oversubscribes the node.
+        torch.set_num_threads(max(1, num_threads))
+
+    def where(self) -> dict[str, Any]:
+        """This rank's process id, node id and node IP."""
+        ctx = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+    def master_address(self) -> tuple[str, int]:
+        """(this node's IP, a free TCP port) for the process group's rendezvous (called on rank 0)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
+        """Join the role's process group (all ranks call this at once)."""
+        import torch.distributed as tdist
+
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+                           "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)})
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU
+        tdist.init_process_group(backend=backend, init_method="env://", rank=self.rank, world_size=self.world_size,
+                                 timeout=timedelta(minutes=30))
+
+    def build(self, worker_cls: Any, kwargs: dict[str, Any]) -> None:
+        """Construct the worker of this rank."""
+        self.worker = worker_cls(rank=self.rank, world_size=self.world_size, **kwargs)
+
+    def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
+        """Run one endpoint over this rank's share of a handle."""
+        return getattr(self.worker, method)(meta)
+
+    def call_args(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run `method(*args, **kwargs)` on the worker."""
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+_REMOTE_RANK: Any = None
+
+
+def _remote_rank_class() -> Any:
+    global _REMOTE_RANK
+    if _REMOTE_RANK is None:
+        _REMOTE_RANK = ray.remote(max_restarts=0)(_RankActor)
+    return _REMOTE_RANK
+
+
+def _original(err: BaseException) -> BaseException:
+    """The exception a rank raised, out of Ray's wrapper (a dead actor reports itself)."""
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, BaseException):
+            return cause
+    return err
+
+
+# --------------------------------------------------------------------------- placement
+def _fmt(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU") or v) or "nothing"
+
+
+def _cpu_gpu(resources: dict[str, float]) -> dict[str, float]:
+    return {"CPU": resources.get("CPU", 0.0), "GPU": resources.get("GPU", 0.0)}
+
+
+def _cluster_summary() -> str:
+    total, free = _cpu_gpu(ray.cluster_resources()), _cpu_gpu(ray.available_resources())
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    per_node = "; ".join(_fmt(_cpu_gpu(n["Resources"])) for n in nodes)
+    return f"{_fmt(total)} in total ({_fmt(free)} free) on {len(nodes)} node(s) [{per_node}]"
+
+
+_HOW_TO_FIX = ("lower trainer.n_gpus_per_node, trainer.num_cpu_workers, trainer.nnodes or ray.worker_cpus, "
+               "or give the cluster more (ray.num_cpus for a locally started Ray, more nodes with `ray start`)")
+
+
+class RayPlacement:
+    """A placement group of one bundle per data-parallel rank, shared by the roles colocated on it."""
+
+    def __init__(self, name: str, world_size: int, bundle: dict[str, float], *, nnodes: int = 1,
+                 timeout_s: float = 60.0):
+        self.name = name
+        self.world_size = world_size
+        self.bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": _MIN_BUNDLE_CPU}
+        self.strategy = "PACK" if nnodes == 1 else "SPREAD"
+        self.nnodes = nnodes
+        self._users: set[str] = set()
+        self._check_feasible()
+        self.pg = placement_group([dict(self.bundle) for _ in range(world_size)], strategy=self.strategy)
+        try:
+            ready = ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ready = None
+        if not ready:
+            remove_placement_group(self.pg)
+            raise ValueError(
+                f"Ray could not reserve {world_size} x {{{_fmt(self.bundle)}}} for the {name} ranks within "
+                f"ray.timeout_s={timeout_s:g}s; the cluster has {_cluster_summary()}. Free resources, raise "
+                f"ray.timeout_s, or {_HOW_TO_FIX}"
+            )
+        # Number ranks node by node (neighbouring ranks share a node, as NCCL rings want).
+        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        first_seen: dict[str, int] = {}
+        for b in range(world_size):
+            first_seen.setdefault(nodes.get(b, ""), len(first_seen))
+        self.bundle_of_rank = sorted(range(world_size), key=lambda b: (first_seen[nodes.get(b, "")], b))
+        used = len(first_seen)
+        if used != nnodes:
+            logger.warning("%s ranks were placed on %d node(s), not trainer.nnodes=%d "
+                           "(Ray puts bundles where they fit)", name, used, nnodes)
+
+    def _check_feasible(self) -> None:
+        """Refuse at once what the cluster cannot ever hold (waiting would only end in a timeout)."""
+        total = ray.cluster_resources()
+        need = {k: v * self.world_size for k, v in self.bundle.items()}
+        short = {k: v for k, v in need.items() if v > total.get(k, 0) + 1e-9}
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        fits_a_node = any(all(r.get(k, 0) + 1e-9 >= v for k, v in self.bundle.items()) for r in nodes)
+        if short or not fits_a_node:
+            raise ValueError(
+                f"the {self.name} ranks need {_fmt(need)} ({self.world_size} bundle(s) of {{{_fmt(self.bundle)}}}, "
+                f"placement {self.strategy} over trainer.nnodes={self.nnodes}), but the Ray cluster has "
+                f"{_cluster_summary()}; {_HOW_TO_FIX}"
+            )
+
+    def strategy_for(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Where rank `rank` of any role on this placement runs."""
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundle_of_rank[rank])
+
+    def acquire(self, user: str) -> None:
+        """Record that `user` (a role) has ranks here."""
+        self._users.add(user)
+
+    def release(self, user: str) -> None:
+        """`user` is done; the placement group is removed when nobody is left."""
+        self._users.discard(user)
+        if not self._users and self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception as err:  # Ray already shut down
+                logger.debug("placement group %s already gone: %s", self.name, err)
+            self.pg = None
+
+
+# --------------------------------------------------------------------------- the group
+class RayWorkerGroup(WorkerGroup):
+    """The ranks of one role as Ray actors: `worker_cls(rank=, world_size=, **worker_kwargs)` in each."""
+
+    def __init__(
+        self,
+        role: str,
+        worker_cls: Any,
+        worker_kwargs: dict[str, Any],
+        *,
+        world_size: int = 1,
+        num_cpus: float = 0.5,
+        num_gpus: float = 0.0,
+        placement: RayPlacement | None = None,
+        nnodes: int = 1,
+        timeout_s: float = 60.0,
+    ):
+        if world_size < 1:
+            raise ValueError(f"{role}: world_size must be >= 1, got {world_size}")
+        self.role = role
+        self.world_size = world_size
+        self._actors: list[Any] = []
+        self._where: list[dict[str, Any]] = []
+        self._closed = False
+        self.placement: RayPlacement | None = None
+        if placement is None:
+            bundle = {"CPU": num_cpus, "GPU": math.ceil(num_gpus)}
+            placement = RayPlacement(role, world_size, bundle, nnodes=nnodes, timeout_s=timeout_s)
+        elif placement.world_size != world_size:
+            raise ValueError(f"{role}: world_size {world_size} differs from the placement's {placement.world_size}")
+        placement.acquire(role)
+        self.placement = placement
+        try:
+            remote = _remote_rank_class()
+            self._actors = [
+                remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r))
+                .remote(role, r, world_size, int(round(num_cpus)))
+                for r in range(world_size)
+            ]
+            self._where = self._gather("start", [a.where.remote() for a in self._actors])
+            if world_size > 1:
+                addr, port = self._gather("init_process_group", [self._actors[0].master_address.remote()])[0]
+                backend = "nccl" if num_gpus > 0 else "gloo"
+                self._gather("init_process_group",
+                             [a.init_process_group.remote(addr, port, backend) for a in self._actors])
+            self._gather("__init__", [a.build.remote(worker_cls, worker_kwargs) for a in self._actors])
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%s: %d rank(s) on %d node(s)", role, world_size, len({w["node_id"] for w in self._where}))
+
+    # -- calls ----------------------------------------------------------
+    def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
+        """Run `method` on every rank over its share of `meta`; the merged handle (extra_info: lists per rank)."""
+        self._check_open(method)
+        chunks = split_for_ranks(meta, self.world_size)
+        refs = [a.call.remote(method, c) for a, c in zip(self._actors, chunks)]
+        self._gather(method, refs)
+        return BatchData(refs).concat()
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `method` on rank 0 only."""
+        self._check_open(method)
+        return self._gather(method, [self._actors[0].call_args.remote(method, args, kwargs)])[0]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `method` with the same arguments on every rank; one result per rank."""
+        self._check_open(method)
+        # One copy in the object store for all ranks (a state dict is large), not one per call;
+        # Ray resolves top-level refs before the method runs.
+        args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
+        return self._gather(method, [a.call_args.remote(method, args_ref, kwargs_ref) for a in self._actors])
+
+    def rank_info(self) -> list[dict[str, Any]]:
+        """Per rank: `pid`, `node_id`, `node_ip` of its process."""
+        return [dict(w) for w in self._where]
+
+    def _gather(self, method: str, refs: Sequence[Any]) -> list[Any]:
+        """Results of `refs` (one per rank, in rank order); the first rank to fail stops the role and is raised."""
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as err:
+                    cause = _original(err)
+                    if self.world_size > 1:
+                        # The other ranks may be blocked in a collective with the failed one: stop them all.
+                        self.shutdown()
+                    raise wrap_worker_error(self.role, rank, method, cause) from err
+        return ray.get(list(refs))
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.role} worker group was shut down; cannot call {method}")
+
+    # -- teardown -------------------------------------------------------
+    def _kill_actors(self) -> None:
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as err:  # already dead, or Ray shut down first
+                logger.debug("%s rank already gone: %s", self.role, err)
+
+    def shutdown(self) -> None:
+        """Kill the ranks' processes and give back their placement (safe to call twice)."""
+        if self.placement is None:
+            return
+        self._kill_actors()
+        self._closed = True
+        self.placement.release(self.role)
+        self.placement = None
+
+
+# --------------------------------------------------------------------------- a run's roles
+def build_ray_worker_groups(cfg: Any, model_path: str, data_plane: Any, tokenizer: Any, device: str) -> Any:
+    """The run's roles as Ray worker groups: actor/ref/critic with one rank per GPU or CPU worker, reward with one."""
+    from conveyor.trainer.setup import WorkerGroups
+    from conveyor.workers.actor import PolicyWorker
+    from conveyor.workers.critic import CriticWorker
+    from conveyor.workers.reward import RewardWorker
+
+    if getattr(data_plane, "backend", None) == "memory":
+        raise ValueError("workers on Ray cannot reach the memory data plane (it lives in the trainer's process); "
+                         "use transfer_queue.backend=ray")
+    t = cfg.trainer
+    gpu = t.n_gpus_per_node > 0
+    if gpu and t.device == "cpu":
+        raise ValueError(f"trainer.device=cpu contradicts trainer.n_gpus_per_node={t.n_gpus_per_node}; "
+                         "set trainer.device=auto (or cuda), or trainer.n_gpus_per_node=0 for CPU workers")
+    if not gpu and device == "cuda":
+        logger.warning("trainer.n_gpus_per_node=0: the Ray workers get no GPU and run on CPU; "
+                       "set trainer.n_gpus_per_node to train on GPUs")
+    worker_device = "cuda" if gpu else "cpu"
+    world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
+    model_roles = ["actor"] + (["ref"] if cfg.use_reference else []) + (["critic"] if cfg.use_critic else [])
+    cpus = cfg.ray.worker_cpus
+    # Rank i of every model role shares bundle i: one GPU split between the roles (Ray takes fractions to 1e-4).
+    gpu_share = math.floor(1e4 / len(model_roles)) / 1e4 if gpu else 0.0
+    bundle = {"CPU": cpus * len(model_roles), "GPU": 1.0 if gpu else 0.0}
+    groups: dict[str, RayWorkerGroup | None] = {"actor": None, "ref": None, "critic": None, "reward": None}
+    placement = RayPlacement("+".join(model_roles), world, bundle, nnodes=t.nnodes, timeout_s=cfg.ray.timeout_s)
+    common = {"world_size": world, "num_cpus": cpus, "num_gpus": gpu_share, "placement": placement,
+              "timeout_s": cfg.ray.timeout_s}
+    policy_kwargs = {"cfg": cfg, "model_path": model_path, "data_plane": data_plane, "device": worker_device}
+    try:
+        groups["actor"] = RayWorkerGroup("actor", PolicyWorker, {**policy_kwargs, "role": "actor"}, **common)
+        if cfg.use_reference:
+            groups["ref"] = RayWorkerGroup("ref", PolicyWorker, {**policy_kwargs, "role": "ref"}, **common)
+        if cfg.use_critic:
+            groups["critic"] = RayWorkerGroup("critic", CriticWorker, policy_kwargs, **common)
+        groups["reward"] = RayWorkerGroup("reward", RewardWorker, {"tokenizer": tokenizer, "data_plane": data_plane},
+                                          world_size=1, num_cpus=cpus, nnodes=1, timeout_s=cfg.ray.timeout_s)
+    except BaseException:
+        for group in groups.values():
+            if group is not None:
+                group.shutdown()
+        placement.release("build")  # removes the placement group if no role took it
+        raise
+    return WorkerGroups(**groups)

@@ -1,0 +1,162 @@
+"""End-to-end runs on Ray: two CPU ranks on this machine, two simulated nodes, and a rank that fails."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from conveyor.config import load_config  # noqa: E402
+from conveyor.data_plane.ray_store import RayDataPlane  # noqa: E402
+from conveyor.trainer.ppo import run_training  # noqa: E402
+from conveyor.workers.group import WorkerError  # noqa: E402
+
+# tiny_run (tests/conftest.py) keeps only the actor and the reward: GRPO, no KL term, so no reference or critic.
+
+
+def _steps(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {int(r["step"]): r for r in rows}
+
+
+def _ray_processes() -> list[psutil.Process]:
+    """Ray worker processes (titled `ray::...`) below this test process."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.cmdline() and p.cmdline()[0].startswith("ray::"):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.25)
+    return condition()
+
+
+def _assert_trained_two_steps(run_dir: Path) -> None:
+    steps = _steps(run_dir)
+    assert {1, 2} <= set(steps)
+    for s in (1, 2):
+        row = steps[s]
+        # Each rank reports its own peak; the trainer logs the max over ranks under the role.
+        assert row["actor/perf/max_memory_allocated_gb"] > 0
+        assert row["actor/perf/cpu_memory_used_gb"] > 0
+        assert "actor/pg_loss" in row and "actor/grad_norm" in row
+
+
+def test_ray_data_plane_needs_a_running_ray() -> None:
+    if ray.is_initialized():
+        pytest.skip("another test module left Ray running")
+    with pytest.raises(RuntimeError, match="ray.init"):
+        RayDataPlane()
+
+
+def test_an_address_where_no_ray_listens_fails_fast() -> None:
+    from conveyor.ray_utils import ensure_ray
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"ray.address='127.0.0.1:{port}': no Ray head answers there"):
+        ensure_ray(load_config(None, [f"ray.address=127.0.0.1:{port}"]))
+    assert time.monotonic() - t0 < 10 and not ray.is_initialized()
+
+
+def test_two_cpu_ranks_on_this_machine(tiny_run, tmp_path, caplog) -> None:
+    assert not ray.is_initialized()
+    caplog.set_level(logging.INFO, logger="conveyor")
+    cfg = load_config(None, tiny_run + ["trainer.num_cpu_workers=2", "ray.num_cpus=4"])
+    run_training(cfg)
+    _assert_trained_two_steps(tmp_path)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("using the ray data plane instead of transfer_queue.backend=memory" in m for m in messages)
+    assert any(m.startswith("actor: 2 rank(s)") for m in messages)
+    # run_training started Ray, so it stopped it: nothing is left running.
+    assert not ray.is_initialized()
+    assert _wait(lambda: not _ray_processes()), [p.cmdline() for p in _ray_processes()]
+
+
+def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, tmp_path, monkeypatch) -> None:
+    import conveyor.workers.actor as actor_module
+
+    base = actor_module.PolicyWorker
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    # Defined here, so Ray ships the class by value to the rank processes.
+    class FailingPolicyWorker(base):
+        """A policy worker whose rank 1 fails in its first update."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            (pid_dir / f"{self.role}-{self.rank}").write_text(str(os.getpid()))
+
+        def update_actor(self, meta):
+            if self.rank == 1:
+                raise RuntimeError("injected failure in rank 1")
+            return super().update_actor(meta)
+
+    monkeypatch.setattr(actor_module, "PolicyWorker", FailingPolicyWorker)
+    # Ray started here and left running, so the run's own clean-up is what is checked.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = load_config(None, tiny_run + ["trainer.num_cpu_workers=2"])
+        with pytest.raises(WorkerError) as info:
+            run_training(cfg)
+        err = info.value
+        assert (err.role, err.rank, err.stage) == ("actor", 1, "update_actor")
+        assert type(err.cause) is RuntimeError
+        assert str(err) == "actor rank 1 failed in update_actor: RuntimeError: injected failure in rank 1"
+        assert ray.is_initialized()  # not ours to stop
+        # The data plane's storage actors and every worker actor are dead; no placement group is left.
+        from ray._private.state import actors as actor_table
+        from ray.util.placement_group import placement_group_table
+
+        assert _wait(lambda: all(a["State"] == "DEAD" for a in actor_table().values()))
+        assert len(actor_table()) >= 4  # 1 storage + 2 actor ranks + 1 reward at least
+        assert not [p for p in placement_group_table().values() if p["state"] in ("PENDING", "CREATED")]
+        pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+        assert len(pids) == 2
+        assert _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                     for p in pids))
+    finally:
+        ray.shutdown()
+
+
+def test_two_simulated_nodes(tiny_run, tmp_path, caplog) -> None:
+    from ray.cluster_utils import Cluster
+
+    assert not ray.is_initialized()
+    caplog.set_level(logging.INFO, logger="conveyor")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        # A KL loss brings the reference role: its ranks share the actor's placement bundles.
+        cfg = load_config(None, tiny_run + ["trainer.nnodes=2", f"ray.address={cluster.address}",
+                                            "actor_rollout_ref.actor.use_kl_loss=true"])
+        run_training(cfg)
+        _assert_trained_two_steps(tmp_path)
+        assert all("actor/kl_loss" in row for row in _steps(tmp_path).values() if row["step"] > 0)
+        # One rank of each role per node: the placement spread the bundles over both nodes.
+        messages = [r.getMessage() for r in caplog.records]
+        assert "actor: 2 rank(s) on 2 node(s)" in messages and "ref: 2 rank(s) on 2 node(s)" in messages
+        assert not ray.is_initialized()  # run_training connected, so it disconnected
+    finally:
+        cluster.shutdown()

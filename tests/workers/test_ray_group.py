@@ -1,0 +1,203 @@
+"""Tests of Ray worker groups: data-parallel equivalence, per-rank metrics, failure reporting, resources."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
+
+from conveyor.config import load_config  # noqa: E402
+from conveyor.data_plane import FieldNotFoundError, make_data_plane  # noqa: E402
+from conveyor.metrics.reduce import reduce_rank_metrics  # noqa: E402
+from conveyor.protocol import KVBatchMeta  # noqa: E402
+from conveyor.trainer.setup import prepare_default_model  # noqa: E402
+from conveyor.workers.actor import PolicyWorker  # noqa: E402
+from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerUserError  # noqa: E402
+from conveyor.workers.ray_group import RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
+
+OVERRIDES = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "data.synthetic.num_train=64",
+    "data.synthetic.num_val=8",
+    "actor_rollout_ref.model.tiny.warmstart_steps=0",
+    # Adam's first step moves each weight by about lr whatever the gradient's size, so a weight whose gradient is
+    # ~1e-8 (an expert few tokens reach) moves by lr * g / (|g| + eps): summation-order noise in g shows up as
+    # ~1e-3 * lr. At lr=1e-4 that stays far below the 1e-6 tolerance while correct updates move weights by ~1e-4.
+    "actor_rollout_ref.actor.optim.lr=0.0001",
+]
+B, P, R = 6, 5, 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pids: list[int], seconds: float = 20.0) -> list[int]:
+    """The pids still running after waiting up to `seconds` for them to exit."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture(scope="module")
+def env():
+    """Ray with 4 logical CPUs, a ray data plane, the tiny model and its config (shared by the module)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    cfg = load_config(None, OVERRIDES)
+    model_path = prepare_default_model(cfg)
+    dp = make_data_plane("ray", num_storage_actors=2)
+    try:
+        yield cfg, model_path, dp
+    finally:
+        dp.close()
+        if started:
+            ray.shutdown()
+
+
+def _put_batch(dp, partition: str, vocab: int) -> KVBatchMeta:
+    """A batch with the fields an update needs except old_log_probs (left-padded prompts, right-padded responses)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, vocab, (B, P), generator=gen)
+    prompt_mask = torch.ones(B, P, dtype=torch.bool)
+    prompt_mask[0, :2] = False
+    prompt_mask[3, :1] = False
+    prompts[~prompt_mask] = 0
+    responses = torch.randint(4, vocab, (B, R), generator=gen)
+    response_mask = torch.ones(B, R, dtype=torch.bool)
+    response_mask[1, 2:] = False
+    response_mask[4, 1:] = False
+    responses[~response_mask] = 0
+    advantages = torch.randn(B, R, generator=gen) * response_mask
+    keys = [f"s{i}" for i in range(B)]
+    return dp.kv_batch_put(keys, partition, {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
+                                             "response_mask": response_mask, "advantages": advantages})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(env):
+    """The actor role as two Ray ranks (gloo process group), shut down after the module."""
+    cfg, model_path, dp = env
+    group = RayWorkerGroup("actor", PolicyWorker, {"cfg": cfg, "model_path": model_path, "data_plane": dp,
+                                                   "role": "actor", "device": "cpu"},
+                           world_size=2, num_cpus=0.5, timeout_s=60)
+    yield group
+    group.shutdown()
+
+
+def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks) -> None:
+    cfg, model_path, dp = env
+    local = LocalWorkerGroup("actor", lambda rank, world_size: PolicyWorker(
+        cfg, model_path=model_path, data_plane=dp, role="actor", rank=rank, world_size=world_size))
+    meta = _put_batch(dp, "dp-equivalence", local.worker.model.config.vocab_size)
+    # old_log_probs from the (shared) initial policy, so the ratio starts at 1 as in training.
+    local.call("compute_log_prob", meta.with_extra_info(temperature=1.0))
+    initial = {k: v.clone() for k, v in local.worker.model.state_dict().items()}
+    call = meta.with_extra_info(temperature=1.0, total_optim_steps=1)
+
+    one = local.call("update_actor", call)
+    two = two_ranks.call("update_actor", call)
+
+    # Per-rank results arrive merged: one entry per rank, in rank order.
+    assert two.keys == meta.keys
+    for key in ("perf/max_memory_allocated_gb", "actor/pg_loss@sum", "actor/grad_norm"):
+        assert isinstance(two.extra_info[key], list) and len(two.extra_info[key]) == 2
+    assert all(v > 0 for v in two.extra_info["perf/max_memory_allocated_gb"])
+    pids = [w["pid"] for w in two_ranks.rank_info()]
+    assert len(set(pids)) == 2 and all(_alive(p) for p in pids)
+
+    # Same loss and gradient norm: normalisers are global and gradients all-reduced.
+    m1, m2 = reduce_rank_metrics(one.extra_info), reduce_rank_metrics(two.extra_info)
+    assert m1["actor/pg_loss"] != 0.0
+    assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5)
+    assert m2["perf/max_memory_allocated_gb"] == max(two.extra_info["perf/max_memory_allocated_gb"])
+
+    # Same parameters after the step, on both ranks.
+    want = local.worker.model.state_dict()
+    moved = max(float((want[k] - initial[k]).abs().max()) for k in want)
+    assert moved > 5e-5, "the update barely moved the weights: the comparison below would be vacuous"
+    states = two_ranks.call_all("state_dict")
+    assert len(states) == 2
+    for state in states:
+        got = state["model"]
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert two_ranks.call_rank0("state_dict")["optim_steps"] == 1
+
+
+def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -> None:
+    cfg, model_path, dp = env
+    meta = _put_batch(dp, "failure", 100)
+    dp.kv_batch_put(meta.keys[:3], "failure", {"old_log_probs": torch.zeros(3, R)})  # rank 1's rows lack it
+    pids = [w["pid"] for w in two_ranks.rank_info()]
+    t0 = time.monotonic()
+    # Rank 0 has its rows and waits for rank 1 in the all-reduce of normalisers; rank 1 fails reading its rows.
+    with pytest.raises(WorkerError) as info:
+        two_ranks.call("update_actor", meta.with_extra_info(temperature=1.0))
+    assert time.monotonic() - t0 < 60
+    err = info.value
+    assert not isinstance(err, WorkerUserError)
+    assert (err.role, err.rank, err.stage) == ("actor", 1, "update_actor")
+    assert type(err.cause) is FieldNotFoundError and err.cause.fields == ["old_log_probs"]
+    assert str(err).startswith("actor rank 1 failed in update_actor: FieldNotFoundError: field(s) ['old_log_probs']")
+    assert "'failure'" in str(err)
+    # Both ranks' processes are gone (rank 0 was stuck in a collective), their placement is given back,
+    # and the group refuses further calls.
+    assert _wait_gone(pids) == []
+    assert two_ranks.placement is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        two_ranks.call("update_actor", meta)
+
+
+def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
+    cfg, model_path, dp = env
+    big = load_config(None, OVERRIDES + ["trainer.n_gpus_per_node=64"])
+    live_before = {k for k, p in placement_group_table().items() if p["state"] in ("PENDING", "CREATED")}
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        build_ray_worker_groups(big, model_path, dp, tokenizer=None, device="cuda")
+    assert time.monotonic() - t0 < 10
+    msg = str(info.value)
+    assert "the actor ranks need" in msg and "GPU 64" in msg  # what was asked
+    assert "CPU 4" in msg and "1 node(s)" in msg  # what the cluster has
+    assert "trainer.n_gpus_per_node" in msg and "ray.worker_cpus" in msg  # what to change
+    live_after = {k for k, p in placement_group_table().items() if p["state"] in ("PENDING", "CREATED")}
+    assert live_after <= live_before  # nothing reserved, nothing left pending
+
+
+def test_busy_resources_time_out_and_leave_no_placement_group(env) -> None:
+    free = ray.available_resources().get("CPU", 0)
+    hog = placement_group([{"CPU": free - 0.3}])  # leave less than the 2 x 0.5 CPU asked for below
+    ray.get(hog.ready(), timeout=30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="within ray.timeout_s=1s") as info:
+            RayPlacement("actor", 2, {"CPU": 0.5}, timeout_s=1)
+        assert time.monotonic() - t0 < 10
+        assert "actor" in str(info.value) and "CPU" in str(info.value)
+        states = [p["state"] for p in placement_group_table().values() if p["placement_group_id"] != hog.id.hex()]
+        assert "PENDING" not in states and "CREATED" not in states
+    finally:
+        remove_placement_group(hog)
+
+
+def test_memory_data_plane_is_refused(env) -> None:
+    cfg, model_path, _ = env
+    with make_data_plane("memory") as memory:
+        with pytest.raises(ValueError, match="transfer_queue.backend=ray"):
+            build_ray_worker_groups(cfg, model_path, memory, tokenizer=None, device="cpu")
