@@ -186,7 +186,7 @@ class ActorConfig:
 
     optim: OptimConfig = S(OptimConfig, "optimizer")
     ppo_mini_batch_size: int = F(16, "prompts per optimizer step (times rollout.n sequences)")
-    ppo_micro_batch_size_per_gpu: int = F(64, "sequences per forward/backward (gradient accumulation)")
+    ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (gradient accumulation; lower it for big models)")
     ppo_epochs: int = F(1, "passes over the batch per step")
     shuffle: bool = F(True, "shuffle sequences into mini-batches")
     clip_ratio: float = F(0.2, "PPO clip range (both sides unless clip_ratio_low/high are set)")
@@ -227,7 +227,7 @@ _KL_TYPES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 class RefConfig:
     """The frozen reference policy (used when a KL term is on)."""
 
-    log_prob_micro_batch_size_per_gpu: int = F(128, "sequences per reference forward")
+    log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per reference forward")
 
 
 @dataclass
@@ -251,7 +251,7 @@ class RolloutConfig:
     top_p: float = F(1.0, "nucleus sampling (1 = off)")
     top_k: int = F(0, "top-k sampling (0 = off)")
     do_sample: bool = F(True, "sample (false = greedy)")
-    log_prob_micro_batch_size_per_gpu: int = F(128, "sequences per old-log-prob forward")
+    log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward")
     moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics every N steps (0 = off)")
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
 
@@ -282,7 +282,7 @@ class CriticConfig:
     enable: Optional[bool] = F(None, "null = on exactly when the advantage estimator needs values")
     optim: OptimConfig = S(OptimConfig, "optimizer")
     ppo_mini_batch_size: int = F(16, "prompts per critic optimizer step")
-    ppo_micro_batch_size_per_gpu: int = F(64, "sequences per forward/backward")
+    ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (lower it for big models)")
     ppo_epochs: int = F(1, "passes over the batch per step")
     cliprange_value: float = F(0.5, "value clip range")
     loss_agg_mode: str = F("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
@@ -316,7 +316,11 @@ class KLControlConfig:
 class RolloutCorrectionConfig:
     """Correcting for the gap between sampler and trainer log-probs."""
 
-    bypass_mode: bool = F(False, "use the rollout's log-probs as old log-probs (no old-log-prob forward)")
+    bypass_mode: Optional[bool] = F(
+        None,
+        "use the rollout's log-probs as old log-probs (no old-log-prob forward); null = on when the in-process hf "
+        "rollout samples from the trainer's own weights and no MoE routing capture needs the forward",
+    )
     rollout_is: Optional[str] = F(None, "truncated importance weights: null, token or sequence")
     rollout_is_threshold: float = F(2.0, "upper truncation of the importance weights")
 
@@ -488,6 +492,20 @@ class Config:
         if self.critic.enable is not None:
             return self.critic.enable
         return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def bypass_old_log_prob(self) -> bool:
+        """Whether old_log_probs are the rollout's (algorithm.rollout_correction.bypass_mode, resolved)."""
+        bypass = self.algorithm.rollout_correction.bypass_mode
+        if bypass is not None:
+            return bypass
+        # The hf engine samples from the very weights the actor trains, in the same
+        # numerics, so its log-probs are the old log-probs; a forward would only
+        # repeat them. Routing capture keeps the forward: it measures routing agreement
+        # and, under R3, defines the replayed routing's old log-probs.
+        arr = self.actor_rollout_ref
+        capture = arr.rollout.moe_load_balance_metrics_interval > 0 or arr.actor.router_replay.mode == "R3"
+        return arr.rollout.name == "hf" and not capture
 
     @property
     def use_reference(self) -> bool:

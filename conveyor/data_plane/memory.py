@@ -220,7 +220,7 @@ class MemoryDataPlane(DataPlane):
                 value = torch.nested.as_nested_tensor(rows, layout=torch.jagged) if rows else _empty_nested(col)
                 nbytes += sum(_nbytes(r) for r in rows)
             else:
-                value = NonTensorStack(*rows, batch_size=[len(rows)]) if rows else NonTensorStack(batch_size=[0])
+                value = NonTensorStack.from_list(rows) if rows else NonTensorStack(batch_size=[0])
                 nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
             out.set(name, value)
         if metric_ctx:

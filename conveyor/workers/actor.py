@@ -261,7 +261,8 @@ class PolicyWorker:
             mmask = mb["response_mask"].bool()
             ntok = float(mmask.sum())
             routed = mb["routed_experts"].long() if replay_on else None
-            log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0, routed)
+            report_entropy = bool(info.get("calculate_entropy", False))
+            log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed)
             is_weights = None
             if use_is:
                 is_weights, _ = compute_rollout_is_weights(
@@ -274,7 +275,10 @@ class PolicyWorker:
                 loss_agg_mode=acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, is_weights=is_weights,
             )
             loss = pg_loss
-            if entropy is not None:
+            if report_entropy and entropy is not None:
+                add("actor/entropy@sum", float((entropy.detach() * mmask).sum()))
+                add("actor/entropy@count", ntok)
+            if entropy is not None and acfg.entropy_coeff != 0:
                 ent_loss = agg_loss(entropy, mmask, acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
                 loss = loss - acfg.entropy_coeff * ent_loss
                 add("actor/entropy_loss@sum", ent_loss.item())

@@ -57,7 +57,7 @@ def run_until_advantage(trainer):
 
 
 def test_stage_fields_grpo(tiny_run):
-    trainer, dp = make_trainer(tiny_run)
+    trainer, dp = make_trainer(tiny_run + ["algorithm.rollout_correction.bypass_mode=false"])
     meta = run_until_advantage(trainer)
     assert dp.log[0] == ("put", ("prompts", "prompt_mask", "uid", "data_source", "ground_truth", "raw_prompt"))
     assert dp.log[1] == ("get", ("prompts", "prompt_mask"))
@@ -88,7 +88,8 @@ def test_stage_fields_grpo(tiny_run):
 
 def test_stage_fields_gae_with_critic_and_kl(tiny_run):
     trainer, dp = make_trainer(tiny_run + ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                           "algorithm.use_kl_in_reward=true"])
+                                           "algorithm.use_kl_in_reward=true",
+                                           "algorithm.rollout_correction.bypass_mode=false"])
     meta = run_until_advantage(trainer)
     meta = trainer._compute_old_log_prob(meta, {})
     dp.log.clear()
@@ -124,3 +125,26 @@ def test_bypass_mode_copies_rollout_log_probs_without_a_forward(tiny_run):
     assert out.keys == meta.keys and "old_log_probs" in out.fields
     td = dp.kv_batch_get(out.keys, out.partition_id, ["old_log_probs", "rollout_log_probs"])
     assert torch.equal(td["old_log_probs"], td["rollout_log_probs"].float())
+
+
+def test_bypass_resolves_automatically():
+    from conveyor.config import load_config
+
+    assert load_config(None, []).bypass_old_log_prob, "hf rollout, no routing capture: the forward is redundant"
+    assert not load_config(None, ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"]).bypass_old_log_prob
+    assert not load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"]).bypass_old_log_prob
+    assert not load_config(None, ["algorithm.rollout_correction.bypass_mode=false"]).bypass_old_log_prob
+    forced = load_config(None, ["algorithm.rollout_correction.bypass_mode=true",
+                                "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"])
+    assert forced.bypass_old_log_prob
+
+
+def test_bypass_run_reports_entropy_from_the_update(tiny_run, tmp_path):
+    from conveyor.config import load_config
+    from conveyor.metrics.trackers import read_metrics_jsonl
+    from conveyor.trainer.ppo import run_training
+
+    run_training(load_config(None, tiny_run + ["trainer.total_training_steps=1"]))
+    (row,) = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if r["step"] == 1]
+    assert row["actor/entropy"] > 0
+    assert "timing_s/old_log_prob" in row
