@@ -1,0 +1,72 @@
+"""Run every benchmark script in turn, each in its own subprocess, and fail if any of them failed.
+
+The scripts, with the arguments used here (`make bench` runs this file):
+
+- `e2e_vs_trl.py`: conveyor vs TRL's GRPOTrainer end to end (default size);
+- `data_plane.py --backends memory ray transferqueue --threads 1`: every
+  data-plane backend (one whose adapter or package is missing is skipped
+  with a note by the script itself);
+- `moe_metrics.py --threads 1`: the MoE load-balance metrics;
+- `rollout.py --threads 1`: the rollout engine against `model.generate`.
+
+Each script's output is printed as it runs, under a header; a summary line per
+script follows at the end. The exit status is 0 only when every script exited
+0. Extra arguments are not passed on: run a script directly to change its size.
+
+This file does not install anything (`make bench` installs
+benchmarks/requirements.txt first).
+
+    python benchmarks/run_all.py
+    python benchmarks/run_all.py --only data_plane moe_metrics
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+HERE = Path(__file__).resolve().parent
+
+#: (name, arguments) of every benchmark, in the order they run.
+BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("e2e_vs_trl", ()),
+    ("data_plane", ("--backends", "memory", "ray", "transferqueue", "--threads", "1")),
+    ("moe_metrics", ("--threads", "1")),
+    ("rollout", ("--threads", "1")),
+)
+
+
+def run_one(name: str, args: Sequence[str]) -> tuple[int, float]:
+    """Run benchmarks/<name>.py with `args` in a subprocess, its output going straight to ours; (exit status, seconds)."""
+    cmd = [sys.executable, str(HERE / f"{name}.py"), *args]
+    print(f"\n===== {name}: {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    status = subprocess.run(cmd, cwd=HERE.parent).returncode
+    return status, time.perf_counter() - start
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the chosen benchmarks (all by default); the number of failed ones is printed, 1 is returned if any failed."""
+    names = [name for name, _ in BENCHMARKS]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"run only these of {names}")
+    args = parser.parse_args(argv)
+    chosen = [(n, a) for n, a in BENCHMARKS if args.only is None or n in args.only]
+    results = []
+    for name, bench_args in chosen:
+        status, seconds = run_one(name, bench_args)
+        results.append((name, status, seconds))
+    print("\n===== summary")
+    for name, status, seconds in results:
+        print(f"{name:12s} {'ok' if status == 0 else f'FAILED (exit status {status})':28s} {seconds:7.1f} s")
+    failed = [name for name, status, _ in results if status != 0]
+    print(f"{len(results) - len(failed)} of {len(results)} benchmarks succeeded" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
