@@ -98,6 +98,7 @@ class PPOTrainer:
         self.kl_ctrl = make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
         self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
         self.val_history: list[tuple[int, float]] = []
+        self._prompt_ids: dict[str, list[int]] = {}
         arr = cfg.actor_rollout_ref
         self.capture_routing = arr.rollout.moe_load_balance_metrics_interval > 0 or arr.actor.router_replay.mode == "R3"
         self.mini_batches_per_epoch = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
@@ -205,38 +206,39 @@ class PPOTrainer:
     def _put_prompts(self, records: list[dict], partition_id: str, n: int) -> KVBatchMeta:
         """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them."""
         d = self.cfg.data
-        pad = self.tokenizer.pad_token_id
-        token_lists, texts = [], []
-        for rec in records:
-            text = render_prompt(rec, self.tokenizer)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        texts = [render_prompt(rec, self.tokenizer) for rec in records]
+        # Prompts recur every epoch: tokenize each distinct text once per run, in one batched call.
+        new = [t for t in dict.fromkeys(texts) if t not in self._prompt_ids]
+        if new:
+            for text, ids in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]):
+                self._prompt_ids[text] = ids
+        token_lists = []
+        for rec, text in zip(records, texts):
             try:
-                ids = check_prompt_length(ids, d.max_prompt_length, d.truncation)
+                ids = check_prompt_length(self._prompt_ids[text], d.max_prompt_length, d.truncation)
             except ValueError as err:
                 raise ValueError(f"prompt {text[:60]!r} (data_source {rec.get('data_source')!r}): {err}") from err
             if not ids:
                 raise ValueError(f"prompt {text[:60]!r} is empty after tokenization")
             token_lists.append(ids)
-            texts.append(text)
         width = max(len(x) for x in token_lists)
-        rows = len(records) * n
-        prompts = torch.full((rows, width), pad, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.bool)
-        keys, uids, sources, truths, raw, tags = [], [], [], [], [], []
-        for i, (rec, ids) in enumerate(zip(records, token_lists)):
-            uid = f"{partition_id}/p{i}"
-            for j in range(n):
-                r = i * n + j
-                prompts[r, width - len(ids):] = torch.tensor(ids)
-                mask[r, width - len(ids):] = True
-                keys.append(f"{uid}/s{j}")
-                uids.append(uid)
-                sources.append(rec["data_source"])
-                truths.append(str(rec["reward_model"]["ground_truth"]))
-                raw.append(texts[i])
-                tags.append({"seq_len": len(ids)})
-        fields = {"prompts": prompts, "prompt_mask": mask, "uid": uids, "data_source": sources,
-                  "ground_truth": truths, "raw_prompt": raw}
+        pad = self.tokenizer.pad_token_id
+        # Left padding, built as one tensor per batch and repeated n times (one group per prompt).
+        padded = torch.tensor([[pad] * (width - len(ids)) + ids for ids in token_lists], dtype=torch.long)
+        lengths = torch.tensor([len(ids) for ids in token_lists])
+        mask = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+        prompts, mask = padded.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+        uids = [f"{partition_id}/p{i}" for i in range(len(records))]
+        keys = [f"{uid}/s{j}" for uid in uids for j in range(n)]
+        fields = {
+            "prompts": prompts,
+            "prompt_mask": mask,
+            "uid": [uid for uid in uids for _ in range(n)],
+            "data_source": [rec["data_source"] for rec in records for _ in range(n)],
+            "ground_truth": [str(rec["reward_model"]["ground_truth"]) for rec in records for _ in range(n)],
+            "raw_prompt": [text for text in texts for _ in range(n)],
+        }
+        tags = [{"seq_len": len(ids)} for ids in token_lists for _ in range(n)]
         return self.dp.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
 
     def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
