@@ -86,7 +86,7 @@ class DataConfig:
 
     train_files: Optional[list] = F(None, "verl-style parquet files of training prompts; null = the synthetic task")
     val_files: Optional[list] = F(None, "parquet files of held-out prompts; null = the synthetic task's test split")
-    train_batch_size: int = F(16, "prompts per step (each sampled actor_rollout_ref.rollout.n times)")
+    train_batch_size: int = F(32, "prompts per step (each sampled actor_rollout_ref.rollout.n times)")
     val_batch_size: Optional[int] = F(None, "held-out prompts used per validation; null = all")
     max_prompt_length: int = F(64, "longest prompt in tokens")
     max_response_length: int = F(6, "most tokens generated per response")
@@ -116,7 +116,7 @@ class TinyModelConfig:
     intermediate_size: int = F(128, "MLP width (dense layers; expert width for MoE)")
     num_experts: int = F(8, "experts per MoE layer")
     top_k: int = F(2, "experts chosen per token")
-    warmstart_steps: int = F(150, "supervised steps on the task format before RL (0 = start from random init)")
+    warmstart_steps: int = F(350, "supervised steps on the task format before RL (0 = start from random init)")
     warmstart_lr: float = F(3e-3, "learning rate of the warm start")
     seed: int = F(0, "initialisation seed")
 
@@ -147,7 +147,7 @@ class ModelConfig:
 class OptimConfig:
     """AdamW and its schedule."""
 
-    lr: float = F(2e-3, "learning rate")
+    lr: float = F(5e-4, "learning rate (the default suits the tiny model; real models want 1e-6 to 1e-5)")
     weight_decay: float = F(0.0, "AdamW weight decay")
     betas: list = F([0.9, 0.99], "AdamW betas")
     lr_warmup_steps: int = F(0, "linear warm-up steps")
@@ -185,7 +185,7 @@ class ActorConfig:
     """The policy update."""
 
     optim: OptimConfig = S(OptimConfig, "optimizer")
-    ppo_mini_batch_size: int = F(16, "prompts per optimizer step (times rollout.n sequences)")
+    ppo_mini_batch_size: int = F(32, "prompts per optimizer step (times rollout.n sequences)")
     ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (gradient accumulation; lower it for big models)")
     ppo_epochs: int = F(1, "passes over the batch per step")
     shuffle: bool = F(True, "shuffle sequences into mini-batches")
@@ -281,7 +281,7 @@ class CriticConfig:
 
     enable: Optional[bool] = F(None, "null = on exactly when the advantage estimator needs values")
     optim: OptimConfig = S(OptimConfig, "optimizer")
-    ppo_mini_batch_size: int = F(16, "prompts per critic optimizer step")
+    ppo_mini_batch_size: int = F(32, "prompts per critic optimizer step")
     ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (lower it for big models)")
     ppo_epochs: int = F(1, "passes over the batch per step")
     cliprange_value: float = F(0.5, "value clip range")
@@ -387,19 +387,19 @@ class MetricsEndpointConfig:
 class TrainerConfig:
     """The loop: steps, logging, checkpoints, devices."""
 
-    total_training_steps: int = F(40, "optimizer steps to run")
+    total_training_steps: int = F(1000, "training steps to run")
     project_name: str = F("conveyor", "tracker project")
     experiment_name: str = F("tiny-moe-grpo", "tracker run name and run directory name")
     logger: list = F(["console", "jsonl"], "trackers: console, jsonl, tensorboard, wandb, mlflow")
     default_local_dir: Optional[str] = F(None, "run directory; null = runs/<experiment_name> under the working directory")
-    test_freq: int = F(10, "validate every N steps (and before the first; 0 = only before and after)")
+    test_freq: int = F(100, "validate every N steps (and before the first; 0 = only before and after)")
     val_before_train: bool = F(True, "validate at step 0")
     save_freq: int = F(0, "checkpoint every N steps (0 = only at the end)")
     max_ckpt_to_keep: Optional[int] = F(2, "newest checkpoints kept (null = all)")
     resume_mode: str = F("auto", "auto (continue from the newest checkpoint), disable, or resume_path")
     resume_from_path: Optional[str] = F(None, "checkpoint directory for resume_mode=resume_path")
     save_on_interrupt: bool = F(True, "save a checkpoint on Ctrl-C")
-    dump_freq: int = F(10, "write sample generations every N steps (0 = off)")
+    dump_freq: int = F(100, "write sample generations every N steps (0 = off)")
     dump_num: int = F(8, "generations per dump")
     seed: int = F(0, "seed of sampling and of mini-batch shuffling")
     device: str = F("auto", "auto, cpu or cuda")

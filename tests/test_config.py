@@ -33,7 +33,7 @@ def write_yaml(tmp_path: Path, data: dict | str, name: str = "run.yaml") -> Path
 def test_defaults_load() -> None:
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.data.train_batch_size == 16
+    assert cfg.data.train_batch_size == 32
     assert cfg.actor_rollout_ref.rollout.n == 8
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.trainer.logger == ["console", "jsonl"]
@@ -245,7 +245,7 @@ def test_out_of_range_values(overrides: list[str], key: str) -> None:
 def test_out_of_range_messages_say_what_to_change() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=5"])
-    assert "data.train_batch_size=16 must be divisible by it (got 5)" in str(info.value)
+    assert "data.train_batch_size=32 must be divisible by it (got 5)" in str(info.value)
     with pytest.raises(ConfigError) as info:
         load_config(None, ["trainer.logger=[console,jsnl]"])
     assert "did you mean 'jsonl'" in str(info.value)
