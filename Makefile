@@ -30,8 +30,10 @@ $(DEV_STAMP): $(BASE_STAMP)
 train: install
 	$(VENV)/bin/conveyor train $(ARGS)
 
+# One torch thread per process: tests start several processes (Ray workers, CLI
+# runs) on small machines, and tiny models gain nothing from intra-op threads.
 test: install-dev
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: install-dev
 	$(PIP) -r benchmarks/requirements.txt

@@ -147,12 +147,12 @@ class ModelConfig:
 class OptimConfig:
     """AdamW and its schedule."""
 
-    lr: float = F(5e-4, "learning rate (the default suits the tiny model; real models want 1e-6 to 1e-5)")
+    lr: float = F(6e-4, "learning rate (the default suits the tiny model; real models want 1e-6 to 1e-5)")
     weight_decay: float = F(0.0, "AdamW weight decay")
     betas: list = F([0.9, 0.99], "AdamW betas")
     lr_warmup_steps: int = F(0, "linear warm-up steps")
-    lr_scheduler: str = F("constant", "constant or cosine (after warm-up)")
-    min_lr_ratio: float = F(0.0, "cosine floor as a fraction of lr")
+    lr_scheduler: str = F("cosine", "constant or cosine (after warm-up)")
+    min_lr_ratio: float = F(0.2, "cosine floor as a fraction of lr")
 
     def _validate(self, prefix: str) -> None:
         _check(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
