@@ -12,7 +12,9 @@ from __future__ import annotations
 import abc
 from typing import Any, Iterable, Mapping, Sequence
 
-from tensordict import TensorDict
+import torch
+
+from tensordict import NonTensorStack, TensorDict
 
 from conveyor.protocol import KVBatchMeta
 
@@ -125,3 +127,47 @@ def field_items(fields: Any) -> list[tuple[str, Any]]:
     if isinstance(fields, Mapping):
         return list(fields.items())
     raise TypeError(f"kv_batch_put takes a TensorDict or a mapping of field name to column, got {type(fields).__name__}")
+
+# How a column given to kv_batch_put is stored and returned: a dense (B, ...)
+# tensor, a jagged nested tensor (rows of different lengths), or a list of
+# per-sample values (Python objects or tensors of any shapes).
+DENSE, NESTED, LIST = "dense", "nested", "list"
+
+
+def column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
+    """(kind, rows) of a column given to kv_batch_put: DENSE (B, ...) tensor, NESTED jagged tensor, or LIST of values."""
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            rows = list(value.unbind(0))
+            kind = NESTED
+        else:
+            if value.dim() == 0:
+                raise ValueError(f"field {name!r} is a 0-d tensor; give one row per key (shape ({n}, ...))")
+            rows = value
+            kind = DENSE
+    elif isinstance(value, (list, tuple)):
+        rows = list(value)
+        kind = LIST
+    else:
+        raise ValueError(
+            f"field {name!r} has type {type(value).__name__}; give a tensor with one row per key, "
+            "a jagged nested tensor, or a list with one value per key"
+        )
+    if len(rows) != n:
+        raise ValueError(f"field {name!r} has {len(rows)} rows for {n} keys; give one row per key")
+    return kind, rows
+
+
+
+
+def prepare_put(keys: Sequence[str], fields: Any, tags: Sequence[dict] | None) -> tuple[list[str], list[tuple[str, str, Any]]]:
+    """Check kv_batch_put's arguments (unique keys, one tag and one row per key); (keys, [(name, kind, rows)])."""
+    keys = [str(k) for k in keys]
+    n = len(keys)
+    if len(set(keys)) != n:
+        raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
+    if tags is not None and len(tags) != n:
+        raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
+    return keys, [(name, *column_kind(name, value, n)) for name, value in field_items(fields)]

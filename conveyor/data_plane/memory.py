@@ -15,13 +15,12 @@ from typing import Any, Iterable, Sequence
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from conveyor.data_plane.base import DataPlane, FieldNotFoundError, field_items
+from conveyor.data_plane.base import DENSE, NESTED, DataPlane, FieldNotFoundError, prepare_put
 from conveyor.data_plane.prometheus import DataPlaneMetrics
 from conveyor.protocol import KVBatchMeta
 
 __all__ = ["MemoryDataPlane"]
 
-_DENSE, _NESTED, _LIST = "dense", "nested", "list"
 _ROW_BITS = 40  # rows per put block < 2**40
 _ROW_MASK = (1 << _ROW_BITS) - 1
 
@@ -43,19 +42,19 @@ class _Column:
     dtype: torch.dtype | None = None
 
     def __contains__(self, key: str) -> bool:
-        return key in (self.loc if self.kind == _DENSE else self.values)
+        return key in (self.loc if self.kind == DENSE else self.values)
 
     def has_all(self, keys: Sequence[str]) -> bool:
         # map/all keep the per-key loop in C: puts and gets of 10k keys x 20
         # fields spend most of their time in these membership checks otherwise.
-        return all(map((self.loc if self.kind == _DENSE else self.values).__contains__, keys))
+        return all(map((self.loc if self.kind == DENSE else self.values).__contains__, keys))
 
     def drop(self, key: str) -> None:
-        (self.loc if self.kind == _DENSE else self.values).pop(key, None)
+        (self.loc if self.kind == DENSE else self.values).pop(key, None)
 
     def compact(self) -> None:
         # Release blocks no key points at any more, so cleared data is freed.
-        if self.kind != _DENSE or not self.blocks:
+        if self.kind != DENSE or not self.blocks:
             return
         used = {v >> _ROW_BITS for v in self.loc.values()}
         for i in range(len(self.blocks)):
@@ -70,39 +69,13 @@ class _Partition:
     columns: dict[str, _Column] = field(default_factory=dict)
 
 
-def _column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
-    """Classify a column given to put and check it has one row per key."""
-    if isinstance(value, NonTensorStack):
-        value = value.tolist()
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            rows = list(value.unbind(0))
-            kind = _NESTED
-        else:
-            if value.dim() == 0:
-                raise ValueError(f"field {name!r} is a 0-d tensor; give one row per key (shape ({n}, ...))")
-            rows = value
-            kind = _DENSE
-    elif isinstance(value, (list, tuple)):
-        rows = list(value)
-        kind = _LIST
-    else:
-        raise ValueError(
-            f"field {name!r} has type {type(value).__name__}; give a tensor with one row per key, "
-            "a jagged nested tensor, or a list with one value per key"
-        )
-    if len(rows) != n:
-        raise ValueError(f"field {name!r} has {len(rows)} rows for {n} keys; give one row per key")
-    return kind, rows
-
-
 def _check_compatible(col: _Column | None, name: str, kind: str, rows: Any, partition_id: str) -> None:
     """Refuse a put whose column differs in kind, or (dense) in row shape or dtype, from what the field holds."""
     if col is None:
         return
     if col.kind != kind:
         raise ValueError(f"field {name!r} in partition {partition_id!r} was stored as {col.kind}; this put gives {kind}")
-    if kind == _DENSE and col.trailing is not None and (col.trailing, col.dtype) != (tuple(rows.shape[1:]), rows.dtype):
+    if kind == DENSE and col.trailing is not None and (col.trailing, col.dtype) != (tuple(rows.shape[1:]), rows.dtype):
         raise ValueError(
             f"field {name!r} in partition {partition_id!r} holds rows of shape {col.trailing} "
             f"and dtype {col.dtype}; this put gives {tuple(rows.shape[1:])} {rows.dtype}"
@@ -128,13 +101,8 @@ class MemoryDataPlane(DataPlane):
     def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None) -> KVBatchMeta:
         """Write one row per key of every given field into the partition; returns a handle listing its fields."""
         self._check_open()
-        keys = [str(k) for k in keys]
+        keys, items = prepare_put(keys, fields, tags)
         n = len(keys)
-        if len(set(keys)) != n:
-            raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
-        if tags is not None and len(tags) != n:
-            raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
-        items = [(name, *_column_kind(name, value, n)) for name, value in field_items(fields)]
         metric_ctx = self.metrics.time("put") if self.metrics else None
         if metric_ctx:
             metric_ctx.__enter__()
@@ -153,7 +121,7 @@ class MemoryDataPlane(DataPlane):
                 col = part.columns.get(name)
                 if col is None:
                     col = part.columns[name] = _Column(kind=kind)
-                if kind == _DENSE:
+                if kind == DENSE:
                     if col.trailing is None:
                         col.trailing, col.dtype = tuple(rows.shape[1:]), rows.dtype
                     b = len(col.blocks)
@@ -165,7 +133,7 @@ class MemoryDataPlane(DataPlane):
                         col.values[k] = v
                         if isinstance(v, torch.Tensor):
                             nbytes += _nbytes(v)
-                    if kind == _NESTED and rows:
+                    if kind == NESTED and rows:
                         col.dtype = rows[0].dtype
                         if col.trailing is None:  # only to shape an empty get
                             col.trailing = tuple(rows[0].shape[1:])
@@ -203,7 +171,7 @@ class MemoryDataPlane(DataPlane):
                 if not col.has_all(keys):
                     lacking = [k for k in keys if k not in col]
                     raise FieldNotFoundError(partition_id, fields=[name], keys=lacking)
-                if col.kind == _DENSE:
+                if col.kind == DENSE:
                     plan.append((name, col.kind, list(map(col.loc.__getitem__, keys)), list(col.blocks), col))
                 else:
                     plan.append((name, col.kind, list(map(col.values.__getitem__, keys)), None, col))
@@ -212,10 +180,10 @@ class MemoryDataPlane(DataPlane):
         out = TensorDict(batch_size=[len(keys)])
         nbytes = 0
         for name, kind, rows, blocks, col in plan:
-            if kind == _DENSE:
+            if kind == DENSE:
                 value = _gather_dense(rows, blocks, col)
                 nbytes += _nbytes(value)
-            elif kind == _NESTED:
+            elif kind == NESTED:
                 # as_nested_tensor copies the rows into one new buffer: that is the only copy.
                 value = torch.nested.as_nested_tensor(rows, layout=torch.jagged) if rows else _empty_nested(col)
                 nbytes += sum(_nbytes(r) for r in rows)

@@ -38,8 +38,7 @@ import ray
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from conveyor.data_plane.base import DataPlane, FieldNotFoundError, field_items
-from conveyor.data_plane.memory import _DENSE, _NESTED, _column_kind
+from conveyor.data_plane.base import DENSE, NESTED, DataPlane, FieldNotFoundError, prepare_put
 from conveyor.data_plane.prometheus import DataPlaneMetrics
 from conveyor.protocol import KVBatchMeta
 
@@ -116,7 +115,7 @@ def _make_shard_class() -> type:
     import itertools as _itertools
     import os as _os
 
-    dense = _DENSE
+    dense = DENSE
 
     def incompatibility(col, name, kind, trailing, dtype, partition_id):
         # The memory backend's rules: a field keeps its kind, and dense rows their shape and dtype.
@@ -251,9 +250,9 @@ def _remote_shard_class() -> Any:
 # --------------------------------------------------------------------------- the client
 def _encode_column(kind: str, rows: Any) -> tuple[tuple | None, str | None, Any]:
     """(trailing shape, dtype name, payload to ray.put) of one shard's rows of a column."""
-    if kind == _DENSE:
+    if kind == DENSE:
         return tuple(rows.shape[1:]), _dtype_name(rows.dtype), _to_numpy(rows)
-    if kind == _NESTED:
+    if kind == NESTED:
         if not rows:
             return None, None, (np.zeros((0,)), np.zeros(1, dtype=np.int64))
         lengths = [r.shape[0] for r in rows]
@@ -267,13 +266,13 @@ def _encode_column(kind: str, rows: Any) -> tuple[tuple | None, str | None, Any]
 def _rows_for(kind: str, rows: Any, idx: list[int], everything: bool) -> Any:
     if everything:
         return rows
-    if kind == _DENSE:
+    if kind == DENSE:
         return rows.index_select(0, torch.tensor(idx, dtype=torch.long))
     return [rows[i] for i in idx]
 
 
 def _nbytes(kind: str, rows: Any) -> int:
-    if kind == _DENSE:
+    if kind == DENSE:
         return rows.numel() * rows.element_size()
     return sum(r.numel() * r.element_size() for r in rows if isinstance(r, torch.Tensor))
 
@@ -336,13 +335,8 @@ class RayDataPlane(DataPlane):
     ) -> KVBatchMeta:
         """Write one row per key of every given field; returns a handle listing the fields every key now has."""
         self._check_open()
-        keys = [str(k) for k in keys]
+        keys, items = prepare_put(keys, fields, tags)
         n = len(keys)
-        if len(set(keys)) != n:
-            raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
-        if tags is not None and len(tags) != n:
-            raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
-        items = [(name, *_column_kind(name, value, n)) for name, value in field_items(fields)]
         with self.metrics.time("put") if self.metrics else contextlib.nullcontext():
             present, out_tags, live, all_shards = self._put(keys, partition_id, items, tags)
         if self.metrics:
@@ -507,7 +501,7 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
         if col["dtype"] is not None and dtype_name is None:
             trailing, dtype_name = col["trailing"], col["dtype"]
     dtype = _dtype_of(dtype_name) if dtype_name else None
-    if kind == _DENSE:
+    if kind == DENSE:
         out = torch.empty((n, *(trailing or ())), dtype=dtype)
         if n == 0:
             return out
@@ -532,12 +526,12 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
     for positions, col in parts:
         blocks = [payloads[ref_pos[r]] for r in col["refs"]]
         for pos, b, r in zip(positions, col["blocks"], col["rows"]):
-            if kind == _NESTED:
+            if kind == NESTED:
                 values, offsets = blocks[b]
                 slots[pos] = _from_numpy(values[offsets[r]:offsets[r + 1]], dtype)
             else:
                 slots[pos] = _decode_list_value(blocks[b][r])
-    if kind == _NESTED:
+    if kind == NESTED:
         if n == 0:
             values = torch.empty((0, *(trailing or ())), dtype=dtype if dtype is not None else torch.float32)
             return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))

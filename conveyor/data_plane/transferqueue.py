@@ -62,8 +62,7 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.simple_storage import SimpleStorageUnit
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
-from conveyor.data_plane.base import DataPlane, FieldNotFoundError, field_items
-from conveyor.data_plane.memory import _DENSE, _LIST, _NESTED, _column_kind
+from conveyor.data_plane.base import DENSE, LIST, NESTED, DataPlane, FieldNotFoundError, prepare_put
 from conveyor.protocol import KVBatchMeta
 
 __all__ = ["TransferQueueDataPlane", "SCHEMA_PREFIX", "NAMESPACE"]
@@ -140,10 +139,10 @@ def _dtype_of(name: str | None) -> torch.dtype | None:
 
 
 def _spec(kind: str, rows: Any) -> dict:
-    """The field record of a column classified by `_column_kind`."""
-    if kind == _DENSE:
+    """The field record of a column classified by `column_kind`."""
+    if kind == DENSE:
         return {"kind": kind, "dtype": _dtype_name(rows.dtype), "trailing": list(rows.shape[1:])}
-    if kind == _NESTED and rows:
+    if kind == NESTED and rows:
         return {"kind": kind, "dtype": _dtype_name(rows[0].dtype), "trailing": list(rows[0].shape[1:])}
     return {"kind": kind, "dtype": None, "trailing": None}
 
@@ -156,14 +155,14 @@ def _check_compatible(spec: dict | None, name: str, new: dict, partition_id: str
         raise ValueError(
             f"field {name!r} in partition {partition_id!r} was stored as {spec['kind']}; this put gives {new['kind']}"
         )
-    if new["kind"] == _DENSE and (spec["trailing"], spec["dtype"]) != (new["trailing"], new["dtype"]):
+    if new["kind"] == DENSE and (spec["trailing"], spec["dtype"]) != (new["trailing"], new["dtype"]):
         raise ValueError(
             f"field {name!r} in partition {partition_id!r} holds rows of shape {tuple(spec['trailing'])} "
             f"and dtype {spec['dtype']}; this put gives {tuple(new['trailing'])} {new['dtype']}"
         )
     # The package refuses a dtype change of a ragged field only after the data is
     # written, so check it here, before anything is sent.
-    if new["kind"] == _NESTED and None not in (spec["dtype"], new["dtype"]) and spec["dtype"] != new["dtype"]:
+    if new["kind"] == NESTED and None not in (spec["dtype"], new["dtype"]) and spec["dtype"] != new["dtype"]:
         raise ValueError(
             f"field {name!r} in partition {partition_id!r} holds ragged rows of dtype {spec['dtype']}; "
             f"this put gives {new['dtype']}"
@@ -177,8 +176,8 @@ def _foreign_spec(schema: dict) -> dict:
     dtype = schema.get("dtype")
     dtype_name = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
     if schema.get("is_nested"):
-        return {"kind": _NESTED, "dtype": dtype_name, "trailing": None}
-    return {"kind": _DENSE, "dtype": dtype_name, "trailing": None}
+        return {"kind": NESTED, "dtype": dtype_name, "trailing": None}
+    return {"kind": DENSE, "dtype": dtype_name, "trailing": None}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -250,9 +249,9 @@ def _empty_column(spec: dict) -> Any:
     """A zero-row column of the recorded kind (a get of no keys)."""
     dtype = _dtype_of(spec["dtype"]) or torch.float32
     trailing = tuple(spec["trailing"] or ())
-    if spec["kind"] == _DENSE:
+    if spec["kind"] == DENSE:
         return torch.empty((0, *trailing), dtype=dtype)
-    if spec["kind"] == _NESTED:
+    if spec["kind"] == NESTED:
         values = torch.empty((0, *trailing), dtype=dtype)
         return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
     return NonTensorStack(batch_size=[0])
@@ -593,21 +592,16 @@ class TransferQueueDataPlane(DataPlane):
         """Write one row per key of every given field into the partition; returns a handle listing its fields."""
         self._check_open()
         self._check_partition(partition_id)
-        keys = [str(k) for k in keys]
+        keys, items = prepare_put(keys, fields, tags)
         n = len(keys)
-        if len(set(keys)) != n:
-            raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
-        if tags is not None and len(tags) != n:
-            raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
-        items = [(name, *_column_kind(name, value, n)) for name, value in field_items(fields)]
         specs = {name: _spec(kind, rows) for name, kind, rows in items}
         nbytes = 0
         columns: dict[str, Any] = {}
         for name, kind, rows in items:
-            if kind == _DENSE:
+            if kind == DENSE:
                 columns[name] = rows
                 nbytes += _nbytes(rows)
-            elif kind == _NESTED:
+            elif kind == NESTED:
                 columns[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
                 nbytes += sum(_nbytes(r) for r in rows)
             else:
@@ -714,11 +708,11 @@ class TransferQueueDataPlane(DataPlane):
         for f in select:
             spec = schema.get(f) or _foreign_spec(meta.field_schema.get(f, {}))
             value = data.get(f)
-            if spec["kind"] == _DENSE:
+            if spec["kind"] == DENSE:
                 value = _to_dense(f, value, n, spec)
-            elif spec["kind"] == _NESTED:
+            elif spec["kind"] == NESTED:
                 value = _to_nested(f, value, spec)
-            elif spec["kind"] == _LIST:
+            elif spec["kind"] == LIST:
                 value = NonTensorStack(*[pickle.loads(b) for b in _rows(value)], batch_size=[n])
             out.set(f, value)
         return out

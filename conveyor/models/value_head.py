@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
