@@ -319,7 +319,7 @@ class RolloutCorrectionConfig:
     bypass_mode: Optional[bool] = F(
         None,
         "use the rollout's log-probs as old log-probs (no old-log-prob forward); null = on when the in-process hf "
-        "rollout samples from the trainer's own weights and no MoE routing capture needs the forward",
+        "rollout samples from the trainer's own weights",
     )
     rollout_is: Optional[str] = F(None, "truncated importance weights: null, token or sequence")
     rollout_is_threshold: float = F(2.0, "upper truncation of the importance weights")
@@ -500,12 +500,9 @@ class Config:
         if bypass is not None:
             return bypass
         # The hf engine samples from the very weights the actor trains, in the same
-        # numerics, so its log-probs are the old log-probs; a forward would only
-        # repeat them. Routing capture keeps the forward: it measures routing agreement
-        # and, under R3, defines the replayed routing's old log-probs.
-        arr = self.actor_rollout_ref
-        capture = arr.rollout.moe_load_balance_metrics_interval > 0 or arr.actor.router_replay.mode == "R3"
-        return arr.rollout.name == "hf" and not capture
+        # numerics (under R3, with the very routing the update replays), so its
+        # log-probs are the old log-probs; a forward would only repeat them.
+        return self.actor_rollout_ref.rollout.name == "hf"
 
     @property
     def use_reference(self) -> bool:

@@ -274,7 +274,6 @@ class PPOTrainer:
             calculate_entropy=True,
             compute_loss=False,
             temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-            routing_agreement=self.capture_routing,
         )
         out = self.workers.actor.call("compute_log_prob", call)
         reduced = reduce_rank_metrics(out.extra_info)
@@ -375,6 +374,11 @@ class PPOTrainer:
         if moe:
             metrics.update(moe)
             self._save_expert_load()
+            if moe.get("rollout/moe/routed_experts_found"):
+                with _timer("moe_agreement", timings):
+                    out = self.workers.actor.call("compute_routing_agreement", meta)
+                reduced = reduce_rank_metrics(out.extra_info)
+                metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/moe/")})
         return metrics
 
     # ================================================================ validation

@@ -175,9 +175,8 @@ class PolicyWorker:
         temperature = float(info.get("temperature", 1.0))
         with_entropy = bool(info.get("calculate_entropy", False)) and self.role == "actor"
         replay_on = self.role == "actor" and self.cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
-        want_agreement = self.role == "actor" and self.moe is not None and bool(info.get("routing_agreement", False))
         fields = ["prompts", "prompt_mask", "responses", "response_mask"]
-        if replay_on or want_agreement:
+        if replay_on:
             fields.append("routed_experts")
         td = self._get(meta, fields)
         micro = (
@@ -186,21 +185,14 @@ class PolicyWorker:
             else self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         )
         self.model.eval()
-        lps, ents, agree_sum, agree_n = [], [], 0.0, 0
+        lps, ents = [], []
         for sl in self._micro_batches(len(td), micro):
             mb = td[sl]
             routed = mb["routed_experts"].long() if replay_on else None
-            lp, ent, own = self._forward(mb, temperature, with_entropy, routed, record_routing=want_agreement and not replay_on)
+            lp, ent, _ = self._forward(mb, temperature, with_entropy, routed)
             lps.append(lp)
             if ent is not None:
                 ents.append(ent)
-            if want_agreement and own is not None:
-                valid = torch.cat([mb["prompt_mask"].bool(), mb["response_mask"].bool()], dim=1)
-                frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
-                if not math.isnan(frac):
-                    n = int(valid.sum())
-                    agree_sum += frac * n
-                    agree_n += n
         mask = td["response_mask"].bool()
         log_probs = torch.cat(lps) * mask
         metrics: dict[str, float] = {}
@@ -212,10 +204,33 @@ class PolicyWorker:
                 entropy = torch.cat(ents) * mask
                 out["entropy"] = entropy
                 metrics.update(weighted("actor/entropy", float(entropy.sum()), float(mask.sum())))
-            if agree_n:
-                metrics.update(weighted("actor/moe/routing_agreement", agree_sum, agree_n))
         self._put(meta, out)
         return self._result(meta, list(out), metrics)
+
+    @torch.no_grad()
+    def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """How often this rank's own routing (no replay) picks the rollout's top-k set; writes nothing."""
+        assert self.moe is not None, "routing agreement needs an MoE model"
+        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
+        self.model.eval()
+        total, count = 0.0, 0
+        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        for sl in self._micro_batches(len(td), micro):
+            mb = td[sl]
+            input_ids, attention_mask, position_ids = sequence_inputs(mb)
+            with RoutingRecorder(self.model) as recorder:
+                # Only the routing is wanted: the LM head runs on one position.
+                self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False, logits_to_keep=1)
+                own = recorder.pop()
+            valid = attention_mask.bool()
+            frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
+            if not math.isnan(frac):
+                n = int(valid.sum())
+                total += frac * n
+                count += n
+        metrics = weighted("actor/moe/routing_agreement", total, count) if count else {}
+        return self._result(meta, [], metrics)
 
     def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
         """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""

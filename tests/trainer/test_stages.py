@@ -130,13 +130,11 @@ def test_bypass_mode_copies_rollout_log_probs_without_a_forward(tiny_run):
 def test_bypass_resolves_automatically():
     from conveyor.config import load_config
 
-    assert load_config(None, []).bypass_old_log_prob, "hf rollout, no routing capture: the forward is redundant"
-    assert not load_config(None, ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"]).bypass_old_log_prob
-    assert not load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"]).bypass_old_log_prob
+    # The hf rollout samples from the actor's own weights: its log-probs are the old ones.
+    assert load_config(None, []).bypass_old_log_prob
+    assert load_config(None, ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"]).bypass_old_log_prob
+    assert load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"]).bypass_old_log_prob
     assert not load_config(None, ["algorithm.rollout_correction.bypass_mode=false"]).bypass_old_log_prob
-    forced = load_config(None, ["algorithm.rollout_correction.bypass_mode=true",
-                                "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"])
-    assert forced.bypass_old_log_prob
 
 
 def test_bypass_run_reports_entropy_from_the_update(tiny_run, tmp_path):
