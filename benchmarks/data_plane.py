@@ -221,6 +221,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": {}, "skipped": {}}
     print(f"torch {torch.__version__}, {out['threads']} threads, {args.reps} repetitions (medians)")
+    started_ray = _start_ray_if_needed(args.backends)
+    try:
+        _run_backends(args, out)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    return out
+
+
+def _start_ray_if_needed(backends: Sequence[str]) -> bool:
+    """Start one local Ray for the Ray-based backends (logical CPUs, so it fits a 2-core machine)."""
+    if not any(b in ("ray", "transferqueue") and backend_unavailable(b) is None for b in backends):
+        return False
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _run_backends(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for backend in args.backends:
         reason = backend_unavailable(backend)
         if reason is None:
@@ -256,7 +280,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         out["targets_met"] = all(ok for _, ok, _ in checks)
         for name, ok, value in checks:
             print(f"target memory {name}: {'met' if ok else 'MISSED'} ({value})")
-    return out
+    ray_res, tq_res = out["backends"].get("ray", {}), out["backends"].get("transferqueue", {})
+    if "dense" in ray_res and "dense" in tq_res:
+        speedup = tq_res["dense"]["put_get_ms"] / ray_res["dense"]["put_get_ms"]
+        out["ray_vs_transferqueue"] = speedup
+        print(f"target ray put+get >= 2x faster than transferqueue: {'met' if speedup >= 2 else 'MISSED'} "
+              f"({speedup:.2f}x)")
 
 
 if __name__ == "__main__":
