@@ -3,7 +3,7 @@
 The scripts, with the arguments used here (`make bench` runs this file):
 
 - `e2e_vs_trl.py`: conveyor vs TRL's GRPOTrainer end to end (default size);
-- `data_plane.py --backends memory ray transferqueue --threads 1`: every
+- `data_plane.py --backends memory ray transferqueue --threads 1 --create-reps 3`: every
   data-plane backend (one whose adapter or package is missing is skipped
   with a note by the script itself);
 - `moe_metrics.py --threads 1`: the MoE load-balance metrics;
@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 #: (name, arguments) of every benchmark, in the order they run.
 BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("e2e_vs_trl", ()),
-    ("data_plane", ("--backends", "memory", "ray", "transferqueue", "--threads", "1")),
+    ("data_plane", ("--backends", "memory", "ray", "transferqueue", "--threads", "1", "--create-reps", "3")),
     ("moe_metrics", ("--threads", "1")),
     ("rollout", ("--threads", "1")),
 )
