@@ -40,6 +40,9 @@ BASE_RUN = [
     "trainer.logger=[jsonl]",
     "trainer.progress_bar=false",
     "trainer.dump_freq=0",
+    # Runs here stop and resume with different trainer.total_training_steps; a cosine
+    # schedule's horizon is that total, so only a constant lr makes their steps comparable.
+    "actor_rollout_ref.actor.optim.lr_scheduler=constant",
 ]
 TOTAL_STEPS = 6
 """Length of the reference run every crash test is compared with."""
