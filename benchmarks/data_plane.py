@@ -77,6 +77,21 @@ def median_ms(seconds: Sequence[float]) -> float:
     return statistics.median(seconds) * 1e3
 
 
+def summarize(nbytes: int, clone_s: list[float], put_s: list[float], get_s: list[float]) -> dict[str, Any]:
+    """Medians of one workload's repetitions and their ratio to a clone of the same bytes."""
+    roundtrip = [p + g for p, g in zip(put_s, get_s)]
+    return {
+        "bytes": nbytes,
+        "clone_ms": median_ms(clone_s),
+        "put_ms": median_ms(put_s),
+        "get_ms": median_ms(get_s),
+        "put_get_ms": median_ms(roundtrip),
+        "ratio": statistics.median(roundtrip) / statistics.median(clone_s),
+        "gb_per_s": nbytes / statistics.median(roundtrip) / 1e9,
+        "clone_gb_per_s": nbytes / statistics.median(clone_s) / 1e9,
+    }
+
+
 def bench_dense(plane: DataPlane, samples: int, seq_len: int, reps: int, seed: int) -> dict[str, float]:
     """Put then get `samples` x `seq_len` int64 rows, `reps` times, next to a clone of the same tensor."""
     gen = torch.Generator().manual_seed(seed)
@@ -100,17 +115,8 @@ def bench_dense(plane: DataPlane, samples: int, seq_len: int, reps: int, seed: i
             put_s.append(t_put)
             get_s.append(t_get)
             shuf_s.append(t_shuf)
-    nbytes = x.numel() * x.element_size()
-    roundtrip = [p + g for p, g in zip(put_s, get_s)]
     return {
-        "bytes": nbytes,
-        "clone_ms": median_ms(clone_s),
-        "put_ms": median_ms(put_s),
-        "get_ms": median_ms(get_s),
-        "put_get_ms": median_ms(roundtrip),
-        "ratio": statistics.median(roundtrip) / statistics.median(clone_s),
-        "gb_per_s": nbytes / statistics.median(roundtrip) / 1e9,
-        "clone_gb_per_s": nbytes / statistics.median(clone_s) / 1e9,
+        **summarize(x.numel() * x.element_size(), clone_s, put_s, get_s),
         "get_shuffled_ms": median_ms(shuf_s),
         "shuffled_ratio": statistics.median([p + g for p, g in zip(put_s, shuf_s)]) / statistics.median(clone_s),
     }
@@ -140,19 +146,9 @@ def bench_small_fields(plane: DataPlane, samples: int, num_fields: int, reps: in
             clone_s.append(t_clone)
             put_s.append(t_put)
             get_s.append(t_get)
-    nbytes = sum(v.numel() * v.element_size() for v in fields.values())
-    roundtrip = [p + g for p, g in zip(put_s, get_s)]
-    return {
-        "bytes": nbytes,
-        "clone_ms": median_ms(clone_s),
-        "put_ms": median_ms(put_s),
-        "get_ms": median_ms(get_s),
-        "put_get_ms": median_ms(roundtrip),
-        "ratio": statistics.median(roundtrip) / statistics.median(clone_s),
-        "gb_per_s": nbytes / statistics.median(roundtrip) / 1e9,
-        "clone_gb_per_s": nbytes / statistics.median(clone_s) / 1e9,
-        "samples_per_s": samples / statistics.median(roundtrip),
-    }
+    out = summarize(sum(v.numel() * v.element_size() for v in fields.values()), clone_s, put_s, get_s)
+    out["samples_per_s"] = samples / (out["put_get_ms"] / 1e3)
+    return out
 
 
 def bench_create(backend: str, reps: int) -> float:

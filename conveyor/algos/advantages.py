@@ -239,6 +239,12 @@ def compute_gae_advantage(
     return masked_whiten(adv, m), returns
 
 
+def _per_token(adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-sequence advantage (B,) on every valid response token (B, T); returns = advantages."""
+    adv_tok = torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=adv.dtype, device=adv.device))
+    return adv_tok, adv_tok.clone()
+
+
 @register_adv_estimator("grpo")
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -262,8 +268,7 @@ def compute_grpo_advantage(
     if norm_adv_by_std:
         std = torch.where(singleton, torch.ones_like(std), std)
         adv = adv / (std + epsilon)
-    adv_tok = torch.where(m, adv.unsqueeze(-1), torch.zeros((), dtype=adv.dtype, device=adv.device))
-    return adv_tok, adv_tok.clone()
+    return _per_token(adv, m)
 
 
 @register_adv_estimator("rloo")
@@ -282,8 +287,7 @@ def compute_rloo_advantage(
     counts, sums, _std = _group_stats(scores, ids)
     others_mean = (sums - scores) / (counts - 1).clamp_min(1)
     adv = torch.where(counts > 1, scores - others_mean, torch.zeros_like(scores))
-    adv_tok = torch.where(m, adv.unsqueeze(-1), torch.zeros((), dtype=adv.dtype, device=adv.device))
-    return adv_tok, adv_tok.clone()
+    return _per_token(adv, m)
 
 
 @register_adv_estimator("reinforce_plus_plus")
