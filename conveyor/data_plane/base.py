@@ -10,6 +10,7 @@ business; callers see only these operations.
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -79,6 +80,11 @@ class DataPlane(abc.ABC):
         """Drop `keys` from `partition_id`, or the whole partition when `keys` is None."""
 
     metrics_server: Any = None  # set by make_data_plane when metrics are served
+    metrics: Any = None  # a DataPlaneMetrics when Prometheus metrics are on
+
+    def _timed(self, op: str) -> Any:
+        """A context timing one operation for the latency histogram (a no-op without metrics)."""
+        return self.metrics.time(op) if self.metrics is not None else contextlib.nullcontext()
 
     @abc.abstractmethod
     def _release(self) -> None:

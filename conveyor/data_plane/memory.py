@@ -103,11 +103,8 @@ class MemoryDataPlane(DataPlane):
         self._check_open()
         keys, items = prepare_put(keys, fields, tags)
         n = len(keys)
-        metric_ctx = self.metrics.time("put") if self.metrics else None
-        if metric_ctx:
-            metric_ctx.__enter__()
         nbytes = 0
-        with self._lock:
+        with self._timed("put"), self._lock:
             # Check every column before writing any, so a refused put leaves no partial rows behind.
             existing = self._partitions.get(partition_id)
             for name, kind, rows in items:
@@ -140,8 +137,7 @@ class MemoryDataPlane(DataPlane):
             present = [f for f, c in part.columns.items() if c.has_all(keys)]
             out_tags = [dict(part.tags.get(k, {})) for k in keys]
             live = len(part.keys)
-        if metric_ctx:
-            metric_ctx.__exit__(None, None, None)
+        if self.metrics:
             self.metrics.record_put(n, nbytes)
             self.metrics.set_live(partition_id, live)
         return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
@@ -152,9 +148,13 @@ class MemoryDataPlane(DataPlane):
         self._check_open()
         keys = [str(k) for k in keys]
         select_fields = list(select_fields)
-        metric_ctx = self.metrics.time("get") if self.metrics else None
-        if metric_ctx:
-            metric_ctx.__enter__()
+        with self._timed("get"):
+            out, nbytes = self._get(keys, partition_id, select_fields)
+        if self.metrics:
+            self.metrics.record_get(len(keys), nbytes)
+        return out
+
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
         with self._lock:
             part = self._partitions.get(partition_id)
             if part is None:
@@ -191,10 +191,7 @@ class MemoryDataPlane(DataPlane):
                 value = NonTensorStack.from_list(rows) if rows else NonTensorStack(batch_size=[0])
                 nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
             out.set(name, value)
-        if metric_ctx:
-            metric_ctx.__exit__(None, None, None)
-            self.metrics.record_get(len(keys), nbytes)
-        return out
+        return out, nbytes
 
     def kv_list(self, partition_id: str) -> list[str]:
         """Keys of the partition in first-written order."""

@@ -23,7 +23,6 @@ does, see `conveyor.ray_utils.ensure_ray`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
@@ -337,7 +336,7 @@ class RayDataPlane(DataPlane):
         self._check_open()
         keys, items = prepare_put(keys, fields, tags)
         n = len(keys)
-        with self.metrics.time("put") if self.metrics else contextlib.nullcontext():
+        with self._timed("put"):
             present, out_tags, live, all_shards = self._put(keys, partition_id, items, tags)
         if self.metrics:
             self.metrics.record_put(n, sum(_nbytes(kind, rows) for _, kind, rows in items))
@@ -395,7 +394,7 @@ class RayDataPlane(DataPlane):
         self._check_open()
         keys = [str(k) for k in keys]
         select_fields = list(select_fields)
-        with self.metrics.time("get") if self.metrics else contextlib.nullcontext():
+        with self._timed("get"):
             out, nbytes = self._get(keys, partition_id, select_fields)
         if self.metrics:
             self.metrics.record_get(len(keys), nbytes)

@@ -610,14 +610,11 @@ class TransferQueueDataPlane(DataPlane):
                 blobs = [pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for v in rows]
                 columns[name] = NonTensorStack(*blobs, batch_size=[n])
                 nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
-        timer = self.metrics.time("put") if self.metrics else None
-        if timer:
-            timer.__enter__()
-        present, out_tags, live = self._run(
-            self._put(keys, partition_id, columns, specs, tags), f"put to partition {partition_id!r}"
-        )
-        if timer:
-            timer.__exit__(None, None, None)
+        with self._timed("put"):
+            present, out_tags, live = self._run(
+                self._put(keys, partition_id, columns, specs, tags), f"put to partition {partition_id!r}"
+            )
+        if self.metrics:
             self.metrics.record_put(n, nbytes)
             self.metrics.set_live(partition_id, live)
         return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
@@ -662,12 +659,9 @@ class TransferQueueDataPlane(DataPlane):
         self._check_partition(partition_id)
         keys = [str(k) for k in keys]
         select_fields = list(select_fields)
-        timer = self.metrics.time("get") if self.metrics else None
-        if timer:
-            timer.__enter__()
-        out = self._run(self._get(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
-        if timer:
-            timer.__exit__(None, None, None)
+        with self._timed("get"):
+            out = self._run(self._get(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
+        if self.metrics:
             self.metrics.record_get(len(keys), _td_nbytes(out))
         return out
 
