@@ -359,8 +359,10 @@ class PPOTrainer:
 
     def _compute_metrics(self, meta: KVBatchMeta, timings: dict[str, float]) -> dict[str, float]:
         """Stage 9: data metrics of the step (and, every interval, MoE router load balance)."""
-        fields = ["rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask",
-                  "rollout_log_probs", "old_log_probs"]
+        fields = ["rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask"]
+        if not self.cfg.bypass_old_log_prob:
+            # Sampler vs trainer log-probs; in bypass mode they are the same numbers by construction.
+            fields += ["rollout_log_probs", "old_log_probs"]
         if self.cfg.use_critic:
             fields.append("values")
         interval = self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval
