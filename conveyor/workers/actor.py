@@ -32,7 +32,7 @@ from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreeme
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.hf import HFRollout
 from conveyor.workers import dist
-from conveyor.workers.perf import memory_metrics
+from conveyor.workers.perf import result_handle
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +98,7 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ helpers
     def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
-        info = dict(metrics)
-        info.update(memory_metrics(self.device))
-        return KVBatchMeta(meta.keys, meta.partition_id, list(dict.fromkeys(meta.fields + fields)), meta.tags, info)
+        return result_handle(meta, fields, metrics, self.device)
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
         return self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(self.device)

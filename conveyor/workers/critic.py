@@ -16,7 +16,7 @@ from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers import dist
 from conveyor.workers.actor import lr_factor, sequence_inputs
-from conveyor.workers.perf import memory_metrics
+from conveyor.workers.perf import result_handle
 from conveyor.metrics.reduce import weighted
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,7 @@ class CriticWorker:
         return values[:, -resp_len - 1 : -1].float() * td["response_mask"]
 
     def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
-        info = dict(metrics)
-        info.update(memory_metrics(self.device))
-        return KVBatchMeta(meta.keys, meta.partition_id, list(dict.fromkeys(meta.fields + fields)), meta.tags, info)
+        return result_handle(meta, fields, metrics, self.device)
 
     @torch.no_grad()
     def compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:

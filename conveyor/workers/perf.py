@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-__all__ = ["memory_metrics", "reset_peak_memory"]
+__all__ = ["memory_metrics", "reset_peak_memory", "result_handle"]
 
 _GB = 1024**3
 
@@ -54,3 +54,12 @@ def reset_peak_memory(device: torch.device | str = "cpu") -> None:
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def result_handle(meta, fields: list[str], metrics: dict[str, float], device: torch.device | str = "cpu"):
+    """The handle a worker endpoint returns: `meta` listing the new `fields`, `extra_info` = metrics + memory."""
+    from conveyor.protocol import KVBatchMeta
+
+    info = dict(metrics)
+    info.update(memory_metrics(device))
+    return KVBatchMeta(meta.keys, meta.partition_id, list(dict.fromkeys(meta.fields + fields)), meta.tags, info)

@@ -22,7 +22,7 @@ import torch
 
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.rewards import RewardFunctionError, compute_score
-from conveyor.workers.perf import memory_metrics
+from conveyor.workers.perf import result_handle
 
 __all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn"]
 
@@ -116,6 +116,4 @@ class RewardWorker:
         rm_scores[has_tokens, last[has_tokens]] = scores[has_tokens]
         self.dp.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
                              fields={"rm_scores": rm_scores, "acc": scores})
-        info = memory_metrics("cpu")
-        return KVBatchMeta(meta.keys, meta.partition_id, list(dict.fromkeys(meta.fields + ["rm_scores", "acc"])),
-                           meta.tags, info)
+        return result_handle(meta, ["rm_scores", "acc"], {})
