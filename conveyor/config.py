@@ -136,11 +136,18 @@ class ModelConfig:
     path: Optional[str] = F(None, "local Hugging Face checkpoint directory; null = build the tiny model")
     tokenizer_path: Optional[str] = F(None, "tokenizer directory if not the model's")
     dtype: str = F("float32", "parameter dtype: float32 or bfloat16")
+    forward_impl: str = F(
+        "auto",
+        "auto, lean or hf: lean computes each group's shared prompt once (Qwen3 and Qwen3-MoE); "
+        "auto uses it where the model allows and the Hugging Face forward elsewhere",
+    )
     tiny: TinyModelConfig = S(TinyModelConfig, "the built-in tiny model")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "bfloat16", "float16"), "actor_rollout_ref.model.dtype",
                "must be float32, bfloat16 or float16")
+        _check(self.forward_impl in ("auto", "lean", "hf"), "actor_rollout_ref.model.forward_impl",
+               "must be auto, lean or hf")
 
 
 @dataclass

@@ -128,3 +128,16 @@ def test_argparse_usage_errors_exit_2() -> None:
     proc = run_cli("config", "--no-such-flag")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "unrecognized arguments" in proc.stderr
+
+
+def test_lean_forward_on_a_model_it_cannot_run_is_a_usage_error(tmp_path: Path) -> None:
+    proc = run_cli(
+        "train", "actor_rollout_ref.model.tiny.arch=mixtral", "actor_rollout_ref.model.forward_impl=lean",
+        "actor_rollout_ref.model.tiny.warmstart_steps=0", "trainer.total_training_steps=1",
+        "trainer.logger=[jsonl]", f"trainer.default_local_dir={tmp_path}",
+    )
+    # The tiny model is built (and logged) before a worker finds it cannot run it.
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: actor_rollout_ref.model.forward_impl=lean cannot run this model"), last
+    assert "MixtralForCausalLM" in last and "set it to auto or hf" in last

@@ -232,6 +232,7 @@ def test_removed_key_in_a_file(tmp_path: Path) -> None:
         (["trainer.total_training_steps=0"], "trainer.total_training_steps"),
         (["trainer.logger=[console,jsnl]"], "trainer.logger"),
         (["transfer_queue.backend=redis"], "transfer_queue.backend"),
+        (["actor_rollout_ref.model.forward_impl=fast"], "actor_rollout_ref.model.forward_impl"),
         (["transfer_queue.metrics.port=70000"], "transfer_queue.metrics.port"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
     ],

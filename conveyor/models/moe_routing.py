@@ -38,6 +38,7 @@ __all__ = [
     "moe_info",
     "RoutingRecorder",
     "replay_routing",
+    "check_routed_experts",
     "compute_routing_agreement",
     "routed_experts_dtype",
 ]
@@ -211,10 +212,11 @@ class RoutingRecorder:
         return [self._assemble(shape, per_layer) for shape, per_layer in done]
 
 
-@contextlib.contextmanager
-def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[None]:
-    """Route every MoE layer of forwards over (B, S) inputs through `routed_experts: (B, S, L, K)`."""
-    layers = _require_moe_layers(model)
+def check_routed_experts(
+    model: nn.Module, routed_experts: torch.Tensor, batch_seq: tuple[int, int] | None = None
+) -> None:
+    """Raise ValueError unless `routed_experts` is a (B, S, L, K) integer tensor of valid ids for `model`'s MoE layers."""
+    _require_moe_layers(model)
     info = moe_info(model)
     assert info is not None
     if not isinstance(routed_experts, torch.Tensor) or routed_experts.dim() != 4:
@@ -222,17 +224,30 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[N
         raise ValueError(f"routed_experts must be a (B, S, L, K) tensor, got {shape}")
     if routed_experts.dtype.is_floating_point or routed_experts.dtype.is_complex or routed_experts.dtype == torch.bool:
         raise ValueError(f"routed_experts must hold integer expert ids, got dtype {routed_experts.dtype}")
-    batch, seq, num_layers, top_k = routed_experts.shape
+    num_layers, top_k = routed_experts.shape[2:]
     if (num_layers, top_k) != (info.num_layers, info.top_k):
         raise ValueError(
             f"routed_experts has shape {tuple(routed_experts.shape)} but the model has "
             f"{info.num_layers} MoE layers with top_k={info.top_k} (expected (B, S, {info.num_layers}, {info.top_k}))"
         )
-    # One host sync at entry buys a clear error instead of an index failure deep in a kernel.
+    if batch_seq is not None and tuple(routed_experts.shape[:2]) != tuple(batch_seq):
+        raise ValueError(
+            f"routed_experts has shape {tuple(routed_experts.shape)} but the forward is over inputs of shape "
+            f"{tuple(batch_seq)}; the first two dimensions must match (B, S)"
+        )
+    # One host sync buys a clear error instead of an index failure deep in a kernel.
     if routed_experts.numel() and (
         bool((routed_experts < -1).any()) or bool((routed_experts >= info.num_experts).any())
     ):
         raise ValueError(f"routed_experts ids must lie in [-1, {info.num_experts - 1}]")
+
+
+@contextlib.contextmanager
+def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[None]:
+    """Route every MoE layer of forwards over (B, S) inputs through `routed_experts: (B, S, L, K)`."""
+    layers = _require_moe_layers(model)
+    check_routed_experts(model, routed_experts)
+    batch, seq, _, top_k = routed_experts.shape
 
     handles: list[RemovableHandle] = []
     try:

@@ -22,6 +22,11 @@ up to float rounding. (With truncation, the sampling distribution differs
 from the one scored; that is the usual convention of RL trainers.) Greedy
 decoding scores under temperature 1.
 
+Given a `LeanForward` (`conveyor.models.lean`; the worker passes one for
+Qwen3 and Qwen3-MoE unless `actor_rollout_ref.model.forward_impl` is hf), the
+prefill runs once per distinct prompt and the decode steps use its KV cache;
+otherwise the Hugging Face forward runs with a `DynamicCache`.
+
 It deliberately does not batch requests across calls, page the cache, or
 serve; faster engines belong in sibling modules of this package.
 """
@@ -31,12 +36,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 
 __all__ = ["HFRollout"]
@@ -104,7 +109,9 @@ class _Sampler:
 class HFRollout:
     """Batched sampling with a KV cache from a Hugging Face causal LM (`model`), in our own decode loop."""
 
-    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, eos_token_id: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, pad_token_id: int, eos_token_id: int, lean: LeanForward | None = None
+    ) -> None:
         if pad_token_id is None:
             raise ValueError("HFRollout: `pad_token_id` is None; the tokenizer needs a pad token")
         if eos_token_id is None:
@@ -113,6 +120,8 @@ class HFRollout:
         self.pad_token_id = int(pad_token_id)
         self.eos_token_id = int(eos_token_id)
         self._cache_kw = _cache_kwarg(model)
+        # When given (a LeanForward over `model`), prefill and decode run through it.
+        self.lean = lean
 
     def generate(
         self,
@@ -153,7 +162,8 @@ class HFRollout:
         was_training = model.training
         model.eval()
         try:
-            with RoutingRecorder(model) if info is not None else contextlib.nullcontext() as recorder:
+            hooks = info is not None and self.lean is None
+            with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
                 return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info)
         finally:
             model.train(was_training)
@@ -176,29 +186,16 @@ class HFRollout:
         log_probs = torch.zeros((batch, steps_max), dtype=torch.float32, device=device)
         response_mask = torch.zeros((batch, steps_max), dtype=torch.bool, device=device)
         routed = None
-        if recorder is not None:
-            assert info is not None
+        if info is not None:
             routed = torch.full(
                 (batch, prompt_len + steps_max, info.num_layers, info.top_k), -1, dtype=torch.int16, device=device
             )
-        # The attention mask of every step is a prefix of this one: the prompt's,
-        # then ones (rows that finished keep attending; their outputs are unused).
-        full_mask = torch.ones((batch, prompt_len + steps_max), dtype=torch.long, device=device)
-        full_mask[:, :prompt_len] = prompt_mask
-        # With sdpa, a ready (B, 1, 1, K) boolean mask is used as is, which
-        # saves rebuilding the 4-D mask from the 2-D one at every step.
-        step_masks = full_mask.bool()[:, None, None, :] if self._can_pass_4d_mask() else full_mask
-
         steps = 0
         with torch.inference_mode():
-            cache = _new_cache(self.model)
-            # Left padding: a row's first real token sits at position 0, as in
-            # the trainer's forward over prompt + response.
-            position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)
-            logits = self._forward(input_ids, prompt_mask, position_ids, cache)
-            if recorder is not None:
-                routed[:, :prompt_len] = recorder.pop()
-            next_pos = position_ids[:, -1:] + 1
+            engine = self._engine(input_ids, prompt_mask, steps_max, recorder, routed is not None)
+            logits = engine.prefill()
+            if routed is not None:
+                routed[:, :prompt_len] = engine.pop_routing()
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             pad = torch.full((batch,), self.pad_token_id, dtype=torch.long, device=device)
             for t in range(steps_max):
@@ -213,10 +210,9 @@ class HFRollout:
                 # forward below costs far more than this check.
                 if steps == steps_max or bool(finished.all()):
                     break
-                logits = self._forward(token.unsqueeze(-1), step_masks[..., : prompt_len + t + 1], next_pos, cache)
-                if recorder is not None:
-                    routed[:, prompt_len + t] = recorder.pop()[:, 0]
-                next_pos = next_pos + 1
+                logits = engine.step(token)
+                if routed is not None:
+                    routed[:, prompt_len + t] = engine.pop_routing()[:, 0]
 
         out = {
             "responses": responses[:, :steps].contiguous(),
@@ -233,6 +229,56 @@ class HFRollout:
             out["routed_experts"] = routed[:, : prompt_len + steps].masked_fill(~known[:, :, None, None], -1)
         return out
 
+    def _engine(
+        self, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, recorder: RoutingRecorder | None, record: bool
+    ) -> _LeanSteps | _HFSteps:
+        if self.lean is not None:
+            return _LeanSteps(self.lean, input_ids, prompt_mask, steps_max, record)
+        return _HFSteps(self.model, self._cache_kw, input_ids, prompt_mask, steps_max, recorder)
+
+
+class _HFSteps:
+    """The prefill and decode forwards through the Hugging Face model with a `DynamicCache`."""
+
+    def __init__(
+        self, model: PreTrainedModel, cache_kw: str, input_ids: Tensor, prompt_mask: Tensor, steps_max: int,
+        recorder: RoutingRecorder | None,
+    ) -> None:
+        self.model, self.cache_kw, self.recorder = model, cache_kw, recorder
+        self.input_ids, self.prompt_mask = input_ids, prompt_mask
+        batch, self.prompt_len = input_ids.shape
+        # The attention mask of every step is a prefix of this one: the prompt's,
+        # then ones (rows that finished keep attending; their outputs are unused).
+        full_mask = torch.ones((batch, self.prompt_len + steps_max), dtype=torch.long, device=input_ids.device)
+        full_mask[:, : self.prompt_len] = prompt_mask
+        # With sdpa, a ready (B, 1, 1, K) boolean mask is used as is, which
+        # saves rebuilding the 4-D mask from the 2-D one at every step.
+        self.step_masks = full_mask.bool()[:, None, None, :] if self._can_pass_4d_mask() else full_mask
+        self.cache = _new_cache(model)
+        self.t = 0
+        self.next_pos: Tensor | None = None
+
+    def prefill(self) -> Tensor:
+        """Last-position logits (B, V) of the prompts."""
+        # Left padding: a row's first real token sits at position 0, as in
+        # the trainer's forward over prompt + response.
+        position_ids = (self.prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)
+        self.next_pos = position_ids[:, -1:] + 1
+        return self._forward(self.input_ids, self.prompt_mask, position_ids)
+
+    def step(self, token: Tensor) -> Tensor:
+        """Logits (B, V) after feeding `token` (B,)."""
+        assert self.next_pos is not None, "prefill first"
+        logits = self._forward(token.unsqueeze(-1), self.step_masks[..., : self.prompt_len + self.t + 1], self.next_pos)
+        self.t += 1
+        self.next_pos = self.next_pos + 1
+        return logits
+
+    def pop_routing(self) -> Tensor:
+        """Routing (B, S, L, K) of the latest forward."""
+        assert self.recorder is not None
+        return self.recorder.pop()
+
     def _can_pass_4d_mask(self) -> bool:
         """Whether decode steps may take a boolean (B, 1, 1, K) padding mask instead of the 2-D one."""
         config = getattr(self.model, "config", None)
@@ -244,17 +290,43 @@ class HFRollout:
         layer_types = getattr(config, "layer_types", None) or []
         return all(kind == "full_attention" for kind in layer_types)
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: Any) -> Tensor:
-        """Last-position logits (B, V) of one forward that extends `cache`."""
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        """Last-position logits (B, V) of one forward that extends the cache."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
-            **{self._cache_kw: cache},
+            **{self.cache_kw: self.cache},
         )
         return out.logits[:, -1, :]
+
+
+class _LeanSteps:
+    """The prefill and decode forwards through `LeanForward`: each distinct prompt is prefilled once."""
+
+    def __init__(self, lean: LeanForward, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, record: bool) -> None:
+        self.lean, self.input_ids, self.prompt_mask = lean, input_ids, prompt_mask
+        self.steps_max, self.record = steps_max, record
+        self.state: LeanDecodeState | None = None
+
+    def prefill(self) -> Tensor:
+        """Last-position logits (B, V) of the prompts."""
+        logits, self.state = self.lean.prefill(
+            self.input_ids, self.prompt_mask, self.steps_max, record_routing=self.record
+        )
+        return logits
+
+    def step(self, token: Tensor) -> Tensor:
+        """Logits (B, V) after feeding `token` (B,)."""
+        assert self.state is not None, "prefill first"
+        return self.lean.decode(self.state, token)
+
+    def pop_routing(self) -> Tensor:
+        """Routing (B, S, L, K) of the latest forward."""
+        assert self.state is not None and self.state.routing, "no routing was recorded"
+        return self.state.routing.pop()
 
 
 def _check_args(

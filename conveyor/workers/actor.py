@@ -27,6 +27,7 @@ from conveyor.algos.correction import compute_rollout_is_weights
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
+from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.loading import load_causal_lm, load_tokenizer
 from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreement, moe_info, replay_routing
 from conveyor.protocol import KVBatchMeta
@@ -82,6 +83,8 @@ class PolicyWorker:
         self.model = load_causal_lm(model_path, dtype=arr.model.dtype, device=self.device)
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path)
         self.moe = moe_info(self.model)
+        # None: the Hugging Face forward (models the lean one does not cover, or forward_impl=hf).
+        self.lean = resolve_forward_impl(arr.model.forward_impl, self.model)
         if role == "ref":
             self.model.requires_grad_(False)
             self.model.eval()
@@ -92,7 +95,8 @@ class PolicyWorker:
                 self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
             )
             self.rollout = HFRollout(
-                self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id
+                self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+                lean=self.lean,
             )
         self.optim_steps = 0  # optimizer steps taken, drives the lr schedule
 
@@ -112,6 +116,22 @@ class PolicyWorker:
         record_routing: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
+        logits, own_routing = self._response_logits(td, routed_experts, record_routing)
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy)
+        return log_probs, entropy, own_routing
+
+    def _response_logits(
+        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, R, V) predicting each response token, and the forward's routing (B, P+R, L, K) when recorded."""
+        if self.lean is not None:
+            return self.lean.response_logits(
+                td["prompts"], td["prompt_mask"], td["responses"], td["response_mask"],
+                routed_experts=routed_experts, record_routing=record_routing,
+            )
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
         replay = replay_routing(self.model, routed_experts) if routed_experts is not None else contextlib.nullcontext()
@@ -126,11 +146,7 @@ class PolicyWorker:
                 logits_to_keep=resp_len + 1,
             )
             own_routing = recorder.pop() if recorder is not None else None
-        logits = out.logits[:, :-1, :].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy)
-        return log_probs, entropy, own_routing
+        return out.logits[:, :-1, :], own_routing
 
     def _micro_batches(self, n: int, size: int) -> list[slice]:
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
@@ -215,12 +231,8 @@ class PolicyWorker:
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         for sl in self._micro_batches(len(td), micro):
             mb = td[sl]
-            input_ids, attention_mask, position_ids = sequence_inputs(mb)
-            with RoutingRecorder(self.model) as recorder:
-                # Only the routing is wanted: the LM head runs on one position.
-                self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False, logits_to_keep=1)
-                own = recorder.pop()
+            _, own = self._response_logits(mb, None, record_routing=True)
+            attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
             valid = attention_mask.bool()
             frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
             if not math.isnan(frac):

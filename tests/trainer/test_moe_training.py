@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 
 from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.models.moe_routing import RoutingRecorder
 from conveyor.trainer.ppo import run_training
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.actor import PolicyWorker
@@ -56,8 +56,10 @@ def test_dense_model_with_interval_warns_once_and_logs_no_layer_keys(tiny_run, t
     assert len(warnings) == 1
 
 
-def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run):
-    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3"])
+@pytest.mark.parametrize("impl", ["lean", "hf"])
+def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl):
+    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3",
+                                        f"actor_rollout_ref.model.forward_impl={impl}"])
     path = prepare_default_model(cfg)
     dp = MemoryDataPlane()
     worker = PolicyWorker(cfg, model_path=path, data_plane=dp)
@@ -79,10 +81,12 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run):
 
     meta = KVBatchMeta(keys, "p")
     td = dp.kv_batch_get(keys, "p", ["prompts", "prompt_mask", "responses", "response_mask"])
-    with RoutingRecorder(worker.model) as rec:
-        worker._forward(td, 1.0, False, routed.long())
-        seen = rec.pop()
-    assert torch.equal(seen.long(), routed.long()), "the training forward must route exactly as recorded"
+    seen = worker._forward(td, 1.0, False, routed.long(), record_routing=True)[2].long()
+    # Every token fed through the model (-1 marks the lean forward's pads and last response tokens).
+    fed = torch.cat([pmask, rmask[:, 1:], torch.zeros(4, 1, dtype=torch.bool)], dim=1)
+    assert (seen[fed] >= 0).all()
+    known = seen >= 0
+    assert torch.equal(seen[known], routed.long()[known]), "the training forward must route exactly as recorded"
 
     gate = [m for n, m in worker.model.named_modules() if n.endswith("mlp.gate")][0]
     before = gate.weight.detach().clone()

@@ -1,0 +1,217 @@
+"""The lean forward against the Hugging Face forward it stands in for: logits, gradients, routing, replay, samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.models.lean import LeanForward, _group_rows, resolve_forward_impl, unsupported_reason
+from conveyor.models.moe_routing import RoutingRecorder, moe_info, replay_routing
+from conveyor.models.tiny import build_tiny_model
+from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout.hf import HFRollout
+
+LEAN_ARCHS = ["qwen3_moe", "qwen3"]
+TEXTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9-9="]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    # A wide init makes the logits peaked, so greedy choices are far from ties.
+    return {arch: build_tiny_model(arch, tok, seed=0, initializer_range=0.3) for arch in LEAN_ARCHS}
+
+
+def _batch(tok, n: int = 3, order: str = "grouped", seed: int = 0):
+    """Prompts of TEXTS sampled n times each, with random right-padded responses of lengths 1..5."""
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    prompts, pmask = enc["input_ids"], enc["attention_mask"].bool()
+    index = torch.arange(len(TEXTS)).repeat_interleave(n)
+    if order == "shuffled":
+        index = index[torch.randperm(len(index), generator=torch.Generator().manual_seed(seed))]
+    prompts, pmask = prompts[index], pmask[index]
+    gen = torch.Generator().manual_seed(seed)
+    width = 5
+    responses = torch.randint(4, len(tok), (len(index), width), generator=gen)
+    lengths = torch.randint(1, width + 1, (len(index),), generator=gen)
+    lengths[0] = width  # one row uses every column
+    rmask = torch.arange(width)[None] < lengths[:, None]
+    responses = responses.masked_fill(~rmask, tok.pad_token_id)
+    return prompts, pmask, responses, rmask
+
+
+def _hf_response_logits(model, prompts, pmask, responses, rmask):
+    ids = torch.cat([prompts, responses], dim=1)
+    att = torch.cat([pmask, rmask], dim=1).long()
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False,
+                logits_to_keep=responses.shape[1] + 1)
+    return out.logits[:, :-1]
+
+
+def _loss(logits, responses, rmask):
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, responses[..., None])[..., 0]
+    return -(logp * rmask).sum()
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+@pytest.mark.parametrize("order", ["grouped", "shuffled"])
+def test_logits_and_gradients_match_the_hf_forward(models, tok, arch, order):
+    model = models[arch].train()
+    prompts, pmask, responses, rmask = _batch(tok, order=order)
+    lean = LeanForward(model)
+
+    model.zero_grad()
+    ref = _hf_response_logits(model, prompts, pmask, responses, rmask)
+    _loss(ref, responses, rmask).backward()
+    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    got, routing = lean.response_logits(prompts, pmask, responses, rmask)
+    _loss(got, responses, rmask).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    assert got.shape == ref.shape
+    assert routing is None
+    torch.testing.assert_close(got[rmask], ref[rmask], rtol=1e-4, atol=1e-4)
+    assert set(grads) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_a_one_column_response_and_all_distinct_prompts(models, tok):
+    model = models["qwen3_moe"].eval()
+    prompts, pmask, responses, rmask = _batch(tok, n=1)
+    responses, rmask = responses[:, :1], rmask[:, :1]
+    with torch.no_grad():
+        ref = _hf_response_logits(model, prompts, pmask, responses, rmask)
+        got, _ = LeanForward(model).response_logits(prompts, pmask, responses, rmask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok):
+    model = models["qwen3_moe"].eval()
+    prompts, pmask, responses, rmask = _batch(tok, order="shuffled")
+    info = moe_info(model)
+    with torch.no_grad():
+        with RoutingRecorder(model) as rec:
+            _hf_response_logits(model, prompts, pmask, responses, rmask)
+            ref = rec.pop()
+        _, got = LeanForward(model).response_logits(prompts, pmask, responses, rmask, record_routing=True)
+    assert got.shape == (len(prompts), prompts.shape[1] + responses.shape[1], info.num_layers, info.top_k)
+    assert got.dtype == torch.int16
+    # Fed tokens: the prompt's real ones and every response token but a row's last.
+    fed = torch.cat([pmask, rmask[:, 1:], torch.zeros(len(prompts), 1, dtype=torch.bool)], dim=1)
+    assert (got[fed] >= 0).all() and (got[~fed] == -1).all()
+    same = (got.long().sort(-1).values == ref.long().sort(-1).values).all(-1).all(-1)
+    assert same[fed].float().mean() > 0.99  # equal up to a near-tie flipped by float rounding
+
+
+def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok):
+    model = models["qwen3_moe"].train()
+    prompts, pmask, responses, rmask = _batch(tok)
+    info = moe_info(model)
+    batch, seq = len(prompts), prompts.shape[1] + responses.shape[1]
+    # A routing the router would not choose: experts (e, e+3) rotating with position; -1 on one row.
+    base = (torch.arange(seq).view(1, seq, 1, 1) + torch.tensor([0, 3]).view(1, 1, 1, 2)) % info.num_experts
+    routed = base.expand(batch, seq, info.num_layers, 2).clone()
+    routed[1, :] = -1
+
+    model.zero_grad()
+    with replay_routing(model, routed):
+        ref = _hf_response_logits(model, prompts, pmask, responses, rmask)
+    _loss(ref, responses, rmask).backward()
+    ref_gate = model.model.layers[0].mlp.gate.weight.grad.clone()
+
+    model.zero_grad()
+    got, own = LeanForward(model).response_logits(
+        prompts, pmask, responses, rmask, routed_experts=routed, record_routing=True
+    )
+    _loss(got, responses, rmask).backward()
+    torch.testing.assert_close(got[rmask], ref[rmask], rtol=1e-4, atol=1e-4)
+    gate = model.model.layers[0].mlp.gate.weight.grad
+    assert gate.abs().sum() > 0
+    torch.testing.assert_close(gate, ref_gate, rtol=1e-3, atol=1e-4)
+    fed = own >= 0
+    replayed = routed.expand_as(own) >= 0
+    assert torch.equal(own[fed & replayed], routed.to(own.dtype)[fed & replayed])
+
+
+def test_replay_shape_errors_say_what_is_expected(models, tok):
+    model = models["qwen3_moe"]
+    prompts, pmask, responses, rmask = _batch(tok)
+    bad = torch.zeros(len(prompts), prompts.shape[1] + responses.shape[1] + 1, 2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="first two dimensions must match"):
+        LeanForward(model).response_logits(prompts, pmask, responses, rmask, routed_experts=bad)
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+def test_greedy_rollout_matches_the_hf_rollout(models, tok, arch):
+    model = models[arch]
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    ids = enc["input_ids"].repeat_interleave(3, 0)
+    mask = enc["attention_mask"].repeat_interleave(3, 0)
+    kwargs = dict(max_new_tokens=5, do_sample=False, capture_routing=arch == "qwen3_moe")
+    ref = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, **kwargs)
+    got = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                    lean=LeanForward(model)).generate(ids, mask, **kwargs)
+    assert torch.equal(got["responses"], ref["responses"])
+    assert torch.equal(got["response_mask"], ref["response_mask"])
+    torch.testing.assert_close(got["rollout_log_probs"], ref["rollout_log_probs"], rtol=1e-4, atol=1e-5)
+    if kwargs["capture_routing"]:
+        assert torch.equal(got["routed_experts"] >= 0, ref["routed_experts"] >= 0)
+        agree = (got["routed_experts"].sort(-1).values == ref["routed_experts"].sort(-1).values).all(-1)
+        assert agree.float().mean() > 0.99
+
+
+def test_sampled_rollout_log_probs_are_what_the_lean_training_forward_computes(models, tok):
+    model = models["qwen3_moe"].eval()
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"].repeat_interleave(4, 0), enc["attention_mask"].repeat_interleave(4, 0)
+    lean = LeanForward(model)
+    gen = torch.Generator().manual_seed(3)
+    out = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, lean=lean).generate(
+        ids, mask, max_new_tokens=6, temperature=0.7, generator=gen
+    )
+    with torch.no_grad():
+        logits, _ = lean.response_logits(ids, mask, out["responses"], out["response_mask"])
+    logp = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, out["responses"][..., None])[..., 0]
+    logp = logp * out["response_mask"]
+    torch.testing.assert_close(logp, out["rollout_log_probs"], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_refuses_to_run_past_its_cache(models, tok):
+    model = models["qwen3"]
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    lean = LeanForward(model)
+    _, state = lean.prefill(enc["input_ids"], enc["attention_mask"], 1)
+    lean.decode(state, torch.full((len(TEXTS),), 5))
+    with pytest.raises(ValueError, match="cache is full"):
+        lean.decode(state, torch.full((len(TEXTS),), 5))
+
+
+def test_group_rows_finds_equal_rows_in_any_order():
+    rows = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3], [-1, 2, 3], [4, 5, 6], [1, 2, 3]])
+    inv = _group_rows(rows)
+    assert int(inv.max()) + 1 == 3
+    for i in range(len(rows)):
+        for j in range(len(rows)):
+            assert (inv[i] == inv[j]) == torch.equal(rows[i], rows[j])
+
+
+def test_which_models_the_lean_forward_runs(tok):
+    assert unsupported_reason(build_tiny_model("qwen3_moe", tok)) is None
+    mixtral = build_tiny_model("mixtral", tok)
+    assert "MixtralForCausalLM" in unsupported_reason(mixtral)
+    assert resolve_forward_impl("auto", mixtral) is None
+    assert resolve_forward_impl("hf", build_tiny_model("qwen3", tok)) is None
+    assert isinstance(resolve_forward_impl("auto", build_tiny_model("qwen3", tok)), LeanForward)
+    with pytest.raises(ValueError, match="forward_impl=lean cannot run this model.*set it to auto or hf"):
+        resolve_forward_impl("lean", mixtral)
+    checkpointed = build_tiny_model("qwen3", tok)
+    checkpointed.gradient_checkpointing_enable()
+    assert "gradient checkpointing" in unsupported_reason(checkpointed)
