@@ -99,9 +99,17 @@ def _group_rows(key: Tensor) -> Tensor:
     return inv
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def _swap_halves(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The Hugging Face RMSNorm of Qwen3: normalised in float32, cast back, then scaled."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -133,14 +141,22 @@ class _Prompts:
 class LeanDecodeState:
     """What `LeanForward.decode` carries from step to step: the KV cache and the recorded routing."""
 
-    keys: list[Tensor]  # per layer (B, kvh, P + T, d)
+    keys: list[Tensor]  # per layer (A, P + T, kvh, d): the rows still decoding
     values: list[Tensor]
-    mask: Tensor  # (B, 1, 1, P + T) bool: the prompt's padding, then ones
-    next_positions: Tensor  # (B,)
+    mask: Tensor  # (A, 1, 1, P + T) bool: the prompt's padding, then ones
+    next_positions: Tensor  # (A,)
+    rows: Tensor  # (A,): which of the batch's B rows the cache holds
+    batch: int  # B
     prompt_len: int
     steps: int = 0
     routing: list[Tensor] = field(default_factory=list)  # (B, S_i, L, K) per forward, when recorded
     record: bool = False
+
+    def keep(self, keep: Tensor) -> None:
+        """Drop the cache rows where `keep` (A,) is false."""
+        self.keys = [k[keep] for k in self.keys]
+        self.values = [v[keep] for v in self.values]
+        self.mask, self.next_positions, self.rows = self.mask[keep], self.next_positions[keep], self.rows[keep]
 
 
 class LeanForward:
@@ -162,6 +178,10 @@ class LeanForward:
         # Sparse blocks have a router (`gate`) and `experts`; dense ones (Qwen3, or
         # Qwen3-MoE's mlp_only_layers) are called as they are.
         self._sparse = [hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate") for layer in self.layers]
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+                raise ValueError("LeanForward: q_norm and k_norm differ in eps; they are applied as one norm")
 
     # ------------------------------------------------------------------ pieces
     def _distinct_prompts(self, prompts: Tensor, prompt_mask: Tensor, routing_key: Tensor | None) -> _Prompts:
@@ -185,21 +205,29 @@ class LeanForward:
         return _Prompts(rep, inv, prompts[rep], mask, positions, attn_mask)
 
     def _rotary(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin (N, 1, d) for the flat token positions `positions` (N,)."""
+        """cos and signed sin (N, 1, d) for the flat token positions `positions` (N,); see `_qkv`."""
         cos, sin = self.inner.rotary_emb(x, positions[None])
-        return cos[0, :, None, :], sin[0, :, None, :]
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == swap_halves(x) * [-sin_1, sin_2]: one copy of x instead of two.
+        signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return cos[0, :, None, :], signed[:, None, :]
 
     def _qkv(self, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (N, h, d), keys and values (N, kvh, d) of the flat tokens `x` (N, H)."""
         attn = layer.self_attn
         n, d = x.shape[0], self.head_dim
         h = layer.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h).view(n, -1, d))
-        k = attn.k_norm(attn.k_proj(h).view(n, -1, d))
-        v = attn.v_proj(h).view(n, -1, d)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        # One projection for q, k and v, and one norm and rotation for q and k
+        # together: the same arithmetic as the separate modules, in fewer kernels.
+        qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                       None if attn.q_proj.bias is None else
+                       torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])).view(n, -1, d)
+        heads = self.num_heads + self.num_kv_heads
+        norm_weight = torch.cat([attn.q_norm.weight.expand(self.num_heads, d),
+                                 attn.k_norm.weight.expand(self.num_kv_heads, d)])
+        qk = _rms_norm(qkv[:, :heads], norm_weight, attn.q_norm.variance_epsilon)
+        qk = qk * cos + _swap_halves(qk) * sin
+        return qk[:, : self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
 
     def _mlp(self, index: int, x: Tensor, replay: Tensor | None, record: list[Tensor] | None) -> Tensor:
         """The residual stream `x` (N, H) after layer `index`'s MLP block; appends its top-k ids (N, K) to `record`."""
@@ -347,7 +375,7 @@ class LeanForward:
         mask[:, 0, 0, :plen] = prompt_mask.bool()
         state = LeanDecodeState(
             keys=keys, values=values, mask=mask, next_positions=prompt_mask.long().sum(-1),
-            prompt_len=plen, record=record,
+            rows=torch.arange(batch, device=prompts.device), batch=batch, prompt_len=plen, record=record,
         )
         if per_layer is not None:
             stacked = self._stack_routing(per_layer)
@@ -355,13 +383,22 @@ class LeanForward:
         return logits, state
 
     @torch.inference_mode()
-    def decode(self, state: LeanDecodeState, tokens: Tensor) -> Tensor:
-        """Logits (B, V) after feeding one token per row (`tokens` (B,)); extends `state` in place."""
-        batch = tokens.shape[0]
+    def decode(self, state: LeanDecodeState, tokens: Tensor, finished: Tensor | None = None) -> Tensor:
+        """Logits (B, V) after feeding one token per row (`tokens` (B,)); extends `state` in place.
+
+        Rows marked in `finished` (B,) bool are dropped from the cache for good: they are not computed
+        again and their logits are zeros (and their routing -1) from then on.
+        """
         slot = state.prompt_len + state.steps
         if slot >= state.mask.shape[-1]:
             raise ValueError("LeanForward.decode: the cache is full; prefill with a larger max_new_tokens")
-        x = self.inner.embed_tokens(tokens)
+        if finished is not None:
+            keep = ~finished[state.rows]
+            if not bool(keep.all()):
+                state.keep(keep)
+        rows = state.rows
+        active = len(rows)
+        x = self.inner.embed_tokens(tokens[rows])
         cos, sin = self._rotary(x, state.next_positions)
         mask = state.mask[..., : slot + 1]
         per_layer: list[Tensor] | None = [] if state.record else None
@@ -372,10 +409,16 @@ class LeanForward:
             keys = state.keys[index][:, : slot + 1]
             values = state.values[index][:, : slot + 1]
             out = _attend(q[:, None], keys, values, mask, self.scale)
-            x = x + layer.self_attn.o_proj(out.reshape(batch, -1))
+            x = x + layer.self_attn.o_proj(out.reshape(active, -1))
             x = self._mlp(index, x, None, per_layer)
         state.steps += 1
         state.next_positions = state.next_positions + 1
+        logits = self.model.lm_head(self.inner.norm(x))
+        if active < state.batch:
+            logits = logits.new_zeros((state.batch, logits.shape[-1])).index_copy_(0, rows, logits)
         if per_layer is not None:
-            state.routing.append(self._stack_routing(per_layer)[:, None])
-        return self.model.lm_head(self.inner.norm(x))
+            stacked = self._stack_routing(per_layer)
+            if active < state.batch:
+                stacked = stacked.new_full((state.batch, *stacked.shape[1:]), -1).index_copy_(0, rows, stacked)
+            state.routing.append(stacked[:, None])
+        return logits

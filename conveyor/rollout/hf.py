@@ -77,6 +77,18 @@ def _filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def _sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of `probs` (B, V), by inverting its cumulative distribution with one uniform per row."""
+    # torch.multinomial draws an exponential per vocabulary entry; one uniform
+    # per row is far cheaper, and exact up to float rounding of the prefix sums.
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    # (1 - u) lies in (0, 1], so the threshold lies in (0, total]: the first
+    # entry reaching it has positive probability, and it always exists.
+    threshold = (1.0 - u) * cdf[:, -1:]
+    return (cdf < threshold).sum(dim=-1).clamp_(max=probs.shape[-1] - 1)
+
+
 @dataclass(frozen=True)
 class _Sampler:
     """How to pick the next token from logits, and under which distribution to score it."""
@@ -103,7 +115,7 @@ class _Sampler:
             probs = torch.softmax(_filter_top_k_top_p(logits, self.top_k, self.top_p), dim=-1)
         else:
             probs = logp.exp()
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1), logp
+        return _sample(probs, self.generator), logp
 
 
 class HFRollout:
@@ -210,7 +222,7 @@ class HFRollout:
                 # forward below costs far more than this check.
                 if steps == steps_max or bool(finished.all()):
                     break
-                logits = engine.step(token)
+                logits = engine.step(token, finished)
                 if routed is not None:
                     routed[:, prompt_len + t] = engine.pop_routing()[:, 0]
 
@@ -266,8 +278,8 @@ class _HFSteps:
         self.next_pos = position_ids[:, -1:] + 1
         return self._forward(self.input_ids, self.prompt_mask, position_ids)
 
-    def step(self, token: Tensor) -> Tensor:
-        """Logits (B, V) after feeding `token` (B,)."""
+    def step(self, token: Tensor, finished: Tensor) -> Tensor:
+        """Logits (B, V) after feeding `token` (B,); rows that `finished` are computed all the same."""
         assert self.next_pos is not None, "prefill first"
         logits = self._forward(token.unsqueeze(-1), self.step_masks[..., : self.prompt_len + self.t + 1], self.next_pos)
         self.t += 1
@@ -318,10 +330,10 @@ class _LeanSteps:
         )
         return logits
 
-    def step(self, token: Tensor) -> Tensor:
-        """Logits (B, V) after feeding `token` (B,)."""
+    def step(self, token: Tensor, finished: Tensor) -> Tensor:
+        """Logits (B, V) after feeding `token` (B,); rows that `finished` leave the cache (zero logits)."""
         assert self.state is not None, "prefill first"
-        return self.lean.decode(self.state, token)
+        return self.lean.decode(self.state, token, finished)
 
     def pop_routing(self) -> Tensor:
         """Routing (B, S, L, K) of the latest forward."""

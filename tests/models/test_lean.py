@@ -168,6 +168,26 @@ def test_greedy_rollout_matches_the_hf_rollout(models, tok, arch):
         assert agree.float().mean() > 0.99
 
 
+def test_rows_that_finish_early_leave_the_cache_without_changing_the_others(models, tok):
+    model = models["qwen3_moe"]
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
+    never = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000).generate(
+        ids, mask, max_new_tokens=6, do_sample=False)
+    # An EOS that some rows emit at their second token and others later or never.
+    eos = int(never["responses"][0, 1])
+    kwargs = dict(max_new_tokens=6, do_sample=False, capture_routing=True)
+    ref = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=eos).generate(ids, mask, **kwargs)
+    got = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=eos, lean=LeanForward(model)).generate(
+        ids, mask, **kwargs)
+    lengths = ref["response_mask"].sum(-1)
+    assert lengths.min() < lengths.max(), "the test needs rows of different lengths"
+    assert torch.equal(got["responses"], ref["responses"])
+    assert torch.equal(got["response_mask"], ref["response_mask"])
+    torch.testing.assert_close(got["rollout_log_probs"], ref["rollout_log_probs"], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got["routed_experts"] >= 0, ref["routed_experts"] >= 0)
+
+
 def test_sampled_rollout_log_probs_are_what_the_lean_training_forward_computes(models, tok):
     model = models["qwen3_moe"].eval()
     enc = tok(TEXTS, padding=True, return_tensors="pt")

@@ -8,7 +8,7 @@ import torch
 from conveyor.models.moe_routing import RoutingRecorder, moe_info
 from conveyor.models.tiny import TINY_ARCHS, build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.rollout.hf import HFRollout, _filter_top_k_top_p, _Sampler
+from conveyor.rollout.hf import HFRollout, _filter_top_k_top_p, _sample, _Sampler
 
 MOE_ARCHS = [a for a in TINY_ARCHS if a != "qwen3"]
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1="]
@@ -347,3 +347,13 @@ def test_greedy_ignores_temperature_zero(models, tok) -> None:
     a = engine.generate(ids, mask, max_new_tokens=3, do_sample=False, temperature=0.0)
     b = engine.generate(ids, mask, max_new_tokens=3, do_sample=False)
     assert torch.equal(a["responses"], b["responses"])
+
+
+def test_inverse_cdf_sampling_never_picks_a_zero_probability_token_and_follows_the_weights() -> None:
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([_sample(probs, gen) for _ in range(20_000)])  # (N, 3)
+    assert set(draws[:, 0].tolist()) == {1, 3}
+    assert (draws[:, 1] == 0).all() and (draws[:, 2] == 4).all()
+    share = (draws[:, 0] == 3).float().mean().item()
+    assert abs(share - 0.8) < 0.015  # about 5 standard errors
