@@ -285,6 +285,19 @@ class LeanForward:
         pr = self._distinct_prompts(prompts, prompt_mask, routing_key)
         n_prompt = pr.count * plen
         fed = rlen - 1  # response tokens that are inputs
+        # When every prompt has the same number of rows (a whole GRPO batch), the
+        # rows are put in prompt order so that each prompt's rows attend in one
+        # block over its keys: U attention problems instead of B, and no per-row
+        # copy of the prompt's keys. The outputs are put back in the input order.
+        order = None
+        if fed and pr.count < batch:
+            counts = torch.bincount(pr.inv, minlength=pr.count)
+            if bool((counts == counts[0]).all()):
+                order = torch.argsort(pr.inv, stable=True)
+                prompt_mask, responses, response_mask = prompt_mask[order], responses[order], response_mask[order]
+                if replay:
+                    routed_experts = routed_experts[order]
+                pr.inv = pr.inv[order]
         prompt_len = prompt_mask.long().sum(-1)
         r_ids = responses[:, :fed]
         r_pos = prompt_len[:, None] + torch.arange(fed, device=prompts.device)
@@ -299,11 +312,7 @@ class LeanForward:
         # The response rows attend to their prompt's real tokens, then causally to their own.
         r_mask = None
         if fed:
-            causal = torch.ones(fed, fed, dtype=torch.bool, device=prompts.device).tril_()
-            r_mask = torch.cat([
-                prompt_mask.bool()[:, None, None, :].expand(batch, 1, fed, plen),
-                causal[None, None].expand(batch, 1, fed, fed),
-            ], dim=-1)
+            r_mask = self._response_mask(pr, prompt_mask, fed, None if order is None else batch // pr.count)
 
         x = self.inner.embed_tokens(ids)
         cos, sin = self._rotary(x, positions)
@@ -313,7 +322,12 @@ class LeanForward:
             shape_p = (pr.count, plen, -1, self.head_dim)
             kp, vp = k[:n_prompt].view(shape_p), v[:n_prompt].view(shape_p)
             parts = [_attend(q[:n_prompt].view(shape_p), kp, vp, pr.attn_mask, self.scale).reshape(n_prompt, -1)]
-            if fed:
+            if fed and order is not None:
+                shape_g = (pr.count, batch // pr.count * fed, -1, self.head_dim)
+                keys = torch.cat([kp, k[n_prompt:].view(shape_g)], dim=1)
+                values = torch.cat([vp, v[n_prompt:].view(shape_g)], dim=1)
+                parts.append(_attend(q[n_prompt:].view(shape_g), keys, values, r_mask, self.scale).reshape(batch * fed, -1))
+            elif fed:
                 shape_r = (batch, fed, -1, self.head_dim)
                 keys = torch.cat([kp[pr.inv], k[n_prompt:].view(shape_r)], dim=1)
                 values = torch.cat([vp[pr.inv], v[n_prompt:].view(shape_r)], dim=1)
@@ -339,7 +353,35 @@ class LeanForward:
                     ~fed_mask[:, :, None, None], -1
                 )
             routing = torch.cat([prompt_part, resp], dim=1)
+        if order is not None:
+            restore = torch.empty_like(order)
+            restore[order] = torch.arange(batch, device=order.device)
+            logits = logits[restore]
+            routing = routing[restore] if routing is not None else None
         return logits, routing
+
+    @staticmethod
+    def _response_mask(pr: _Prompts, prompt_mask: Tensor, fed: int, group: int | None) -> Tensor:
+        """The boolean attention mask of the fed response tokens over their prompt's keys and their own.
+
+        Per row (`group` None): (B, 1, fed, P + fed). Grouped (`group` rows per prompt, rows in prompt
+        order): (U, 1, group * fed, P + group * fed), where each row's tokens see only their own row.
+        """
+        device = prompt_mask.device
+        causal = torch.ones(fed, fed, dtype=torch.bool, device=device).tril_()
+        if group is None:
+            batch, plen = prompt_mask.shape
+            return torch.cat([
+                prompt_mask.bool()[:, None, None, :].expand(batch, 1, fed, plen),
+                causal[None, None].expand(batch, 1, fed, fed),
+            ], dim=-1)
+        count, plen = pr.mask.shape
+        width = group * fed
+        own = torch.block_diag(*[causal] * group)
+        return torch.cat([
+            pr.mask[:, None, None, :].expand(count, 1, width, plen),
+            own[None, None].expand(count, 1, width, width),
+        ], dim=-1)
 
     # ------------------------------------------------------------------ rollout
     @torch.inference_mode()

@@ -31,8 +31,10 @@ def _batch(tok, n: int = 3, order: str = "grouped", seed: int = 0):
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     prompts, pmask = enc["input_ids"], enc["attention_mask"].bool()
     index = torch.arange(len(TEXTS)).repeat_interleave(n)
-    if order == "shuffled":
+    if order in ("shuffled", "uneven"):
         index = index[torch.randperm(len(index), generator=torch.Generator().manual_seed(seed))]
+    if order == "uneven":  # prompts with different numbers of rows: the per-row attention layout
+        index = index[1:]
     prompts, pmask = prompts[index], pmask[index]
     gen = torch.Generator().manual_seed(seed)
     width = 5
@@ -59,7 +61,7 @@ def _loss(logits, responses, rmask):
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
-@pytest.mark.parametrize("order", ["grouped", "shuffled"])
+@pytest.mark.parametrize("order", ["grouped", "shuffled", "uneven"])
 def test_logits_and_gradients_match_the_hf_forward(models, tok, arch, order):
     model = models[arch].train()
     prompts, pmask, responses, rmask = _batch(tok, order=order)
@@ -93,9 +95,10 @@ def test_a_one_column_response_and_all_distinct_prompts(models, tok):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok):
+@pytest.mark.parametrize("order", ["shuffled", "uneven"])
+def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok, order):
     model = models["qwen3_moe"].eval()
-    prompts, pmask, responses, rmask = _batch(tok, order="shuffled")
+    prompts, pmask, responses, rmask = _batch(tok, order=order)
     info = moe_info(model)
     with torch.no_grad():
         with RoutingRecorder(model) as rec:
@@ -111,9 +114,10 @@ def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok):
     assert same[fed].float().mean() > 0.99  # equal up to a near-tie flipped by float rounding
 
 
-def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok):
+@pytest.mark.parametrize("order", ["shuffled", "uneven"])
+def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok, order):
     model = models["qwen3_moe"].train()
-    prompts, pmask, responses, rmask = _batch(tok)
+    prompts, pmask, responses, rmask = _batch(tok, order=order)
     info = moe_info(model)
     batch, seq = len(prompts), prompts.shape[1] + responses.shape[1]
     # A routing the router would not choose: experts (e, e+3) rotating with position; -1 on one row.
