@@ -299,15 +299,29 @@ class LeanForward:
                     routed_experts = routed_experts[order]
                 pr.inv = pr.inv[order]
         prompt_len = prompt_mask.long().sum(-1)
-        r_ids = responses[:, :fed]
-        r_pos = prompt_len[:, None] + torch.arange(fed, device=prompts.device)
-        ids = torch.cat([pr.ids.reshape(-1), r_ids.reshape(-1)])
-        positions = torch.cat([pr.positions.reshape(-1), r_pos.reshape(-1)])
+        # Response token j is fed when token j+1 exists; the others (a row's last
+        # token, the pads) never enter the token stream. Attention needs the
+        # padded (B, fed) layout, so it scatters into it and gathers back.
+        fed_mask = response_mask[:, 1:].bool()
+        fed_idx = fed_mask.reshape(-1).nonzero().squeeze(-1) if fed and not bool(fed_mask.all()) else None
+
+        def unpad(t: Tensor) -> Tensor:  # (B * fed, ...) -> (fed tokens, ...)
+            return t if fed_idx is None else t[fed_idx]
+
+        def pad(t: Tensor) -> Tensor:  # (fed tokens, ...) -> (B * fed, ...), zeros elsewhere
+            if fed_idx is None:
+                return t
+            return t.new_zeros((batch * fed, *t.shape[1:])).index_copy(0, fed_idx, t)
+
+        r_ids = unpad(responses[:, :fed].reshape(-1))
+        r_pos = unpad((prompt_len[:, None] + torch.arange(fed, device=prompts.device)).reshape(-1))
+        ids = torch.cat([pr.ids.reshape(-1), r_ids])
+        positions = torch.cat([pr.positions.reshape(-1), r_pos])
         replay_ids = None
         if replay:
             replay_ids = torch.cat([
                 routed_experts[pr.rep, :plen].reshape(n_prompt, *routed_experts.shape[2:]),
-                routed_experts[:, plen:plen + fed].reshape(batch * fed, *routed_experts.shape[2:]),
+                unpad(routed_experts[:, plen:plen + fed].reshape(batch * fed, *routed_experts.shape[2:])),
             ]).long()
         # The response rows attend to their prompt's real tokens, then causally to their own.
         r_mask = None
@@ -322,21 +336,25 @@ class LeanForward:
             shape_p = (pr.count, plen, -1, self.head_dim)
             kp, vp = k[:n_prompt].view(shape_p), v[:n_prompt].view(shape_p)
             parts = [_attend(q[:n_prompt].view(shape_p), kp, vp, pr.attn_mask, self.scale).reshape(n_prompt, -1)]
-            if fed and order is not None:
-                shape_g = (pr.count, batch // pr.count * fed, -1, self.head_dim)
-                keys = torch.cat([kp, k[n_prompt:].view(shape_g)], dim=1)
-                values = torch.cat([vp, v[n_prompt:].view(shape_g)], dim=1)
-                parts.append(_attend(q[n_prompt:].view(shape_g), keys, values, r_mask, self.scale).reshape(batch * fed, -1))
-            elif fed:
-                shape_r = (batch, fed, -1, self.head_dim)
-                keys = torch.cat([kp[pr.inv], k[n_prompt:].view(shape_r)], dim=1)
-                values = torch.cat([vp[pr.inv], v[n_prompt:].view(shape_r)], dim=1)
-                parts.append(_attend(q[n_prompt:].view(shape_r), keys, values, r_mask, self.scale).reshape(batch * fed, -1))
+            if fed:
+                qr, kr, vr = pad(q[n_prompt:]), pad(k[n_prompt:]), pad(v[n_prompt:])
+                if order is not None:
+                    shape_g = (pr.count, batch // pr.count * fed, -1, self.head_dim)
+                    keys = torch.cat([kp, kr.view(shape_g)], dim=1)
+                    values = torch.cat([vp, vr.view(shape_g)], dim=1)
+                    out = _attend(qr.view(shape_g), keys, values, r_mask, self.scale)
+                else:
+                    shape_r = (batch, fed, -1, self.head_dim)
+                    keys = torch.cat([kp[pr.inv], kr.view(shape_r)], dim=1)
+                    values = torch.cat([vp[pr.inv], vr.view(shape_r)], dim=1)
+                    out = _attend(qr.view(shape_r), keys, values, r_mask, self.scale)
+                parts.append(unpad(out.reshape(batch * fed, -1)))
             x = x + layer.self_attn.o_proj(torch.cat(parts) if fed else parts[0])
             x = self._mlp(index, x, replay_ids, per_layer)
 
         last = x[:n_prompt].view(pr.count, plen, -1)[:, -1][pr.inv]  # left padding: the last column is real
-        hidden = torch.cat([last[:, None], x[n_prompt:].view(batch, fed, x.shape[-1])], dim=1)
+        # Positions that predict nothing (after a row's end) get zero hidden states; their logits are unused.
+        hidden = torch.cat([last[:, None], pad(x[n_prompt:]).view(batch, fed, x.shape[-1])], dim=1)
         logits = self.model.lm_head(self.inner.norm(hidden))
 
         routing = None
@@ -348,10 +366,10 @@ class LeanForward:
             prompt_part = prompt_part.masked_fill(~prompt_mask.bool()[:, :, None, None], -1)
             resp = torch.full((batch, rlen, num_layers, top_k), -1, dtype=torch.int16, device=prompts.device)
             if fed:
-                fed_mask = response_mask[:, 1:].bool()  # token j is fed when token j+1 exists
-                resp[:, :fed] = stacked[n_prompt:].view(batch, fed, num_layers, top_k).masked_fill(
-                    ~fed_mask[:, :, None, None], -1
-                )
+                fed_part = stacked[n_prompt:]
+                if fed_idx is not None:
+                    fed_part = fed_part.new_full((batch * fed, num_layers, top_k), -1).index_copy_(0, fed_idx, fed_part)
+                resp[:, :fed] = fed_part.view(batch, fed, num_layers, top_k)
             routing = torch.cat([prompt_part, resp], dim=1)
         if order is not None:
             restore = torch.empty_like(order)
