@@ -7,7 +7,9 @@ The scripts, with the arguments used here (`make bench` runs this file):
   data-plane backend (one whose adapter or package is missing is skipped
   with a note by the script itself);
 - `moe_metrics.py --threads 1`: the MoE load-balance metrics;
-- `rollout.py --threads 1`: the rollout engine against `model.generate`.
+- `rollout.py --threads 1`: the rollout engine against `model.generate`;
+- `lean_forward.py --threads 1`: the lean forward against the Hugging Face
+  forward, in training and in the rollout.
 
 Each script's output is printed as it runs, under a header; a summary line per
 script follows at the end. The exit status is 0 only when every script exited
@@ -37,6 +39,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data_plane", ("--backends", "memory", "ray", "transferqueue", "--threads", "1", "--create-reps", "3")),
     ("moe_metrics", ("--threads", "1")),
     ("rollout", ("--threads", "1")),
+    ("lean_forward", ("--threads", "1")),
 )
 
 
