@@ -32,8 +32,10 @@ sides train from the same starting point on the same work:
   no reference model (`beta=0`), no MoE auxiliary loss (TRL's
   `router_aux_loss_coef=0`; conveyor has none), no vLLM, and no gradient
   checkpointing (TRL turns it on by default; conveyor keeps activations).
-- seed: the same `--seed` for conveyor's `trainer.seed` and TRL's `seed`.
-  The samples still differ: the two draw from different random streams.
+- seed: the same seed for conveyor's `trainer.seed` and TRL's `seed` within
+  a pair; pair k uses `--seed` + k - 1, so pairs are independent
+  trajectories. The samples of a pair still differ: the two sides draw from
+  different random streams.
 - logging: conveyor writes only `metrics.jsonl`, which is read back; TRL
   reports to no tracker, and its figures are recorded by the reward function
   (reward and completion tokens of each step) and a callback (step times).
@@ -67,10 +69,13 @@ be scheduled); one thread keeps both sides steady and equal. Pass
 
 The ratio conveyor/TRL of steps/s, tokens/s, median step time and CPU
 steps/s is printed for every pair, with the medians over the pairs; the
-target is a median (wall-clock) steps/s ratio of at least `TARGET_RATIO`. The reward curves of both sides (mean over the pairs) are
-printed as well, with a check that conveyor's mean reward over the second
-half of the steps is not below TRL's by more than two standard errors, so
-that speed is not bought with worse learning.
+target is a median (wall-clock) steps/s ratio of at least `TARGET_RATIO`.
+The reward curves of both sides (mean over the pairs) are printed as well,
+with a check that conveyor's mean reward over the second half of the steps
+is not below TRL's by more than two standard errors (of the runs' late
+rewards when there are two or more pairs, so that seed-to-seed variation
+counts), so that speed is not bought with worse learning. For a learning
+comparison over more steps, run for example `--steps 200 --pairs 4`.
 
 It needs `trl` (see benchmarks/requirements.txt); it does not install
 anything. Runs write into a temporary directory that is removed afterwards.
@@ -116,7 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="most tokens per response (default: conveyor's data.max_response_length)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate (default: conveyor's actor_rollout_ref.actor.optim.lr)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed of both sides")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed of both sides in the first pair; pair k uses seed + k - 1")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads in each run (0 = torch's default; see the note on threads above)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -430,18 +436,30 @@ def run_side(side: str, raw_argv: Sequence[str], work_dir: Path, index: int, tim
     return result
 
 
-def reward_check(conveyor_curve: Sequence[float], trl_curve: Sequence[float]) -> dict[str, float | bool]:
-    """Compare the second halves of two reward curves: conveyor passes unless it is below TRL by > 2 standard errors."""
-    half = len(conveyor_curve) // 2
-    a, b = list(conveyor_curve[half:]), list(trl_curve[half:])
+def reward_check(conveyor_curves: Sequence[Sequence[float]], trl_curves: Sequence[Sequence[float]]) -> dict[str, float | bool]:
+    """Compare the second halves of each side's reward curves: conveyor passes unless it is below TRL by > 2 standard errors.
+
+    A run's late reward is the mean of the second half of its curve. With two or
+    more runs per side (each pair samples with its own seed), the standard error
+    is that of the runs' late rewards, so seed-to-seed variation counts; with one
+    run per side it is that of the per-step rewards of its second half.
+    """
+    half = len(conveyor_curves[0]) // 2
 
     def se(x: list[float]) -> float:
         return statistics.stdev(x) / math.sqrt(len(x)) if len(x) > 1 else 0.0
 
+    if len(conveyor_curves) > 1 and len(trl_curves) > 1:
+        a = [statistics.fmean(c[half:]) for c in conveyor_curves]
+        b = [statistics.fmean(c[half:]) for c in trl_curves]
+        basis = "runs"
+    else:
+        a, b = list(conveyor_curves[0][half:]), list(trl_curves[0][half:])
+        basis = "steps"
     diff = statistics.fmean(a) - statistics.fmean(b)
     tolerance = 2.0 * math.hypot(se(a), se(b))
     return {"from_step": half + 1, "conveyor_late": statistics.fmean(a), "trl_late": statistics.fmean(b),
-            "difference": diff, "tolerance": tolerance, "no_worse": diff >= -tolerance}
+            "difference": diff, "tolerance": tolerance, "no_worse": diff >= -tolerance, "basis": basis}
 
 
 def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
@@ -501,9 +519,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="e2e-vs-trl-") as tmp:
         index = 0
         for pair in range(args.pairs):
+            # Both runs of a pair sample with the same seed; each pair has its own, so
+            # the pairs are independent trajectories and the reward check sees their spread.
+            pair_argv = [*raw_argv, "--seed", str(args.seed + pair)]
             for side in SIDES:
                 index += 1
-                result = run_side(side, raw_argv, Path(tmp), index, args.run_timeout)
+                result = run_side(side, pair_argv, Path(tmp), index, args.run_timeout)
                 result["summary"] = summarize_run(result, args.warmup)
                 runs[side].append(result)
                 s = result["summary"]
@@ -524,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     median_cpu_ratio = statistics.median(p["cpu_steps_ratio"] for p in pairs)
     median_step_ratio = statistics.median(p["median_step_ratio"] for p in pairs)
     curves = {side: mean_curve([r["reward"] for r in runs[side]]) for side in SIDES}
-    check = reward_check(curves["conveyor"], curves["trl"])
+    check = reward_check([r["reward"] for r in runs["conveyor"]], [r["reward"] for r in runs["trl"]])
 
     print()
     head = ["pair", "side", "steps/s", "gen tokens/s", "median step ms", "CPU steps/s", "peak RSS MiB", "mean reward"]
@@ -556,7 +577,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     _table(["step", "conveyor", "trl"],
            [[str(i + 1), f"{c:.3f}", f"{t:.3f}"] for i, (c, t) in enumerate(zip(curves["conveyor"], curves["trl"]))])
     print(f"steps {check['from_step']}..{args.steps}: conveyor {check['conveyor_late']:.3f}, TRL {check['trl_late']:.3f} "
-          f"(difference {check['difference']:+.3f}, tolerance {check['tolerance']:.3f})")
+          f"(difference {check['difference']:+.3f}, tolerance {check['tolerance']:.3f}: two standard errors "
+          f"over the {check['basis']})")
     speed_ok = median_ratio >= TARGET_RATIO
     print(f"target median steps/s ratio >= {TARGET_RATIO:g}: {'met' if speed_ok else 'MISSED'} ({median_ratio:.2f}x)")
     print(f"target conveyor's reward no worse than TRL's: {'met' if check['no_worse'] else 'MISSED'}")

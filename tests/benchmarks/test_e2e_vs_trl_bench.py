@@ -79,15 +79,29 @@ def test_summarize_run_leaves_out_the_warmup_steps() -> None:
 
 def test_reward_check_compares_second_halves_within_two_standard_errors() -> None:
     bench = load_benchmark()
-    # Second halves: conveyor [0.5, 0.7] (mean 0.6), TRL [0.6, 0.6] (mean 0.6, no spread).
-    check = bench.reward_check([0.0, 0.1, 0.5, 0.7], [0.0, 0.1, 0.6, 0.6])
-    assert check["from_step"] == 3
+    # One run per side: second halves conveyor [0.5, 0.7] (mean 0.6), TRL [0.6, 0.6] (mean 0.6, no spread).
+    check = bench.reward_check([[0.0, 0.1, 0.5, 0.7]], [[0.0, 0.1, 0.6, 0.6]])
+    assert check["from_step"] == 3 and check["basis"] == "steps"
     assert check["difference"] == pytest.approx(0.0)
     # se(conveyor) = stdev([0.5, 0.7]) / sqrt(2) = 0.1414.../1.4142... = 0.1
     assert check["tolerance"] == pytest.approx(0.2)
     assert check["no_worse"]
-    worse = bench.reward_check([0.9, 0.9, 0.1, 0.1], [0.0, 0.0, 0.5, 0.5])
+    worse = bench.reward_check([[0.9, 0.9, 0.1, 0.1]], [[0.0, 0.0, 0.5, 0.5]])
     assert worse["difference"] == pytest.approx(-0.4) and worse["tolerance"] == 0.0 and not worse["no_worse"]
+
+
+def test_reward_check_over_several_runs_uses_the_spread_of_their_late_rewards() -> None:
+    bench = load_benchmark()
+    # Late rewards: conveyor runs 0.4 and 0.6 (mean 0.5, se 0.1); TRL runs 0.8 and 0.8 (no spread).
+    conveyor = [[0.0, 0.0, 0.4, 0.4], [0.0, 0.0, 0.6, 0.6]]
+    trl = [[0.0, 0.0, 0.8, 0.8], [0.0, 0.0, 0.8, 0.8]]
+    check = bench.reward_check(conveyor, trl)
+    assert check["basis"] == "runs"
+    assert check["conveyor_late"] == pytest.approx(0.5) and check["trl_late"] == pytest.approx(0.8)
+    assert check["tolerance"] == pytest.approx(0.2)
+    assert not check["no_worse"]  # 0.3 below, more than two standard errors
+    close = bench.reward_check([[0.0, 0.0, 0.55, 0.55], [0.0, 0.0, 0.75, 0.75]], trl)
+    assert close["difference"] == pytest.approx(-0.15) and close["no_worse"]
 
 
 def test_shared_config_makes_one_optimizer_step_per_batch() -> None:
