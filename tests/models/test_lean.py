@@ -237,5 +237,7 @@ def test_which_models_the_lean_forward_runs(tok):
     with pytest.raises(ValueError, match="forward_impl=lean cannot run this model.*set it to auto or hf"):
         resolve_forward_impl("lean", mixtral)
     checkpointed = build_tiny_model("qwen3", tok)
-    checkpointed.gradient_checkpointing_enable()
+    # transformers 5 renamed gradient_checkpointing_enable (which now warns).
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
+    enable()
     assert "gradient checkpointing" in unsupported_reason(checkpointed)
