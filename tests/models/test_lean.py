@@ -241,3 +241,14 @@ def test_which_models_the_lean_forward_runs(tok):
     enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
     enable()
     assert "gradient checkpointing" in unsupported_reason(checkpointed)
+
+
+def test_bfloat16_logits_stay_close_to_the_hf_forward(tok):
+    model = build_tiny_model("qwen3_moe", tok, seed=0, initializer_range=0.3, dtype=torch.bfloat16).eval()
+    prompts, pmask, responses, rmask = _batch(tok, order="shuffled")
+    with torch.no_grad():
+        ref = _hf_response_logits(model, prompts, pmask, responses, rmask).float()
+        got, _ = LeanForward(model).response_logits(prompts, pmask, responses, rmask)
+    assert got.dtype == torch.bfloat16
+    # bfloat16 keeps 8 bits of mantissa: the two orders of summation differ by a few ulps.
+    torch.testing.assert_close(got.float()[rmask], ref[rmask], rtol=0.05, atol=0.1)
