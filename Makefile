@@ -22,9 +22,11 @@ $(BASE_STAMP): pyproject.toml
 	$(PIP) -e ".[plot]"
 	@touch $@
 
-# Test-only extras: pytest, hypothesis and the optional backends the tests exercise for real.
-$(DEV_STAMP): $(BASE_STAMP)
+# Test-only extras: pytest, hypothesis, the optional backends the tests exercise for real, TRL,
+# and verl without its dependencies (the MoE metrics benchmark and its test compare with it).
+$(DEV_STAMP): $(BASE_STAMP) benchmarks/requirements-no-deps.txt
 	$(PIP) -e ".[dev]"
+	$(PIP) --no-deps -r benchmarks/requirements-no-deps.txt
 	@touch $@
 
 train: install

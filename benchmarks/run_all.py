@@ -15,8 +15,8 @@ Each script's output is printed as it runs, under a header; a summary line per
 script follows at the end. The exit status is 0 only when every script exited
 0. Extra arguments are not passed on: run a script directly to change its size.
 
-This file does not install anything (`make bench` installs
-benchmarks/requirements.txt first).
+This file does not install anything (`make bench` installs the peers first:
+benchmarks/requirements.txt, and verl from benchmarks/requirements-no-deps.txt).
 
     python benchmarks/run_all.py
     python benchmarks/run_all.py --only data_plane moe_metrics
