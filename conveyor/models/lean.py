@@ -4,10 +4,11 @@ An RL batch is G prompts sampled n times each, so n rows begin with the same
 prompt. The Hugging Face forward runs every row's prompt again, in the
 trainer's forward and in the rollout's prefill. `LeanForward` runs each
 distinct prompt once and lets the n responses attend to its keys and values;
-rows that differ only after the prompt cost only their own tokens. On the
-default GRPO run (6-token prompts, responses of about 4 tokens, n = 8) the
-trainer's forward and backward see about 2.5 times fewer tokens, and the
-rollout's prefill 8 times fewer.
+rows that differ only after the prompt cost only their own tokens. On a
+batch like the default run's (32 prompts of 6 tokens, n = 8, responses of 1
+to 6 tokens) the trainer's forward and backward compute 827 positions
+instead of 3072, and the rollout's prefill 8 times fewer
+(`benchmarks/lean_forward.py`).
 
 It computes what the Hugging Face forward computes, on the model's own
 modules and parameters (so the optimizer, checkpoints and `save_pretrained`
@@ -84,19 +85,24 @@ def resolve_forward_impl(choice: str, model: nn.Module) -> LeanForward | None:
     return None
 
 
-def _group_rows(key: Tensor) -> Tensor:
-    """For integer rows `key` (B, W), each row's group id (B,): equal rows share one, ids run 0..U-1."""
+def _group_rows(key: Tensor) -> tuple[Tensor, Tensor]:
+    """Groups of equal integer rows of `key` (B, W): each row's group id (B,), ids 0..U-1, and a row of each (U,)."""
     # A random linear hash of each row, then a 1-D unique: far cheaper than
     # `torch.unique(dim=0)`, which sorts whole rows. Exactness is checked, and
     # a collision (odds about B^2 / 2^64) falls back to the row sort.
     gen = torch.Generator().manual_seed(0x5EED)
     weights = torch.randint(1, 2**62, (key.shape[1],), generator=gen, dtype=torch.long).to(key.device)
     _, inv = torch.unique((key * weights).sum(-1), return_inverse=True)  # int64 arithmetic wraps around
-    first = torch.empty(int(inv.max()) + 1, dtype=torch.long, device=key.device)
-    first.scatter_(0, inv, torch.arange(len(inv), device=key.device))
-    if not torch.equal(key[first][inv], key):
+    rep = _one_row_each(inv)
+    if not torch.equal(key[rep][inv], key):
         _, inv = torch.unique(key, dim=0, return_inverse=True)
-    return inv
+        rep = _one_row_each(inv)
+    return inv, rep
+
+
+def _one_row_each(inv: Tensor) -> Tensor:
+    rep = torch.empty(int(inv.max()) + 1, dtype=torch.long, device=inv.device)
+    return rep.scatter_(0, inv, torch.arange(len(inv), device=inv.device))
 
 
 def _swap_halves(x: Tensor) -> Tensor:
@@ -189,10 +195,7 @@ class LeanForward:
         key = prompts.masked_fill(~pmask, -1)
         if routing_key is not None:
             key = torch.cat([key, routing_key], dim=1)
-        inv = _group_rows(key)
-        count = int(inv.max()) + 1
-        rep = torch.empty(count, dtype=torch.long, device=key.device)
-        rep.scatter_(0, inv, torch.arange(len(inv), device=key.device))
+        inv, rep = _group_rows(key)
         mask = pmask[rep]
         positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
         length = prompts.shape[1]

@@ -220,11 +220,22 @@ def test_decode_refuses_to_run_past_its_cache(models, tok):
 
 def test_group_rows_finds_equal_rows_in_any_order():
     rows = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3], [-1, 2, 3], [4, 5, 6], [1, 2, 3]])
-    inv = _group_rows(rows)
-    assert int(inv.max()) + 1 == 3
+    inv, rep = _group_rows(rows)
+    assert int(inv.max()) + 1 == 3 and len(rep) == 3
+    assert torch.equal(rows[rep][inv], rows)
     for i in range(len(rows)):
         for j in range(len(rows)):
             assert (inv[i] == inv[j]) == torch.equal(rows[i], rows[j])
+
+
+def test_group_rows_falls_back_to_sorting_rows_when_hashes_collide(monkeypatch):
+    rows = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6]])
+    real_randint = torch.randint
+    # Zero hash weights: every row hashes to 0, so only the exactness check can tell them apart.
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: torch.zeros_like(real_randint(*a, **k)))
+    inv, rep = _group_rows(rows)
+    assert int(inv.max()) + 1 == 3
+    assert torch.equal(rows[rep][inv], rows)
 
 
 def test_which_models_the_lean_forward_runs(tok):
