@@ -67,9 +67,20 @@ class DataPlane(abc.ABC):
     ) -> KVBatchMeta:
         """Write `fields` (one row per key) for `keys` in `partition_id` and return a handle to them."""
 
-    @abc.abstractmethod
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """Read `select_fields` for `keys` (rows in the order of `keys`); missing ones raise FieldNotFoundError."""
+        self._check_open()
+        keys = [str(k) for k in keys]
+        select_fields = list(select_fields)
+        with self._timed("get"):
+            out, nbytes = self._get(keys, partition_id, select_fields)
+        if self.metrics:
+            self.metrics.record_get(len(keys), nbytes)
+        return out
+
+    @abc.abstractmethod
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
+        """The backend's part of kv_batch_get: the rows, and their size in bytes for the metrics."""
 
     @abc.abstractmethod
     def kv_list(self, partition_id: str) -> list[str]:
@@ -85,6 +96,10 @@ class DataPlane(abc.ABC):
     def _timed(self, op: str) -> Any:
         """A context timing one operation for the latency histogram (a no-op without metrics)."""
         return self.metrics.time(op) if self.metrics is not None else contextlib.nullcontext()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
 
     @abc.abstractmethod
     def _release(self) -> None:

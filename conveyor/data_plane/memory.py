@@ -143,17 +143,6 @@ class MemoryDataPlane(DataPlane):
         return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
 
     # -- reads ----------------------------------------------------------
-    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Rows of `select_fields` for `keys`, in the order of `keys`; anything missing is a FieldNotFoundError."""
-        self._check_open()
-        keys = [str(k) for k in keys]
-        select_fields = list(select_fields)
-        with self._timed("get"):
-            out, nbytes = self._get(keys, partition_id, select_fields)
-        if self.metrics:
-            self.metrics.record_get(len(keys), nbytes)
-        return out
-
     def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
         with self._lock:
             part = self._partitions.get(partition_id)
@@ -232,9 +221,6 @@ class MemoryDataPlane(DataPlane):
         with self._lock:
             self._partitions.clear()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
 
 
 def _empty_nested(col: _Column) -> torch.Tensor:

@@ -389,17 +389,6 @@ class RayDataPlane(DataPlane):
         return present or [], out_tags, live, len(plans) == num
 
     # -- reads ----------------------------------------------------------
-    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Rows of `select_fields` for `keys`, in the order of `keys`; anything missing is a FieldNotFoundError."""
-        self._check_open()
-        keys = [str(k) for k in keys]
-        select_fields = list(select_fields)
-        with self._timed("get"):
-            out, nbytes = self._get(keys, partition_id, select_fields)
-        if self.metrics:
-            self.metrics.record_get(len(keys), nbytes)
-        return out
-
     def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
         num = len(self._shards)
         by_shard: dict[int, list[int]] = {s: [] for s in range(num)}
@@ -485,9 +474,6 @@ class RayDataPlane(DataPlane):
             except Exception as err:  # already dead, or Ray shut down first
                 logger.debug("storage actor already gone: %s", err)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
 
 
 def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], ref_pos: dict) -> Any:

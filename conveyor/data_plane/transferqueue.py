@@ -551,9 +551,6 @@ class TransferQueueDataPlane(DataPlane):
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the data plane is closed; create a new one with make_data_plane()")
 
     @staticmethod
     def _check_partition(partition_id: str) -> None:
@@ -653,19 +650,12 @@ class TransferQueueDataPlane(DataPlane):
         return present, [dict(t) for t in meta.custom_meta], live
 
     # -- reads ----------------------------------------------------------------
-    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Rows of `select_fields` for `keys`, in the order of `keys`; anything missing is a FieldNotFoundError."""
-        self._check_open()
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
         self._check_partition(partition_id)
-        keys = [str(k) for k in keys]
-        select_fields = list(select_fields)
-        with self._timed("get"):
-            out = self._run(self._get(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
-        if self.metrics:
-            self.metrics.record_get(len(keys), _td_nbytes(out))
-        return out
+        out = self._run(self._fetch(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
+        return out, (_td_nbytes(out) if self.metrics else 0)
 
-    async def _get(self, keys: list[str], partition_id: str, select: list[str]) -> TensorDict:
+    async def _fetch(self, keys: list[str], partition_id: str, select: list[str]) -> TensorDict:
         client = self._client
         n = len(keys)
         if not n:
