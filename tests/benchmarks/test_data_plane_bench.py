@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "data_plane.py"
+from benchmark_scripts import load_script
 
 
 def load_benchmark() -> ModuleType:
     """Import benchmarks/data_plane.py as a module."""
-    # Loaded by path: benchmarks/ is a folder of scripts, not an installed package.
-    spec = importlib.util.spec_from_file_location("data_plane_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("data_plane")
 
 
 TINY = ["--samples", "8", "--seq-len", "16", "--small-samples", "12", "--small-fields", "3", "--reps", "2",

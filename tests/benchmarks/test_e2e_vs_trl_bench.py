@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import statistics
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_vs_trl.py"
+from benchmark_scripts import load_script
 
 
 def load_benchmark() -> ModuleType:
     """Import benchmarks/e2e_vs_trl.py as a module."""
-    # Loaded by path: benchmarks/ is a folder of scripts, not an installed package.
-    spec = importlib.util.spec_from_file_location("e2e_vs_trl_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("e2e_vs_trl")
 
 
 # No warm start and a small task keep the model build and both runs to seconds.

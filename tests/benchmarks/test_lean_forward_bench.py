@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lean_forward.py"
+from benchmark_scripts import load_script
 
 
 def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:
-    # Loaded by path: benchmarks/ is a folder of scripts, not an installed package.
-    spec = importlib.util.spec_from_file_location("lean_forward_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result = module.main(["--prompts", "3", "--n", "2", "--response-len", "3", "--repeats", "2"])
+    result = load_script("lean_forward").main(["--prompts", "3", "--n", "2", "--response-len", "3", "--repeats", "2"])
     out = capsys.readouterr().out
     for key in ("train_hf_ms", "train_lean_ms", "rollout_hf_ms", "rollout_lean_ms"):
         assert math.isfinite(result[key]) and result[key] > 0, key

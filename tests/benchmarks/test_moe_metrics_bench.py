@@ -6,7 +6,6 @@ import importlib.util
 import math
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -14,16 +13,14 @@ import torch
 
 from conveyor.metrics.moe_load_balance import count_expert_assignments
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_metrics.py"
+from benchmark_scripts import load_script, script_path
+
+SCRIPT = script_path("moe_metrics")
 
 
 def load_benchmark() -> ModuleType:
-    # Loaded by path: benchmarks/ is a folder of scripts, not an installed package.
-    spec = importlib.util.spec_from_file_location("moe_metrics_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Import benchmarks/moe_metrics.py as a module."""
+    return load_script("moe_metrics")
 
 
 TINY = ["--batch", "3", "--seq-len", "24", "--response-len", "16", "--layers", "2", "--top-k", "2",
