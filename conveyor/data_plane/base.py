@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from tensordict import NonTensorStack, TensorDict
 
+from conveyor.data_plane.schema import DENSE, LIST, NESTED, dtype_of, record_of
 from conveyor.protocol import KVBatchMeta
 
 __all__ = ["DataPlane", "FieldNotFoundError", "Fields"]
@@ -57,7 +58,6 @@ class DataPlane(abc.ABC):
 
     backend: str = "abstract"
 
-    @abc.abstractmethod
     def kv_batch_put(
         self,
         keys: Sequence[str],
@@ -65,7 +65,44 @@ class DataPlane(abc.ABC):
         fields: Any,
         tags: Sequence[dict] | None = None,
     ) -> KVBatchMeta:
-        """Write `fields` (one row per key) for `keys` in `partition_id` and return a handle to them."""
+        """Write `fields` (one row per key) for `keys` in `partition_id` and return a handle to them.
+
+        A key written again has its values replaced; its tags are replaced only when `tags` is given.
+        The returned handle lists the fields every one of `keys` now has, and their tags.
+
+        Within a partition a field keeps the kind it was first written with
+        (dense, ragged or list) and, for tensors, its dtype and row shape (for
+        a ragged field: the shape after the ragged dimension), as long as the
+        partition holds data: a put that changes any of them is refused with a
+        ValueError naming the field, the partition, the stored and the given
+        dtype and shape (also when it would overwrite every stored row; clear
+        the partition or use a new field name). A refused put writes nothing:
+        none of its fields, keys or tags. List columns take any values. A put
+        of no keys writes and checks nothing; its handle lists the given fields.
+        """
+        self._check_open()
+        keys, columns = prepare_put(keys, fields, tags)
+        if not keys:
+            # A rank given no samples writes nothing, so it can conflict with nothing: its zero-row
+            # outputs (often (0, 0)-shaped) must neither fail nor fix a field's shape for the ranks with rows.
+            return KVBatchMeta(keys=[], partition_id=partition_id, fields=[c.name for c in columns], tags=[])
+        with self._timed("put"):
+            present, out_tags, live = self._put(keys, partition_id, columns, tags)
+        if self.metrics:
+            self.metrics.record_put(len(keys), sum(_column_nbytes(c) for c in columns))
+            self.metrics.set_live(partition_id, live)
+        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
+
+    @abc.abstractmethod
+    def _put(
+        self, keys: list[str], partition_id: str, columns: list[Column], tags: Sequence[dict] | None
+    ) -> tuple[list[str], list[dict], int]:
+        """The backend's part of kv_batch_put (at least one key): check the records (`schema.incompatibility`), then write.
+
+        Returns the fields every one of `keys` now has, the keys' tags, and the
+        number of keys in the partition (read only when metrics are on, so a
+        backend may return 0 when metrics are off and counting costs a round trip).
+        """
 
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """Read `select_fields` for `keys` (rows in the order of `keys`); missing ones raise FieldNotFoundError."""
@@ -73,14 +110,14 @@ class DataPlane(abc.ABC):
         keys = [str(k) for k in keys]
         select_fields = list(select_fields)
         with self._timed("get"):
-            out, nbytes = self._get(keys, partition_id, select_fields)
+            out = self._get(keys, partition_id, select_fields)
         if self.metrics:
-            self.metrics.record_get(len(keys), nbytes)
+            self.metrics.record_get(len(keys), _batch_nbytes(out))
         return out
 
     @abc.abstractmethod
-    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
-        """The backend's part of kv_batch_get: the rows, and their size in bytes for the metrics."""
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
+        """The backend's part of kv_batch_get: the rows of `select_fields` for `keys`, or FieldNotFoundError."""
 
     @abc.abstractmethod
     def kv_list(self, partition_id: str) -> list[str]:
@@ -149,11 +186,6 @@ def field_items(fields: Any) -> list[tuple[str, Any]]:
         return list(fields.items())
     raise TypeError(f"kv_batch_put takes a TensorDict or a mapping of field name to column, got {type(fields).__name__}")
 
-# How a column given to kv_batch_put is stored and returned: a dense (B, ...)
-# tensor, a jagged nested tensor (rows of different lengths), or a list of
-# per-sample values (Python objects or tensors of any shapes).
-DENSE, NESTED, LIST = "dense", "nested", "list"
-
 
 def column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
     """(kind, rows) of a column given to kv_batch_put: DENSE (B, ...) tensor, NESTED jagged tensor, or LIST of values."""
@@ -181,14 +213,59 @@ def column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
     return kind, rows
 
 
+def empty_column(record: Mapping) -> Any:
+    """The zero-row column of a field's record (schema.py) that a get of no keys returns: dense, jagged or a list."""
+    if record["kind"] not in (DENSE, NESTED):
+        return NonTensorStack(batch_size=[0])
+    values = torch.empty((0, *(record["trailing"] or ())), dtype=dtype_of(record["dtype"]))
+    if record["kind"] == DENSE:
+        return values
+    return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
 
 
-def prepare_put(keys: Sequence[str], fields: Any, tags: Sequence[dict] | None) -> tuple[list[str], list[tuple[str, str, Any]]]:
-    """Check kv_batch_put's arguments (unique keys, one tag and one row per key); (keys, [(name, kind, rows)])."""
+class Column(NamedTuple):
+    """One field of a put, checked: its name, kind, rows (a (B, ...) tensor or a list) and record (see schema.py)."""
+
+    name: str
+    kind: str
+    rows: Any
+    record: dict
+
+
+def prepare_put(keys: Sequence[str], fields: Any, tags: Sequence[dict] | None) -> tuple[list[str], list[Column]]:
+    """Check kv_batch_put's arguments (unique keys, one tag and one row per key); (keys as str, columns)."""
     keys = [str(k) for k in keys]
     n = len(keys)
     if len(set(keys)) != n:
         raise ValueError("kv_batch_put got duplicate keys; each sample needs a unique key")
     if tags is not None and len(tags) != n:
         raise ValueError(f"kv_batch_put got {len(tags)} tags for {n} keys; give one dict per key")
-    return keys, [(name, *column_kind(name, value, n)) for name, value in field_items(fields)]
+    columns = []
+    for name, value in field_items(fields):
+        kind, rows = column_kind(name, value, n)
+        columns.append(Column(name, kind, rows, record_of(kind, rows)))
+    return keys, columns
+
+
+# Byte counts for the metrics: tensor bytes of dense, ragged and tensors inside list columns; Python values count 0.
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _values_nbytes(values: Iterable[Any]) -> int:
+    return sum(_nbytes(v) for v in values if isinstance(v, torch.Tensor))
+
+
+def _column_nbytes(column: Column) -> int:
+    return _nbytes(column.rows) if column.kind == DENSE else _values_nbytes(column.rows)
+
+
+def _batch_nbytes(td: TensorDict) -> int:
+    total = 0
+    for name in td.keys():
+        value = td.get(name)
+        if isinstance(value, torch.Tensor):
+            total += _nbytes(value.values() if value.is_nested else value)
+        else:  # a list column
+            total += _values_nbytes(value.tolist())
+    return total

@@ -15,9 +15,9 @@ from typing import Any, Iterable, Sequence
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from conveyor.data_plane.base import DENSE, NESTED, DataPlane, FieldNotFoundError, prepare_put
+from conveyor.data_plane.base import DENSE, NESTED, Column, DataPlane, FieldNotFoundError, empty_column
 from conveyor.data_plane.prometheus import DataPlaneMetrics
-from conveyor.protocol import KVBatchMeta
+from conveyor.data_plane.schema import dtype_of, incompatibility
 
 __all__ = ["MemoryDataPlane"]
 
@@ -29,7 +29,7 @@ _ROW_MASK = (1 << _ROW_BITS) - 1
 class _Column:
     """One field of one partition: dense blocks indexed by (block, row), or per-key Python objects."""
 
-    kind: str
+    record: dict  # kind, dtype name, row shape (schema.py)
     # dense: the tensors as put, and key -> block index << _ROW_BITS | row.
     # One int per key rather than a (block, row) tuple: ints are not tracked by
     # the garbage collector, tuples are, and 10k keys x 20 fields of tuples
@@ -38,8 +38,18 @@ class _Column:
     loc: dict[str, int] = field(default_factory=dict)
     # nested / list: key -> per-sample value (a tensor view for nested)
     values: dict[str, Any] = field(default_factory=dict)
-    trailing: tuple | None = None
-    dtype: torch.dtype | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.record["kind"]
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return dtype_of(self.record["dtype"])
+
+    @property
+    def trailing(self) -> tuple | None:
+        return self.record["trailing"]
 
     def __contains__(self, key: str) -> bool:
         return key in (self.loc if self.kind == DENSE else self.values)
@@ -69,23 +79,6 @@ class _Partition:
     columns: dict[str, _Column] = field(default_factory=dict)
 
 
-def _check_compatible(col: _Column | None, name: str, kind: str, rows: Any, partition_id: str) -> None:
-    """Refuse a put whose column differs in kind, or (dense) in row shape or dtype, from what the field holds."""
-    if col is None:
-        return
-    if col.kind != kind:
-        raise ValueError(f"field {name!r} in partition {partition_id!r} was stored as {col.kind}; this put gives {kind}")
-    if kind == DENSE and col.trailing is not None and (col.trailing, col.dtype) != (tuple(rows.shape[1:]), rows.dtype):
-        raise ValueError(
-            f"field {name!r} in partition {partition_id!r} holds rows of shape {col.trailing} "
-            f"and dtype {col.dtype}; this put gives {tuple(rows.shape[1:])} {rows.dtype}"
-        )
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class MemoryDataPlane(DataPlane):
     """In-process, thread-safe key-value sample store (backend `memory`)."""
 
@@ -98,52 +91,39 @@ class MemoryDataPlane(DataPlane):
         self._closed = False
 
     # -- writes ---------------------------------------------------------
-    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None) -> KVBatchMeta:
-        """Write one row per key of every given field into the partition; returns a handle listing its fields."""
-        self._check_open()
-        keys, items = prepare_put(keys, fields, tags)
+    def _put(
+        self, keys: list[str], partition_id: str, columns: list[Column], tags: Sequence[dict] | None
+    ) -> tuple[list[str], list[dict], int]:
         n = len(keys)
-        nbytes = 0
-        with self._timed("put"), self._lock:
-            # Check every column before writing any, so a refused put leaves no partial rows behind.
-            existing = self._partitions.get(partition_id)
-            for name, kind, rows in items:
-                _check_compatible(existing.columns.get(name) if existing else None, name, kind, rows, partition_id)
+        with self._lock:
+            part = self._partitions.get(partition_id)
+            if part is not None:
+                # Checked before anything is written, so a refused put leaves no partial rows behind.
+                stored = {c.name: part.columns[c.name].record for c in columns if c.name in part.columns}
+                why = incompatibility(partition_id, stored, {c.name: c.record for c in columns})
+                if why:
+                    raise ValueError(why)
             part = self._partitions.setdefault(partition_id, _Partition())
             part.keys.update(dict.fromkeys(keys))  # existing keys keep their place
             if tags is not None:
                 for k, t in zip(keys, tags):
                     part.tags[k] = dict(t)
-            for name, kind, rows in items:
+            for name, kind, rows, record in columns:
                 col = part.columns.get(name)
                 if col is None:
-                    col = part.columns[name] = _Column(kind=kind)
+                    col = part.columns[name] = _Column(record)
                 if kind == DENSE:
-                    if col.trailing is None:
-                        col.trailing, col.dtype = tuple(rows.shape[1:]), rows.dtype
                     b = len(col.blocks)
                     col.blocks.append(rows)
                     col.loc.update(zip(keys, range(b << _ROW_BITS, (b << _ROW_BITS) + n)))
-                    nbytes += _nbytes(rows)
                 else:
-                    for k, v in zip(keys, rows):
-                        col.values[k] = v
-                        if isinstance(v, torch.Tensor):
-                            nbytes += _nbytes(v)
-                    if kind == NESTED and rows:
-                        col.dtype = rows[0].dtype
-                        if col.trailing is None:  # only to shape an empty get
-                            col.trailing = tuple(rows[0].shape[1:])
+                    col.values.update(zip(keys, rows))
             present = [f for f, c in part.columns.items() if c.has_all(keys)]
             out_tags = [dict(part.tags.get(k, {})) for k in keys]
-            live = len(part.keys)
-        if self.metrics:
-            self.metrics.record_put(n, nbytes)
-            self.metrics.set_live(partition_id, live)
-        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
+            return present, out_tags, len(part.keys)
 
     # -- reads ----------------------------------------------------------
-    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
         with self._lock:
             part = self._partitions.get(partition_id)
             if part is None:
@@ -167,20 +147,18 @@ class MemoryDataPlane(DataPlane):
         # Indexing happens outside the lock: the references taken above stay
         # valid even if another thread clears the partition meanwhile.
         out = TensorDict(batch_size=[len(keys)])
-        nbytes = 0
         for name, kind, rows, blocks, col in plan:
-            if kind == DENSE:
+            if not rows:
+                value = empty_column(col.record)
+            elif kind == DENSE:
                 value = _gather_dense(rows, blocks, col)
-                nbytes += _nbytes(value)
             elif kind == NESTED:
                 # as_nested_tensor copies the rows into one new buffer: that is the only copy.
-                value = torch.nested.as_nested_tensor(rows, layout=torch.jagged) if rows else _empty_nested(col)
-                nbytes += sum(_nbytes(r) for r in rows)
+                value = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
             else:
-                value = NonTensorStack.from_list(rows) if rows else NonTensorStack(batch_size=[0])
-                nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
+                value = NonTensorStack.from_list(rows)
             out.set(name, value)
-        return out, nbytes
+        return out
 
     def kv_list(self, partition_id: str) -> list[str]:
         """Keys of the partition in first-written order."""
@@ -223,16 +201,8 @@ class MemoryDataPlane(DataPlane):
 
 
 
-def _empty_nested(col: _Column) -> torch.Tensor:
-    """A jagged nested tensor with no rows (a rank that got no keys), of the column's dtype."""
-    values = torch.empty((0, *(col.trailing or ())), dtype=col.dtype)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
-
-
 def _gather_dense(locs: list[int], blocks: list[torch.Tensor], col: _Column) -> torch.Tensor:
-    """Index rows out of the blocks they were put in (locs as in `_Column.loc`), one index_select per block."""
-    if not locs:
-        return torch.empty((0, *(col.trailing or ())), dtype=col.dtype)
+    """Index rows out of the blocks they were put in (locs as in `_Column.loc`, at least one), one index_select per block."""
     first_block = locs[0] >> _ROW_BITS
     lo, hi = first_block << _ROW_BITS, (first_block + 1) << _ROW_BITS
     if lo <= min(locs) and max(locs) < hi:

@@ -37,9 +37,10 @@ import ray
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from conveyor.data_plane.base import DENSE, NESTED, DataPlane, FieldNotFoundError, prepare_put
+from conveyor.data_plane import schema
+from conveyor.data_plane.base import DENSE, NESTED, Column, DataPlane, FieldNotFoundError, empty_column
 from conveyor.data_plane.prometheus import DataPlaneMetrics
-from conveyor.protocol import KVBatchMeta
+from conveyor.data_plane.schema import dtype_name, dtype_of, incompatibility
 
 __all__ = ["RayDataPlane", "shard_of"]
 
@@ -52,14 +53,6 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 def shard_of(key: str, num_shards: int) -> int:
     """The storage actor that holds `key` (a stable hash: the same in every process and run)."""
     return zlib.crc32(key.encode("utf-8")) % num_shards
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_of(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -91,11 +84,11 @@ class _TensorValue:
     dtype: str
 
     def to_tensor(self) -> torch.Tensor:
-        return _from_numpy(self.array, _dtype_of(self.dtype)).clone()
+        return _from_numpy(self.array, dtype_of(self.dtype)).clone()
 
 
 def _encode_list_value(v: Any) -> Any:
-    return _TensorValue(_to_numpy(v), _dtype_name(v.dtype)) if isinstance(v, torch.Tensor) else v
+    return _TensorValue(_to_numpy(v), dtype_name(v.dtype)) if isinstance(v, torch.Tensor) else v
 
 
 def _decode_list_value(v: Any) -> Any:
@@ -109,51 +102,48 @@ def _make_shard_class() -> type:
     A class defined inside a function is pickled with its code rather than by
     module name, so a storage process never imports torch or conveyor: it
     starts in about a second and stays small (the import alone is ~300 MB of
-    resident memory). It only ever handles strings, tuples and ObjectRefs.
+    resident memory). It only ever handles strings, tuples, dicts and ObjectRefs,
+    and applies the one put rule of schema.py (`incompatibility`), which
+    travels by value too.
     """
     import itertools as _itertools
     import os as _os
-
-    dense = DENSE
-
-    def incompatibility(col, name, kind, trailing, dtype, partition_id):
-        # The memory backend's rules: a field keeps its kind, and dense rows their shape and dtype.
-        if col is None:
-            return None
-        if col["kind"] != kind:
-            return f"field {name!r} in partition {partition_id!r} was stored as {col['kind']}; this put gives {kind}"
-        if kind == dense and (col["trailing"], col["dtype"]) != (trailing, dtype):
-            return (f"field {name!r} in partition {partition_id!r} holds rows of shape {col['trailing']} "
-                    f"and dtype torch.{col['dtype']}; this put gives {trailing} torch.{dtype}")
-        return None
 
     class StorageShard:
         """The index of one shard of keys: which object and row holds each (key, field), and the refs that keep them.
 
         A partition is {"order": key -> first-written sort key, "tags": key -> dict,
-        "columns": field -> {"kind", "trailing", "dtype", "blocks": id -> ObjectRef, "loc": key -> (id, row)}}.
+        "columns": field -> {"kind", "dtype", "trailing" (its record, see schema.py),
+        "blocks": id -> ObjectRef, "loc": key -> (id, row)}}.
+
+        Shard 0 also holds each partition's field records (partition -> field ->
+        record) for all shards: a field's record belongs to the partition, not to
+        the keys one shard happens to hold, so it outlives the clearing of those keys.
         """
 
         def __init__(self) -> None:
             self._parts: dict = {}
+            self._records: dict = {}
             self._next_block = _itertools.count()
 
         def ready(self) -> int:
             return _os.getpid()
 
-        def check(self, partition_id: str, schema: dict) -> str | None:
-            part = self._parts.get(partition_id)
-            if part is None:
-                return None
-            for name, (kind, trailing, dtype) in schema.items():
-                why = incompatibility(part["columns"].get(name), name, kind, trailing, dtype, partition_id)
-                if why:
-                    return why
-            return None
+        def claim(self, partition_id: str, records: dict) -> str | None:
+            """Check a put's field records against the partition's and keep the new ones; why it is refused, or None."""
+            known = self._records.get(partition_id, {})
+            why = incompatibility(partition_id, known, records)
+            if why is None:
+                self._records[partition_id] = {**records, **known}
+            return why
 
-        def put(self, partition_id: str, keys: list, order: list, tags: list | None, columns: dict) -> tuple:
-            """Index one put; (error or None, fields every key now has, stored tags, live keys)."""
-            why = self.check(partition_id, {n: c[:3] for n, c in columns.items()})
+        def put(self, partition_id: str, keys: list, order: list, tags: list | None, columns: dict,
+                claim: bool) -> tuple:
+            """Index one put (columns: field -> (record, [ref])); (error or None, fields every key has, tags, live keys).
+
+            With `claim` (a plane of one shard) the records are checked here, in the same call.
+            """
+            why = claim and self.claim(partition_id, {n: c[0] for n, c in columns.items()})
             if why:
                 return why, [], [], 0
             part = self._parts.setdefault(partition_id, {"order": {}, "tags": {}, "columns": {}})
@@ -162,13 +152,10 @@ def _make_shard_class() -> type:
             if tags is not None:
                 for k, t in zip(keys, tags):
                     part["tags"][k] = dict(t)
-            for name, (kind, trailing, dtype, wrapped_ref) in columns.items():
+            for name, (record, wrapped_ref) in columns.items():
                 col = part["columns"].get(name)
                 if col is None:
-                    col = part["columns"][name] = {"kind": kind, "trailing": trailing, "dtype": dtype,
-                                                   "blocks": {}, "loc": {}}
-                elif col["dtype"] is None:  # first rows of a field first put with none
-                    col["trailing"], col["dtype"] = trailing, dtype
+                    col = part["columns"][name] = {**record, "blocks": {}, "loc": {}}
                 block = next(self._next_block)
                 col["blocks"][block] = wrapped_ref[0]
                 col["loc"].update((k, (block, row)) for row, k in enumerate(keys))
@@ -178,27 +165,26 @@ def _make_shard_class() -> type:
         def locate(self, partition_id: str, keys: list, fields: list) -> dict:
             """Where each (key, field) lives, or what is missing; refs go back nested, so the caller borrows them."""
             part = self._parts.get(partition_id)
-            if part is None:
-                return {"known": False, "missing_keys": list(keys), "absent": list(fields),
-                        "lacking": {}, "columns": {}}
-            cols = part["columns"]
-            out = {"known": True, "missing_keys": [k for k in keys if k not in part["order"]],
-                   "absent": [f for f in fields if f not in cols], "lacking": {}, "columns": {}}
+            order, cols = (part["order"], part["columns"]) if part else ({}, {})
+            records = self._records.get(partition_id, {})  # on shard 0: every field the partition has
+            out = {"known": part is not None, "missing_keys": [k for k in keys if k not in order],
+                   "absent": [f for f in fields if f not in cols and f not in records], "lacking": {}, "columns": {}}
             if out["missing_keys"]:
                 return out
             for name in fields:
                 col = cols.get(name)
-                lacking = list(keys) if col is None else [k for k in keys if k not in col["loc"]]
+                lacking = [k for k in keys if col is None or k not in col["loc"]]
                 if lacking:
                     out["lacking"][name] = lacking
                     continue
-                if col is None:
+                record = col or records.get(name)  # a read of no keys still learns the field's kind
+                if record is None:
                     continue
-                locs = [col["loc"][k] for k in keys]
+                locs = [col["loc"][k] for k in keys] if col else []
                 used = sorted({b for b, _ in locs})
                 slot = {b: i for i, b in enumerate(used)}
                 out["columns"][name] = {
-                    "kind": col["kind"], "trailing": col["trailing"], "dtype": col["dtype"],
+                    "kind": record["kind"], "trailing": record["trailing"], "dtype": record["dtype"],
                     "refs": [col["blocks"][b] for b in used],
                     "blocks": [slot[b] for b, _ in locs], "rows": [r for _, r in locs],
                 }
@@ -212,12 +198,13 @@ def _make_shard_class() -> type:
             return list(self._parts)
 
         def clear(self, partition_id: str, keys: list | None) -> int:
-            """Drop keys (or the partition) and the refs only they used; the live key count left."""
+            """Drop keys (or the partition, with its records) and the refs only they used; the live key count left."""
+            if keys is None:
+                self._parts.pop(partition_id, None)
+                self._records.pop(partition_id, None)
+                return 0
             part = self._parts.get(partition_id)
             if part is None:
-                return 0
-            if keys is None:
-                del self._parts[partition_id]
                 return 0
             for k in keys:
                 part["order"].pop(k, None)
@@ -242,24 +229,26 @@ _REMOTE_SHARD: Any = None
 def _remote_shard_class() -> Any:
     global _REMOTE_SHARD
     if _REMOTE_SHARD is None:
+        # The shards apply schema.py's rule; shipped by value, its functions need no conveyor (or torch) import there.
+        ray.cloudpickle.register_pickle_by_value(schema)
         _REMOTE_SHARD = ray.remote(_make_shard_class())
     return _REMOTE_SHARD
 
 
 # --------------------------------------------------------------------------- the client
-def _encode_column(kind: str, rows: Any) -> tuple[tuple | None, str | None, Any]:
-    """(trailing shape, dtype name, payload to ray.put) of one shard's rows of a column."""
+def _encode_column(kind: str, rows: Any) -> Any:
+    """The payload to ray.put of one shard's rows of a column."""
     if kind == DENSE:
-        return tuple(rows.shape[1:]), _dtype_name(rows.dtype), _to_numpy(rows)
+        return _to_numpy(rows)
     if kind == NESTED:
         if not rows:
-            return None, None, (np.zeros((0,)), np.zeros(1, dtype=np.int64))
+            return np.zeros((0,)), np.zeros(1, dtype=np.int64)
         lengths = [r.shape[0] for r in rows]
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         values = torch.cat(rows) if len(rows) > 1 else rows[0]
-        return tuple(rows[0].shape[1:]), _dtype_name(rows[0].dtype), (_to_numpy(values), offsets)
-    return None, None, [_encode_list_value(v) for v in rows]
+        return _to_numpy(values), offsets
+    return [_encode_list_value(v) for v in rows]
 
 
 def _rows_for(kind: str, rows: Any, idx: list[int], everything: bool) -> Any:
@@ -268,12 +257,6 @@ def _rows_for(kind: str, rows: Any, idx: list[int], everything: bool) -> Any:
     if kind == DENSE:
         return rows.index_select(0, torch.tensor(idx, dtype=torch.long))
     return [rows[i] for i in idx]
-
-
-def _nbytes(kind: str, rows: Any) -> int:
-    if kind == DENSE:
-        return rows.numel() * rows.element_size()
-    return sum(r.numel() * r.element_size() for r in rows if isinstance(r, torch.Tensor))
 
 
 class RayDataPlane(DataPlane):
@@ -329,67 +312,49 @@ class RayDataPlane(DataPlane):
         self._puts = itertools.count()
 
     # -- writes ---------------------------------------------------------
-    def kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None
-    ) -> KVBatchMeta:
-        """Write one row per key of every given field; returns a handle listing the fields every key now has."""
-        self._check_open()
-        keys, items = prepare_put(keys, fields, tags)
-        n = len(keys)
-        with self._timed("put"):
-            present, out_tags, live, all_shards = self._put(keys, partition_id, items, tags)
-        if self.metrics:
-            self.metrics.record_put(n, sum(_nbytes(kind, rows) for _, kind, rows in items))
-            self.metrics.set_live(partition_id, live if all_shards else self._live(partition_id))
-        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
-
-    def _put(self, keys: list[str], partition_id: str, items: list[tuple[str, str, Any]],
-             tags: Sequence[dict] | None) -> tuple[list[str], list[dict], int, bool]:
-        """(fields every key has, stored tags, live keys over the shards written, whether every shard was written)."""
+    def _put(
+        self, keys: list[str], partition_id: str, columns: list[Column], tags: Sequence[dict] | None
+    ) -> tuple[list[str], list[dict], int]:
         num = len(self._shards)
-        by_shard: dict[int, list[int]] = {} if keys else {0: []}  # an empty put still records the fields' kinds
+        by_shard: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
             by_shard.setdefault(shard_of(k, num), []).append(i)
+        records = {c.name: c.record for c in columns}
+        if num > 1:
+            # Checked (and new fields recorded) by shard 0 before any shard writes, so a refused
+            # put leaves no partial rows behind, whichever shards its keys live on.
+            why = ray.get(self._shards[0].claim.remote(partition_id, records))
+            if why:
+                raise ValueError(why)
         stamp = (time.time_ns(), self._client, next(self._puts))
-        plans = []
-        for s, idx in sorted(by_shard.items()):
-            everything = len(by_shard) == 1
-            cols = {}
-            for name, kind, rows in items:
-                trailing, dtype, payload = _encode_column(kind, _rows_for(kind, rows, idx, everything))
-                cols[name] = (kind, trailing, dtype, payload)
-            plans.append((s, idx, cols))
-        if len(plans) > 1:
-            # Several shards: refuse the whole put before any shard writes, so no partial rows are left behind.
-            checks = ray.get([self._shards[s].check.remote(partition_id, {c: v[:3] for c, v in cols.items()})
-                              for s, _, cols in plans])
-            for why in checks:
-                if why:
-                    raise ValueError(why)
+        plans = sorted(by_shard.items())
         calls = []
-        for s, idx, cols in plans:
+        for s, idx in plans:
+            everything = len(plans) == 1
             # Nested in a list, the refs reach the shard as refs (borrowed), not as fetched values.
-            indexed = {c: (kind, trailing, dtype, [ray.put(payload)])
-                       for c, (kind, trailing, dtype, payload) in cols.items()}
+            indexed = {c.name: (c.record, [ray.put(_encode_column(c.kind, _rows_for(c.kind, c.rows, idx, everything)))])
+                       for c in columns}
             calls.append(self._shards[s].put.remote(
                 partition_id, [keys[i] for i in idx], [(*stamp, i) for i in idx],
-                None if tags is None else [tags[i] for i in idx], indexed,
+                None if tags is None else [tags[i] for i in idx], indexed, num == 1,
             ))
         results = ray.get(calls)
         present: list[str] | None = None
         out_tags: list[dict] = [{} for _ in keys]
         live = 0
-        for (s, idx, _), (why, fields_here, tags_here, live_here) in zip(plans, results):
+        for (s, idx), (why, fields_here, tags_here, live_here) in zip(plans, results):
             if why:
                 raise ValueError(why)
             present = fields_here if present is None else [f for f in present if f in fields_here]
             for i, t in zip(idx, tags_here):
                 out_tags[i] = t
             live += live_here
-        return present or [], out_tags, live, len(plans) == num
+        if len(plans) < num and self.metrics:
+            live = self._live(partition_id)  # the shards not written hold keys of the partition too
+        return present or [], out_tags, live
 
     # -- reads ----------------------------------------------------------
-    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
         num = len(self._shards)
         by_shard: dict[int, list[int]] = {s: [] for s in range(num)}
         for i, k in enumerate(keys):
@@ -421,15 +386,10 @@ class RayDataPlane(DataPlane):
                         refs.append(r)
         payloads = ray.get(refs) if refs else []
         out = TensorDict(batch_size=[len(keys)])
-        nbytes = 0
         for name in select_fields:
             parts = [(by_shard[s], a["columns"][name]) for s, a in zip(shards, answers) if name in a["columns"]]
-            value = _assemble(parts, len(keys), payloads, ref_pos)
-            if isinstance(value, torch.Tensor):
-                flat = value.values() if value.is_nested else value
-                nbytes += flat.numel() * flat.element_size()
-            out.set(name, value)
-        return out, nbytes
+            out.set(name, _assemble(parts, len(keys), payloads, ref_pos))
+        return out
 
     def kv_list(self, partition_id: str) -> list[str]:
         """Keys of the partition in first-written order."""
@@ -457,6 +417,9 @@ class RayDataPlane(DataPlane):
                 by_shard.setdefault(shard_of(str(k), num), []).append(str(k))
             ray.get([self._shards[s].clear.remote(partition_id, ks) for s, ks in by_shard.items()])
             lives = [self._live(partition_id)]
+            if not lives[0]:
+                # The partition went with its last key: so do its field records (kept by shard 0).
+                ray.get(self._shards[0].clear.remote(partition_id, None))
         if self.metrics:
             self.metrics.set_live(partition_id, sum(lives))
 
@@ -481,15 +444,13 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
 
     `parts`: per shard, (positions in the read, the shard's locate answer for this column).
     """
-    kind, trailing, dtype_name = parts[0][1]["kind"], parts[0][1]["trailing"], parts[0][1]["dtype"]
-    for _, col in parts:
-        if col["dtype"] is not None and dtype_name is None:
-            trailing, dtype_name = col["trailing"], col["dtype"]
-    dtype = _dtype_of(dtype_name) if dtype_name else None
+    # Every shard holds the same record of a field (shard 0 checks each put against the partition's).
+    record = parts[0][1]
+    if n == 0:
+        return empty_column(record)
+    kind, dtype = record["kind"], dtype_of(record["dtype"])
     if kind == DENSE:
-        out = torch.empty((n, *(trailing or ())), dtype=dtype)
-        if n == 0:
-            return out
+        out = torch.empty((n, *record["trailing"]), dtype=dtype)
         for positions, col in parts:
             if not positions:
                 continue
@@ -517,9 +478,6 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
             else:
                 slots[pos] = _decode_list_value(blocks[b][r])
     if kind == NESTED:
-        if n == 0:
-            values = torch.empty((0, *(trailing or ())), dtype=dtype if dtype is not None else torch.float32)
-            return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
         # as_nested_tensor copies the rows out of the read-only buffers into one new one.
         return torch.nested.as_nested_tensor(slots, layout=torch.jagged)
-    return NonTensorStack(*slots, batch_size=[n]) if slots else NonTensorStack(batch_size=[0])
+    return NonTensorStack(*slots, batch_size=[n])

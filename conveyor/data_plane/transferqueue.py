@@ -62,8 +62,8 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.simple_storage import SimpleStorageUnit
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
-from conveyor.data_plane.base import DENSE, LIST, NESTED, DataPlane, FieldNotFoundError, prepare_put
-from conveyor.protocol import KVBatchMeta
+from conveyor.data_plane.base import DENSE, LIST, NESTED, Column, DataPlane, FieldNotFoundError, empty_column
+from conveyor.data_plane.schema import dtype_name, dtype_of, incompatibility
 
 __all__ = ["TransferQueueDataPlane", "SCHEMA_PREFIX", "NAMESPACE"]
 
@@ -125,48 +125,8 @@ def _resolve_config(tq_config: Mapping | None) -> DictConfig:
 
 
 # -- the per-partition field record -------------------------------------------
-# One entry per field: {"kind": dense|nested|list, "dtype": "float32"|None,
-# "trailing": [row shape after the batch dim]|None}. Plain strings and lists,
-# because the package sends tags through msgpack.
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_of(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
-
-
-def _spec(kind: str, rows: Any) -> dict:
-    """The field record of a column classified by `column_kind`."""
-    if kind == DENSE:
-        return {"kind": kind, "dtype": _dtype_name(rows.dtype), "trailing": list(rows.shape[1:])}
-    if kind == NESTED and rows:
-        return {"kind": kind, "dtype": _dtype_name(rows[0].dtype), "trailing": list(rows[0].shape[1:])}
-    return {"kind": kind, "dtype": None, "trailing": None}
-
-
-def _check_compatible(spec: dict | None, name: str, new: dict, partition_id: str) -> None:
-    """Refuse a put whose column differs in kind, or (tensors) in row shape or dtype, from the partition's record."""
-    if spec is None:
-        return
-    if spec["kind"] != new["kind"]:
-        raise ValueError(
-            f"field {name!r} in partition {partition_id!r} was stored as {spec['kind']}; this put gives {new['kind']}"
-        )
-    if new["kind"] == DENSE and (spec["trailing"], spec["dtype"]) != (new["trailing"], new["dtype"]):
-        raise ValueError(
-            f"field {name!r} in partition {partition_id!r} holds rows of shape {tuple(spec['trailing'])} "
-            f"and dtype {spec['dtype']}; this put gives {tuple(new['trailing'])} {new['dtype']}"
-        )
-    # The package refuses a dtype change of a ragged field only after the data is
-    # written, so check it here, before anything is sent.
-    if new["kind"] == NESTED and None not in (spec["dtype"], new["dtype"]) and spec["dtype"] != new["dtype"]:
-        raise ValueError(
-            f"field {name!r} in partition {partition_id!r} holds ragged rows of dtype {spec['dtype']}; "
-            f"this put gives {new['dtype']}"
-        )
+# One record per field (schema.py), kept as the tags of a shadow partition: plain
+# strings and lists, because the package sends tags through msgpack.
 
 
 def _foreign_spec(schema: dict) -> dict:
@@ -174,14 +134,10 @@ def _foreign_spec(schema: dict) -> dict:
     if schema.get("is_non_tensor"):
         return {"kind": "foreign", "dtype": None, "trailing": None}
     dtype = schema.get("dtype")
-    dtype_name = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
     if schema.get("is_nested"):
-        return {"kind": NESTED, "dtype": dtype_name, "trailing": None}
-    return {"kind": DENSE, "dtype": dtype_name, "trailing": None}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+        return {"kind": NESTED, "dtype": name, "trailing": None}
+    return {"kind": DENSE, "dtype": name, "trailing": None}
 
 
 # -- converting what the package returns back to what was put ---------------------
@@ -198,7 +154,7 @@ def _rows(value: Any) -> list:
 
 def _to_dense(name: str, value: Any, n: int, spec: dict) -> torch.Tensor:
     """A (n, *trailing) tensor of the recorded dtype from the package's jagged/dense/list column."""
-    dtype = _dtype_of(spec["dtype"])
+    dtype = dtype_of(spec["dtype"])
     trailing = tuple(spec["trailing"]) if spec["trailing"] is not None else None
     if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged:
         # Rows of one shape packed back to back: the buffer is the dense batch, no copy needed.
@@ -235,7 +191,7 @@ def _numel(shape: tuple) -> int:
 
 def _to_nested(name: str, value: Any, spec: dict) -> torch.Tensor:
     """A jagged nested tensor of the recorded dtype from the package's column."""
-    dtype = _dtype_of(spec["dtype"])
+    dtype = dtype_of(spec["dtype"])
     if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged:
         out = value  # the package packs rows exactly as the memory backend does
     else:
@@ -243,18 +199,6 @@ def _to_nested(name: str, value: Any, spec: dict) -> torch.Tensor:
     if dtype is not None and out.dtype != dtype:
         raise RuntimeError(f"transferqueue returned field {name!r} as {out.dtype}; it was put as {dtype}")
     return out
-
-
-def _empty_column(spec: dict) -> Any:
-    """A zero-row column of the recorded kind (a get of no keys)."""
-    dtype = _dtype_of(spec["dtype"]) or torch.float32
-    trailing = tuple(spec["trailing"] or ())
-    if spec["kind"] == DENSE:
-        return torch.empty((0, *trailing), dtype=dtype)
-    if spec["kind"] == NESTED:
-        values = torch.empty((0, *trailing), dtype=dtype)
-        return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
-    return NonTensorStack(batch_size=[0])
 
 
 class TransferQueueDataPlane(DataPlane):
@@ -583,47 +527,31 @@ class TransferQueueDataPlane(DataPlane):
         return list(listing[partition_id]) if partition_id in listing else None
 
     # -- writes ---------------------------------------------------------------
-    def kv_batch_put(
-        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None
-    ) -> KVBatchMeta:
-        """Write one row per key of every given field into the partition; returns a handle listing its fields."""
-        self._check_open()
+    def _put(
+        self, keys: list[str], partition_id: str, columns: list[Column], tags: Sequence[dict] | None
+    ) -> tuple[list[str], list[dict], int]:
         self._check_partition(partition_id)
-        keys, items = prepare_put(keys, fields, tags)
-        n = len(keys)
-        specs = {name: _spec(kind, rows) for name, kind, rows in items}
-        nbytes = 0
-        columns: dict[str, Any] = {}
-        for name, kind, rows in items:
+        records = {c.name: c.record for c in columns}
+        data: dict[str, Any] = {}
+        for name, kind, rows, _ in columns:
             if kind == DENSE:
-                columns[name] = rows
-                nbytes += _nbytes(rows)
+                data[name] = rows
             elif kind == NESTED:
-                columns[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-                nbytes += sum(_nbytes(r) for r in rows)
+                data[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
             else:
                 # Pickled, so the package neither packs tensors of mixed dtypes into
                 # one nested tensor nor turns tuples into lists on the wire.
                 blobs = [pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for v in rows]
-                columns[name] = NonTensorStack(*blobs, batch_size=[n])
-                nbytes += sum(_nbytes(r) for r in rows if isinstance(r, torch.Tensor))
-        with self._timed("put"):
-            present, out_tags, live = self._run(
-                self._put(keys, partition_id, columns, specs, tags), f"put to partition {partition_id!r}"
-            )
-        if self.metrics:
-            self.metrics.record_put(n, nbytes)
-            self.metrics.set_live(partition_id, live)
-        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=present, tags=out_tags)
+                data[name] = NonTensorStack(*blobs, batch_size=[len(keys)])
+        return self._run(self._write(keys, partition_id, data, records, tags), f"put to partition {partition_id!r}")
 
-    async def _put(self, keys: list[str], partition_id: str, columns: dict, specs: dict, tags: Sequence[dict] | None):
+    async def _write(self, keys: list[str], partition_id: str, data: dict, records: dict, tags: Sequence[dict] | None):
         client = self._client
         schema = await self._schema(partition_id)
-        for name, spec in specs.items():
-            _check_compatible(schema.get(name), name, spec, partition_id)
-        new = {name: spec for name, spec in specs.items() if name not in schema}
-        if not keys:
-            return [f for f in {**schema, **new}], [], len(await self._keys(partition_id) or [])
+        why = incompatibility(partition_id, schema, records)
+        if why:
+            raise ValueError(why)
+        new = {name: rec for name, rec in records.items() if name not in schema}
         if new:
             # Recorded before the data, so a reader never meets a field it cannot rebuild.
             await self._register(partition_id, new)
@@ -635,8 +563,8 @@ class TransferQueueDataPlane(DataPlane):
                 )
             if tags is not None:
                 meta.custom_meta = [dict(t) for t in tags]  # a put's tags replace the key's tags
-            if columns:
-                meta = await client.async_put(TensorDict(columns, batch_size=[len(keys)]), meta)
+            if data:
+                meta = await client.async_put(TensorDict(data, batch_size=[len(keys)]), meta)
             elif tags is not None:
                 await client.async_set_custom_meta(meta)
         except Exception:
@@ -650,10 +578,9 @@ class TransferQueueDataPlane(DataPlane):
         return present, [dict(t) for t in meta.custom_meta], live
 
     # -- reads ----------------------------------------------------------------
-    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> tuple[TensorDict, int]:
+    def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
         self._check_partition(partition_id)
-        out = self._run(self._fetch(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
-        return out, (_td_nbytes(out) if self.metrics else 0)
+        return self._run(self._fetch(keys, partition_id, select_fields), f"get from partition {partition_id!r}")
 
     async def _fetch(self, keys: list[str], partition_id: str, select: list[str]) -> TensorDict:
         client = self._client
@@ -667,7 +594,7 @@ class TransferQueueDataPlane(DataPlane):
                 raise FieldNotFoundError(partition_id, fields=missing)
             out = TensorDict(batch_size=[0])
             for f in select:
-                out.set(f, _empty_column(schema[f]))
+                out.set(f, empty_column(schema[f]))
             return out
         schema, meta = await asyncio.gather(
             self._schema(partition_id), client.async_kv_retrieve_meta(keys=keys, partition_id=partition_id)
@@ -785,16 +712,3 @@ def _plain(node: Any) -> Any:
     """A storage backend's config as plain dicts (objects such as ZMQ server infos kept), detached from the rest."""
     return OmegaConf.to_container(node) if isinstance(node, DictConfig) else node
 
-
-def _td_nbytes(td: TensorDict) -> int:
-    """Tensor bytes of a get's result (dense, ragged, and tensors inside list columns)."""
-    total = 0
-    for name in td.keys():
-        value = td.get(name)
-        if isinstance(value, NonTensorStack):
-            total += sum(_nbytes(v) for v in value.tolist() if isinstance(v, torch.Tensor))
-        elif value.is_nested:
-            total += _nbytes(value.values())
-        else:
-            total += _nbytes(value)
-    return total

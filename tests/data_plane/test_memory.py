@@ -18,6 +18,7 @@ from tensordict import NonTensorStack, TensorDict
 from conveyor.data_plane import BACKENDS, DataPlane, FieldNotFoundError, make_data_plane
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.protocol import KVBatchMeta
+from data_plane_tensors import assert_same_tensor, random_tensor
 
 DTYPES = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32]
 
@@ -30,24 +31,6 @@ def plane():
         yield dp
     finally:
         dp.close()
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random values of `dtype` that use its range (so a lossy cast would change them)."""
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=gen, dtype=torch.int64).to(dtype)
-
-
-def assert_same_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
-    """`got` is a dense tensor equal to `want` in dtype, shape and every value."""
-    assert isinstance(got, torch.Tensor) and not got.is_nested
-    assert got.dtype == want.dtype
-    assert got.shape == want.shape
-    assert torch.equal(got, want)
 
 
 # --------------------------------------------------------------------------- creation

@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 
 from conveyor.data_plane import DataPlane, FieldNotFoundError, make_data_plane  # noqa: E402
 from conveyor.data_plane.ray_store import RayDataPlane, shard_of  # noqa: E402
+from data_plane_tensors import assert_same_tensor, random_tensor  # noqa: E402
 
 DTYPES = [torch.bool, torch.int8, torch.int16, torch.int64, torch.float16, torch.bfloat16, torch.float32]
 
@@ -42,25 +43,6 @@ def plane(request, ray_session):
 def pid(request) -> str:
     """A partition name of this test's own."""
     return request.node.name
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random values that use the dtype's range, so a lossy conversion would change them."""
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
-    return torch.randint(low, high, shape, generator=gen, dtype=torch.int64).to(dtype)
-
-
-def assert_same_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
-    """`got` is a dense tensor equal to `want` in dtype, shape and every value."""
-    assert isinstance(got, torch.Tensor) and not got.is_nested
-    assert got.dtype == want.dtype
-    assert got.shape == want.shape
-    assert torch.equal(got, want)
 
 
 def test_make_data_plane_ray_and_sharding(plane: DataPlane) -> None:

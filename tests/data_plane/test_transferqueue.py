@@ -22,6 +22,7 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 from conveyor.data_plane import FieldNotFoundError, make_data_plane  # noqa: E402
 from conveyor.data_plane.prometheus import DataPlaneMetrics  # noqa: E402
 from conveyor.data_plane.transferqueue import NAMESPACE, SCHEMA_PREFIX, TransferQueueDataPlane  # noqa: E402
+from data_plane_tensors import random_tensor  # noqa: E402
 
 DTYPES = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32]
 
@@ -47,14 +48,7 @@ def part(plane):
 
 def values_of(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Values that use the dtype's range, so a lossy cast would change them."""
-    gen = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
-    return torch.randint(low, high, shape, generator=gen, dtype=torch.int64).to(dtype)
+    return random_tensor(shape, dtype, torch.Generator().manual_seed(seed))
 
 
 def test_dense_round_trip_keeps_dtype_shape_and_layout(plane, part) -> None:
