@@ -24,23 +24,34 @@ tokens that predict a later response token (a response's last token predicts
 nothing the loss needs). The LM head runs on the R positions that predict
 response tokens.
 
+The MoE router is the layer's own module (`block.gate`), called as the
+Hugging Face block calls it; replaying recorded routing and laying out the
+recorded ids go through `conveyor.models.moe_routing` (`MoELayer.replay`,
+`stack_routing`), the same code the hooks on the Hugging Face forward use, so
+the two forwards cannot drift apart in routing arithmetic.
+
 Supported: `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` with full attention,
-no attention dropout and no gradient checkpointing (`unsupported_reason`
-says why another model is not); everything else uses the Hugging Face
-forward. `actor_rollout_ref.model.forward_impl` chooses.
+no attention dropout, no gradient checkpointing, and MLP blocks that are
+either dense or a sparse block `moe_routing` knows (`unsupported_reason` says
+why another model is not); everything else uses the Hugging Face forward.
+`actor_rollout_ref.model.forward_impl` chooses, and `auto` logs why it falls
+back.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from conveyor.models.moe_routing import check_routed_experts, moe_info
+from conveyor.models.moe_routing import MoELayer, check_routed_experts, moe_info, moe_layers, stack_routing
 
 __all__ = ["LeanForward", "LeanDecodeState", "unsupported_reason", "resolve_forward_impl"]
+
+logger = logging.getLogger(__name__)
 
 _SUPPORTED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -59,7 +70,33 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "the model has attention dropout"
     if _checkpointing(model):
         return "gradient checkpointing is on"
+    return _layer_reason(model)
+
+
+def _layer_reason(model: nn.Module) -> str | None:
+    """Why a decoder layer of `model` is outside what `LeanForward` reproduces, or None."""
+    try:
+        moe_info(model)  # raises when the sparse layers differ in shape
+    except ValueError as err:
+        return str(err)
+    sparse = _sparse_blocks(model)
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            return f"layer {index}: q_norm and k_norm differ in eps; the lean forward applies them as one norm"
+        mlp, entry = layer.mlp, sparse.get(id(layer.mlp))
+        if entry is None:
+            # A block with a router that moe_routing does not know could not be recorded or replayed alike.
+            if hasattr(mlp, "gate") or hasattr(mlp, "experts"):
+                return f"layer {index}: {type(mlp).__name__} is not a sparse MoE block moe_routing knows"
+        elif entry[1].router is not getattr(mlp, "gate", None) or not hasattr(mlp, "experts"):
+            return f"layer {index}: {type(mlp).__name__} is not laid out as a router `gate` and `experts`"
     return None
+
+
+def _sparse_blocks(model: nn.Module) -> dict[int, tuple[int, MoELayer]]:
+    """Each sparse MoE layer of `model` with its index in the (.., L, K) routing, keyed by the id of its block."""
+    return {id(layer.block): (i, layer) for i, layer in enumerate(moe_layers(model))}
 
 
 def _checkpointing(model: nn.Module) -> bool:
@@ -82,6 +119,8 @@ def resolve_forward_impl(choice: str, model: nn.Module) -> LeanForward | None:
             f"actor_rollout_ref.model.forward_impl=lean cannot run this model: {reason}; "
             "set it to auto or hf"
         )
+    # auto: a silent fallback would hide a slower forward than the user expects.
+    logger.info("actor_rollout_ref.model.forward_impl=auto uses the Hugging Face forward: %s", reason)
     return None
 
 
@@ -177,17 +216,15 @@ class LeanForward:
         config = model.config
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        self.scale = self.head_dim**-0.5
         self.layers = list(self.inner.layers)
+        # The attention module's own head size: released Qwen3 models set head_dim apart from hidden / heads.
+        self.head_dim = int(self.layers[0].self_attn.head_dim)
+        self.scale = float(self.layers[0].self_attn.scaling)
         self.moe = moe_info(model)
-        # Sparse blocks have a router (`gate`) and `experts`; dense ones (Qwen3, or
-        # Qwen3-MoE's mlp_only_layers) are called as they are.
-        self._sparse = [hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate") for layer in self.layers]
-        for layer in self.layers:
-            attn = layer.self_attn
-            if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
-                raise ValueError("LeanForward: q_norm and k_norm differ in eps; they are applied as one norm")
+        # Per decoder layer, its sparse MoE layer (with its index in the routing), or None for a dense MLP
+        # (Qwen3, or Qwen3-MoE's mlp_only_layers and decoder_sparse_step), which is called as it is.
+        sparse = _sparse_blocks(model)
+        self._moe = [sparse.get(id(layer.mlp)) for layer in self.layers]
 
     # ------------------------------------------------------------------ pieces
     def _distinct_prompts(self, prompts: Tensor, prompt_mask: Tensor, routing_key: Tensor | None) -> _Prompts:
@@ -236,28 +273,17 @@ class LeanForward:
         """The residual stream `x` (N, H) after layer `index`'s MLP block; appends its top-k ids (N, K) to `record`."""
         layer = self.layers[index]
         h = layer.post_attention_layernorm(x)
-        if not self._sparse[index]:
+        if self._moe[index] is None:
             return x + layer.mlp(h)
-        router = layer.mlp.gate
-        logits = F.linear(h, router.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, router.top_k, dim=-1)
+        position, moe = self._moe[index]
+        # The block's own router and experts, called as the Hugging Face sparse block calls them.
+        routing = moe.router(h)
         if replay is not None:
-            # Recorded ids where known; a row with any -1 keeps the router's own choice.
-            chosen = replay[:, self._moe_index(index)]
-            ids = torch.where((chosen < 0).any(dim=-1, keepdim=True), ids, chosen)
-            weights = probs.gather(-1, ids)
-        if router.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            routing = moe.replay(routing, replay[:, position])
+        _, weights, ids = routing
         if record is not None:
             record.append(ids.detach())
-        return x + layer.mlp.experts(h, ids, weights.to(logits.dtype))
-
-    def _moe_index(self, index: int) -> int:
-        return sum(self._sparse[:index])
-
-    def _stack_routing(self, per_layer: list[Tensor]) -> Tensor:
-        return torch.stack(per_layer, dim=1).to(torch.int16)  # (N, L, K)
+        return x + moe.block.experts(h, ids, weights)
 
     # ------------------------------------------------------------------ training forward
     def response_logits(
@@ -362,7 +388,7 @@ class LeanForward:
 
         routing = None
         if per_layer is not None:
-            stacked = self._stack_routing(per_layer)
+            stacked = stack_routing(per_layer)
             top_k = stacked.shape[-1]
             num_layers = stacked.shape[1]
             prompt_part = stacked[:n_prompt].view(pr.count, plen, num_layers, top_k)[pr.inv]
@@ -441,7 +467,7 @@ class LeanForward:
             rows=torch.arange(batch, device=prompts.device), batch=batch, prompt_len=plen, record=record,
         )
         if per_layer is not None:
-            stacked = self._stack_routing(per_layer)
+            stacked = stack_routing(per_layer)
             state.routing.append(stacked.view(pr.count, plen, *stacked.shape[1:])[pr.inv])
         return logits, state
 
@@ -480,7 +506,7 @@ class LeanForward:
         if active < state.batch:
             logits = logits.new_zeros((state.batch, logits.shape[-1])).index_copy_(0, rows, logits)
         if per_layer is not None:
-            stacked = self._stack_routing(per_layer)
+            stacked = stack_routing(per_layer)
             if active < state.batch:
                 stacked = stacked.new_full((state.batch, *stacked.shape[1:]), -1).index_copy_(0, rows, stacked)
             state.routing.append(stacked[:, None])

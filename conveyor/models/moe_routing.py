@@ -16,6 +16,10 @@ The router (`block.gate`) of each sparse block returns
 from that output and replay replaces the last two entries. What differs
 between architectures (only whether the top-k weights are renormalised) sits
 in the small `_ARCHS` table keyed by the sparse block's class name.
+`moe_layers`, `MoELayer.replay` and `stack_routing` are the one
+implementation of finding the sparse layers, replaying a router's output and
+laying out recorded ids; the lean forward (`conveyor.models.lean`) calls them
+too, so both forwards replay and record alike.
 
 It deliberately does not compute load-balance metrics (that is
 `conveyor.metrics.moe_load_balance`), store routing anywhere, or support
@@ -35,7 +39,10 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "MoEInfo",
+    "MoELayer",
     "moe_info",
+    "moe_layers",
+    "stack_routing",
     "RoutingRecorder",
     "replay_routing",
     "check_routed_experts",
@@ -68,12 +75,30 @@ _ARCHS: dict[str, _Arch] = {
 
 
 @dataclass(frozen=True)
-class _MoELayer:
-    """One sparse MoE layer: its block, its router and how to renormalise."""
+class MoELayer:
+    """One sparse MoE layer: its block, its router, and how its architecture post-processes the router."""
 
     block: nn.Module
     router: nn.Module
     arch: _Arch
+
+    def replay(
+        self, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor], recorded: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's `output` (logits (N, E), weights (N, K), ids (N, K)) routed through `recorded` (N, K) ids.
+
+        A row of `recorded` holding any -1 (unknown routing) keeps the router's own choice. The router
+        has no call that weighs given ids, so this is the one place that repeats its arithmetic: a
+        float32 softmax of the logits, gathered at the ids, optionally renormalised, cast back. The
+        gather keeps the router trainable through its probabilities at the replayed ids.
+        """
+        logits, own_weights, own_ids = output
+        chosen = torch.where((recorded < 0).any(dim=-1, keepdim=True), own_ids, recorded.to(own_ids.dtype))
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
+        # Read at each call, as the router reads its own flag.
+        if self.arch.renormalize(self.router):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(own_weights.dtype), chosen
 
 
 @dataclass
@@ -85,19 +110,20 @@ class MoEInfo:
     top_k: int
 
 
-def _find_moe_layers(model: nn.Module) -> list[_MoELayer]:
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The sparse MoE layers of `model` in depth order (dense layers are skipped); empty for a dense model."""
     # `named_modules` walks registration order, which for decoder stacks is
     # depth order; dense layers (e.g. Qwen3-MoE `mlp_only_layers`) are skipped.
     layers = []
     for _, module in model.named_modules():
         arch = _ARCHS.get(type(module).__name__)
         if arch is not None:
-            layers.append(_MoELayer(module, getattr(module, arch.router_attr), arch))
+            layers.append(MoELayer(module, getattr(module, arch.router_attr), arch))
     return layers
 
 
-def _require_moe_layers(model: nn.Module) -> list[_MoELayer]:
-    layers = _find_moe_layers(model)
+def _require_moe_layers(model: nn.Module) -> list[MoELayer]:
+    layers = moe_layers(model)
     if not layers:
         raise ValueError(
             f"model {type(model).__name__} has no sparse MoE layer this module knows "
@@ -108,7 +134,7 @@ def _require_moe_layers(model: nn.Module) -> list[_MoELayer]:
 
 def moe_info(model: nn.Module) -> MoEInfo | None:
     """Routing shape of `model`, or None for a dense model."""
-    layers = _find_moe_layers(model)
+    layers = moe_layers(model)
     if not layers:
         return None
     experts = {int(layer.router.num_experts) for layer in layers}
@@ -130,6 +156,12 @@ def routed_experts_dtype(num_experts: int) -> torch.dtype:
     if num_experts <= torch.iinfo(torch.int16).max:
         return torch.int16
     raise ValueError(f"num_experts={num_experts} does not fit int16 expert ids")
+
+
+def stack_routing(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """Expert ids (N, L, K) int16 from one (N, K) tensor per MoE layer, on the first layer's device."""
+    device = per_layer[0].device
+    return torch.stack([ids.to(device) for ids in per_layer], dim=1).to(torch.int16)
 
 
 def _block_hidden(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -194,9 +226,8 @@ class RoutingRecorder:
 
     @staticmethod
     def _assemble(shape: tuple[int, int], per_layer: list[torch.Tensor]) -> torch.Tensor:
-        device = per_layer[0].device
-        stacked = torch.stack([ids.to(device) for ids in per_layer], dim=1)  # (B*S, L, K)
-        return stacked.reshape(shape[0], shape[1], len(per_layer), -1).to(torch.int16)
+        stacked = stack_routing(per_layer)  # (B*S, L, K)
+        return stacked.reshape(shape[0], shape[1], *stacked.shape[1:])
 
     def pop(self) -> torch.Tensor:
         """Routing of the most recent complete forward, (B, S, L, K) int16 on the model's device; clears all."""
@@ -254,7 +285,6 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[N
         for index, layer in enumerate(layers):
             device = layer.router.weight.device
             ids = routed_experts[:, :, index, :].reshape(batch * seq, top_k).to(device=device, dtype=torch.long)
-            fallback = (ids < 0).any(dim=-1, keepdim=True)  # (B*S, 1): unknown routing, keep the router's own
             handles.append(
                 layer.block.register_forward_pre_hook(
                     _make_shape_check(routed_experts.shape, index), with_kwargs=True
@@ -262,9 +292,7 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[N
             )
             # prepend: run before any other hook (a recorder, HF output capture) so they see the replayed routing.
             handles.append(
-                layer.router.register_forward_hook(
-                    _make_replay_hook(ids, fallback, layer.arch.renormalize(layer.router)), prepend=True
-                )
+                layer.router.register_forward_hook(_make_replay_hook(layer, ids), prepend=True)
             )
         yield
     finally:
@@ -284,17 +312,10 @@ def _make_shape_check(shape: torch.Size, index: int) -> Callable[..., None]:
     return hook
 
 
-def _make_replay_hook(ids: torch.Tensor, fallback: torch.Tensor, renormalize: bool) -> Callable[..., tuple]:
+def _make_replay_hook(layer: MoELayer, ids: torch.Tensor) -> Callable[..., tuple]:
     def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
-        logits, own_weights, own_ids = output
-        assert own_ids.shape == ids.shape, "shape check on the sparse block must have caught this"
-        chosen = torch.where(fallback, own_ids, ids)
-        # Same arithmetic as the routers: float32 softmax, gather, optional renormalisation.
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights = probs.gather(-1, chosen)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (logits, weights.to(own_weights.dtype), chosen)
+        assert output[2].shape == ids.shape, "shape check on the sparse block must have caught this"
+        return layer.replay(output, ids)
 
     return hook
 

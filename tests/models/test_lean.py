@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from conveyor.models.lean import LeanForward, _group_rows, resolve_forward_impl, unsupported_reason
-from conveyor.models.moe_routing import RoutingRecorder, moe_info, replay_routing
+from conveyor.models.moe_routing import MoELayer, RoutingRecorder, moe_info, moe_layers, replay_routing
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.rollout.hf import HFRollout
 
 LEAN_ARCHS = ["qwen3_moe", "qwen3"]
+# Shaped like released Qwen3 models, built from transformers configs here (see `_shaped_config`).
+SHAPED = ["qwen3_head_dim", "qwen3_moe_head_dim", "qwen3_moe_mlp_only_layers", "qwen3_moe_sparse_step"]
+MODELS = LEAN_ARCHS + SHAPED
+MOE_MODELS = [name for name in MODELS if "moe" in name]
 TEXTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9-9="]
 
 
@@ -20,10 +28,58 @@ def tok():
     return build_char_tokenizer()
 
 
+def _shaped_config(name: str, tok) -> PretrainedConfig:
+    """A tiny config with what released Qwen3 checkpoints have and `tiny_config` does not.
+
+    Every one has head_dim 32 with hidden 64 and 4 heads (hidden / heads = 16), as every released
+    Qwen3 sets head_dim apart from hidden / heads. The MoE ones add mixed dense and sparse layers:
+    `mlp_only_layers` (sparse, dense, sparse) and `decoder_sparse_step` 2 (dense, sparse, dense,
+    sparse, without top-k renormalisation).
+    """
+    common = dict(
+        vocab_size=len(tok), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )
+    moe = dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+    configs = {
+        "qwen3_head_dim": lambda: Qwen3Config(num_hidden_layers=2, **common),
+        "qwen3_moe_head_dim": lambda: Qwen3MoeConfig(num_hidden_layers=2, norm_topk_prob=True, **moe, **common),
+        "qwen3_moe_mlp_only_layers": lambda: Qwen3MoeConfig(
+            num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True, **moe, **common),
+        "qwen3_moe_sparse_step": lambda: Qwen3MoeConfig(
+            num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False, **moe, **common),
+    }
+    return configs[name]()
+
+
+def _build(name: str, tok) -> nn.Module:
+    # A wide init (0.3) makes the logits peaked, so greedy choices are far from ties.
+    if name in LEAN_ARCHS:
+        return build_tiny_model(name, tok, seed=0, initializer_range=0.3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(_shaped_config(name, tok))
+
+
 @pytest.fixture(scope="module")
 def models(tok):
-    # A wide init makes the logits peaked, so greedy choices are far from ties.
-    return {arch: build_tiny_model(arch, tok, seed=0, initializer_range=0.3) for arch in LEAN_ARCHS}
+    return {name: _build(name, tok) for name in MODELS}
+
+
+def test_the_shaped_models_have_the_shapes_they_are_named_for(models):
+    sparse = {name: ["Sparse" in type(layer.mlp).__name__ for layer in models[name].model.layers] for name in SHAPED}
+    assert sparse == {
+        "qwen3_head_dim": [False, False],
+        "qwen3_moe_head_dim": [True, True],
+        "qwen3_moe_mlp_only_layers": [True, False, True],
+        "qwen3_moe_sparse_step": [False, True, False, True],
+    }
+    for name in SHAPED:
+        config, attn = models[name].config, models[name].model.layers[0].self_attn
+        assert attn.head_dim == 32 != config.hidden_size // config.num_attention_heads
+        assert attn.q_proj.out_features == config.num_attention_heads * 32
+        assert unsupported_reason(models[name]) is None
 
 
 def _batch(tok, n: int = 3, order: str = "grouped", seed: int = 0):
@@ -60,7 +116,19 @@ def _loss(logits, responses, rmask):
     return -(logp * rmask).sum()
 
 
-@pytest.mark.parametrize("arch", LEAN_ARCHS)
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(grads, ref_grads, model):
+    # Every parameter: a gradient the lean forward misses or misroutes shows up here.
+    assert set(ref_grads) == {name for name, p in model.named_parameters() if p.requires_grad}
+    assert set(grads) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", MODELS)
 @pytest.mark.parametrize("order", ["grouped", "shuffled", "uneven"])
 def test_logits_and_gradients_match_the_hf_forward(models, tok, arch, order):
     model = models[arch].train()
@@ -70,19 +138,16 @@ def test_logits_and_gradients_match_the_hf_forward(models, tok, arch, order):
     model.zero_grad()
     ref = _hf_response_logits(model, prompts, pmask, responses, rmask)
     _loss(ref, responses, rmask).backward()
-    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    ref_grads = _grads(model)
 
     model.zero_grad()
     got, routing = lean.response_logits(prompts, pmask, responses, rmask)
     _loss(got, responses, rmask).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     assert got.shape == ref.shape
     assert routing is None
     torch.testing.assert_close(got[rmask], ref[rmask], rtol=1e-4, atol=1e-4)
-    assert set(grads) == set(ref_grads)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+    _assert_same_grads(_grads(model), ref_grads, model)
 
 
 def test_a_one_column_response_and_all_distinct_prompts(models, tok):
@@ -95,9 +160,10 @@ def test_a_one_column_response_and_all_distinct_prompts(models, tok):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", MOE_MODELS)
 @pytest.mark.parametrize("order", ["shuffled", "uneven"])
-def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok, order):
-    model = models["qwen3_moe"].eval()
+def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok, arch, order):
+    model = models[arch].eval()
     prompts, pmask, responses, rmask = _batch(tok, order=order)
     info = moe_info(model)
     with torch.no_grad():
@@ -114,9 +180,10 @@ def test_routing_record_matches_the_hf_forward_at_every_fed_token(models, tok, o
     assert same[fed].float().mean() > 0.99  # equal up to a near-tie flipped by float rounding
 
 
+@pytest.mark.parametrize("arch", MOE_MODELS)
 @pytest.mark.parametrize("order", ["shuffled", "uneven"])
-def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok, order):
-    model = models["qwen3_moe"].train()
+def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok, arch, order):
+    model = models[arch].train()
     prompts, pmask, responses, rmask = _batch(tok, order=order)
     info = moe_info(model)
     batch, seq = len(prompts), prompts.shape[1] + responses.shape[1]
@@ -129,7 +196,7 @@ def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok
     with replay_routing(model, routed):
         ref = _hf_response_logits(model, prompts, pmask, responses, rmask)
     _loss(ref, responses, rmask).backward()
-    ref_gate = model.model.layers[0].mlp.gate.weight.grad.clone()
+    ref_grads = _grads(model)
 
     model.zero_grad()
     got, own = LeanForward(model).response_logits(
@@ -137,9 +204,9 @@ def test_replay_matches_the_hf_replay_and_keeps_the_router_trainable(models, tok
     )
     _loss(got, responses, rmask).backward()
     torch.testing.assert_close(got[rmask], ref[rmask], rtol=1e-4, atol=1e-4)
-    gate = model.model.layers[0].mlp.gate.weight.grad
-    assert gate.abs().sum() > 0
-    torch.testing.assert_close(gate, ref_gate, rtol=1e-3, atol=1e-4)
+    _assert_same_grads(_grads(model), ref_grads, model)
+    for layer in moe_layers(model):
+        assert layer.router.weight.grad.abs().sum() > 0
     fed = own >= 0
     replayed = routed.expand_as(own) >= 0
     assert torch.equal(own[fed & replayed], routed.to(own.dtype)[fed & replayed])
@@ -153,13 +220,13 @@ def test_replay_shape_errors_say_what_is_expected(models, tok):
         LeanForward(model).response_logits(prompts, pmask, responses, rmask, routed_experts=bad)
 
 
-@pytest.mark.parametrize("arch", LEAN_ARCHS)
+@pytest.mark.parametrize("arch", MODELS)
 def test_greedy_rollout_matches_the_hf_rollout(models, tok, arch):
-    model = models[arch]
+    model = models[arch].eval()
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     ids = enc["input_ids"].repeat_interleave(3, 0)
     mask = enc["attention_mask"].repeat_interleave(3, 0)
-    kwargs = dict(max_new_tokens=5, do_sample=False, capture_routing=arch == "qwen3_moe")
+    kwargs = dict(max_new_tokens=5, do_sample=False, capture_routing=arch in MOE_MODELS)
     ref = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, **kwargs)
     got = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                     lean=LeanForward(model)).generate(ids, mask, **kwargs)
@@ -238,11 +305,13 @@ def test_group_rows_falls_back_to_sorting_rows_when_hashes_collide(monkeypatch):
     assert torch.equal(rows[rep][inv], rows)
 
 
-def test_which_models_the_lean_forward_runs(tok):
+def test_which_models_the_lean_forward_runs(tok, caplog):
     assert unsupported_reason(build_tiny_model("qwen3_moe", tok)) is None
     mixtral = build_tiny_model("mixtral", tok)
     assert "MixtralForCausalLM" in unsupported_reason(mixtral)
-    assert resolve_forward_impl("auto", mixtral) is None
+    with caplog.at_level(logging.INFO, logger="conveyor.models.lean"):
+        assert resolve_forward_impl("auto", mixtral) is None
+    _assert_logged_once(caplog, "MixtralForCausalLM")
     assert resolve_forward_impl("hf", build_tiny_model("qwen3", tok)) is None
     assert isinstance(resolve_forward_impl("auto", build_tiny_model("qwen3", tok)), LeanForward)
     with pytest.raises(ValueError, match="forward_impl=lean cannot run this model.*set it to auto or hf"):
@@ -263,3 +332,95 @@ def test_bfloat16_logits_stay_close_to_the_hf_forward(tok):
     assert got.dtype == torch.bfloat16
     # bfloat16 keeps 8 bits of mantissa: the two orders of summation differ by a few ulps.
     torch.testing.assert_close(got.float()[rmask], ref[rmask], rtol=0.05, atol=0.1)
+
+
+def _assert_logged_once(caplog, reason: str) -> None:
+    records = [r for r in caplog.records if r.name == "conveyor.models.lean"]
+    assert len(records) == 1 and records[0].levelno >= logging.INFO
+    assert "forward_impl=auto uses the Hugging Face forward" in records[0].getMessage()
+    assert reason in records[0].getMessage()
+
+
+class _UnknownSparseBlock(nn.Module):
+    """A sparse block moe_routing does not know: its routing could be neither recorded nor replayed alike."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.gate, self.experts = block.gate, block.experts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        _, weights, ids = self.gate(flat)
+        return self.experts(flat, ids, weights).view_as(hidden)
+
+
+def _with_unknown_block(model):
+    model.model.layers[1].mlp = _UnknownSparseBlock(model.model.layers[1].mlp)
+
+
+def _with_differing_qk_eps(model):
+    model.model.layers[0].self_attn.k_norm.variance_epsilon *= 10
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    (_with_unknown_block, "layer 1: _UnknownSparseBlock is not a sparse MoE block"),
+    (_with_differing_qk_eps, "layer 0: q_norm and k_norm differ in eps"),
+])
+def test_auto_falls_back_to_hf_and_logs_why_when_a_layer_is_outside_the_lean_forward(tok, caplog, change, reason):
+    model = build_tiny_model("qwen3_moe", tok)
+    change(model)
+    assert reason in unsupported_reason(model)
+    with caplog.at_level(logging.INFO, logger="conveyor.models.lean"):
+        assert resolve_forward_impl("auto", model) is None
+    _assert_logged_once(caplog, reason)
+    with pytest.raises(ValueError, match=reason):
+        resolve_forward_impl("lean", model)
+
+
+def test_the_lean_forward_routes_with_the_models_own_router_module(tok):
+    # A router whose rule differs from every stock one (the k least likely experts): a lean
+    # forward with its own copy of the routing math would diverge from the Hugging Face forward.
+    model = build_tiny_model("qwen3_moe", tok, seed=0, initializer_range=0.3).eval()
+    for layer in moe_layers(model):
+        router = layer.router
+
+        def bottom_k(hidden, router=router):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+            ids = torch.topk(-logits, router.top_k, dim=-1).indices
+            return logits, torch.softmax(logits, dim=-1).gather(-1, ids), ids
+
+        router.forward = bottom_k
+    prompts, pmask, responses, rmask = _batch(tok, order="shuffled")
+    with torch.no_grad():
+        with RoutingRecorder(model) as rec:
+            ref = _hf_response_logits(model, prompts, pmask, responses, rmask)
+            ref_routing = rec.pop()
+        got, routing = LeanForward(model).response_logits(prompts, pmask, responses, rmask, record_routing=True)
+    torch.testing.assert_close(got[rmask], ref[rmask], rtol=1e-4, atol=1e-4)
+    fed = routing >= 0
+    assert fed.any()
+    assert torch.equal(routing[fed], ref_routing[fed])
+
+
+def test_the_lean_forward_and_the_hf_hooks_replay_through_one_function(models, tok, monkeypatch):
+    model = models["qwen3_moe_mlp_only_layers"].eval()
+    calls = []
+    replay = MoELayer.replay
+
+    def counted(self, output, recorded):
+        calls.append(self.router)
+        return replay(self, output, recorded)
+
+    monkeypatch.setattr(MoELayer, "replay", counted)
+    prompts, pmask, responses, rmask = _batch(tok)
+    info = moe_info(model)
+    routed = torch.zeros(len(prompts), prompts.shape[1] + responses.shape[1], info.num_layers, info.top_k,
+                         dtype=torch.long)
+    routed[..., 1] = 1
+    routers = [layer.router for layer in moe_layers(model)]
+    with torch.no_grad():
+        with replay_routing(model, routed):
+            _hf_response_logits(model, prompts, pmask, responses, rmask)
+        assert calls == routers
+        LeanForward(model).response_logits(prompts, pmask, responses, rmask, routed_experts=routed)
+    assert calls == routers * 2
