@@ -2,9 +2,17 @@
 
 Paths follow verl's where the concept is shared (`data.train_batch_size`,
 `actor_rollout_ref.rollout.n`, `algorithm.adv_estimator`, ...), so its users
-feel at home. A config is built from defaults, then an optional YAML file, then
-dotted command-line overrides; every step validates, and every user mistake is a
-`ConfigError` (a `ValueError`) that names the key and says what to change.
+feel at home. A config is the defaults, then an optional YAML file, then dotted
+command-line overrides, merged and type-checked by OmegaConf (structured configs
+over these dataclasses, `${...}` interpolation included); each section then
+checks its values in `__post_init__`. Every user mistake is a `ConfigError` (a
+`ValueError`) of one line that names the key and says what to change.
+
+A setting that names an algorithm, a tracker or a backend is checked against
+the registry of the code that implements it (the field's `choices`), so a
+function registered with `register_adv_estimator` or `register_policy_loss`,
+e.g. in a `trainer.plugins` file, is selectable by name at once.
+
 There is deliberately no YAML copy of the defaults: `conveyor config` prints
 them from here.
 """
@@ -17,9 +25,19 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
+
+from conveyor.algos.advantages import ADV_ESTIMATORS, NEEDS_CRITIC
+from conveyor.algos.kl import KL_KINDS
+from conveyor.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from conveyor.data_plane import BACKENDS
+from conveyor.metrics.trackers import TRACKERS
+from conveyor.plugins import load_plugins
+from conveyor.tasks.dataset import TRUNCATION_MODES
 
 __all__ = [
     "Config",
@@ -36,11 +54,17 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; the message names the key and the fix."""
 
 
-def F(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at the call sites
-    """A dataclass field with its one-line documentation."""
+def F(default: Any, help: str, choices: Callable[[], Iterable[str]] | None = None) -> Any:  # noqa: A002
+    """A dataclass field with its one-line documentation and, for a name, where its valid choices live.
+
+    `choices` returns the registry (or tuple) of the code that implements the
+    choices, read when a config is checked or described, so a function
+    registered at run time (e.g. from `trainer.plugins`) is valid at once.
+    """
+    meta = {"help": help, "choices": choices}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def S(cls: type, help: str) -> Any:
@@ -51,6 +75,21 @@ def S(cls: type, help: str) -> Any:
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
+
+
+def _check_choices(section: Any, prefix: str) -> None:
+    """Every field of `section` declared with `choices` names one of them (each entry, for a list)."""
+    for f in dataclasses.fields(section):
+        choices = f.metadata.get("choices")
+        if choices is None:
+            continue
+        value = getattr(section, f.name)
+        valid = list(choices())
+        for v in value if isinstance(value, list) else [value]:
+            if v not in valid:
+                near = difflib.get_close_matches(str(v), [str(c) for c in valid], n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise ConfigError(f"{prefix}.{f.name}: unknown {v!r}{hint}; valid: {valid}")
 
 
 # Keys that existed once and were renamed: using one is an error that names the new key.
@@ -90,7 +129,8 @@ class DataConfig:
     val_batch_size: Optional[int] = F(None, "held-out prompts used per validation; null = all")
     max_prompt_length: int = F(64, "longest prompt in tokens")
     max_response_length: int = F(6, "most tokens generated per response")
-    truncation: str = F("error", "what to do with a prompt longer than max_prompt_length: error, left or right")
+    truncation: str = F("error", "what to do with a prompt longer than max_prompt_length (error, or cut at the "
+                        "left or right)", choices=lambda: TRUNCATION_MODES)
     shuffle: bool = F(True, "shuffle training prompts each epoch")
     seed: int = F(1, "seed of the prompt order and of the synthetic task")
     synthetic: SyntheticTaskConfig = S(SyntheticTaskConfig, "the built-in task")
@@ -99,7 +139,7 @@ class DataConfig:
         _check(self.train_batch_size > 0, "data.train_batch_size", "must be > 0")
         _check(self.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
         _check(self.max_response_length > 0, "data.max_response_length", "must be > 0")
-        _check(self.truncation in ("error", "left", "right"), "data.truncation", "must be one of error, left, right")
+        _check_choices(self, "data")
         _check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size", "must be > 0 or null")
 
 
@@ -184,7 +224,11 @@ class RouterReplayConfig:
 class PolicyLossConfig:
     """Which policy loss."""
 
-    loss_mode: str = F("vanilla", "policy loss from the registry (vanilla = PPO clip with dual clip)")
+    loss_mode: str = F("vanilla", "policy loss from the registry (vanilla = PPO clip with dual clip; add one with "
+                       "conveyor.algos.register_policy_loss)", choices=lambda: POLICY_LOSSES)
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "actor_rollout_ref.actor.policy_loss")
 
 
 @dataclass
@@ -200,11 +244,11 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = F(None, "lower clip range; null = clip_ratio")
     clip_ratio_high: Optional[float] = F(None, "upper clip range; null = clip_ratio")
     clip_ratio_c: float = F(3.0, "dual-clip bound for negative advantages (> 1)")
-    loss_agg_mode: str = F("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=lambda: LOSS_AGG_MODES)
     entropy_coeff: float = F(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = F(False, "add a KL(policy || reference) loss term")
     kl_loss_coef: float = F(0.001, "KL loss coefficient")
-    kl_loss_type: str = F("low_var_kl", "k1 (kl), k2 (mse), k3 (low_var_kl) or abs")
+    kl_loss_type: str = F("low_var_kl", "KL estimator of the loss term", choices=lambda: KL_KINDS)
     grad_clip: float = F(1.0, "gradient norm clip")
     policy_loss: PolicyLossConfig = S(PolicyLossConfig, "policy loss")
     router_replay: RouterReplayConfig = S(RouterReplayConfig, "MoE routing replay")
@@ -220,14 +264,9 @@ class ActorConfig:
             v = getattr(self, k)
             _check(v is None or v > 0, f"{p}.{k}", f"must be > 0, got {v}")
         _check(self.clip_ratio_c > 1, f"{p}.clip_ratio_c", f"must be > 1, got {self.clip_ratio_c}")
-        _check(self.loss_agg_mode in _AGG_MODES, f"{p}.loss_agg_mode", f"must be one of {list(_AGG_MODES)}")
-        _check(self.kl_loss_type in _KL_TYPES, f"{p}.kl_loss_type", f"must be one of {list(_KL_TYPES)}")
+        _check_choices(self, p)
         _check(self.grad_clip > 0, f"{p}.grad_clip", "must be > 0")
         _check(self.kl_loss_coef >= 0, f"{p}.kl_loss_coef", "must be >= 0")
-
-
-_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-_KL_TYPES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 
 
 @dataclass
@@ -235,6 +274,10 @@ class RefConfig:
     """The frozen reference policy (used when a KL term is on)."""
 
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per reference forward")
+
+    def __post_init__(self) -> None:
+        _check(self.log_prob_micro_batch_size_per_gpu > 0, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+               "must be > 0")
 
 
 @dataclass
@@ -246,6 +289,13 @@ class ValKwargs:
     top_k: int = F(0, "top-k sampling (0 = off)")
     n: int = F(1, "samples per held-out prompt")
     do_sample: bool = F(False, "sample instead of greedy decoding")
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout.val_kwargs"
+        _check(self.temperature >= 0, f"{p}.temperature", "must be >= 0 (0 = greedy)")
+        _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
+        _check(self.n > 0, f"{p}.n", "must be > 0")
 
 
 @dataclass
@@ -269,6 +319,7 @@ class RolloutConfig:
         _check(self.temperature > 0, f"{p}.temperature", "must be > 0 (use do_sample=false for greedy)")
         _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
+        _check(self.log_prob_micro_batch_size_per_gpu > 0, f"{p}.log_prob_micro_batch_size_per_gpu", "must be > 0")
         _check(self.moe_load_balance_metrics_interval >= 0, f"{p}.moe_load_balance_metrics_interval", "must be >= 0")
 
 
@@ -292,7 +343,7 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (lower it for big models)")
     ppo_epochs: int = F(1, "passes over the batch per step")
     cliprange_value: float = F(0.5, "value clip range")
-    loss_agg_mode: str = F("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=lambda: LOSS_AGG_MODES)
     grad_clip: float = F(1.0, "gradient norm clip")
 
     def __post_init__(self) -> None:
@@ -301,7 +352,7 @@ class CriticConfig:
         _check(self.ppo_micro_batch_size_per_gpu > 0, "critic.ppo_micro_batch_size_per_gpu", "must be > 0")
         _check(self.ppo_epochs > 0, "critic.ppo_epochs", "must be > 0")
         _check(self.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
-        _check(self.loss_agg_mode in _AGG_MODES, "critic.loss_agg_mode", f"must be one of {list(_AGG_MODES)}")
+        _check_choices(self, "critic")
 
 
 @dataclass
@@ -341,21 +392,20 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     """Advantage estimation and in-reward KL."""
 
-    adv_estimator: str = F("grpo", "gae, grpo, rloo or reinforce_plus_plus")
+    adv_estimator: str = F("grpo", "advantage estimator from the registry (add one with "
+                           "conveyor.algos.register_adv_estimator)", choices=lambda: ADV_ESTIMATORS)
     gamma: float = F(1.0, "discount")
     lam: float = F(1.0, "GAE lambda")
     norm_adv_by_std_in_grpo: bool = F(True, "GRPO: divide by the group's reward std")
     use_kl_in_reward: bool = F(False, "subtract kl_ctrl.kl_coef * KL from the token rewards")
-    kl_penalty: str = F("kl", "KL estimator for the in-reward penalty: k1 (kl), k2 (mse), k3 (low_var_kl) or abs")
+    kl_penalty: str = F("kl", "KL estimator of the in-reward penalty", choices=lambda: KL_KINDS)
     kl_ctrl: KLControlConfig = S(KLControlConfig, "in-reward KL controller")
     rollout_correction: RolloutCorrectionConfig = S(RolloutCorrectionConfig, "rollout correction")
 
     def __post_init__(self) -> None:
-        ests = ("gae", "grpo", "rloo", "reinforce_plus_plus")
-        _check(self.adv_estimator in ests, "algorithm.adv_estimator", f"must be one of {list(ests)}")
+        _check_choices(self, "algorithm")
         _check(0 <= self.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
         _check(0 <= self.lam <= 1, "algorithm.lam", "must be in [0, 1]")
-        _check(self.kl_penalty in _KL_TYPES, "algorithm.kl_penalty", f"must be one of {list(_KL_TYPES)}")
 
 
 @dataclass
@@ -397,7 +447,7 @@ class TrainerConfig:
     total_training_steps: int = F(1000, "training steps to run")
     project_name: str = F("conveyor", "tracker project")
     experiment_name: str = F("tiny-moe-grpo", "tracker run name and run directory name")
-    logger: list = F(["console", "jsonl"], "trackers: console, jsonl, tensorboard, wandb, mlflow")
+    logger: list = F(["console", "jsonl"], "trackers the metrics go to", choices=lambda: TRACKERS)
     default_local_dir: Optional[str] = F(None, "run directory; null = runs/<experiment_name> under the working directory")
     test_freq: int = F(100, "validate every N steps (and before the first; 0 = only before and after)")
     val_before_train: bool = F(True, "validate at step 0")
@@ -415,15 +465,12 @@ class TrainerConfig:
     num_cpu_workers: int = F(1, "data-parallel actor ranks when running on CPUs")
     progress_bar: bool = F(True, "show a progress bar with ETA on a terminal")
     prometheus: MetricsEndpointConfig = S(MetricsEndpointConfig, "live training metrics (and the data plane's)")
+    plugins: list = F([], "Python files or importable modules loaded before the config is checked and in every "
+                          "worker: register advantage estimators, policy losses or reward functions there")
 
     def __post_init__(self) -> None:
-        from_loggers = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
         _check(self.total_training_steps > 0, "trainer.total_training_steps", "must be > 0")
-        bad = [x for x in self.logger if x not in from_loggers]
-        if bad:
-            near = difflib.get_close_matches(str(bad[0]), from_loggers, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"trainer.logger: unknown logger {bad[0]!r}{hint}; valid: {list(from_loggers)}")
+        _check_choices(self, "trainer")
         for k in ("test_freq", "save_freq", "dump_freq", "dump_num"):
             _check(getattr(self, k) >= 0, f"trainer.{k}", "must be >= 0")
         _check(self.max_ckpt_to_keep is None or self.max_ckpt_to_keep > 0, "trainer.max_ckpt_to_keep", "must be > 0 or null")
@@ -442,15 +489,15 @@ class TrainerConfig:
 class TransferQueueConfig:
     """The data plane."""
 
-    backend: str = F("memory", "memory (embedded), ray, or transferqueue")
+    backend: str = F("memory", "data-plane backend (memory is embedded in the trainer's process)",
+                     choices=lambda: BACKENDS)
     num_storage_actors: int = F(1, "ray backend: storage actors")
     storage_actor_cpus: float = F(0.05, "ray backend: logical CPUs each storage actor reserves")
     transferqueue: dict = F({}, "transferqueue backend: passed through to the transferqueue package")
     metrics: MetricsEndpointConfig = S(MetricsEndpointConfig, "Prometheus metrics of the data plane")
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("memory", "ray", "transferqueue"), "transfer_queue.backend",
-               "must be memory, ray or transferqueue")
+        _check_choices(self, "transfer_queue")
         _check(self.num_storage_actors > 0, "transfer_queue.num_storage_actors", "must be > 0")
         _check(self.storage_actor_cpus >= 0, "transfer_queue.storage_actor_cpus", "must be >= 0")
         self.metrics._validate("transfer_queue.metrics")
@@ -498,7 +545,7 @@ class Config:
         """Whether a value model runs (explicit, or because the estimator needs values)."""
         if self.critic.enable is not None:
             return self.critic.enable
-        return self.algorithm.adv_estimator == "gae"
+        return self.algorithm.adv_estimator in NEEDS_CRITIC
 
     @property
     def bypass_old_log_prob(self) -> bool:
@@ -525,6 +572,10 @@ class Config:
 
 
 # --------------------------------------------------------------------------- building
+# OmegaConf does the loading: YAML, dotted overrides, merging, type checks and
+# `${...}` interpolation (`${data.max_prompt_length}`, `${oc.env:VAR}`), as verl
+# users write them. What is ours: the one-line errors with "did you mean", the
+# removed keys, and `trainer.plugins` loaded before the choices are checked.
 def _all_paths(cls: type, prefix: str = "") -> list[str]:
     out = []
     for f in dataclasses.fields(cls):
@@ -543,6 +594,16 @@ def _hints(cls: type) -> dict[str, Any]:
 def _section_type(cls: type, name: str) -> type | None:
     t = _hints(cls)[name]
     return t if dataclasses.is_dataclass(t) else None
+
+
+def _field_type(path: str) -> Any:
+    """The declared type of a dotted key (None when there is no such key)."""
+    t: Any = Config
+    for part in path.split("."):
+        if not dataclasses.is_dataclass(t) or part not in _hints(t):
+            return None
+        t = _hints(t)[part]
+    return t
 
 
 def _nearest(path: str) -> str:
@@ -580,90 +641,120 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _coerce(value: Any, t: Any, path: str) -> Any:
-    """Check (and where lossless, convert) a value to the field's type."""
-    origin = typing.get_origin(t)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        if value is None:
-            return None
-        try:
-            return _coerce(value, args[0], path)
-        except ConfigError:  # say that null is allowed too
-            raise ConfigError(f"{path}: expected {_type_name(t)}, got {type(value).__name__} {value!r}") from None
-    if value is None:
-        raise ConfigError(f"{path}: expected {_type_name(t)}, got null")
-    if t is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-    elif t is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif t is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-6" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif t is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-    elif t is list or origin is list:
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        if isinstance(value, str):  # trainer.logger=console is a one-item list
-            return [v.strip() for v in value.split(",") if v.strip()]
-    elif t is dict or origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    else:
-        return value
-    raise ConfigError(f"{path}: expected {_type_name(t)}, got {type(value).__name__} {value!r}")
+def _lookup(data: Any, path: str) -> Any:
+    """The raw value at a dotted path of nested dicts (KeyError when absent)."""
+    node = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(path)
+        node = node[part]
+    return node
 
 
-def _check_removed(data: Any, prefix: str = "") -> None:
+def _prepare(data: Any, cls: Any, prefix: str) -> Any:
+    """Refuse removed keys and values given for sections; a section given null is its defaults.
+
+    A list key given one bare string (`trainer.logger=console`) takes it as a
+    comma-separated list, as verl's trackers do.
+    """
     if not isinstance(data, dict):
-        return
-    for k, v in data.items():
-        if k in REMOVED_KEYS:
-            raise ConfigError(f"{prefix}{k}: {REMOVED_KEYS[k]}")
-        _check_removed(v, f"{prefix}{k}.")
-
-
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {type(data).__name__}")
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
+        return data
+    out = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(_unknown_key_message(path))
-        t = hints[key]
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{path}: {REMOVED_KEYS[key]}")
+        t = _hints(cls).get(key) if dataclasses.is_dataclass(cls) else None
         if dataclasses.is_dataclass(t):
-            kwargs[key] = _build(t, value if value is not None else {}, path + ".")
-        elif t is dict and isinstance(value, dict):
-            kwargs[key] = dict(value)  # pass-through sections take any keys
-        else:
-            kwargs[key] = _coerce(value, t, path)
+            if value is None:
+                value = {}
+            elif not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a mapping of keys, got {type(value).__name__} {value!r}")
+        elif (t is list or typing.get_origin(t) is list) and isinstance(value, str) and "${" not in value:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        out[key] = _prepare(value, t, path + ".")
+    return out
+
+
+def _translate(err: OmegaConfBaseException, sources: list[dict]) -> ConfigError:
+    """One line naming the key for an OmegaConf error (unknown key, wrong type, failed interpolation)."""
+    key = getattr(err, "full_key", None) or ""
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, InterpolationResolutionError):
+        # "KeyError raised while resolving interpolation: \"...\"" -> the quoted reason alone.
+        reason = first.split("while resolving interpolation: ", 1)[-1].strip().strip('"')
+        return ConfigError(f"{key}: cannot resolve its interpolation: {reason}")
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(_unknown_key_message(key))
+    if isinstance(err, ValidationError) and key:
+        t = _field_type(key)
+        for data in reversed(sources):  # the last source given wins, as in the merge
+            try:
+                value = _lookup(data, key)
+            except KeyError:
+                continue
+            got = "null" if value is None else f"{type(value).__name__} {value!r}"
+            return ConfigError(f"{key}: expected {_type_name(t)}, got {got}")
+    return ConfigError(f"{key or 'config'}: {first}")
+
+
+def _parse_dotlist(overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.total_training_steps=10)")
+        key = item.split("=", 1)[0].strip().lstrip("+")
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key")
+    # Hydra's "+key=value" (add a key) means the same as "key=value" here.
+    items = [item.strip().lstrip("+") for item in overrides]
     try:
-        return cls(**kwargs)
-    except TypeError as err:  # pragma: no cover - names were checked above
-        raise ConfigError(f"{prefix.rstrip('.')}: {err}") from err
+        return OmegaConf.to_container(OmegaConf.from_dotlist(items), resolve=False)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"overrides {overrides}: {str(err).splitlines()[0]}") from err
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn `a.b.c=value` strings into a nested dict (values parsed by OmegaConf: numbers, bools, lists)."""
+    return _parse_dotlist(list(overrides))
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        # One line, as every config error is: where, then what.
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {what}") from err
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+    return OmegaConf.to_container(loaded, resolve=False)
+
+
+def _build(sources: list[dict]) -> Config:
+    """Merge `sources` over the defaults, load the plugins they name, then resolve and check everything."""
+    sources = [_prepare(data, Config, "") for data in sources]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), *sources)
+        # Plugins register the estimators, losses and reward functions the config may name.
+        load_plugins(list(OmegaConf.select(merged, "trainer.plugins")))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _translate(err, sources) from err
+
+
+def load_config(config_file: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then a YAML file, then dotted overrides; interpolations resolved; validated."""
+    data = _read_yaml(Path(config_file)) if config_file is not None else {}
+    return _build([data, _parse_dotlist(list(overrides or []))])
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build a validated Config from nested dicts (e.g. a saved config.yaml)."""
+    return _build([data])
 
 
 def config_to_dict(cfg: Any) -> dict:
@@ -671,71 +762,8 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _deep_merge(base: dict, upd: dict) -> dict:
-    out = dict(base)
-    for k, v in upd.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_overrides(overrides: list[str]) -> dict:
-    """Turn `a.b.c=value` strings into a nested dict (values parsed as YAML: numbers, bools, lists)."""
-    out: dict = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.total_training_steps=10)")
-        key, raw = item.split("=", 1)
-        key = key.strip().lstrip("+")
-        if not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} has an empty key")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} sets a key below {part!r}, which is a value")
-        node[parts[-1]] = value
-    return out
-
-
-def load_config(config_file: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then a YAML file, then dotted overrides; validated."""
-    data: dict = {}
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            # One line, as every config error is: where, then what.
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            what = getattr(err, "problem", None) or " ".join(str(err).split())
-            raise ConfigError(f"--config {path}: not valid YAML{where}: {what}") from err
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
-        data = loaded
-    data = _deep_merge(data, parse_overrides(overrides or []))
-    _check_removed(data)
-    return _build(Config, data, "")
-
-
-def config_from_dict(data: dict) -> Config:
-    """Build a validated Config from nested dicts (e.g. a saved config.yaml)."""
-    _check_removed(data)
-    return _build(Config, data, "")
-
-
 def config_to_yaml(cfg: Config, with_help: bool = False) -> str:
-    """The resolved config as YAML; with_help adds each field's documentation as a comment."""
+    """The resolved config as YAML; with_help adds each field's documentation (and valid choices) as a comment."""
     if not with_help:
         return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
     lines: list[str] = []
@@ -748,6 +776,9 @@ def _yaml_with_help(obj: Any, indent: int, lines: list[str]) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         help_ = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            help_ += f" (one of: {', '.join(map(str, choices()))})"
         if dataclasses.is_dataclass(value):
             lines.append(f"{pad}{f.name}:  # {help_}")
             _yaml_with_help(value, indent + 1, lines)

@@ -103,6 +103,11 @@ def test_values_are_parsed(tmp_path: Path) -> None:
     assert cfg.trainer.experiment_name == "42"
 
 
+def test_bool_keys_read_zero_and_one_as_omegaconf_does() -> None:
+    assert load_config(None, ["data.shuffle=0"]).data.shuffle is False
+    assert load_config(None, ["data.shuffle=1"]).data.shuffle is True
+
+
 def test_single_item_list_and_yaml_exponent(tmp_path: Path) -> None:
     assert load_config(None, ["trainer.logger=console"]).trainer.logger == ["console"]
     # PyYAML reads 1e-5 (no dot) as a string; the float field still gets a float
@@ -166,7 +171,7 @@ def test_unknown_key_in_a_file(tmp_path: Path) -> None:
         ("trainer.total_training_steps=abc", "trainer.total_training_steps", "int"),
         ("data.max_prompt_length=1.5", "data.max_prompt_length", "int"),
         ("data.shuffle=maybe", "data.shuffle", "bool"),
-        ("data.shuffle=1", "data.shuffle", "bool"),
+        ("data.shuffle=[true]", "data.shuffle", "bool"),
         ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr", "float"),
         ("trainer.logger=5", "trainer.logger", "list"),
         ("trainer.total_training_steps=true", "trainer.total_training_steps", "int"),
@@ -337,3 +342,129 @@ def test_every_section_has_a_docstring() -> None:
     sections = {Config} | {hints[f.name] for f in dataclasses.fields(Config)}
     for cls in sections:
         assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), cls.__name__
+
+
+# --------------------------------------------------------------------------- interpolation, registries, plugins
+VERL_STYLE = """
+data:
+  max_prompt_length: 48
+  max_response_length: 8
+  train_batch_size: 16
+actor_rollout_ref:
+  actor:
+    ppo_mini_batch_size: ${data.train_batch_size}
+    ppo_micro_batch_size_per_gpu: ${oc.env:CONVEYOR_TEST_MICRO,64}
+  rollout:
+    log_prob_micro_batch_size_per_gpu: ${actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu}
+trainer:
+  experiment_name: run-${data.max_prompt_length}-${oc.env:CONVEYOR_TEST_TAG}
+  default_local_dir: /tmp/ckpts/${trainer.experiment_name}
+"""
+
+
+def test_verl_style_yaml_with_interpolations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_TEST_TAG", "a1")
+    monkeypatch.setenv("CONVEYOR_TEST_MICRO", "12")
+    cfg = load_config(write_yaml(tmp_path, VERL_STYLE), ["data.train_batch_size=8"])
+    # Interpolations resolve after the overrides are merged: they follow the override.
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 8
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 12
+    assert isinstance(cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, int)
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 12
+    assert cfg.trainer.experiment_name == "run-48-a1"
+    assert cfg.trainer.default_local_dir == "/tmp/ckpts/run-48-a1"
+    # The printed config is resolved: it loads back to the same config without the environment.
+    monkeypatch.delenv("CONVEYOR_TEST_TAG")
+    assert load_config(write_yaml(tmp_path, config_to_yaml(cfg), "resolved.yaml")) == cfg
+
+
+def test_interpolation_errors_name_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_TEST_TAG", raising=False)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.experiment_name=${oc.env:CONVEYOR_TEST_TAG}"])
+    assert str(info.value).startswith("trainer.experiment_name: cannot resolve")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.max_prompt_length=${data.no_such_key}"])
+    assert str(info.value).startswith("data.max_prompt_length: ")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.max_prompt_length=${trainer.experiment_name}"])
+    assert str(info.value).startswith("data.max_prompt_length: ")
+
+
+def test_choices_come_from_the_registries() -> None:
+    from conveyor.algos.advantages import ADV_ESTIMATORS, NEEDS_CRITIC
+    from conveyor.algos.kl import KL_KINDS
+    from conveyor.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
+    from conveyor.data_plane import BACKENDS
+    from conveyor.metrics.trackers import VALID_LOGGERS
+    from conveyor.tasks.dataset import TRUNCATION_MODES
+
+    for name in ADV_ESTIMATORS:
+        assert load_config(None, [f"algorithm.adv_estimator={name}"]).use_critic == (name in NEEDS_CRITIC)
+    for name in POLICY_LOSSES:
+        load_config(None, [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"])
+    for name in LOSS_AGG_MODES:
+        load_config(None, [f"actor_rollout_ref.actor.loss_agg_mode={name}", f"critic.loss_agg_mode={name}"])
+    for name in KL_KINDS:
+        load_config(None, [f"actor_rollout_ref.actor.kl_loss_type={name}", f"algorithm.kl_penalty={name}"])
+    for name in VALID_LOGGERS:
+        load_config(None, [f"trainer.logger=[{name}]"])
+    for name in BACKENDS:
+        load_config(None, [f"transfer_queue.backend={name}"])
+    for name in TRUNCATION_MODES:
+        load_config(None, [f"data.truncation={name}"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: unknown 'vanila' "
+                                          r"\(did you mean 'vanilla'\?\)"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=vanila"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=-1",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+        ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p=0", "actor_rollout_ref.rollout.val_kwargs.top_p"),
+        ("actor_rollout_ref.rollout.val_kwargs.temperature=-1", "actor_rollout_ref.rollout.val_kwargs.temperature"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_k=-1", "actor_rollout_ref.rollout.val_kwargs.top_k"),
+    ],
+)
+def test_keys_checked_when_built(override: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(f"{key}: ")
+
+
+PLUGIN = '''
+import torch
+from conveyor.algos.advantages import register_adv_estimator, compute_grpo_advantage
+
+
+@register_adv_estimator("{name}")
+def my_estimator(token_level_rewards, response_mask, **kwargs):
+    """GRPO without the std, under a new name."""
+    kwargs["norm_adv_by_std"] = False
+    return compute_grpo_advantage(token_level_rewards, response_mask, **kwargs)
+'''
+
+
+def test_plugin_registers_a_selectable_estimator(tmp_path: Path) -> None:
+    plugin = tmp_path / "my_algos.py"
+    plugin.write_text(PLUGIN.format(name="config_test_estimator"))
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown 'config_test_estimator'"):
+        load_config(None, ["algorithm.adv_estimator=config_test_estimator"])
+    cfg = load_config(None, [f"trainer.plugins=[{plugin}]", "algorithm.adv_estimator=config_test_estimator"])
+    assert cfg.algorithm.adv_estimator == "config_test_estimator" and cfg.use_critic is False
+    # Loaded once per process: a second load does not re-register (which would clash).
+    load_config(None, [f"trainer.plugins=[{plugin}]"])
+    assert "config_test_estimator" in config_to_yaml(cfg, with_help=True)
+
+
+def test_bad_plugin_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="trainer.plugins: no such file"):
+        load_config(None, [f"trainer.plugins=[{tmp_path / 'missing.py'}]"])
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ValueError, match="trainer.plugins: importing .* failed: RuntimeError: boom"):
+        load_config(None, [f"trainer.plugins=[{broken}]"])

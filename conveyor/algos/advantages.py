@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from conveyor.registry import registrar
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -47,16 +49,19 @@ __all__ = [
 AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
-NEEDS_CRITIC: set[str] = {"gae"}
+# Estimators that read ``values``: choosing one turns the critic on (``Config.use_critic``).
+NEEDS_CRITIC: set[str] = set()
 
 
-def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
-    """Decorator registering ``fn`` as the advantage estimator called ``name``."""
+def register_adv_estimator(name: str, *, needs_critic: bool = False) -> Callable[[AdvEstimator], AdvEstimator]:
+    """Decorator registering ``fn`` as the advantage estimator called ``name`` (``needs_critic``: it reads values)."""
+
+    register = registrar(ADV_ESTIMATORS, name, "advantage estimator")
 
     def decorator(fn: AdvEstimator) -> AdvEstimator:
-        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
+        register(fn)
+        if needs_critic:
+            NEEDS_CRITIC.add(name)
         return fn
 
     return decorator
@@ -200,7 +205,7 @@ def _group_stats(
 # --------------------------------------------------------------------------- estimators
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs_critic=True)
 def compute_gae_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

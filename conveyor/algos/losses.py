@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from conveyor.algos.advantages import masked_mean
+from conveyor.registry import registrar
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +93,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator registering ``fn`` as the policy loss called ``name``."""
 
-    def decorator(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
+    return registrar(POLICY_LOSSES, name, "policy loss")
 
 
 def get_policy_loss(name: str) -> PolicyLoss:

@@ -1,6 +1,6 @@
 """Experiment tracking: one `Tracking` sends each step's metrics to the chosen backends.
 
-Backends (`VALID_LOGGERS`): `console` (one compact aligned line per step and a
+Backends (the `TRACKERS` registry; `register_tracker` adds one): `console` (one compact aligned line per step and a
 grouped table of everything every few steps), `jsonl` (`run_dir/metrics.jsonl`,
 the file `conveyor plot` reads), `tensorboard`, `wandb` and `mlflow`. The
 optional libraries are imported only when their backend is chosen, so a run
@@ -25,12 +25,17 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, TextIO
+from typing import Any, Callable, Iterable, Mapping, Protocol, TextIO
+
+from conveyor.registry import registrar
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "VALID_LOGGERS",
+    "TRACKERS",
+    "TrackerContext",
+    "register_tracker",
     "CONSOLE_COLUMNS",
     "Tracking",
     "ConsoleTracker",
@@ -43,8 +48,6 @@ __all__ = [
     "flatten_config",
     "mlflow_safe_name",
 ]
-
-VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 # The module each optional backend needs, and the pyproject extra that brings it.
 _OPTIONAL_MODULES = {
@@ -467,6 +470,40 @@ class MlflowTracker:
             self._client = None
 
 
+# --------------------------------------------------------------------------- registry
+@dataclasses.dataclass(frozen=True)
+class TrackerContext:
+    """What a tracker factory may use: where the run writes, its names and config, the console stream."""
+
+    run_dir: Path
+    project: str
+    experiment: str
+    config: dict[str, Any]
+    stream: TextIO | None
+    table_every: int
+
+
+TrackerFactory = Callable[[TrackerContext], Any]
+
+# `trainer.logger` is checked against this registry: a tracker registered here is selectable by name.
+TRACKERS: dict[str, TrackerFactory] = {
+    "console": lambda c: ConsoleTracker(stream=c.stream, table_every=c.table_every),
+    "jsonl": lambda c: JsonlTracker(c.run_dir / "metrics.jsonl"),
+    "tensorboard": lambda c: TensorBoardTracker(c.run_dir / "tensorboard"),
+    "wandb": lambda c: WandbTracker(c.project, c.experiment, c.run_dir, c.config),
+    "mlflow": lambda c: MlflowTracker(c.project, c.experiment, c.run_dir, c.config),
+}
+
+# The built-in names, for messages and docs (the registry above is what is checked).
+VALID_LOGGERS = tuple(TRACKERS)
+
+
+def register_tracker(name: str) -> Callable[[TrackerFactory], TrackerFactory]:
+    """Decorator registering `factory(TrackerContext) -> tracker` (with `log(metrics, step)`, `close(failed)`) as `name`."""
+
+    return registrar(TRACKERS, name, "tracker")
+
+
 # --------------------------------------------------------------------------- fan-out
 
 
@@ -478,10 +515,10 @@ def _normalise_loggers(loggers: Iterable[str] | str) -> list[str]:
         if not isinstance(name, str):
             raise ValueError(f"trainer.logger entries must be strings, got {name!r}")
         key = name.strip().lower()
-        if key not in VALID_LOGGERS:
-            near = difflib.get_close_matches(key, VALID_LOGGERS, n=1)
+        if key not in TRACKERS:
+            near = difflib.get_close_matches(key, list(TRACKERS), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"trainer.logger has unknown logger {name!r}; valid: {', '.join(VALID_LOGGERS)}{hint}")
+            raise ValueError(f"trainer.logger has unknown logger {name!r}; valid: {', '.join(TRACKERS)}{hint}")
         if key not in names:
             names.append(key)
     return names
@@ -514,18 +551,10 @@ class Tracking:
         plain = _plain_config(config)
         self._backends: dict[str, _Backend] = {}
         self._closed = False
+        context = TrackerContext(self.run_dir, project, experiment, plain, stream, console_table_every)
         try:
             for name in self.loggers:
-                if name == "console":
-                    self._backends[name] = ConsoleTracker(stream=stream, table_every=console_table_every)
-                elif name == "jsonl":
-                    self._backends[name] = JsonlTracker(self.run_dir / "metrics.jsonl")
-                elif name == "tensorboard":
-                    self._backends[name] = TensorBoardTracker(self.run_dir / "tensorboard")
-                elif name == "wandb":
-                    self._backends[name] = WandbTracker(project, experiment, self.run_dir, plain)
-                elif name == "mlflow":
-                    self._backends[name] = MlflowTracker(project, experiment, self.run_dir, plain)
+                self._backends[name] = TRACKERS[name](context)
         except BaseException:
             self._close(failed=True)
             raise

@@ -24,15 +24,16 @@ TRUNCATION_MODES: tuple[str, ...] = ("error", "left", "right")
 
 
 class PromptDataset:
-    """A deterministic, resumable, endlessly cycling shuffled iterator over prompt records."""
+    """A deterministic, resumable, endlessly cycling iterator over prompt records (shuffled each epoch unless told not)."""
 
-    def __init__(self, records: Sequence[dict], *, seed: int) -> None:
+    def __init__(self, records: Sequence[dict], *, seed: int, shuffle: bool = True) -> None:
         self._records = list(records)
         if not self._records:
             raise ValueError("records is empty; a PromptDataset needs at least one prompt record")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self._seed = seed
+        self._shuffle = bool(shuffle)
         self._epoch = 0
         self._position = 0
         self._order = self._epoch_order(0)
@@ -53,7 +54,8 @@ class PromptDataset:
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self._records)))
-        random.Random(self._seed + epoch).shuffle(order)
+        if self._shuffle:
+            random.Random(self._seed + epoch).shuffle(order)
         return order
 
     def next_batch(self, batch_size: int) -> list[dict]:

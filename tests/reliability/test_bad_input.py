@@ -68,7 +68,7 @@ CONFIG_CASES = {
                      "actor_rollout_ref.rollout.moe_load_balance_metrics_interval")),
     "negative_moe_interval": (["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=-1"],
                               ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", ">= 0")),
-    "unknown_truncation": (["data.truncation=middle"], ("data.truncation", "error, left, right")),
+    "unknown_truncation": (["data.truncation=middle"], ("data.truncation", "'error', 'left', 'right'")),
     "unknown_logger": (["trainer.logger=[foo]"], ("trainer.logger", "'foo'")),
     "misspelled_logger": (["trainer.logger=[consol]"], ("trainer.logger", "did you mean 'console'")),
     "override_without_equals": (["trainer.total_training_steps"], ("key=value",)),
@@ -344,7 +344,8 @@ def test_non_finite_rewards_reaching_the_trainer_name_the_step_and_field(rel, ba
     """The trainer's own check, behind the reward worker's: whatever wrote rm_scores, inf/NaN stops the step."""
     from conveyor.config import load_config
     from conveyor.trainer.ppo import NonFiniteError, PPOTrainer
-    from conveyor.trainer.setup import build_worker_groups, load_prompt_records
+    from conveyor.trainer.setup import load_prompt_records
+    from conveyor.workers.roles import build_worker_groups
 
     cfg = load_config(None, rel.BASE_RUN + [f"actor_rollout_ref.model.path={base_model}",
                                             f"trainer.default_local_dir={tmp_path}"])
