@@ -1,4 +1,4 @@
-"""Pure RL math: advantage estimators, losses, KL terms, rollout correction, log-probs.
+"""Pure RL math: advantage estimators, losses, the actor objective, KL terms, rollout correction, log-probs.
 
 Every function here takes tensors and plain scalars and returns tensors (or
 floats for metrics). Nothing here reads a config object, touches the data
@@ -36,6 +36,7 @@ from conveyor.algos.losses import (
     get_policy_loss,
     register_policy_loss,
 )
+from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -54,6 +55,8 @@ __all__ = [
     "compute_entropy_loss",
     "get_policy_loss",
     "register_policy_loss",
+    "compute_policy_objective",
+    "merge_objective_metrics",
     "kl_penalty",
     "FixedKLController",
     "AdaptiveKLController",

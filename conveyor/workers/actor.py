@@ -20,10 +20,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from conveyor.algos.kl import kl_penalty
 from conveyor.algos.logprob import logprobs_and_entropy
-from conveyor.algos.losses import agg_loss, get_policy_loss
-from conveyor.algos.correction import compute_rollout_is_weights
+from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
@@ -33,11 +31,12 @@ from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreeme
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.hf import HFRollout
 from conveyor.workers import dist
+from conveyor.workers.optim import build_optimizer, total_optim_steps
 from conveyor.workers.perf import result_handle
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PolicyWorker", "sequence_inputs", "lr_factor"]
+__all__ = ["PolicyWorker", "sequence_inputs"]
 
 
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,17 +45,6 @@ def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.T
     attention_mask = torch.cat([td["prompt_mask"].long(), td["response_mask"].long()], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
-
-
-def lr_factor(step: int, warmup: int, total: int, scheduler: str, min_ratio: float) -> float:
-    """Learning-rate multiplier at optimizer-schedule step `step` (0-based): linear warm-up then constant or cosine."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if scheduler == "cosine":
-        span = max(1, total - warmup)
-        progress = min(1.0, (step - warmup) / span)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0
 
 
 class PolicyWorker:
@@ -88,17 +76,21 @@ class PolicyWorker:
         if role == "ref":
             self.model.requires_grad_(False)
             self.model.eval()
-            self.optimizer = None
+            self.optimizer = self.scheduler = None
         else:
-            optim = arr.actor.optim
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-            )
+            # The worker counts its own steps: the schedule must not depend on what a caller passes.
+            total = total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
+                                      arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs)
+            self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), arr.actor.optim, total)
             self.rollout = HFRollout(
                 self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                 lean=self.lean,
             )
-        self.optim_steps = 0  # optimizer steps taken, drives the lr schedule
+
+    @property
+    def optim_steps(self) -> int:
+        """Update calls so far (the lr schedule's position); 0 for the reference."""
+        return self.scheduler.last_epoch if self.scheduler is not None else 0
 
     # ------------------------------------------------------------------ helpers
     def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
@@ -246,107 +238,88 @@ class PolicyWorker:
         """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""
         assert self.role == "actor", "the reference policy is never updated"
         acfg = self.cfg.actor_rollout_ref.actor
-        algo = self.cfg.algorithm
+        correction = self.cfg.algorithm.rollout_correction
         info = meta.extra_info
         temperature = float(info.get("temperature", 1.0))
-        use_is = algo.rollout_correction.rollout_is is not None
+        # Without an old-log-prob forward (bypass mode) the update's forward is where entropy gets reported.
+        report_entropy = bool(info.get("calculate_entropy", False))
         replay_on = acfg.router_replay.mode == "R3" and self.moe is not None
         fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
         if acfg.use_kl_loss:
             fields.append("ref_log_prob")
-        if use_is:
+        if correction.rollout_is is not None:
             fields.append("rollout_log_probs")
         if replay_on:
             fields.append("routed_experts")
         td = self._get(meta, fields)
-        mask = td["response_mask"].bool()
 
         # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
-        counts = torch.tensor([float(mask.sum()), float(len(td))], dtype=torch.float64)
+        counts = torch.tensor([float(td["response_mask"].sum()), float(len(td))], dtype=torch.float64)
         dist.all_reduce_sum(counts, self.world_size)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
-
-        factor = lr_factor(self.optim_steps, acfg.optim.lr_warmup_steps, int(info.get("total_optim_steps", 1)),
-                           acfg.optim.lr_scheduler, acfg.optim.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = acfg.optim.lr * factor
-        policy_loss_fn = get_policy_loss(acfg.policy_loss.loss_mode)
-        low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
-        high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-
-        def add(name: str, value: float) -> None:
-            sums[name] = sums.get(name, 0.0) + float(value)
-
         for sl in self._micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu):
             mb = td[sl]
-            mmask = mb["response_mask"].bool()
-            ntok = float(mmask.sum())
             routed = mb["routed_experts"].long() if replay_on else None
-            report_entropy = bool(info.get("calculate_entropy", False))
             log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed)
-            is_weights = None
-            if use_is:
-                is_weights, _ = compute_rollout_is_weights(
-                    mb["old_log_probs"], mb["rollout_log_probs"], mmask,
-                    level=algo.rollout_correction.rollout_is, threshold=algo.rollout_correction.rollout_is_threshold,
-                )
-            pg_loss, pg_m = policy_loss_fn(
-                mb["old_log_probs"], log_prob, mb["advantages"], mmask,
-                clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=acfg.clip_ratio_c,
-                loss_agg_mode=acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, is_weights=is_weights,
+            loss, mb_metrics = compute_policy_objective(
+                mb["old_log_probs"], log_prob, mb["advantages"], mb["response_mask"].bool(),
+                entropy=entropy,
+                ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
+                rollout_log_probs=mb["rollout_log_probs"] if correction.rollout_is is not None else None,
+                loss_mode=acfg.policy_loss.loss_mode,
+                clip_ratio_low=acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
+                clip_ratio_high=acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio,
+                clip_ratio_c=acfg.clip_ratio_c,
+                loss_agg_mode=acfg.loss_agg_mode,
+                entropy_coeff=acfg.entropy_coeff,
+                kl_loss_type=acfg.kl_loss_type,
+                kl_loss_coef=acfg.kl_loss_coef,
+                rollout_is=correction.rollout_is,
+                rollout_is_threshold=correction.rollout_is_threshold,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
             )
-            loss = pg_loss
-            if report_entropy and entropy is not None:
-                add("actor/entropy@sum", float((entropy.detach() * mmask).sum()))
-                add("actor/entropy@count", ntok)
-            if entropy is not None and acfg.entropy_coeff != 0:
-                ent_loss = agg_loss(entropy, mmask, acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-                loss = loss - acfg.entropy_coeff * ent_loss
-                add("actor/entropy_loss@sum", ent_loss.item())
-            if acfg.use_kl_loss:
-                kl = kl_penalty(log_prob, mb["ref_log_prob"], acfg.kl_loss_type)
-                kl_loss = agg_loss(kl, mmask, acfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-                loss = loss + acfg.kl_loss_coef * kl_loss
-                add("actor/kl_loss@sum", kl_loss.item())
             loss.backward()
-            add("actor/pg_loss@sum", pg_loss.item())
-            for name, value in pg_m.items():
-                # pg_m holds micro-batch token means; weight them back into sums.
-                add(f"actor/{name}@sum", float(value) * ntok)
-                add(f"actor/{name}@count", ntok)
+            merge_objective_metrics(sums, mb_metrics)
 
+        if not report_entropy:
+            # compute_log_prob already logged the old policy's entropy under this name.
+            sums.pop("entropy@sum", None)
+            sums.pop("entropy@count", None)
+        metrics = {f"actor/{k}": v for k, v in sums.items()}
         dist.all_reduce_grads(self.model, self.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), acfg.grad_clip)
-        metrics = dict(sums)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
             logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)
             metrics["actor/skipped_steps@sum"] = 1.0
         self.optimizer.zero_grad(set_to_none=True)
-        self.optim_steps += 1
+        # A skipped step still advances the schedule: its position counts update calls, as the run plans them.
+        self.scheduler.step()
         metrics["actor/grad_norm"] = float(grad_norm)
-        metrics["actor/lr"] = acfg.optim.lr * factor
         return self._result(meta, [], metrics)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state of this rank (rank 0's is what a checkpoint keeps)."""
+        """Model, optimizer and lr-schedule state of this rank (rank 0's is what a checkpoint keeps)."""
         state = {"model": self.model.state_dict(), "optim_steps": self.optim_steps}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
+            state["lr_scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore model and optimizer state."""
+        """Restore model, optimizer and lr-schedule state."""
         self.model.load_state_dict(state["model"])
-        self.optim_steps = int(state.get("optim_steps", 0))
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["lr_scheduler"])
 
     def save_hf(self, path: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory (for serving or evaluation)."""

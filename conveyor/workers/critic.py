@@ -15,7 +15,8 @@ from conveyor.models.loading import load_causal_lm
 from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers import dist
-from conveyor.workers.actor import lr_factor, sequence_inputs
+from conveyor.workers.actor import sequence_inputs
+from conveyor.workers.optim import build_optimizer, total_optim_steps
 from conveyor.workers.perf import result_handle
 from conveyor.metrics.reduce import weighted
 
@@ -36,11 +37,15 @@ class CriticWorker:
         base = load_causal_lm(model_path, dtype=cfg.actor_rollout_ref.model.dtype, device=self.device)
         self.model = ValueModel.from_causal_lm(base).to(self.device)
         del base
-        optim = cfg.critic.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-        )
-        self.optim_steps = 0
+        # The critic's own step count: its mini-batch size and epochs may differ from the actor's.
+        total = total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
+                                  cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.critic.optim, total)
+
+    @property
+    def optim_steps(self) -> int:
+        """Update calls so far (the lr schedule's position)."""
+        return self.scheduler.last_epoch
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
         return self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(self.device)
@@ -73,10 +78,6 @@ class CriticWorker:
         counts = torch.tensor([float(mask.sum()), float(len(td))], dtype=torch.float64)
         dist.all_reduce_sum(counts, self.world_size)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
-        factor = lr_factor(self.optim_steps, ccfg.optim.lr_warmup_steps, int(meta.extra_info.get("total_optim_steps", 1)),
-                           ccfg.optim.lr_scheduler, ccfg.optim.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = ccfg.optim.lr * factor
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {"critic/vf_loss@sum": 0.0}
@@ -96,25 +97,27 @@ class CriticWorker:
             vpred_sum += float((vpreds.detach() * mmask).sum())
         dist.all_reduce_grads(self.model, self.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), ccfg.grad_clip)
+        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
             logger.warning("critic rank %d: non-finite grad norm; optimizer step skipped", self.rank)
         self.optimizer.zero_grad(set_to_none=True)
-        self.optim_steps += 1
+        # A skipped step still advances the schedule: its position counts update calls, as the run plans them.
+        self.scheduler.step()
         local_tokens = float(mask.sum())
         metrics.update(weighted("critic/vf_clipfrac", clip_sum, local_tokens))
         metrics.update(weighted("critic/vpred_mean", vpred_sum, local_tokens))
         metrics["critic/grad_norm"] = float(grad_norm)
-        metrics["critic/lr"] = ccfg.optim.lr * factor
         return self._result(meta, [], metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "optim_steps": self.optim_steps}
+        """Model, optimizer and lr-schedule state."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.scheduler.state_dict(), "optim_steps": self.optim_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore model and optimizer state."""
+        """Restore model, optimizer and lr-schedule state."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.optim_steps = int(state.get("optim_steps", 0))
+        self.scheduler.load_state_dict(state["lr_scheduler"])
