@@ -14,6 +14,8 @@ import os
 import socket
 from typing import Any
 
+from conveyor.workers.group import use_ray
+
 __all__ = ["ensure_ray", "shutdown_ray", "needs_ray", "data_plane_backend"]
 
 logger = logging.getLogger(__name__)
@@ -21,15 +23,11 @@ logger = logging.getLogger(__name__)
 
 def needs_ray(cfg: Any) -> bool:
     """Whether this run uses Ray: workers as Ray actors, or the `ray` data-plane backend."""
-    from conveyor.trainer.setup import use_ray
-
     return use_ray(cfg) or cfg.transfer_queue.backend == "ray"
 
 
 def data_plane_backend(cfg: Any) -> str:
     """The data-plane backend of a run: `transfer_queue.backend`, but `ray` for `memory` when workers run on Ray."""
-    from conveyor.trainer.setup import use_ray
-
     backend = cfg.transfer_queue.backend
     if backend == "memory" and use_ray(cfg):
         # The embedded store lives in the trainer's process; worker actors in other processes cannot reach it.
@@ -62,7 +60,8 @@ def ensure_ray(cfg: Any) -> bool:
     else:
         num_cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else os.cpu_count() or 1
         logger.info("starting a local Ray with %d logical CPUs", num_cpus)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+        # address="local": a new Ray of our own, never a cluster some other process started on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
     return True
 
 

@@ -40,7 +40,12 @@ from conveyor.metrics.moe_load_balance import (
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_prompt
+from conveyor.metrics.trackers import Tracking
+from conveyor.models.loading import load_tokenizer
+from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.trainer import checkpoint as ckpt
+from conveyor.trainer.setup import build_data_plane, load_prompt_records, prepare_default_model, resolve_device
+from conveyor.workers.roles import WorkerGroups, build_worker_groups
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ class PPOTrainer:
         cfg: Config,
         *,
         data_plane: DataPlane,
-        workers: Any,
+        workers: WorkerGroups,
         tokenizer: Any,
         train_records: list[dict],
         val_records: list[dict],
@@ -88,7 +93,7 @@ class PPOTrainer:
         self.dp = data_plane
         self.workers = workers
         self.tokenizer = tokenizer
-        self.train_data = PromptDataset(train_records, seed=cfg.data.seed)
+        self.train_data = PromptDataset(train_records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.val_records = val_records
         self.tracking = tracking
         self.run_dir = Path(run_dir)
@@ -101,8 +106,6 @@ class PPOTrainer:
         self._prompt_ids: dict[str, list[int]] = {}
         arr = cfg.actor_rollout_ref
         self.capture_routing = arr.rollout.moe_load_balance_metrics_interval > 0 or arr.actor.router_replay.mode == "R3"
-        self.mini_batches_per_epoch = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
-        self.total_optim_steps = cfg.trainer.total_training_steps * arr.actor.ppo_epochs * self.mini_batches_per_epoch
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -255,7 +258,7 @@ class PPOTrainer:
             "seed": seed,
             "capture_routing": self.capture_routing and not validate,
         }
-        out = self.workers.actor.call("generate_sequences", meta.with_extra_info(**params))
+        out = self.workers.actor.generate_sequences(meta.with_extra_info(**params))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
         gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
@@ -263,7 +266,7 @@ class PPOTrainer:
 
     def _compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 3: rule-based scores by data_source into rm_scores."""
-        return self.workers.reward.call("compute_reward", meta)
+        return self.workers.reward.compute_reward(meta)
 
     def _compute_old_log_prob(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
@@ -275,7 +278,7 @@ class PPOTrainer:
             compute_loss=False,
             temperature=self.cfg.actor_rollout_ref.rollout.temperature,
         )
-        out = self.workers.actor.call("compute_log_prob", call)
+        out = self.workers.actor.compute_log_prob(call)
         reduced = reduce_rank_metrics(out.extra_info)
         metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/")})
         return out
@@ -283,11 +286,11 @@ class PPOTrainer:
     def _compute_ref_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 5: ref_log_prob from the frozen reference policy."""
         call = meta.with_extra_info(temperature=self.cfg.actor_rollout_ref.rollout.temperature, compute_loss=False)
-        return self.workers.ref.call("compute_log_prob", call)
+        return self.workers.ref.compute_log_prob(call)
 
     def _compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 6: values from the critic."""
-        return self.workers.critic.call("compute_values", meta)
+        return self.workers.critic.compute_values(meta)
 
     def _compute_advantage(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
         """Stage 7: token_level_rewards (after any in-reward KL), advantages and returns."""
@@ -333,7 +336,7 @@ class PPOTrainer:
         c = self.cfg.critic
         results = []
         for mb in self._mini_batches(meta, c.ppo_mini_batch_size, c.ppo_epochs, True, "critic"):
-            out = self.workers.critic.call("update_critic", mb.with_extra_info(total_optim_steps=self.total_optim_steps))
+            out = self.workers.critic.update_critic(mb)
             results.append(reduce_rank_metrics(out.extra_info))
         merged = mean_over_calls(results)
         return {(k if k.startswith("critic/") else f"critic/{k}"): v for k, v in merged.items()}
@@ -346,11 +349,10 @@ class PPOTrainer:
             call = mb.with_extra_info(
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                 compute_loss=True,
-                total_optim_steps=self.total_optim_steps,
                 # Without an old-log-prob forward, the update's forward reports the entropy.
                 calculate_entropy=self.cfg.bypass_old_log_prob,
             )
-            out = self.workers.actor.call("update_actor", call)
+            out = self.workers.actor.update_actor(call)
             results.append(reduce_rank_metrics(out.extra_info))
         merged = mean_over_calls(results)
         if not math.isfinite(merged.get("actor/pg_loss", 0.0)):
@@ -378,7 +380,7 @@ class PPOTrainer:
             self._save_expert_load()
             if moe.get("rollout/moe/routed_experts_found"):
                 with _timer("moe_agreement", timings):
-                    out = self.workers.actor.call("compute_routing_agreement", meta)
+                    out = self.workers.actor.compute_routing_agreement(meta)
                 reduced = reduce_rank_metrics(out.extra_info)
                 metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/moe/")})
         return metrics
@@ -495,9 +497,9 @@ class PPOTrainer:
 
     def save_checkpoint(self) -> Path:
         """Write model, optimizer, data order and RNG states of the current step."""
-        parts = {"actor": self.workers.actor.call_rank0("state_dict")}
+        parts = {"actor": self.workers.actor.state_dict()}
         if self.workers.critic is not None:
-            parts["critic"] = self.workers.critic.call_rank0("state_dict")
+            parts["critic"] = self.workers.critic.state_dict()
         parts["trainer_state"] = {
             "global_step": self.global_step,
             "dataset": self.train_data.state_dict(),
@@ -517,11 +519,11 @@ class PPOTrainer:
         if path is None:
             return
         parts = ckpt.load_checkpoint(path)
-        self.workers.actor.call_all("load_state_dict", parts["actor"])
+        self.workers.actor.load_state_dict(parts["actor"])
         if self.workers.critic is not None:
             if "critic" not in parts:
                 raise ValueError(f"checkpoint {path} has no critic state but this run uses a critic")
-            self.workers.critic.call_all("load_state_dict", parts["critic"])
+            self.workers.critic.load_state_dict(parts["critic"])
         st = parts["trainer_state"]
         self.global_step = int(st["global_step"])
         self.train_data.load_state_dict(st["dataset"])
@@ -535,16 +537,11 @@ class PPOTrainer:
 
 def run_training(cfg: Config) -> dict[str, float]:
     """Build everything from `cfg`, train, and close the data plane (and workers) whatever happens."""
-    from conveyor.metrics.trackers import Tracking
-    from conveyor.models.loading import load_tokenizer
-    from conveyor.trainer.setup import build_data_plane, build_worker_groups, load_prompt_records, prepare_default_model
-    from conveyor.trainer.setup import resolve_device
-
     import transformers
 
     # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
     transformers.utils.logging.disable_progress_bar()
-    resolve_device(cfg)  # an unusable device fails before anything is built or written
+    device = resolve_device(cfg)  # an unusable device fails before anything is built or written
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
@@ -567,8 +564,6 @@ def run_training(cfg: Config) -> dict[str, float]:
         server, port = serve_registry(registry, cfg.trainer.prometheus.host, cfg.trainer.prometheus.port)
         logger.info("training metrics for Prometheus at http://%s:%d/metrics", cfg.trainer.prometheus.host, port)
 
-    from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
-
     data_plane = None
     workers = None
     tracking = None
@@ -577,7 +572,7 @@ def run_training(cfg: Config) -> dict[str, float]:
     try:
         ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
-        workers = build_worker_groups(cfg, model_path, data_plane, tokenizer)
+        workers = build_worker_groups(cfg, model_path, data_plane, tokenizer, device)
         from transformers import AutoConfig
 
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,

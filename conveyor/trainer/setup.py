@@ -1,4 +1,6 @@
-"""Everything a run needs before its first step: the model checkpoint, the prompts, the data plane, the workers.
+"""Everything a run needs before its first step: the model checkpoint, the prompts, the data plane, the device.
+
+The workers are built by `conveyor.workers.roles.build_worker_groups`.
 
 The default run needs no files: the tiny model and its character tokenizer are
 built from config and warm-started once, then cached (CONVEYOR_CACHE, default
@@ -22,6 +24,7 @@ import torch
 
 from conveyor.config import Config, ConfigError
 from conveyor.data_plane import DataPlane, make_data_plane
+from conveyor.ray_utils import data_plane_backend
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +34,6 @@ __all__ = [
     "load_prompt_records",
     "resolve_device",
     "build_data_plane",
-    "build_worker_groups",
-    "WorkerGroups",
 ]
 
 # Bump when the warm start or the tiny model's construction changes meaning.
@@ -143,8 +144,6 @@ def prepare_default_model(cfg: Config) -> str:
 
 def build_data_plane(cfg: Config, registry: Any = None) -> DataPlane:
     """The data plane of `transfer_queue.*` (`ray` instead of `memory` when workers run on Ray), metrics in `registry`."""
-    from conveyor.ray_utils import data_plane_backend
-
     tq = cfg.transfer_queue
     backend = data_plane_backend(cfg)
     options: dict[str, Any] = {}
@@ -161,57 +160,3 @@ def build_data_plane(cfg: Config, registry: Any = None) -> DataPlane:
         registry=registry,
         **options,
     )
-
-
-@dataclasses.dataclass
-class WorkerGroups:
-    """The roles of a run; ref and critic are None when unused."""
-
-    actor: Any
-    ref: Any
-    critic: Any
-    reward: Any
-
-    def shutdown(self) -> None:
-        """Release every role's ranks."""
-        for group in (self.actor, self.ref, self.critic, self.reward):
-            if group is not None:
-                group.shutdown()
-
-
-def build_worker_groups(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer: Any) -> WorkerGroups:
-    """Actor, reference, critic and reward workers: in this process, or as Ray actors for a multi-rank run."""
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.critic import CriticWorker
-    from conveyor.workers.group import LocalWorkerGroup
-    from conveyor.workers.reward import RewardWorker
-
-    device = resolve_device(cfg)
-    if use_ray(cfg):
-        from conveyor.workers.ray_group import build_ray_worker_groups
-
-        return build_ray_worker_groups(cfg, model_path, data_plane, tokenizer, device)
-
-    def policy(role: str):
-        return lambda rank, world_size: PolicyWorker(
-            cfg, model_path=model_path, data_plane=data_plane, role=role, rank=rank, world_size=world_size, device=device
-        )
-
-    actor = LocalWorkerGroup("actor", policy("actor"))
-    ref = LocalWorkerGroup("ref", policy("ref")) if cfg.use_reference else None
-    critic = (
-        LocalWorkerGroup("critic", lambda rank, world_size: CriticWorker(
-            cfg, model_path=model_path, data_plane=data_plane, rank=rank, world_size=world_size, device=device))
-        if cfg.use_critic else None
-    )
-    custom = cfg.reward.custom_reward_function
-    reward = LocalWorkerGroup("reward", lambda rank, world_size: RewardWorker(
-        tokenizer=tokenizer, data_plane=data_plane, rank=rank, world_size=world_size,
-        custom_reward_path=custom.path, custom_reward_name=custom.name))
-    return WorkerGroups(actor=actor, ref=ref, critic=critic, reward=reward)
-
-
-def use_ray(cfg: Config) -> bool:
-    """Whether workers run as Ray actors (more than one rank, or more than one node)."""
-    t = cfg.trainer
-    return t.nnodes > 1 or t.n_gpus_per_node > 1 or t.num_cpu_workers > 1 or cfg.ray.address is not None

@@ -1,21 +1,57 @@
 """Worker groups: where the ranks of a role run, and how one call is split across them and merged back.
 
-The trainer calls `group.call("compute_log_prob", meta)`; the group splits the
-handle across its ranks (balancing tokens when the handle's tags carry
-`seq_len`), runs the endpoint on every rank, and merges the per-rank handles
-with `BatchData.concat` (so `extra_info` arrives as one list entry per rank).
-`LocalWorkerGroup` runs one rank in this process; `conveyor.workers.ray_group`
-runs ranks as Ray actors behind the same interface.
+A role's handle (`conveyor.workers.roles`) calls `group.call(PolicyWorker.compute_log_prob, meta)`;
+the group splits the handle across its ranks (balancing tokens when the
+handle's tags carry `seq_len`), runs the endpoint on every rank, and merges the
+per-rank handles with `BatchData.concat` (so `extra_info` arrives as one list
+entry per rank). `LocalWorkerGroup` runs one rank in this process;
+`conveyor.workers.ray_group` runs ranks as Ray actors behind the same
+interface. Both build each rank from the same `WorkerSpec`.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, Callable
 
+from conveyor.plugins import load_plugins
 from conveyor.protocol import BatchData, KVBatchMeta
 
-__all__ = ["WorkerGroup", "LocalWorkerGroup", "WorkerError", "WorkerUserError", "split_for_ranks", "wrap_worker_error"]
+__all__ = [
+    "WorkerGroup",
+    "LocalWorkerGroup",
+    "WorkerSpec",
+    "WorkerError",
+    "WorkerUserError",
+    "split_for_ranks",
+    "wrap_worker_error",
+    "use_ray",
+]
+
+# An endpoint is named by the worker class's own method (`PolicyWorker.update_actor`), never by a string.
+Endpoint = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """How to build one rank of a role: `cls(rank=, world_size=, **kwargs)`, after importing the run's plugins."""
+
+    role: str
+    cls: type
+    kwargs: dict[str, Any]
+    plugins: tuple[str, ...] = ()
+
+    def build(self, rank: int, world_size: int) -> Any:
+        """The worker of rank `rank` (plugins first: a Ray rank is a fresh process with empty registries)."""
+        load_plugins(list(self.plugins))
+        return self.cls(rank=rank, world_size=world_size, **self.kwargs)
+
+
+def use_ray(cfg: Any) -> bool:
+    """Whether a run's workers are Ray actors (more than one rank or node, or a Ray cluster named)."""
+    t = cfg.trainer
+    return t.nnodes > 1 or t.n_gpus_per_node > 1 or t.num_cpu_workers > 1 or cfg.ray.address is not None
 
 
 class WorkerError(RuntimeError):
@@ -64,15 +100,15 @@ class WorkerGroup(abc.ABC):
     world_size: int
 
     @abc.abstractmethod
-    def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
-        """Run `method` on every rank over its share of `meta`; the merged handle."""
+    def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
+        """Run `endpoint` on every rank over its share of `meta`; the merged handle."""
 
     @abc.abstractmethod
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_rank0(self, method: Endpoint, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on rank 0 only (e.g. to read a state dict)."""
 
     @abc.abstractmethod
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` with the same arguments on every rank; one result per rank."""
 
     def shutdown(self) -> None:
@@ -82,23 +118,28 @@ class WorkerGroup(abc.ABC):
 class LocalWorkerGroup(WorkerGroup):
     """One rank, in this process: no serialization, no copies."""
 
-    def __init__(self, role: str, factory: Callable[..., Any]):
-        self.role = role
+    def __init__(self, spec: WorkerSpec):
+        self.role = spec.role
         self.world_size = 1
-        self.worker = factory(rank=0, world_size=1)
+        self.worker = spec.build(rank=0, world_size=1)
 
-    def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
-        """Run `method` on the single rank."""
+    def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
+        """Run `endpoint` on the single rank."""
         try:
-            out = getattr(self.worker, method)(meta)
+            out = _bound(self.worker, endpoint)(meta)
         except Exception as err:
-            raise wrap_worker_error(self.role, 0, method, err) from err
+            raise wrap_worker_error(self.role, 0, endpoint.__name__, err) from err
         return BatchData([out]).concat()
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_rank0(self, method: Endpoint, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on the single rank."""
-        return getattr(self.worker, method)(*args, **kwargs)
+        return _bound(self.worker, method)(*args, **kwargs)
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` on the single rank."""
-        return [getattr(self.worker, method)(*args, **kwargs)]
+        return [_bound(self.worker, method)(*args, **kwargs)]
+
+
+def _bound(worker: Any, method: Endpoint) -> Callable[..., Any]:
+    """`worker`'s own method of that name: a subclass's override runs here as it does on a Ray rank."""
+    return getattr(worker, method.__name__)

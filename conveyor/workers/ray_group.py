@@ -2,7 +2,8 @@
 
 `RayWorkerGroup` starts one actor per rank, joins the ranks into a process
 group (gloo on CPU, nccl on GPU; rank 0 picks its node's IP and a free port),
-then builds the worker in every rank with `rank=` and `world_size=`. A call
+then builds the worker in every rank from the role's `WorkerSpec` (the same
+spec a `LocalWorkerGroup` builds from, see `conveyor.workers.roles`). A call
 splits the handle over the ranks (`split_for_ranks`), runs every rank at once
 and merges what they return with `BatchData.concat`, so per-rank metrics
 arrive as lists, one entry per rank. A failure in any rank is reported at once
@@ -37,9 +38,9 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.protocol import BatchData, KVBatchMeta
-from conveyor.workers.group import WorkerGroup, split_for_ranks, wrap_worker_error
+from conveyor.workers.group import Endpoint, WorkerGroup, WorkerSpec, split_for_ranks, wrap_worker_error
 
-__all__ = ["RayWorkerGroup", "RayPlacement", "build_ray_worker_groups"]
+__all__ = ["RayWorkerGroup", "RayPlacement", "build_ray_worker_groups", "ray_worker_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,9 @@ class _RankActor:
         tdist.init_process_group(backend=backend, init_method="env://", rank=self.rank, world_size=self.world_size,
                                  timeout=timedelta(minutes=30))
 
-    def build(self, worker_cls: Any, kwargs: dict[str, Any]) -> None:
+    def build(self, spec: WorkerSpec) -> None:
         """Construct the worker of this rank."""
-        self.worker = worker_cls(rank=self.rank, world_size=self.world_size, **kwargs)
+        self.worker = spec.build(rank=self.rank, world_size=self.world_size)
 
     def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
         """Run one endpoint over this rank's share of a handle."""
@@ -205,13 +206,11 @@ class RayPlacement:
 
 # --------------------------------------------------------------------------- the group
 class RayWorkerGroup(WorkerGroup):
-    """The ranks of one role as Ray actors: `worker_cls(rank=, world_size=, **worker_kwargs)` in each."""
+    """The ranks of one role as Ray actors, each built by `spec.build(rank, world_size)`."""
 
     def __init__(
         self,
-        role: str,
-        worker_cls: Any,
-        worker_kwargs: dict[str, Any],
+        spec: WorkerSpec,
         *,
         world_size: int = 1,
         num_cpus: float = 0.5,
@@ -220,6 +219,7 @@ class RayWorkerGroup(WorkerGroup):
         nnodes: int = 1,
         timeout_s: float = 60.0,
     ):
+        role = spec.role
         if world_size < 1:
             raise ValueError(f"{role}: world_size must be >= 1, got {world_size}")
         self.role = role
@@ -248,33 +248,36 @@ class RayWorkerGroup(WorkerGroup):
                 backend = "nccl" if num_gpus > 0 else "gloo"
                 self._gather("init_process_group",
                              [a.init_process_group.remote(addr, port, backend) for a in self._actors])
-            self._gather("__init__", [a.build.remote(worker_cls, worker_kwargs) for a in self._actors])
+            self._gather("__init__", [a.build.remote(spec) for a in self._actors])
         except BaseException:
             self.shutdown()
             raise
         logger.info("%s: %d rank(s) on %d node(s)", role, world_size, len({w["node_id"] for w in self._where}))
 
     # -- calls ----------------------------------------------------------
-    def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
-        """Run `method` on every rank over its share of `meta`; the merged handle (extra_info: lists per rank)."""
+    def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
+        """Run `endpoint` on every rank over its share of `meta`; the merged handle (extra_info: lists per rank)."""
+        method = endpoint.__name__  # the rank actor looks the method up on its own worker
         self._check_open(method)
         chunks = split_for_ranks(meta, self.world_size)
         refs = [a.call.remote(method, c) for a, c in zip(self._actors, chunks)]
         self._gather(method, refs)
         return BatchData(refs).concat()
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_rank0(self, method: Endpoint, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on rank 0 only."""
-        self._check_open(method)
-        return self._gather(method, [self._actors[0].call_args.remote(method, args, kwargs)])[0]
+        name = method.__name__
+        self._check_open(name)
+        return self._gather(name, [self._actors[0].call_args.remote(name, args, kwargs)])[0]
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` with the same arguments on every rank; one result per rank."""
-        self._check_open(method)
+        name = method.__name__
+        self._check_open(name)
         # One copy in the object store for all ranks (a state dict is large), not one per call;
         # Ray resolves top-level refs before the method runs.
         args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
-        return self._gather(method, [a.call_args.remote(method, args_ref, kwargs_ref) for a in self._actors])
+        return self._gather(name, [a.call_args.remote(name, args_ref, kwargs_ref) for a in self._actors])
 
     def rank_info(self) -> list[dict[str, Any]]:
         """Per rank: `pid`, `node_id`, `node_ip` of its process."""
@@ -320,16 +323,8 @@ class RayWorkerGroup(WorkerGroup):
 
 
 # --------------------------------------------------------------------------- a run's roles
-def build_ray_worker_groups(cfg: Any, model_path: str, data_plane: Any, tokenizer: Any, device: str) -> Any:
-    """The run's roles as Ray worker groups: actor/ref/critic with one rank per GPU or CPU worker, reward with one."""
-    from conveyor.trainer.setup import WorkerGroups
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.critic import CriticWorker
-    from conveyor.workers.reward import RewardWorker
-
-    if getattr(data_plane, "backend", None) == "memory":
-        raise ValueError("workers on Ray cannot reach the memory data plane (it lives in the trainer's process); "
-                         "use transfer_queue.backend=ray")
+def ray_worker_device(cfg: Any, device: str) -> str:
+    """The device of Ray worker ranks: cuda when the run asks for GPUs per node, else cpu (with a warning if cuda was meant)."""
     t = cfg.trainer
     gpu = t.n_gpus_per_node > 0
     if gpu and t.device == "cpu":
@@ -338,30 +333,33 @@ def build_ray_worker_groups(cfg: Any, model_path: str, data_plane: Any, tokenize
     if not gpu and device == "cuda":
         logger.warning("trainer.n_gpus_per_node=0: the Ray workers get no GPU and run on CPU; "
                        "set trainer.n_gpus_per_node to train on GPUs")
-    worker_device = "cuda" if gpu else "cpu"
+    return "cuda" if gpu else "cpu"
+
+
+def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: Any) -> dict[str, RayWorkerGroup]:
+    """Each role of `specs` as a Ray worker group: model roles with one rank per GPU or CPU worker, reward with one."""
+    if getattr(data_plane, "backend", None) == "memory":
+        raise ValueError("workers on Ray cannot reach the memory data plane (it lives in the trainer's process); "
+                         "use transfer_queue.backend=ray")
+    t = cfg.trainer
+    gpu = t.n_gpus_per_node > 0
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    model_roles = ["actor"] + (["ref"] if cfg.use_reference else []) + (["critic"] if cfg.use_critic else [])
+    model_roles = [r for r in specs if r != "reward"]
     cpus = cfg.ray.worker_cpus
     # Rank i of every model role shares bundle i: one GPU split between the roles (Ray takes fractions to 1e-4).
     gpu_share = math.floor(1e4 / len(model_roles)) / 1e4 if gpu else 0.0
     bundle = {"CPU": cpus * len(model_roles), "GPU": 1.0 if gpu else 0.0}
-    groups: dict[str, RayWorkerGroup | None] = {"actor": None, "ref": None, "critic": None, "reward": None}
+    groups: dict[str, RayWorkerGroup] = {}
     placement = RayPlacement("+".join(model_roles), world, bundle, nnodes=t.nnodes, timeout_s=cfg.ray.timeout_s)
-    common = {"world_size": world, "num_cpus": cpus, "num_gpus": gpu_share, "placement": placement,
-              "timeout_s": cfg.ray.timeout_s}
-    policy_kwargs = {"cfg": cfg, "model_path": model_path, "data_plane": data_plane, "device": worker_device}
     try:
-        groups["actor"] = RayWorkerGroup("actor", PolicyWorker, {**policy_kwargs, "role": "actor"}, **common)
-        if cfg.use_reference:
-            groups["ref"] = RayWorkerGroup("ref", PolicyWorker, {**policy_kwargs, "role": "ref"}, **common)
-        if cfg.use_critic:
-            groups["critic"] = RayWorkerGroup("critic", CriticWorker, policy_kwargs, **common)
-        groups["reward"] = RayWorkerGroup("reward", RewardWorker, {"tokenizer": tokenizer, "data_plane": data_plane},
-                                          world_size=1, num_cpus=cpus, nnodes=1, timeout_s=cfg.ray.timeout_s)
+        for role in model_roles:
+            groups[role] = RayWorkerGroup(specs[role], world_size=world, num_cpus=cpus, num_gpus=gpu_share,
+                                          placement=placement, timeout_s=cfg.ray.timeout_s)
+        groups["reward"] = RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
+                                          timeout_s=cfg.ray.timeout_s)
     except BaseException:
         for group in groups.values():
-            if group is not None:
-                group.shutdown()
+            group.shutdown()
         placement.release("build")  # removes the placement group if no role took it
         raise
-    return WorkerGroups(**groups)
+    return groups

@@ -17,7 +17,7 @@ import pytest
 
 from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
-from conveyor.trainer import setup
+from conveyor.trainer import ppo
 from conveyor.trainer.checkpoint import load_checkpoint
 from conveyor.trainer.ppo import run_training
 
@@ -88,7 +88,7 @@ class _Planes:
 def planes(monkeypatch: pytest.MonkeyPatch) -> _Planes:
     """run_training builds instrumented (but real) memory data planes during the test."""
     recorder = _Planes()
-    monkeypatch.setattr(setup, "build_data_plane", recorder.build)
+    monkeypatch.setattr(ppo, "build_data_plane", recorder.build)
     return recorder
 
 

@@ -93,9 +93,9 @@ def test_two_cpu_ranks_on_this_machine(tiny_run, tmp_path, caplog) -> None:
 
 
 def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, tmp_path, monkeypatch) -> None:
-    import conveyor.workers.actor as actor_module
+    import conveyor.workers.roles as roles
 
-    base = actor_module.PolicyWorker
+    base = roles.PolicyWorker
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
 
@@ -112,7 +112,7 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, tmp_path
                 raise RuntimeError("injected failure in rank 1")
             return super().update_actor(meta)
 
-    monkeypatch.setattr(actor_module, "PolicyWorker", FailingPolicyWorker)
+    monkeypatch.setattr(roles, "PolicyWorker", FailingPolicyWorker)
     # Ray started here and left running, so the run's own clean-up is what is checked.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:

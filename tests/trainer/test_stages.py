@@ -8,7 +8,8 @@ from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.models.loading import load_tokenizer
 from conveyor.trainer.ppo import PPOTrainer
-from conveyor.trainer.setup import build_worker_groups, load_prompt_records, prepare_default_model
+from conveyor.trainer.setup import load_prompt_records, prepare_default_model
+from conveyor.workers.roles import build_worker_groups
 
 
 class RecordingDataPlane(MemoryDataPlane):
@@ -116,8 +117,9 @@ def test_bypass_mode_copies_rollout_log_probs_without_a_forward(tiny_run):
     trainer, dp = make_trainer(tiny_run + ["algorithm.rollout_correction.bypass_mode=true"])
     meta = run_until_advantage(trainer)
     calls = []
-    original = trainer.workers.actor.call
-    trainer.workers.actor.call = lambda method, m: calls.append(method) or original(method, m)
+    ranks = trainer.workers.actor.ranks
+    original = ranks.call
+    ranks.call = lambda endpoint, m: calls.append(endpoint.__name__) or original(endpoint, m)
     dp.log.clear()
     out = trainer._compute_old_log_prob(meta, {})
     assert calls == [], "bypass mode must not run the actor"

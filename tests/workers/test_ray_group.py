@@ -18,8 +18,9 @@ from conveyor.metrics.reduce import reduce_rank_metrics  # noqa: E402
 from conveyor.protocol import KVBatchMeta  # noqa: E402
 from conveyor.trainer.setup import prepare_default_model  # noqa: E402
 from conveyor.workers.actor import PolicyWorker  # noqa: E402
-from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerUserError  # noqa: E402
+from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
 from conveyor.workers.ray_group import RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
+from conveyor.workers.roles import worker_specs  # noqa: E402
 
 OVERRIDES = [
     "data.train_batch_size=4",
@@ -91,25 +92,24 @@ def _put_batch(dp, partition: str, vocab: int) -> KVBatchMeta:
 def two_ranks(env):
     """The actor role as two Ray ranks (gloo process group), shut down after the module."""
     cfg, model_path, dp = env
-    group = RayWorkerGroup("actor", PolicyWorker, {"cfg": cfg, "model_path": model_path, "data_plane": dp,
-                                                   "role": "actor", "device": "cpu"},
-                           world_size=2, num_cpus=0.5, timeout_s=60)
+    group = RayWorkerGroup(worker_specs(cfg, model_path, dp, None, "cpu")["actor"], world_size=2, num_cpus=0.5,
+                           timeout_s=60)
     yield group
     group.shutdown()
 
 
 def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks) -> None:
     cfg, model_path, dp = env
-    local = LocalWorkerGroup("actor", lambda rank, world_size: PolicyWorker(
-        cfg, model_path=model_path, data_plane=dp, role="actor", rank=rank, world_size=world_size))
+    local = LocalWorkerGroup(WorkerSpec("actor", PolicyWorker, {"cfg": cfg, "model_path": model_path,
+                                                                "data_plane": dp, "role": "actor"}))
     meta = _put_batch(dp, "dp-equivalence", local.worker.model.config.vocab_size)
     # old_log_probs from the (shared) initial policy, so the ratio starts at 1 as in training.
-    local.call("compute_log_prob", meta.with_extra_info(temperature=1.0))
+    local.call(PolicyWorker.compute_log_prob, meta.with_extra_info(temperature=1.0))
     initial = {k: v.clone() for k, v in local.worker.model.state_dict().items()}
     call = meta.with_extra_info(temperature=1.0, total_optim_steps=1)
 
-    one = local.call("update_actor", call)
-    two = two_ranks.call("update_actor", call)
+    one = local.call(PolicyWorker.update_actor, call)
+    two = two_ranks.call(PolicyWorker.update_actor, call)
 
     # Per-rank results arrive merged: one entry per rank, in rank order.
     assert two.keys == meta.keys
@@ -130,14 +130,14 @@ def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks) -> None:
     want = local.worker.model.state_dict()
     moved = max(float((want[k] - initial[k]).abs().max()) for k in want)
     assert moved > 5e-5, "the update barely moved the weights: the comparison below would be vacuous"
-    states = two_ranks.call_all("state_dict")
+    states = two_ranks.call_all(PolicyWorker.state_dict)
     assert len(states) == 2
     for state in states:
         got = state["model"]
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
-    assert two_ranks.call_rank0("state_dict")["optim_steps"] == 1
+    assert two_ranks.call_rank0(PolicyWorker.state_dict)["optim_steps"] == 1
 
 
 def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -> None:
@@ -148,7 +148,7 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
     t0 = time.monotonic()
     # Rank 0 has its rows and waits for rank 1 in the all-reduce of normalisers; rank 1 fails reading its rows.
     with pytest.raises(WorkerError) as info:
-        two_ranks.call("update_actor", meta.with_extra_info(temperature=1.0))
+        two_ranks.call(PolicyWorker.update_actor, meta.with_extra_info(temperature=1.0))
     assert time.monotonic() - t0 < 60
     err = info.value
     assert not isinstance(err, WorkerUserError)
@@ -161,7 +161,7 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
     assert _wait_gone(pids) == []
     assert two_ranks.placement is None
     with pytest.raises(RuntimeError, match="shut down"):
-        two_ranks.call("update_actor", meta)
+        two_ranks.call(PolicyWorker.update_actor, meta)
 
 
 def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
@@ -170,7 +170,7 @@ def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
     live_before = {k for k, p in placement_group_table().items() if p["state"] in ("PENDING", "CREATED")}
     t0 = time.monotonic()
     with pytest.raises(ValueError) as info:
-        build_ray_worker_groups(big, model_path, dp, tokenizer=None, device="cuda")
+        build_ray_worker_groups(big, worker_specs(big, model_path, dp, None, "cuda"), dp)
     assert time.monotonic() - t0 < 10
     msg = str(info.value)
     assert "the actor ranks need" in msg and "GPU 64" in msg  # what was asked
@@ -200,4 +200,4 @@ def test_memory_data_plane_is_refused(env) -> None:
     cfg, model_path, _ = env
     with make_data_plane("memory") as memory:
         with pytest.raises(ValueError, match="transfer_queue.backend=ray"):
-            build_ray_worker_groups(cfg, model_path, memory, tokenizer=None, device="cpu")
+            build_ray_worker_groups(cfg, worker_specs(cfg, model_path, memory, None, "cpu"), memory)

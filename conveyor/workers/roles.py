@@ -1,0 +1,181 @@
+"""The roles of a run: which worker each one runs, built the same way in this process and on Ray, and typed handles.
+
+`worker_specs` is the one place that turns the config into each role's worker
+class and constructor arguments. `LocalWorkerGroup` and `RayWorkerGroup` both
+build their ranks from these specs, so a setting cannot reach workers in this
+process and miss those on Ray (or the reverse).
+
+The trainer calls a role through its handle (`ActorGroup.update_actor(meta)`),
+whose methods name the worker's endpoints as functions, not strings: a reader
+and an IDE follow the call from the trainer into the worker.
+
+What it deliberately does not do: decide where ranks run (`group.py`,
+`ray_group.py`) or what an endpoint computes (`actor.py`, `critic.py`,
+`reward.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from conveyor.config import Config
+from conveyor.data_plane.base import DataPlane
+from conveyor.protocol import KVBatchMeta
+from conveyor.workers.actor import PolicyWorker
+from conveyor.workers.critic import CriticWorker
+from conveyor.workers.group import LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
+from conveyor.workers.reward import RewardWorker
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "worker_specs",
+    "build_worker_groups",
+    "WorkerGroups",
+    "ActorGroup",
+    "RefGroup",
+    "CriticGroup",
+    "RewardGroup",
+]
+
+
+def worker_specs(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer: Any, device: str) -> dict[str, WorkerSpec]:
+    """Each role this run uses -> its worker class and constructor arguments (rank and world size come later)."""
+    plugins = tuple(cfg.trainer.plugins)
+    policy = {"cfg": cfg, "model_path": model_path, "data_plane": data_plane, "device": device}
+    specs = {"actor": WorkerSpec("actor", PolicyWorker, {**policy, "role": "actor"}, plugins)}
+    if cfg.use_reference:
+        specs["ref"] = WorkerSpec("ref", PolicyWorker, {**policy, "role": "ref"}, plugins)
+    if cfg.use_critic:
+        specs["critic"] = WorkerSpec("critic", CriticWorker, policy, plugins)
+    custom = cfg.reward.custom_reward_function
+    specs["reward"] = WorkerSpec("reward", RewardWorker, {
+        "tokenizer": tokenizer, "data_plane": data_plane,
+        "custom_reward_path": custom.path, "custom_reward_name": custom.name,
+    }, plugins)
+    return specs
+
+
+# --------------------------------------------------------------------------- typed handles
+class _Role:
+    """The ranks of one role behind typed methods."""
+
+    def __init__(self, ranks: WorkerGroup):
+        self.ranks = ranks
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the role has."""
+        return self.ranks.world_size
+
+    def shutdown(self) -> None:
+        """Release the role's ranks."""
+        self.ranks.shutdown()
+
+
+class ActorGroup(_Role):
+    """The policy: rollout, old log-probs, the PPO update and its state."""
+
+    def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 2 on every rank: responses, masks, sampled log-probs (and routed experts)."""
+        return self.ranks.call(PolicyWorker.generate_sequences, meta)
+
+    def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 4 on every rank: old_log_probs (and entropy)."""
+        return self.ranks.call(PolicyWorker.compute_log_prob, meta)
+
+    def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """How often the trainer's own routing matches the rollout's (metrics only)."""
+        return self.ranks.call(PolicyWorker.compute_routing_agreement, meta)
+
+    def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """One optimizer step over a mini-batch, split across ranks."""
+        return self.ranks.call(PolicyWorker.update_actor, meta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and schedule state (rank 0's; ranks hold the same)."""
+        return self.ranks.call_rank0(PolicyWorker.state_dict)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore every rank from `state`."""
+        self.ranks.call_all(PolicyWorker.load_state_dict, state)
+
+
+class RefGroup(_Role):
+    """The frozen reference policy."""
+
+    def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 5 on every rank: ref_log_prob."""
+        return self.ranks.call(PolicyWorker.compute_log_prob, meta)
+
+
+class CriticGroup(_Role):
+    """The value model."""
+
+    def compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 6 on every rank: values."""
+        return self.ranks.call(CriticWorker.compute_values, meta)
+
+    def update_critic(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """One critic optimizer step over a mini-batch, split across ranks."""
+        return self.ranks.call(CriticWorker.update_critic, meta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and schedule state (rank 0's)."""
+        return self.ranks.call_rank0(CriticWorker.state_dict)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore every rank from `state`."""
+        self.ranks.call_all(CriticWorker.load_state_dict, state)
+
+
+class RewardGroup(_Role):
+    """The reward functions."""
+
+    def compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 3: rm_scores and acc."""
+        return self.ranks.call(RewardWorker.compute_reward, meta)
+
+
+@dataclasses.dataclass
+class WorkerGroups:
+    """The roles of a run; ref and critic are None when unused."""
+
+    actor: ActorGroup
+    ref: RefGroup | None
+    critic: CriticGroup | None
+    reward: RewardGroup
+
+    def shutdown(self) -> None:
+        """Release every role's ranks."""
+        for role in (self.actor, self.ref, self.critic, self.reward):
+            if role is not None:
+                role.shutdown()
+
+
+def build_worker_groups(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer: Any,
+                        device: str = "cpu") -> WorkerGroups:
+    """Every role of the run from `worker_specs`: in this process, or as Ray actors for a multi-rank run."""
+    if use_ray(cfg):
+        from conveyor.workers.ray_group import build_ray_worker_groups, ray_worker_device
+
+        device = ray_worker_device(cfg, device)
+        groups = build_ray_worker_groups(cfg, worker_specs(cfg, model_path, data_plane, tokenizer, device), data_plane)
+    else:
+        groups = {}
+        try:
+            for role, spec in worker_specs(cfg, model_path, data_plane, tokenizer, device).items():
+                groups[role] = LocalWorkerGroup(spec)
+        except BaseException:
+            for group in groups.values():
+                group.shutdown()
+            raise
+    ref, critic = groups.get("ref"), groups.get("critic")
+    return WorkerGroups(
+        actor=ActorGroup(groups["actor"]),
+        ref=RefGroup(ref) if ref is not None else None,
+        critic=CriticGroup(critic) if critic is not None else None,
+        reward=RewardGroup(groups["reward"]),
+    )
