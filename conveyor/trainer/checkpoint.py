@@ -6,12 +6,18 @@ states, KL controller, MoE accumulator). It appears under its final name only
 once complete (one `os.rename` of the directory), so a kill during a save
 leaves the newest good checkpoint intact; half-written `*.tmp-*` directories
 are ignored and removed on the next save.
+
+Loading never unpickles code: every part is read with `torch.load(...,
+weights_only=True)`, which rebuilds only tensors and plain containers of
+numbers and strings, so a crafted checkpoint cannot run anything. For that,
+what is saved is kept to those types (RNG states are stored as tensors).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -49,8 +55,15 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states of this process."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy and torch RNG states of this process, as tensors and plain values (loadable without pickle)."""
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -58,8 +71,10 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -93,11 +108,21 @@ def save_checkpoint(ckpt_root: str | Path, step: int, parts: dict[str, Any], max
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Every part of a checkpoint directory, by name."""
+    """Every part of a checkpoint directory, by name; a part that is not plain tensors and values is refused."""
     p = Path(path)
     if not (p / "trainer_state.pt").is_file():
         raise ValueError(f"{p} is not a complete checkpoint (no trainer_state.pt); check trainer.resume_from_path")
-    return {f.stem: torch.load(f, map_location="cpu", weights_only=False) for f in sorted(p.glob("*.pt"))}
+    parts = {}
+    for f in sorted(p.glob("*.pt")):
+        try:
+            parts[f.stem] = torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            # weights_only refuses anything that would run code to rebuild: say so, without the library's advice
+            # to turn the check off.
+            raise ValueError(f"checkpoint file {f} holds objects other than tensors and plain values, which conveyor "
+                             "never unpickles (it could run code); it was not written by conveyor: "
+                             f"{str(err).splitlines()[0]}") from err
+    return parts
 
 
 def _fsync_dir(path: Path) -> None:

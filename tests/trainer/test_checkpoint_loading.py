@@ -1,0 +1,59 @@
+"""Checkpoints load without unpickling code, and what conveyor saves survives that restriction exactly."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conveyor.trainer import checkpoint as ckpt
+
+
+class _RunsCode:
+    """Unpickling this calls `Path.touch` on a marker file: the shape of a crafted checkpoint that runs a command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    step_dir = tmp_path / "checkpoints" / "global_step_3"
+    step_dir.mkdir(parents=True)
+    with open(step_dir / "trainer_state.pt", "wb") as f:
+        pickle.dump({"global_step": 3, "payload": _RunsCode(marker)}, f)
+    # The same object through torch.save, as a crafted actor.pt would be.
+    torch.save({"model": _RunsCode(marker)}, step_dir / "actor.pt")
+    with pytest.raises(ValueError, match="never unpickles"):
+        ckpt.load_checkpoint(step_dir)
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+
+
+def test_saved_parts_round_trip_under_weights_only(tmp_path: Path) -> None:
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.normal()  # leave a cached gaussian in NumPy's state
+    state = ckpt.rng_state()
+    want = (random.random(), float(np.random.rand()), float(np.random.normal()), float(torch.rand(1)))
+    parts = {
+        "actor": {"model": {"w": torch.randn(3, 2)}, "optim_steps": 4},
+        "trainer_state": {"global_step": 2, "rng": state, "val_history": [(0, 0.1), (2, 0.5)],
+                          "moe_counts": torch.ones(2, 4, dtype=torch.long), "kl_coef": 0.001},
+    }
+    path = ckpt.save_checkpoint(tmp_path / "checkpoints", 2, parts)
+    loaded = ckpt.load_checkpoint(path)
+    assert torch.equal(loaded["actor"]["model"]["w"], parts["actor"]["model"]["w"])
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    ckpt.set_rng_state(loaded["trainer_state"]["rng"])
+    got = (random.random(), float(np.random.rand()), float(np.random.normal()), float(torch.rand(1)))
+    assert got == want
