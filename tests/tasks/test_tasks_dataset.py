@@ -54,6 +54,14 @@ def test_determinism_and_seed_plus_epoch_rule() -> None:
     assert flat_a[:10] != flat_a[10:20]
 
 
+def test_without_shuffle_every_epoch_is_the_file_order() -> None:
+    """data.shuffle=false: records come in the order they were given, epoch after epoch."""
+    records = [{"i": i} for i in range(5)]
+    ds = PromptDataset(records, seed=3, shuffle=False)
+    assert [r["i"] for r in ds.next_batch(12)] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    assert [r["i"] for r in PromptDataset(records, seed=3).next_batch(5)] != [0, 1, 2, 3, 4]
+
+
 def test_batch_crossing_an_epoch_boundary() -> None:
     ds = PromptDataset(_records(10), seed=1)
     ref = PromptDataset(_records(10), seed=1)
