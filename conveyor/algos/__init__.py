@@ -19,6 +19,7 @@ from conveyor.algos.advantages import (
 )
 from conveyor.algos.correction import bypass_old_log_prob, compute_rollout_is_weights
 from conveyor.algos.kl import (
+    KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
@@ -34,6 +35,7 @@ from conveyor.algos.losses import (
     compute_policy_loss,
     compute_value_loss,
     get_policy_loss,
+    loss_params,
     register_policy_loss,
 )
 from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
@@ -54,9 +56,11 @@ __all__ = [
     "compute_value_loss",
     "compute_entropy_loss",
     "get_policy_loss",
+    "loss_params",
     "register_policy_loss",
     "compute_policy_objective",
     "merge_objective_metrics",
+    "KL_KINDS",
     "kl_penalty",
     "FixedKLController",
     "AdaptiveKLController",

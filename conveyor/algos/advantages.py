@@ -12,7 +12,14 @@ Conventions shared by all estimators:
   discounting counts only valid tokens. With right padding this is the usual
   behaviour; with masked tokens inside a response (tool output in multi-turn
   rollouts) the recursion jumps over them.
-- Everything is computed in float32 (float64 inputs stay float64).
+- Everything is computed in float32 (float64 inputs stay float64), except
+  group statistics (means, stds, baselines over the samples of one prompt),
+  which are taken in float64: in float32 the mean of eight rewards of 0.3 is
+  one rounding step off, its std comes out ~3e-8 rather than 0, and dividing
+  by ``std + 1e-6`` turns that into advantages of ~0.03 on every token.
+- A group of two or more samples whose scores are all equal carries no
+  signal, so every group-based estimator gives it advantages of exactly 0
+  (even for float64 inputs, whose own mean can be a rounding step off).
 
 This module deliberately knows nothing about configs, the data plane or
 distributed training: advantages are computed once over the whole batch by the
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,6 +51,11 @@ __all__ = [
     "compute_grpo_advantage",
     "compute_rloo_advantage",
     "compute_reinforce_plus_plus_advantage",
+    "compute_reinforce_plus_plus_baseline_advantage",
+    "compute_remax_advantage",
+    "compute_opo_advantage",
+    "compute_gpg_advantage",
+    "compute_grpo_passk_advantage",
 ]
 
 AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -87,9 +99,16 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch to estimator ``name``; returns ``(advantages (B, T), returns (B, T))``."""
+    """Dispatch to estimator ``name``; returns ``(advantages (B, T), returns (B, T))``.
+
+    ``reward_baselines`` (B,) is the greedy-decoding reward ``remax`` subtracts.
+    """
     fn = get_adv_estimator(name)
+    # Passed only when given, so estimators registered before it existed (with
+    # an exact keyword list) keep working.
+    extra = {} if reward_baselines is None else {"reward_baselines": reward_baselines}
     return fn(
         token_level_rewards,
         response_mask,
@@ -99,6 +118,7 @@ def compute_advantage(
         lam=lam,
         norm_adv_by_std=norm_adv_by_std,
         epsilon=epsilon,
+        **extra,
     )
 
 
@@ -163,7 +183,7 @@ def masked_whiten(
 def _group_ids(group_index: Any, batch_size: int, device: torch.device) -> torch.Tensor:
     """Map ``group_index`` (B,) ints or hashables to dense ids 0..G-1 as a long tensor on ``device``."""
     if group_index is None:
-        raise ValueError("group_index is required by group-based estimators (grpo, rloo)")
+        raise ValueError("group_index is required by group-based estimators (grpo, rloo, opo, ...)")
     if isinstance(group_index, torch.Tensor):
         if group_index.dim() != 1 or group_index.shape[0] != batch_size:
             raise ValueError(
@@ -187,19 +207,68 @@ def _outcome_scores(token_level_rewards: torch.Tensor, mask: torch.Tensor) -> to
     return r.sum(-1)
 
 
-def _group_stats(
-    scores: torch.Tensor, ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample group size, group sum and unbiased group std, each (B,)."""
+class _Groups(NamedTuple):
+    """Float64 statistics of each sample's group, all (B,): see the module docstring for why float64."""
+
+    ids: torch.Tensor  # dense group id, long
+    scores: torch.Tensor  # the sample's own score, float64
+    count: torch.Tensor  # samples in the group
+    total: torch.Tensor  # sum of the group's scores
+    mean: torch.Tensor
+    std: torch.Tensor  # unbiased (Bessel-corrected), as torch.std; 0 for a lone sample
+    flat: torch.Tensor  # bool: two or more samples, all with the same score
+
+    @property
+    def lone(self) -> torch.Tensor:
+        """bool (B,): the sample is alone in its group."""
+        return self.count <= 1
+
+
+def _per_group(values: torch.Tensor, ids: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``reduce`` ("sum", "amax" or "amin") of ``values`` (B,) over each group, broadcast back to (B,)."""
     num_groups = int(ids.max().item()) + 1 if ids.numel() else 0
-    counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-    counts.index_add_(0, ids, torch.ones_like(scores))
-    sums = torch.zeros_like(counts).index_add_(0, ids, scores)
-    means = sums / counts.clamp_min(1)
+    out = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
+    if reduce == "sum":
+        return out.index_add_(0, ids, values)[ids]
+    return out.scatter_reduce_(0, ids, values, reduce, include_self=False)[ids]
+
+
+def _group_stats(scores: torch.Tensor, group_index: Any) -> _Groups:
+    """Group ids from ``group_index`` and the float64 statistics of ``scores`` (B,) within each group."""
+    ids = _group_ids(group_index, scores.shape[0], scores.device)
+    x = scores.to(torch.float64)
+    count = _per_group(torch.ones_like(x), ids, "sum")
+    total = _per_group(x, ids, "sum")
+    mean = total / count
     # Two-pass variance: subtracting the group mean first avoids cancellation.
-    sq = torch.zeros_like(counts).index_add_(0, ids, (scores - means[ids]) ** 2)
-    std = torch.sqrt(sq / (counts - 1).clamp_min(1))
-    return counts[ids], sums[ids], std[ids]
+    sq = _per_group((x - mean) ** 2, ids, "sum")
+    std = torch.sqrt(sq / (count - 1).clamp_min(1))
+    flat = (count > 1) & (_per_group(x, ids, "amax") == _per_group(x, ids, "amin"))
+    return _Groups(ids, x, count, total, mean, std, flat)
+
+
+def _centred(groups: _Groups) -> torch.Tensor:
+    """Score minus its group mean (B,), float64; a lone sample keeps its raw score (verl's baseline 0)."""
+    return groups.scores - torch.where(groups.lone, torch.zeros_like(groups.mean), groups.mean)
+
+
+def _per_token(
+    adv: torch.Tensor, groups: _Groups, mask: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-sequence advantage (B,) as ``dtype`` on every valid token (B, T), 0 for flat groups; returns = it."""
+    adv = torch.where(groups.flat, torch.zeros_like(adv), adv).to(dtype)
+    adv_tok = torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
+    return adv_tok, adv_tok.clone()
+
+
+def _outcome_groups(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: Any
+) -> tuple[torch.Tensor, _Groups, torch.dtype]:
+    """Shared start of the outcome estimators: the bool mask (B, T), the group statistics and the output dtype."""
+    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = _as_bool_mask(response_mask)
+    scores = _outcome_scores(token_level_rewards, m)
+    return m, _group_stats(scores, group_index), scores.dtype
 
 
 # --------------------------------------------------------------------------- estimators
@@ -244,12 +313,6 @@ def compute_gae_advantage(
     return masked_whiten(adv, m), returns
 
 
-def _per_token(adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A per-sequence advantage (B,) on every valid response token (B, T); returns = advantages."""
-    adv_tok = torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=adv.dtype, device=adv.device))
-    return adv_tok, adv_tok.clone()
-
-
 @register_adv_estimator("grpo")
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -261,19 +324,12 @@ def compute_grpo_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (B, T): (score - group mean) / (group std + eps) on each response token; returns = advantages."""
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
-    scores = _outcome_scores(token_level_rewards, m)
-    ids = _group_ids(group_index, scores.shape[0], scores.device)
-    counts, sums, std = _group_stats(scores, ids)
-    singleton = counts <= 1
-    # A lone sample has no peers to compare with: mean 0 / std 1 keeps its raw score.
-    mean = torch.where(singleton, torch.zeros_like(sums), sums / counts.clamp_min(1))
-    adv = scores - mean
+    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    adv = _centred(g)
     if norm_adv_by_std:
-        std = torch.where(singleton, torch.ones_like(std), std)
-        adv = adv / (std + epsilon)
-    return _per_token(adv, m)
+        # A lone sample has no peers to compare with: std 1 keeps its raw score.
+        adv = adv / (torch.where(g.lone, torch.ones_like(g.std), g.std) + epsilon)
+    return _per_token(adv, g, m, dtype)
 
 
 @register_adv_estimator("rloo")
@@ -285,14 +341,10 @@ def compute_rloo_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (B, T): score minus the mean score of the other samples in its group; 0 for a lone sample."""
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
-    scores = _outcome_scores(token_level_rewards, m)
-    ids = _group_ids(group_index, scores.shape[0], scores.device)
-    counts, sums, _std = _group_stats(scores, ids)
-    others_mean = (sums - scores) / (counts - 1).clamp_min(1)
-    adv = torch.where(counts > 1, scores - others_mean, torch.zeros_like(scores))
-    return _per_token(adv, m)
+    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    others_mean = (g.total - g.scores) / (g.count - 1).clamp_min(1)
+    adv = torch.where(g.lone, torch.zeros_like(others_mean), g.scores - others_mean)
+    return _per_token(adv, g, m, dtype)
 
 
 @register_adv_estimator("reinforce_plus_plus")
@@ -318,3 +370,107 @@ def compute_reinforce_plus_plus_advantage(
         running = torch.where(valid, rewards[:, t] + gamma * running, running)
         returns[:, t] = torch.where(valid, running, zero)
     return masked_whiten(returns, m), returns
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (B, T): score minus its group mean on each token, whitened over the batch's tokens.
+
+    The whitening subtracts the batch's token mean, so a flat group (exactly 0
+    before it) ends at ``-mean / std`` like every other token shifted by it.
+    """
+    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    tokens, _ = _per_token(_centred(g), g, m, dtype)
+    adv = masked_whiten(tokens, m)
+    return adv, adv.clone()
+
+
+@register_adv_estimator("remax")
+def compute_remax_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    reward_baselines: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (B, T): undiscounted reward-to-go minus the greedy response's reward ``reward_baselines`` (B,)."""
+    if reward_baselines is None:
+        raise ValueError("reward_baselines (B,) is required by the 'remax' estimator (a greedy rollout's reward)")
+    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    if reward_baselines.shape != token_level_rewards.shape[:1]:
+        raise ValueError(
+            f"reward_baselines must have shape ({token_level_rewards.shape[0]},), got {tuple(reward_baselines.shape)}"
+        )
+    m = _as_bool_mask(response_mask)
+    dtype = _compute_dtype(token_level_rewards)
+    zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
+    rewards = torch.where(m, token_level_rewards.to(dtype), zero)
+    returns = torch.where(m, rewards.flip(-1).cumsum(-1).flip(-1), zero)
+    adv = torch.where(m, returns - reward_baselines.to(dtype).unsqueeze(-1), zero)
+    return adv, returns
+
+
+@register_adv_estimator("opo")
+def compute_opo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (B, T): score minus the length-weighted mean score of its group; a lone sample keeps its raw score."""
+    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    lengths = m.sum(-1).to(torch.float64)
+    # Weighting by length makes this the baseline that minimises the gradient's
+    # variance when every token carries the sequence's advantage (the paper's result).
+    baseline = _per_group(lengths * g.scores, g.ids, "sum") / _per_group(lengths, g.ids, "sum").clamp_min(1)
+    return _per_token(g.scores - torch.where(g.lone, torch.zeros_like(baseline), baseline), g, m, dtype)
+
+
+@register_adv_estimator("gpg")
+def compute_gpg_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (B, T): alpha * (score - group mean), alpha = B / (samples with a non-zero score)."""
+    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    # alpha rescales the batch gradient up by the share of samples that carry
+    # reward, so batches where few samples score are not drowned (GPG's correction).
+    alpha = g.scores.shape[0] / torch.count_nonzero(g.scores).clamp_min(1).to(torch.float64)
+    return _per_token(alpha * _centred(g), g, m, dtype)
+
+
+@register_adv_estimator("grpo_passk")
+def compute_grpo_passk_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (B, T): only each group's best sample gets (best - second best) [/ (group std + eps)]."""
+    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    if bool(g.lone.any()):
+        raise ValueError("the 'grpo_passk' estimator needs at least 2 samples per group (rollout.n >= 2)")
+    ids = g.ids
+    best = _per_group(g.scores, ids, "amax")
+    positions = torch.arange(ids.shape[0], device=ids.device)
+    # One winner per group even on ties (the first best); a tie gives best - second = 0 anyway.
+    first_best = _per_group(torch.where(g.scores == best, positions, ids.shape[0]), ids, "amin")
+    winner = positions == first_best
+    second = _per_group(torch.where(winner, torch.full_like(g.scores, -torch.inf), g.scores), ids, "amax")
+    adv = best - second
+    if norm_adv_by_std:
+        adv = adv / (g.std + epsilon)
+    return _per_token(torch.where(winner, adv, torch.zeros_like(adv)), g, m, dtype)

@@ -4,7 +4,8 @@ Used two ways: as a per-token penalty folded into the reward before
 advantages are computed (``apply_kl_penalty``), or as a loss term in the actor
 update (the caller aggregates ``kl_penalty`` with ``losses.agg_loss``).
 Estimators follow Schulman's "Approximating KL divergence" notes: k1 is
-unbiased but noisy, k2 and k3 are lower-variance.
+unbiased but noisy, k2 and k3 are lower-variance; the "+" kinds keep k1's,
+k3's or abs's value but take k2's gradient (as verl's do).
 
 This module deliberately does not read configs (``make_kl_controller`` takes
 plain values) and does no distributed reduction of the measured KL.
@@ -27,7 +28,8 @@ __all__ = [
     "apply_kl_penalty",
 ]
 
-# Aliases map onto the canonical estimator names.
+# Aliases map onto the canonical estimator names. A "+" kind is straight-through:
+# its value is the named estimator's, its gradient k2's (see kl_penalty).
 KL_KINDS: dict[str, str] = {
     "k1": "k1",
     "kl": "k1",
@@ -36,6 +38,14 @@ KL_KINDS: dict[str, str] = {
     "mse": "k2",
     "k3": "k3",
     "low_var_kl": "k3",
+    "k1+": "k1+",
+    "kl+": "k1+",
+    "abs+": "abs+",
+    "k3+": "k3+",
+    "low_var_kl+": "k3+",
+    # k2's own gradient is already k2's: accepted because verl accepts it.
+    "k2+": "k2",
+    "mse+": "k2",
 }
 
 
@@ -44,11 +54,23 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
 
     ``k1``/``kl``: logp - ref. ``abs``: |logp - ref|. ``k2``/``mse``: 0.5 (logp - ref)^2.
     ``k3``/``low_var_kl``: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10].
+    ``k1+``, ``abs+``, ``k3+``/``low_var_kl+``: the value of the estimator
+    without the ``+`` with the gradient of ``k2`` (straight-through), whose
+    expected gradient is the true KL's, which k1's and k3's are not.
     """
     canonical = KL_KINDS.get(kind)
     if canonical is None:
         raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
     diff = log_prob - ref_log_prob
+    if canonical.endswith("+"):
+        value = _estimate(log_prob, ref_log_prob, diff, canonical[:-1])
+        k2 = 0.5 * diff.square()
+        return k2 - k2.detach() + value.detach()
+    return _estimate(log_prob, ref_log_prob, diff, canonical)
+
+
+def _estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, diff: torch.Tensor, canonical: str) -> torch.Tensor:
+    """The plain estimator ``canonical`` (k1, abs, k2 or k3) per token (B, T); ``diff`` = logp - ref."""
     if canonical == "k1":
         return diff
     if canonical == "abs":

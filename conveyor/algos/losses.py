@@ -2,14 +2,17 @@
 
 All functions take response-aligned ``(B, T)`` tensors and return scalars.
 Aggregation divides by normalisers the *caller* passes (``num_tokens``,
-``num_seqs``): a data-parallel rank computing on its shard with the global
-counts produces a loss whose sum over ranks equals the whole-batch loss, so
-summing gradients across ranks is exact. Without them the local counts are
-used, which is right for a single rank.
+``num_seqs``, and the constant ``loss_scale_factor`` of
+``seq-mean-token-sum-norm``; ``token-sum`` takes none): a data-parallel rank
+computing on its shard with the global counts produces a loss whose sum over
+ranks equals the whole-batch loss, so summing gradients across ranks is exact.
+Without them the local counts are used, which is right for a single rank.
 
-Policy losses are chosen by name from a registry (``"vanilla"`` is PPO's
-clipped surrogate with dual clip); a new variant is added by registering a
-function with the same signature.
+Policy losses are chosen by name from a registry, under verl's names
+(``"vanilla"`` is PPO's clipped surrogate with dual clip; also ``gspo``,
+``sapo``, ``cispo``, ``gpg``, ``clip_cov``, ``kl_cov``, ``geo_mean``); a new
+variant is added by registering a function with ``compute_policy_loss``'s
+signature (hyperparameters of its own as extra keywords with defaults).
 
 This module deliberately does no distributed communication, reads no config
 objects and computes no advantages (see ``advantages.py``).
@@ -17,8 +20,10 @@ objects and computes no advantages (see ``advantages.py``).
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -33,12 +38,19 @@ __all__ = [
     "POLICY_LOSSES",
     "register_policy_loss",
     "get_policy_loss",
+    "loss_params",
     "compute_policy_loss",
     "compute_value_loss",
     "compute_entropy_loss",
 ]
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 Normaliser = int | float | torch.Tensor | None
 
@@ -57,12 +69,17 @@ def agg_loss(
     *,
     num_tokens: Normaliser = None,
     num_seqs: Normaliser = None,
+    loss_scale_factor: Normaliser = None,
 ) -> torch.Tensor:
     """Aggregate ``loss_mat`` (B, T) over ``loss_mask`` (B, T) into a scalar by ``loss_agg_mode``.
 
     ``token-mean``: sum of masked losses / ``num_tokens`` (default: tokens in the mask).
+    ``token-sum``: sum of masked losses, no normaliser (shards' sums add up to the batch's).
     ``seq-mean-token-sum``: sum of per-sequence token sums / ``num_seqs`` (default: B).
     ``seq-mean-token-mean``: sum of per-sequence masked token means / ``num_seqs`` (default: B).
+    ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` / ``loss_scale_factor``
+    (default: T, the padded response width, as in verl; pass the maximum
+    response length so the scale does not change with a micro-batch's padding).
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(
@@ -77,10 +94,19 @@ def agg_loss(
     masked = torch.where(mask, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if loss_agg_mode == "token-mean":
         return masked.sum() / _denominator(num_tokens, mask.sum(), masked)
+    if loss_agg_mode == "token-sum":
+        # conveyor sums gradients over data-parallel ranks, so the local sum is
+        # already this rank's share (verl multiplies by dp_size because DDP averages).
+        return masked.sum()
     per_seq = masked.sum(-1)
     if loss_agg_mode == "seq-mean-token-mean":
         per_seq = per_seq / mask.sum(-1).clamp_min(1).to(per_seq.dtype)
-    return per_seq.sum() / _denominator(num_seqs, loss_mat.shape[0], masked)
+    loss = per_seq.sum() / _denominator(num_seqs, loss_mat.shape[0], masked)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        # Dr. GRPO: one constant for every sequence instead of its own length, so
+        # long and short answers weigh the same per token.
+        loss = loss / _denominator(loss_scale_factor, loss_mat.shape[-1], masked)
+    return loss
 
 
 # --------------------------------------------------------------------------- policy losses
@@ -105,22 +131,116 @@ def get_policy_loss(name: str) -> PolicyLoss:
         raise ValueError(f"unknown policy_loss {name!r}; valid names: {valid}") from None
 
 
+def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) (B, T) with the exponent clamped to +-20 so the ratio stays finite."""
+    # Clipping makes the gradient 0 out there anyway; an inf would turn 0 * inf into NaN.
+    return torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero on ``like``'s device, for metrics a loss does not have (kept for a uniform metric set)."""
+    return torch.zeros((), device=like.device)
+
+
+# Per-token losses (B, T) and metrics (0-dim tensors): what a token loss returns.
+TokenLossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
+TokenLoss = Callable[..., TokenLossResult]
+
+# The keywords every policy loss is called with; anything else is a loss's own hyperparameter.
+_COMMON_KEYWORDS = frozenset({
+    "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "num_tokens", "num_seqs",
+    "loss_scale_factor", "is_weights",
+})
+
+
+def _policy_loss(fixed_agg_mode: str | None = None) -> Callable[[TokenLoss], PolicyLoss]:
+    """Decorator making a policy loss from ``token_loss(mask, old_log_prob, log_prob, advantages, **kw)``.
+
+    ``token_loss`` gets the bool mask and (B, T) inputs already zeroed off the
+    mask, and returns per-token losses (B, T) and its metrics; it declares
+    which of ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` and
+    ``is_weights`` it uses (declaring ``is_weights`` means it applies them
+    itself) plus hyperparameters of its own. Shape checks, padding, importance
+    weights and aggregation (by ``loss_agg_mode``, or ``fixed_agg_mode`` when
+    the loss is defined for one) are done here, once for every loss.
+    """
+
+    def decorator(token_loss: TokenLoss) -> PolicyLoss:
+        accepted = set(inspect.signature(token_loss).parameters)
+
+        def policy_loss(
+            old_log_prob: torch.Tensor,
+            log_prob: torch.Tensor,
+            advantages: torch.Tensor,
+            response_mask: torch.Tensor,
+            *,
+            clip_ratio_low: float = 0.2,
+            clip_ratio_high: float = 0.2,
+            clip_ratio_c: float = 3.0,
+            loss_agg_mode: str = "token-mean",
+            num_tokens: Normaliser = None,
+            num_seqs: Normaliser = None,
+            loss_scale_factor: Normaliser = None,
+            is_weights: torch.Tensor | None = None,
+            **params: Any,
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            for name, t in (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages),
+                            ("is_weights", is_weights)):
+                if t is not None and t.shape != response_mask.shape:
+                    raise ValueError(
+                        f"{name} has shape {tuple(t.shape)} but response_mask has shape {tuple(response_mask.shape)}"
+                    )
+            if clip_ratio_low < 0 or clip_ratio_high < 0:
+                raise ValueError(
+                    f"clip_ratio_low and clip_ratio_high must be >= 0, got {clip_ratio_low}, {clip_ratio_high}"
+                )
+            mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+            # Neutralise padded positions up front so garbage there (NaN, inf) cannot
+            # reach the loss or its gradient through any branch of any loss.
+            zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+            weights = None if is_weights is None else is_weights.detach()
+            shared = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+                      "clip_ratio_c": clip_ratio_c, "is_weights": weights}
+            pg_losses, metrics = token_loss(
+                mask, torch.where(mask, old_log_prob, zero), torch.where(mask, log_prob, zero),
+                torch.where(mask, advantages, zero), **{k: v for k, v in shared.items() if k in accepted}, **params,
+            )
+            if weights is not None and "is_weights" not in accepted:
+                pg_losses = pg_losses * weights
+            pg_loss = agg_loss(pg_losses, mask, fixed_agg_mode or loss_agg_mode, num_tokens=num_tokens,
+                               num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
+            return pg_loss, {name: value.detach() for name, value in metrics.items()}
+
+        # The registered loss reads as the function it was made from (its docs), with the full signature.
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(policy_loss, attr, getattr(token_loss, attr))
+        policy_loss.token_loss = token_loss  # type: ignore[attr-defined]  # what loss_params reads
+        return policy_loss
+
+    return decorator
+
+
+def loss_params(loss: PolicyLoss, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyperparameters among ``params`` that policy loss ``loss`` declares (all, if it takes ``**kwargs``)."""
+    declared = inspect.signature(getattr(loss, "token_loss", loss)).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in declared.values())
+    # The common keywords are passed by the caller already; a second copy would be a TypeError.
+    return {k: v for k, v in params.items() if k not in _COMMON_KEYWORDS and (takes_any or k in declared)}
+
+
 @register_policy_loss("vanilla")
+@_policy_loss()
 def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    num_tokens: Normaliser = None,
-    num_seqs: Normaliser = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+) -> TokenLossResult:
     """PPO clipped surrogate with dual clip over (B, T) inputs; returns (pg_loss scalar, metrics).
+
+    Called as every registered policy loss is: ``(old_log_prob, log_prob,
+    advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.2,
+    clip_ratio_c=3.0, loss_agg_mode="token-mean", num_tokens=None,
+    num_seqs=None, loss_scale_factor=None, is_weights=None, **own
+    hyperparameters)``.
 
     Per token, ``r = exp(log_prob - old_log_prob)`` and the loss is
     ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` it is further
@@ -131,53 +251,212 @@ def compute_policy_loss(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual clip, got {clip_ratio_c}")
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(
-            f"clip_ratio_low and clip_ratio_high must be >= 0, got {clip_ratio_low}, {clip_ratio_high}"
-        )
-    for name, t in (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages)):
-        if t.shape != response_mask.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but response_mask has shape {tuple(response_mask.shape)}"
-            )
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    # Neutralise padded positions up front so garbage there (NaN, inf) cannot
-    # reach the loss or its gradient through any branch below.
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    log_prob = torch.where(mask, log_prob, zero)
-    old_log_prob = torch.where(mask, old_log_prob, zero)
-    advantages = torch.where(mask, advantages, zero)
-
     log_ratio = log_prob - old_log_prob
-    # Clamping the exponent keeps the ratio finite; clipping makes the gradient 0 there anyway.
-    ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
-    ppo_kl = masked_mean(-log_ratio.detach(), mask)
-
+    ratio = _ratio(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)
 
     loss_cap = -advantages * clip_ratio_c
     negative = advantages < 0
-    loss_dual = torch.minimum(loss_ppo, loss_cap)
-    clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).float(), mask)
-    pg_losses = torch.where(negative, loss_dual, loss_ppo)
-
-    if is_weights is not None:
-        if is_weights.shape != pg_losses.shape:
-            raise ValueError(
-                f"is_weights has shape {tuple(is_weights.shape)}, expected {tuple(pg_losses.shape)}"
-            )
-        pg_losses = pg_losses * is_weights.detach()
-
-    pg_loss = agg_loss(pg_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    metrics = {
-        "pg_clipfrac": clipfrac.detach(),
-        "pg_clipfrac_lower": clipfrac_lower.detach(),
-        "ppo_kl": ppo_kl.detach(),
+    pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+    return pg_losses, {
+        "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "pg_clipfrac_lower": masked_mean(((loss_ppo > loss_cap) & negative).float(), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
     }
-    return pg_loss, metrics
+
+
+@register_policy_loss("gspo")
+@_policy_loss()
+def compute_policy_loss_gspo(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, clip_ratio_low: float, clip_ratio_high: float,
+) -> TokenLossResult:
+    """GSPO (B, T): the PPO clip applied to the sequence-level ratio (geometric mean of token ratios).
+
+    ``s_i = exp(mean_t log r_it)``; each token uses ``sg(s_i) * p_it / sg(p_it)``
+    (value ``s_i``, gradient of its own log-prob scaled by ``s_i``) in
+    ``max(-A s, -A clip(s, 1 - low, 1 + high))``. No dual clip. The paper
+    aggregates ``seq-mean-token-mean``; like verl, ``loss_agg_mode`` is honoured.
+    """
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp_min(1).to(log_ratio.dtype)
+    # The straight-through form keeps a per-token gradient while the value is the sequence ratio.
+    log_seq_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    seq_ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
+    loss_unclipped = -advantages * seq_ratio
+    loss_clipped = -advantages * torch.clamp(seq_ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return torch.maximum(loss_unclipped, loss_clipped), {
+        "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "pg_clipfrac_lower": _zero(mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("sapo")
+@_policy_loss(fixed_agg_mode="seq-mean-token-mean")
+def compute_policy_loss_sapo(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, tau_pos: float = 1.0, tau_neg: float = 1.05,
+) -> TokenLossResult:
+    """SAPO (B, T): a smooth sigmoid gate on the ratio instead of a hard clip.
+
+    Per token ``-A * (4 / tau) * sigmoid(tau (r - 1))`` with ``tau = tau_pos``
+    where ``A > 0`` and ``tau_neg`` elsewhere (its gradient is ``-A r`` at
+    ``r = 1`` and fades smoothly away from it). The objective is defined per
+    sequence, so, as in verl, it always aggregates ``seq-mean-token-mean``
+    over ``num_seqs`` and ignores ``loss_agg_mode``; the clip ranges are unused.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    log_ratio = log_prob - old_log_prob
+    taus = torch.where(
+        advantages > 0,
+        torch.as_tensor(tau_pos, dtype=advantages.dtype, device=advantages.device),
+        torch.as_tensor(tau_neg, dtype=advantages.dtype, device=advantages.device),
+    )
+    gates = torch.sigmoid(taus * (_ratio(log_ratio) - 1.0)) * (4.0 / taus)
+    return -gates * advantages, {
+        "pg_clipfrac": _zero(mask), "pg_clipfrac_lower": _zero(mask), "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("cispo")
+@_policy_loss()
+def compute_policy_loss_cispo(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, clip_ratio_low: float, clip_ratio_high: float,
+) -> TokenLossResult:
+    """CISPO (B, T): REINFORCE weighted by the clipped, detached ratio: ``-sg(clip(r, 1-low, 1+high)) A log_prob``.
+
+    Clipping the weight rather than the objective keeps every token's gradient
+    (PPO drops clipped tokens entirely).
+    """
+    log_ratio = log_prob - old_log_prob
+    ratio = _ratio(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return -clipped.detach() * advantages * log_prob, {
+        "pg_clipfrac": masked_mean((ratio != clipped).float(), mask),
+        "pg_clipfrac_lower": _zero(mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("gpg")
+@_policy_loss()
+def compute_policy_loss_gpg(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor
+) -> TokenLossResult:
+    """GPG (B, T): plain policy gradient ``-A log_prob``, no ratio and no clip (the clip ranges are unused).
+
+    Metrics: ``ppo_kl`` only (verl reports none; it is kept to watch drift).
+    """
+    return -log_prob * advantages, {"ppo_kl": masked_mean(old_log_prob - log_prob, mask)}
+
+
+@register_policy_loss("clip_cov")
+@_policy_loss()
+def compute_policy_loss_clip_cov(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0, generator: torch.Generator | None = None,
+) -> TokenLossResult:
+    """Clip-Cov (B, T): PPO's clip, plus the gradient of a few high-covariance tokens switched off.
+
+    Per token ``cov = (A - mean A) (log_prob - mean log_prob)`` over this
+    micro-batch; of the tokens PPO did not clip with ``clip_cov_lb < cov <
+    clip_cov_ub``, ``max(1, int(clip_cov_ratio * tokens))`` chosen at random
+    (``torch.randperm`` with ``generator``, the global one by default, as verl)
+    get loss 0. Those tokens drive entropy collapse (the paper). No dual clip.
+    Metrics: ``pg_clipfrac`` (the share switched off), ``ppo_kl``.
+    """
+    if clip_cov_ratio <= 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    log_ratio = log_prob - old_log_prob
+    ratio = _ratio(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+
+    logp = log_prob.detach()
+    cov = (advantages - masked_mean(advantages, mask)) * (logp - masked_mean(logp, mask))
+    candidates = mask & ~(loss_clipped > loss_unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    # Row-major positions, shuffled and cut like verl's so the same seed picks the same tokens.
+    positions = torch.nonzero(candidates)
+    clip_num = max(int(clip_cov_ratio * mask.sum().item()), 1)
+    chosen = positions[torch.randperm(len(positions), generator=generator)[:clip_num].to(positions.device)]
+    keep = torch.ones_like(loss_unclipped)
+    keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    return torch.maximum(loss_unclipped, loss_clipped) * keep, {
+        "pg_clipfrac": masked_mean((keep == 0).float(), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("kl_cov")
+@_policy_loss()
+def compute_policy_loss_kl_cov(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1,
+) -> TokenLossResult:
+    """KL-Cov (B, T): unclipped ``-A r``, plus ``ppo_kl_coef * |log r|`` on the highest-covariance tokens.
+
+    Per valid token ``cov = (A - mean A) (log_prob - mean log_prob)`` over this
+    micro-batch; the top ``max(1, int(tokens * kl_cov_ratio))`` get the KL
+    penalty, which restrains exactly the tokens that collapse entropy (the
+    paper). No clipping at all (the clip ranges are unused). Metrics:
+    ``ppo_kl`` is the mean of ``|log r|`` here, as in verl.
+    """
+    if kl_cov_ratio <= 0:
+        raise ValueError(f"kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -advantages * _ratio(log_ratio)
+
+    valid = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+    if valid.numel() > 0:
+        adv_v = advantages.detach().reshape(-1)[valid]
+        logp_v = log_prob.detach().reshape(-1)[valid]
+        cov = (adv_v - adv_v.mean()) * (logp_v - logp_v.mean())
+        top = valid[torch.topk(cov, max(1, int(len(cov) * kl_cov_ratio)), largest=True).indices]
+        penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        penalised[top] = True
+        pg_losses = torch.where(penalised.view_as(mask), pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
+    return pg_losses, {"ppo_kl": masked_mean(log_ratio.abs(), mask)}
+
+
+@register_policy_loss("geo_mean")
+@_policy_loss(fixed_agg_mode="seq-mean-token-sum")
+def compute_policy_loss_geo_mean(
+    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+    *, clip_ratio_low: float, clip_ratio_high: float, is_weights: torch.Tensor | None,
+) -> TokenLossResult:
+    """GMPO (B, T): PPO on the geometric mean of token ratios, clipped per token in log space.
+
+    Per token the log-ratio is clipped to ``[-low, high]`` on the side the
+    advantage's sign makes pessimistic; per sequence ``-mean_t(A) *
+    exp(mean_t(clipped log r))``, summed over sequences / ``num_seqs``. The
+    loss is per sequence, so ``loss_agg_mode`` is unused (the mean over
+    sequences verl takes, with the global count); ``is_weights`` enter as their
+    per-sequence geometric mean. Metrics: ``pg_clipfrac`` (clipped tokens with
+    ``A > 0``), ``pg_clipfrac_lower`` (``A < 0``), ``ppo_kl``.
+    """
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    log_ratio_clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio_clamped)
+
+    lengths = mask.sum(-1).clamp_min(1).to(log_ratio.dtype)
+    seq_losses = -(advantages.sum(-1) / lengths) * torch.exp(pessimistic.sum(-1) / lengths)
+    if is_weights is not None:
+        log_w = torch.where(mask, torch.log(is_weights + 1e-10), torch.zeros_like(log_ratio))
+        seq_losses = seq_losses * torch.exp(log_w.sum(-1) / lengths)
+    clipped = log_ratio != log_ratio_clamped
+    # Spread evenly over its tokens, a sequence's loss sums back to itself under seq-mean-token-sum.
+    return (seq_losses / lengths).unsqueeze(-1).expand_as(log_ratio), {
+        "pg_clipfrac": masked_mean((clipped & (advantages > 0)).float(), mask),
+        "pg_clipfrac_lower": masked_mean((clipped & (advantages < 0)).float(), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
 
 
 # --------------------------------------------------------------------------- value and entropy
@@ -193,6 +472,7 @@ def compute_value_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: Normaliser = None,
     num_seqs: Normaliser = None,
+    loss_scale_factor: Normaliser = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss (B, T) -> (loss, clipfrac): 0.5 * max((v - R)^2, (clip(v, old +- c) - R)^2)."""
     if cliprange_value < 0:
@@ -206,7 +486,8 @@ def compute_value_loss(
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
     vf_losses = torch.maximum(loss_unclipped, loss_clipped)
-    vf_loss = 0.5 * agg_loss(vf_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    vf_loss = 0.5 * agg_loss(vf_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                             loss_scale_factor=loss_scale_factor)
     vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask).detach()
     return vf_loss, vf_clipfrac
 
@@ -217,6 +498,8 @@ def compute_entropy_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: Normaliser = None,
     num_seqs: Normaliser = None,
+    loss_scale_factor: Normaliser = None,
 ) -> torch.Tensor:
     """Aggregated entropy (B, T) -> scalar; the caller subtracts ``coef *`` it for an entropy bonus."""
-    return agg_loss(entropy, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return agg_loss(entropy, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    loss_scale_factor=loss_scale_factor)

@@ -18,11 +18,14 @@ reduction: the caller passes the global ``num_tokens``/``num_seqs``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from conveyor.algos.correction import compute_rollout_is_weights
 from conveyor.algos.kl import kl_penalty
-from conveyor.algos.losses import Normaliser, agg_loss, get_policy_loss
+from conveyor.algos.losses import Normaliser, agg_loss, get_policy_loss, loss_params
 
 __all__ = ["compute_policy_objective", "merge_objective_metrics"]
 
@@ -65,12 +68,17 @@ def compute_policy_objective(
     rollout_is_threshold: float = 2.0,
     num_tokens: Normaliser = None,
     num_seqs: Normaliser = None,
+    loss_scale_factor: Normaliser = None,
+    policy_loss_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Actor loss of one micro-batch of (B, T) tensors and its additive metrics.
 
     ``loss = pg_loss - entropy_coeff * entropy_loss + kl_loss_coef * kl_loss``:
 
-    - ``pg_loss``: the registry's ``loss_mode`` policy loss; with
+    - ``pg_loss``: the registry's ``loss_mode`` policy loss, given those of
+      ``policy_loss_kwargs`` it declares (hyperparameters such as
+      ``clip_cov_ratio`` or ``tau_pos``: the caller may pass every configured
+      one whatever the loss) on top of the common keywords; with
       ``rollout_is`` ("token" or "sequence") each token's loss is weighted by
       the truncated importance weights of ``old_log_prob`` against
       ``rollout_log_probs`` (B, T) (``correction.compute_rollout_is_weights``).
@@ -80,7 +88,8 @@ def compute_policy_objective(
       aggregated, whenever ``ref_log_prob`` (B, T) is given.
 
     Every term is aggregated by ``loss_agg_mode`` over the global
-    ``num_tokens``/``num_seqs``, so summing the losses of all micro-batches and
+    ``num_tokens``/``num_seqs`` (and ``loss_scale_factor`` for
+    ``seq-mean-token-sum-norm``), so summing the losses of all micro-batches and
     ranks gives the mini-batch loss. Metrics (python floats; see the module
     docstring for the convention): ``pg_loss@sum``; the policy loss's own
     metrics (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for vanilla) as
@@ -99,6 +108,9 @@ def compute_policy_objective(
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     ntok = float(mask.sum())
     norms = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+    if loss_scale_factor is not None:
+        # Only when set, so losses registered before the keyword existed keep working.
+        norms["loss_scale_factor"] = loss_scale_factor
     metrics: dict[str, float] = {}
 
     is_weights = None
@@ -115,10 +127,11 @@ def compute_policy_objective(
             else:
                 metrics[key] = float(value)
 
-    pg_loss, pg_metrics = get_policy_loss(loss_mode)(
+    loss_fn = get_policy_loss(loss_mode)
+    pg_loss, pg_metrics = loss_fn(
         old_log_prob, log_prob, advantages, mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, is_weights=is_weights, **norms,
+        loss_agg_mode=loss_agg_mode, is_weights=is_weights, **norms, **loss_params(loss_fn, policy_loss_kwargs or {}),
     )
     loss = pg_loss
     metrics["pg_loss" + _SUM] = pg_loss.item()

@@ -193,18 +193,101 @@ def test_reinforce_plus_plus_discounts_over_valid_tokens_only() -> None:
     torch.testing.assert_close(ret, torch.tensor([[1.5, 0.0, 1.0], [0.5, 1.0, 2.0]]))
 
 
+# --------------------------------------------------------------------------- REINFORCE++-baseline, ReMax, OPO, GPG, pass@k
+
+
+def test_reinforce_plus_plus_baseline_by_hand() -> None:
+    # Group scores 1, 3 -> centred -1, +1; the lone sample keeps its score 2.
+    # Tokens: -1 (x2), +1 (x1), 2 (x1) -> whitened over those 4 tokens.
+    rewards, mask = _outcome_rewards([1, 3, 2], [2, 1, 1], 2)
+    adv, ret = compute_advantage("reinforce_plus_plus_baseline", rewards, mask, group_index=torch.tensor([0, 0, 1]))
+    w = _py_whiten([-1.0, -1.0, 1.0, 2.0])
+    torch.testing.assert_close(adv, torch.tensor([[w[0], w[1]], [w[2], 0.0], [w[3], 0.0]]))
+    torch.testing.assert_close(ret, adv)
+
+
+def test_remax_by_hand_and_needs_the_greedy_baseline() -> None:
+    # Reward-to-go over valid tokens (0.5, 1.5, 1.0 | 2.0) minus the greedy rewards 1 and 3.
+    rewards = torch.tensor([[-1.0, 0.5, 1.0], [2.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv, ret = compute_advantage("remax", rewards, mask, reward_baselines=torch.tensor([1.0, 3.0]))
+    torch.testing.assert_close(ret, torch.tensor([[0.5, 1.5, 1.0], [2.0, 0.0, 0.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[-0.5, 0.5, 0.0], [-1.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="reward_baselines"):
+        compute_advantage("remax", rewards, mask)
+    with pytest.raises(ValueError, match="reward_baselines"):
+        compute_advantage("remax", rewards, mask, reward_baselines=torch.zeros(3))
+
+
+def test_opo_by_hand() -> None:
+    # Scores 1 (length 3) and 4 (length 1): baseline (3*1 + 1*4) / 4 = 1.75. Lone sample keeps its score.
+    rewards, mask = _outcome_rewards([1, 4, 5], [3, 1, 2], 3)
+    adv, _ = compute_advantage("opo", rewards, mask, group_index=["a", "a", "b"])
+    torch.testing.assert_close(adv, torch.tensor([-0.75, 2.25, 5.0])[:, None] * mask)
+
+
+def test_gpg_by_hand() -> None:
+    # Scores 0, 2 | 0, 0: alpha = 4 samples / 1 non-zero = 4; centred -1, +1 | flat group -> 0.
+    rewards, mask = _outcome_rewards([0, 2, 0, 0], [1, 2, 2, 1], 2)
+    adv, _ = compute_advantage("gpg", rewards, mask, group_index=torch.tensor([0, 0, 1, 1]))
+    torch.testing.assert_close(adv, torch.tensor([-4.0, 4.0, 0.0, 0.0])[:, None] * mask)
+
+
+def test_grpo_passk_by_hand() -> None:
+    # Group 0 scores 1, 5, 3: only the best (5) gets 5 - 3 = 2, over std 2 -> 1.
+    # Group 1 ties at the top (2, 2): best - second = 0 for everyone.
+    rewards, mask = _outcome_rewards([1, 5, 3, 2, 2], [1, 2, 1, 2, 2], 2)
+    group = torch.tensor([0, 0, 0, 1, 1])
+    adv, _ = compute_advantage("grpo_passk", rewards, mask, group_index=group, epsilon=0.0)
+    torch.testing.assert_close(adv, torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0])[:, None] * mask)
+    adv, _ = compute_advantage("grpo_passk", rewards, mask, group_index=group, norm_adv_by_std=False)
+    torch.testing.assert_close(adv, torch.tensor([0.0, 2.0, 0.0, 0.0, 0.0])[:, None] * mask)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        compute_advantage("grpo_passk", rewards, mask, group_index=torch.tensor([0, 0, 0, 1, 2]))
+
+
+# --------------------------------------------------------------------------- flat groups
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_groups_with_equal_rewards_get_exactly_zero(name: str, dtype: torch.dtype) -> None:
+    # In float32, mean(8 x 0.3) is a rounding step off 0.3 and std comes out ~3e-8,
+    # so (score - mean) / (std + 1e-6) used to give ~0.03 on every token.
+    scores, lengths, group = [], [], []
+    for value in (0.1, 0.3, 0.7):
+        for size in range(2, 9):
+            scores += [value] * size
+            lengths += [1 + (i % 4) for i in range(size)]
+            group += [len(set(group))] * size
+    rewards, mask = _outcome_rewards(scores, lengths, 4)
+    adv, ret = compute_advantage(name, rewards.to(dtype), mask, group_index=torch.tensor(group))
+    assert (adv == 0).all() and (ret == 0).all()
+
+
+@pytest.mark.parametrize("name", [n for n in GROUP_ESTIMATORS if n != "reinforce_plus_plus_baseline"])
+def test_a_flat_group_stays_zero_next_to_others(name: str) -> None:
+    # Per-group estimators: a flat group's zeros do not depend on the rest of the batch.
+    rewards, mask = _outcome_rewards([0.3] * 8 + [0.0, 1.0, 0.5], [3] * 8 + [1, 2, 3], 3)
+    adv, _ = compute_advantage(name, rewards, mask, group_index=torch.tensor([0] * 8 + [1, 1, 1]))
+    assert (adv[:8] == 0).all() and (adv[8:] != 0).any()
+
+
 # --------------------------------------------------------------------------- shared properties
 
 
-@pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
 def test_values_under_the_mask_change_nothing(name: str) -> None:
     gen = torch.Generator().manual_seed(0)
     rewards = torch.randn(6, 5, generator=gen)
     values = torch.randn(6, 5, generator=gen)
     mask = torch.rand(6, 5, generator=gen) > 0.3
     mask[:, 0] = True
-    group = torch.tensor([0, 0, 0, 1, 1, 2])
-    kwargs = dict(values=values, group_index=group, gamma=0.9, lam=0.95)
+    # A lone sample in group 2, except for pass@k, which needs two per group.
+    group = torch.tensor([0, 0, 0, 1, 1, 1 if name == "grpo_passk" else 2])
+    kwargs = dict(values=values, group_index=group, gamma=0.9, lam=0.95, reward_baselines=torch.randn(6, generator=gen))
     adv1, ret1 = compute_advantage(name, rewards, mask, **kwargs)
 
     noisy_rewards = torch.where(mask, rewards, torch.full_like(rewards, 1e6))

@@ -47,12 +47,23 @@ def test_k3_is_clamped_and_keeps_finite_gradients() -> None:
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1.0 - math.exp(2.0)]]))
 
 
+@pytest.mark.parametrize(("kind", "base"), [("k1+", "k1"), ("kl+", "k1"), ("abs+", "abs"), ("k3+", "k3"),
+                                           ("low_var_kl+", "k3"), ("k2+", "k2"), ("mse+", "k2")])
+def test_straight_through_kinds_have_their_value_and_k2s_gradient(kind: str, base: str) -> None:
+    logp = LOGP.clone().requires_grad_(True)
+    out = kl_penalty(logp, REF, kind)
+    torch.testing.assert_close(out, kl_penalty(LOGP, REF, base))
+    out.sum().backward()
+    # d/dlogp 0.5 (logp - ref)^2 = logp - ref = (0.5, -1.0), the true KL's expected gradient.
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.5, -1.0]]))
+
+
 def test_unknown_kl_kind_names_valid_kinds() -> None:
     with pytest.raises(ValueError) as info:
         kl_penalty(LOGP, REF, "full")
     message = str(info.value)
     assert "full" in message
-    for kind in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"):
+    for kind in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "abs+", "k3+", "low_var_kl+"):
         assert kind in message
 
 

@@ -32,6 +32,10 @@ def test_agg_modes_by_hand() -> None:
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx(3.5)
     # seq-mean-token-mean: (1.5 + 4) / 2 sequences.
     assert agg_loss(LOSS, MASK, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    # token-sum: 1 + 2 + 4, no normaliser.
+    assert agg_loss(LOSS, MASK, "token-sum").item() == pytest.approx(7.0)
+    # seq-mean-token-sum-norm: (3 + 4) / 2 sequences / 3 (the padded width by default).
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item() == pytest.approx(3.5 / 3)
 
 
 def test_agg_uses_given_normalisers() -> None:
@@ -42,6 +46,12 @@ def test_agg_uses_given_normalisers() -> None:
     # num_tokens does not affect the sequence modes, num_seqs not the token mode.
     assert agg_loss(LOSS, MASK, "token-mean", num_seqs=100).item() == pytest.approx(7 / 3)
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum", num_tokens=100).item() == pytest.approx(3.5)
+    # token-sum takes no normaliser; seq-mean-token-sum-norm takes num_seqs and loss_scale_factor.
+    assert agg_loss(LOSS, MASK, "token-sum", num_tokens=100, num_seqs=100).item() == pytest.approx(7.0)
+    norm = agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", num_seqs=7, loss_scale_factor=10)
+    assert norm.item() == pytest.approx(7 / 7 / 10)
+    # loss_scale_factor only matters to seq-mean-token-sum-norm.
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum", loss_scale_factor=10).item() == pytest.approx(3.5)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -64,7 +74,7 @@ def test_agg_ignores_values_under_the_mask(mode: str) -> None:
 
 def test_agg_unknown_mode_and_shape_errors() -> None:
     with pytest.raises(ValueError) as info:
-        agg_loss(LOSS, MASK, "token-sum")
+        agg_loss(LOSS, MASK, "token-median")
     for mode in LOSS_AGG_MODES:
         assert mode in str(info.value)
     with pytest.raises(ValueError, match="loss_mask"):
@@ -169,17 +179,24 @@ def test_policy_loss_importance_weights_multiply_each_token() -> None:
         compute_policy_loss(old, new, adv, mask, is_weights=torch.ones(1, 4))
 
 
-def test_policy_loss_ignores_values_under_the_mask() -> None:
+def _seeded(name: str) -> dict[str, torch.Generator]:
+    """clip_cov picks tokens at random: a fresh seeded generator makes two calls pick the same ones."""
+    return {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_policy_loss_ignores_values_under_the_mask(name: str) -> None:
     old, new, adv, _ = _policy_case()
     mask = torch.tensor([[1, 1, 0, 1, 0]], dtype=torch.bool)
+    loss_fn = get_policy_loss(name)
     clean_new = new.clone().requires_grad_(True)
-    clean, clean_metrics = compute_policy_loss(old, clean_new, adv, mask)
+    clean, clean_metrics = loss_fn(old, clean_new, adv, mask, **_seeded(name))
     clean.backward()
 
     nan = torch.tensor(float("nan"))
     noisy_new = torch.where(mask, new, nan).requires_grad_(True)
-    noisy, noisy_metrics = compute_policy_loss(
-        torch.where(mask, old, nan), noisy_new, torch.where(mask, adv, nan), mask
+    noisy, noisy_metrics = loss_fn(
+        torch.where(mask, old, nan), noisy_new, torch.where(mask, adv, nan), mask, **_seeded(name)
     )
     noisy.backward()
     assert noisy.item() == pytest.approx(clean.item())
@@ -198,8 +215,90 @@ def test_policy_loss_argument_errors() -> None:
         compute_policy_loss(old, new, adv, mask, loss_agg_mode="sum")
 
 
+def test_gspo_uses_the_sequence_ratio_with_per_token_gradients() -> None:
+    # Token log-ratios 0.1, 0.3 -> sequence ratio exp(0.2) = 1.22 on both tokens, inside the clip range 1.28.
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[0.1, 0.3]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0]])
+    loss, metrics = get_policy_loss("gspo")(old, new, adv, torch.ones(1, 2), clip_ratio_high=0.28)
+    s = math.exp(0.2)
+    assert loss.item() == pytest.approx((-1.0 * s + 2.0 * s) / 2)
+    loss.backward()
+    # Straight-through: d/d log_prob_t of s * (p_t / sg p_t) is s, so each token gets -A_t s / 2.
+    torch.testing.assert_close(new.grad, torch.tensor([[-s / 2, 2 * s / 2]]))
+    assert metrics["pg_clipfrac"].item() == 0.0
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
+    # Ratio 1.5 with A = 1: PPO would give this token no gradient; CISPO weighs -A log_prob by clip(r) = 1.2.
+    old = torch.zeros(1, 1)
+    new = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss, metrics = get_policy_loss("cispo")(old, new, torch.ones(1, 1), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.2 * math.log(1.5))
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.2]]))
+    assert metrics["pg_clipfrac"].item() == 1.0
+
+
+def test_sapo_gate_by_hand() -> None:
+    # At r = 1 the gate is (4 / tau) * sigmoid(0) = 2 / tau and its slope in r is 1, like PPO's.
+    old = torch.zeros(1, 2)
+    new = torch.zeros(1, 2, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, _ = get_policy_loss("sapo")(old, new, adv, torch.ones(1, 2), tau_pos=2.0, tau_neg=4.0)
+    assert loss.item() == pytest.approx((-1.0 * 2 / 2.0 + 1.0 * 2 / 4.0) / 2)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-0.5, 0.5]]))
+    with pytest.raises(ValueError, match="tau"):
+        get_policy_loss("sapo")(old, new, adv, torch.ones(1, 2), tau_neg=0.0)
+
+
+def test_gpg_is_plain_policy_gradient() -> None:
+    new = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = get_policy_loss("gpg")(torch.zeros(1, 2), new, torch.tensor([[2.0, 1.0]]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx((2.0 + 2.0) / 2)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.0, -0.5]]))
+
+
+def test_geo_mean_by_hand() -> None:
+    # One sequence, A = 1 on both tokens, log-ratios 0.1 and 0.5: the second is clipped at 0.28
+    # (A > 0 clips from above), so the ratio is exp((0.1 + 0.28) / 2) and the loss its negative.
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[0.1, 0.5]])
+    loss, metrics = get_policy_loss("geo_mean")(old, new, torch.ones(1, 2), torch.ones(1, 2), clip_ratio_high=0.28)
+    assert loss.item() == pytest.approx(-math.exp(0.19))
+    assert metrics["pg_clipfrac"].item() == 0.5 and metrics["pg_clipfrac_lower"].item() == 0.0
+    # A per-sequence loss: summed over sequences / num_seqs, whatever loss_agg_mode says.
+    halved, _ = get_policy_loss("geo_mean")(old, new, torch.ones(1, 2), torch.ones(1, 2), clip_ratio_high=0.28,
+                                            num_seqs=2, loss_agg_mode="token-sum")
+    assert halved.item() == pytest.approx(-math.exp(0.19) / 2)
+
+
+def test_cov_losses_pick_the_highest_covariance_tokens() -> None:
+    # Four tokens, ratio 1 everywhere. Centred A = (1.5, -0.5, -0.5, -0.5), centred log_prob = (1.5, -0.5, -0.5,
+    # -0.5): token 0 has covariance 2.25, the others 0.25.
+    old = torch.tensor([[0.0, -2.0, -2.0, -2.0]])
+    adv = torch.tensor([[2.0, 0.0, 0.0, 0.0]])
+    mask = torch.ones(1, 4)
+    # kl_cov penalises token 0 by coef * |log r| = 0 at r = 1, so the loss is plain -A r.
+    loss, _ = get_policy_loss("kl_cov")(old, old.clone(), adv, mask, kl_cov_ratio=0.25, ppo_kl_coef=1.0)
+    assert loss.item() == pytest.approx(-2.0 / 4)
+    # clip_cov with bounds around 2.25 switches token 0 off, so nothing is left.
+    loss, metrics = get_policy_loss("clip_cov")(old, old.clone(), adv, mask, clip_cov_lb=2.0, clip_cov_ub=3.0)
+    assert loss.item() == 0.0 and metrics["pg_clipfrac"].item() == 0.25
+    # Bounds that exclude it leave the PPO loss.
+    loss, metrics = get_policy_loss("clip_cov")(old, old.clone(), adv, mask, clip_cov_lb=3.0, clip_cov_ub=5.0)
+    assert loss.item() == pytest.approx(-2.0 / 4) and metrics["pg_clipfrac"].item() == 0.0
+    for name, key in (("clip_cov", "clip_cov_ratio"), ("kl_cov", "kl_cov_ratio")):
+        with pytest.raises(ValueError, match=key):
+            get_policy_loss(name)(old, old, adv, mask, **{key: 0.0})
+
+
 def test_policy_loss_registry() -> None:
     assert get_policy_loss("vanilla") is compute_policy_loss
+    # verl's names for the losses users ask for.
+    assert {"gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean"} <= set(POLICY_LOSSES)
     with pytest.raises(ValueError) as info:
         get_policy_loss("gpo")
     assert "gpo" in str(info.value) and "vanilla" in str(info.value)

@@ -9,7 +9,7 @@ import torch
 
 from conveyor.algos.correction import compute_rollout_is_weights
 from conveyor.algos.kl import kl_penalty
-from conveyor.algos.losses import POLICY_LOSSES, agg_loss, compute_policy_loss
+from conveyor.algos.losses import POLICY_LOSSES, agg_loss, compute_policy_loss, loss_params
 from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
 from conveyor.metrics.reduce import reduce_rank_metrics
 
@@ -76,6 +76,42 @@ def test_loss_mode_picks_from_the_registry(monkeypatch) -> None:
     assert metrics == {"pg_loss@sum": 7.0, "my_metric@sum": 1.5, "my_metric@count": 3.0}
     with pytest.raises(ValueError, match="unknown policy_loss"):
         _objective(loss_mode="no-such-loss")
+
+
+def test_policy_loss_kwargs_and_loss_scale_factor_reach_the_terms(monkeypatch) -> None:
+    calls = []
+
+    def spy_loss(old_log_prob, log_prob, advantages, response_mask, **kwargs):
+        calls.append(kwargs)
+        return log_prob.sum() * 0, {}
+
+    monkeypatch.setitem(POLICY_LOSSES, "spy-for-test", spy_loss)
+    entropy = torch.tensor([[0.5, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    loss, _ = _objective(loss_mode="spy-for-test", policy_loss_kwargs={"tau_pos": 0.5},
+                         loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=10, num_seqs=2,
+                         entropy=entropy, entropy_coeff=1.0)
+    assert calls[0]["tau_pos"] == 0.5 and calls[0]["loss_scale_factor"] == 10
+    # Entropy per sequence 1.5 and 2.0 -> (3.5 / 2 sequences) / 10.
+    assert loss.item() == pytest.approx(-3.5 / 2 / 10)
+    # Without one, the keyword is not passed at all (losses registered before it keep working).
+    _objective(loss_mode="spy-for-test")
+    assert "loss_scale_factor" not in calls[1]
+
+
+def test_each_loss_takes_the_hyperparameters_it_declares() -> None:
+    # The caller passes every configured hyperparameter; each loss picks its own.
+    every = {"tau_pos": 2.0, "tau_neg": 3.0, "clip_cov_ratio": 0.5, "kl_cov_ratio": 0.5, "ppo_kl_coef": 1.0}
+    loss, _ = _objective(loss_mode="sapo", policy_loss_kwargs=every)
+    want, _ = POLICY_LOSSES["sapo"](OLD, LOG_PROB, ADV, MASK, tau_pos=2.0, tau_neg=3.0)
+    assert loss.item() == pytest.approx(want.item())
+    default, _ = _objective(loss_mode="sapo")
+    assert default.item() != pytest.approx(want.item())
+    vanilla, _ = _objective(policy_loss_kwargs=every)
+    assert vanilla.item() == pytest.approx(sum(PG_TOKENS) / 3)
+    assert loss_params(POLICY_LOSSES["kl_cov"], every) == {"kl_cov_ratio": 0.5, "ppo_kl_coef": 1.0}
+    # Called directly, a loss still refuses a keyword it does not know (a typo is not silently dropped).
+    with pytest.raises(TypeError, match="tau_pso"):
+        POLICY_LOSSES["sapo"](OLD, LOG_PROB, ADV, MASK, tau_pso=2.0)
 
 
 def test_entropy_bonus_by_hand() -> None:

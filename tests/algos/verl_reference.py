@@ -1,0 +1,125 @@
+"""Run verl 0.9.1's core_algos on saved cases: `python verl_reference.py CASES.pt OUT.pt`.
+
+Run as a subprocess by test_verl_parity.py, never imported by the tests:
+importing verl sets up the root logger and environment variables, which would
+leak into the tests that follow. Each case is a dict with a "kind"
+(advantage, policy_loss, agg, kl) and its inputs; the output maps each case id
+to verl's tensors.
+
+verl's own config classes (``verl.workers.config``) pull in profiler and
+tracking packages that verl's no-deps install lacks, so a stand-in module
+providing ``ActorConfig`` (attribute access over a dict, which is all the
+losses read) is put in its place before core_algos is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import torch
+
+
+class _Config(dict):
+    """A dict read by attribute too, with ``.get``: what core_algos reads from verl's config dataclasses."""
+
+    __getattr__ = dict.__getitem__
+
+
+class ActorConfig(_Config):
+    """Stand-in for verl.workers.config.ActorConfig (the losses check isinstance against it)."""
+
+
+def _load_core_algos() -> types.ModuleType:
+    """verl.trainer.ppo.core_algos with ``verl.workers.config`` replaced by the stand-in."""
+    stub = types.ModuleType("verl.workers.config")
+    stub.ActorConfig = ActorConfig
+    sys.modules["verl.workers.config"] = stub
+    from verl.trainer.ppo import core_algos
+
+    return core_algos
+
+
+def _advantage(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's estimator ``case["name"]`` -> advantages and returns."""
+    kwargs = {
+        "token_level_rewards": case["rewards"].clone(),
+        "response_mask": case["mask"].float(),
+        "index": np.array(case["index"]),
+        "config": _Config(norm_adv_by_std_in_grpo=case["norm_adv_by_std"]),
+    }
+    if case["name"] == "grpo":
+        kwargs["norm_adv_by_std_in_grpo"] = case["norm_adv_by_std"]
+    if "reward_baselines" in case:
+        kwargs["reward_baselines"] = case["reward_baselines"]
+    adv, ret = ca.get_adv_estimator_fn(case["name"])(**kwargs)
+    return {"advantages": adv, "returns": ret}
+
+
+def _policy_loss(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's policy loss ``case["name"]`` -> loss, d loss / d log_prob and its metrics (``metric/<name>``)."""
+    log_prob = case["log_prob"].clone().requires_grad_(True)
+    params = case["params"]  # the loss's own hyperparameters; verl's defaults otherwise
+    config = ActorConfig(
+        clip_ratio=case["clip_ratio_low"],
+        clip_ratio_low=case["clip_ratio_low"],
+        clip_ratio_high=case["clip_ratio_high"],
+        clip_ratio_c=case["clip_ratio_c"],
+        tau_pos=params.get("tau_pos", 1.0),
+        tau_neg=params.get("tau_neg", 1.05),
+        policy_loss=_Config(
+            clip_cov_ratio=params.get("clip_cov_ratio", 0.0002),
+            clip_cov_lb=params.get("clip_cov_lb", 1.0),
+            clip_cov_ub=params.get("clip_cov_ub", 5.0),
+            kl_cov_ratio=params.get("kl_cov_ratio", 0.0002),
+            ppo_kl_coef=params.get("ppo_kl_coef", 0.1),
+        ),
+        global_batch_info={
+            "dp_size": 1,
+            "batch_num_tokens": case["num_tokens"],
+            "global_batch_size": case["num_seqs"],
+            "loss_scale_factor": case["loss_scale_factor"],
+        },
+    )
+    torch.manual_seed(case["seed"])  # clip_cov picks its tokens with the global generator
+    loss, metrics = ca.get_policy_loss_fn(case["name"])(
+        case["old_log_prob"], log_prob, case["advantages"], case["mask"].float(),
+        loss_agg_mode=case["loss_agg_mode"], config=config, rollout_is_weights=case.get("is_weights"),
+    )
+    loss.backward()
+    out = {"loss": loss.detach(), "grad": log_prob.grad}
+    out.update({"metric/" + k.removeprefix("actor/"): torch.tensor(float(v)) for k, v in metrics.items()})
+    return out
+
+
+def _agg(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's agg_loss on one rank with the global normalisers given."""
+    loss = ca.agg_loss(
+        case["loss_mat"], case["mask"].float(), case["loss_agg_mode"], dp_size=1,
+        batch_num_tokens=case["num_tokens"], global_batch_size=case["num_seqs"],
+        loss_scale_factor=case["loss_scale_factor"],
+    )
+    return {"loss": loss}
+
+
+def _kl(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's kl_penalty -> the per-token value and d (weights * kl).sum() / d log_prob."""
+    log_prob = case["log_prob"].clone().requires_grad_(True)
+    kl = ca.kl_penalty(log_prob, case["ref_log_prob"], case["name"])
+    (kl * case["weights"]).sum().backward()
+    return {"value": kl.detach(), "grad": log_prob.grad}
+
+
+def main(argv: list[str]) -> int:
+    """Read the cases file, write verl's outputs per case id."""
+    cases_path, out_path = argv
+    ca = _load_core_algos()
+    run = {"advantage": _advantage, "policy_loss": _policy_loss, "agg": _agg, "kl": _kl}
+    cases = torch.load(cases_path, weights_only=True)
+    torch.save({case_id: run[case["kind"]](ca, case) for case_id, case in cases.items()}, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
