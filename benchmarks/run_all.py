@@ -9,7 +9,8 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `moe_metrics.py --threads 1`: the MoE load-balance metrics;
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
-  forward, in training and in the rollout.
+  forward, in training and in the rollout;
+- `sharding.py`: per-rank bytes of FSDP2 against DDP replicas on two gloo ranks.
 
 Each script's output is printed as it runs, under a header; a summary line per
 script follows at the end. The exit status is 0 only when every script exited
@@ -40,6 +41,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moe_metrics", ("--threads", "1")),
     ("rollout", ("--threads", "1")),
     ("lean_forward", ("--threads", "1")),
+    ("sharding", ()),
 )
 
 

@@ -1,4 +1,4 @@
-"""The `conveyor` command: train, config, plot, show.
+"""The `conveyor` command: train, config, plot, show, export.
 
 User mistakes (bad config, missing files) end with a one-line `error:` message
 and exit status 2, never a traceback; set CONVEYOR_DEBUG=1 to see the traceback
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -44,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("run_dir")
     sh.add_argument("--step", type=int, help="a specific dumped step")
     sh.add_argument("-n", type=int, default=8, help="samples to show")
+
+    ex = sub.add_parser("export", help="write a run's policy as a Hugging Face checkpoint (config, safetensors, "
+                                       "tokenizer)")
+    ex.add_argument("run_dir")
+    ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    ex.add_argument("--out", required=True, help="a new directory to write")
 
     w = sub.add_parser("warmstart", help="build the tiny model's supervised warm start (done on first use anyway)")
     _add_config_args(w)
@@ -87,6 +94,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from conveyor.trainer.export import export_hf
+
+    print(export_hf(args.run_dir, args.out, step=args.step))
+    return 0
+
+
 def _cmd_warmstart(args: argparse.Namespace) -> int:
     from conveyor.config import load_config
     from conveyor.trainer.setup import prepare_default_model
@@ -102,6 +116,7 @@ _COMMANDS = {
     "config": _cmd_config,
     "plot": _cmd_plot,
     "show": _cmd_show,
+    "export": _cmd_export,
     "warmstart": _cmd_warmstart,
 }
 
@@ -128,9 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        # 128 + the signal's number, as a shell reports a process a signal ended: 130 for Ctrl-C, 143 for SIGTERM.
+        signum = getattr(err, "signum", signal.SIGINT)
+        print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",
+              file=sys.stderr)
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from conveyor.data_plane import BACKENDS
 from conveyor.metrics.trackers import TRACKERS
 from conveyor.plugins import load_plugins
 from conveyor.tasks.dataset import TRUNCATION_MODES
+from conveyor.workers.strategy import STRATEGIES
 
 __all__ = [
     "Config",
@@ -86,7 +88,7 @@ def _check_choices(section: Any, prefix: str) -> None:
         value = getattr(section, f.name)
         valid = list(choices())
         for v in value if isinstance(value, list) else [value]:
-            if v not in valid:
+            if v is not None and v not in valid:  # null, where a key allows it, means "the default choice"
                 near = difflib.get_close_matches(str(v), [str(c) for c in valid], n=1)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise ConfigError(f"{prefix}.{f.name}: unknown {v!r}{hint}; valid: {valid}")
@@ -141,6 +143,14 @@ class DataConfig:
         _check(self.max_response_length > 0, "data.max_response_length", "must be > 0")
         _check_choices(self, "data")
         _check(self.val_batch_size is None or self.val_batch_size > 0, "data.val_batch_size", "must be > 0 or null")
+        for key in ("train_files", "val_files"):
+            files = getattr(self, key)
+            if files is None:
+                continue
+            _check(bool(files), f"data.{key}", "is an empty list; give parquet files, or null for the synthetic task")
+            bad = [f for f in files if not isinstance(f, str) or not f.strip()]
+            _check(not bad, f"data.{key}", f"{bad[0] if bad else ''!r} is not a file path; give a list of parquet "
+                   "file paths")
 
 
 # --------------------------------------------------------------------------- model
@@ -167,6 +177,14 @@ class TinyModelConfig:
             _check(getattr(self, k) > 0, f"actor_rollout_ref.model.tiny.{k}", "must be > 0")
         _check(self.top_k <= self.num_experts, "actor_rollout_ref.model.tiny.top_k", "must be <= num_experts")
         _check(self.warmstart_steps >= 0, "actor_rollout_ref.model.tiny.warmstart_steps", "must be >= 0")
+        _check(self.warmstart_lr > 0, "actor_rollout_ref.model.tiny.warmstart_lr", f"must be > 0, got {self.warmstart_lr}")
+        # The attention splits hidden_size into num_heads heads of an even width (rotary
+        # embeddings rotate pairs), and each key/value head serves a whole group of heads.
+        head_dim = self.hidden_size // self.num_heads
+        _check(head_dim >= 2 and head_dim % 2 == 0, "actor_rollout_ref.model.tiny.hidden_size",
+               f"hidden_size // num_heads must be an even number >= 2, got {self.hidden_size} // {self.num_heads}")
+        _check(self.num_heads % self.num_kv_heads == 0, "actor_rollout_ref.model.tiny.num_kv_heads",
+               f"num_heads={self.num_heads} must be a multiple of it (got {self.num_kv_heads})")
 
 
 @dataclass
@@ -175,12 +193,17 @@ class ModelConfig:
 
     path: Optional[str] = F(None, "local Hugging Face checkpoint directory; null = build the tiny model")
     tokenizer_path: Optional[str] = F(None, "tokenizer directory if not the model's")
+    trust_remote_code: bool = F(False, "run the Python code a checkpoint ships (the auto_map of its config.json or "
+                                "tokenizer_config.json) to build its model and tokenizer: only for checkpoints you trust")
     dtype: str = F("float32", "parameter dtype: float32 or bfloat16")
     forward_impl: str = F(
         "auto",
         "auto, lean or hf: lean computes each group's shared prompt once (Qwen3 and Qwen3-MoE); "
         "auto uses it where the model allows and the Hugging Face forward elsewhere",
     )
+    enable_gradient_checkpointing: bool = F(
+        False, "recompute activations in the backward instead of keeping them (actor and critic): less memory, "
+        "about a third more compute")
     tiny: TinyModelConfig = S(TinyModelConfig, "the built-in tiny model")
 
     def __post_init__(self) -> None:
@@ -204,10 +227,29 @@ class OptimConfig:
     def _validate(self, prefix: str) -> None:
         _check(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.betas", "must be two numbers in [0, 1)")
+        _check(len(self.betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                            for b in self.betas), f"{prefix}.betas",
+               f"must be two numbers in [0, 1), got {self.betas}")
         _check(self.lr_warmup_steps >= 0, f"{prefix}.lr_warmup_steps", "must be >= 0")
         _check(self.lr_scheduler in ("constant", "cosine"), f"{prefix}.lr_scheduler", "must be constant or cosine")
         _check(0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio", "must be in [0, 1]")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 settings of a role (verl's fsdp_config keys); used when the role's strategy is fsdp2."""
+
+    param_dtype: Optional[str] = F(None, "dtype parameters are gathered and computed in (mixed precision); null = "
+                                   "the model's dtype", choices=lambda: ("float32", "bfloat16", "float16"))
+    reduce_dtype: Optional[str] = F(None, "dtype gradients are reduce-scattered in; null = the parameters' dtype",
+                                    choices=lambda: ("float32", "bfloat16", "float16"))
+    param_offload: bool = F(False, "keep parameter shards (and gradients) in host memory between uses, on a GPU "
+                                   "run (no effect on a CPU run)")
+    optimizer_offload: bool = F(False, "keep optimizer state in host memory except during its step, on a GPU run "
+                                       "(no effect on a CPU run)")
+
+    def _validate(self, prefix: str) -> None:
+        _check_choices(self, prefix)
 
 
 @dataclass
@@ -252,10 +294,14 @@ class ActorConfig:
     grad_clip: float = F(1.0, "gradient norm clip")
     policy_loss: PolicyLossConfig = S(PolicyLossConfig, "policy loss")
     router_replay: RouterReplayConfig = S(RouterReplayConfig, "MoE routing replay")
+    strategy: Optional[str] = F(None, "how ranks hold the model: fsdp2 (sharded), dp (replicas, DDP) or none (one "
+                                "rank); null = fsdp2 with more than one rank", choices=lambda: STRATEGIES)
+    fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.actor"
         self.optim._validate(f"{p}.optim")
+        self.fsdp_config._validate(f"{p}.fsdp_config")
         _check(self.ppo_mini_batch_size > 0, f"{p}.ppo_mini_batch_size", "must be > 0")
         _check(self.ppo_micro_batch_size_per_gpu > 0, f"{p}.ppo_micro_batch_size_per_gpu", "must be > 0")
         _check(self.ppo_epochs > 0, f"{p}.ppo_epochs", "must be > 0")
@@ -274,10 +320,15 @@ class RefConfig:
     """The frozen reference policy (used when a KL term is on)."""
 
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per reference forward")
+    strategy: Optional[str] = F(None, "fsdp2 (sharded parameters, no optimizer), dp or none; null = fsdp2 with "
+                                "more than one rank", choices=lambda: STRATEGIES)
+    fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
 
     def __post_init__(self) -> None:
         _check(self.log_prob_micro_batch_size_per_gpu > 0, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                "must be > 0")
+        _check_choices(self, "actor_rollout_ref.ref")
+        self.fsdp_config._validate("actor_rollout_ref.ref.fsdp_config")
 
 
 @dataclass
@@ -345,13 +396,18 @@ class CriticConfig:
     cliprange_value: float = F(0.5, "value clip range")
     loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=lambda: LOSS_AGG_MODES)
     grad_clip: float = F(1.0, "gradient norm clip")
+    strategy: Optional[str] = F(None, "fsdp2, dp or none (as actor_rollout_ref.actor.strategy); null = fsdp2 with "
+                                "more than one rank", choices=lambda: STRATEGIES)
+    fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
 
     def __post_init__(self) -> None:
         self.optim._validate("critic.optim")
+        self.fsdp_config._validate("critic.fsdp_config")
         _check(self.ppo_mini_batch_size > 0, "critic.ppo_mini_batch_size", "must be > 0")
         _check(self.ppo_micro_batch_size_per_gpu > 0, "critic.ppo_micro_batch_size_per_gpu", "must be > 0")
         _check(self.ppo_epochs > 0, "critic.ppo_epochs", "must be > 0")
         _check(self.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
+        _check(self.grad_clip > 0, "critic.grad_clip", "must be > 0")
         _check_choices(self, "critic")
 
 
@@ -368,6 +424,7 @@ class KLControlConfig:
         _check(self.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type", "must be fixed or adaptive")
         _check(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
         _check(self.horizon > 0, "algorithm.kl_ctrl.horizon", "must be > 0")
+        _check(self.target_kl > 0, "algorithm.kl_ctrl.target_kl", f"must be > 0, got {self.target_kl}")
 
 
 @dataclass
@@ -426,6 +483,11 @@ class RewardConfig:
     """How responses are scored."""
 
     custom_reward_function: CustomRewardFunctionConfig = S(CustomRewardFunctionConfig, "a reward function from a file")
+    timeout_s: float = F(30.0, "seconds one call of a reward function may take; a call that takes longer stops the "
+                         "run with an error naming the function (0 = no limit)")
+
+    def __post_init__(self) -> None:
+        _check(self.timeout_s >= 0, "reward.timeout_s", f"must be >= 0 (0 = no limit), got {self.timeout_s}")
 
 
 @dataclass
@@ -438,6 +500,7 @@ class MetricsEndpointConfig:
 
     def _validate(self, prefix: str) -> None:
         _check(0 <= self.port < 65536, f"{prefix}.port", "must be in [0, 65535]")
+        _check(bool(self.host.strip()), f"{prefix}.host", "must be an address to bind to, e.g. 127.0.0.1")
 
 
 @dataclass
@@ -451,11 +514,16 @@ class TrainerConfig:
     default_local_dir: Optional[str] = F(None, "run directory; null = runs/<experiment_name> under the working directory")
     test_freq: int = F(100, "validate every N steps (and before the first; 0 = only before and after)")
     val_before_train: bool = F(True, "validate at step 0")
-    save_freq: int = F(0, "checkpoint every N steps (0 = only at the end)")
+    save_freq: int = F(100, "checkpoint every N steps, and at the end (0 = only at the end): bounds what a crash "
+                            "loses")
     max_ckpt_to_keep: Optional[int] = F(2, "newest checkpoints kept (null = all)")
     resume_mode: str = F("auto", "auto (continue from the newest checkpoint), disable, or resume_path")
     resume_from_path: Optional[str] = F(None, "checkpoint directory for resume_mode=resume_path")
-    save_on_interrupt: bool = F(True, "save a checkpoint on Ctrl-C")
+    save_on_interrupt: bool = F(True, "on Ctrl-C or SIGTERM, finish the running step and save a checkpoint "
+                                      "before stopping (false: stop at once)")
+    resume_accept_config_changes: bool = F(
+        False, "resume even when settings that change the run differ from the checkpoint's (they are listed "
+        "in the log); false: such a resume is refused")
     dump_freq: int = F(100, "write sample generations every N steps (0 = off)")
     dump_num: int = F(8, "generations per dump")
     seed: int = F(0, "seed of sampling and of mini-batch shuffling")
@@ -471,6 +539,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.total_training_steps > 0, "trainer.total_training_steps", "must be > 0")
         _check_choices(self, "trainer")
+        name = self.experiment_name
+        # It names the run directory (runs/<name>): a path in it would write outside runs/.
+        _check(bool(name.strip()) and "/" not in name and "\\" not in name and name not in (".", "..")
+               and name.isprintable(), "trainer.experiment_name",
+               f"must be a plain name (no '/', no '..'), since the run directory is runs/<name>; got {name!r}. "
+               "To write the run elsewhere, set trainer.default_local_dir")
         for k in ("test_freq", "save_freq", "dump_freq", "dump_num"):
             _check(getattr(self, k) >= 0, f"trainer.{k}", "must be >= 0")
         _check(self.max_ckpt_to_keep is None or self.max_ckpt_to_keep > 0, "trainer.max_ckpt_to_keep", "must be > 0 or null")
@@ -494,10 +568,15 @@ class TransferQueueConfig:
     num_storage_actors: int = F(1, "ray backend: storage actors")
     storage_actor_cpus: float = F(0.05, "ray backend: logical CPUs each storage actor reserves")
     transferqueue: dict = F({}, "transferqueue backend: passed through to the transferqueue package")
+    host: str = F("127.0.0.1", "transferqueue backend: the address its controller and storage units listen on "
+                  "(127.0.0.1 = this machine only; its protocol is unauthenticated pickle, so give a node's address, "
+                  "or auto for Ray's node address, only on a trusted network)")
     metrics: MetricsEndpointConfig = S(MetricsEndpointConfig, "Prometheus metrics of the data plane")
 
     def __post_init__(self) -> None:
         _check_choices(self, "transfer_queue")
+        _check(bool(self.host.strip()) and not any(c.isspace() for c in self.host), "transfer_queue.host",
+               f"must be an IP address or host name (or auto), got {self.host!r}")
         _check(self.num_storage_actors > 0, "transfer_queue.num_storage_actors", "must be > 0")
         _check(self.storage_actor_cpus >= 0, "transfer_queue.storage_actor_cpus", "must be >= 0")
         self.metrics._validate("transfer_queue.metrics")
@@ -515,6 +594,7 @@ class RayConfig:
     def __post_init__(self) -> None:
         _check(self.worker_cpus >= 0, "ray.worker_cpus", "must be >= 0")
         _check(self.timeout_s > 0, "ray.timeout_s", "must be > 0")
+        _check(self.num_cpus is None or self.num_cpus > 0, "ray.num_cpus", "must be > 0 or null")
 
 
 @dataclass
@@ -533,12 +613,21 @@ class Config:
     def __post_init__(self) -> None:
         bs = self.data.train_batch_size
         mb = self.actor_rollout_ref.actor.ppo_mini_batch_size
+        t = self.trainer
+        world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
+        n = self.actor_rollout_ref.rollout.n
+        # Every rank needs at least one sequence of each mini-batch: a sharded update is a collective.
+        _check(mb * n >= world, "actor_rollout_ref.actor.ppo_mini_batch_size",
+               f"a mini-batch of {mb} prompts x {n} samples is fewer sequences than the {world} ranks; raise it "
+               "or use fewer ranks")
         _check(bs % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
                f"data.train_batch_size={bs} must be divisible by it (got {mb})")
         if self.use_critic:
             cmb = self.critic.ppo_mini_batch_size
             _check(bs % cmb == 0, "critic.ppo_mini_batch_size",
                    f"data.train_batch_size={bs} must be divisible by it (got {cmb})")
+            _check(cmb * n >= world, "critic.ppo_mini_batch_size",
+                   f"a mini-batch of {cmb} prompts x {n} samples is fewer sequences than the {world} ranks")
 
     @property
     def use_critic(self) -> bool:
@@ -676,6 +765,49 @@ def _prepare(data: Any, cls: Any, prefix: str) -> Any:
     return out
 
 
+# Numbers the trainer can compute with: every float ends up in float32 tensors or
+# schedules, every int in int64 tensors, seeds or counts.
+_F32_MAX = 3.4028234663852886e38
+_INT64_LIMIT = 2**63
+
+
+def _check_number(path: str, value: Any) -> None:
+    """Refuse NaN, infinities, floats beyond float32 and ints beyond int64 (bools are not numbers here)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not -_INT64_LIMIT <= value < _INT64_LIMIT:
+        # str() of an int beyond 4300 digits fails: count those by their logarithm.
+        digits = len(str(abs(value))) if value.bit_length() < 14_000 else int(math.log10(abs(value))) + 1
+        raise ConfigError(f"{path}: an integer of {digits} digits is too large; "
+                          f"give a number within +-{_INT64_LIMIT - 1}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: must be a finite number, got {value}")
+        if abs(value) > _F32_MAX:
+            raise ConfigError(f"{path}: {value:g} overflows float32 (where the trainer computes); "
+                              "give a number within +-3.4e38")
+
+
+def _check_numbers(data: Any, cls: Any, prefix: str) -> None:
+    """`_check_number` on every value of the sections of `data` (nested dicts over the dataclasses), lists included.
+
+    Done once for every key here, so no section has to remember it: a NaN
+    coefficient would otherwise pass every `x > 0`-style check it lacks.
+    Free-form mappings (`transfer_queue.transferqueue`) belong to their package.
+    """
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return
+    hints = _hints(cls)
+    for key, value in data.items():
+        if key not in hints:
+            continue  # an unknown key: the merge reports it, with the key it was probably meant to be
+        if dataclasses.is_dataclass(hints[key]):
+            _check_numbers(value, hints[key], f"{prefix}{key}.")
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            _check_number(f"{prefix}{key}", v)
+
+
 def _translate(err: OmegaConfBaseException, sources: list[dict]) -> ConfigError:
     """One line naming the key for an OmegaConf error (unknown key, wrong type, failed interpolation)."""
     key = getattr(err, "full_key", None) or ""
@@ -737,10 +869,14 @@ def _read_yaml(path: Path) -> dict:
 def _build(sources: list[dict]) -> Config:
     """Merge `sources` over the defaults, load the plugins they name, then resolve and check everything."""
     sources = [_prepare(data, Config, "") for data in sources]
+    for data in sources:  # before the merge: OmegaConf cannot turn an int beyond a double into a float
+        _check_numbers(data, Config, "")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), *sources)
         # Plugins register the estimators, losses and reward functions the config may name.
         load_plugins(list(OmegaConf.select(merged, "trainer.plugins")))
+        # Again once resolved (interpolations, "nan" given as text), before any section's own checks run.
+        _check_numbers(OmegaConf.to_container(merged, resolve=True), Config, "")
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _translate(err, sources) from err

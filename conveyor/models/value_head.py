@@ -65,6 +65,13 @@ class ValueModel(nn.Module):
         """The backbone's Hugging Face config."""
         return self.backbone.config
 
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        """Recompute the body's activations in the backward (the head is too small to matter)."""
+        enable = getattr(self.backbone, "activation_checkpointing_enable", None) or getattr(
+            self.backbone, "gradient_checkpointing_enable")
+        key = "activation_checkpointing_kwargs" if "activation" in enable.__name__ else "gradient_checkpointing_kwargs"
+        enable(**{key: next(iter(kwargs.values()), None)})
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """Values (B, S) float32 for `input_ids`, `attention_mask`: (B, S); positions from the mask when None."""
         if position_ids is None:

@@ -1,11 +1,16 @@
-"""Crash-safe checkpoints: written under a temporary name and renamed into place.
+"""Crash-safe sharded checkpoints: written under a temporary name and renamed into place.
 
-A checkpoint is a directory `checkpoints/global_step_N/` holding `actor.pt`,
-`critic.pt` (when a critic runs) and `trainer_state.pt` (step, data order, RNG
-states, KL controller, MoE accumulator). It appears under its final name only
-once complete (one `os.rename` of the directory), so a kill during a save
-leaves the newest good checkpoint intact; half-written `*.tmp-*` directories
-are ignored and removed on the next save.
+A checkpoint is a directory `checkpoints/global_step_N/` holding one sharded
+`torch.distributed.checkpoint` directory per trained role (`actor/`, and
+`critic/` when a critic runs; every rank writes its own shards, no rank
+gathers the model, see `conveyor.workers.shards`), `hf/` (the model's config
+and tokenizer, so `conveyor export` needs nothing else), and
+`trainer_state.pt` (step, data order, RNG states, KL controller, MoE
+accumulator, each role's lr-schedule state). It appears under its final name
+only once complete (one `os.rename` of the directory, after `trainer_state.pt`
+is written and synced), so a kill during a save leaves the newest good
+checkpoint intact; half-written `*.tmp-*` directories are ignored and removed
+on the next save.
 
 Loading never unpickles code: every part is read with `torch.load(...,
 weights_only=True)`, which rebuilds only tensors and plain containers of
@@ -23,14 +28,15 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_state", "set_rng_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_state", "set_rng_state",
+           "resume_path"]
 
 _NAME = re.compile(r"^global_step_(\d+)$")
 
@@ -52,6 +58,33 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     """The newest complete checkpoint directory, or None."""
     found = list_checkpoints(ckpt_root)
     return found[-1][1] if found else None
+
+
+def resume_path(trainer_cfg: Any, ckpt_root: Path) -> Path | None:
+    """The checkpoint a run resumes from (trainer.resume_mode): the newest, the one named, or None."""
+    if trainer_cfg.resume_mode == "disable":
+        return None
+    if trainer_cfg.resume_mode == "resume_path":
+        return Path(trainer_cfg.resume_from_path)
+    return latest_checkpoint(ckpt_root)
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError behind `err`, through chained causes, worker wrappers and DCP's per-rank failures."""
+    seen = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [v for v in failures.values() if isinstance(v, BaseException)]
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -80,22 +113,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, parts: dict[str, Any], max_to_keep: int | None = None) -> Path:
-    """Write `parts` (name -> object for torch.save) as checkpoint `step`; prune to `max_to_keep` newest."""
+def save_checkpoint(
+    ckpt_root: str | Path, step: int, write: Callable[[Path], dict[str, Any]], max_to_keep: int | None = None
+) -> Path:
+    """Checkpoint `step`: `write(tmp_dir)` writes the roles' shards and returns the trainer state; prune to `max_to_keep`."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("global_step_*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"global_step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
-    # trainer_state.pt is written last: its presence marks a complete checkpoint.
-    names = sorted(parts, key=lambda n: n == "trainer_state")
-    for name in names:
-        path = tmp / f"{name}.pt"
-        with open(path, "wb") as f:
-            torch.save(parts[name], f)
+    try:
+        state = write(tmp)
+        # trainer_state.pt is written last: its presence marks a complete checkpoint.
+        with open(tmp / "trainer_state.pt", "wb") as f:
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not leave a half-written copy filling the disk
+        # DCP's CheckpointException is a BaseException: look through anything but a stop.
+        cause = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else _os_error(err)
+        if cause is not None:
+            newest = latest_checkpoint(root)
+            raise ValueError(
+                f"saving checkpoint {final} failed: {cause.strerror or cause} (the half-written copy was removed; "
+                f"the newest complete checkpoint is {newest or 'none'}); free space or fix the permissions of {root}, "
+                "then resume"
+            ) from err
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -107,22 +153,40 @@ def save_checkpoint(ckpt_root: str | Path, step: int, parts: dict[str, Any], max
     return final
 
 
+ROLES = ("actor", "critic")
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Every part of a checkpoint directory, by name; a part that is not plain tensors and values is refused."""
+    """`trainer_state` (read without unpickling code) and the shard directory of each role the checkpoint holds."""
     p = Path(path)
-    if not (p / "trainer_state.pt").is_file():
+    state_file = p / "trainer_state.pt"
+    if not state_file.is_file():
         raise ValueError(f"{p} is not a complete checkpoint (no trainer_state.pt); check trainer.resume_from_path")
-    parts = {}
-    for f in sorted(p.glob("*.pt")):
-        try:
-            parts[f.stem] = torch.load(f, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            # weights_only refuses anything that would run code to rebuild: say so, without the library's advice
-            # to turn the check off.
-            raise ValueError(f"checkpoint file {f} holds objects other than tensors and plain values, which conveyor "
-                             "never unpickles (it could run code); it was not written by conveyor: "
-                             f"{str(err).splitlines()[0]}") from err
-    return parts
+    if (p / "actor.pt").is_file() and not (p / "actor").is_dir():
+        raise ValueError(f"{p} was written by an older conveyor (one actor.pt, not sharded); it cannot be resumed "
+                         "by this version: start a new run (trainer.resume_mode=disable)")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # weights_only refuses anything that would run code to rebuild: say so, without the library's advice
+        # to turn the check off.
+        raise ValueError(f"checkpoint file {state_file} holds objects other than tensors and plain values, which "
+                         "conveyor never unpickles (it could run code); it was not written by conveyor: "
+                         f"{str(err).splitlines()[0]}") from err
+    except (EOFError, RuntimeError, OSError) as err:
+        raise ValueError(f"checkpoint file {state_file} is truncated or unreadable ({err}); resume from an older "
+                         "checkpoint with trainer.resume_mode=resume_path") from err
+    if not isinstance(state, dict) or "global_step" not in state:
+        raise ValueError(f"checkpoint file {state_file} is not a conveyor trainer state; resume from another checkpoint")
+    match = _NAME.match(p.name)
+    if match and int(match.group(1)) != int(state["global_step"]):
+        raise ValueError(f"checkpoint {p} is inconsistent: its directory says step {match.group(1)} but its state "
+                         f"says step {state['global_step']}; it was edited or mixed up, resume from another checkpoint")
+    out: dict[str, Any] = {"trainer_state": state}
+    for role in ROLES:
+        if (p / role).is_dir():
+            out[role] = p / role
+    return out
 
 
 def _fsync_dir(path: Path) -> None:

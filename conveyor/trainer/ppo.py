@@ -29,7 +29,7 @@ import torch
 from conveyor.algos.advantages import compute_advantage
 from conveyor.algos.correction import bypass_old_log_prob
 from conveyor.algos.kl import apply_kl_penalty, make_kl_controller
-from conveyor.config import Config, config_to_dict, config_to_yaml
+from conveyor.config import Config, config_to_dict
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.data import compute_data_metrics
 from conveyor.metrics.moe_load_balance import (
@@ -41,19 +41,32 @@ from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_prompt
 from conveyor.metrics.trackers import Tracking
-from conveyor.models.loading import load_tokenizer
+from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.trainer import checkpoint as ckpt
+from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
 from conveyor.trainer.setup import build_data_plane, load_prompt_records, prepare_default_model, resolve_device
 from conveyor.workers.roles import WorkerGroups, build_worker_groups
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PPOTrainer", "run_training", "NonFiniteError"]
+__all__ = ["PPOTrainer", "run_training", "NonFiniteError", "StopRequested"]
 
 
 class NonFiniteError(ValueError):
     """A reward, advantage or loss became NaN or infinite; the message names the step and the field."""
+
+
+class StopRequested(KeyboardInterrupt):
+    """Training stopped on a signal (Ctrl-C or SIGTERM); the command exits with 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# What a scheduler (Slurm, Kubernetes, `timeout`) or a person sends to stop a run.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -98,6 +111,7 @@ class PPOTrainer:
         self.tracking = tracking
         self.run_dir = Path(run_dir)
         self.prometheus = prometheus
+        self.model_config = model_config
         self.global_step = 0
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
@@ -119,13 +133,13 @@ class PPOTrainer:
         interrupted = False
         stopping = False  # the loop itself stopped, on Ctrl-C, between two steps
         saved_step = self.global_step  # a resumed run starts at a saved step
-        self._stop_requested = False
-        previous_handler = self._install_sigint()
+        self._stop_requested = 0  # the signal that asked the loop to stop after this step
+        previous_handlers = self._install_stop_handlers()
         try:
             while self.global_step < t.total_training_steps:
                 if self._stop_requested:
                     stopping = True
-                    raise KeyboardInterrupt
+                    raise StopRequested(self._stop_requested)
                 self.global_step += 1
                 metrics = self.step()
                 is_last = self.global_step == t.total_training_steps
@@ -154,7 +168,8 @@ class PPOTrainer:
         finally:
             if bar is not None:
                 bar.close()
-            signal.signal(signal.SIGINT, previous_handler) if previous_handler is not None else None
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
             if not interrupted:
                 self._report_accuracy()
         return last
@@ -468,26 +483,28 @@ class PPOTrainer:
         code = sum(ord(c) * 31**i for i, c in enumerate(salt)) % 1_000_003
         return (self.cfg.trainer.seed * 1_000_003 + self.global_step * 7_919 + code) % (2**62)
 
-    def _install_sigint(self):
+    def _install_stop_handlers(self) -> dict[int, Any]:
         # A step stopped half-way has advanced the prompt order and maybe the
         # model, so no checkpoint can describe it: with save_on_interrupt the
-        # first Ctrl-C lets the running step finish (fit then saves it), a
-        # second one stops at once. Returns the handler to restore afterwards.
-        if not self.cfg.trainer.save_on_interrupt:
-            return None
-        try:
-            previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._on_sigint)
-        except (ValueError, TypeError):  # not the main thread, where Ctrl-C never arrives anyway
-            return None
-        return previous if previous is not None else signal.default_int_handler
+        # first Ctrl-C or SIGTERM lets the running step finish (fit then saves
+        # it), a second one stops at once. Returns the handlers to restore.
+        previous = {}
+        for signum in _STOP_SIGNALS:
+            try:
+                old = signal.getsignal(signum)
+                signal.signal(signum, self._on_stop_signal)
+            except (ValueError, TypeError):  # not the main thread, where signals never arrive anyway
+                continue
+            previous[signum] = old if old is not None else signal.SIG_DFL
+        return previous
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self._stop_requested:
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        logger.warning("Ctrl-C: finishing step %d, then saving a checkpoint and stopping "
-                       "(press Ctrl-C again to stop at once, without saving it)", self.global_step)
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_requested or not self.cfg.trainer.save_on_interrupt:
+            raise StopRequested(signum)
+        self._stop_requested = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        logger.warning("%s: finishing step %d, then saving a checkpoint and stopping (send it again to stop at "
+                       "once, without saving)", name, self.global_step)
 
     # ================================================================ checkpoints
     @property
@@ -496,35 +513,44 @@ class PPOTrainer:
         return self.run_dir / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """Write model, optimizer, data order and RNG states of the current step."""
-        parts = {"actor": self.workers.actor.state_dict()}
-        if self.workers.critic is not None:
-            parts["critic"] = self.workers.critic.state_dict()
-        parts["trainer_state"] = {
-            "global_step": self.global_step,
-            "dataset": self.train_data.state_dict(),
-            "rng": ckpt.rng_state(),
-            "kl_coef": float(self.kl_ctrl.value),
-            "moe_counts": self.moe_acc.counts,
-            "moe_retry_step": self.moe_acc.routed_experts_retry_step,
-            "val_history": list(self.val_history),
-        }
-        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, parts, self.cfg.trainer.max_ckpt_to_keep)
+        """Write every role's shards, the model's config and tokenizer, data order and RNG states of this step."""
+
+        def write(tmp: Path) -> dict[str, Any]:
+            roles = {"actor": self.workers.actor.save_checkpoint(str(tmp / "actor"))}
+            if self.workers.critic is not None:
+                roles["critic"] = self.workers.critic.save_checkpoint(str(tmp / "critic"))
+            if self.model_config is not None:
+                # What `conveyor export` needs besides the weights: a checkpoint is self-contained.
+                self.model_config.save_pretrained(tmp / "hf")
+                self.tokenizer.save_pretrained(tmp / "hf")
+            return {
+                "global_step": self.global_step,
+                "config": config_to_dict(self.cfg),  # what a resume is checked against
+                "roles": roles,
+                "dataset": self.train_data.state_dict(),
+                "rng": ckpt.rng_state(),
+                "kl_coef": float(self.kl_ctrl.value),
+                "moe_counts": self.moe_acc.counts,
+                "moe_retry_step": self.moe_acc.routed_experts_retry_step,
+                "val_history": list(self.val_history),
+            }
+
+        return ckpt.save_checkpoint(self.ckpt_root, self.global_step, write, self.cfg.trainer.max_ckpt_to_keep)
 
     def _maybe_resume(self) -> None:
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
-        path = Path(t.resume_from_path) if t.resume_mode == "resume_path" else ckpt.latest_checkpoint(self.ckpt_root)
+        path = ckpt.resume_path(self.cfg.trainer, self.ckpt_root)
         if path is None:
             return
         parts = ckpt.load_checkpoint(path)
-        self.workers.actor.load_state_dict(parts["actor"])
+        if "actor" not in parts:
+            raise ValueError(f"checkpoint {path} has no actor shards (no actor/ directory); it is incomplete")
+        st = parts["trainer_state"]
+        roles = st.get("roles", {})
+        self.workers.actor.load_checkpoint(str(parts["actor"]), roles.get("actor", {}))
         if self.workers.critic is not None:
             if "critic" not in parts:
                 raise ValueError(f"checkpoint {path} has no critic state but this run uses a critic")
-            self.workers.critic.load_state_dict(parts["critic"])
-        st = parts["trainer_state"]
+            self.workers.critic.load_checkpoint(str(parts["critic"]), roles.get("critic", {}))
         self.global_step = int(st["global_step"])
         self.train_data.load_state_dict(st["dataset"])
         ckpt.set_rng_state(st["rng"])
@@ -543,13 +569,36 @@ def run_training(cfg: Config) -> dict[str, float]:
     transformers.utils.logging.disable_progress_bar()
     device = resolve_device(cfg)  # an unusable device fails before anything is built or written
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    lock = open_run_dir(cfg)
+    try:
+        return _train_in(cfg, run_dir, device)
+    finally:
+        lock.release()
+
+
+def _resume_check(cfg: Config, run_dir: Path) -> bool:
+    """Check the checkpoint a resume would load against this config before anything is built (True: accepted change)."""
+    path = ckpt.resume_path(cfg.trainer, run_dir / "checkpoints")
+    if path is None:
+        return False
+    state = ckpt.load_checkpoint(path)["trainer_state"]
+    return check_resume(cfg, path, state.get("config"))
+
+
+def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
+    """run_training's body, with the run directory locked."""
+    changed = _resume_check(cfg, run_dir)
+    try:
+        write_config(cfg, run_dir, keep_previous=changed)
+    except OSError as err:
+        raise ValueError(f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "
+                         "directory with trainer.default_local_dir") from err
     torch.manual_seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed % 2**32)
 
     model_path = prepare_default_model(cfg)
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
+    trust = cfg.actor_rollout_ref.model.trust_remote_code
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
     train_records, val_records = load_prompt_records(cfg)
 
     registry = server = gauges = None
@@ -573,14 +622,12 @@ def run_training(cfg: Config) -> dict[str, float]:
         ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
         workers = build_worker_groups(cfg, model_path, data_plane, tokenizer, device)
-        from transformers import AutoConfig
-
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
                             experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
         trainer = PPOTrainer(
             cfg, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
-            model_config=AutoConfig.from_pretrained(model_path), prometheus=gauges,
+            model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges,
         )
         result = trainer.fit()
         failed = False

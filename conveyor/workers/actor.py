@@ -3,9 +3,15 @@
 Every endpoint takes a handle, reads the fields it needs from the data plane,
 computes, writes its outputs back and returns a handle whose `extra_info` holds
 this rank's metrics (token-weighted ones as `@sum`/`@count` pairs, see
-`conveyor.metrics.reduce`) and memory figures. It knows its rank and world size
-only to all-reduce gradients and normalisers; where it runs is the worker
-group's business.
+`conveyor.metrics.reduce`) and memory figures. How the ranks of the role hold
+the model (one rank, DDP replicas or FSDP2 shards) is its `TrainedModel`'s
+business (`conveyor.workers.strategy`); where the ranks run is the worker
+group's.
+
+Under a multi-rank strategy the update's forward is the Hugging Face forward
+through the strategy's wrapper (FSDP2 and DDP act in the module's own forward
+hooks, which the lean forward does not call); the rollout and the no-grad
+log-prob forwards run on gathered weights and keep the lean forward.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import contextlib
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +35,8 @@ from conveyor.models.loading import load_causal_lm, load_tokenizer
 from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreement, moe_info, replay_routing
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.hf import HFRollout
-from conveyor.workers import dist
-from conveyor.workers.optim import build_optimizer, total_optim_steps
+from conveyor.workers.optim import total_optim_steps
+from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
 from conveyor.workers.perf import result_handle
 
 logger = logging.getLogger(__name__)
@@ -47,7 +52,7 @@ def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return input_ids, attention_mask, position_ids
 
 
-class PolicyWorker:
+class PolicyWorker(CheckpointEndpoints):
     """One rank of the actor (role "actor": rollout + update) or of the reference policy (role "ref")."""
 
     def __init__(
@@ -68,29 +73,41 @@ class PolicyWorker:
         self.device = torch.device(device)
         self.dp = data_plane
         arr = cfg.actor_rollout_ref
-        self.model = load_causal_lm(model_path, dtype=arr.model.dtype, device=self.device)
-        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path)
+        trust = arr.model.trust_remote_code
+        self.model = load_causal_lm(model_path, dtype=arr.model.dtype, device=self.device, trust_remote_code=trust)
+        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path, trust_remote_code=trust)
         self.moe = moe_info(self.model)
+        # Before wrapping: the lean forward keeps references to the model's own modules.
         # None: the Hugging Face forward (models the lean one does not cover, or forward_impl=hf).
         self.lean = resolve_forward_impl(arr.model.forward_impl, self.model)
-        if role == "ref":
-            self.model.requires_grad_(False)
-            self.model.eval()
-            self.optimizer = self.scheduler = None
-        else:
-            # The worker counts its own steps: the schedule must not depend on what a caller passes.
-            total = total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
-                                      arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs)
-            self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), arr.actor.optim, total)
+        section = arr.actor if role == "actor" else arr.ref
+        fsdp = section.fsdp_config
+        strategy = TrainingStrategy(
+            section.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
+            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+        )
+        # The worker counts its own steps: the schedule must not depend on what a caller passes.
+        total = total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
+                                  arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs)
+        self.trained = TrainedModel(
+            self.model, strategy, trainable=role == "actor", optim_cfg=arr.actor.optim, total_steps=total,
+            gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+        )
+        if role == "actor":
             self.rollout = HFRollout(
                 self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                 lean=self.lean,
             )
+        if self.lean is not None and (strategy.distributed or self.trained.checkpointing) and role == "actor" \
+                and rank == 0:
+            logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
+                        "no-grad log-probs keep the lean forward",
+                        f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
 
     @property
     def optim_steps(self) -> int:
         """Update calls so far (the lr schedule's position); 0 for the reference."""
-        return self.scheduler.last_epoch if self.scheduler is not None else 0
+        return self.trained.optim_steps
 
     # ------------------------------------------------------------------ helpers
     def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
@@ -105,10 +122,10 @@ class PolicyWorker:
 
     def _forward(
         self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
-        record_routing: bool = False,
+        record_routing: bool = False, train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
-        logits, own_routing = self._response_logits(td, routed_experts, record_routing)
+        logits, own_routing = self._response_logits(td, routed_experts, record_routing, train)
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
@@ -116,10 +133,16 @@ class PolicyWorker:
         return log_probs, entropy, own_routing
 
     def _response_logits(
-        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool
+        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, R, V) predicting each response token, and the forward's routing (B, P+R, L, K) when recorded."""
-        if self.lean is not None:
+        """Logits (B, R, V) predicting each response token, and the forward's routing (B, P+R, L, K) when recorded.
+
+        `train`: the update's forward, which under a multi-rank strategy must go through its wrapper.
+        """
+        # The update's forward goes through the strategy's hooks and the model's activation checkpointing,
+        # neither of which the lean forward calls.
+        hooked_update = train and (self.trained.strategy.distributed or self.trained.checkpointing)
+        if self.lean is not None and not hooked_update:
             return self.lean.response_logits(
                 td["prompts"], td["prompt_mask"], td["responses"], td["response_mask"],
                 routed_experts=routed_experts, record_routing=record_routing,
@@ -130,7 +153,8 @@ class PolicyWorker:
         recorder = RoutingRecorder(self.model) if record_routing else None
         with replay, (recorder if recorder is not None else contextlib.nullcontext()):
             # Only the positions that predict response tokens need the LM head.
-            out = self.model(
+            module = self.trained.forward_module if train else self.model
+            out = module(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
@@ -152,7 +176,40 @@ class PolicyWorker:
         if info.get("seed") is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(info["seed"]) + 7919 * self.rank)
         t0 = time.perf_counter()
-        out = self.rollout.generate(
+        with self.trained.strategy.full_params():
+            out = self._generate(td, info, generator)
+        elapsed = time.perf_counter() - t0
+        fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
+        if "routed_experts" in out:
+            from conveyor.models.moe_routing import routed_experts_dtype
+
+            fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
+        if self.world_size > 1:
+            # Every rank writes into the same partition, whose columns keep one width: each rank's responses
+            # are as long as its own longest, so all pad to the requested length (as verl's rollouts do).
+            fields = self._pad_responses(fields, int(info["max_new_tokens"]))
+        self._put(meta, fields)
+        n_tokens = float(out["response_mask"].sum())
+        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed}
+        return self._result(meta, list(fields), metrics)
+
+    def _pad_responses(self, fields: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+        """The rollout's fields right-padded to `width` response columns (pad token, no mask, log-prob 0, expert -1)."""
+        extra = width - fields["responses"].shape[1]
+        if extra <= 0:
+            return fields
+        pad = torch.nn.functional.pad
+        out = {
+            "responses": pad(fields["responses"], (0, extra), value=int(self.tokenizer.pad_token_id)),
+            "response_mask": pad(fields["response_mask"], (0, extra), value=False),
+            "rollout_log_probs": pad(fields["rollout_log_probs"], (0, extra), value=0.0),
+        }
+        if "routed_experts" in fields:  # (B, P+R, L, K): the new positions were never routed
+            out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
+        return out
+
+    def _generate(self, td: TensorDict, info: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
+        return self.rollout.generate(
             td["prompts"],
             td["prompt_mask"],
             max_new_tokens=int(info["max_new_tokens"]),
@@ -163,16 +220,6 @@ class PolicyWorker:
             generator=generator,
             capture_routing=bool(info.get("capture_routing", False)),
         )
-        elapsed = time.perf_counter() - t0
-        fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
-        if "routed_experts" in out:
-            from conveyor.models.moe_routing import routed_experts_dtype
-
-            fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
-        self._put(meta, fields)
-        n_tokens = float(out["response_mask"].sum())
-        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed}
-        return self._result(meta, list(fields), metrics)
 
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -192,13 +239,14 @@ class PolicyWorker:
         )
         self.model.eval()
         lps, ents = [], []
-        for sl in self._micro_batches(len(td), micro):
-            mb = td[sl]
-            routed = mb["routed_experts"].long() if replay_on else None
-            lp, ent, _ = self._forward(mb, temperature, with_entropy, routed)
-            lps.append(lp)
-            if ent is not None:
-                ents.append(ent)
+        with self.trained.strategy.full_params():
+            for sl in self._micro_batches(len(td), micro):
+                mb = td[sl]
+                routed = mb["routed_experts"].long() if replay_on else None
+                lp, ent, _ = self._forward(mb, temperature, with_entropy, routed)
+                lps.append(lp)
+                if ent is not None:
+                    ents.append(ent)
         mask = td["response_mask"].bool()
         log_probs = torch.cat(lps) * mask
         metrics: dict[str, float] = {}
@@ -223,7 +271,8 @@ class PolicyWorker:
         micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         for sl in self._micro_batches(len(td), micro):
             mb = td[sl]
-            _, own = self._response_logits(mb, None, record_routing=True)
+            with self.trained.strategy.full_params():
+                _, own = self._response_logits(mb, None, record_routing=True)
             attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
             valid = attention_mask.bool()
             frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
@@ -255,16 +304,18 @@ class PolicyWorker:
 
         # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
         counts = torch.tensor([float(td["response_mask"].sum()), float(len(td))], dtype=torch.float64)
-        dist.all_reduce_sum(counts, self.world_size)
+        self.trained.strategy.all_reduce_sum(counts)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for sl in self._micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu):
+        passes = self.trained.passes(self._micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu))
+        for i, (sl, real) in enumerate(passes):
             mb = td[sl]
             routed = mb["routed_experts"].long() if replay_on else None
-            log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed)
+            log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
+                                                 train=True)
             loss, mb_metrics = compute_policy_objective(
                 mb["old_log_probs"], log_prob, mb["advantages"], mb["response_mask"].bool(),
                 entropy=entropy,
@@ -283,47 +334,20 @@ class PolicyWorker:
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
             )
-            loss.backward()
-            merge_objective_metrics(sums, mb_metrics)
+            self.trained.backward(loss, real=real, last=i == len(passes) - 1)
+            if real:
+                merge_objective_metrics(sums, mb_metrics)
 
         if not report_entropy:
             # compute_log_prob already logged the old policy's entropy under this name.
             sums.pop("entropy@sum", None)
             sums.pop("entropy@count", None)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
-        dist.all_reduce_grads(self.model, self.world_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), acfg.grad_clip)
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
+        grad_norm, stepped, lr, memory = self.trained.step(acfg.grad_clip)
+        if not stepped:
             logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)
             metrics["actor/skipped_steps@sum"] = 1.0
-        self.optimizer.zero_grad(set_to_none=True)
-        # A skipped step still advances the schedule: its position counts update calls, as the run plans them.
-        self.scheduler.step()
-        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/lr"] = lr
+        metrics["actor/grad_norm"] = grad_norm
+        metrics.update(memory)
         return self._result(meta, [], metrics)
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and lr-schedule state of this rank (rank 0's is what a checkpoint keeps)."""
-        state = {"model": self.model.state_dict(), "optim_steps": self.optim_steps}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
-            state["lr_scheduler"] = self.scheduler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore model, optimizer and lr-schedule state."""
-        self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["lr_scheduler"])
-
-    def save_hf(self, path: str) -> str:
-        """Write the current policy as a Hugging Face checkpoint directory (for serving or evaluation)."""
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        return path

@@ -18,9 +18,9 @@ Ranks are numbered node by node. Resources that the cluster cannot provide are
 a `ValueError` at once (or after `ray.timeout_s` when they exist but are
 busy), never a silent wait.
 
-What it deliberately does not do: restart failed ranks, shard models
-(each rank holds a full copy; gradients are all-reduced in
-`conveyor.workers.dist`), or start Ray (`conveyor.ray_utils.ensure_ray`).
+What it deliberately does not do: restart failed ranks, decide how the ranks
+hold a model (the role's strategy does: `conveyor.workers.strategy`), or start
+Ray (`conveyor.ray_utils.ensure_ray`).
 """
 
 from __future__ import annotations

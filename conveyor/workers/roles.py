@@ -53,7 +53,7 @@ def worker_specs(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer:
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec("reward", RewardWorker, {
         "tokenizer": tokenizer, "data_plane": data_plane,
-        "custom_reward_path": custom.path, "custom_reward_name": custom.name,
+        "custom_reward_path": custom.path, "custom_reward_name": custom.name, "timeout_s": cfg.reward.timeout_s,
     }, plugins)
     return specs
 
@@ -94,13 +94,17 @@ class ActorGroup(_Role):
         """One optimizer step over a mini-batch, split across ranks."""
         return self.ranks.call(PolicyWorker.update_actor, meta)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and schedule state (rank 0's; ranks hold the same)."""
-        return self.ranks.call_rank0(PolicyWorker.state_dict)
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Every rank writes its shards under `path`; the schedule state to keep with the checkpoint (rank 0's)."""
+        return self.ranks.call_all(PolicyWorker.save_checkpoint, path)[0]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore every rank from `state`."""
-        self.ranks.call_all(PolicyWorker.load_state_dict, state)
+    def load_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """Every rank reads its shards from `path` (written by any number of ranks) and the schedule state."""
+        self.ranks.call_all(PolicyWorker.load_checkpoint, path, extra)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole model's weights, gathered from the ranks."""
+        return self.ranks.call_all(PolicyWorker.model_state_dict)[0]
 
 
 class RefGroup(_Role):
@@ -122,13 +126,17 @@ class CriticGroup(_Role):
         """One critic optimizer step over a mini-batch, split across ranks."""
         return self.ranks.call(CriticWorker.update_critic, meta)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and schedule state (rank 0's)."""
-        return self.ranks.call_rank0(CriticWorker.state_dict)
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Every rank writes its shards under `path`; the schedule state to keep with the checkpoint (rank 0's)."""
+        return self.ranks.call_all(CriticWorker.save_checkpoint, path)[0]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore every rank from `state`."""
-        self.ranks.call_all(CriticWorker.load_state_dict, state)
+    def load_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """Every rank reads its shards from `path` and the schedule state."""
+        self.ranks.call_all(CriticWorker.load_checkpoint, path, extra)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole value model's weights, gathered from the ranks."""
+        return self.ranks.call_all(CriticWorker.model_state_dict)[0]
 
 
 class RewardGroup(_Role):

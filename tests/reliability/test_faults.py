@@ -98,7 +98,7 @@ def test_sigkill_while_saving_a_checkpoint_keeps_the_previous_one_and_resume_wor
     newest = load_checkpoint(run_dir / "checkpoints" / f"global_step_{killed_at - 1}")
     assert newest["trainer_state"]["global_step"] == killed_at - 1
     assert newest["trainer_state"]["dataset"]["position"] == (killed_at - 1) * 8
-    assert set(newest) == {"actor", "trainer_state"} and "optimizer" in newest["actor"]
+    assert set(newest) == {"actor", "trainer_state"} and (newest["actor"] / "param_groups.json").is_file()
     # Metrics are logged before the save, so the killed step is already in the file.
     assert killed_at in rel.logged_steps(run_dir)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conveyor.trainer import checkpoint as ckpt
+from conveyor.workers.shards import CheckpointFormatError, load_model_weights, load_shards, save_shards
 
 
 class _RunsCode:
@@ -29,11 +30,41 @@ def test_a_crafted_checkpoint_runs_nothing_and_is_refused(tmp_path: Path) -> Non
     step_dir.mkdir(parents=True)
     with open(step_dir / "trainer_state.pt", "wb") as f:
         pickle.dump({"global_step": 3, "payload": _RunsCode(marker)}, f)
-    # The same object through torch.save, as a crafted actor.pt would be.
-    torch.save({"model": _RunsCode(marker)}, step_dir / "actor.pt")
     with pytest.raises(ValueError, match="never unpickles"):
         ckpt.load_checkpoint(step_dir)
     assert not marker.exists(), "loading the checkpoint ran code from it"
+    # The same object through torch.save, as a crafted trainer state written with torch would be.
+    torch.save({"global_step": 3, "payload": _RunsCode(marker)}, step_dir / "trainer_state.pt")
+    with pytest.raises(ValueError, match="never unpickles"):
+        ckpt.load_checkpoint(step_dir)
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+
+
+def test_crafted_shard_metadata_runs_nothing_and_is_refused(tmp_path: Path) -> None:
+    """DCP itself unpickles its .metadata file; conveyor's reader rebuilds only DCP's own metadata classes."""
+    model = torch.nn.Linear(3, 2)
+    shards = tmp_path / "actor"
+    save_shards(shards, model, torch.optim.AdamW(model.parameters()))
+    load_model_weights(shards, torch.nn.Linear(3, 2))  # a real one loads
+    marker = tmp_path / "ran"
+    with open(shards / ".metadata", "wb") as f:
+        pickle.dump(_RunsCode(marker), f)
+    with pytest.raises(CheckpointFormatError, match="not a conveyor checkpoint"):
+        load_model_weights(shards, torch.nn.Linear(3, 2))
+    with pytest.raises(CheckpointFormatError, match="not a conveyor checkpoint"):
+        load_shards(shards, model, torch.optim.AdamW(model.parameters()))
+    assert not marker.exists(), "loading the shards ran code from them"
+
+
+def test_non_tensor_entries_in_shards_are_refused(tmp_path: Path) -> None:
+    """DCP would load a non-tensor entry with torch.load(weights_only=False): conveyor never writes one, and refuses it."""
+    import torch.distributed.checkpoint as dcp
+
+    shards = tmp_path / "actor"
+    dcp.save({"model": {"weight": torch.zeros(2)}, "extra": {"note": "any python object"}}, checkpoint_id=str(shards),
+             no_dist=True)
+    with pytest.raises(CheckpointFormatError, match="non-tensor entries"):
+        load_model_weights(shards, torch.nn.Linear(1, 2, bias=False))
 
 
 def test_saved_parts_round_trip_under_weights_only(tmp_path: Path) -> None:
@@ -43,14 +74,12 @@ def test_saved_parts_round_trip_under_weights_only(tmp_path: Path) -> None:
     np.random.normal()  # leave a cached gaussian in NumPy's state
     state = ckpt.rng_state()
     want = (random.random(), float(np.random.rand()), float(np.random.normal()), float(torch.rand(1)))
-    parts = {
-        "actor": {"model": {"w": torch.randn(3, 2)}, "optim_steps": 4},
-        "trainer_state": {"global_step": 2, "rng": state, "val_history": [(0, 0.1), (2, 0.5)],
-                          "moe_counts": torch.ones(2, 4, dtype=torch.long), "kl_coef": 0.001},
-    }
-    path = ckpt.save_checkpoint(tmp_path / "checkpoints", 2, parts)
+    trainer_state = {"global_step": 2, "rng": state, "val_history": [(0, 0.1), (2, 0.5)],
+                     "moe_counts": torch.ones(2, 4, dtype=torch.long), "kl_coef": 0.001}
+    path = ckpt.save_checkpoint(tmp_path / "checkpoints", 2, lambda tmp: trainer_state)
     loaded = ckpt.load_checkpoint(path)
-    assert torch.equal(loaded["actor"]["model"]["w"], parts["actor"]["model"]["w"])
+    assert torch.equal(loaded["trainer_state"]["moe_counts"], trainer_state["moe_counts"])
+    assert loaded["trainer_state"]["val_history"] == [(0, 0.1), (2, 0.5)]
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)

@@ -41,7 +41,7 @@ def test_grpo_run_logs_every_promised_metric(tiny_run, tmp_path):
         # Bypass mode (the default here): no old-log-prob forward, so no sampler/trainer comparison.
         assert "rollout_corr/log_prob_abs_diff/mean" not in rows[step]
     assert (tmp_path / "config.yaml").is_file()
-    assert (tmp_path / "checkpoints" / "global_step_2" / "actor.pt").is_file()
+    assert (tmp_path / "checkpoints" / "global_step_2" / "actor" / ".metadata").is_file()
     assert sorted(p.name for p in (tmp_path / "generations").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
 
 
@@ -57,7 +57,7 @@ def test_gae_with_critic_and_kl_logs_critic_metrics(tiny_run, tmp_path):
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "values/mean",
                     "timing_s/values", "timing_s/update_critic", "timing_s/ref", "actor/kl_loss"):
             assert key in row and math.isfinite(row[key]), key
-    assert (tmp_path / "checkpoints" / "global_step_2" / "critic.pt").is_file()
+    assert (tmp_path / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])

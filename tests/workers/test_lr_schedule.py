@@ -132,10 +132,10 @@ def test_each_worker_counts_its_own_optimizer_steps(env) -> None:
     actor = PolicyWorker(cfg, model_path=path, data_plane=dp, role="actor")
     critic = CriticWorker(cfg, model_path=path, data_plane=dp)
     # 5 steps x epochs x (4 prompts // mini-batch prompts): the critic's differ from the actor's.
-    assert _floor_reached_at(actor.scheduler) == 5 * 2 * 2
-    assert _floor_reached_at(critic.scheduler) == 5 * 3 * 4
+    assert _floor_reached_at(actor.trained.scheduler) == 5 * 2 * 2
+    assert _floor_reached_at(critic.trained.scheduler) == 5 * 3 * 4
     ref = PolicyWorker(cfg, model_path=path, data_plane=dp, role="ref")
-    assert ref.scheduler is None and "lr_scheduler" not in ref.state_dict()
+    assert ref.trained.scheduler is None and ref.optim_steps == 0
 
 
 def _put_batch(dp, vocab: int):
@@ -160,7 +160,7 @@ def _update(worker, meta, n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, role: str) -> None:
+def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, role: str, tmp_path) -> None:
     cfg, path = env
     dp = make_data_plane("memory")
 
@@ -176,7 +176,7 @@ def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, r
     else:
         first.compute_values(meta)
     head = _update(first, meta, 3)
-    state = first.state_dict()
+    state = first.save_checkpoint(str(tmp_path / "shards"))
     assert state["optim_steps"] == 3 and state["lr_scheduler"]["last_epoch"] == 3
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -184,7 +184,7 @@ def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, r
     tail_ref = _update(first, meta, 2)
 
     resumed = make()
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    resumed.load_checkpoint(str(tmp_path / "shards"), torch.load(buf, weights_only=True))
     assert resumed.optim_steps == 3
     tail = _update(resumed, meta, 2)
     lr_key = f"{role}/lr"

@@ -21,6 +21,7 @@ from conveyor.workers.actor import PolicyWorker  # noqa: E402
 from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
 from conveyor.workers.ray_group import RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
 from conveyor.workers.roles import worker_specs  # noqa: E402
+from update_batches import ragged_update_fields  # noqa: E402
 
 OVERRIDES = [
     "data.train_batch_size=4",
@@ -71,21 +72,8 @@ def env():
 
 def _put_batch(dp, partition: str, vocab: int) -> KVBatchMeta:
     """A batch with the fields an update needs except old_log_probs (left-padded prompts, right-padded responses)."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(4, vocab, (B, P), generator=gen)
-    prompt_mask = torch.ones(B, P, dtype=torch.bool)
-    prompt_mask[0, :2] = False
-    prompt_mask[3, :1] = False
-    prompts[~prompt_mask] = 0
-    responses = torch.randint(4, vocab, (B, R), generator=gen)
-    response_mask = torch.ones(B, R, dtype=torch.bool)
-    response_mask[1, 2:] = False
-    response_mask[4, 1:] = False
-    responses[~response_mask] = 0
-    advantages = torch.randn(B, R, generator=gen) * response_mask
-    keys = [f"s{i}" for i in range(B)]
-    return dp.kv_batch_put(keys, partition, {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-                                             "response_mask": response_mask, "advantages": advantages})
+    fields = ragged_update_fields(B, P, R, vocab, torch.Generator().manual_seed(0))
+    return dp.kv_batch_put([f"s{i}" for i in range(B)], partition, fields)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +86,7 @@ def two_ranks(env):
     group.shutdown()
 
 
-def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks) -> None:
+def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path) -> None:
     cfg, model_path, dp = env
     local = LocalWorkerGroup(WorkerSpec("actor", PolicyWorker, {"cfg": cfg, "model_path": model_path,
                                                                 "data_plane": dp, "role": "actor"}))
@@ -130,14 +118,16 @@ def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks) -> None:
     want = local.worker.model.state_dict()
     moved = max(float((want[k] - initial[k]).abs().max()) for k in want)
     assert moved > 5e-5, "the update barely moved the weights: the comparison below would be vacuous"
-    states = two_ranks.call_all(PolicyWorker.state_dict)
-    assert len(states) == 2
-    for state in states:
-        got = state["model"]
-        assert got.keys() == want.keys()
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
-    assert two_ranks.call_rank0(PolicyWorker.state_dict)["optim_steps"] == 1
+    # Two Ray ranks default to fsdp2: the gathered weights are the one-rank step's.
+    got, other = two_ranks.call_all(PolicyWorker.model_state_dict)
+    assert other == {}  # gathered on rank 0 only
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    # Each Ray rank writes its own shards of a checkpoint into the shared directory.
+    extras = two_ranks.call_all(PolicyWorker.save_checkpoint, str(tmp_path / "shards"))
+    assert [e["optim_steps"] for e in extras] == [1, 1]
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -> None:
@@ -166,7 +156,9 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
 
 def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
     cfg, model_path, dp = env
-    big = load_config(None, OVERRIDES + ["trainer.n_gpus_per_node=64"])
+    # 4 prompts x 16 samples: a mini-batch has a sequence for each of the 64 ranks asked for.
+    big = load_config(None, OVERRIDES + ["trainer.n_gpus_per_node=64", "actor_rollout_ref.rollout.n=16",
+                                         "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     live_before = {k for k, p in placement_group_table().items() if p["state"] in ("PENDING", "CREATED")}
     t0 = time.monotonic()
     with pytest.raises(ValueError) as info:

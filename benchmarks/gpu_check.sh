@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The prepared GPU check: nccl, then 2 training steps under fsdp2 on one GPU with a ~0.86B-parameter
+# Qwen3-MoE built from config (no download), printing tokens/s and peak GPU memory.
+#
+#   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
+#
+# It runs the same code as the CPU tests (gloo there, nccl here); only the device differs.
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-$(mktemp -d)}
+export CONVEYOR_CACHE=${CONVEYOR_CACHE:-$OUT/cache}
+
+echo "== devices"
+"$PY" - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible"
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
+      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+PY
+
+echo "== nccl all_reduce on one rank"
+"$PY" - <<'PY'
+import os, socket, torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("nccl", rank=0, world_size=1)
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+print("all_reduce ok:", t.tolist())
+dist.destroy_process_group()
+PY
+
+echo "== 2 steps of fsdp2 (one GPU)"
+"$PY" -m conveyor.cli train \
+  trainer.device=cuda trainer.total_training_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
+  trainer.logger=[console,jsonl] trainer.progress_bar=false trainer.dump_freq=0 \
+  trainer.default_local_dir="$OUT/run" \
+  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.model.dtype=bfloat16 \
+  actor_rollout_ref.model.tiny.hidden_size=1024 actor_rollout_ref.model.tiny.num_layers=16 \
+  actor_rollout_ref.model.tiny.num_heads=16 actor_rollout_ref.model.tiny.num_kv_heads=8 \
+  actor_rollout_ref.model.tiny.intermediate_size=2048 actor_rollout_ref.model.tiny.num_experts=8 \
+  actor_rollout_ref.model.tiny.warmstart_steps=0 \
+  data.train_batch_size=32 actor_rollout_ref.rollout.n=8 data.max_response_length=64 \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64
+
+"$PY" - "$OUT/run" <<'PY'
+import sys
+from pathlib import Path
+from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.models.loading import load_causal_lm
+rows = [r for r in read_metrics_jsonl(Path(sys.argv[1]) / "metrics.jsonl") if r.get("step", 0) > 0]
+last = rows[-1]
+print(f"tokens/s (step {last['step']}): {last['perf/throughput']:.0f}")
+print(f"peak GPU memory allocated: {last['actor/perf/max_memory_allocated_gb']:.2f} GiB")
+print(f"step time: {last['timing_s/step']:.2f} s")
+PY
+echo "== done: $OUT"

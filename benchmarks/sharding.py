@@ -1,0 +1,119 @@
+"""Per-rank memory of FSDP2 against DDP replicas: two gloo ranks, one actor update each, bytes as the worker logs them.
+
+For each strategy, two processes build the actor worker (`PolicyWorker`) of a
+tiny Qwen3-MoE made larger (by default about 10.6M parameters), take one update
+over their half of a random batch, and report what the worker logs:
+`perf/param_bytes_local`, `perf/grad_bytes_local` and `perf/optim_bytes_local`
+(this rank's parameters, gradients and AdamW state; its shards under fsdp2).
+The printed ratio is fsdp2 over dp, per rank; the bar is <= 0.6x, and two
+ranks that split everything evenly give 0.5x.
+
+    python benchmarks/sharding.py                      # ~10.6M parameters
+    python benchmarks/sharding.py --hidden 64 --layers 2   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+KEYS = ("perf/param_bytes_local", "perf/grad_bytes_local", "perf/optim_bytes_local")
+B, P, R = 8, 6, 4
+
+
+def _overrides(args: argparse.Namespace, strategy: str) -> list[str]:
+    return [
+        "actor_rollout_ref.model.tiny.warmstart_steps=0",
+        "data.synthetic.num_train=64",
+        "data.synthetic.num_val=8",
+        f"actor_rollout_ref.model.tiny.hidden_size={args.hidden}",
+        f"actor_rollout_ref.model.tiny.num_layers={args.layers}",
+        f"actor_rollout_ref.model.tiny.intermediate_size={args.hidden * 2}",
+        f"actor_rollout_ref.model.tiny.num_experts={args.experts}",
+        f"actor_rollout_ref.actor.strategy={strategy}",
+    ]
+
+
+def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: str, out: str) -> None:
+    from conveyor.config import load_config
+    from conveyor.data_plane import make_data_plane
+    from conveyor.workers.actor import PolicyWorker
+    from conveyor.workers.group import split_for_ranks
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    cfg = load_config(None, overrides)
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(B, R, dtype=torch.bool)
+    fields = {"prompts": torch.randint(4, 40, (B, P), generator=gen), "prompt_mask": torch.ones(B, P, dtype=torch.bool),
+              "responses": torch.randint(4, 40, (B, R), generator=gen), "response_mask": mask,
+              "advantages": torch.randn(B, R, generator=gen), "old_log_probs": torch.full((B, R), -3.0)}
+    plane = make_data_plane("memory")
+    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields)
+    worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane, rank=rank, world_size=world)
+    result = worker.update_actor(split_for_ranks(meta, world)[rank].with_extra_info(temperature=1.0))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({k: result.extra_info[k] for k in KEYS}))
+    tdist.destroy_process_group()
+
+
+def measure(args: argparse.Namespace, strategy: str, model_path: str) -> list[dict[str, float]]:
+    """The per-rank bytes of one update under `strategy` on `args.world` ranks."""
+    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        mp.spawn(_rank, args=(args.world, port, _overrides(args, strategy), model_path, out), nprocs=args.world)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the per-rank bytes of dp and fsdp2 and their ratio; exit 1 if the ratio misses the 0.6x bar."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from conveyor.config import load_config
+    from conveyor.models.loading import load_causal_lm
+    from conveyor.trainer.setup import prepare_default_model
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model_path = prepare_default_model(load_config(None, _overrides(args, "dp")))
+    n_params = sum(p.numel() for p in load_causal_lm(model_path).parameters())
+    print(f"model: tiny qwen3_moe, hidden {args.hidden}, {args.layers} layers, {args.experts} experts: "
+          f"{n_params / 1e6:.1f}M parameters; {args.world} gloo ranks, one actor update each")
+    results = {s: measure(args, s, model_path) for s in ("dp", "fsdp2")}
+    print(f"{'per rank (MiB)':<16}" + "".join(f"{k.split('/')[1].replace('_bytes_local', ''):>10}" for k in KEYS)
+          + f"{'total':>10}")
+    totals = {}
+    for strategy, ranks in results.items():
+        for r, m in enumerate(ranks):
+            total = sum(m[k] for k in KEYS)
+            totals.setdefault(strategy, []).append(total)
+            print(f"{strategy + ' rank ' + str(r):<16}" + "".join(f"{m[k] / 2**20:>10.2f}" for k in KEYS)
+                  + f"{total / 2**20:>10.2f}")
+    ratio = max(f / d for f, d in zip(totals["fsdp2"], totals["dp"]))
+    print(f"fsdp2 / dp, parameters + gradients + optimizer state per rank: {ratio:.3f}x (bar <= 0.6x, goal ~0.5x)")
+    return 0 if ratio <= 0.6 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

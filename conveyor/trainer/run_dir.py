@@ -1,0 +1,150 @@
+"""The run directory: created with clear errors, held by one run at a time, and kept consistent with its checkpoints.
+
+- `open_run_dir(cfg)` creates the directory (a read-only or impossible path is
+  a `ValueError` naming it and the key to change) and takes an exclusive lock
+  on `run_dir/.conveyor.lock` for the run's life. The lock is an `flock`, so
+  the kernel drops it when the process ends, however it ends: a crashed run
+  leaves nothing stuck. A second run on the same directory is refused with the
+  other run's pid, host and start time.
+- `check_resume(cfg, checkpoint)` compares the config a checkpoint was written
+  with against this run's. A difference in a setting that changes what the run
+  computes is refused, naming the checkpoint and each key (saved -> now),
+  unless `trainer.resume_accept_config_changes=true`; settings that only
+  change where or how often things happen (steps to run, logging, saving,
+  ranks and their strategy, devices, the data plane) may differ freely.
+- `write_config(cfg, run_dir, accepted)` writes `config.yaml`; the previous one
+  is kept beside it when the change was accepted, so no record is lost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from conveyor.config import Config, config_to_dict, config_to_yaml
+from conveyor.metrics.trackers import flatten_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunDirLock", "open_run_dir", "check_resume", "write_config", "config_differences", "NEUTRAL_KEYS"]
+
+# Settings a resumed run may change without changing what it computes: how long, where and how often it
+# logs, saves and validates, and how its ranks are placed and hold the model (sharded checkpoints reshard).
+NEUTRAL_KEYS: tuple[str, ...] = (
+    "trainer.total_training_steps", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
+    "trainer.default_local_dir", "trainer.test_freq", "trainer.val_before_train", "trainer.save_freq",
+    "trainer.max_ckpt_to_keep", "trainer.resume_mode", "trainer.resume_from_path", "trainer.save_on_interrupt",
+    "trainer.resume_accept_config_changes", "trainer.dump_freq", "trainer.dump_num", "trainer.device",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.num_cpu_workers", "trainer.progress_bar",
+    "trainer.prometheus.", "transfer_queue.", "ray.",
+    "actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+    "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.fsdp_config.param_offload",
+    "critic.fsdp_config.optimizer_offload", "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.model.forward_impl",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "data.val_files", "data.val_batch_size",
+)
+
+
+def _neutral(key: str) -> bool:
+    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in NEUTRAL_KEYS)
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory for one run's life (released by the kernel if the process dies)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".conveyor.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or fail naming the run that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = self.path.read_text().strip() or "another process"
+            raise ValueError(
+                f"run directory {self.path.parent} is in use by another run ({holder}); wait for it to finish, stop "
+                "it, or give this run its own directory (trainer.experiment_name or trainer.default_local_dir)"
+            ) from None
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Give the lock back (safe to call twice)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_run_dir(cfg: Config) -> RunDirLock:
+    """Create the run directory and lock it for this run; an unusable directory is a ValueError naming the key."""
+    run_dir = cfg.run_dir
+    key = "trainer.default_local_dir" if cfg.trainer.default_local_dir else "trainer.experiment_name"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunDirLock(run_dir)
+        lock.acquire()
+    except ValueError:
+        raise
+    except OSError as err:
+        raise ValueError(f"cannot use run directory {run_dir} ({err.strerror or err}); choose a writable directory "
+                         f"with {key}") from err
+    return lock
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for each setting that changes the run and differs."""
+    a, b = flatten_config(saved), flatten_config(now)
+    missing = object()
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if _neutral(key):
+            continue
+        old, new = a.get(key, missing), b.get(key, missing)
+        if old != new:
+            out.append((key, "(absent)" if old is missing else old, "(absent)" if new is missing else new))
+    return out
+
+
+def check_resume(cfg: Config, checkpoint: Path, saved_config: dict[str, Any] | None) -> bool:
+    """Refuse (ValueError) a resume whose run-changing settings differ from `checkpoint`'s; True if changes were accepted."""
+    if saved_config is None:
+        raise ValueError(f"checkpoint {checkpoint} records no config, so it cannot be checked against this run; "
+                         "start a new run directory or set trainer.resume_mode=disable")
+    diffs = config_differences(saved_config, config_to_dict(cfg))
+    if not diffs:
+        return False
+    listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:12])
+    more = f" and {len(diffs) - 12} more" if len(diffs) > 12 else ""
+    if not cfg.trainer.resume_accept_config_changes:
+        raise ValueError(f"checkpoint {checkpoint} was written with other settings that change the run: {listed}{more}. "
+                         "Resume with the checkpoint's settings, start a new run directory, or accept the change "
+                         "with trainer.resume_accept_config_changes=true")
+    logger.warning("resuming %s with changed settings (trainer.resume_accept_config_changes=true): %s%s",
+                   checkpoint, listed, more)
+    return True
+
+
+def write_config(cfg: Config, run_dir: Path, keep_previous: bool = False) -> None:
+    """Write the run's config.yaml (the previous one is kept as config.<time>.yaml when `keep_previous`)."""
+    path = run_dir / "config.yaml"
+    if keep_previous and path.is_file():
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path.rename(run_dir / f"config.{stamp}.yaml")
+    path.write_text(config_to_yaml(cfg))

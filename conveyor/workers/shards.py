@@ -1,0 +1,172 @@
+"""Sharded checkpoints of a model and its optimizer with `torch.distributed.checkpoint` (DCP), loaded without pickle.
+
+Every rank writes its own shards (under `fsdp2` each holds a slice of every
+tensor; under `dp` the replicas are deduplicated, rank 0 writes); no rank
+gathers the whole model. The keys are the model's parameter names (from
+`torch.distributed.checkpoint.state_dict`), so what two ranks wrote loads
+into one rank, or into four, or into another strategy.
+
+Loading never runs code from the files: DCP's own reader unpickles its
+`.metadata` file and any non-tensor values. Here only tensors go into DCP
+(the optimizer's hyper-parameters go into a JSON file beside them), the
+metadata is read by an unpickler that rebuilds DCP's own metadata classes and
+nothing else, and a checkpoint that declares a non-tensor entry is refused.
+Tensor data itself is read by DCP with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = ["save_shards", "load_shards", "load_model_weights", "CheckpointFormatError", "SafeFileSystemReader"]
+
+_PARAM_GROUPS = "param_groups.json"
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint file is not what conveyor writes (truncated, foreign, or holding objects that need unpickling)."""
+
+
+# The classes DCP's metadata file is made of: nothing that can run code when rebuilt.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                 "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch._utils", "_get_layout"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the metadata rebuilt by an allow-list unpickler, and tensors only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata; CheckpointFormatError when it is not plain DCP metadata of tensors."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except FileNotFoundError as err:
+            raise CheckpointFormatError(f"{self.path}: no DCP metadata file ({err}); the checkpoint is incomplete")
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
+            raise CheckpointFormatError(f"{self.path}: its metadata is not a conveyor checkpoint's ({err})") from err
+        if not isinstance(metadata, Metadata):
+            raise CheckpointFormatError(f"{self.path}: its metadata is a {type(metadata).__name__}, not DCP metadata")
+        # DCP loads non-tensor entries with torch.load(weights_only=False); conveyor writes none.
+        odd = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+        if odd:
+            raise CheckpointFormatError(f"{self.path}: holds non-tensor entries {odd[:3]}, which conveyor never "
+                                        "writes and will not unpickle")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it saves or loads in one process: without a process group that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(tensor state for DCP, param_groups as plain JSON values)."""
+    return {"state": optim_sd["state"]}, optim_sd["param_groups"]
+
+
+def save_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Write this rank's shards of `model` (and `optimizer`) under `path`; every rank of the role calls it."""
+    path = Path(path)
+    options = StateDictOptions(ignore_frozen_params=False)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        tensors, groups = _split_optimizer(optim_sd)
+        state = {"model": model_sd, "optim": tensors}
+    else:
+        state, groups = {"model": get_model_state_dict(model, options=options)}, None
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not tdist.is_initialized())
+    if groups is not None and (not tdist.is_initialized() or tdist.get_rank() == 0):
+        (path / _PARAM_GROUPS).write_text(json.dumps(groups))
+
+
+def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load `path` into `model` (and `optimizer`), resharding to this role's strategy and world size."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise CheckpointFormatError(f"{path} is not a sharded checkpoint (no .metadata)")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        tensors, _ = _split_optimizer(optim_sd)
+        state = {"model": model_sd, "optim": tensors}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    _dcp_load(path, state, no_dist=not tdist.is_initialized())
+    if optimizer is not None:
+        groups_file = path / _PARAM_GROUPS
+        try:
+            groups = json.loads(groups_file.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointFormatError(f"{groups_file}: missing or unreadable ({err})") from err
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
+    else:
+        set_model_state_dict(model, state["model"])
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Load only the model weights of a sharded checkpoint into a plain (unsharded) `model` in this process."""
+    state = {"model": model.state_dict()}
+    _dcp_load(Path(path), state, no_dist=True)
+    model.load_state_dict(state["model"])
+
+
+def _dcp_load(path: Path, state: dict[str, Any], no_dist: bool) -> None:
+    """dcp.load with the safe reader; the metadata is checked first, so a foreign file fails with its own message."""
+    SafeFileSystemReader(str(path)).read_metadata()
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)), no_dist=no_dist)
+    # DCP reports a missing key or a shape mismatch in its own words, wrapped in a CheckpointException
+    # (a BaseException, so `except Exception` alone would let it through).
+    except (Exception, CheckpointException) as err:
+        lines = [ln for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+        raise CheckpointFormatError(f"{path}: cannot load into this model: {lines[-1] if lines else err!r}") from err

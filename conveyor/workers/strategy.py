@@ -1,0 +1,389 @@
+"""Training strategies: how the ranks of one role hold a model and combine their gradients.
+
+Three strategies behind one small interface, chosen by `actor_rollout_ref.actor.strategy`
+(and `critic.strategy`, `actor_rollout_ref.ref.strategy`):
+
+- `none`: one rank, the model as it is.
+- `dp`: every rank holds a full replica; PyTorch's `DistributedDataParallel`
+  all-reduces the gradients in the last micro-batch's backward.
+- `fsdp2`: parameters, gradients and optimizer state are sharded over the
+  ranks with `torch.distributed.fsdp.fully_shard` (one unit per decoder layer
+  and one at the root); each layer's parameters are all-gathered for its
+  forward and backward and the gradients reduce-scattered.
+
+Losses are normalised by the *global* token or sequence count (see
+`conveyor.algos.losses`), so the ranks' gradients must be summed; DDP and FSDP2
+average them, so the loss a rank back-propagates is scaled by the world size
+(`loss_scale`). Under both, a collective happens inside the update, so every
+rank must run the same number of forward/backward passes: `agree_count`
+gives each rank the largest count, and a rank with fewer micro-batches runs
+extra passes whose loss is multiplied by 0.
+
+No-grad phases (the rollout, old/reference log-probs, values) run inside
+`full_params`: under `fsdp2` the whole model is gathered once and used as a
+plain module (so ranks may do different numbers of decode steps, and the lean
+forward applies), then re-sharded; under `dp` the replica is used directly.
+
+Checkpoints go through `torch.distributed.checkpoint.state_dict`, whose keys
+are the model's own parameter names whatever the strategy and world size: a
+checkpoint written by two `fsdp2` ranks loads into one plain rank and back.
+
+This module deliberately knows nothing of the data plane, the losses or the
+config objects; workers pass it plain values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STRATEGIES", "TrainingStrategy", "TrainedModel", "CheckpointEndpoints", "resolve_strategy",
+           "decoder_layers", "ensure_process_group"]
+
+STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_strategy(name: str | None, world_size: int) -> str:
+    """The strategy a role runs: `fsdp2` by default with several ranks, `none` with one (what `name=null` means)."""
+    if name is None:
+        return "fsdp2" if world_size > 1 else "none"
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; valid: {list(STRATEGIES)}")
+    if name == "dp" and world_size == 1:
+        return "none"  # a replica of one is the model itself
+    return name
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A one-rank process group when none exists (FSDP2 needs one even on a single rank)."""
+    if tdist.is_initialized():
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tdist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(minutes=30))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a causal LM or a value model (the units FSDP2 shards one by one)."""
+    for name in ("model.layers", "backbone.layers", "model.model.layers", "transformer.h", "layers"):
+        node: Any = model
+        for part in name.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, (nn.ModuleList, list)) and len(node) > 0:
+            return list(node)
+    raise ValueError(f"fsdp2: cannot find the decoder layers of {type(model).__name__} to shard; use strategy=dp")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds (a DTensor's local shard, or `t` itself)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class TrainingStrategy:
+    """One role's strategy on one rank: wrap the model, run micro-batches, clip, and report local bytes."""
+
+    def __init__(
+        self,
+        name: str | None,
+        *,
+        world_size: int,
+        device: torch.device,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        param_offload: bool = False,
+        optimizer_offload: bool = False,
+    ):
+        self.name = resolve_strategy(name, world_size)
+        self.world_size = world_size
+        self.device = device
+        self.param_dtype = _DTYPES[param_dtype] if param_dtype else None
+        self.reduce_dtype = _DTYPES[reduce_dtype] if reduce_dtype else None
+        # Offloading moves state to host memory between uses: on a CPU run it already is there.
+        on_gpu = device.type == "cuda"
+        self.param_offload = param_offload and on_gpu
+        self.optimizer_offload = optimizer_offload and on_gpu
+        if (param_offload or optimizer_offload) and not on_gpu:
+            logger.info("fsdp_config param_offload/optimizer_offload have no effect on a CPU run (state is in host "
+                        "memory already)")
+        if (param_dtype or reduce_dtype) and self.name != "fsdp2":
+            logger.warning("fsdp_config.param_dtype/reduce_dtype apply under strategy=fsdp2 only; this role runs %s",
+                           self.name)
+        self._ddp: nn.Module | None = None
+        self._fsdp_units: list[nn.Module] = []
+
+    @property
+    def distributed(self) -> bool:
+        """Whether ranks exchange gradients (dp or fsdp2)."""
+        return self.name != "none"
+
+    @property
+    def loss_scale(self) -> float:
+        """What each rank multiplies its (globally normalised) loss by: DDP and FSDP2 average, the losses need a sum."""
+        return float(self.world_size) if self.distributed else 1.0
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+        """Prepare `model` in place for this strategy; returns the module a training forward must go through."""
+        if self.name == "fsdp2":
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+            ensure_process_group(self.device)
+            kwargs: dict[str, Any] = {}
+            if self.param_dtype is not None or self.reduce_dtype is not None:
+                kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+            if self.param_offload:
+                kwargs["offload_policy"] = CPUOffloadPolicy()
+            for layer in decoder_layers(model):
+                fully_shard(layer, **kwargs)
+                self._fsdp_units.append(layer)
+            fully_shard(model, **kwargs)
+            self._fsdp_units.append(model)
+            return model
+        if self.name == "dp" and trainable:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Every parameter takes part in every forward (transformers keeps a layer's experts in fused
+            # parameters, so an expert no token reached still gets a zero gradient): no unused-parameter search.
+            # Buffers (rotary tables) are built identically on every rank: syncing them each forward would only
+            # cost a collective.
+            self._ddp = DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=False, forward_sync_buffers=False,
+            )
+            return self._ddp
+        return model
+
+    # ------------------------------------------------------------------ running
+    def agree_count(self, count: int) -> int:
+        """The largest of every rank's `count` (every rank must run as many collective passes as the busiest)."""
+        if not self.distributed or self.world_size == 1:
+            return count
+        t = torch.tensor([count], dtype=torch.int64, device=self._collective_device())
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return int(t.item())
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks in place (a no-op on one rank)."""
+        if self.distributed and self.world_size > 1:
+            out = tensor.to(self._collective_device())
+            tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+            tensor.copy_(out.to(tensor.device))
+        return tensor
+
+    def _collective_device(self) -> torch.device:
+        return self.device if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+    @contextlib.contextmanager
+    def grad_sync(self, sync: bool) -> Iterator[None]:
+        """Accumulate gradients locally unless `sync`: only the last micro-batch's backward communicates."""
+        if self._ddp is not None and not sync:
+            with self._ddp.no_sync():
+                yield
+            return
+        if self._fsdp_units:
+            for unit in self._fsdp_units:
+                unit.set_requires_gradient_sync(sync)
+        yield
+
+    @contextlib.contextmanager
+    def full_params(self) -> Iterator[None]:
+        """No-grad phases: under fsdp2 gather the whole model once (no collective inside), re-shard afterwards."""
+        if not self._fsdp_units:
+            yield
+            return
+        for unit in self._fsdp_units:
+            unit.set_reshard_after_forward(False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self._fsdp_units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's shards) to `max_norm`; returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return full() if callable(full) else norm
+
+    @contextlib.contextmanager
+    def optimizer_on_device(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """With optimizer_offload, the optimizer state lives in host memory except during its step."""
+        if not self.optimizer_offload:
+            yield
+            return
+        _move_optimizer_state(optimizer, self.device)
+        try:
+            yield
+        finally:
+            _move_optimizer_state(optimizer, torch.device("cpu"))
+
+    # ------------------------------------------------------------------ memory
+    @staticmethod
+    def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (its shards under fsdp2)."""
+        params = grads = optim = 0
+        for p in model.parameters():
+            local = _local(p)
+            params += local.numel() * local.element_size()
+            if p.grad is not None:
+                g = _local(p.grad)
+                grads += g.numel() * g.element_size()
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        local = _local(v)
+                        optim += local.numel() * local.element_size()
+        return {"perf/param_bytes_local": float(params), "perf/grad_bytes_local": float(grads),
+                "perf/optim_bytes_local": float(optim)}
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+class TrainedModel:
+    """A role's model under its strategy, with its optimizer and lr schedule: what the actor and critic share.
+
+    `forward_module` is what a training forward must call (the DDP wrapper
+    under dp; the model itself otherwise). `passes(slices)` equalises the
+    micro-batch count over ranks; `backward` scales and synchronises; `step`
+    clips, steps and advances the schedule; `save`/`load` write and read the
+    role's shards.
+    """
+
+    def __init__(self, model: nn.Module, strategy: TrainingStrategy, *, trainable: bool,
+                 optim_cfg: Any = None, total_steps: int = 1, gradient_checkpointing: bool = False):
+        from conveyor.workers.optim import build_optimizer
+
+        self.checkpointing = gradient_checkpointing and trainable
+        if self.checkpointing:
+            # transformers 5 names it activation checkpointing (the old name warns); the value model forwards
+            # the call to its backbone.
+            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+                model, "gradient_checkpointing_enable", None)
+            if not callable(enable):
+                raise ValueError(f"actor_rollout_ref.model.enable_gradient_checkpointing: {type(model).__name__} "
+                                 "does not support gradient checkpointing")
+            # Non-reentrant: works with FSDP2 and DDP, and with inputs that need no gradient.
+            kwarg = "activation_checkpointing_kwargs" if "activation" in enable.__name__ else "gradient_checkpointing_kwargs"
+            enable(**{kwarg: {"use_reentrant": False}})
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        self.model = model
+        self.strategy = strategy
+        self.forward_module = strategy.wrap(model, trainable=trainable)
+        # After wrapping: FSDP2's optimizer must hold the sharded parameters.
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim_cfg, total_steps)
+
+    @property
+    def optim_steps(self) -> int:
+        """Update calls so far (the lr schedule's position); 0 for a frozen model."""
+        return self.scheduler.last_epoch if self.scheduler is not None else 0
+
+    def passes(self, slices: list[slice]) -> list[tuple[slice, bool]]:
+        """(slice, real) for each forward/backward pass: every rank runs as many as the rank with the most.
+
+        A rank with fewer micro-batches repeats its first one with `real=False`
+        (its loss counts for nothing): the passes' collectives must pair up.
+        """
+        n = self.strategy.agree_count(len(slices))
+        if n > len(slices) and not slices:
+            raise ValueError("this rank got no samples while others did; give every rank at least one sequence "
+                             "(raise actor_rollout_ref.actor.ppo_mini_batch_size or lower the number of ranks)")
+        return [(slices[i], True) if i < len(slices) else (slices[0], False) for i in range(n)]
+
+    def backward(self, loss: torch.Tensor, *, real: bool, last: bool) -> None:
+        """Back-propagate `loss` (globally normalised), communicating only on the last pass."""
+        scale = self.strategy.loss_scale if real else 0.0
+        with self.strategy.grad_sync(last):
+            (loss * scale).backward()
+
+    def step(self, grad_clip: float) -> tuple[float, bool, float, dict[str, float]]:
+        """Clip, step (unless the norm is not finite) and advance the schedule: (norm, stepped, lr, local bytes)."""
+        assert self.optimizer is not None and self.scheduler is not None, "a frozen model takes no steps"
+        grad_norm = self.strategy.clip_grad_norm(list(self.model.parameters()), grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        stepped = bool(torch.isfinite(grad_norm))
+        if stepped:
+            with self.strategy.optimizer_on_device(self.optimizer):
+                self.optimizer.step()
+        memory = self.strategy.local_bytes(self.model, self.optimizer)  # gradients still held: the peak
+        self.optimizer.zero_grad(set_to_none=True)
+        # A skipped step still advances the schedule: its position counts update calls, as the run plans them.
+        self.scheduler.step()
+        return float(grad_norm), stepped, lr, memory
+
+    def save(self, path: str) -> dict[str, Any]:
+        """Write this rank's shards under `path`; returns the small state (the schedule) rank 0's checkpoint keeps."""
+        from conveyor.workers.shards import save_shards
+
+        save_shards(path, self.model, self.optimizer)
+        extra: dict[str, Any] = {"optim_steps": self.optim_steps}
+        if self.scheduler is not None:
+            extra["lr_scheduler"] = self.scheduler.state_dict()
+        return extra
+
+    def load(self, path: str, extra: dict[str, Any]) -> None:
+        """Read the shards under `path` (written by any number of ranks) and the schedule state `extra`."""
+        from conveyor.workers.shards import load_shards
+
+        load_shards(path, self.model, self.optimizer)
+        if self.scheduler is not None:
+            if "lr_scheduler" not in extra:
+                raise ValueError(f"checkpoint {path} has no learning-rate schedule state for a trained role")
+            self.scheduler.load_state_dict(extra["lr_scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0, gathered from the shards (empty on the other ranks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.strategy.name == "none":
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if tdist.get_rank() == 0 else {}
+
+
+class CheckpointEndpoints:
+    """The checkpoint endpoints of a worker that keeps its model in `self.trained` (actor, reference, critic)."""
+
+    trained: TrainedModel
+
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Write this rank's shards of model and optimizer under `path` (every rank calls it); the schedule state."""
+        return self.trained.save(path)
+
+    def load_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """Load shards written by any number of ranks, and the schedule state `extra` from `save_checkpoint`."""
+        self.trained.load(path, extra)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights, gathered on rank 0 (empty on other ranks)."""
+        return self.trained.full_state_dict()

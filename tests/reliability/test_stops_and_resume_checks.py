@@ -1,0 +1,179 @@
+"""SIGTERM stops like Ctrl-C; resume checks what it loads; one run per run directory; a full or unusable disk.
+
+Every case runs `conveyor train` as a user (or a scheduler) would and checks
+the exit status, the one-line error and what is left on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conveyor.config import load_config
+from conveyor.trainer.checkpoint import load_checkpoint
+from conveyor.trainer.ppo import run_training
+
+
+def _sigterm_after_step(rel, processes, run_dir: Path, *extra: str) -> tuple[int, str]:
+    proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=100000", *extra)
+    processes.append(proc)
+    rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), proc, timeout=240)
+    proc.proc.send_signal(signal.SIGTERM)
+    return proc.wait(), proc.stderr
+
+
+def test_sigterm_saves_the_running_step_exits_143_and_resume_continues(rel, base_model, tmp_path: Path,
+                                                                       processes) -> None:
+    run_dir = tmp_path / "run"
+    status, err = _sigterm_after_step(rel, processes, run_dir)
+    assert status == 143, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "stopped by SIGTERM"
+    assert "SIGTERM: finishing step" in err
+    (k,) = rel.checkpoint_steps(run_dir)
+    assert k == max(rel.logged_steps(run_dir))
+    resumed = rel.run_cli(*rel.train_args(run_dir, f"trainer.total_training_steps={k + 1}"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {k})" in resumed.stderr and rel.logged_steps(run_dir) == list(range(1, k + 2))
+
+
+def test_sigterm_under_ray_workers_saves_and_exits_143(rel, base_model, tmp_path: Path, processes) -> None:
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    status, err = _sigterm_after_step(rel, processes, run_dir, "trainer.num_cpu_workers=2", "ray.num_cpus=4")
+    assert status == 143, err[-3000:]
+    assert "Traceback" not in err and "Stack trace" not in err and "*** SIG" not in err
+    assert err.strip().splitlines()[-1] == "stopped by SIGTERM"
+    (k,) = rel.checkpoint_steps(run_dir)
+    # Two ranks wrote their shards of the same checkpoint.
+    assert sorted(p.name for p in (run_dir / "checkpoints" / f"global_step_{k}" / "actor").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_default_save_freq_bounds_what_a_crash_loses() -> None:
+    assert load_config(None, []).trainer.save_freq == 100
+
+
+# --------------------------------------------------------------------------- resume checks
+@pytest.fixture
+def two_step_run(rel, base_model, tmp_path: Path) -> Path:
+    """A finished 2-step run with checkpoints at steps 1 and 2."""
+    run_dir = tmp_path / "run"
+    done = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
+                                       "trainer.max_ckpt_to_keep=null"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_a_changed_setting_is_refused_naming_the_keys_and_can_be_accepted(rel, two_step_run: Path) -> None:
+    run_dir = two_step_run
+    before = (run_dir / "config.yaml").read_text()
+    refused = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3",
+                                          "actor_rollout_ref.actor.optim.lr=0.001", "actor_rollout_ref.rollout.n=2"))
+    rel.assert_usage_error(refused.returncode, refused.stderr, (
+        str(run_dir / "checkpoints" / "global_step_2"), "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
+        "actor_rollout_ref.rollout.n: 4 -> 2", "trainer.resume_accept_config_changes=true"))
+    assert (run_dir / "config.yaml").read_text() == before  # never overwritten by a config that does not match
+    assert rel.logged_steps(run_dir) == [1, 2]
+
+    accepted = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3",
+                                           "actor_rollout_ref.actor.optim.lr=0.001",
+                                           "trainer.resume_accept_config_changes=true"))
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert "resuming" in accepted.stderr and "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001" in accepted.stderr
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["actor_rollout_ref"]["actor"]["optim"]["lr"] == 0.001
+    kept = list(run_dir.glob("config.*.yaml"))
+    assert len(kept) == 1 and kept[0].read_text() == before
+    assert rel.logged_steps(run_dir) == [1, 2, 3]
+
+
+def test_a_checkpoint_of_another_model_is_refused(rel, two_step_run: Path) -> None:
+    other = rel.run_cli(*rel.train_args(two_step_run, "trainer.total_training_steps=3",
+                                        "actor_rollout_ref.model.tiny.hidden_size=32",
+                                        "trainer.resume_accept_config_changes=true"))
+    rel.assert_usage_error(other.returncode, other.stderr, ("global_step_2", "cannot load into this model"))
+
+
+@pytest.mark.parametrize("damage", ["step_mismatch", "truncated_state", "truncated_shard", "missing_shards"])
+def test_a_damaged_checkpoint_is_refused_naming_it(rel, two_step_run: Path, damage: str) -> None:
+    step2 = two_step_run / "checkpoints" / "global_step_2"
+    if damage == "step_mismatch":
+        step2.rename(step2.with_name("global_step_5"))
+        needles = ("global_step_5", "inconsistent", "step 5", "step 2")
+    elif damage == "truncated_state":
+        state = step2 / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+        needles = ("trainer_state.pt", "truncated or unreadable")
+    elif damage == "truncated_shard":
+        (shard,) = (step2 / "actor").glob("*.distcp")
+        shard.write_bytes(shard.read_bytes()[:1000])
+        needles = ("global_step_2", "actor")
+    else:
+        for f in (step2 / "actor").iterdir():
+            f.unlink()
+        (step2 / "actor").rmdir()
+        needles = ("global_step_2", "no actor shards")
+    result = rel.run_cli(*rel.train_args(two_step_run, "trainer.total_training_steps=6"))
+    rel.assert_usage_error(result.returncode, result.stderr, needles)
+
+
+# --------------------------------------------------------------------------- one run per directory
+def test_a_second_run_on_the_same_directory_is_refused_and_a_crash_leaves_no_stale_lock(
+    rel, base_model, tmp_path: Path, processes
+) -> None:
+    run_dir = tmp_path / "run"
+    first = rel.TrainProcess(run_dir, "trainer.total_training_steps=100000")  # still running when checked
+    processes.append(first)
+    rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), first, timeout=240)
+    second = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=40"))
+    rel.assert_usage_error(second.returncode, second.stderr,
+                           (str(run_dir), "in use by another run", f"pid {first.proc.pid}"))
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait()
+    third = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=1", "trainer.resume_mode=disable"))
+    assert third.returncode == 0, third.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- the disk
+def test_disk_full_while_saving_is_one_error_and_leaves_no_half_checkpoint(rel, base_model, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import conveyor.workers.shards as shards
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, rel.BASE_RUN + [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
+                                            "trainer.save_freq=1"])
+    real_save = shards.dcp.save
+    calls = {"n": 0}
+
+    def save_until_full(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the disk fills up during the second checkpoint
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(shards.dcp, "save", save_until_full)
+    with pytest.raises(ValueError) as info:
+        run_training(cfg)
+    msg = str(info.value)
+    assert "No space left on device" in msg and "global_step_2" in msg and "global_step_1" in msg
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_1"]  # no .tmp-* left filling the disk
+    assert load_checkpoint(root / "global_step_1")["trainer_state"]["global_step"] == 1
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "read_only_filesystem"])
+def test_an_unusable_run_directory_is_one_error_naming_the_key(rel, tmp_path: Path, where: str) -> None:
+    if where == "under_a_file":
+        (tmp_path / "a_file").write_text("")
+        run_dir = tmp_path / "a_file" / "run"
+    else:
+        run_dir = Path("/sys/conveyor-run")
+        if os.access("/sys", os.W_OK) and not os.path.ismount("/sys"):
+            pytest.skip("no read-only filesystem to try on this machine")
+    result = rel.run_cli("train", f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=1")
+    rel.assert_usage_error(result.returncode, result.stderr, (str(run_dir), "trainer.default_local_dir"))
