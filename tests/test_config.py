@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
@@ -468,3 +469,49 @@ def test_bad_plugin_is_a_config_error(tmp_path: Path) -> None:
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ValueError, match="trainer.plugins: importing .* failed: RuntimeError: boom"):
         load_config(None, [f"trainer.plugins=[{broken}]"])
+
+
+# --------------------------------------------------------------------------- every number of every section is checked
+def _numeric_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted key, int or float) of every numeric field, nested sections included."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out.extend(_numeric_keys(t, f"{prefix}{f.name}."))
+            continue
+        args = [a for a in typing.get_args(t) if a is not type(None)] or [t]
+        if args[0] in (int, float):
+            out.append((f"{prefix}{f.name}", args[0]))
+    return out
+
+
+_FLOAT_KEYS = [k for k, t in _numeric_keys() if t is float]
+# Keys where a negative value means something: seeds, and an entropy coefficient (< 0 penalises entropy).
+_SIGNED_KEYS = {"data.seed", "actor_rollout_ref.model.tiny.seed", "trainer.seed", "actor_rollout_ref.actor.entropy_coeff"}
+
+
+@pytest.mark.parametrize("key", _FLOAT_KEYS)
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "1e39"])
+def test_every_float_key_refuses_nan_inf_and_float32_overflow(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", [k for k, _ in _numeric_keys()])
+def test_every_numeric_key_refuses_an_int_beyond_int64(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: an integer of 31 digits is too large"):
+        load_config(None, [f"{key}={'9' * 31}"])
+
+
+@pytest.mark.parametrize("key", [k for k, _ in _numeric_keys() if k not in _SIGNED_KEYS])
+def test_every_size_count_and_rate_refuses_a_negative_value(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        load_config(None, [f"{key}=-1"])
+
+
+def test_numeric_keys_are_found() -> None:
+    keys = dict(_numeric_keys())
+    assert keys["actor_rollout_ref.actor.entropy_coeff"] is float and keys["data.train_batch_size"] is int
+    assert keys["reward.timeout_s"] is float and "actor_rollout_ref.actor.optim.lr" in keys

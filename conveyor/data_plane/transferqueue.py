@@ -29,6 +29,14 @@ adapter starts a local Ray when none is running and asks for a fraction of a
 logical CPU per actor, so it fits next to the trainer on a 2-core machine.
 Every wait is bounded by `timeout_s`.
 
+The package's listeners (the controller's and each storage unit's ZMQ sockets,
+and its metrics exporter) speak unauthenticated pickle: whoever reaches them
+can run code in those processes. The package binds them to Ray's node address;
+this adapter binds them to `host` instead, 127.0.0.1 by default, and places
+the actors on this node, so nothing off the machine reaches them. `host="auto"`
+keeps the package's choice (needed when storage spans nodes: a trusted
+network only).
+
 It deliberately does not: expose the package's samplers, consumption tracking
 or streaming dataloader; move tensors between devices; or manage Mooncake or
 Yuanrong binaries (their bootstrap is the package's, started and stopped as the
@@ -60,6 +68,7 @@ from transfer_queue.sampler import BaseSampler
 from transfer_queue.storage import StorageKeyNotFoundError
 from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.simple_storage import SimpleStorageUnit
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
 from conveyor.data_plane.base import DENSE, LIST, NESTED, Column, DataPlane, FieldNotFoundError, empty_column
@@ -73,6 +82,36 @@ NAMESPACE = "transfer_queue"  # the Ray namespace the package keeps its controll
 SCHEMA_PREFIX = "__conveyor_schema__/"  # shadow partitions holding each partition's field record
 _CONFIG_KEY = "transfer_queue.transferqueue"
 _RAY_LOCAL_CPUS = 4  # logical CPUs of a Ray started here: a count, not a reservation of cores
+AUTO_HOST = "auto"  # `host` that keeps the package's own bind address (Ray's node address)
+
+
+def _pin_bind_address(cls: type, host: str) -> None:
+    """Make the package's code of `cls` in this process take `host` for the node's address, where it binds.
+
+    The package asks `get_node_ip_address()` (a global of its modules) and binds
+    its listeners there; each actor runs in a process of its own, so replacing
+    that global in the namespaces `cls`'s methods read changes nothing else.
+    """
+    for klass in cls.__mro__:
+        for attr in vars(klass).values():
+            namespace = getattr(getattr(attr, "__func__", attr), "__globals__", None)
+            if namespace is not None and "get_node_ip_address" in namespace:
+                namespace["get_node_ip_address"] = lambda: host
+
+
+def _listening_on(actor_class: Any, host: str) -> Any:
+    """The package's Ray actor class `actor_class`, its listeners bound to `host` (unchanged for "auto")."""
+    if host == AUTO_HOST:
+        return actor_class
+    base = actor_class.__ray_actor_class__
+
+    class Pinned(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            _pin_bind_address(base, host)
+            super().__init__(*args, **kwargs)
+
+    Pinned.__name__ = Pinned.__qualname__ = base.__name__  # Ray shows the package's name
+    return ray.remote(Pinned)
 
 
 def _default_config() -> DictConfig:
@@ -208,7 +247,9 @@ class TransferQueueDataPlane(DataPlane):
     `backend.storage_backend`, `backend.SimpleStorage`, `backend.MooncakeStore`,
     `metrics`, ...), merged over its defaults. `actor_cpus` is the logical CPU
     count each controller or storage actor reserves; `timeout_s` bounds every
-    wait. With `controller_name`, attach to a running controller of that name
+    wait. `host` is the address the controller and storage units listen on
+    (127.0.0.1: this machine only, the actors placed on this node; "auto": Ray's
+    node address, as the package does). With `controller_name`, attach to a running controller of that name
     (in Ray namespace `transfer_queue`) instead of starting one; an attached
     plane never stops what it did not start. A plane can be pickled (e.g. sent
     to a Ray worker): the copy attaches to the same controller and storage.
@@ -224,7 +265,11 @@ class TransferQueueDataPlane(DataPlane):
         actor_cpus: float = 0.05,
         timeout_s: float = 120.0,
         controller_name: str | None = None,
+        host: str = "127.0.0.1",
     ):
+        if not isinstance(host, str) or not host.strip():
+            raise ValueError(f"host must be an address to listen on (or {AUTO_HOST!r}), got {host!r}")
+        self._host = host
         if actor_cpus < 0:
             raise ValueError(f"actor_cpus must be >= 0, got {actor_cpus}")
         if timeout_s <= 0:
@@ -305,8 +350,8 @@ class TransferQueueDataPlane(DataPlane):
         sampler = conf.controller.sampler
         if isinstance(sampler, str):
             sampler = getattr(transfer_queue, sampler)
-        self._controller = TransferQueueController.options(
-            name=self.controller_name, namespace=NAMESPACE, num_cpus=self._actor_cpus
+        self._controller = _listening_on(TransferQueueController, self._host).options(
+            name=self.controller_name, namespace=NAMESPACE, num_cpus=self._actor_cpus, **self._placement()
         ).remote(sampler=sampler, polling_mode=bool(conf.controller.polling_mode))
         controller_ready = self._controller.get_zmq_server_info.remote()
         if backend == "SimpleStorage":
@@ -323,6 +368,13 @@ class TransferQueueDataPlane(DataPlane):
             self._start_package_metrics(conf)
         return controller_info, backend, _plain(conf.backend[backend])
 
+    def _placement(self) -> dict[str, Any]:
+        """Ray options that keep an actor on this node when it listens on a fixed address (none for "auto")."""
+        if self._host == AUTO_HOST:
+            return {}
+        node = ray.get_runtime_context().get_node_id()
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
     def _start_simple_storage(self, conf: DictConfig) -> None:
         """Start the SimpleStorage units as the package's bootstrap does, with fractional CPUs and no fixed names."""
         su_conf = dict(conf.backend.SimpleStorage)
@@ -333,13 +385,17 @@ class TransferQueueDataPlane(DataPlane):
         if ssd.get("enabled", False) and ssd.get("glibc_mmap_threshold_bytes") is not None:
             threshold = str(int(ssd["glibc_mmap_threshold_bytes"]))
             options["runtime_env"] = {"env_vars": {"MALLOC_MMAP_THRESHOLD_": threshold}}
-        strategies = get_node_round_robin_scheduling_strategies(
-            count, required_node_resource=su_conf.get("required_node_resource")
-        )
+        if self._host == AUTO_HOST:
+            strategies = get_node_round_robin_scheduling_strategies(
+                count, required_node_resource=su_conf.get("required_node_resource")
+            )
+        else:  # an address belongs to one node: every unit listens there
+            strategies = [self._placement()["scheduling_strategy"]] * count
+        unit_class = _listening_on(SimpleStorageUnit, self._host)
         handles: dict[str, Any] = {}
         self._storage = {"SimpleStorage": handles}  # stopped by close, also if start-up fails below
         for rank in range(count):
-            handles[f"TransferQueueStorageUnit#{rank}"] = SimpleStorageUnit.options(
+            handles[f"TransferQueueStorageUnit#{rank}"] = unit_class.options(
                 scheduling_strategy=strategies[rank], **options
             ).remote(config=su_conf)
         infos = self._wait(
@@ -458,6 +514,7 @@ class TransferQueueDataPlane(DataPlane):
             "actor_cpus": self._actor_cpus,
             "controller_name": self.controller_name,
             "tq_metrics_endpoint": self.tq_metrics_endpoint,
+            "host": self._host,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -468,6 +525,7 @@ class TransferQueueDataPlane(DataPlane):
         self._actor_cpus = state["actor_cpus"]
         self.controller_name = state["controller_name"]
         self.tq_metrics_endpoint = state["tq_metrics_endpoint"]
+        self._host = state.get("host", AUTO_HOST)
         self._started_ray = False
         self._controller = None
         self._storage = None

@@ -6,6 +6,12 @@ at least `prompt`, `response`, `ground_truth`, `data_source`, `reward` and
 `advantage` (values may be null), plus any extra keys it gives. Files are
 written whole and renamed into place, so a reader never sees half a dump.
 
+`format_generations` shows model output as text, never as terminal commands:
+control characters (ESC, BEL, backspace, carriage return, ...) and the
+Unicode controls that reorder or break lines are shown as visible escapes
+(`\x1b`, `\r`, `\u202e`), so a response cannot clear, recolour or rewrite
+the user's terminal.
+
 This module does not choose which samples to dump or how many (the trainer
 does), and it keeps no index: the files are the record.
 """
@@ -22,11 +28,15 @@ from typing import Any, Sequence
 
 from conveyor.metrics.trackers import to_json_value
 
-__all__ = ["REQUIRED_KEYS", "write_generations", "latest_generations", "format_generations", "dump_path"]
+__all__ = ["REQUIRED_KEYS", "write_generations", "latest_generations", "format_generations", "dump_path", "visible"]
 
 REQUIRED_KEYS = ("prompt", "response", "ground_truth", "data_source", "reward", "advantage")
 
 _DUMP_NAME = re.compile(r"^step_(\d+)\.jsonl$")
+# What a terminal would act on rather than show: C0 controls but newline and tab,
+# DEL and C1 controls, Unicode line/paragraph separators, and bidirectional
+# overrides and isolates (which make text read in a different order than stored).
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _HOW_TO_ENABLE = "set trainer.dump_freq=N (N > 0) to write generation dumps every N steps"
 
 
@@ -89,11 +99,22 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
             f"no generation dump for step {step} in {gen_dir}; nearest is step {nearest} (have {len(steps)} dumps)"
         )
     rows = []
-    with dump_path(run_dir, step).open("r", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
+    path = dump_path(run_dir, step)
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
                 rows.append(json.loads(line))
+            except ValueError as err:
+                raise ValueError(f"generation dump {path}, line {number} is not valid JSON ({err}); "
+                                 "it was not written by conveyor, or was edited") from err
     return step, rows
+
+
+def visible(text: str) -> str:
+    """`text` with every character a terminal would act on (ESC, BEL, CR, bidi overrides, ...) as a visible escape."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def _as_text(value: Any) -> str:
@@ -158,15 +179,16 @@ def format_generations(
         reward, advantage = _fmt_score(row.get("reward")), _fmt_score(row.get("advantage"), signed=True)
         head = f"[{i}/{len(rows)}] reward {reward}  advantage {advantage}"
         if row.get("data_source") is not None:
-            head += f"  source {row['data_source']}"
+            head += f"  source {visible(str(row['data_source']))}"
         out.append(head[:width])
         # A long chat prompt ends with the question, so keep its tail; a response is read from the start.
         out.append("  prompt:")
-        out.extend("    " + ln for ln in _wrap(_as_text(row.get("prompt")), body, max_lines, keep="tail"))
+        # Escaped before wrapping: wrapping would turn a carriage return into a space, unseen.
+        out.extend("    " + ln for ln in _wrap(visible(_as_text(row.get("prompt"))), body, max_lines, keep="tail"))
         out.append("  response:")
-        out.extend("    " + ln for ln in _wrap(_as_text(row.get("response")), body, max_lines, keep="both"))
+        out.extend("    " + ln for ln in _wrap(visible(_as_text(row.get("response"))), body, max_lines, keep="both"))
         if row.get("ground_truth") is not None:
-            truth = _as_text(row["ground_truth"]).replace("\n", " ")
+            truth = visible(_as_text(row["ground_truth"])).replace("\n", " ")
             out.append("  " + textwrap.shorten(f"ground truth: {truth}", width=width - 2, placeholder=" ..."))
         extras = {k: v for k, v in row.items() if k not in REQUIRED_KEYS}
         if extras:
@@ -175,4 +197,5 @@ def format_generations(
         out.append("")
     if len(shown) < len(rows):
         out.append(f"... {len(rows) - len(shown)} more samples not shown")
-    return "\n".join(out).rstrip() + "\n"
+    # Everything else from the file (data source, ground truth, extras, scores) is escaped here.
+    return visible("\n".join(out).rstrip()) + "\n"

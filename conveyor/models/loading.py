@@ -1,11 +1,20 @@
-"""Loading and saving local Hugging Face checkpoints (a causal LM and its tokenizer).
+"""Loading and saving local Hugging Face checkpoints (a causal LM, its config and its tokenizer).
 
 Real runs point `actor_rollout_ref.model.path` at a directory written by
 `save_pretrained` (config.json, weights, tokenizer files). Mistakes in that
-path are reported here, naming the path and the config key, before
-transformers gets to raise something less direct. A tokenizer without a pad
-token gets its EOS token as pad (with a warning), since batched rollout and
-training need one.
+directory are reported here as one line naming the path and the config key,
+before transformers gets to raise something less direct: a missing path, no
+or unparsable config.json, missing weights, a safetensors file shorter than
+its header says (a copy cut off), no tokenizer files. A tokenizer without a
+pad token gets its EOS token as pad (with a warning), since batched rollout
+and training need one.
+
+Code shipped with a checkpoint (the `auto_map` of its config.json or
+tokenizer_config.json) runs only with `trust_remote_code=True`
+(`actor_rollout_ref.model.trust_remote_code`). Every load passes that setting
+to transformers explicitly, so transformers never stops to ask on stdin.
+Without it, a model type transformers knows is built with its own
+implementation (with a warning); an unknown one is refused, naming the key.
 
 It deliberately does not download from a model hub, shard, or wrap models for
 data parallelism; the workers do the wrapping.
@@ -13,17 +22,42 @@ data parallelism; the workers do the wrapping.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors import SafetensorError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-__all__ = ["load_causal_lm", "load_tokenizer", "save_pretrained_checkpoint", "resolve_dtype"]
+__all__ = [
+    "check_tokenizer_dir",
+    "load_causal_lm",
+    "load_model_config",
+    "load_tokenizer",
+    "read_config_json",
+    "save_pretrained_checkpoint",
+    "resolve_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
 _PATH_KEY = "actor_rollout_ref.model.path"
+_TOKENIZER_KEY = "actor_rollout_ref.model.tokenizer_path"
+_TRUST_KEY = "actor_rollout_ref.model.trust_remote_code"
+
+# Any one of these makes a directory a tokenizer directory (fast, sentencepiece, BPE or WordPiece files).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,7 +79,99 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
-def _check_checkpoint_dir(path: str | Path) -> Path:
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message (transformers' run over several), at most 300 characters."""
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:300]
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of the checkpoint directory `path`; a ValueError naming the file when it is not JSON."""
+    file = Path(path).expanduser() / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{str(file)!r} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                         f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {str(file)!r} ({_first_line(err)}); check `{_PATH_KEY}`") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, not an object of settings; "
+                         f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one")
+    return data
+
+
+def _check_remote_code(path: Path, config: dict[str, Any], trust_remote_code: bool) -> None:
+    """Refuse a checkpoint that can only be built by running its own code, unless that is allowed."""
+    auto_map = config.get("auto_map")
+    if not auto_map or trust_remote_code:
+        return
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        logger.warning(
+            "%s/config.json names code of its own (auto_map); it is not run: the model is built with transformers' "
+            "own %r implementation (set %s=true to run the checkpoint's code instead)", path, model_type, _TRUST_KEY,
+        )
+        return
+    raise ValueError(
+        f"model path {str(path)!r} can only be built by running the Python code it ships (config.json's auto_map; "
+        f"model_type {model_type!r} is not one transformers knows), and that code is not run by default; "
+        f"if you trust this checkpoint, set {_TRUST_KEY}=true"
+    )
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why `file` is not a whole safetensors file (None when its header and size agree)."""
+    if not file.is_file():
+        return "is missing"
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or 8 + n > size:
+                return f"is cut short ({size} bytes, shorter than its own header)"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        return f"is not a safetensors file ({type(err).__name__}: {_first_line(err)})"
+    if 8 + n + end > size:
+        return f"is cut short ({size} bytes; its header describes {8 + n + end})"
+    return None
+
+
+def _check_weights(path: Path) -> None:
+    """The weight files of a checkpoint are present and whole (safetensors: size checked against the header)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{str(index)!r} is not a valid weight index ({_first_line(err)}); "
+                                 f"re-save the checkpoint, or set `{_PATH_KEY}` to another one") from err
+            break
+    else:
+        shards = [name for name in ("model.safetensors", "pytorch_model.bin") if (path / name).is_file()][:1]
+        if not shards:
+            raise ValueError(
+                f"model path {str(path)!r} has no weights (no model.safetensors, pytorch_model.bin or a sharded "
+                f"index of them); copy the whole checkpoint, or set `{_PATH_KEY}` to a directory written by "
+                "save_pretrained"
+            )
+    for name in shards:
+        shard = path / name
+        if name.endswith(".safetensors"):
+            problem = _safetensors_problem(shard)
+        else:
+            problem = None if shard.is_file() and shard.stat().st_size > 0 else "is missing or empty"
+        if problem:
+            raise ValueError(f"weights file {str(shard)!r} {problem}; copy or save the checkpoint again, "
+                             f"or set `{_PATH_KEY}` to another one")
+
+
+def _check_checkpoint_dir(path: str | Path, *, trust_remote_code: bool = False) -> Path:
+    """The directory `path` as a Path, once it holds a readable config.json and whole weights (else a ValueError)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(
@@ -57,6 +183,24 @@ def _check_checkpoint_dir(path: str | Path) -> Path:
             f"model path {str(path)!r} is not a Hugging Face checkpoint directory (no config.json); "
             f"set `{_PATH_KEY}` to a directory written by save_pretrained"
         )
+    _check_remote_code(p, read_config_json(p), trust_remote_code)
+    _check_weights(p)
+    return p
+
+
+def check_tokenizer_dir(path: str | Path) -> Path:
+    """The directory `path` as a Path, once it holds tokenizer files (else a ValueError naming the keys to set)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(
+            f"tokenizer path {str(path)!r} does not exist; set `{_PATH_KEY}` (or `{_TOKENIZER_KEY}`) to a local "
+            "directory written by save_pretrained (tokenizers are not downloaded)"
+        )
+    if not p.is_dir() or not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"no tokenizer in {str(path)!r} (none of {', '.join(_TOKENIZER_FILES)}); set `{_TOKENIZER_KEY}` to the "
+            "directory holding the model's tokenizer"
+        )
     return p
 
 
@@ -66,27 +210,47 @@ def load_causal_lm(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """A causal LM from the local checkpoint directory `path`, in `dtype` on `device`."""
-    p = _check_checkpoint_dir(path)
-    kwargs: dict = {"dtype": resolve_dtype(dtype)}
+    """A causal LM from the local checkpoint directory `path`, in `dtype` on `device` (its own code only if trusted)."""
+    p = _check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
+    kwargs: dict = {"dtype": resolve_dtype(dtype), "trust_remote_code": bool(trust_remote_code)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise ValueError(f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
+                         f"check the checkpoint's files, or set `{_PATH_KEY}` to another one") from err
     return model.to(device)
 
 
-def load_tokenizer(path: str | Path, *, padding_side: str | None = None) -> PreTrainedTokenizerBase:
+def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The Hugging Face config of the checkpoint directory `path` (its own config class only if trusted)."""
+    p = _check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(str(p), trust_remote_code=bool(trust_remote_code))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read the config of {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
+                         f"check its config.json, or set `{_PATH_KEY}` to another checkpoint") from err
+
+
+def load_tokenizer(
+    path: str | Path, *, padding_side: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The tokenizer saved in `path`, with a pad token guaranteed (EOS stands in when it has none)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ValueError(
-            f"tokenizer path {str(path)!r} does not exist; set `{_PATH_KEY}` to a local directory "
-            "written by save_pretrained (tokenizers are not downloaded)"
-        )
     if padding_side not in (None, "left", "right"):
         raise ValueError(f"`padding_side` must be 'left', 'right' or None, got {padding_side!r}")
-    tokenizer = AutoTokenizer.from_pretrained(str(p))
+    p = check_tokenizer_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p), trust_remote_code=bool(trust_remote_code))
+    except Exception as err:  # the tokenizers library raises plain Exception; any failure here is the files'
+        if "trust_remote_code" in str(err):
+            raise ValueError(f"the tokenizer in {str(p)!r} can only be built by running the Python code it ships "
+                             f"(tokenizer_config.json's auto_map), which is not run by default; if you trust it, "
+                             f"set {_TRUST_KEY}=true") from err
+        raise ValueError(f"cannot load the tokenizer in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
+                         f"fix its files, or set `{_TOKENIZER_KEY}` to the model's tokenizer") from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(

@@ -18,6 +18,7 @@ shuffle (see ``dataset.PromptDataset``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Sequence, Union
 
@@ -40,10 +41,13 @@ PathLike = Union[str, "os.PathLike[str]"]
 def _as_path_list(paths: PathLike | Sequence[PathLike]) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         return [os.fspath(paths)]
-    out = [os.fspath(p) for p in paths]
+    out = list(paths)
     if not out:
         raise ValueError("paths is an empty list; give at least one parquet file")
-    return out
+    bad = [p for p in out if not isinstance(p, (str, os.PathLike))]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a path; give parquet file paths")
+    return [os.fspath(p) for p in out]
 
 
 def _check_schema(path: str, schema: pa.Schema) -> None:
@@ -70,6 +74,32 @@ def _check_prompt(path: str, row: int, prompt: object) -> None:
             f"parquet file {path!r}, row {row}: 'prompt' must be a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {prompt!r:.200}"
         )
+    where = f"parquet file {path!r}, row {row}"
+    if not prompt:
+        raise ValueError(f"{where}: 'prompt' is an empty list; every prompt needs at least one chat message")
+    for j, message in enumerate(prompt):
+        content, role = message["content"], message["role"]
+        if not isinstance(content, str):
+            # Multimodal parts or numbers would reach the model as their Python repr.
+            raise ValueError(f"{where}: message {j} of 'prompt' has {type(content).__name__} content "
+                             f"{content!r:.100}, not text; conveyor trains on text prompts only")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where}: message {j} of 'prompt' has role {role!r}; give a role such as 'user'")
+
+
+def _check_row(path: str, row: int, rec: dict) -> None:
+    """One row's prompt, data_source and ground truth are usable (a ValueError naming the file and row if not)."""
+    _check_prompt(path, row, rec["prompt"])
+    where = f"parquet file {path!r}, row {row}"
+    source = rec["data_source"]
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"{where}: 'data_source' is {source!r}; it must name the task (e.g. 'openai/gsm8k'), "
+                         "which chooses the reward function")
+    truth = rec["reward_model"].get("ground_truth") if isinstance(rec["reward_model"], dict) else None
+    # A missing answer would be scored against the text "None" or "nan": every response wrong, silently.
+    if truth is None or (isinstance(truth, float) and not math.isfinite(truth)):
+        raise ValueError(f"{where}: reward_model.ground_truth is {'null' if truth is None else truth}; every "
+                         "prompt needs the answer its reward is computed from (drop the row or fill it in)")
 
 
 def _read_one(path: str) -> list[dict]:
@@ -82,7 +112,7 @@ def _read_one(path: str) -> list[dict]:
     _check_schema(path, table.schema)
     records = table.to_pylist()
     for i, rec in enumerate(records):
-        _check_prompt(path, i, rec["prompt"])
+        _check_row(path, i, rec)
         if rec.get("ability") is None:
             rec["ability"] = ""
         if rec.get("extra_info") is None:
@@ -94,8 +124,10 @@ def load_parquet_records(paths: PathLike | Sequence[PathLike]) -> list[dict]:
     """All rows of one or more verl-style parquet files, in file order, as prompt-record dicts.
 
     Raises `ValueError` naming the file when a file is missing or unreadable,
-    lacks a required column (the message lists the columns it has), has a
-    `prompt` that is not a list of chat messages, or holds no rows.
+    lacks a required column (the message lists the columns it has), or holds
+    no rows; and naming the row too when its `prompt` is not a non-empty list
+    of chat messages with text content, its `data_source` is not a name, or
+    its `reward_model.ground_truth` is null or NaN.
     """
     path_list = _as_path_list(paths)
     records: list[dict] = []

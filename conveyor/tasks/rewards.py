@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
     "REWARD_FNS",
@@ -39,12 +39,16 @@ __all__ = [
     "arithmetic_exact_match",
     "arithmetic_partial_credit",
     "compute_score",
+    "describe_failure",
+    "describe_result",
     "extract_gsm8k_answer",
+    "finite_score",
     "get_reward_fn",
     "gsm8k_score",
     "gsm8k_strict",
     "normalize_number",
     "register_reward_fn",
+    "reward_fn_name",
 ]
 
 RewardFn = Callable[..., float]
@@ -81,7 +85,7 @@ def register_reward_fn(*data_sources: str, overwrite: bool = False) -> Callable[
             existing = REWARD_FNS.get(ds)
             if existing is not None and existing is not fn and not overwrite:
                 raise ValueError(
-                    f"data_source {ds!r} already has reward function {_fn_name(existing)}; "
+                    f"data_source {ds!r} already has reward function {reward_fn_name(existing)}; "
                     "pass overwrite=True to replace it"
                 )
             REWARD_FNS[ds] = fn
@@ -109,8 +113,41 @@ def get_reward_fn(data_source: str) -> RewardFn:
     )
 
 
-def _fn_name(fn: Callable) -> str:
+def reward_fn_name(fn: Callable) -> str:
+    """How messages name a reward function: its qualified name (its repr when it has none)."""
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def describe_result(result: Any) -> str:
+    """What a reward function returned, short enough for an error message: its repr and type (a huge int by size)."""
+    if isinstance(result, int) and not isinstance(result, bool) and result.bit_length() > 1024:
+        # Its repr may run to megabytes, or fail beyond Python's int-to-str limit.
+        return f"an int of {int(math.log10(abs(result))) + 1} digits, too large for a float"
+    try:
+        text = repr(result)
+    except Exception:  # a user's type whose __repr__ fails: its type still says enough
+        return f"a {type(result).__name__}"
+    return f"{text if len(text) <= 200 else text[:197] + '...'} ({type(result).__name__})"
+
+
+def describe_failure(err: BaseException) -> str:
+    """How a reward function failed, for an error message: what it raised, or that it called sys.exit."""
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r}); a reward function must return a score, not end the program"
+    return f"raised {type(err).__name__}: {err}"
+
+
+def finite_score(result: Any, label: str, context: str = "") -> float:
+    """`result` as a finite float; else a RewardFunctionError saying `label` returned it, then `context`."""
+    value: Optional[float] = None
+    if not isinstance(result, (str, bytes)):
+        try:
+            value = float(result)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond a double
+            value = None
+    if value is None or not math.isfinite(value):
+        raise RewardFunctionError(f"{label} returned {describe_result(result)}, not a finite number{context}")
+    return value
 
 
 def compute_score(
@@ -119,29 +156,17 @@ def compute_score(
     """Score one solution with the reward function for `data_source`, as a finite float.
 
     Raises `ValueError` for an unknown data source and `RewardFunctionError`
-    when the function raises or returns something other than a finite number.
+    when the function raises (or calls sys.exit) or returns something other
+    than a finite number.
     """
     fn = get_reward_fn(data_source)
     preview = solution_str[:_SOLUTION_PREVIEW_CHARS] if isinstance(solution_str, str) else solution_str
+    label = f"reward function {reward_fn_name(fn)} for data_source {data_source!r}"
     try:
         result = fn(solution_str, ground_truth, extra_info)
-    except Exception as e:
-        raise RewardFunctionError(
-            f"reward function {_fn_name(fn)} for data_source {data_source!r} raised "
-            f"{type(e).__name__}: {e}; solution starts with {preview!r}"
-        ) from e
-    value: Optional[float] = None
-    if not isinstance(result, (str, bytes)):
-        try:
-            value = float(result)
-        except (TypeError, ValueError):
-            value = None
-    if value is None or not math.isfinite(value):
-        raise RewardFunctionError(
-            f"reward function {_fn_name(fn)} for data_source {data_source!r} returned {result!r} "
-            f"({type(result).__name__}), not a finite number; solution starts with {preview!r}"
-        )
-    return value
+    except (Exception, SystemExit) as e:  # sys.exit in a reward function must not end the run quietly
+        raise RewardFunctionError(f"{label} {describe_failure(e)}; solution starts with {preview!r}") from e
+    return finite_score(result, label, f"; solution starts with {preview!r}")
 
 
 def arithmetic_exact_match(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:

@@ -54,40 +54,192 @@ def resolve_device(cfg: Config) -> str:
     return cfg.trainer.device
 
 
-def load_prompt_records(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, validation) prompt records: from parquet files when given, else the synthetic task's splits."""
+def _load_files(paths: list[str]) -> tuple[list[dict], list[str]]:
+    """The records of parquet files, and where each one came from (file and row), for messages that name it."""
     from conveyor.tasks.parquet import load_parquet_records
+
+    records: list[dict] = []
+    origins: list[str] = []
+    for path in paths:
+        rows = load_parquet_records(path)
+        records.extend(rows)
+        origins.extend(f"parquet file {path!r}, row {i}" for i in range(len(rows)))
+    return records, origins
+
+
+def _synthetic(cfg: Config, split: str) -> tuple[list[dict], list[str]]:
+    """A split of the built-in task, with an origin per problem."""
     from conveyor.tasks.synthetic import make_arithmetic_records
 
+    d, syn = cfg.data, cfg.data.synthetic
+    count, seed = (syn.num_train, d.seed) if split == "train" else (syn.num_val, d.seed + 1)
+    records = make_arithmetic_records(count, seed=seed, max_operand=syn.max_operand, ops=syn.ops, split=split)
+    return records, [f"synthetic {split} problem {i}" for i in range(len(records))]
+
+
+def _prompt_tokenizer(cfg: Config) -> Any:
+    """The tokenizer the run's prompts are tokenized with: the configured one, or the tiny model's characters."""
+    m = cfg.actor_rollout_ref.model
+    path = m.tokenizer_path or m.path
+    if path:
+        from conveyor.models.loading import load_tokenizer
+
+        return load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+    from conveyor.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()  # what prepare_default_model saves with the tiny model
+
+
+def _check_prompts(cfg: Config, records: list[dict], origins: list[str], tokenizer: Any) -> None:
+    """Every prompt renders, tokenizes to something, and fits data.max_prompt_length (or may be cut); memory fits.
+
+    Done at load, as the trainer will do it for each batch (`render_prompt`, no
+    special tokens added), so one bad row stops the run before any model work
+    rather than when its batch is drawn, perhaps hours in.
+    """
+    from conveyor.tasks.dataset import check_prompt_length, render_prompt
+
     d = cfg.data
-    syn = d.synthetic
-    if d.train_files:
-        train = load_parquet_records(d.train_files)
-    else:
-        train = make_arithmetic_records(syn.num_train, seed=d.seed, max_operand=syn.max_operand, ops=syn.ops, split="train")
+    texts = []
+    for rec, origin in zip(records, origins):
+        try:
+            texts.append(render_prompt(rec, tokenizer))
+        except ValueError as err:
+            raise ValueError(f"{origin}: {err}") from err
+    distinct = list(dict.fromkeys(texts))
+    lengths = dict(zip(distinct, (len(ids) for ids in tokenizer(distinct, add_special_tokens=False)["input_ids"])))
+    longest, longest_origin = 0, ""
+    for text, origin in zip(texts, origins):
+        n = lengths[text]
+        if n == 0:
+            raise ValueError(f"{origin}: the prompt is empty once tokenized; give it some text")
+        if n > d.max_prompt_length:
+            try:
+                check_prompt_length([0] * n, d.max_prompt_length, d.truncation)  # its one message for this
+            except ValueError as err:
+                raise ValueError(f"{origin}: {err}") from err
+        if n > longest:
+            longest, longest_origin = n, origin
+    _check_attention_memory(cfg, min(longest, d.max_prompt_length), longest_origin)
+
+
+def _attention_heads(cfg: Config) -> int:
+    """Attention heads of the policy (from config.json for a checkpoint; 1 when it does not say)."""
+    m = cfg.actor_rollout_ref.model
+    if not m.path:
+        return m.tiny.num_heads
+    from conveyor.models.loading import read_config_json
+
+    config = read_config_json(m.path)
+    for section in (config, config.get("text_config") or {}):
+        heads = section.get("num_attention_heads") if isinstance(section, dict) else None
+        if isinstance(heads, int) and heads > 0:
+            return heads
+    return 1
+
+
+def _check_attention_memory(cfg: Config, prompt_tokens: int, origin: str) -> None:
+    """Refuse, before anything is allocated, a sequence whose attention cannot fit in this machine's memory.
+
+    On a CPU the forward builds an L x L attention mask and, per head, L x L
+    float32 scores for each sequence of L tokens: L^2 * (1 + 4 * heads) bytes
+    is a lower bound of its peak. Beyond the machine's memory the process
+    would only be killed by the kernel, with no message. A GPU's attention
+    kernels need not hold L x L scores, so no bound is assumed there.
+    """
+    device = cfg.trainer.device
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return  # no way to know this machine's memory: nothing to compare with
+    length = prompt_tokens + cfg.data.max_response_length
+    heads = _attention_heads(cfg)
+    need = length * length * (1 + 4 * heads)
+    if need > total:
+        raise ValueError(
+            f"{origin}: its prompt makes sequences of {length} tokens (with data.max_response_length="
+            f"{cfg.data.max_response_length}), and attention over one of them on the CPU needs at least "
+            f"{need / 2**30:.0f} GiB ({length}^2 x (1 + 4 x {heads} heads) bytes), more than this machine's "
+            f"{total / 2**30:.0f} GiB; shorten the prompt, or lower data.max_prompt_length with data.truncation=left"
+        )
+
+
+def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict], list[dict]]:
+    """(train, validation) prompt records: from parquet files when given, else the synthetic task's splits.
+
+    Every prompt is checked here, naming its file and row: it must render and
+    tokenize (with `tokenizer`, by default the run's own) to at most
+    data.max_prompt_length tokens under data.truncation=error, and its
+    data_source must have a reward function.
+    """
+    d = cfg.data
+    train, train_origins = _load_files(d.train_files) if d.train_files else _synthetic(cfg, "train")
     if d.val_files:
-        val = load_parquet_records(d.val_files)
+        val, val_origins = _load_files(d.val_files)
     elif not d.train_files:
-        val = make_arithmetic_records(syn.num_val, seed=d.seed + 1, max_operand=syn.max_operand, ops=syn.ops, split="test")
+        val, val_origins = _synthetic(cfg, "test")
     else:
-        val = []
+        val, val_origins = [], []
     if d.val_batch_size is not None:
-        val = val[: d.val_batch_size]
+        val, val_origins = val[: d.val_batch_size], val_origins[: d.val_batch_size]
+    _check_prompts(cfg, train + val, train_origins + val_origins,
+                   tokenizer if tokenizer is not None else _prompt_tokenizer(cfg))
     if not cfg.reward.custom_reward_function.path:
         # Checked now, not at the first reward stage after the model is built and has generated.
         from conveyor.tasks.rewards import get_reward_fn
 
         checked: set[str] = set()
-        for rec in train + val:
+        for rec, origin in zip(train + val, train_origins + val_origins):
             source = rec.get("data_source")
             if isinstance(source, str) and source in checked:
                 continue
             try:
                 get_reward_fn(source)  # a non-string data_source is refused here too
             except ValueError as err:
-                raise ValueError(f"{err}, or set reward.custom_reward_function.path") from err
+                raise ValueError(f"{origin}: {err}, or set reward.custom_reward_function.path") from err
             checked.add(source)
     return train, val
+
+
+def _max_positions(config: dict) -> tuple[int, str] | None:
+    """(positions, how they were read) from a config.json: max_position_embeddings, widened by rope scaling."""
+    for section in (config, config.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                limit, how = value, f"{key}={value}"
+                # A rope-scaled model (YaRN, linear, dynamic) handles factor x its original positions.
+                scaling = section.get("rope_scaling") or section.get("rope_parameters")
+                factor = scaling.get("factor") if isinstance(scaling, dict) else None
+                if isinstance(factor, (int, float)) and factor > 1:
+                    original = scaling.get("original_max_position_embeddings") or value
+                    if int(original * factor) > limit:
+                        limit, how = int(original * factor), f"{how} with rope scaling factor {factor:g}"
+                return limit, how
+    return None
+
+
+def _check_max_positions(cfg: Config, path: str) -> None:
+    """data.max_prompt_length + data.max_response_length must fit the checkpoint's positions (checked before loading)."""
+    from conveyor.models.loading import read_config_json
+
+    found = _max_positions(read_config_json(path))
+    if found is None:
+        return  # the config does not say; the model itself will tell
+    limit, how = found
+    d = cfg.data
+    total = d.max_prompt_length + d.max_response_length
+    if total > limit:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + {d.max_response_length} = "
+            f"{total} tokens, more than the {limit} positions of the model in {str(path)!r} ({how} in its "
+            "config.json); lower data.max_prompt_length (data.truncation=left cuts longer prompts) or "
+            "data.max_response_length"
+        )
 
 
 def _tiny_key(cfg: Config) -> str:
@@ -99,11 +251,16 @@ def _tiny_key(cfg: Config) -> str:
 
 def prepare_default_model(cfg: Config) -> str:
     """The checkpoint directory of the policy: the configured path, or the cached tiny model (built on first use)."""
-    from conveyor.models.loading import _check_checkpoint_dir  # one place that knows what a checkpoint dir needs
+    # loading.py is the one place that knows what a checkpoint directory needs.
+    from conveyor.models.loading import _check_checkpoint_dir, check_tokenizer_dir
 
-    path = cfg.actor_rollout_ref.model.path
+    model = cfg.actor_rollout_ref.model
+    path = model.path
     if path:
-        _check_checkpoint_dir(path)
+        # Everything a checkpoint directory can get wrong is found here, before anything is built.
+        _check_checkpoint_dir(path, trust_remote_code=model.trust_remote_code)
+        check_tokenizer_dir(model.tokenizer_path or path)
+        _check_max_positions(cfg, path)
         return str(path)
     tiny = cfg.actor_rollout_ref.model.tiny
     target = cache_dir() / f"tiny-{tiny.arch}-{_tiny_key(cfg)}"
@@ -151,7 +308,7 @@ def build_data_plane(cfg: Config, registry: Any = None) -> DataPlane:
         options = {"num_storage_actors": tq.num_storage_actors, "actor_cpus": tq.storage_actor_cpus,
                    "timeout_s": cfg.ray.timeout_s}
     elif backend == "transferqueue":
-        options = {"tq_config": dict(tq.transferqueue)}
+        options = {"tq_config": dict(tq.transferqueue), "host": tq.host}
     return make_data_plane(
         backend,
         metrics_enabled=tq.metrics.enabled,

@@ -9,19 +9,32 @@ With `reward.custom_reward_function.path` set, every sample is scored by the
 user's function from that file instead (verl's signature:
 `fn(data_source, solution_str, ground_truth, extra_info=None) -> float`;
 `extra_info` is passed as None), under the same checks.
+
+A function that calls `sys.exit` is an error like one that raises, and one
+call that takes longer than `reward.timeout_s` stops the run with an error
+naming the function and the sample. Python cannot stop a thread, so the hung
+call is abandoned (in a daemon thread), not stopped: the run ends instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from conveyor.protocol import KVBatchMeta
-from conveyor.tasks.rewards import RewardFunctionError, compute_score
+from conveyor.tasks.rewards import (
+    RewardFunctionError,
+    compute_score,
+    describe_failure,
+    finite_score,
+    get_reward_fn,
+    reward_fn_name,
+)
 from conveyor.workers.perf import result_handle
 
 __all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn"]
@@ -60,10 +73,14 @@ class RewardWorker:
     """Rule-based rewards from the task registry (or from the user's function, when one is configured)."""
 
     def __init__(self, *, tokenizer, data_plane, rank: int = 0, world_size: int = 1,
-                 custom_reward_path: str | None = None, custom_reward_name: str = "compute_score"):
+                 custom_reward_path: str | None = None, custom_reward_name: str = "compute_score",
+                 timeout_s: float = 30.0):
+        if not timeout_s >= 0:
+            raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
         self.tokenizer = tokenizer
         self.dp = data_plane
         self.rank, self.world_size = rank, world_size
+        self.timeout_s = float(timeout_s)
         self.custom_fn = load_custom_reward_fn(custom_reward_path, custom_reward_name) if custom_reward_path else None
         self.custom_label = f"custom reward function {custom_reward_name} from {custom_reward_path}"
 
@@ -83,15 +100,64 @@ class RewardWorker:
         """The user's function on one sample, checked like the registry's (raises or non-finite: an error)."""
         try:
             result = self.custom_fn(source, text, truth, None)
-        except Exception as err:
-            raise RewardFunctionError(f"{self.custom_label} raised {type(err).__name__}: {err}") from err
+        except (Exception, SystemExit) as err:  # sys.exit in a reward function must not end the run quietly
+            raise RewardFunctionError(f"{self.custom_label} {describe_failure(err)}") from err
+        return finite_score(result, self.custom_label)
+
+    def _function_label(self, source: str) -> str:
+        """The function that scores `source`, as error messages name it."""
+        if self.custom_fn is not None:
+            return self.custom_label
         try:
-            value = float(result) if not isinstance(result, (str, bytes)) else math.nan
-        except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
-            raise RewardFunctionError(f"{self.custom_label} returned {result!r}, not a finite number")
-        return value
+            return f"reward function {reward_fn_name(get_reward_fn(source))} for data_source {source!r}"
+        except ValueError:
+            return f"the reward function for data_source {source!r}"
+
+    def _score_all(self, keys: list[str], samples: list[tuple[str, str, str]]) -> list[float]:
+        """Every sample's score; a failed or hung call stops the run with a SampleRewardError naming the sample.
+
+        The calls run in a daemon thread so that one that hangs past
+        `timeout_s` can be given up on: a thread cannot be killed, so the call
+        is left running while the run stops with an error naming the function.
+        """
+        if not self.timeout_s:
+            return [self._score_one(keys[i], *sample) for i, sample in enumerate(samples)]
+        scores: list[float] = []
+        failure: list[BaseException] = []
+        current = [(0, time.monotonic())]  # (sample index, its start), replaced whole so it reads consistently
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                for i, sample in enumerate(samples):
+                    current[0] = (i, time.monotonic())
+                    scores.append(self._score_one(keys[i], *sample))
+            except BaseException as err:  # handed to the caller's thread, which raises it
+                failure.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"reward-rank{self.rank}", daemon=True).start()
+        while not done.is_set():
+            i, started = current[0]
+            left = started + self.timeout_s - time.monotonic()
+            if left <= 0 and not done.is_set() and current[0][0] == i:
+                raise SampleRewardError(
+                    f"sample {keys[i]!r}: {self._function_label(samples[i][0])} did not return within "
+                    f"reward.timeout_s={self.timeout_s:g}s; the run stops (the call is abandoned, not stopped). "
+                    "Fix the function, or raise reward.timeout_s if it is just slow"
+                )
+            done.wait(max(left, 0.001))
+        if failure:
+            raise failure[0]
+        return scores
+
+    def _score_one(self, key: str, source: str, text: str, truth: str) -> float:
+        """`_score` of one sample, its failure a SampleRewardError naming `key`."""
+        try:
+            return self._score(source, text, truth)
+        except RewardFunctionError as err:
+            raise SampleRewardError(f"sample {key!r}: {err}") from err
 
     def compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Writes `rm_scores` (B, R) and `acc` (B,) (the raw score) for the handle's samples."""
@@ -105,12 +171,7 @@ class RewardWorker:
         texts = self.tokenizer.batch_decode(
             [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
         )
-        values = []
-        for i, (text, source, truth) in enumerate(zip(texts, td["data_source"], td["ground_truth"])):
-            try:
-                values.append(self._score(source, text, truth))
-            except RewardFunctionError as err:
-                raise SampleRewardError(f"sample {meta.keys[i]!r}: {err}") from err
+        values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])))
         scores = torch.tensor(values, dtype=torch.float32)
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)

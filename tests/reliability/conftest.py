@@ -64,6 +64,60 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def assert_usage_error(status: Any, stderr: str, needles: tuple[str, ...]) -> None:
+    """Exit status 2, no traceback, and a last stderr line `error: ...` holding every one of `needles`."""
+    assert status == 2, (status, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), stderr[-3000:]
+    for needle in needles:
+        assert needle in last, (needle, last)
+
+
+_CASES_DRIVER = r'''
+import contextlib, io, json, logging, sys, traceback
+
+from conveyor.cli import main
+
+cases = json.loads(open(sys.argv[1]).read())
+results = {}
+for case_id, argv in cases.items():
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # main() sets up logging on this case's stderr
+        root.removeHandler(handler)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:
+            status = exc.code
+        except BaseException:
+            status = "uncaught"
+            err.write(traceback.format_exc())
+    results[case_id] = {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
+open(sys.argv[2], "w").write(json.dumps(results))
+'''
+
+
+def run_cases_in_one_process(cases: dict[str, list[str]], tmp: Path, timeout: float = 600) -> dict[str, dict]:
+    """Each case's `conveyor` arguments through the command's entry point, one after another in one child process.
+
+    The model stack is imported once for all of them. The child runs in `tmp`
+    (a relative run directory lands there) with stdin closed, as under a
+    scheduler: nothing may wait for an answer. Returns case -> {"status",
+    "stdout", "stderr"}.
+    """
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    (tmp / "driver.py").write_text(_CASES_DRIVER)
+    proc = subprocess.run([sys.executable, str(tmp / "driver.py"), str(tmp / "cases.json"), str(tmp / "results.json")],
+                          cwd=tmp, env=cli_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp / "results.json").read_text())
+    assert results.keys() == cases.keys()
+    return results
+
+
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`python -m conveyor.cli ARGS` to completion, output captured as text."""
     return subprocess.run(

@@ -10,11 +10,8 @@ its own captured output and exit status.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,15 +29,6 @@ from conveyor.data_plane import make_data_plane
 from conveyor.models.loading import load_tokenizer
 from conveyor.tasks.parquet import write_parquet_records
 from conveyor.tasks.synthetic import make_arithmetic_records
-
-
-def _assert_usage_error(status, stderr: str, needles: tuple[str, ...]) -> None:
-    assert status == 2, (status, stderr[-3000:])
-    assert "Traceback" not in stderr, stderr[-3000:]
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), stderr[-3000:]
-    for needle in needles:
-        assert needle in last, (needle, last)
 
 
 # --------------------------------------------------------------------------- config mistakes: one process each
@@ -98,36 +86,12 @@ def test_config_mistake_is_a_one_line_usage_error(rel, case: str, config_files: 
     args, needles = CONFIG_CASES[case]
     args = [a.replace("{tmp}", str(config_files)) for a in args]
     proc = rel.run_cli("train", *args, f"trainer.default_local_dir={tmp_path / 'run'}", timeout=60)
-    _assert_usage_error(proc.returncode, proc.stderr, needles)
+    rel.assert_usage_error(proc.returncode, proc.stderr, needles)
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
 # --------------------------------------------------------------------------- mistakes found at run time: one process
-_DRIVER = r'''
-import contextlib, io, json, logging, sys, traceback
-
-from conveyor.cli import main
-
-cases = json.loads(open(sys.argv[1]).read())
-results = {}
-for case_id, argv in cases.items():
-    root = logging.getLogger()
-    for handler in list(root.handlers):  # main() sets up logging on this case's stderr
-        root.removeHandler(handler)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(argv)
-        except SystemExit as exc:
-            status = exc.code
-        except BaseException:
-            status = "uncaught"
-            err.write(traceback.format_exc())
-    results[case_id] = {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
-open(sys.argv[2], "w").write(json.dumps(results))
-'''
-
 _REWARD_PLUGINS = {
     "raises.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                  "    raise RuntimeError('grader crashed on ' + repr(solution_str))\n",
@@ -200,7 +164,7 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
         "reward_function_raises": run("reward_function_raises", custom(tmp / "raises.py")),
         "reward_function_returns_nan": run("reward_function_returns_nan", custom(tmp / "nan.py")),
         "reward_overflows_float32": run("reward_overflows_float32", custom(tmp / "overflow.py")),
-        "advantage_becomes_nan": run("advantage_becomes_nan", custom(tmp / "huge.py"),
+        "huge_equal_rewards": run("huge_equal_rewards", custom(tmp / "huge.py"),
                                      "reward.custom_reward_function.name=my_score"),
         "custom_reward_file_missing": run("custom_reward_file_missing", custom(tmp / "missing.py")),
         "custom_reward_name_missing": run("custom_reward_name_missing", custom(tmp / "nan.py"),
@@ -219,15 +183,7 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
 def runtime(rel, base_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every run-time case, run once through the command's entry point in one child process."""
     tmp = tmp_path_factory.mktemp("runtime")
-    cases = _runtime_cases(base_model, tmp)
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    (tmp / "driver.py").write_text(_DRIVER)
-    proc = subprocess.run([sys.executable, str(tmp / "driver.py"), str(tmp / "cases.json"), str(tmp / "results.json")],
-                          cwd=rel.ROOT, env=rel.cli_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp / "results.json").read_text())
-    assert results.keys() == cases.keys()
-    return {"dir": tmp, "results": results}
+    return {"dir": tmp, "results": rel.run_cases_in_one_process(_runtime_cases(base_model, tmp), tmp)}
 
 
 RUNTIME_ERRORS = {
@@ -241,9 +197,8 @@ RUNTIME_ERRORS = {
     "unknown_data_source": ("'my/unknown_task'", "no reward function"),
     "prompt_too_long_error": ("data.max_prompt_length=3", "data.truncation=left"),
     "reward_function_raises": ("sample 'train-1/p", "raises.py", "RuntimeError: grader crashed"),
-    "reward_function_returns_nan": ("sample 'train-1/p", "nan.py", "returned nan, not a finite number"),
+    "reward_function_returns_nan": ("sample 'train-1/p", "nan.py", "returned nan (float), not a finite number"),
     "reward_overflows_float32": ("sample 'train-1/p", "1e+39", "overflows a float32 'rm_scores' value"),
-    "advantage_becomes_nan": ("step 1", "'advantages'", "NaN or infinite"),
     "custom_reward_file_missing": ("reward.custom_reward_function.path", "missing.py"),
     "custom_reward_name_missing": ("reward.custom_reward_function.name", "'grade'"),
     "resume_path_not_a_checkpoint": ("no_checkpoint_here", "trainer.resume_from_path"),
@@ -252,11 +207,11 @@ RUNTIME_ERRORS = {
 
 
 @pytest.mark.parametrize("case", sorted(RUNTIME_ERRORS))
-def test_runtime_mistake_is_a_usage_error_naming_the_culprit(runtime: dict, case: str) -> None:
+def test_runtime_mistake_is_a_usage_error_naming_the_culprit(rel, runtime: dict, case: str) -> None:
     if case == "cuda_without_cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     result = runtime["results"][case]
-    _assert_usage_error(result["status"], result["stderr"], RUNTIME_ERRORS[case])
+    rel.assert_usage_error(result["status"], result["stderr"], RUNTIME_ERRORS[case])
     run_dir = runtime["dir"] / "runs" / case
     # Nothing half-trained is left behind as if it were a result.
     assert not (run_dir / "checkpoints").exists()
@@ -276,6 +231,14 @@ def test_too_long_prompts_are_cut_when_truncation_allows(rel, runtime: dict, mod
     steps = rel.read_steps(runtime["dir"] / "runs" / f"prompt_too_long_{mode}")
     # Every synthetic prompt ("a+b=") is longer than 3 tokens, so every one was cut to exactly 3.
     assert steps[1]["prompt_length/max"] == 3.0 and steps[1]["prompt_length/min"] == 3.0
+
+
+def test_huge_equal_rewards_give_zero_advantages_not_nan(rel, runtime: dict) -> None:
+    """3e38 for every sample: group statistics in float64 neither overflow nor turn an equal group into noise."""
+    result = runtime["results"]["huge_equal_rewards"]
+    assert result["status"] == 0, result["stderr"][-3000:]
+    step = rel.read_steps(runtime["dir"] / "runs" / "huge_equal_rewards")[1]
+    assert step["advantages/max"] == 0.0 and step["advantages/min"] == 0.0
 
 
 def test_a_custom_reward_function_from_a_file_scores_every_sample(rel, runtime: dict) -> None:

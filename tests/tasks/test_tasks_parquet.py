@@ -164,6 +164,28 @@ def test_prompt_must_be_chat_messages(tmp_path: Path) -> None:
         load_parquet_records(path)
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"reward_model": {"ground_truth": None}}, r"row 1: reward_model\.ground_truth is null"),
+    ({"reward_model": {"ground_truth": float("nan")}}, r"row 1: reward_model\.ground_truth is nan"),
+    ({"prompt": []}, r"row 1: 'prompt' is an empty list"),
+    ({"prompt": [{"role": "user", "content": None}]}, r"row 1: message 0 of 'prompt' has NoneType content"),
+    ({"prompt": [{"role": None, "content": "hi"}]}, r"row 1: message 0 of 'prompt' has role None"),
+    ({"data_source": None}, r"row 1: 'data_source' is None"),
+    ({"data_source": ""}, r"row 1: 'data_source' is ''"),
+])
+def test_a_row_with_a_hole_is_named_by_file_and_row(tmp_path: Path, row: dict, message: str) -> None:
+    truth = 2.0 if isinstance(row.get("reward_model", {}).get("ground_truth"), float) else "2"  # one column type
+    good = {"data_source": "d", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": truth}}
+    pq.write_table(pa.Table.from_pylist([good, {**good, **row}]), tmp_path / "holes.parquet")
+    with pytest.raises(ValueError, match=r"holes\.parquet', " + message):
+        load_parquet_records(tmp_path / "holes.parquet")
+
+
+def test_a_non_path_entry_is_refused() -> None:
+    with pytest.raises(ValueError, match="None is not a path"):
+        load_parquet_records([None])  # type: ignore[list-item]
+
+
 def test_empty_path_list() -> None:
     with pytest.raises(ValueError, match="empty list"):
         load_parquet_records([])

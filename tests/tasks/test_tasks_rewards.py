@@ -269,3 +269,14 @@ def test_arithmetic_partial_credit(solution: str, truth: str, expected: float) -
     # Any wrong answer scores below half of a right one, so accuracy (score >= 1) stays exact match.
     assert (score >= 1.0) == (arithmetic_exact_match(solution, truth) == 1.0)
     assert score < 0.5 or score == 1.0
+
+
+def test_a_score_beyond_a_float_and_a_sys_exit_are_reward_function_errors() -> None:
+    import sys
+
+    register_reward_fn("huge", overwrite=True)(lambda s, g, e=None: 10**5000)
+    with pytest.raises(RewardFunctionError, match=r"returned an int of 5001 digits, too large for a float"):
+        compute_score("huge", "x", "y")
+    register_reward_fn("exits", overwrite=True)(lambda s, g, e=None: sys.exit(3))
+    with pytest.raises(RewardFunctionError, match=r"called sys\.exit\(3\); a reward function must return a score"):
+        compute_score("exits", "x", "y")
