@@ -177,3 +177,43 @@ def test_an_unusable_run_directory_is_one_error_naming_the_key(rel, tmp_path: Pa
             pytest.skip("no read-only filesystem to try on this machine")
     result = rel.run_cli("train", f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=1")
     rel.assert_usage_error(result.returncode, result.stderr, (str(run_dir), "trainer.default_local_dir"))
+
+
+# --------------------------------------------------------------------------- two ranks: kill -9, resume, same run
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything it started (a killed driver's Ray processes would outlive it)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    family = parent.children(recursive=True) + [parent]
+    for p in family:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)
+
+
+def test_two_ranks_killed_mid_run_resume_to_the_uninterrupted_run(rel, base_model, tmp_path: Path, processes) -> None:
+    """fsdp2 over two Ray ranks: kill -9 after a sharded checkpoint, resume, and the later steps are bitwise the
+    steps of a run that was never stopped."""
+    pytest.importorskip("ray")
+    pytest.importorskip("psutil")
+    ranks = ("trainer.num_cpu_workers=2", "ray.num_cpus=4", "trainer.save_freq=2", "trainer.total_training_steps=4")
+    reference = rel.run_cli(*rel.train_args(tmp_path / "reference", *ranks))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    proc = rel.TrainProcess(run_dir, *ranks)
+    processes.append(proc)
+    rel.wait_until(lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), proc,
+                   timeout=240)
+    _kill_tree(proc.proc.pid)
+    assert 4 not in rel.checkpoint_steps(run_dir)
+    resumed = rel.run_cli(*rel.train_args(run_dir, *ranks))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(step 2)" in resumed.stderr
+    rel.assert_same_steps(rel.read_steps(run_dir), rel.read_steps(tmp_path / "reference"), [3, 4])
