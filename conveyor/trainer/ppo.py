@@ -599,7 +599,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
     model_path = prepare_default_model(cfg)
     trust = cfg.actor_rollout_ref.model.trust_remote_code
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
-    train_records, val_records = load_prompt_records(cfg)
+    train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
 
     registry = server = gauges = None
     if cfg.trainer.prometheus.enabled:
