@@ -29,8 +29,12 @@ $(DEV_STAMP): $(BASE_STAMP) benchmarks/requirements-no-deps.txt
 	$(PIP) --no-deps -r benchmarks/requirements-no-deps.txt
 	@touch $@
 
+# The default run is examples/tiny_cpu.yaml: the defaults plus the MoE router's load-balance
+# metrics every 10 steps. One torch thread unless OMP_NUM_THREADS is set: the tiny model's matrices are too small for
+# intra-op threads to pay, and a fixed thread count keeps the float rounding, and so the run,
+# the same whatever the machine's core count.
 train: install
-	$(VENV)/bin/conveyor train $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor train --config examples/tiny_cpu.yaml $(ARGS)
 
 # One torch thread per process: tests start several processes (Ray workers, CLI
 # runs) on small machines, and tiny models gain nothing from intra-op threads.

@@ -166,8 +166,11 @@ class TinyModelConfig:
     intermediate_size: int = F(128, "MLP width (dense layers; expert width for MoE)")
     num_experts: int = F(8, "experts per MoE layer")
     top_k: int = F(2, "experts chosen per token")
-    warmstart_steps: int = F(350, "supervised steps on the task format before RL (0 = start from random init)")
+    warmstart_steps: int = F(3000, "most supervised steps on the task format before RL (0 = start from random init)")
     warmstart_lr: float = F(3e-3, "learning rate of the warm start")
+    warmstart_until_accuracy: float = F(
+        0.3, "stop the warm start early once greedy exact match on its last 20 training batches reaches this "
+        "(0 = run all warmstart_steps): the same starting point for RL on every machine")
     seed: int = F(0, "initialisation seed")
 
     def __post_init__(self) -> None:
@@ -178,6 +181,8 @@ class TinyModelConfig:
         _check(self.top_k <= self.num_experts, "actor_rollout_ref.model.tiny.top_k", "must be <= num_experts")
         _check(self.warmstart_steps >= 0, "actor_rollout_ref.model.tiny.warmstart_steps", "must be >= 0")
         _check(self.warmstart_lr > 0, "actor_rollout_ref.model.tiny.warmstart_lr", f"must be > 0, got {self.warmstart_lr}")
+        _check(0 <= self.warmstart_until_accuracy <= 1, "actor_rollout_ref.model.tiny.warmstart_until_accuracy",
+               f"must be in [0, 1] (0 = run all warmstart_steps), got {self.warmstart_until_accuracy}")
         # The attention splits hidden_size into num_heads heads of an even width (rotary
         # embeddings rotate pairs), and each key/value head serves a whole group of heads.
         head_dim = self.hidden_size // self.num_heads
@@ -507,7 +512,7 @@ class MetricsEndpointConfig:
 class TrainerConfig:
     """The loop: steps, logging, checkpoints, devices."""
 
-    total_training_steps: int = F(1000, "training steps to run")
+    total_training_steps: int = F(600, "training steps to run")
     project_name: str = F("conveyor", "tracker project")
     experiment_name: str = F("tiny-moe-grpo", "tracker run name and run directory name")
     logger: list = F(["console", "jsonl"], "trackers the metrics go to", choices=lambda: TRACKERS)
@@ -532,6 +537,8 @@ class TrainerConfig:
     n_gpus_per_node: int = F(0, "GPUs per node (0 = CPU workers)")
     num_cpu_workers: int = F(1, "data-parallel actor ranks when running on CPUs")
     progress_bar: bool = F(True, "show a progress bar with ETA on a terminal")
+    console_every: int = F(0, "steps per row of the console table, each row their mean (validations always get a "
+                           "row; 0 = about 30 rows per run); every metric of every step is in metrics.jsonl")
     prometheus: MetricsEndpointConfig = S(MetricsEndpointConfig, "live training metrics (and the data plane's)")
     plugins: list = F([], "Python files or importable modules loaded before the config is checked and in every "
                           "worker: register advantage estimators, policy losses or reward functions there")
@@ -545,7 +552,7 @@ class TrainerConfig:
                and name.isprintable(), "trainer.experiment_name",
                f"must be a plain name (no '/', no '..'), since the run directory is runs/<name>; got {name!r}. "
                "To write the run elsewhere, set trainer.default_local_dir")
-        for k in ("test_freq", "save_freq", "dump_freq", "dump_num"):
+        for k in ("test_freq", "save_freq", "dump_freq", "dump_num", "console_every"):
             _check(getattr(self, k) >= 0, f"trainer.{k}", "must be >= 0")
         _check(self.max_ckpt_to_keep is None or self.max_ckpt_to_keep > 0, "trainer.max_ckpt_to_keep", "must be > 0 or null")
         _check(self.resume_mode in ("auto", "disable", "resume_path"), "trainer.resume_mode",

@@ -40,7 +40,9 @@ def test_defaults_load() -> None:
     assert cfg.trainer.logger == ["console", "jsonl"]
     assert cfg.transfer_queue.backend == "memory"
     assert cfg.transfer_queue.metrics.enabled is False and cfg.transfer_queue.metrics.port == 0
+    # Off by default (the SPEC's contract); the default run's config file turns it on.
     assert cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval == 0
+    assert cfg.actor_rollout_ref.model.tiny.warmstart_until_accuracy == 0.3 and cfg.trainer.console_every == 0
     assert cfg.use_critic is False and cfg.use_reference is False
 
 

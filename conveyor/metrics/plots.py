@@ -4,7 +4,8 @@ Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
 `run_dir/moe_expert_load.jsonl` (one `{"step", "num_experts", "counts":
 [[count per expert] per layer]}` per line), and draws:
 
-- `reward.png`: reward mean with its min/max band; accuracy (validation, training batch) below;
+- `reward.png`: exact-match accuracy (held-out validation drawn bold over the
+  training batch's), then the reward mean;
 - `losses.png`: policy loss, value loss, KL loss;
 - `kl_entropy.png`: the KL metrics and the policy entropy;
 - `response_length.png`: mean length with its min/max band; clip ratio;
@@ -12,6 +13,11 @@ Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
 - `moe_expert_load.png`: layers x experts heatmap of the latest record;
 - `moe_expert_load_over_time.png`: experts x steps for the most imbalanced layer.
 
+Per-step series are noisy (one batch each), so each is drawn as an
+exponential moving average (`ema_smooth`) over its raw values, which stay
+faint behind it. A min..max band is drawn only when it moves (the reward's is
+0..1 at every step of a binary task and would hide nothing but the axis), and
+a KL series that is float noise around 0 (an on-policy update) is left out.
 A panel whose metrics were never logged is left out, and a figure with no
 panels is not written. Drawing goes through matplotlib's object API on the Agg
 canvas, so it never touches pyplot's global state or needs a display. This
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "plot_run",
+    "ema_smooth",
     "read_moe_expert_load",
     "relative_expert_load",
     "most_imbalanced_layer",
@@ -51,6 +58,13 @@ DPI = 100
 _REWARD_PREFIXES = ("reward", "critic/score", "critic/rewards")
 _LOSS_KEYS = (("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss"), ("actor/kl_loss", "KL loss"))
 _VAL_ACC = re.compile(r"^val[^/]*/.*acc", re.IGNORECASE)
+# Below this a KL value is float rounding, not a divergence (an on-policy ratio is exactly 1).
+_KL_NOISE = 1e-6
+# Series shorter than this are drawn as they are, with markers: there is nothing to smooth.
+_SMOOTH_MIN_POINTS = 20
+_VAL_COLOR = "black"
+# Heatmaps with at most this many cells get their values written in.
+_ANNOTATE_MAX_CELLS = 128
 
 Panel = Callable[[Any], None]
 
@@ -145,15 +159,49 @@ def _save_panels(path: Path, title: str, panels: list[Panel]) -> Path | None:
     for panel, ax in zip(panels, axes):
         panel(ax)
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("step")
     fig.savefig(path)
     return path
 
 
+def ema_smooth(values: Sequence[float], span: float | None = None) -> np.ndarray:
+    """Exponential moving average of `values` (debiased, NaNs skipped); `span` points, default 1/50 of the series."""
+    x = np.asarray(values, dtype=float)
+    if span is None:
+        span = max(1.0, x.size / 50)
+    if span <= 1 or x.size == 0:
+        return x.copy()
+    weight = 1.0 - 2.0 / (span + 1.0)
+    out = np.empty_like(x)
+    acc, norm = 0.0, 0.0
+    for i, v in enumerate(x):
+        if math.isfinite(v):
+            # Dividing by the accumulated weight removes the pull towards 0 at the start.
+            acc = weight * acc + (1 - weight) * v
+            norm = weight * norm + (1 - weight)
+        out[i] = acc / norm if norm > 0 else np.nan
+    return out
+
+
+def _smoothed(ax, steps: np.ndarray, values: np.ndarray, label: str, color: Any = None, zorder: float = 2) -> Any:
+    """The raw series faint, its EMA on top in the same colour (a short series as points); returns the line's colour."""
+    if steps.size < _SMOOTH_MIN_POINTS:
+        (line,) = ax.plot(steps, values, marker="o", markersize=3, color=color, label=label, zorder=zorder)
+        return line.get_color()
+    (raw,) = ax.plot(steps, values, color=color, alpha=0.2, linewidth=0.8, zorder=zorder)
+    ax.plot(steps, ema_smooth(values), color=raw.get_color(), linewidth=1.8, label=f"{label} (EMA)", zorder=zorder)
+    return raw.get_color()
+
+
+def _band_moves(lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Whether a min..max band says anything: not the same bounds at every step."""
+    return lo.size > 1 and (np.nanstd(lo) > 0 or np.nanstd(hi) > 0)
+
+
 def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
-    """Mean of `{prefix}/mean` as a line, with the `{prefix}/min`..`{prefix}/max` band when logged."""
+    """`{prefix}/mean` smoothed, over the smoothed `{prefix}/min`..`{prefix}/max` band when that band moves."""
     steps, mean = _series(records, f"{prefix}/mean")
     if steps.size == 0:
         return None
@@ -161,18 +209,23 @@ def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
     def draw(ax) -> None:
         lo_s, lo = _series(records, f"{prefix}/min")
         hi_s, hi = _series(records, f"{prefix}/max")
+        color = _smoothed(ax, steps, mean, f"{prefix}/mean")
         if lo_s.size and hi_s.size:
             common, i_lo, i_hi = np.intersect1d(lo_s, hi_s, return_indices=True)
-            ax.fill_between(common, lo[i_lo], hi[i_hi], alpha=0.25, label="min..max")
-        ax.plot(steps, mean, marker="." if steps.size < 50 else None, label=f"{prefix}/mean")
+            if _band_moves(lo[i_lo], hi[i_hi]):
+                smooth = steps.size >= _SMOOTH_MIN_POINTS
+                lo_c = ema_smooth(lo[i_lo]) if smooth else lo[i_lo]
+                hi_c = ema_smooth(hi[i_hi]) if smooth else hi[i_hi]
+                ax.fill_between(common, lo_c, hi_c, color=color, alpha=0.12, linewidth=0,
+                                label="min..max" + (" (EMA)" if smooth else ""))
         ax.set_title(title)
         ax.set_ylabel(ylabel)
 
     return draw
 
 
-def _lines_panel(records, keys: Sequence[str], title: str, ylabel: str, markers: bool = False) -> Panel | None:
-    """One line per key that was logged."""
+def _lines_panel(records, keys: Sequence[str], title: str, ylabel: str) -> Panel | None:
+    """One smoothed line per key that was logged."""
     present = [k for k in keys if _has(records, k)]
     if not present:
         return None
@@ -180,11 +233,55 @@ def _lines_panel(records, keys: Sequence[str], title: str, ylabel: str, markers:
     def draw(ax) -> None:
         for key in present:
             steps, values = _series(records, key)
-            ax.plot(steps, values, marker="o" if markers or steps.size < 50 else None, markersize=3, label=key)
+            _smoothed(ax, steps, values, key)
         ax.set_title(title)
         ax.set_ylabel(ylabel)
 
     return draw
+
+
+def _accuracy_panel(records, val_keys: Sequence[str], train_key: str) -> Panel | None:
+    """Held-out accuracy bold, with points and its first and last values written, over the smoothed batch accuracy."""
+    val_present = [k for k in val_keys if _has(records, k)]
+    has_train = _has(records, train_key)
+    if not val_present and not has_train:
+        return None
+
+    def draw(ax) -> None:
+        if has_train:
+            steps, values = _series(records, train_key)
+            _smoothed(ax, steps, values, f"{train_key} (training batch, sampled)", color="tab:orange", zorder=2)
+        for i, key in enumerate(val_present):
+            steps, values = _series(records, key)
+            main = i == 0
+            ax.plot(steps, values, marker="o", markersize=6 if main else 4, linewidth=2.5 if main else 1.5,
+                    color=_VAL_COLOR if main else None, label=f"{key} (held-out, greedy)" if main else key,
+                    zorder=5 if main else 4)
+            if main:
+                ends = [(0, "left"), (values.size - 1, "right")] if values.size > 1 else [(0, "center")]
+                for j, align in ends:
+                    ax.annotate(f"{values[j]:.3f}", (steps[j], values[j]), textcoords="offset points", xytext=(0, 8),
+                                ha=align, fontsize="small", fontweight="bold", zorder=6)
+        ax.set_ylim(0, 1.05)
+        ax.set_title("Exact-match accuracy")
+        ax.set_ylabel("accuracy")
+
+    return draw
+
+
+def _kl_panel(records) -> Panel | None:
+    """The KL metrics that are more than float noise around 0; None when none is."""
+    keys = [k for k in _all_keys(records) if k.startswith("actor/") and "kl" in k and "coef" not in k]
+    present = []
+    for key in keys:
+        values = _series(records, key)[1]
+        finite = values[np.isfinite(values)]
+        if finite.size and np.abs(finite).max() >= _KL_NOISE:
+            present.append(key)
+    if len(present) < len(keys):
+        logger.info("KL metrics below %g at every step (float noise: the update is on-policy) not drawn: %s",
+                    _KL_NOISE, [k for k in keys if k not in present])
+    return _lines_panel(records, present, "KL", "KL")
 
 
 def _throughput_panels(records) -> list[Panel]:
@@ -201,12 +298,16 @@ def _throughput_panels(records) -> list[Panel]:
                 rows = [r for r in records if any(k in r for k in stage_keys)]
                 steps = np.asarray([r["step"] for r in rows], dtype=float)
                 stacks = [[_num_or_zero(r.get(k)) for r in rows] for k in stage_keys]
+                if steps.size >= _SMOOTH_MIN_POINTS:
+                    stacks = [ema_smooth(stack) for stack in stacks]
                 ax.stackplot(steps, stacks, labels=[k.removeprefix("timing_s/") for k in stage_keys], alpha=0.8)
             if has_step:
                 steps, values = _series(records, "timing_s/step")
-                ax.plot(steps, values, color="black", linewidth=1.5, label="step (total)")
-            ax.set_title("Time per step, by stage")
+                _smoothed(ax, steps, values, "step (total)", color="black")
+            ax.set_title("Time per step, by stage" + (" (EMA)" if steps.size >= _SMOOTH_MIN_POINTS else ""))
             ax.set_ylabel("seconds")
+            # Many stages: a legend beside the axes hides no data.
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
         panels.append(draw)
     return panels
@@ -231,6 +332,13 @@ def _plot_moe_latest(path: Path, record: dict[str, Any]) -> Path:
         interpolation="nearest",
     )
     fig.colorbar(im, ax=ax, label="load / even share (1 = balanced)")
+    if rel.size <= _ANNOTATE_MAX_CELLS:
+        # Few cells: write each value, so the heatmap reads without matching colours to the bar.
+        for (layer, expert), value in np.ndenumerate(rel):
+            if np.isfinite(value):
+                shade = im.norm(value)
+                ax.text(expert, layer, f"{value:.2f}", ha="center", va="center", fontsize="small",
+                        color="white" if shade < 0.2 or shade > 0.8 else "black")
     empty = " (grey: no tokens)" if np.isnan(rel).any() else ""
     ax.set_title(f"MoE expert load at step {record['step']} (tokens routed per expert, per layer){empty}")
     ax.set_xlabel("expert")
@@ -310,28 +418,27 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     figures: list[tuple[str, str, list[Panel | None]]] = []
     reward_prefix = next((p for p in _REWARD_PREFIXES if _has(records, f"{p}/mean")), None)
-    acc_keys = sorted((k for k in _all_keys(records) if _VAL_ACC.search(k)), key=lambda k: (k != "val/accuracy", k))
-    acc_keys += ["reward/accuracy"]  # the training batch's accuracy, when the task reports one
+    val_keys = sorted((k for k in _all_keys(records) if _VAL_ACC.search(k)), key=lambda k: (k != "val/accuracy", k))
     figures.append(
         (
             "reward.png",
-            "Reward",
+            "Accuracy and reward",
             [
-                _band_panel(records, reward_prefix, f"Reward ({reward_prefix})", "reward") if reward_prefix else None,
-                _lines_panel(records, acc_keys, "Accuracy (validation and training batch)", "accuracy", markers=True),
+                # reward/accuracy: the training batch's accuracy, when the task reports one.
+                _accuracy_panel(records, val_keys, "reward/accuracy"),
+                _band_panel(records, reward_prefix, f"Reward ({reward_prefix}/mean)", "reward") if reward_prefix else None,
             ],
         )
     )
     figures.append(
         ("losses.png", "Losses", [_lines_panel(records, [k], f"{label} ({k})", "loss") for k, label in _LOSS_KEYS])
     )
-    kl_keys = [k for k in _all_keys(records) if k.startswith("actor/") and "kl" in k and "coef" not in k]
     figures.append(
         (
             "kl_entropy.png",
             "KL and entropy",
             [
-                _lines_panel(records, kl_keys, "KL", "KL"),
+                _kl_panel(records),
                 _lines_panel(records, ["actor/entropy"], "Policy entropy (actor/entropy)", "nats / token"),
             ],
         )

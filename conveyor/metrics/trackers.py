@@ -1,7 +1,8 @@
 """Experiment tracking: one `Tracking` sends each step's metrics to the chosen backends.
 
-Backends (the `TRACKERS` registry; `register_tracker` adds one): `console` (one compact aligned line per step and a
-grouped table of everything every few steps), `jsonl` (`run_dir/metrics.jsonl`,
+Backends (the `TRACKERS` registry; `register_tracker` adds one): `console` (a compact table of the numbers
+people watch: one row every few steps, averaged over them, and one at every validation), `jsonl`
+(`run_dir/metrics.jsonl`, every metric of every step,
 the file `conveyor plot` reads), `tensorboard`, `wandb` and `mlflow`. The
 optional libraries are imported only when their backend is chosen, so a run
 that logs to the console and a file needs none of them.
@@ -25,7 +26,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol, TextIO
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
 from conveyor.registry import registrar
 
@@ -39,6 +40,7 @@ __all__ = [
     "CONSOLE_COLUMNS",
     "Tracking",
     "ConsoleTracker",
+    "console_interval",
     "JsonlTracker",
     "TensorBoardTracker",
     "WandbTracker",
@@ -56,20 +58,28 @@ _OPTIONAL_MODULES = {
     "mlflow": ("mlflow", "mlflow"),
 }
 
-# The handful of numbers people watch, in the order of the compact console line:
+# The handful of numbers people watch, in the order of the console's columns:
 # (label, candidate keys with the first present winning, format). The trainer's names come
-# first, then verl's for runs that log those; everything else appears in the periodic table.
+# first, then verl's for runs that log those; every metric is in metrics.jsonl.
 CONSOLE_COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("reward", ("reward/mean", "critic/score/mean", "critic/rewards/mean"), "{:.4g}"),
-    ("val_acc", ("val/accuracy",), "{:.4g}"),
-    ("resp_len", ("response_length/mean",), "{:.1f}"),
-    ("pg_loss", ("actor/pg_loss",), "{:.4g}"),
-    ("kl", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"), "{:.3g}"),
-    ("entropy", ("actor/entropy",), "{:.4g}"),
-    ("grad_norm", ("actor/grad_norm",), "{:.3g}"),
-    ("time", ("timing_s/step",), "{:.2f}s"),
+    ("reward", ("reward/mean", "critic/score/mean", "critic/rewards/mean"), "{:.3f}"),
+    ("acc", ("reward/accuracy",), "{:.3f}"),
+    ("val_acc", ("val/accuracy",), "{:.3f}"),
+    ("len", ("response_length/mean",), "{:.1f}"),
+    ("entropy", ("actor/entropy",), "{:.3f}"),
+    ("kl", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"), "{:.2g}"),
+    ("grad", ("actor/grad_norm",), "{:.3g}"),
+    ("s/step", ("timing_s/step",), "{:.3f}"),
     ("tok/s", ("perf/throughput",), "{:.0f}"),
 )
+
+# Metrics that describe the moment they were taken rather than the steps since the last
+# row: the console shows their latest value instead of a mean over the window.
+_CONSOLE_LATEST = ("val/",)
+
+# About this many rows for a whole run when trainer.console_every is 0, at a round interval.
+_CONSOLE_ROWS_PER_RUN = 30
+_ROUND_INTERVALS = (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000, 10000)
 
 # Where the ids of the wandb / mlflow runs are kept, so a resumed run continues them.
 _TRACKER_RUNS_FILE = "tracker_runs.json"
@@ -233,18 +243,50 @@ class _Backend(Protocol):
     def close(self, failed: bool = False) -> None: ...
 
 
+def console_interval(total_steps: int | None, every: int = 0) -> int:
+    """Steps per console row: `every` when > 0, else a round number giving about 30 rows over `total_steps`."""
+    if every > 0:
+        return every
+    if not total_steps or total_steps <= 0:
+        return 1
+    target = total_steps / _CONSOLE_ROWS_PER_RUN
+    return max(i for i in _ROUND_INTERVALS if i <= max(1.0, target))
+
+
 class ConsoleTracker:
-    """One aligned line per step with the watched numbers, and a grouped table of all metrics every `table_every` steps."""
+    """A compact table on the console: a row every `every` steps (means over them) and at every validation.
+
+    Each row averages the watched numbers (`CONSOLE_COLUMNS`) over the steps since
+    the previous row, so a row every 25 steps hides nothing and scrolls 25 times
+    slower; `val_acc` is the value of the validation at that step. The column
+    header is repeated every `header_every` rows. `table_every` > 0 also prints
+    every metric, grouped by section, every that many steps (the old full dump;
+    everything is in metrics.jsonl anyway).
+    """
 
     _VALUE_WIDTH = 8
 
-    def __init__(self, stream: TextIO | None = None, table_every: int = 10):
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        table_every: int = 0,
+        every: int = 1,
+        total_steps: int | None = None,
+        header_every: int = 20,
+    ):
         if table_every < 0:
             raise ValueError(f"console_table_every must be >= 0 (0 turns the table off), got {table_every}")
+        if every < 1:
+            raise ValueError(f"trainer.console_every must be >= 1 step per row (0 in the config = automatic), got {every}")
         self._stream = stream
         self._table_every = table_every
-        self._seen_columns: set[str] = set()
+        self._every = every
+        self._total = total_steps
+        self._header_every = header_every
+        self._window: list[Mapping[str, float]] = []
+        self._rows = 0
         self._first = True
+        self._step_width = max(4, len(str(total_steps)) if total_steps else 6)
 
     def _write(self, text: str) -> None:
         # Resolve sys.stdout at write time so redirection after construction is honoured.
@@ -252,17 +294,29 @@ class ConsoleTracker:
         stream.write(text + "\n")
         stream.flush()
 
-    def format_line(self, metrics: Mapping[str, float], step: int) -> str:
-        """The compact line for one step; a column appears once its metric has been seen."""
-        fields = [f"step {step:>6}"]
+    def _step_label(self, step: int) -> str:
+        if self._total:
+            return f"{step:>{self._step_width}}/{self._total}"
+        return f"{step:>{self._step_width}}"
+
+    def format_header(self) -> str:
+        """The column names, aligned with `format_line`."""
+        width = len(self._step_label(0))
+        fields = [f"{'step':>{width}}"] + [f"{label:>{self._VALUE_WIDTH}}" for label, _, _ in CONSOLE_COLUMNS]
+        return "  ".join(fields)
+
+    def format_line(self, metrics: Mapping[str, float] | Sequence[Mapping[str, float]], step: int) -> str:
+        """The row for `step`: each column's mean over `metrics` (one step's dict, or a window of them), "-" if absent."""
+        window = [metrics] if isinstance(metrics, Mapping) else list(metrics)
+        fields = [self._step_label(step)]
         for label, candidates, spec in CONSOLE_COLUMNS:
-            key = next((k for k in candidates if k in metrics), None)
+            key = next((k for k in candidates if any(k in m for m in window)), None)
+            text = "-"
             if key is not None:
-                self._seen_columns.add(label)
-            if label not in self._seen_columns:
-                continue
-            value = "-" if key is None else spec.format(metrics[key])
-            fields.append(f"{label} {value:>{self._VALUE_WIDTH}}")
+                values = [m[key] for m in window if key in m]
+                value = values[-1] if key.startswith(_CONSOLE_LATEST) else sum(values) / len(values)
+                text = spec.format(value)
+            fields.append(f"{text:>{self._VALUE_WIDTH}}")
         return "  ".join(fields)
 
     @staticmethod
@@ -284,10 +338,18 @@ class ConsoleTracker:
         return "\n".join(lines)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Print the compact line, and the table at the first call, at step 1 and every `table_every` steps."""
-        self._write(self.format_line(metrics, step))
-        # Step 1 too: when validation logs step 0 first, the first training step still gets its table.
-        if self._table_every and (self._first or step == 1 or step % self._table_every == 0):
+        """Add the step to the window; print a row at the first call, at step 1, every `every` steps and at validations."""
+        self._window.append(metrics)
+        validated = any(k.startswith(_CONSOLE_LATEST) for k in metrics)
+        last = self._total is not None and step >= self._total
+        # Step 1 too: the first training row says at once how fast the run goes.
+        if self._first or step == 1 or step % self._every == 0 or validated or last:
+            if self._rows % self._header_every == 0:
+                self._write(self.format_header())
+            self._write(self.format_line(self._window, step))
+            self._rows += 1
+            self._window = []
+        if self._table_every and step % self._table_every == 0:
             self._write(self.format_table(metrics, step))
         self._first = False
 
@@ -485,9 +547,22 @@ class TrackerContext:
 
 TrackerFactory = Callable[[TrackerContext], Any]
 
+
+def _console_tracker(c: TrackerContext) -> ConsoleTracker:
+    """The console table, paced by the run's trainer.console_every and trainer.total_training_steps when given."""
+    trainer = c.config.get("trainer") if isinstance(c.config, Mapping) else None
+    trainer = trainer if isinstance(trainer, Mapping) else {}
+    total = trainer.get("total_training_steps")
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+    every = trainer.get("console_every")
+    every = every if isinstance(every, int) and not isinstance(every, bool) else 0
+    return ConsoleTracker(stream=c.stream, table_every=c.table_every, every=console_interval(total, every),
+                          total_steps=total)
+
+
 # `trainer.logger` is checked against this registry: a tracker registered here is selectable by name.
 TRACKERS: dict[str, TrackerFactory] = {
-    "console": lambda c: ConsoleTracker(stream=c.stream, table_every=c.table_every),
+    "console": lambda c: _console_tracker(c),
     "jsonl": lambda c: JsonlTracker(c.run_dir / "metrics.jsonl"),
     "tensorboard": lambda c: TensorBoardTracker(c.run_dir / "tensorboard"),
     "wandb": lambda c: WandbTracker(c.project, c.experiment, c.run_dir, c.config),
@@ -535,7 +610,7 @@ class Tracking:
         project: str,
         experiment: str,
         config: dict[str, Any] | None = None,
-        console_table_every: int = 10,
+        console_table_every: int = 0,
         stream: TextIO | None = None,
     ):
         self.loggers = _normalise_loggers(loggers)

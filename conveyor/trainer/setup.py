@@ -285,7 +285,8 @@ def prepare_default_model(cfg: Config) -> str:
                               "set it to 0 when using data.train_files, or give actor_rollout_ref.model.path")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(tiny.seed)
-            supervised_warmstart(model, tokenizer, train, steps=tiny.warmstart_steps, lr=tiny.warmstart_lr, seed=tiny.seed)
+            supervised_warmstart(model, tokenizer, train, steps=tiny.warmstart_steps, lr=tiny.warmstart_lr,
+                                 seed=tiny.seed, until_accuracy=tiny.warmstart_until_accuracy)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename into place, so a concurrent or killed
     # build never leaves a half-written checkpoint under the final name.

@@ -2,10 +2,18 @@
 
 Reinforcement learning needs a policy that already emits answers of the right
 shape now and then; a randomly initialised model almost never does. This
-trains for a fixed, small number of steps on (prompt, answer) pairs of the
-training split, deliberately stopping early (the default leaves held-out
-accuracy low) so that the RL run has something to learn. It never sees the
-held-out split.
+trains on (prompt, answer) pairs of the training split and deliberately stops
+early, so that the RL run has something to learn. It never sees the held-out
+split.
+
+It can stop at an accuracy instead of a step count: the exact-match accuracy
+of greedy decoding on the training batches is read off the logits the loss
+already needs (greedy decoding reproduces an answer exactly when every answer
+token, given the right ones before it, is the most likely one), so it costs
+nothing. The supervised curve of a tiny model has a sharp, seed-dependent
+jump (it learns to carry), and a fixed step count lands before it on one CPU
+and after it on another; stopping at an accuracy hands RL the same starting
+point on every machine.
 """
 
 from __future__ import annotations
@@ -41,10 +49,18 @@ def supervised_warmstart(
     lr: float,
     batch_size: int = 64,
     seed: int = 0,
+    until_accuracy: float = 0.0,
+    accuracy_window: int = 20,
 ) -> list[float]:
-    """Train `model` in place for `steps` steps of next-token loss on the answers; returns the loss per step."""
+    """Train `model` in place with next-token loss on the answers for at most `steps` steps; returns the loss per step.
+
+    With `until_accuracy` > 0 it stops as soon as the greedy exact-match accuracy
+    on the last `accuracy_window` training batches reaches it.
+    """
     if steps <= 0:
         return []
+    if not 0.0 <= until_accuracy <= 1.0:
+        raise ValueError(f"until_accuracy must be in [0, 1], got {until_accuracy}; 0 runs all `steps`")
     if not records:
         raise ValueError("the warm start needs training records; data.synthetic.num_train must be > 0")
     pairs = _encode_pairs(tokenizer, records)
@@ -52,7 +68,8 @@ def supervised_warmstart(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     pad = tokenizer.pad_token_id
     model.train()
-    losses = []
+    losses: list[float] = []
+    recent: list[float] = []  # exact-match accuracy of the last `accuracy_window` batches
     for step in range(steps):
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
         seqs = [p + a for p, a in batch]
@@ -68,12 +85,25 @@ def supervised_warmstart(
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         logits = out.logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        targets = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        if until_accuracy > 0:
+            with torch.no_grad():
+                right = (logits.argmax(-1) == targets) | (targets == -100)
+                recent.append(float(right.all(-1).float().mean()))
+            recent = recent[-accuracy_window:]
+            if len(recent) == accuracy_window and sum(recent) / accuracy_window >= until_accuracy:
+                break
     model.eval()
-    logger.info("warm start: %d steps, loss %.3f -> %.3f", steps, losses[0], losses[-1])
+    reached = f", training exact match {sum(recent) / len(recent):.2f}" if recent else ""
+    logger.info("warm start: %d steps, loss %.3f -> %.3f%s", len(losses), losses[0], losses[-1], reached)
+    if until_accuracy > 0 and sum(recent) / len(recent) < until_accuracy:
+        logger.warning("the warm start used all %d steps without reaching exact match %.2f; RL starts lower than "
+                       "intended: raise actor_rollout_ref.model.tiny.warmstart_steps or warmstart_lr", steps,
+                       until_accuracy)
     return losses

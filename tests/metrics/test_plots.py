@@ -136,3 +136,71 @@ def test_plot_run_errors_name_what_is_missing(tmp_path):
         plot_run(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"metrics.jsonl .*trainer.logger"):
         plot_run(tmp_path)
+
+
+def _axes():
+    from matplotlib.figure import Figure
+
+    return Figure().subplots()
+
+
+def _long_run(steps=200, reward_band=(0.0, 1.0), kl=1e-8):
+    """Records like the default run's: per-step noise, a 0..1 reward band at every step, validation every 50."""
+    rng = np.random.default_rng(0)
+    records = []
+    for s in range(steps + 1):
+        r = {"step": s}
+        if s:
+            r.update({"reward/mean": 0.3 + 0.002 * s + 0.05 * rng.standard_normal(), "reward/min": reward_band[0],
+                      "reward/max": reward_band[1], "reward/accuracy": 0.1 + 0.002 * s, "actor/ppo_kl": kl * (-1) ** s})
+        if s % 50 == 0:
+            r["val/accuracy"] = 0.1 + 0.003 * s
+        records.append(r)
+    return records
+
+
+def test_ema_smooth_is_debiased_skips_nan_and_follows_a_step():
+    from conveyor.metrics.plots import ema_smooth
+
+    np.testing.assert_allclose(ema_smooth([2.0] * 100), 2.0)  # no pull towards 0 at the start
+    out = ema_smooth([1.0, float("nan"), 1.0, 3.0], span=3)
+    assert out[0] == 1.0 and out[1] == 1.0 and out[2] == 1.0 and 1.0 < out[3] < 3.0
+    step = ema_smooth([0.0] * 50 + [1.0] * 50)  # default span: 1/50 of the series, 2 points
+    assert step[49] == 0.0 and 0.5 < step[50] < 1.0 and step[-1] == pytest.approx(1.0)
+    np.testing.assert_array_equal(ema_smooth([3.0, 1.0, 2.0]), [3.0, 1.0, 2.0])  # too short to smooth
+
+
+def test_reward_band_only_when_it_moves_and_raw_series_faint_behind_the_ema():
+    from conveyor.metrics.plots import _band_panel
+
+    ax = _axes()
+    _band_panel(_long_run(), "reward", "Reward", "reward")(ax)
+    assert not ax.collections  # min 0, max 1 at every step: no band
+    raw, smooth = ax.lines
+    assert raw.get_alpha() == pytest.approx(0.2) and smooth.get_alpha() is None
+    assert smooth.get_label() == "reward/mean (EMA)" and smooth.get_color() == raw.get_color()
+    assert np.std(np.diff(smooth.get_ydata())) < np.std(np.diff(raw.get_ydata())) / 3
+
+    records = _long_run()
+    for i, r in enumerate(records[1:]):
+        r["reward/min"] = 0.1 * (i % 3)  # a band that moves is drawn
+    ax = _axes()
+    _band_panel(records, "reward", "Reward", "reward")(ax)
+    assert len(ax.collections) == 1
+
+
+def test_validation_accuracy_drawn_on_top_and_kl_noise_left_out():
+    from conveyor.metrics.plots import _accuracy_panel, _kl_panel
+
+    ax = _axes()
+    _accuracy_panel(_long_run(), ["val/accuracy"], "reward/accuracy")(ax)
+    val = next(ln for ln in ax.lines if ln.get_label().startswith("val/accuracy"))
+    train = [ln for ln in ax.lines if ln is not val]
+    assert val.get_marker() == "o" and val.get_linewidth() > max(ln.get_linewidth() for ln in train)
+    assert val.get_zorder() > max(ln.get_zorder() for ln in train)
+    assert list(val.get_xdata()) == [0, 50, 100, 150, 200]
+    # First and last held-out values are written on the plot.
+    assert [t.get_text() for t in ax.texts] == ["0.100", "0.700"]
+
+    assert _kl_panel(_long_run(kl=1e-8)) is None  # float noise of an on-policy update
+    assert _kl_panel(_long_run(kl=1e-3)) is not None

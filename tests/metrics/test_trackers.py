@@ -17,6 +17,7 @@ from conveyor.metrics.trackers import (
     VALID_LOGGERS,
     ConsoleTracker,
     Tracking,
+    console_interval,
     flatten_config,
     mlflow_safe_name,
     read_metrics_jsonl,
@@ -114,58 +115,60 @@ def test_console_jsonl_tensorboard_mlflow_write_real_files(tmp_path, no_mlflow_e
     assert run.data.params["data.files"] == '["a.parquet", "b.parquet"]'
     assert run.data.params["seed"] == "7"
 
-    # Console: one compact line per step; the grouped table only at the first step (every 10 by default).
+    # Console: a header, then a row per step here (no total step count: one step per row); no full dump.
     text = out.getvalue()
-    step_lines = [ln for ln in text.splitlines() if ln.startswith("step ")]
-    assert len(step_lines) == 3
-    assert "reward     0.25" in step_lines[0] and "tok/s     1200" in step_lines[0]
-    assert "val_acc      0.4" in step_lines[1]
-    assert "val_acc        -" in step_lines[2]
-    assert text.count("--- step") == 1
-    assert "[actor]" in text and "[critic]" in text and "[perf]" in text
+    lines = text.splitlines()
+    assert lines[0].split() == ["step", "reward", "acc", "val_acc", "len", "entropy", "kl", "grad", "s/step", "tok/s"]
+    rows = [ln.split() for ln in lines[1:]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert rows[0][1] == "0.250" and rows[0][-1] == "1200"
+    assert rows[1][3] == "0.400" and rows[2][3] == "-"
+    assert "--- step" not in text and "[actor]" not in text
 
 
-def test_console_compact_line_and_table_exact():
+def test_console_rows_average_their_window_and_validation_gets_a_row():
     out = io.StringIO()
-    console = ConsoleTracker(stream=out, table_every=2)
-    metrics = {
-        "reward/mean": 0.5,
-        "response_length/mean": 23.25,
-        "actor/pg_loss": -0.0123,
-        "actor/kl_loss": 0.0012,
-        "actor/entropy": 1.234,
-        "actor/grad_norm": 0.456,
-        "timing_s/step": 1.234,
-        "perf/throughput": 12345.6,
-        "lr": 1e-6,
-    }
-    for step in (1, 2, 3, 4):
+    console = ConsoleTracker(stream=out, every=4, total_steps=10)
+    console.log({"val/accuracy": 0.125}, 0)
+    for step in range(1, 11):
+        metrics = {"reward/mean": float(step), "timing_s/step": 0.5, "perf/throughput": 100.0 * step}
+        if step == 6:
+            metrics["val/accuracy"] = 0.5
         console.log(metrics, step)
     lines = out.getvalue().splitlines()
-    assert lines[0] == (
-        "step      1  reward      0.5  resp_len     23.2  pg_loss  -0.0123  kl   0.0012  entropy    1.234"
-        "  grad_norm    0.456  time    1.23s  tok/s    12346"
-    )
-    # Tables at the first call and at steps 2 and 4.
-    headers = [ln for ln in lines if ln.startswith("--- step")]
-    assert headers == [f"--- step {s}: 9 metrics " + "-" * 20 for s in (1, 2, 4)]
-    table = lines[1 : lines.index("step      2" + lines[0][len("step      1") :])]
-    assert table[1] == "[actor]"
-    # Keys padded to the longest ("throughput", 10), values right-aligned to the widest ("1.000e-06", 9).
-    assert "  pg_loss" + " " * 7 + "-0.0123" in table
-    lr_line = "  lr" + " " * 10 + "1.000e-06"
-    assert table[table.index(lr_line) - 1] == "[other]"  # a key without a section goes to [other]
+    assert lines[0] == "   step    reward       acc   val_acc       len   entropy        kl      grad    s/step     tok/s"
+    # Rows: the step-0 validation, step 1, every 4 steps, the validation at 6, and the last step.
+    rows = [ln.split() for ln in lines[1:]]
+    assert [r[0] for r in rows] == ["0/10", "1/10", "4/10", "6/10", "8/10", "10/10"]
+    assert rows[0][1:] == ["-", "-", "0.125"] + ["-"] * 6
+    # A row holds the mean over the steps since the previous row: (2 + 3 + 4) / 3, then (5 + 6) / 2.
+    assert rows[2][1] == "3.000" and rows[3][1] == "5.500" and rows[3][3] == "0.500"
+    assert rows[2][3] == "-" and rows[5][1] == "9.500" and rows[5][-1] == "950"
+    assert lines[1] == "   0/10         -         -     0.125         -         -         -         -         -         -"
+    # A negative value in scientific notation fits its column: the columns stay aligned.
+    assert len(console.format_line({"actor/ppo_kl": -3.3e-08}, 1)) == len(lines[0])
 
-    # Validation logs step 0 first: tables at 0 and at the first training step, then every 10.
+
+def test_console_header_repeats_and_full_table_on_request():
     out = io.StringIO()
-    console = ConsoleTracker(stream=out)
-    for step in range(0, 12):
-        console.log({"val/accuracy": 0.5} if step == 0 else metrics, step)
-    assert [ln.split(":")[0] for ln in out.getvalue().splitlines() if ln.startswith("--- step")] == [
-        "--- step 0",
-        "--- step 1",
-        "--- step 10",
-    ]
+    console = ConsoleTracker(stream=out, header_every=2, table_every=3)
+    for step in range(1, 5):
+        console.log({"reward/mean": 0.5, "actor/pg_loss": -0.0123, "lr": 1e-6}, step)
+    lines = out.getvalue().splitlines()
+    firsts = [ln.split()[0] for ln in lines]
+    assert [f for f in firsts if f == "step" or f.isdigit()] == ["step", "1", "2", "step", "3", "4"]
+    # The full dump only when asked for: every metric grouped by section, keys and values aligned.
+    assert [ln for ln in lines if ln.startswith("--- step")] == ["--- step 3: 3 metrics " + "-" * 20]
+    table = lines[lines.index("--- step 3: 3 metrics " + "-" * 20):]
+    assert table[1] == "[actor]" and table[2] == "  pg_loss    -0.0123"
+    assert table[3] == "[other]" and table[4] == "  lr       1.000e-06"
+
+
+def test_console_interval_rounds_to_about_30_rows():
+    assert [console_interval(n) for n in (None, 1, 2, 39, 80, 600, 1000, 3000)] == [1, 1, 1, 1, 2, 20, 25, 100]
+    assert console_interval(1000, every=7) == 7
+    with pytest.raises(ValueError, match="console_every"):
+        ConsoleTracker(every=0)
 
 
 def test_jsonl_appends_on_resume_and_survives_a_torn_line(tmp_path):
