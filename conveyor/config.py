@@ -112,13 +112,22 @@ class SyntheticTaskConfig:
     num_val: int = F(128, "number of held-out problems (never in the training set)")
     max_operand: int = F(99, "largest operand")
     ops: list = F(["+"], "operators to draw from: any of +, -, *")
+    task: str = F("arithmetic", "arithmetic, or arithmetic_tool (n-digit operands, a calculator to call; see "
+                  "docs/agent.md)", choices=lambda: _synthetic_tasks())
 
     def __post_init__(self) -> None:
+        _check_choices(self, "data.synthetic")
         _check(self.num_train > 0, "data.synthetic.num_train", "must be > 0")
         _check(self.num_val > 0, "data.synthetic.num_val", "must be > 0")
         _check(self.max_operand >= 1, "data.synthetic.max_operand", "must be >= 1")
         bad = [o for o in self.ops if o not in ("+", "-", "*")]
         _check(not bad and bool(self.ops), "data.synthetic.ops", f"must be a non-empty list of +, -, *; got {self.ops}")
+
+
+def _synthetic_tasks() -> Iterable[str]:
+    from conveyor.tasks import SYNTHETIC_TASKS
+
+    return SYNTHETIC_TASKS
 
 
 @dataclass
@@ -365,8 +374,11 @@ class RolloutConfig:
     top_k: int = F(0, "top-k sampling (0 = off)")
     do_sample: bool = F(True, "sample (false = greedy)")
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward")
-    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics every N steps (0 = off)")
+    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
+                                               "per-expert load every N steps (0 = off; the default run, "
+                                               "examples/tiny_cpu.yaml, uses 10)")
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
+    multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
@@ -377,6 +389,46 @@ class RolloutConfig:
         _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
         _check(self.log_prob_micro_batch_size_per_gpu > 0, f"{p}.log_prob_micro_batch_size_per_gpu", "must be > 0")
         _check(self.moe_load_balance_metrics_interval >= 0, f"{p}.moe_load_balance_metrics_interval", "must be >= 0")
+
+
+TRUNCATE_SIDES = ("left", "middle", "right")
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's actor_rollout_ref.rollout.multi_turn keys)."""
+
+    enable: bool = F(False, "generate, call tools, append their responses and generate again, per sample")
+    max_assistant_turns: Optional[int] = F(None, "most model turns per sample (null = until EOS or the response "
+                                           "budget, data.max_response_length, is spent)")
+    max_user_turns: Optional[int] = F(None, "most tool-response turns per sample (null = no limit)")
+    max_tool_response_length: int = F(256, "characters of a tool's text kept (cut on tool_response_truncate_side)")
+    tool_response_truncate_side: str = F("middle", "which part of a long tool response is cut: left, middle or "
+                                         "right", choices=lambda: TRUNCATE_SIDES)
+    format: str = F("hermes", "tool-call syntax: hermes (<tool_call>{json}</tool_call>) or hash (#name text; "
+                    "writable with the tiny character tokenizer)", choices=lambda: _tool_formats())
+    tool_config_path: Optional[str] = F(None, "YAML naming the tools by Python path (see docs/agent.md)")
+    tool_timeout_s: float = F(30.0, "seconds one tool call may take; a slower call answers an error message")
+    tool_workers: int = F(16, "tool calls run at once per rank (one thread each)")
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout.multi_turn"
+        _check_choices(self, p)
+        for k in ("max_assistant_turns", "max_user_turns"):
+            v = getattr(self, k)
+            _check(v is None or v > 0, f"{p}.{k}", f"must be > 0 or null (no limit), got {v}")
+        _check(self.max_tool_response_length > 0, f"{p}.max_tool_response_length",
+               f"must be > 0, got {self.max_tool_response_length}")
+        _check(self.tool_timeout_s > 0, f"{p}.tool_timeout_s", f"must be > 0, got {self.tool_timeout_s}")
+        _check(self.tool_workers > 0, f"{p}.tool_workers", f"must be > 0, got {self.tool_workers}")
+        _check(not self.enable or bool(self.tool_config_path), f"{p}.tool_config_path",
+               f"{p}.enable=true needs a tool YAML; give its path (see docs/agent.md) or set {p}.enable=false")
+
+
+def _tool_formats() -> Iterable[str]:
+    from conveyor.tools.formats import TOOL_CALL_FORMATS
+
+    return TOOL_CALL_FORMATS
 
 
 @dataclass

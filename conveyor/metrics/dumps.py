@@ -3,7 +3,9 @@
 Every `trainer.dump_freq` steps the trainer writes the step's samples to
 `run_dir/generations/step_{step:06d}.jsonl`, one JSON object per sample with
 at least `prompt`, `response`, `ground_truth`, `data_source`, `reward` and
-`advantage` (values may be null), plus any extra keys it gives. Files are
+`advantage` (values may be null), plus any extra keys it gives (a multi-turn
+sample has `turns`: its model and tool turns in order, which `conveyor show`
+prints each marked `[model]` or `[tool]`). Files are
 written whole and renamed into place, so a reader never sees half a dump.
 
 `format_generations` shows model output as text, never as terminal commands:
@@ -28,7 +30,15 @@ from typing import Any, Sequence
 
 from conveyor.metrics.trackers import to_json_value
 
-__all__ = ["REQUIRED_KEYS", "write_generations", "latest_generations", "format_generations", "dump_path", "visible"]
+__all__ = [
+    "REQUIRED_KEYS",
+    "write_generations",
+    "latest_generations",
+    "format_generations",
+    "dump_path",
+    "visible",
+    "response_turns",
+]
 
 REQUIRED_KEYS = ("prompt", "response", "ground_truth", "data_source", "reward", "advantage")
 
@@ -71,6 +81,38 @@ def write_generations(run_dir: str | Path, step: int, rows: Sequence[dict[str, A
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def response_turns(tokenizer: Any, response_ids: Any, response_mask: Any) -> tuple[str, list[dict[str, str]] | None]:
+    """(text through the last model token, its turns) of one response row; turns is None without tool tokens.
+
+    Each turn is `{"role": "model" | "tool", "text": ...}`: a run of model tokens (mask 1) or of tool
+    tokens (mask 0) of a multi-turn trajectory.
+    """
+    from conveyor.rollout.trajectory import segments
+
+    ids = response_ids.tolist() if hasattr(response_ids, "tolist") else list(response_ids)
+    runs = segments(response_mask)
+    end = runs[-1][2] if runs else 0
+    text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+    if all(is_model for is_model, _, _ in runs):
+        return text, None
+    turns = [{"role": "model" if is_model else "tool", "text": tokenizer.decode(ids[a:b], skip_special_tokens=True)}
+             for is_model, a, b in runs]
+    return text, turns
+
+
+def _turn_lines(turns: Any, body: int, max_lines: int) -> list[str] | None:
+    """The lines of a multi-turn response, each turn marked [model] or [tool]; None when `turns` is not a list of turns."""
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and "text" in t for t in turns):
+        return None
+    lines = []
+    for t in turns:
+        role = "tool" if t.get("role") == "tool" else "model"
+        wrapped = _wrap(visible(_as_text(t.get("text"))), body - 8, max_lines, keep="both")
+        lines.append(f"    {'[' + role + ']':<8}" + (wrapped[0] if wrapped else ""))
+        lines.extend(" " * 12 + ln for ln in wrapped[1:])
+    return lines
 
 
 def _available_steps(gen_dir: Path) -> list[int]:
@@ -185,12 +227,18 @@ def format_generations(
         out.append("  prompt:")
         # Escaped before wrapping: wrapping would turn a carriage return into a space, unseen.
         out.extend("    " + ln for ln in _wrap(visible(_as_text(row.get("prompt"))), body, max_lines, keep="tail"))
-        out.append("  response:")
-        out.extend("    " + ln for ln in _wrap(visible(_as_text(row.get("response"))), body, max_lines, keep="both"))
+        turn_lines = _turn_lines(row.get("turns"), body, max_lines)
+        if turn_lines is not None:
+            calls = sum(1 for t in row["turns"] if t.get("role") == "tool")
+            out.append(f"  response ({len(row['turns'])} turns, {calls} tool):")
+            out.extend(turn_lines)
+        else:
+            out.append("  response:")
+            out.extend("    " + ln for ln in _wrap(visible(_as_text(row.get("response"))), body, max_lines, keep="both"))
         if row.get("ground_truth") is not None:
             truth = visible(_as_text(row["ground_truth"])).replace("\n", " ")
             out.append("  " + textwrap.shorten(f"ground truth: {truth}", width=width - 2, placeholder=" ..."))
-        extras = {k: v for k, v in row.items() if k not in REQUIRED_KEYS}
+        extras = {k: v for k, v in row.items() if k not in REQUIRED_KEYS and not (k == "turns" and turn_lines)}
         if extras:
             text = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in extras.items())
             out.append("  " + textwrap.shorten(f"extra: {text}", width=width - 2, placeholder=" ..."))

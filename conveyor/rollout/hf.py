@@ -10,6 +10,10 @@ once, there is one host sync per step (not per row), and top-k / top-p
 filtering only runs when enabled. On a CPU the rollout is most of a training
 step; `benchmarks/rollout.py` compares the two.
 
+A row stops at EOS, at `max_new_tokens`, or once its tokens end with one of
+the caller's `stop_sequences` (the multi-turn loop, `agent_loop`, ends a turn
+at a tool call this way).
+
 What it returns is what the trainer needs: right-padded `responses`, a
 `response_mask` up to and including EOS, the log-prob of every sampled token
 (`rollout_log_probs`), and for MoE models on request the expert ids each
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,9 +152,12 @@ class HFRollout:
         do_sample: bool = True,
         generator: torch.Generator | None = None,
         capture_routing: bool = False,
+        stop_sequences: Sequence[Sequence[int]] = (),
     ) -> dict[str, Tensor]:
         """Sample up to `max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
 
+        A row also stops once its sampled tokens end with one of `stop_sequences` (token-id lists; the
+        multi-turn loop stops a turn at a tool call this way), which stays in the response like EOS.
         Returns `responses` (B, R) long right-padded with pad, `response_mask` (B, R) bool (through EOS),
         `rollout_log_probs` (B, R) float32 (0 off the mask), and with `capture_routing` on an MoE model
         `routed_experts` (B, P+R, L, K) int16 (-1 where unknown); R <= max_new_tokens is the number of
@@ -176,7 +184,8 @@ class HFRollout:
         try:
             hooks = info is not None and self.lean is None
             with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
-                return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info)
+                return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info,
+                                    _stop_tensors(stop_sequences, device))
         finally:
             model.train(was_training)
 
@@ -188,6 +197,7 @@ class HFRollout:
         sampler: _Sampler,
         recorder: RoutingRecorder | None,
         info: MoEInfo | None,
+        stops: Sequence[Tensor] = (),
     ) -> dict[str, Tensor]:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
@@ -217,6 +227,12 @@ class HFRollout:
                 response_mask[:, t] = ~finished
                 log_probs[:, t] = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill_(finished, 0.0)
                 finished = finished | (token == self.eos_token_id)
+                for stop in stops:
+                    n = stop.numel()
+                    if t + 1 >= n:
+                        # A window of real tokens only: the mask is a prefix, so its first column decides.
+                        hit = (responses[:, t + 1 - n : t + 1] == stop).all(dim=-1) & response_mask[:, t + 1 - n]
+                        finished = finished | hit
                 steps = t + 1
                 # One host sync per step (not per row) to stop early; the
                 # forward below costs far more than this check.
@@ -339,6 +355,17 @@ class _LeanSteps:
         """Routing (B, S, L, K) of the latest forward."""
         assert self.state is not None and self.state.routing, "no routing was recorded"
         return self.state.routing.pop()
+
+
+def _stop_tensors(stop_sequences: Sequence[Sequence[int]], device: torch.device) -> list[Tensor]:
+    """Each stop sequence as a (1, n) long tensor on `device`; ValueError for an empty one."""
+    out = []
+    for seq in stop_sequences:
+        ids = [int(i) for i in seq]
+        if not ids:
+            raise ValueError("HFRollout.generate: a stop sequence is empty; give at least one token id")
+        out.append(torch.tensor([ids], dtype=torch.long, device=device))
+    return out
 
 
 def _check_args(

@@ -23,11 +23,17 @@ from conveyor.tasks.synthetic import (
     arithmetic_split,
     make_arithmetic_records,
 )
+from conveyor.tasks.arithmetic_tool import ARITHMETIC_TOOL_DATA_SOURCE, make_arithmetic_tool_records
+
+#: data.synthetic.task -> the function making its records: fn(n, *, seed, max_operand, ops, split) -> list[dict].
+SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_records, "arithmetic_tool": make_arithmetic_tool_records}
 
 __all__ = [
     "ARITHMETIC_ALPHABET",
     "ARITHMETIC_DATA_SOURCE",
+    "ARITHMETIC_TOOL_DATA_SOURCE",
     "REWARD_FNS",
+    "SYNTHETIC_TASKS",
     "TRUNCATION_MODES",
     "PromptDataset",
     "RewardFunctionError",
@@ -39,6 +45,7 @@ __all__ = [
     "gsm8k_score",
     "load_parquet_records",
     "make_arithmetic_records",
+    "make_arithmetic_tool_records",
     "register_reward_fn",
     "render_prompt",
     "write_parquet_records",

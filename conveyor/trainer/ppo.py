@@ -450,7 +450,7 @@ class PPOTrainer:
             f.write(json.dumps(record) + "\n")
 
     def _dump_generations(self, meta: KVBatchMeta) -> None:
-        from conveyor.metrics.dumps import write_generations
+        from conveyor.metrics.dumps import response_turns, write_generations
 
         k = min(self.cfg.trainer.dump_num, len(meta))
         sub = meta.select(list(range(k)))
@@ -459,14 +459,17 @@ class PPOTrainer:
         rows = []
         for i in range(k):
             n = int(td["response_mask"][i].sum())
+            # Through the last model token, with the tool turns marked when there are any (multi-turn).
+            response, turns = response_turns(self.tokenizer, td["responses"][i], td["response_mask"][i])
             rows.append({
                 "prompt": td["raw_prompt"][i],
-                "response": self.tokenizer.decode(td["responses"][i][:n].tolist(), skip_special_tokens=True),
+                "response": response,
                 "ground_truth": td["ground_truth"][i],
                 "data_source": td["data_source"][i],
                 "reward": float(td["acc"][i]),
                 "advantage": float(td["advantages"][i][:max(n, 1)].mean()),
                 "key": sub.keys[i],
+                **({"turns": turns} if turns else {}),
             })
         write_generations(self.run_dir, self.global_step, rows)
 

@@ -69,11 +69,12 @@ def _load_files(paths: list[str]) -> tuple[list[dict], list[str]]:
 
 def _synthetic(cfg: Config, split: str) -> tuple[list[dict], list[str]]:
     """A split of the built-in task, with an origin per problem."""
-    from conveyor.tasks.synthetic import make_arithmetic_records
+    from conveyor.tasks import SYNTHETIC_TASKS
 
     d, syn = cfg.data, cfg.data.synthetic
     count, seed = (syn.num_train, d.seed) if split == "train" else (syn.num_val, d.seed + 1)
-    records = make_arithmetic_records(count, seed=seed, max_operand=syn.max_operand, ops=syn.ops, split=split)
+    make = SYNTHETIC_TASKS[syn.task]
+    records = make(count, seed=seed, max_operand=syn.max_operand, ops=syn.ops, split=split)
     return records, [f"synthetic {split} problem {i}" for i in range(len(records))]
 
 
@@ -245,6 +246,8 @@ def _check_max_positions(cfg: Config, path: str) -> None:
 def _tiny_key(cfg: Config) -> str:
     tiny = dataclasses.asdict(cfg.actor_rollout_ref.model.tiny)
     syn = dataclasses.asdict(cfg.data.synthetic)
+    if syn.get("task") == "arithmetic":
+        del syn["task"]  # the default task keeps the key it had before tasks were selectable
     blob = json.dumps({"tiny": tiny, "task": syn, "seed": cfg.data.seed, "v": _TINY_RECIPE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

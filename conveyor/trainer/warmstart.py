@@ -35,7 +35,9 @@ def _encode_pairs(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> li
     pairs = []
     for rec in records:
         prompt = tokenizer(render_prompt(rec), add_special_tokens=False)["input_ids"]
-        answer = tokenizer(str(rec["reward_model"]["ground_truth"]), add_special_tokens=False)["input_ids"]
+        # A record may carry its own target (e.g. a tool-use trace); by default the target is the ground truth.
+        target = (rec.get("extra_info") or {}).get("warmstart_target", rec["reward_model"]["ground_truth"])
+        answer = tokenizer(str(target), add_special_tokens=False)["input_ids"]
         pairs.append((prompt, answer + [tokenizer.eos_token_id]))
     return pairs
 

@@ -34,7 +34,9 @@ from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.loading import load_causal_lm, load_tokenizer
 from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreement, moe_info, replay_routing
 from conveyor.protocol import KVBatchMeta
+from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.trajectory import response_span
 from conveyor.workers.optim import total_optim_steps
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
 from conveyor.workers.perf import result_handle
@@ -47,7 +49,8 @@ __all__ = ["PolicyWorker", "sequence_inputs"]
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, position_ids), each (B, P+R), from left-padded prompts and right-padded responses."""
     input_ids = torch.cat([td["prompts"], td["responses"]], dim=1)
-    attention_mask = torch.cat([td["prompt_mask"].long(), td["response_mask"].long()], dim=1)
+    # The span, not the mask: a multi-turn response's tool tokens are context (response_mask 0, attended to).
+    attention_mask = torch.cat([td["prompt_mask"].long(), response_span(td["response_mask"]).long()], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 
@@ -98,6 +101,8 @@ class PolicyWorker(CheckpointEndpoints):
                 self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                 lean=self.lean,
             )
+            # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
+            self.agent_loop = build_agent_loop(arr.rollout.multi_turn, self.rollout, self.tokenizer)
         if self.lean is not None and (strategy.distributed or self.trained.checkpointing) and role == "actor" \
                 and rank == 0:
             logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
@@ -144,7 +149,7 @@ class PolicyWorker(CheckpointEndpoints):
         hooked_update = train and (self.trained.strategy.distributed or self.trained.checkpointing)
         if self.lean is not None and not hooked_update:
             return self.lean.response_logits(
-                td["prompts"], td["prompt_mask"], td["responses"], td["response_mask"],
+                td["prompts"], td["prompt_mask"], td["responses"], response_span(td["response_mask"]),
                 routed_experts=routed_experts, record_routing=record_routing,
             )
         input_ids, attention_mask, position_ids = sequence_inputs(td)
@@ -184,13 +189,17 @@ class PolicyWorker(CheckpointEndpoints):
             from conveyor.models.moe_routing import routed_experts_dtype
 
             fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
-        if self.world_size > 1:
-            # Every rank writes into the same partition, whose columns keep one width: each rank's responses
-            # are as long as its own longest, so all pad to the requested length (as verl's rollouts do).
+        if self.world_size > 1 or info.get("pad_to_max_new_tokens"):
+            # Every rank (and, under dynamic sampling, every generation batch) writes into the same partition,
+            # whose columns keep one width: each one's responses are as long as its own longest, so all pad to
+            # the requested length (as verl's rollouts do).
             fields = self._pad_responses(fields, int(info["max_new_tokens"]))
+        if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
+            fields["tool_rewards"] = out["tool_rewards"]
         self._put(meta, fields)
         n_tokens = float(out["response_mask"].sum())
         metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed}
+        metrics.update(out.get("metrics", {}))  # the agent loop's rollout/multi_turn/*
         return self._result(meta, list(fields), metrics)
 
     def _pad_responses(self, fields: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
@@ -209,7 +218,8 @@ class PolicyWorker(CheckpointEndpoints):
         return out
 
     def _generate(self, td: TensorDict, info: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
-        return self.rollout.generate(
+        engine = self.agent_loop.run if self.agent_loop is not None else self.rollout.generate
+        return engine(
             td["prompts"],
             td["prompt_mask"],
             max_new_tokens=int(info["max_new_tokens"]),

@@ -1,7 +1,10 @@
 """The reward worker: decodes responses and scores them with the reward function of each sample's data_source.
 
 It writes `rm_scores` (B, R): the sequence's score on its last response token,
-zero elsewhere (token-level, as the advantage estimators expect). A reward
+zero elsewhere (token-level, as the advantage estimators expect), and `acc`
+(B,), the reward function's own score. With DAPO's overlong shaping on
+(`reward_model.overlong_buffer`), `rm_scores` also carries the length
+penalty; `acc` never does, so accuracy stays exact match. A reward
 function that raises or returns a non-finite number stops the run with an
 error naming the sample; nothing is silently scored zero.
 
@@ -35,9 +38,10 @@ from conveyor.tasks.rewards import (
     get_reward_fn,
     reward_fn_name,
 )
+from conveyor.rollout.trajectory import span_lengths
 from conveyor.workers.perf import result_handle
 
-__all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn"]
+__all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn", "overlong_penalty"]
 
 
 class SampleRewardError(RewardFunctionError, ValueError):
@@ -74,7 +78,7 @@ class RewardWorker:
 
     def __init__(self, *, tokenizer, data_plane, rank: int = 0, world_size: int = 1,
                  custom_reward_path: str | None = None, custom_reward_name: str = "compute_score",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, overlong_buffer: tuple[int, int, float, bool] | None = None):
         if not timeout_s >= 0:
             raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
         self.tokenizer = tokenizer
@@ -83,6 +87,8 @@ class RewardWorker:
         self.timeout_s = float(timeout_s)
         self.custom_fn = load_custom_reward_fn(custom_reward_path, custom_reward_name) if custom_reward_path else None
         self.custom_label = f"custom reward function {custom_reward_name} from {custom_reward_path}"
+        # (max_response_length, buffer length, penalty factor, log): DAPO's soft overlong punishment.
+        self.overlong_buffer = overlong_buffer
 
     def _score(self, source: str, text: str, truth: str) -> float:
         """One sample's score, finite as a float32; RewardFunctionError when the function raises or returns junk."""
@@ -166,17 +172,39 @@ class RewardWorker:
             select_fields=["responses", "response_mask", "data_source", "ground_truth"],
         )
         responses, mask = td["responses"], td["response_mask"].bool()
-        lengths = mask.sum(-1)
+        # Through the last model token: a multi-turn response's tool tokens are read too (the span).
+        lengths = span_lengths(mask)
         # One tolist of the whole batch, then list slicing: far cheaper than a tensor slice per row.
         texts = self.tokenizer.batch_decode(
             [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
         )
         values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])))
-        scores = torch.tensor(values, dtype=torch.float32)
+        acc = torch.tensor(values, dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        scores = acc
+        if self.overlong_buffer is not None:
+            max_len, buffer_len, factor, log = self.overlong_buffer
+            penalty = overlong_penalty(lengths, max_len, buffer_len, factor)
+            scores = acc + penalty
+            n = float(len(lengths))
+            if log:
+                metrics = {"reward/overlong_reward_mean@sum": float(penalty.sum()),
+                           "reward/overlong_reward_mean@count": n,
+                           "reward/overlong_frac@sum": float((penalty < 0).sum()), "reward/overlong_frac@count": n}
+        if "tool_rewards" in meta.fields:  # rewards returned by a multi-turn rollout's tools count in rm_scores
+            scores = scores + self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                                   select_fields=["tool_rewards"])["tool_rewards"].float()
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)
         has_tokens = lengths > 0
         rm_scores[has_tokens, last[has_tokens]] = scores[has_tokens]
         self.dp.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
-                             fields={"rm_scores": rm_scores, "acc": scores})
-        return result_handle(meta, ["rm_scores", "acc"], {})
+                             fields={"rm_scores": rm_scores, "acc": acc})
+        return result_handle(meta, ["rm_scores", "acc"], metrics)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (B,): 0 up to max - buffer tokens, then linear down to -penalty_factor at max."""
+    over = lengths.to(torch.float32) - (max_response_length - buffer_len)
+    return torch.clamp(-over / buffer_len * penalty_factor, max=0.0)

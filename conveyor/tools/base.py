@@ -1,0 +1,200 @@
+"""Tools a model may call during a rollout: what a tool is, how one is loaded from YAML and how a call runs.
+
+A tool is either
+
+- a plain function that takes the parsed call (keyword arguments under the
+  hermes format, one text argument under the hash format) and returns its
+  answer as text, or ``(text, reward)``; it may be ``async``; or
+- a small class for tools with per-sample state: ``execute(instance_id,
+  call) -> text | (text, reward)``, and optionally ``create(instance_id)``
+  (before a sample's first call of it) and ``release(instance_id)`` (when
+  the sample is done, also after an error). Constructed once with the
+  YAML's ``config`` as keyword arguments. Methods may be ``async``.
+
+The tool YAML (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
+
+    tools:
+      - name: calc                                  # what the model writes
+        path: conveyor.tools.calculator:calculate   # module:attribute or module.attribute
+        config: {}                                  # optional: a class's constructor arguments
+
+`run_call` never raises: an exception becomes an error text for the model
+(and `ToolResult.error`), so one bad call does not stop a run. Timeouts are
+the caller's business (`conveyor.rollout.agent_loop`), because a thread
+cannot be stopped from inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from conveyor.tools.formats import ToolCall
+
+__all__ = ["Tool", "ToolResult", "FunctionTool", "load_tools", "make_tool", "run_call", "release_all"]
+
+_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+
+
+@dataclass
+class ToolResult:
+    """What one call gave: the text shown to the model, a reward (0 if none), an error message or None, seconds."""
+
+    text: str
+    reward: float = 0.0
+    error: Optional[str] = None
+    latency_s: float = 0.0
+
+
+def _resolve(value: Any) -> Any:
+    """`value`, awaited to completion when it is a coroutine (async tools run in the calling thread's own loop)."""
+    if inspect.isawaitable(value):
+        async def wait() -> Any:
+            return await value
+        return asyncio.run(wait())
+    return value
+
+
+class Tool:
+    """The interface of a stateful tool (subclassing it is optional: any object with `execute` will do)."""
+
+    def create(self, instance_id: str) -> None:
+        """Set up the state of one sample (called before its first call of this tool)."""
+
+    def execute(self, instance_id: str, call: ToolCall) -> Any:
+        """Answer `call` for the sample `instance_id`: text, or (text, reward)."""
+        raise NotImplementedError
+
+    def release(self, instance_id: str) -> None:
+        """Drop the state of one sample (called once the sample is done)."""
+
+
+class FunctionTool(Tool):
+    """A plain function as a tool: keyword arguments from a hermes call, the text of a hash call as one argument."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def execute(self, instance_id: str, call: ToolCall) -> Any:
+        """Call the function with the call's arguments."""
+        if call.arguments is not None:
+            return self.fn(**call.arguments)
+        return self.fn(call.text if call.text is not None else "")
+
+
+def _import(path: str) -> Any:
+    """The object at `module:attr` or `module.attr`."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ValueError(f"{path!r} is not a Python path; write module.attribute or module:attribute")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module!r} of tool {path!r} ({err})") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module!r} has no attribute {attr!r} (tool {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def make_tool(obj: Any, config: Optional[dict] = None) -> Tool:
+    """A `Tool` from a function, a class (constructed with `config`) or an object with `execute`."""
+    config = dict(config or {})
+    if inspect.isclass(obj):
+        obj = obj(**config)
+    elif callable(obj) and not hasattr(obj, "execute"):
+        if config:
+            raise ValueError("`config` is for tool classes; a function tool takes none (bind values in the function)")
+        return FunctionTool(obj)
+    if not callable(getattr(obj, "execute", None)):
+        raise ValueError(f"{type(obj).__name__} is not a tool: give a function, or a class with execute(instance_id, "
+                         "call)")
+    return obj
+
+
+def load_tools(path: str | Path) -> dict[str, Tool]:
+    """Name -> tool, from the tool YAML at `path` (format in this module's docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{_KEY}: no file at {str(p)!r}; give the path of a tool YAML (see docs/agent.md)")
+    try:
+        spec = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{_KEY}: {str(p)!r} is not valid YAML ({err})") from err
+    entries = spec.get("tools") if isinstance(spec, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{_KEY}: {str(p)!r} must hold a non-empty list under `tools:` (entries with name and path)")
+    tools: dict[str, Tool] = {}
+    for i, entry in enumerate(entries):
+        where = f"{_KEY}: {str(p)!r}, tools[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
+            raise ValueError(f"{where}: give `name` (what the model writes) and `path` (module:attribute)")
+        unknown = set(entry) - {"name", "path", "config", "description"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: name, path, config, description")
+        if entry["name"] in tools:
+            raise ValueError(f"{where}: the name {entry['name']!r} is used twice; give each tool its own")
+        try:
+            tools[entry["name"]] = make_tool(_import(entry["path"]), entry.get("config"))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+        except Exception as err:  # a constructor that fails
+            raise ValueError(f"{where}: building {entry['path']!r} raised {type(err).__name__}: {err}") from err
+    return tools
+
+
+def _normalise(value: Any) -> tuple[str, float]:
+    """(text, reward) from what a tool returned; ValueError when it is neither text nor (text, number)."""
+    reward = 0.0
+    if isinstance(value, tuple) and len(value) == 2:
+        value, reward = value
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
+            raise ValueError(f"the reward it returned is {reward!r}, not a finite number")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"it returned {type(value).__name__}; return text, or (text, reward)")
+    return value, float(reward)
+
+
+def run_call(tools: dict[str, Tool], call: ToolCall, instance_id: str, created: set[str]) -> ToolResult:
+    """Run one call; errors (unknown tool, an exception, a bad return value) become a `ToolResult` with `error`."""
+    start = time.perf_counter()
+    tool = tools.get(call.name)
+    try:
+        if tool is None:
+            raise LookupError(f"unknown tool {call.name!r}; tools: {', '.join(sorted(tools))}")
+        if call.name not in created:
+            created.add(call.name)  # released even if create fails half-way
+            if hasattr(tool, "create"):
+                _resolve(tool.create(instance_id))
+        text, reward = _normalise(_resolve(tool.execute(instance_id, call)))
+        return ToolResult(text, reward, None, time.perf_counter() - start)
+    except Exception as err:
+        message = f"{type(err).__name__}: {err}" if not isinstance(err, LookupError) else str(err).strip("'\"")
+        return ToolResult(f"error: {message}", 0.0, message, time.perf_counter() - start)
+
+
+def release_all(tools: dict[str, Tool], instance_id: str, created: set[str]) -> list[str]:
+    """Call `release` of every tool this sample created; the messages of those that raised."""
+    failures = []
+    for name in sorted(created):
+        tool = tools.get(name)
+        if tool is None or not hasattr(tool, "release"):
+            continue
+        try:
+            _resolve(tool.release(instance_id))
+        except Exception as err:
+            failures.append(f"tool {name!r} release raised {type(err).__name__}: {err}")
+    return failures
