@@ -12,7 +12,9 @@ The scripts, with the arguments used here (`make bench` runs this file):
   forward, in training and in the rollout;
 - `sharding.py`: per-rank bytes of FSDP2 against DDP replicas on two gloo ranks;
 - `default_run.py`: the default run over 6 seed pairs, one at a time, each from an
-  empty model cache: final held-out accuracy and wall time, min / median / max.
+  empty model cache: final held-out accuracy and wall time, min / median / max;
+- `algorithms.py --parallel 1`: the default run with GRPO, DAPO, Dr. GRPO, GSPO,
+  RLOO and REINFORCE++, 4 seeds each: final held-out accuracy and time per run.
 
 Each script's output is printed as it runs, under a header; a summary line per
 script follows at the end. The exit status is 0 only when every script exited
@@ -45,6 +47,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),
     ("default_run", ()),
+    ("algorithms", ("--parallel", "1")),
 )
 
 

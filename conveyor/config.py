@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
 from conveyor.algos.advantages import ADV_ESTIMATORS, NEEDS_CRITIC
+from conveyor.algos.correction import parse_is_threshold, parse_rejection
 from conveyor.algos.kl import KL_KINDS
 from conveyor.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from conveyor.data_plane import BACKENDS
@@ -270,10 +271,12 @@ class FSDPConfig:
 class RouterReplayConfig:
     """Routing replay for MoE models."""
 
-    mode: str = F("disabled", "disabled, or R3: training forwards use the experts recorded at rollout")
+    mode: str = F("disabled", "disabled; R3: training forwards use the experts recorded at rollout; R2: the "
+                  "updates use the experts of the old-log-prob forward (any rollout engine)")
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("disabled", "R3"), "actor_rollout_ref.actor.router_replay.mode", "must be disabled or R3")
+        _check(self.mode in ("disabled", "R2", "R3"), "actor_rollout_ref.actor.router_replay.mode",
+               f"must be disabled, R2 or R3, got {self.mode!r}")
 
 
 @dataclass
@@ -282,9 +285,26 @@ class PolicyLossConfig:
 
     loss_mode: str = F("vanilla", "policy loss from the registry (vanilla = PPO clip with dual clip; add one with "
                        "conveyor.algos.register_policy_loss)", choices=lambda: POLICY_LOSSES)
+    clip_cov_ratio: float = F(0.0002, "clip_cov: share of tokens whose gradient is switched off")
+    clip_cov_lb: float = F(1.0, "clip_cov: lower bound of the covariance of a token that may be switched off")
+    clip_cov_ub: float = F(5.0, "clip_cov: upper bound of that covariance")
+    kl_cov_ratio: float = F(0.0002, "kl_cov: share of tokens (highest covariance) given the KL penalty")
+    ppo_kl_coef: float = F(0.1, "kl_cov: coefficient of that |log ratio| penalty")
 
     def __post_init__(self) -> None:
-        _check_choices(self, "actor_rollout_ref.actor.policy_loss")
+        p = "actor_rollout_ref.actor.policy_loss"
+        _check_choices(self, p)
+        for k in ("clip_cov_ratio", "kl_cov_ratio"):
+            v = getattr(self, k)
+            _check(0 < v <= 1, f"{p}.{k}", f"must be in (0, 1], got {v}")
+        _check(self.clip_cov_lb < self.clip_cov_ub, f"{p}.clip_cov_lb",
+               f"must be below clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}")
+        _check(self.ppo_kl_coef >= 0, f"{p}.ppo_kl_coef", f"must be >= 0, got {self.ppo_kl_coef}")
+
+    def loss_kwargs(self) -> dict[str, float]:
+        """The hyperparameters handed to the policy loss (each loss takes the ones it declares)."""
+        return {k: getattr(self, k) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                              "ppo_kl_coef")}
 
 
 @dataclass
@@ -301,6 +321,10 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = F(None, "upper clip range; null = clip_ratio")
     clip_ratio_c: float = F(3.0, "dual-clip bound for negative advantages (> 1)")
     loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=lambda: LOSS_AGG_MODES)
+    loss_scale_factor: Optional[float] = F(None, "seq-mean-token-sum-norm: the constant every sequence's token sum "
+                                           "is divided by; null = data.max_response_length")
+    tau_pos: float = F(1.0, "sapo: temperature of the soft gate for positive advantages")
+    tau_neg: float = F(1.05, "sapo: temperature of the soft gate for negative advantages")
     entropy_coeff: float = F(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = F(False, "add a KL(policy || reference) loss term")
     kl_loss_coef: float = F(0.001, "KL loss coefficient")
@@ -327,6 +351,10 @@ class ActorConfig:
         _check_choices(self, p)
         _check(self.grad_clip > 0, f"{p}.grad_clip", "must be > 0")
         _check(self.kl_loss_coef >= 0, f"{p}.kl_loss_coef", "must be >= 0")
+        _check(self.loss_scale_factor is None or self.loss_scale_factor > 0, f"{p}.loss_scale_factor",
+               f"must be > 0 or null, got {self.loss_scale_factor}")
+        for k in ("tau_pos", "tau_neg"):
+            _check(getattr(self, k) > 0, f"{p}.{k}", f"must be > 0, got {getattr(self, k)}")
 
 
 @dataclass
@@ -361,34 +389,6 @@ class ValKwargs:
         _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
         _check(self.n > 0, f"{p}.n", "must be > 0")
-
-
-@dataclass
-class RolloutConfig:
-    """Generation."""
-
-    name: str = F("hf", "rollout engine (hf)")
-    n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)")
-    temperature: float = F(1.0, "sampling temperature")
-    top_p: float = F(1.0, "nucleus sampling (1 = off)")
-    top_k: int = F(0, "top-k sampling (0 = off)")
-    do_sample: bool = F(True, "sample (false = greedy)")
-    log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward")
-    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
-                                               "per-expert load every N steps (0 = off; the default run, "
-                                               "examples/tiny_cpu.yaml, uses 10)")
-    val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
-    multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
-
-    def __post_init__(self) -> None:
-        p = "actor_rollout_ref.rollout"
-        _check(self.name == "hf", f"{p}.name", "only the hf engine exists")
-        _check(self.n > 0, f"{p}.n", "must be > 0")
-        _check(self.temperature > 0, f"{p}.temperature", "must be > 0 (use do_sample=false for greedy)")
-        _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
-        _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
-        _check(self.log_prob_micro_batch_size_per_gpu > 0, f"{p}.log_prob_micro_batch_size_per_gpu", "must be > 0")
-        _check(self.moe_load_balance_metrics_interval >= 0, f"{p}.moe_load_balance_metrics_interval", "must be >= 0")
 
 
 TRUNCATE_SIDES = ("left", "middle", "right")
@@ -432,6 +432,34 @@ def _tool_formats() -> Iterable[str]:
 
 
 @dataclass
+class RolloutConfig:
+    """Generation."""
+
+    name: str = F("hf", "rollout engine (hf)")
+    n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)")
+    temperature: float = F(1.0, "sampling temperature")
+    top_p: float = F(1.0, "nucleus sampling (1 = off)")
+    top_k: int = F(0, "top-k sampling (0 = off)")
+    do_sample: bool = F(True, "sample (false = greedy)")
+    log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward")
+    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
+                                               "per-expert load every N steps (0 = off; the default run, "
+                                               "examples/tiny_cpu.yaml, uses 10)")
+    val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
+    multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout"
+        _check(self.name == "hf", f"{p}.name", "only the hf engine exists")
+        _check(self.n > 0, f"{p}.n", "must be > 0")
+        _check(self.temperature > 0, f"{p}.temperature", "must be > 0 (use do_sample=false for greedy)")
+        _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, f"{p}.top_k", "must be >= 0")
+        _check(self.log_prob_micro_batch_size_per_gpu > 0, f"{p}.log_prob_micro_batch_size_per_gpu", "must be > 0")
+        _check(self.moe_load_balance_metrics_interval >= 0, f"{p}.moe_load_balance_metrics_interval", "must be >= 0")
+
+
+@dataclass
 class ActorRolloutRefConfig:
     """Policy, rollout and reference: one model, three roles."""
 
@@ -452,6 +480,8 @@ class CriticConfig:
     ppo_epochs: int = F(1, "passes over the batch per step")
     cliprange_value: float = F(0.5, "value clip range")
     loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=lambda: LOSS_AGG_MODES)
+    loss_scale_factor: Optional[float] = F(None, "seq-mean-token-sum-norm: the divisor of each sequence's token "
+                                           "sum; null = actor_rollout_ref.actor.loss_scale_factor")
     grad_clip: float = F(1.0, "gradient norm clip")
     strategy: Optional[str] = F(None, "fsdp2, dp or none (as actor_rollout_ref.actor.strategy); null = fsdp2 with "
                                 "more than one rank", choices=lambda: STRATEGIES)
@@ -465,6 +495,8 @@ class CriticConfig:
         _check(self.ppo_epochs > 0, "critic.ppo_epochs", "must be > 0")
         _check(self.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
         _check(self.grad_clip > 0, "critic.grad_clip", "must be > 0")
+        _check(self.loss_scale_factor is None or self.loss_scale_factor > 0, "critic.loss_scale_factor",
+               f"must be > 0 or null, got {self.loss_scale_factor}")
         _check_choices(self, "critic")
 
 
@@ -491,15 +523,61 @@ class RolloutCorrectionConfig:
     bypass_mode: Optional[bool] = F(
         None,
         "use the rollout's log-probs as old log-probs (no old-log-prob forward); null = on when the in-process hf "
-        "rollout samples from the trainer's own weights",
+        "rollout samples from the trainer's own weights and nothing needs the forward (rollout_is, rollout_rs, "
+        "router_replay.mode=R2 turn it off)",
     )
     rollout_is: Optional[str] = F(None, "truncated importance weights: null, token or sequence")
-    rollout_is_threshold: float = F(2.0, "upper truncation of the importance weights")
+    rollout_is_threshold: Any = F(2.0, "a number: truncate the importance weights there; 'lower_upper' (e.g. "
+                                  "0.5_5.0): IcePop, weights outside [lower, upper] become 0")
+    rollout_rs: Optional[str] = F(None, "rejection sampling: null, or comma-separated options (token_k1, token_k2, "
+                                  "token_k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3) that a token "
+                                  "(token_*) or all of a sequence's tokens (seq_*) must pass to count in the loss")
+    rollout_rs_threshold: Any = F(None, "bounds of rollout_rs: one for all options or one per option, "
+                                  "comma-separated; k1 options take ratio bounds 'lower_upper', the others an "
+                                  "upper bound")
 
     def __post_init__(self) -> None:
-        _check(self.rollout_is in (None, "token", "sequence"), "algorithm.rollout_correction.rollout_is",
-               "must be null, token or sequence")
-        _check(self.rollout_is_threshold > 0, "algorithm.rollout_correction.rollout_is_threshold", "must be > 0")
+        p = "algorithm.rollout_correction"
+        _check(self.rollout_is in (None, "token", "sequence"), f"{p}.rollout_is", "must be null, token or sequence")
+        try:
+            parse_is_threshold(self.rollout_is_threshold)
+        except ValueError as err:
+            raise ConfigError(f"{p}.rollout_is_threshold: {err}") from None
+        if self.rollout_rs is not None:
+            try:
+                self.rejection()
+            except ValueError as err:
+                raise ConfigError(f"{p}.rollout_rs: {err}") from None
+
+    def rejection(self) -> list[tuple[str, float | None, float]]:
+        """The rejection-sampling options as (option, lower, upper), [] when rollout_rs is null."""
+        return [] if self.rollout_rs is None else parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
+
+    def is_thresholds(self) -> tuple[float, float | None]:
+        """(upper, lower) of the importance weights; lower is None unless IcePop's 'lower_upper' is set."""
+        return parse_is_threshold(self.rollout_is_threshold)
+
+
+# What filter_groups.metric may name: "reward" (verl's default; "score" and
+# "seq_reward" are its older names) is the summed rm_scores before any KL
+# penalty, "acc" the reward function's accuracy field.
+FILTER_GROUPS_METRICS = ("reward", "acc", "score", "seq_reward")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: train only on groups whose rewards differ."""
+
+    enable: bool = F(False, "drop groups whose samples all score the same and generate more until the batch is full")
+    metric: str = F("reward", "what must differ within a group: reward (summed rm_scores) or acc",
+                    choices=lambda: FILTER_GROUPS_METRICS)
+    max_num_gen_batches: int = F(0, "stop with an error after this many generation batches in one step (0 = no "
+                                 "limit)")
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "algorithm.filter_groups")
+        _check(self.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
+               f"must be >= 0 (0 = no limit), got {self.max_num_gen_batches}")
 
 
 @dataclass
@@ -515,6 +593,7 @@ class AlgorithmConfig:
     kl_penalty: str = F("kl", "KL estimator of the in-reward penalty", choices=lambda: KL_KINDS)
     kl_ctrl: KLControlConfig = S(KLControlConfig, "in-reward KL controller")
     rollout_correction: RolloutCorrectionConfig = S(RolloutCorrectionConfig, "rollout correction")
+    filter_groups: FilterGroupsConfig = S(FilterGroupsConfig, "dynamic sampling (DAPO)")
 
     def __post_init__(self) -> None:
         _check_choices(self, "algorithm")
@@ -545,6 +624,30 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         _check(self.timeout_s >= 0, "reward.timeout_s", f"must be >= 0 (0 = no limit), got {self.timeout_s}")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer keys)."""
+
+    enable: bool = F(False, "penalise responses longer than data.max_response_length - len")
+    len: Optional[int] = F(None, "tokens before data.max_response_length where the penalty starts; null = a "
+                           "quarter of data.max_response_length (at least 1)")
+    penalty_factor: float = F(1.0, "penalty at data.max_response_length; it grows linearly from 0 over the buffer")
+    log: bool = F(True, "log reward/overlong_reward_mean and reward/overlong_frac")
+
+    def __post_init__(self) -> None:
+        p = "reward_model.overlong_buffer"
+        _check(self.len is None or self.len > 0, f"{p}.len",
+               f"must be > 0 or null (turn it off with {p}.enable=false), got {self.len}")
+        _check(self.penalty_factor >= 0, f"{p}.penalty_factor", f"must be >= 0, got {self.penalty_factor}")
+
+
+@dataclass
+class RewardModelConfig:
+    """Reward shaping under verl's reward_model keys (the scoring itself is configured under reward)."""
+
+    overlong_buffer: OverlongBufferConfig = S(OverlongBufferConfig, "overlong reward shaping (DAPO)")
 
 
 @dataclass
@@ -665,6 +768,7 @@ class Config:
     critic: CriticConfig = S(CriticConfig, "value model")
     algorithm: AlgorithmConfig = S(AlgorithmConfig, "advantages and KL")
     reward: RewardConfig = S(RewardConfig, "reward functions")
+    reward_model: RewardModelConfig = S(RewardModelConfig, "reward shaping")
     trainer: TrainerConfig = S(TrainerConfig, "the loop")
     transfer_queue: TransferQueueConfig = S(TransferQueueConfig, "the data plane")
     ray: RayConfig = S(RayConfig, "Ray")
@@ -681,6 +785,21 @@ class Config:
                "or use fewer ranks")
         _check(bs % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
                f"data.train_batch_size={bs} must be divisible by it (got {mb})")
+        algo = self.algorithm
+        _check(not (self.actor_rollout_ref.actor.router_replay.mode == "R2"
+                    and algo.rollout_correction.bypass_mode is True),
+               "algorithm.rollout_correction.bypass_mode",
+               "router_replay.mode=R2 records the routing in the old-log-prob forward, which bypass mode skips: "
+               "set bypass_mode to null or false, or use router_replay.mode=R3")
+        if algo.adv_estimator == "grpo_passk" or algo.filter_groups.enable:
+            what = ("algorithm.filter_groups.enable" if algo.filter_groups.enable
+                    else "algorithm.adv_estimator=grpo_passk")
+            _check(n >= 2, "actor_rollout_ref.rollout.n", f"{what} compares the samples of a prompt: set it to 2 or "
+                   f"more, got {n}")
+        ob = self.reward_model.overlong_buffer
+        if ob.enable and ob.len is not None:
+            _check(ob.len <= self.data.max_response_length, "reward_model.overlong_buffer.len",
+                   f"must be at most data.max_response_length={self.data.max_response_length}, got {ob.len}")
         if self.use_critic:
             cmb = self.critic.ppo_mini_batch_size
             _check(bs % cmb == 0, "critic.ppo_mini_batch_size",
@@ -701,10 +820,22 @@ class Config:
         bypass = self.algorithm.rollout_correction.bypass_mode
         if bypass is not None:
             return bypass
+        correction = self.algorithm.rollout_correction
+        if self.actor_rollout_ref.actor.router_replay.mode == "R2" or correction.rollout_is or correction.rollout_rs:
+            # R2 records the routing in that forward; importance weights and rejection compare it with the rollout.
+            return False
         # The hf engine samples from the very weights the actor trains, in the same
         # numerics (under R3, with the very routing the update replays), so its
         # log-probs are the old log-probs; a forward would only repeat them.
         return self.actor_rollout_ref.rollout.name == "hf"
+
+    def loss_scale_factor(self, role: str) -> float:
+        """The seq-mean-token-sum-norm divisor of `role` ("actor" or "critic"), resolved to a number."""
+        actor = self.actor_rollout_ref.actor.loss_scale_factor
+        chosen = self.critic.loss_scale_factor if role == "critic" else None
+        # A constant, not the micro-batch's padded width as in verl: the loss of a
+        # sequence must not depend on which sequences it was padded next to.
+        return float(chosen or actor or self.data.max_response_length)
 
     @property
     def use_reference(self) -> bool:
@@ -899,9 +1030,20 @@ def _parse_dotlist(overrides: list[str]) -> dict:
     # Hydra's "+key=value" (add a key) means the same as "key=value" here.
     items = [item.strip().lstrip("+") for item in overrides]
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(items), resolve=False)
+        data = OmegaConf.to_container(OmegaConf.from_dotlist(items), resolve=False)
     except OmegaConfBaseException as err:
         raise ConfigError(f"overrides {overrides}: {str(err).splitlines()[0]}") from err
+    for item in items:
+        key, value = (part.strip() for part in item.split("=", 1))
+        # YAML reads "5_0.5" as the number 50.5 (underscores are digit separators there); for a
+        # key that takes text, such as rollout_is_threshold's "lower_upper", keep what was typed.
+        if "_" in value and _field_type(key) in (Any, str, Optional[str]):
+            node = data
+            *parents, last = key.split(".")
+            for part in parents:
+                node = node[part]
+            node[last] = value
+    return data
 
 
 def parse_overrides(overrides: list[str]) -> dict:

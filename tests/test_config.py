@@ -491,7 +491,9 @@ def _numeric_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, type]
 
 _FLOAT_KEYS = [k for k, t in _numeric_keys() if t is float]
 # Keys where a negative value means something: seeds, and an entropy coefficient (< 0 penalises entropy).
-_SIGNED_KEYS = {"data.seed", "actor_rollout_ref.model.tiny.seed", "trainer.seed", "actor_rollout_ref.actor.entropy_coeff"}
+_SIGNED_KEYS = {"data.seed", "actor_rollout_ref.model.tiny.seed", "trainer.seed", "actor_rollout_ref.actor.entropy_coeff",
+                # clip_cov bounds a covariance, which may be negative.
+                "actor_rollout_ref.actor.policy_loss.clip_cov_lb", "actor_rollout_ref.actor.policy_loss.clip_cov_ub"}
 
 
 @pytest.mark.parametrize("key", _FLOAT_KEYS)

@@ -10,6 +10,11 @@ trainer's ``old_log_prob``. Two remedies live here:
   ``min(pi_old / pi_rollout, threshold)`` (``compute_rollout_is_weights``),
   plus metrics that show how far apart the two distributions are.
 
+``compute_rejection_mask`` drops tokens or whole sequences whose divergence
+between the two is beyond a bound (verl's ``rollout_rs``), and
+``compute_mismatch_metrics`` measures the gap itself (verl's ``rollout_corr/``
+names), whenever an old-log-prob forward ran next to the rollout.
+
 This module deliberately does not decide *when* to apply either (that is the
 trainer's config) and does no rejection sampling or distributed reduction.
 """
@@ -23,7 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IS_LEVELS", "bypass_old_log_prob", "compute_rollout_is_weights"]
+__all__ = ["IS_LEVELS", "RS_OPTIONS", "bypass_old_log_prob", "parse_is_threshold", "compute_rollout_is_weights",
+           "compute_is_metrics", "parse_rejection", "compute_rejection_mask", "compute_mismatch_metrics"]
 
 IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
@@ -36,6 +42,27 @@ def bypass_old_log_prob(rollout_log_probs: torch.Tensor) -> torch.Tensor:
     return rollout_log_probs.detach().to(dtype=torch.float32, copy=True)
 
 
+def _bounds(spec: float | int | str) -> tuple[float | None, float]:
+    """``(lower, upper)`` of verl's threshold text: "upper" or "lower_upper" (ValueError if not numbers)."""
+    if isinstance(spec, bool):
+        raise ValueError(f"{spec!r} is not a number")
+    lower_text, sep, upper_text = str(spec).strip().partition("_")
+    return (float(lower_text) if sep else None), float(upper_text if sep else lower_text)
+
+
+def parse_is_threshold(spec: float | int | str) -> tuple[float, float | None]:
+    """``(upper, lower)`` from verl's ``rollout_is_threshold``: a number (truncate at it) or "lower_upper" (IcePop)."""
+    try:
+        lower, upper = _bounds(spec)
+    except ValueError:
+        raise ValueError(f"must be a number (truncate the weights there) or 'lower_upper' such as '0.5_5.0' "
+                         f"(IcePop: zero the weights outside), got {spec!r}") from None
+    if not (math.isfinite(upper) and upper > 0) or (lower is not None and not (math.isfinite(lower) and 0 < lower
+                                                                              <= upper)):
+        raise ValueError(f"needs 0 < lower <= upper, both finite, got {spec!r}")
+    return upper, lower
+
+
 def compute_rollout_is_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -43,19 +70,22 @@ def compute_rollout_is_weights(
     *,
     level: str = "token",
     threshold: float = 2.0,
+    lower: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated IS weights (B, T) = min(exp(old - rollout), threshold), detached and 0 off the mask.
 
     ``level="token"`` uses each token's ratio; ``level="sequence"`` uses the
     product over the sequence's response tokens (exp of the masked sum of
-    log-ratios), broadcast to its tokens. Metrics (python floats):
+    log-ratios), broadcast to its tokens. With ``lower`` (IcePop, verl's
+    "lower_upper" threshold) weights are not truncated but kept as they are
+    inside ``[lower, threshold]`` and set to 0 outside, so a token (or
+    sequence) the two policies disagree on too much contributes nothing.
+    Metrics (python floats):
     ``rollout_corr/is_mean`` and ``rollout_corr/is_max`` of the weights
     *before* truncation (per token or per sequence, by level),
     ``rollout_corr/is_truncated_mean`` of the weights applied,
-    ``rollout_corr/clipped_frac`` (share of tokens or sequences truncated),
-    ``rollout_corr/log_ppl_diff`` (mean over sequences of
-    log-perplexity(rollout) - log-perplexity(old); positive when the trainer
-    finds the samples more likely than the sampler did), and
+    ``rollout_corr/clipped_frac`` (share of tokens or sequences truncated, or
+    with ``lower`` zeroed), and
     ``rollout_corr/probs_diff_max`` / ``rollout_corr/probs_diff_mean`` of
     ``|p_old - p_rollout|`` per token.
     """
@@ -86,9 +116,13 @@ def compute_rollout_is_weights(
         unit_mask = has_tokens
 
     raw = torch.exp(unit_log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
-    # Truncating in log space avoids overflow before the clamp on long sequences.
-    truncated = torch.exp(unit_log_ratio.clamp(max=log_threshold))
-    clipped = unit_log_ratio > log_threshold
+    if lower is None:
+        # Truncating in log space avoids overflow before the clamp on long sequences.
+        truncated = torch.exp(unit_log_ratio.clamp(max=log_threshold))
+        clipped = unit_log_ratio > log_threshold
+    else:
+        clipped = (raw < lower) | (raw > threshold)
+        truncated = torch.where(clipped, torch.zeros_like(raw), raw)
     if level == "sequence":
         truncated = truncated.unsqueeze(-1).expand_as(log_ratio)
     weights = torch.where(mask, truncated, zero)
@@ -99,9 +133,6 @@ def compute_rollout_is_weights(
         metrics["rollout_corr/is_max"] = raw[unit_mask].max().item()
         metrics["rollout_corr/clipped_frac"] = clipped[unit_mask].float().mean().item()
         metrics["rollout_corr/is_truncated_mean"] = weights[mask].mean().item()
-        # log-ppl = -mean token log-prob, so rollout - old = mean(old - rollout).
-        per_seq = log_ratio.sum(-1)[has_tokens] / tokens_per_seq[has_tokens].float()
-        metrics["rollout_corr/log_ppl_diff"] = per_seq.mean().item()
         probs_diff = (torch.exp(old) - torch.exp(rollout)).abs()[mask]
         metrics["rollout_corr/probs_diff_max"] = probs_diff.max().item()
         metrics["rollout_corr/probs_diff_mean"] = probs_diff.mean().item()
@@ -111,9 +142,258 @@ def compute_rollout_is_weights(
             "is_max",
             "clipped_frac",
             "is_truncated_mean",
-            "log_ppl_diff",
             "probs_diff_max",
             "probs_diff_mean",
         ):
             metrics[f"rollout_corr/{key}"] = 0.0
     return weights, metrics
+
+
+def compute_is_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    threshold: float = 2.0,
+    lower: float | None = None,
+) -> dict[str, float]:
+    """Batch statistics of the importance weights ``compute_rollout_is_weights`` applies, by verl's names.
+
+    ``rollout_corr/rollout_is_{mean,max,min,std,eff_sample_size}`` of the
+    weights applied (truncated, or IcePop-zeroed), except that at sequence
+    level ``max``/``min`` are of the raw sequence ratios; the shares of raw
+    ratios above ``threshold`` and below ``lower`` (default
+    ``1 / threshold``), ``rollout_is_ratio_fraction_{high,low}``; per
+    sequence (mean weight over its tokens) ``rollout_is_seq_{mean,std,max,
+    min,max_deviation}`` (deviation from 1) and ``rollout_is_seq_fraction_
+    {high,low}`` (of the raw means); with ``lower``, ``rollout_is_oob_ratio``
+    (tokens zeroed). The effective sample size is ``1 / mean(w / mean w)²``
+    over tokens: 1 when every weight is equal, small when a few dominate.
+    Sequences without response tokens are left out.
+    """
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    has_tokens = mask.sum(-1) > 0
+    if not bool(has_tokens.any()):
+        return {}
+    mask = mask[has_tokens]
+    weights, _ = compute_rollout_is_weights(old_log_prob[has_tokens], rollout_log_prob[has_tokens], mask,
+                                            level=level, threshold=threshold, lower=lower)
+    zero = torch.zeros((), dtype=torch.float64, device=weights.device)
+    log_ratio = torch.where(mask, old_log_prob[has_tokens].detach().double() - rollout_log_prob[has_tokens].detach()
+                            .double(), zero)
+    w = weights.double()[mask]
+    low = 1.0 / threshold if lower is None else lower
+    out: dict[str, torch.Tensor | float] = {"rollout_is_mean": w.mean()}
+    if level == "sequence":
+        seq_log = log_ratio.sum(-1)
+        out["rollout_is_max"] = torch.exp(seq_log.max().clamp(max=_LOG_RATIO_BOUND))
+        out["rollout_is_min"] = torch.exp(seq_log.min())
+        out["rollout_is_ratio_fraction_high"] = (seq_log > math.log(threshold)).double().mean()
+        out["rollout_is_ratio_fraction_low"] = (seq_log < math.log(low)).double().mean()
+        raw = torch.exp(seq_log.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)).unsqueeze(-1).expand_as(log_ratio)
+    else:
+        raw = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+        out["rollout_is_max"] = w.max()
+        out["rollout_is_min"] = w.min()
+        out["rollout_is_ratio_fraction_high"] = (raw[mask] > threshold).double().mean()
+        out["rollout_is_ratio_fraction_low"] = (raw[mask] < low).double().mean()
+    capped = w.clamp(0.0, threshold)
+    out["rollout_is_std"] = (capped.square().mean() - capped.mean().square()).clamp_min(0).sqrt() if w.numel() > 1 \
+        else 0.0
+    out["rollout_is_eff_sample_size"] = 1.0 / (capped / (capped.mean() + 1e-8)).square().mean()
+    n_tok = mask.sum(-1).double()
+    seq_mean = torch.where(mask, weights.double(), zero).sum(-1) / n_tok
+    raw_seq_mean = torch.where(mask, raw, zero).sum(-1) / n_tok
+    out["rollout_is_seq_mean"] = seq_mean.mean()
+    out["rollout_is_seq_std"] = seq_mean.std() if seq_mean.numel() > 1 else 0.0
+    out["rollout_is_seq_max"] = seq_mean.max()
+    out["rollout_is_seq_min"] = seq_mean.min()
+    out["rollout_is_seq_max_deviation"] = (seq_mean - 1).abs().max()
+    out["rollout_is_seq_fraction_high"] = (raw_seq_mean > threshold).double().mean()
+    out["rollout_is_seq_fraction_low"] = (raw_seq_mean < low).double().mean()
+    if lower is not None:
+        out["rollout_is_oob_ratio"] = ((raw[mask] < lower) | (raw[mask] > threshold)).double().mean()
+    return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
+
+
+# verl's rejection-sampling statistics: a KL estimator per token (k1 = -log r, k2 = (log r)^2 / 2,
+# k3 = r - 1 - log r, with r = pi_old / pi_rollout), or its sum, mean or max over a sequence.
+RS_OPTIONS: tuple[str, ...] = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+def parse_rejection(options: str, thresholds: float | int | str | None) -> list[tuple[str, float | None, float]]:
+    """verl's ``rollout_rs`` / ``rollout_rs_threshold`` -> ``[(option, lower, upper)]`` (lower only for k1 options).
+
+    ``options`` is comma-separated (all must pass); ``thresholds`` one value
+    shared by all or one per option, comma-separated. A k1 option takes ratio
+    bounds ``lower_upper`` (a single number ``u`` means ``1/u_u``); the others
+    an upper bound on their statistic.
+    """
+    names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
+    if not names:
+        raise ValueError("rollout_rs names no option; use null to turn rejection sampling off")
+    unknown = [n for n in names if n not in RS_OPTIONS]
+    if unknown:
+        raise ValueError(f"unknown rollout_rs option(s) {unknown}; valid: {', '.join(RS_OPTIONS)}")
+    if thresholds is None or isinstance(thresholds, bool):
+        raise ValueError("rollout_rs needs rollout_rs_threshold (one value, or one per option, comma-separated)")
+    specs = [t.strip() for t in str(thresholds).split(",") if t.strip()]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ValueError(f"rollout_rs_threshold has {len(specs)} values for {len(names)} options; give one for "
+                         "all or one per option")
+    out = []
+    for name, spec in zip(names, specs):
+        try:
+            lower, upper = _bounds(spec)
+        except ValueError:
+            raise ValueError(f"rollout_rs_threshold {spec!r} for {name} is not a number") from None
+        if name.endswith("k1"):
+            lower = 1.0 / upper if lower is None and upper > 0 else lower
+            if not (lower is not None and 0 < lower <= upper and math.isfinite(upper)):
+                raise ValueError(f"rollout_rs_threshold {spec!r} for {name} needs ratio bounds 0 < lower <= upper")
+        elif lower is not None or not (upper > 0 and math.isfinite(upper)):
+            raise ValueError(f"rollout_rs_threshold {spec!r} for {name} must be one positive number (an upper "
+                             "bound on the statistic)")
+        out.append((name, lower, upper))
+    return out
+
+
+def _rs_statistics(log_ratio: torch.Tensor, mask: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Option `name`'s statistic per token (B, T) (for a sequence option, its row value broadcast) and per row."""
+    lr = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    kind = name[-2:]
+    per_token = {"k1": -lr, "k2": 0.5 * lr.square(), "k3": torch.exp(lr) - 1 - lr}[kind]
+    if name.startswith("token"):
+        return per_token, None
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    masked = torch.where(mask, per_token, zero)
+    if name.startswith("seq_sum"):
+        rows = masked.sum(-1)
+    elif name.startswith("seq_mean"):
+        rows = masked.sum(-1) / mask.sum(-1).clamp_min(1)
+    else:
+        rows = torch.where(mask, per_token, torch.full_like(per_token, -torch.inf)).amax(-1)
+        rows = torch.where(torch.isinf(rows), zero, rows)
+    return rows.unsqueeze(-1).expand_as(per_token), rows
+
+
+def compute_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    options: list[tuple[str, float | None, float]],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Tokens kept (B, T) bool by every rejection option of `parse_rejection`, and verl's ``rollout_rs_*`` metrics.
+
+    A token option drops single tokens; a sequence option drops all of a
+    sequence's tokens. k1 bounds compare ``-log r`` with ``[log lower, log
+    upper]`` (the ratio ``pi_rollout / pi_old`` within the bounds), the
+    others their statistic with ``upper``. Per option ``o`` the metrics
+    (python floats, no prefix) are ``rollout_rs_{o}_{mean,max,min,std}`` and
+    ``_fraction_{high,low}`` of its statistic, ``_seq_{mean,std,max,min,
+    max_deviation,fraction_high[,fraction_low]}`` over sequences,
+    ``_masked_fraction`` (tokens) and ``_seq_masked_fraction`` (sequences it
+    touched); overall ``rollout_rs_masked_fraction`` and
+    ``rollout_rs_seq_masked_fraction``. Sequences without response tokens
+    are left out of every statistic.
+    """
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    log_ratio = torch.where(mask, old_log_prob.detach().double() - rollout_log_prob.detach().double(), zero)
+    keep = torch.ones_like(mask)
+    metrics: dict[str, float] = {}
+    valid = mask.sum(-1) > 0
+    if not bool(valid.any()):
+        return keep, metrics
+    for name, lower, upper in options:
+        stat, rows = _rs_statistics(log_ratio, mask, name)
+        k1 = name.endswith("k1")
+        hi = math.log(upper) if k1 else upper
+        lo = math.log(lower) if k1 else 0.0
+        option_keep = (stat >= lo) & (stat <= hi) if k1 else stat <= hi
+        keep = keep & option_keep
+        tokens = stat[mask]
+        seq = (rows if rows is not None else torch.where(mask, stat, zero).sum(-1) / mask.sum(-1).clamp_min(1))[valid]
+        p = f"rollout_rs_{name}"
+        m: dict[str, torch.Tensor | float] = {f"{p}_mean": tokens.mean()}
+        level_values = seq if rows is not None else tokens
+        m[f"{p}_max"], m[f"{p}_min"] = level_values.max(), level_values.min()
+        m[f"{p}_fraction_high"] = (level_values > hi).double().mean()
+        m[f"{p}_fraction_low"] = (level_values < lo).double().mean() if k1 else 0.0
+        capped = tokens.clamp(lo, hi)
+        m[f"{p}_std"] = (capped.square().mean() - capped.mean().square()).clamp_min(0).sqrt() \
+            if tokens.numel() > 1 else 0.0
+        m[f"{p}_seq_mean"] = seq.mean()
+        m[f"{p}_seq_std"] = seq.std() if seq.numel() > 1 else 0.0
+        m[f"{p}_seq_max"], m[f"{p}_seq_min"] = seq.max(), seq.min()
+        m[f"{p}_seq_max_deviation"] = seq.abs().max()
+        m[f"{p}_seq_fraction_high"] = (seq > hi).double().mean()
+        if k1:
+            m[f"{p}_seq_fraction_low"] = (seq < lo).double().mean()
+        m[f"{p}_masked_fraction"] = (~option_keep[mask]).double().mean()
+        m[f"{p}_seq_masked_fraction"] = ((~option_keep & mask).any(-1)[valid]).double().mean()
+        metrics.update({k: float(v) for k, v in m.items()})
+    metrics["rollout_rs_masked_fraction"] = float((~keep[mask]).double().mean())
+    metrics["rollout_rs_seq_masked_fraction"] = float(((~keep & mask).any(-1)[valid]).double().mean())
+    return keep & mask, metrics
+
+
+def compute_mismatch_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """The train-inference mismatch of a batch (B, T), under verl's ``rollout_corr/`` names (python floats).
+
+    With ``ℓ = old - rollout`` per token and per-sequence means over its
+    response tokens (sequences without tokens are left out):
+    ``training_ppl`` / ``rollout_ppl`` (mean over sequences of
+    ``exp(-mean log p)``), ``training_log_ppl`` / ``rollout_log_ppl``,
+    ``log_ppl_diff`` (mean of ``mean(rollout) - mean(old)`` = log(training
+    ppl / rollout ppl); its ``_max``, ``_min`` and ``log_ppl_abs_diff``),
+    ``ppl_ratio`` (mean of its exp), ``kl`` (k1 of KL(rollout || trainer):
+    token mean of ``-ℓ``), ``k3_kl`` (token mean of ``exp(ℓ) - ℓ - 1``),
+    ``chi2_token`` (token mean of ``exp(2ℓ)`` minus 1), ``chi2_seq`` (mean of
+    ``exp(2 Σℓ)`` minus 1), with ``ℓ`` and ``Σℓ`` clamped to ±20 before exp,
+    and ``extreme_frac``, the share of tokens with ``|ℓ| > ln 2`` (one side
+    twice as likely as the other). Healthy: ``ppl_ratio`` ≈ 1, ``kl`` and
+    ``k3_kl`` ≈ 0 (bf16 engines show ~1e-3), ``extreme_frac`` ≈ 0.
+    """
+    if old_log_prob.shape != response_mask.shape or rollout_log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob {tuple(rollout_log_prob.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must have the same shape"
+        )
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    has_tokens = mask.sum(-1) > 0
+    if not bool(has_tokens.any()):
+        return {}
+    mask, old, rollout = mask[has_tokens], old_log_prob[has_tokens].detach().double(), \
+        rollout_log_prob[has_tokens].detach().double()
+    zero = torch.zeros((), dtype=torch.float64, device=old.device)
+    old, rollout = torch.where(mask, old, zero), torch.where(mask, rollout, zero)
+    n_tok = mask.sum(-1).to(torch.float64)
+    mean_old, mean_rollout = old.sum(-1) / n_tok, rollout.sum(-1) / n_tok
+    log_ratio = old - rollout
+    tokens = log_ratio[mask]
+    ppl_diff = mean_rollout - mean_old
+    seq_sum = log_ratio.sum(-1).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    out = {
+        "training_ppl": torch.exp(-mean_old).mean(),
+        "training_log_ppl": (-mean_old).mean(),
+        "rollout_ppl": torch.exp(-mean_rollout).mean(),
+        "rollout_log_ppl": (-mean_rollout).mean(),
+        "kl": (-tokens).mean(),
+        "k3_kl": (torch.exp(tokens) - tokens - 1).mean(),
+        "log_ppl_diff": ppl_diff.mean(),
+        "log_ppl_abs_diff": ppl_diff.abs().mean(),
+        "log_ppl_diff_max": ppl_diff.max(),
+        "log_ppl_diff_min": ppl_diff.min(),
+        "ppl_ratio": torch.exp(ppl_diff).mean(),
+        "chi2_token": torch.exp(2 * tokens.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)).mean() - 1,
+        "chi2_seq": torch.exp(2 * seq_sum).mean() - 1,
+        "extreme_frac": (tokens.abs() > math.log(2)).double().mean(),
+    }
+    return {f"rollout_corr/{k}": float(v) for k, v in out.items()}

@@ -221,11 +221,17 @@ def _policy_loss(fixed_agg_mode: str | None = None) -> Callable[[TokenLoss], Pol
 
 
 def loss_params(loss: PolicyLoss, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The hyperparameters among ``params`` that policy loss ``loss`` declares (all, if it takes ``**kwargs``)."""
+    """The hyperparameters among ``params`` that policy loss ``loss`` declares by name.
+
+    A loss taking only ``**kwargs`` gets none: it typically forwards them to
+    another loss (``compute_policy_loss``), which would refuse the ones it
+    does not know. Name a hyperparameter in the signature to receive it.
+    """
     declared = inspect.signature(getattr(loss, "token_loss", loss)).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in declared.values())
     # The common keywords are passed by the caller already; a second copy would be a TypeError.
-    return {k: v for k, v in params.items() if k not in _COMMON_KEYWORDS and (takes_any or k in declared)}
+    return {k: v for k, v in params.items()
+            if k not in _COMMON_KEYWORDS and k in declared
+            and declared[k].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
 
 
 @register_policy_loss("vanilla")

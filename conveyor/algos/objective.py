@@ -32,12 +32,11 @@ __all__ = ["compute_policy_objective", "merge_objective_metrics"]
 _SUM, _COUNT = "@sum", "@count"
 
 # Which count each rollout-correction mean averages over, by IS level; the
-# "max" ones stay plain. log_ppl_diff is a mean over sequences at either level.
+# "max" ones stay plain.
 _IS_MEAN_UNITS: dict[str, str] = {
     "is_mean": "unit",
     "clipped_frac": "unit",
     "is_truncated_mean": "token",
-    "log_ppl_diff": "seq",
     "probs_diff_mean": "token",
 }
 
@@ -66,6 +65,7 @@ def compute_policy_objective(
     kl_loss_coef: float = 0.0,
     rollout_is: str | None = None,
     rollout_is_threshold: float = 2.0,
+    rollout_is_threshold_lower: float | None = None,
     num_tokens: Normaliser = None,
     num_seqs: Normaliser = None,
     loss_scale_factor: Normaliser = None,
@@ -81,7 +81,8 @@ def compute_policy_objective(
       one whatever the loss) on top of the common keywords; with
       ``rollout_is`` ("token" or "sequence") each token's loss is weighted by
       the truncated importance weights of ``old_log_prob`` against
-      ``rollout_log_probs`` (B, T) (``correction.compute_rollout_is_weights``).
+      ``rollout_log_probs`` (B, T) (``correction.compute_rollout_is_weights``;
+      with ``rollout_is_threshold_lower``, IcePop's two-sided masking).
     - ``entropy_loss``: ``entropy`` (B, T) aggregated, only when
       ``entropy_coeff != 0``.
     - ``kl_loss``: ``kl_penalty(log_prob, ref_log_prob, kl_loss_type)``
@@ -97,8 +98,7 @@ def compute_policy_objective(
     ``entropy`` is given; ``entropy_loss@sum`` and ``kl_loss@sum`` with their
     terms; and with ``rollout_is`` the ``rollout_corr/*`` metrics: pairs for
     ``is_mean``, ``clipped_frac`` (over tokens or sequences, by level),
-    ``is_truncated_mean``, ``probs_diff_mean`` (over tokens),
-    ``log_ppl_diff`` (over sequences), and plain ``is_max``,
+    ``is_truncated_mean``, ``probs_diff_mean`` (over tokens), and plain ``is_max``,
     ``probs_diff_max``.
     """
     if entropy_coeff != 0 and entropy is None:
@@ -116,7 +116,8 @@ def compute_policy_objective(
     is_weights = None
     if rollout_is is not None:
         is_weights, is_metrics = compute_rollout_is_weights(
-            old_log_prob, rollout_log_probs, mask, level=rollout_is, threshold=rollout_is_threshold
+            old_log_prob, rollout_log_probs, mask, level=rollout_is, threshold=rollout_is_threshold,
+            lower=rollout_is_threshold_lower,
         )
         nseq = float((mask.sum(-1) > 0).sum())
         counts = {"token": ntok, "seq": nseq, "unit": ntok if rollout_is == "token" else nseq}

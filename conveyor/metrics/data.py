@@ -9,6 +9,8 @@ from typing import Any, Mapping
 
 import torch
 
+from conveyor.algos.correction import compute_mismatch_metrics
+
 __all__ = ["compute_data_metrics"]
 
 
@@ -47,5 +49,6 @@ def compute_data_metrics(batch: Mapping[str, Any], *, use_critic: bool, max_resp
         if diff.numel():
             out["rollout_corr/log_prob_abs_diff/mean"] = float(diff.mean())
             out["rollout_corr/log_prob_abs_diff/max"] = float(diff.max())
+        out.update(compute_mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]))
     out["_tokens"] = float(resp_len.sum() + prompt_len.sum())
     return out

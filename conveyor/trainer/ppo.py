@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from conveyor.algos.advantages import compute_advantage
-from conveyor.algos.correction import bypass_old_log_prob
+from conveyor.algos.correction import bypass_old_log_prob, compute_is_metrics, compute_rejection_mask
 from conveyor.algos.kl import apply_kl_penalty, make_kl_controller
 from conveyor.config import Config, config_to_dict
 from conveyor.data_plane.base import DataPlane
@@ -107,6 +107,7 @@ class PPOTrainer:
         self.workers = workers
         self.tokenizer = tokenizer
         self.train_data = PromptDataset(train_records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self._train_records = train_records
         self.val_records = val_records
         self.tracking = tracking
         self.run_dir = Path(run_dir)
@@ -118,8 +119,15 @@ class PPOTrainer:
         self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
         self.val_history: list[tuple[int, float]] = []
         self._prompt_ids: dict[str, list[int]] = {}
+        self._train_width: int | None = None
         arr = cfg.actor_rollout_ref
-        self.capture_routing = arr.rollout.moe_load_balance_metrics_interval > 0 or arr.actor.router_replay.mode == "R3"
+        replay = arr.actor.router_replay.mode
+        # Under R2 the routing comes from the old-log-prob forward (which writes routed_experts), so the
+        # rollout records none and the load-balance metrics describe the trainer's routing.
+        self.capture_routing = replay == "R3" or (arr.rollout.moe_load_balance_metrics_interval > 0 and replay != "R2")
+        if replay == "R2" and arr.rollout.moe_load_balance_metrics_interval > 0:
+            logger.info("router_replay.mode=R2: MoE load-balance metrics use the routing of the old-log-prob forward, "
+                        "not the rollout's")
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -182,14 +190,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         t_start = time.perf_counter()
         try:
-            with _timer("prompts", timings):
-                meta = self._put_prompts(self.train_data.next_batch(self.cfg.data.train_batch_size), part,
-                                         n=self.cfg.actor_rollout_ref.rollout.n)
-            with _timer("gen", timings):
-                meta, gen_metrics = self._generate(meta, seed=self._seed("gen"))
-            metrics.update(gen_metrics)
-            with _timer("reward", timings):
-                meta = self._compute_reward(meta)
+            meta = self._sample(part, timings, metrics)  # stages 1-3, repeated under dynamic sampling
             with _timer("old_log_prob", timings):
                 meta = self._compute_old_log_prob(meta, metrics)
             if self.cfg.use_reference:
@@ -221,8 +222,108 @@ class PPOTrainer:
         return metrics
 
     # ================================================================ stages
-    def _put_prompts(self, records: list[dict], partition_id: str, n: int) -> KVBatchMeta:
-        """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them."""
+    def _sample(self, part: str, timings: dict[str, float], metrics: dict[str, float]) -> KVBatchMeta:
+        """Stages 1-3 (prompts, generation, rewards) of one batch; under dynamic sampling, of as many as it takes.
+
+        With `algorithm.filter_groups.enable`, groups whose samples all score
+        the same are dropped (they carry no gradient under a group baseline)
+        and new prompts are generated until `data.train_batch_size` varied
+        groups are in hand; the surplus of the last batch is dropped too.
+        """
+        fg = self.cfg.algorithm.filter_groups
+        want, n = self.cfg.data.train_batch_size, self.cfg.actor_rollout_ref.rollout.n
+        kept: list[KVBatchMeta] = []
+        n_kept = n_seen = 0
+        gen_calls, reward_calls = [], []
+        batch = 0
+        while True:
+            # The first batch keeps the keys and seed it has without filtering: turning the
+            # filter on changes nothing in a step whose groups all vary.
+            prefix, salt = (part, "gen") if batch == 0 else (f"{part}/b{batch}", f"gen{batch}")
+            batch += 1
+            records = self.train_data.next_batch(want)
+            with _timer("prompts", timings):
+                # Batches that share a partition share its column widths: pad to the maximum.
+                meta = self._put_prompts(records, part, n=n, key_prefix=prefix,
+                                         width=self._train_prompt_width() if fg.enable else None)
+            with _timer("gen", timings):
+                meta, gen_metrics = self._generate(meta, seed=self._seed(salt), pad=fg.enable)
+            gen_calls.append(gen_metrics)
+            with _timer("reward", timings):
+                meta, reward_metrics = self._compute_reward(meta)
+            reward_calls.append(reward_metrics)
+            if self.cfg.algorithm.adv_estimator == "remax":
+                with _timer("gen_baseline", timings):
+                    self._remax_baselines(meta, records, salt)
+            if not fg.enable:
+                break
+            varied = self._varied_groups(meta, fg.metric)
+            n_seen += len(meta) // n
+            n_kept += len(varied) // n
+            kept.append(varied)
+            if n_kept >= want:
+                meta = KVBatchMeta.concat(kept).select(list(range(want * n)))
+                break
+            if fg.max_num_gen_batches and batch >= fg.max_num_gen_batches:
+                raise ValueError(
+                    f"step {self.global_step}: after {batch} generation batches only {n_kept} of the "
+                    f"{want} prompt groups needed had rewards that differ (algorithm.filter_groups."
+                    f"max_num_gen_batches={fg.max_num_gen_batches}); the data may be too hard or too easy for the "
+                    "model. Raise max_num_gen_batches (0 = no limit), or set algorithm.filter_groups.enable=false"
+                )
+            if not fg.max_num_gen_batches and n_seen >= len(self.train_data) + want:
+                # "No limit" must not mean "forever": a model that solves (or fails) every prompt
+                # would otherwise generate without end in this step.
+                raise ValueError(
+                    f"step {self.global_step}: a whole epoch of prompts ({n_seen} groups) yielded only {n_kept} of "
+                    f"the {want} groups needed with rewards that differ; the model solves or fails nearly every "
+                    "prompt. Use harder or easier data, or set algorithm.filter_groups.enable=false"
+                )
+        metrics.update(mean_over_calls(gen_calls))
+        metrics.update(mean_over_calls(reward_calls))
+        if fg.enable:
+            metrics["train/num_gen_batches"] = float(batch)
+            metrics["train/filter_groups/kept_frac"] = n_kept / n_seen if n_seen else 0.0
+        return meta
+
+    def _train_prompt_width(self) -> int:
+        """The longest training prompt in tokens (computed once): a common width for every generation batch."""
+        if self._train_width is None:
+            texts = list(dict.fromkeys(render_prompt(rec, self.tokenizer) for rec in self._train_records))
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            self._train_width = min(max(len(x) for x in ids), self.cfg.data.max_prompt_length)
+        return self._train_width
+
+    def _varied_groups(self, meta: KVBatchMeta, metric: str) -> KVBatchMeta:
+        """The samples of `meta` whose group's `metric` is not the same for all of its samples, in order."""
+        field = "acc" if metric == "acc" else "rm_scores"
+        td = self.dp.get(meta, [field, "uid"])
+        # float64 sums and an exact comparison: a group of equal fractional scores
+        # must count as constant, which a float32 std > 0 test gets wrong.
+        values = td[field].double()
+        scores = values if values.dim() == 1 else values.sum(-1)
+        lo: dict[str, float] = {}
+        hi: dict[str, float] = {}
+        for uid, v in zip(td["uid"], scores.tolist()):
+            lo[uid], hi[uid] = min(lo.get(uid, v), v), max(hi.get(uid, v), v)
+        return meta.select([i for i, uid in enumerate(td["uid"]) if hi[uid] > lo[uid]])
+
+    def _remax_baselines(self, meta: KVBatchMeta, records: list[dict], salt: str) -> None:
+        """ReMax: greedy-decode each prompt once, score it, and store that score as every sample's `reward_baselines`."""
+        part = f"{meta.partition_id}-greedy"  # its own partition: its responses have their own width
+        try:
+            base = self._put_prompts(records, part, n=1)
+            base, _ = self._generate(base, seed=self._seed(salt), greedy=True)
+            base, _ = self._compute_reward(base)
+            scores = self.dp.get(base, ["rm_scores"])["rm_scores"].sum(-1)
+        finally:
+            self.dp.kv_clear(part)
+        n = len(meta) // len(records)
+        self.dp.put(meta, {"reward_baselines": scores.repeat_interleave(n)})
+
+    def _put_prompts(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
+                     width: int | None = None) -> KVBatchMeta:
+        """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them (left-padded to `width`)."""
         d = self.cfg.data
         texts = [render_prompt(rec, self.tokenizer) for rec in records]
         # Prompts recur every epoch: tokenize each distinct text once per run, in one batched call.
@@ -239,14 +340,14 @@ class PPOTrainer:
             if not ids:
                 raise ValueError(f"prompt {text[:60]!r} is empty after tokenization")
             token_lists.append(ids)
-        width = max(len(x) for x in token_lists)
+        width = max([len(x) for x in token_lists] + [width or 0])
         pad = self.tokenizer.pad_token_id
         # Left padding, built as one tensor per batch and repeated n times (one group per prompt).
         padded = torch.tensor([[pad] * (width - len(ids)) + ids for ids in token_lists], dtype=torch.long)
         lengths = torch.tensor([len(ids) for ids in token_lists])
         mask = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
         prompts, mask = padded.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
-        uids = [f"{partition_id}/p{i}" for i in range(len(records))]
+        uids = [f"{key_prefix or partition_id}/p{i}" for i in range(len(records))]
         keys = [f"{uid}/s{j}" for uid in uids for j in range(n)]
         fields = {
             "prompts": prompts,
@@ -259,11 +360,12 @@ class PPOTrainer:
         tags = [{"seq_len": len(ids)} for ids in token_lists for _ in range(n)]
         return self.dp.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
 
-    def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
+    def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False, greedy: bool = False,
+                  pad: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
         """Stage 2: the rollout writes responses, response_mask, rollout_log_probs (and routed_experts)."""
         r = self.cfg.actor_rollout_ref.rollout
         kw = r.val_kwargs if validate else r
-        greedy = validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0)
+        greedy = greedy or (validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0))
         params = {
             "max_new_tokens": self.cfg.data.max_response_length,
             "temperature": 1.0 if greedy else kw.temperature,
@@ -271,7 +373,8 @@ class PPOTrainer:
             "top_k": kw.top_k,
             "do_sample": False if greedy else kw.do_sample,
             "seed": seed,
-            "capture_routing": self.capture_routing and not validate,
+            "capture_routing": self.capture_routing and not validate and not greedy,
+            "pad_to_max_new_tokens": pad,
         }
         out = self.workers.actor.generate_sequences(meta.with_extra_info(**params))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
@@ -279,9 +382,10 @@ class PPOTrainer:
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
         return out, gen
 
-    def _compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Stage 3: rule-based scores by data_source into rm_scores."""
-        return self.workers.reward.compute_reward(meta)
+    def _compute_reward(self, meta: KVBatchMeta) -> tuple[KVBatchMeta, dict[str, float]]:
+        """Stage 3: rule-based scores by data_source into rm_scores (and acc); returns the reward metrics too."""
+        out = self.workers.reward.compute_reward(meta)
+        return out, {k: v for k, v in reduce_rank_metrics(out.extra_info).items() if k.startswith("reward/")}
 
     def _compute_old_log_prob(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
@@ -311,6 +415,9 @@ class PPOTrainer:
         """Stage 7: token_level_rewards (after any in-reward KL), advantages and returns."""
         algo = self.cfg.algorithm
         fields = ["rm_scores", "response_mask", "uid"]
+        remax = algo.adv_estimator == "remax"
+        if remax:
+            fields.append("reward_baselines")
         if algo.use_kl_in_reward:
             fields += ["old_log_probs", "ref_log_prob"]
         if self.cfg.use_critic:
@@ -331,6 +438,7 @@ class PPOTrainer:
             values=td["values"] if self.cfg.use_critic else None,
             group_index=list(td["uid"]),
             gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+            reward_baselines=td["reward_baselines"] if remax else None,
         )
         _check_finite(self.global_step, "advantages", advantages, mask)
         return self.dp.put(meta, {"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
@@ -388,6 +496,15 @@ class PPOTrainer:
         )
         metrics = compute_data_metrics(td, use_critic=self.cfg.use_critic,
                                        max_response_length=self.cfg.data.max_response_length)
+        correction = self.cfg.algorithm.rollout_correction
+        if correction.rollout_is is not None and not self.cfg.bypass_old_log_prob:
+            upper, lower = correction.is_thresholds()
+            metrics.update(compute_is_metrics(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
+                                              level=correction.rollout_is, threshold=upper, lower=lower))
+        if correction.rollout_rs is not None and not self.cfg.bypass_old_log_prob:
+            _, rs = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
+                                           correction.rejection())
+            metrics.update({f"rollout_corr/{k}": v for k, v in rs.items()})
         with _timer("moe_metrics", timings):
             moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
         if moe:
@@ -407,7 +524,7 @@ class PPOTrainer:
         try:
             meta = self._put_prompts(self.val_records, part, n=self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
             meta, _ = self._generate(meta, seed=self._seed("val"), validate=True)
-            meta = self._compute_reward(meta)
+            meta, _ = self._compute_reward(meta)
             td = self.dp.get(meta, ["acc", "data_source", "response_mask"])
         finally:
             self.dp.kv_clear(part)

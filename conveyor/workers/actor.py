@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from conveyor.algos.correction import compute_rejection_mask
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
 from conveyor.config import Config
@@ -237,7 +238,10 @@ class PolicyWorker(CheckpointEndpoints):
         info = meta.extra_info
         temperature = float(info.get("temperature", 1.0))
         with_entropy = bool(info.get("calculate_entropy", False)) and self.role == "actor"
-        replay_on = self.role == "actor" and self.cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
+        mode = self.cfg.actor_rollout_ref.actor.router_replay.mode
+        replay_on = self.role == "actor" and mode == "R3"
+        # R2: this forward's routing is what every update of the step replays.
+        record = self.role == "actor" and mode == "R2" and self.moe is not None
         fields = ["prompts", "prompt_mask", "responses", "response_mask"]
         if replay_on:
             fields.append("routed_experts")
@@ -248,15 +252,17 @@ class PolicyWorker(CheckpointEndpoints):
             else self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         )
         self.model.eval()
-        lps, ents = [], []
+        lps, ents, routings = [], [], []
         with self.trained.strategy.full_params():
             for sl in self._micro_batches(len(td), micro):
                 mb = td[sl]
                 routed = mb["routed_experts"].long() if replay_on else None
-                lp, ent, _ = self._forward(mb, temperature, with_entropy, routed)
+                lp, ent, own = self._forward(mb, temperature, with_entropy, routed, record_routing=record)
                 lps.append(lp)
                 if ent is not None:
                     ents.append(ent)
+                if record:
+                    routings.append(own)
         mask = td["response_mask"].bool()
         log_probs = torch.cat(lps) * mask
         metrics: dict[str, float] = {}
@@ -268,8 +274,18 @@ class PolicyWorker(CheckpointEndpoints):
                 entropy = torch.cat(ents) * mask
                 out["entropy"] = entropy
                 metrics.update(weighted("actor/entropy", float(entropy.sum()), float(mask.sum())))
+            if record:
+                out["routed_experts"] = self._recorded_routing(td, torch.cat(routings))
         self._put(meta, out)
         return self._result(meta, list(out), metrics)
+
+    def _recorded_routing(self, td: TensorDict, routing: torch.Tensor) -> torch.Tensor:
+        """A forward's routing (B, P+R, L, K) in the rollout's convention: -1 wherever no token was fed (pads)."""
+        from conveyor.models.moe_routing import routed_experts_dtype
+
+        fed = torch.cat([td["prompt_mask"].bool(), response_span(td["response_mask"]).bool()], dim=1)
+        routing = torch.where(fed[:, :, None, None], routing.long(), torch.full_like(routing.long(), -1))
+        return routing.to(routed_experts_dtype(self.moe.num_experts))
 
     @torch.no_grad()
     def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -302,20 +318,30 @@ class PolicyWorker(CheckpointEndpoints):
         temperature = float(info.get("temperature", 1.0))
         # Without an old-log-prob forward (bypass mode) the update's forward is where entropy gets reported.
         report_entropy = bool(info.get("calculate_entropy", False))
-        replay_on = acfg.router_replay.mode == "R3" and self.moe is not None
+        replay_on = acfg.router_replay.mode in ("R2", "R3") and self.moe is not None
         fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
         if acfg.use_kl_loss:
             fields.append("ref_log_prob")
-        if correction.rollout_is is not None:
+        rejection = correction.rejection()
+        if correction.rollout_is is not None or rejection:
             fields.append("rollout_log_probs")
         if replay_on:
             fields.append("routed_experts")
         td = self._get(meta, fields)
 
+        if rejection:
+            # verl's rollout_rs: rejected tokens leave the loss (and its token count) altogether.
+            keep, _ = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
+                                             rejection)
+            td.set("loss_mask", keep)
+        loss_mask = "loss_mask" if rejection else "response_mask"
         # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
-        counts = torch.tensor([float(td["response_mask"].sum()), float(len(td))], dtype=torch.float64)
+        counts = torch.tensor([float(td[loss_mask].sum()), float(len(td))], dtype=torch.float64)
         self.trained.strategy.all_reduce_sum(counts)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
+        scale = self.cfg.loss_scale_factor("actor")
+        is_upper, is_lower = correction.is_thresholds()
+        loss_kwargs = {**acfg.policy_loss.loss_kwargs(), "tau_pos": acfg.tau_pos, "tau_neg": acfg.tau_neg}
 
         self.model.train()
         self.trained.optimizer.zero_grad(set_to_none=True)
@@ -327,7 +353,7 @@ class PolicyWorker(CheckpointEndpoints):
             log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
                                                  train=True)
             loss, mb_metrics = compute_policy_objective(
-                mb["old_log_probs"], log_prob, mb["advantages"], mb["response_mask"].bool(),
+                mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
                 entropy=entropy,
                 ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
                 rollout_log_probs=mb["rollout_log_probs"] if correction.rollout_is is not None else None,
@@ -340,9 +366,12 @@ class PolicyWorker(CheckpointEndpoints):
                 kl_loss_type=acfg.kl_loss_type,
                 kl_loss_coef=acfg.kl_loss_coef,
                 rollout_is=correction.rollout_is,
-                rollout_is_threshold=correction.rollout_is_threshold,
+                rollout_is_threshold=is_upper,
+                rollout_is_threshold_lower=is_lower,
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
+                loss_scale_factor=scale,
+                policy_loss_kwargs=loss_kwargs,
             )
             self.trained.backward(loss, real=real, last=i == len(passes) - 1)
             if real:

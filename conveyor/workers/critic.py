@@ -103,6 +103,7 @@ class CriticWorker(CheckpointEndpoints):
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, mb["returns"], mb["values"], mmask, cliprange_value=ccfg.cliprange_value,
                 loss_agg_mode=ccfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                loss_scale_factor=self.cfg.loss_scale_factor("critic"),
             )
             self.trained.backward(vf_loss, real=real, last=k == len(passes) - 1)
             if not real:

@@ -54,8 +54,18 @@ def worker_specs(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer:
     specs["reward"] = WorkerSpec("reward", RewardWorker, {
         "tokenizer": tokenizer, "data_plane": data_plane,
         "custom_reward_path": custom.path, "custom_reward_name": custom.name, "timeout_s": cfg.reward.timeout_s,
+        "overlong_buffer": _overlong(cfg),
     }, plugins)
     return specs
+
+
+def _overlong(cfg: Config) -> tuple[int, int, float, bool] | None:
+    """The reward worker's overlong-shaping arguments, or None when it is off."""
+    ob = cfg.reward_model.overlong_buffer
+    if not ob.enable:
+        return None
+    max_len = cfg.data.max_response_length
+    return max_len, ob.len or max(1, max_len // 4), ob.penalty_factor, ob.log
 
 
 # --------------------------------------------------------------------------- typed handles

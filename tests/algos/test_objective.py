@@ -30,7 +30,6 @@ IS_KEYS = {
     "rollout_corr/is_mean@sum", "rollout_corr/is_mean@count",
     "rollout_corr/clipped_frac@sum", "rollout_corr/clipped_frac@count",
     "rollout_corr/is_truncated_mean@sum", "rollout_corr/is_truncated_mean@count",
-    "rollout_corr/log_ppl_diff@sum", "rollout_corr/log_ppl_diff@count",
     "rollout_corr/probs_diff_mean@sum", "rollout_corr/probs_diff_mean@count",
     "rollout_corr/is_max", "rollout_corr/probs_diff_max",
 }
@@ -81,8 +80,8 @@ def test_loss_mode_picks_from_the_registry(monkeypatch) -> None:
 def test_policy_loss_kwargs_and_loss_scale_factor_reach_the_terms(monkeypatch) -> None:
     calls = []
 
-    def spy_loss(old_log_prob, log_prob, advantages, response_mask, **kwargs):
-        calls.append(kwargs)
+    def spy_loss(old_log_prob, log_prob, advantages, response_mask, *, tau_pos=1.0, **kwargs):
+        calls.append({**kwargs, "tau_pos": tau_pos})
         return log_prob.sum() * 0, {}
 
     monkeypatch.setitem(POLICY_LOSSES, "spy-for-test", spy_loss)
@@ -109,6 +108,17 @@ def test_each_loss_takes_the_hyperparameters_it_declares() -> None:
     vanilla, _ = _objective(policy_loss_kwargs=every)
     assert vanilla.item() == pytest.approx(sum(PG_TOKENS) / 3)
     assert loss_params(POLICY_LOSSES["kl_cov"], every) == {"kl_cov_ratio": 0.5, "ppo_kl_coef": 1.0}
+
+    # A plugin loss that forwards **kwargs to another loss gets none of them (that loss would refuse them);
+    # one that names a hyperparameter gets it.
+    def forwarding(*args, **kwargs):
+        return compute_policy_loss(*args, **kwargs)
+
+    def naming(*args, tau_pos=1.0, **kwargs):
+        return compute_policy_loss(*args, **kwargs)
+
+    assert loss_params(forwarding, every) == {}
+    assert loss_params(naming, every) == {"tau_pos": 2.0}
     # Called directly, a loss still refuses a keyword it does not know (a typo is not silently dropped).
     with pytest.raises(TypeError, match="tau_pso"):
         POLICY_LOSSES["sapo"](OLD, LOG_PROB, ADV, MASK, tau_pso=2.0)
@@ -173,9 +183,6 @@ def test_token_is_weights_by_hand() -> None:
     assert metrics["rollout_corr/is_max"] == pytest.approx(4.0)
     assert metrics["rollout_corr/clipped_frac@sum"] == pytest.approx(1.0)
     assert metrics["rollout_corr/is_truncated_mean@sum"] == pytest.approx(3.5)
-    # log_ppl_diff averages over the 2 sequences: (log 0.5 + log 4) / 2 and 0.
-    assert metrics["rollout_corr/log_ppl_diff@sum"] == pytest.approx(math.log(2.0) / 2)
-    assert metrics["rollout_corr/log_ppl_diff@count"] == 2.0
     probs = (OLD.exp() - rollout.exp()).abs()[MASK]
     assert metrics["rollout_corr/probs_diff_mean@sum"] == pytest.approx(float(probs.sum()))
     assert metrics["rollout_corr/probs_diff_max"] == pytest.approx(float(probs.max()))

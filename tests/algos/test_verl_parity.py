@@ -31,6 +31,15 @@ import torch
 from conveyor.algos.advantages import compute_advantage
 from conveyor.algos.kl import KL_KINDS, kl_penalty
 from conveyor.algos.losses import LOSS_AGG_MODES, agg_loss, get_policy_loss
+from conveyor.algos.correction import (
+    compute_is_metrics,
+    compute_mismatch_metrics,
+    compute_rejection_mask,
+    compute_rollout_is_weights,
+    parse_is_threshold,
+    parse_rejection,
+)
+from conveyor.workers.reward import overlong_penalty
 
 SCRIPT = Path(__file__).with_name("verl_reference.py")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -179,11 +188,77 @@ def _kl_cases() -> dict[str, dict[str, Any]]:
             for kind in KL_KINDS}
 
 
+def _overlong_cases() -> dict[str, dict[str, Any]]:
+    """DAPO's overlong shaping: random lengths across the buffer, fractional scores, several buffers and factors."""
+    cases = {}
+    for seed, (width, buffer, factor) in enumerate([(16, 4, 1.0), (16, 16, 0.5), (9, 1, 2.0), (30, 7, 0.3)]):
+        gen = torch.Generator().manual_seed(400 + seed)
+        cases[f"max{width}-len{buffer}-f{factor}"] = {
+            "kind": "overlong", "max_resp_len": width, "len": buffer, "penalty_factor": factor,
+            "lengths": torch.randint(1, width + 1, (12,), generator=gen),
+            "scores": torch.rand(12, generator=gen),
+        }
+    return cases
+
+
+def _offpolicy_cases() -> dict[str, dict[str, Any]]:
+    """Trainer vs sampler log-probs: near (a bf16-like gap), far (stale weights), ragged rows of 1 token and more."""
+    cases = {}
+    for seed, scale in enumerate((0.01, 0.3, 1.5)):
+        gen = torch.Generator().manual_seed(500 + seed)
+        mask = _mask(gen, 9)  # every row has a token: verl counts an empty row as perplexity 1, conveyor skips it
+        rollout = -3.0 * torch.rand(9, WIDTH, generator=gen)
+        old = rollout + scale * torch.randn(9, WIDTH, generator=gen)
+        cases[f"scale{scale}"] = {"kind": "offpolicy", "mask": mask, "old_log_prob": _garbage(gen, old, mask),
+                                  "rollout_log_prob": _garbage(gen, rollout, mask)}
+    return cases
+
+
+def _rollout_is_cases() -> dict[str, dict[str, Any]]:
+    """Token and sequence importance weights, truncated (TIS) and two-sided (IcePop), near and far policies."""
+    cases = {}
+    for seed, (level, threshold, scale) in enumerate([
+        ("token", 2.0, 0.5), ("token", "0.5_5.0", 0.8), ("sequence", 2.0, 0.05), ("sequence", "0.5_5.0", 0.1),
+        ("token", 1.2, 0.01),
+    ]):
+        gen = torch.Generator().manual_seed(600 + seed)
+        mask = _mask(gen, 10)
+        rollout = -3.0 * torch.rand(10, WIDTH, generator=gen)
+        old = rollout + scale * torch.randn(10, WIDTH, generator=gen)
+        cases[f"{level}-{threshold}-scale{scale}"] = {
+            "kind": "rollout_is", "level": level, "threshold": threshold, "mask": mask,
+            "old_log_prob": _garbage(gen, old, mask), "rollout_log_prob": _garbage(gen, rollout, mask),
+        }
+    return cases
+
+
+def _rejection_cases() -> dict[str, dict[str, Any]]:
+    """Every rejection option alone and chained, with thresholds that keep some and reject some."""
+    specs = [("token_k1", "0.6_1.5"), ("token_k1", "2.0"), ("token_k2", "0.05"), ("token_k3", "0.04"),
+             ("seq_sum_k1", "0.3_3.0"), ("seq_sum_k2", "0.4"), ("seq_sum_k3", "0.3"), ("seq_mean_k1", "0.8_1.25"),
+             ("seq_mean_k2", "0.03"), ("seq_mean_k3", "0.03"), ("seq_max_k2", "0.2"), ("seq_max_k3", "0.15"),
+             ("token_k1,seq_mean_k3", "0.5_2.0,0.05"), ("token_k2,seq_max_k3,seq_sum_k1", "0.1,0.15,0.5_2.0")]
+    cases = {}
+    for seed, (options, threshold) in enumerate(specs):
+        gen = torch.Generator().manual_seed(700 + seed)
+        mask = _mask(gen, 12)
+        rollout = -3.0 * torch.rand(12, WIDTH, generator=gen)
+        old = rollout + 0.4 * torch.randn(12, WIDTH, generator=gen)
+        cases[f"{options}-{threshold}"] = {"kind": "rejection", "options": options, "threshold": threshold,
+                                           "mask": mask, "old_log_prob": _garbage(gen, old, mask),
+                                           "rollout_log_prob": _garbage(gen, rollout, mask)}
+    return cases
+
+
 CASES: dict[str, dict[str, Any]] = {
     **{f"adv/{k}": v for k, v in _advantage_cases().items()},
     **{f"loss/{k}": v for k, v in _policy_cases().items()},
     **{f"agg/{k}": v for k, v in _agg_cases().items()},
     **{f"kl/{k}": v for k, v in _kl_cases().items()},
+    **{f"overlong/{k}": v for k, v in _overlong_cases().items()},
+    **{f"offpolicy/{k}": v for k, v in _offpolicy_cases().items()},
+    **{f"rollout_is/{k}": v for k, v in _rollout_is_cases().items()},
+    **{f"rejection/{k}": v for k, v in _rejection_cases().items()},
 }
 
 
@@ -272,6 +347,52 @@ def test_kl_kinds_match_verl(case_id: str, verl_out: dict) -> None:
     (kl * case["weights"]).sum().backward()
     torch.testing.assert_close(kl.detach(), verl_out[case_id]["value"], **TOL)
     torch.testing.assert_close(log_prob.grad, verl_out[case_id]["grad"], **TOL)
+
+
+@pytest.mark.parametrize("case_id", _ids("overlong/"))
+def test_overlong_shaping_matches_verl_dapo_reward_manager(case_id: str, verl_out: dict) -> None:
+    case = CASES[case_id]
+    penalty = overlong_penalty(case["lengths"], case["max_resp_len"], case["len"], case["penalty_factor"])
+    torch.testing.assert_close(case["scores"] + penalty, verl_out[case_id]["reward"], **TOL)
+
+
+@pytest.mark.parametrize("case_id", _ids("offpolicy/"))
+def test_mismatch_metrics_match_verl(case_id: str, verl_out: dict) -> None:
+    case = CASES[case_id]
+    ours = compute_mismatch_metrics(case["old_log_prob"], case["rollout_log_prob"], case["mask"])
+    theirs = verl_out[case_id]
+    assert set(theirs) <= set(ours), set(theirs) - set(ours)
+    for name, value in theirs.items():
+        assert ours[name] == pytest.approx(float(value), rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.parametrize("case_id", _ids("rollout_is/"))
+def test_importance_weights_and_their_metrics_match_verl(case_id: str, verl_out: dict) -> None:
+    case = CASES[case_id]
+    upper, lower = parse_is_threshold(case["threshold"])
+    args = (case["old_log_prob"], case["rollout_log_prob"], case["mask"])
+    weights, _ = compute_rollout_is_weights(*args, level=case["level"], threshold=upper, lower=lower)
+    theirs = verl_out[case_id]
+    torch.testing.assert_close(weights, theirs["weights"].float(), **TOL)
+    ours = compute_is_metrics(*args, level=case["level"], threshold=upper, lower=lower)
+    verl_metrics = {k.removeprefix("metric/"): float(v) for k, v in theirs.items() if k.startswith("metric/")}
+    assert set(verl_metrics) == set(ours), set(verl_metrics) ^ set(ours)
+    for name, value in verl_metrics.items():
+        assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.parametrize("case_id", _ids("rejection/"))
+def test_rejection_sampling_and_its_metrics_match_verl(case_id: str, verl_out: dict) -> None:
+    case = CASES[case_id]
+    keep, ours = compute_rejection_mask(case["old_log_prob"], case["rollout_log_prob"], case["mask"],
+                                        parse_rejection(case["options"], case["threshold"]))
+    theirs = verl_out[case_id]
+    assert torch.equal(keep, theirs["mask"].bool() & case["mask"])
+    assert 0 < int(keep.sum()) < int(case["mask"].sum()) or "," in case["options"]  # the bounds bite
+    verl_metrics = {k.removeprefix("metric/"): float(v) for k, v in theirs.items() if k.startswith("metric/")}
+    assert set(verl_metrics) == set(ours), set(verl_metrics) ^ set(ours)
+    for name, value in verl_metrics.items():
+        assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
 
 
 def test_rloo_lone_sample_gets_zero_where_verl_loop_rloo_gives_its_score(verl_out: dict) -> None:

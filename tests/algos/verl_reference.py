@@ -111,11 +111,88 @@ def _kl(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     return {"value": kl.detach(), "grad": log_prob.grad}
 
 
+class _NoTextTokenizer:
+    """What DAPORewardManager reads of a tokenizer; the overlong case's score ignores the text."""
+
+    eos_token = "</s>"
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+def _overlong(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's DAPORewardManager with the overlong buffer on -> each response's reward (score + penalty)."""
+    from verl import DataProto
+    from verl.workers.reward_manager.dapo import DAPORewardManager
+
+    lengths, width = case["lengths"], case["max_resp_len"]
+    batch = len(lengths)
+    prompt = torch.ones(batch, 2, dtype=torch.long)
+    response_mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    data = DataProto.from_dict(
+        tensors={"prompts": prompt, "responses": torch.ones(batch, width, dtype=torch.long),
+                 "attention_mask": torch.cat([torch.ones_like(prompt), response_mask], dim=1)},
+        non_tensors={"data_source": np.array(["synthetic"] * batch, dtype=object),
+                     "reward_model": np.array([{"ground_truth": "0"}] * batch, dtype=object)},
+    )
+    scores = iter(case["scores"].tolist())
+    manager = DAPORewardManager(
+        tokenizer=_NoTextTokenizer(), num_examine=0, compute_score=lambda **_: next(scores), max_resp_len=width,
+        overlong_buffer_cfg=_Config(enable=True, len=case["len"], penalty_factor=case["penalty_factor"], log=True),
+    )
+    return {"reward": manager(data).sum(-1)}
+
+
+def _offpolicy_stub() -> None:
+    """rollout_corr_helper imports verl.workers.config.actor (for annotations only): a stand-in module."""
+    stub = types.ModuleType("verl.workers.config.actor")
+    stub.PolicyLossConfig = _Config
+    sys.modules["verl.workers.config.actor"] = stub
+
+
+def _offpolicy(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's compute_rollout_corr_metrics_from_logprobs -> each rollout_corr/ metric as a 0-d tensor."""
+    _offpolicy_stub()
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
+
+    metrics = compute_rollout_corr_metrics_from_logprobs(case["old_log_prob"], case["rollout_log_prob"],
+                                                         case["mask"].float())
+    return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
+
+
+def _rollout_is(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's compute_rollout_correction_weights -> the weights and each metric (as 0-d tensors, prefixed)."""
+    _offpolicy_stub()
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    weights, metrics = compute_rollout_correction_weights(
+        case["old_log_prob"] - case["rollout_log_prob"], case["mask"].float(), rollout_is=case["level"],
+        rollout_is_threshold=case["threshold"],
+    )
+    out = {f"metric/rollout_corr/{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
+    return {"weights": weights, **out}
+
+
+def _rejection(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
+    """verl's compute_rollout_rejection_mask -> the mask it keeps and each metric (as 0-d tensors)."""
+    _offpolicy_stub()
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    mask, metrics = compute_rollout_rejection_mask(
+        case["old_log_prob"] - case["rollout_log_prob"], case["mask"].float(), rollout_rs=case["options"],
+        rollout_rs_threshold=case["threshold"],
+    )
+    out = {f"metric/{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
+    return {"mask": mask, **out}
+
+
 def main(argv: list[str]) -> int:
     """Read the cases file, write verl's outputs per case id."""
     cases_path, out_path = argv
     ca = _load_core_algos()
-    run = {"advantage": _advantage, "policy_loss": _policy_loss, "agg": _agg, "kl": _kl}
+    run = {"advantage": _advantage, "policy_loss": _policy_loss, "agg": _agg, "kl": _kl, "overlong": _overlong,
+           "offpolicy": _offpolicy, "rollout_is": _rollout_is,
+           "rejection": _rejection}
     cases = torch.load(cases_path, weights_only=True)
     torch.save({case_id: run[case["kind"]](ca, case) for case_id, case in cases.items()}, out_path)
     return 0

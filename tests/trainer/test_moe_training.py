@@ -56,6 +56,15 @@ def test_dense_model_with_interval_warns_once_and_logs_no_layer_keys(tiny_run, t
     assert len(warnings) == 1
 
 
+def _replay_batch():
+    """Keys, left-padded prompts, their mask, right-padded responses and theirs: four samples of uneven lengths."""
+    keys = [f"k{i}" for i in range(4)]
+    prompts = torch.tensor([[0, 5, 6, 7], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 13, 14]])
+    responses = torch.tensor([[5, 6, 1], [7, 1, 0], [8, 9, 10], [11, 1, 0]])
+    rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    return keys, prompts, prompts != 0, responses, rmask
+
+
 @pytest.mark.parametrize("impl", ["lean", "hf"])
 def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl):
     cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3",
@@ -63,11 +72,7 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
     path = prepare_default_model(cfg)
     dp = MemoryDataPlane()
     worker = PolicyWorker(cfg, model_path=path, data_plane=dp)
-    keys = [f"k{i}" for i in range(4)]
-    prompts = torch.tensor([[0, 5, 6, 7], [5, 6, 7, 8], [9, 10, 11, 12], [0, 0, 13, 14]])
-    pmask = prompts != 0
-    responses = torch.tensor([[5, 6, 1], [7, 1, 0], [8, 9, 10], [11, 1, 0]])
-    rmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    keys, prompts, pmask, responses, rmask = _replay_batch()
     # A routing the model would not choose itself: experts (e, e+1) rotated by position.
     seq = prompts.shape[1] + responses.shape[1]
     base = (torch.arange(seq).view(1, seq, 1, 1) + torch.tensor([0, 3]).view(1, 1, 1, 2)) % 8
@@ -93,3 +98,60 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
     out = worker.update_actor(meta)
     assert out.extra_info["actor/grad_norm"] > 0
     assert not torch.equal(before, gate.weight.detach()), "the router must be trained under replay"
+
+
+@pytest.mark.parametrize("impl", ["lean", "hf"])
+def test_r2_records_the_old_log_prob_forwards_routing_and_the_update_replays_it(tiny_run, impl):
+    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R2",
+                                        f"actor_rollout_ref.model.forward_impl={impl}"])
+    assert not cfg.bypass_old_log_prob  # R2 needs the forward that records
+    path = prepare_default_model(cfg)
+    dp = MemoryDataPlane()
+    worker = PolicyWorker(cfg, model_path=path, data_plane=dp)
+    keys, prompts, pmask, responses, rmask = _replay_batch()
+    dp.kv_batch_put(keys, "p", {"prompts": prompts, "prompt_mask": pmask, "responses": responses,
+                                "response_mask": rmask,
+                                "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3, [0.5] * 3, [2.0] * 3])})
+    from conveyor.protocol import KVBatchMeta
+
+    meta = KVBatchMeta(keys, "p")
+    out = worker.compute_log_prob(meta.with_extra_info(temperature=1.0, calculate_entropy=False))
+    assert "routed_experts" in out.fields
+    td = dp.kv_batch_get(keys, "p", ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
+    recorded = td["routed_experts"].long()
+    own = worker._forward(td, 1.0, False, None, record_routing=True)[2].long()
+    fed = torch.cat([pmask, rmask], dim=1)
+    assert (recorded[~fed] == -1).all(), "pads carry no routing"
+    both = (recorded >= 0) & (own >= 0)
+    assert both[fed].any() and torch.equal(recorded[both], own[both])
+
+    # Move the router: its own choices change, but the update must route as recorded.
+    gate = [m for n, m in worker.model.named_modules() if n.endswith("mlp.gate")][0]
+    with torch.no_grad():
+        gate.weight.add_(torch.randn_like(gate.weight))
+    moved = worker._forward(td, 1.0, False, None, record_routing=True)[2].long()
+    assert not torch.equal(moved[both], recorded[both])
+    seen = worker._forward(td, 1.0, False, recorded, record_routing=True)[2].long()
+    known = (seen >= 0) & (recorded >= 0)
+    assert torch.equal(seen[known], recorded[known])
+    fields_read = []
+    original_get = dp.kv_batch_get
+
+    def spy(keys, partition_id, select_fields):
+        fields_read.append(tuple(select_fields))
+        return original_get(keys, partition_id, select_fields)
+
+    dp.kv_batch_get = spy
+    worker.update_actor(meta.with_extra_info(temperature=1.0, compute_loss=True))
+    assert any("routed_experts" in f for f in fields_read), "the update reads the recorded routing to replay it"
+
+
+def test_r2_in_a_run_logs_load_balance_from_the_trainers_forward(tiny_run):
+    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R2",
+                                        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    last = run_training(cfg)
+    assert last["rollout/moe/routed_experts_found"] == 1.0
+    assert "actor/moe/routing_agreement" in last
+    with pytest.raises(ValueError, match="R2 records the routing"):
+        load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R2",
+                           "algorithm.rollout_correction.bypass_mode=true"])

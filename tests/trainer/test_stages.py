@@ -53,7 +53,7 @@ def make_trainer(overrides):
 def run_until_advantage(trainer):
     meta = trainer._put_prompts(trainer.train_data.next_batch(trainer.cfg.data.train_batch_size), "p", n=2)
     meta, _ = trainer._generate(meta, seed=1)
-    meta = trainer._compute_reward(meta)
+    meta, _ = trainer._compute_reward(meta)
     return meta
 
 
