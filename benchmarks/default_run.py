@@ -26,6 +26,7 @@ otherwise idle machine, whatever else was running.
     python benchmarks/default_run.py                        # the 6 pairs, one at a time
     python benchmarks/default_run.py --parallel 2           # two at a time (2 cores)
     python benchmarks/default_run.py --pairs 0:0 1:1 --set trainer.total_training_steps=200
+    python benchmarks/default_run.py --config examples/vllm_cpu.yaml   # the same task, vLLM generating
 """
 
 from __future__ import annotations
@@ -79,12 +80,13 @@ def val_accuracy(run_dir: Path) -> list[tuple[int, float]]:
     return sorted(found.items())
 
 
-def run_pair(model_seed: int, trainer_seed: int, out: Path, threads: int, overrides: Sequence[str]) -> dict:
-    """One `conveyor train` with the pair's seeds, a fresh model cache and its own run directory; its results."""
+def run_pair(model_seed: int, trainer_seed: int, out: Path, threads: int, overrides: Sequence[str],
+             config: Path = DEFAULT_RUN) -> dict:
+    """One `conveyor train --config config` with the pair's seeds, a fresh model cache and its own run directory."""
     name = f"model{model_seed}_trainer{trainer_seed}"
     run_dir = out / name
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CONVEYOR_CACHE": str(out / f"cache_{name}")}
-    cmd = [sys.executable, "-m", "conveyor.cli", "train", "--config", str(DEFAULT_RUN),
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", "--config", str(config),
            f"trainer.default_local_dir={run_dir}",
            f"actor_rollout_ref.model.tiny.seed={model_seed}", f"trainer.seed={trainer_seed}", *overrides]
     log = out / f"{name}.log"
@@ -146,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run (repeatable)")
     parser.add_argument("--out", help="folder for run directories, caches and logs (default: a new temporary one)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_RUN,
+                        help="the run's config (default examples/tiny_cpu.yaml; examples/vllm_cpu.yaml: the vllm rollout)")
     args = parser.parse_args(argv)
     if args.parallel < 1 or args.threads < 1:
         parser.error("--parallel and --threads must be >= 1")
@@ -158,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     results = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = [pool.submit(run_pair, m, t, out, args.threads, args.overrides) for m, t in args.pairs]
+        futures = [pool.submit(run_pair, m, t, out, args.threads, args.overrides, args.config) for m, t in args.pairs]
         for future in futures:
             r = future.result()
             results.append(r)

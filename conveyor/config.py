@@ -435,7 +435,8 @@ def _tool_formats() -> Iterable[str]:
 class RolloutConfig:
     """Generation."""
 
-    name: str = F("hf", "rollout engine (hf)")
+    name: str = F("hf", "rollout engine: hf (conveyor's decode loop over the Hugging Face model) or vllm (a vLLM "
+                  "engine in the actor's process, fed the new weights after every update; docs/rollout.md)")
     n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)")
     temperature: float = F(1.0, "sampling temperature")
     top_p: float = F(1.0, "nucleus sampling (1 = off)")
@@ -445,12 +446,28 @@ class RolloutConfig:
     moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
                                                "per-expert load every N steps (0 = off; the default run, "
                                                "examples/tiny_cpu.yaml, uses 10)")
+    gpu_memory_utilization: float = F(0.5, "vllm: the share of GPU memory the engine may take (weights and KV "
+                                      "cache); on a CPU the KV cache is sized to max_num_seqs x max_model_len")
+    tensor_model_parallel_size: int = F(1, "vllm: GPUs one engine shards the model over")
+    max_num_seqs: int = F(256, "vllm: most sequences the engine decodes at once")
+    max_model_len: Optional[int] = F(None, "vllm: longest sequence the engine holds; null = data.max_prompt_length "
+                                     "+ data.max_response_length")
+    enforce_eager: bool = F(True, "vllm: no CUDA graphs (they take memory and start-up time, and weights change "
+                            "every step)")
+    free_cache_engine: bool = F(True, "vllm: release the engine's KV cache between rollouts so the update can use "
+                                "the memory (vLLM's sleep mode; GPU only, ignored on a CPU)")
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
-        _check(self.name == "hf", f"{p}.name", "only the hf engine exists")
+        _check(self.name in ("hf", "vllm"), f"{p}.name", f"must be hf or vllm, got {self.name!r}")
+        _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.tensor_model_parallel_size > 0, f"{p}.tensor_model_parallel_size", "must be > 0")
+        _check(self.max_num_seqs > 0, f"{p}.max_num_seqs", "must be > 0")
+        _check(self.max_model_len is None or self.max_model_len > 0, f"{p}.max_model_len", "must be > 0 or null")
+        _check(not (self.name == "vllm" and self.multi_turn.enable), f"{p}.multi_turn.enable",
+               "multi-turn rollouts with tools run on the hf rollout: set actor_rollout_ref.rollout.name=hf")
         _check(self.n > 0, f"{p}.n", "must be > 0")
         _check(self.temperature > 0, f"{p}.temperature", "must be > 0 (use do_sample=false for greedy)")
         _check(0 < self.top_p <= 1, f"{p}.top_p", "must be in (0, 1]")
@@ -785,6 +802,18 @@ class Config:
                "or use fewer ranks")
         _check(bs % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
                f"data.train_batch_size={bs} must be divisible by it (got {mb})")
+        ro = self.actor_rollout_ref.rollout
+        if ro.name == "vllm":
+            need = self.data.max_prompt_length + self.data.max_response_length
+            _check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
+                   f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got "
+                   f"{ro.max_model_len}")
+            tiny = self.actor_rollout_ref.model.tiny
+            if self.actor_rollout_ref.model.path is None:
+                # vLLM's CPU attention kernels reject smaller heads ("Unsupported CPU attention configuration").
+                _check(tiny.hidden_size // tiny.num_heads >= 32, "actor_rollout_ref.model.tiny.num_heads",
+                       f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
+                       f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)")
         algo = self.algorithm
         _check(not (self.actor_rollout_ref.actor.router_replay.mode == "R2"
                     and algo.rollout_correction.bypass_mode is True),
@@ -828,6 +857,12 @@ class Config:
         # numerics (under R3, with the very routing the update replays), so its
         # log-probs are the old log-probs; a forward would only repeat them.
         return self.actor_rollout_ref.rollout.name == "hf"
+
+    @property
+    def rollout_max_model_len(self) -> int:
+        """The longest sequence the vllm engine must hold (actor_rollout_ref.rollout.max_model_len, resolved)."""
+        ro = self.actor_rollout_ref.rollout
+        return ro.max_model_len or self.data.max_prompt_length + self.data.max_response_length
 
     def loss_scale_factor(self, role: str) -> float:
         """The seq-mean-token-sum-norm divisor of `role` ("actor" or "critic"), resolved to a number."""

@@ -45,7 +45,14 @@ from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
-from conveyor.trainer.setup import build_data_plane, load_prompt_records, prepare_default_model, resolve_device
+from conveyor.rollout.vllm import engine_returns_routing
+from conveyor.trainer.setup import (
+    build_data_plane,
+    load_prompt_records,
+    prepare_default_model,
+    resolve_device,
+    resolve_routing_source,
+)
 from conveyor.workers.roles import WorkerGroups, build_worker_groups
 
 logger = logging.getLogger(__name__)
@@ -122,12 +129,20 @@ class PPOTrainer:
         self._train_width: int | None = None
         arr = cfg.actor_rollout_ref
         replay = arr.actor.router_replay.mode
-        # Under R2 the routing comes from the old-log-prob forward (which writes routed_experts), so the
-        # rollout records none and the load-balance metrics describe the trainer's routing.
-        self.capture_routing = replay == "R3" or (arr.rollout.moe_load_balance_metrics_interval > 0 and replay != "R2")
-        if replay == "R2" and arr.rollout.moe_load_balance_metrics_interval > 0:
-            logger.info("router_replay.mode=R2: MoE load-balance metrics use the routing of the old-log-prob forward, "
-                        "not the rollout's")
+        interval = arr.rollout.moe_load_balance_metrics_interval
+        # Whether the rollout engine can report each token's experts (the hf rollout can, vLLM only on a GPU).
+        engine_routing = arr.rollout.name == "hf" or engine_returns_routing(resolve_device(cfg))
+        # Under R2, or when the engine cannot report routing, the routing comes from the old-log-prob forward
+        # (which writes routed_experts), so the rollout records none and the load-balance metrics describe the
+        # trainer's routing.
+        self.capture_routing = engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
+        self.record_routing = not engine_routing and interval > 0 and replay != "R2"
+        self.routing_from_forward = interval > 0 and (replay == "R2" or not engine_routing)
+        if self.routing_from_forward:
+            why = ("router_replay.mode=R2" if replay == "R2"
+                   else f"the {arr.rollout.name} rollout cannot return routed experts on this device")
+            logger.info("%s: MoE load-balance metrics use the routing of the old-log-prob forward, not the "
+                        "rollout's", why)
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -396,6 +411,7 @@ class PPOTrainer:
             calculate_entropy=True,
             compute_loss=False,
             temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+            record_routing=self.record_routing,
         )
         out = self.workers.actor.compute_log_prob(call)
         reduced = reduce_rank_metrics(out.extra_info)
@@ -509,6 +525,8 @@ class PPOTrainer:
             moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
         if moe:
             metrics.update(moe)
+            # Which routing the numbers describe: 1 = the trainer's old-log-prob forward, 0 = the rollout engine's.
+            metrics["rollout/moe/routing_from_trainer_forward"] = float(self.routing_from_forward)
             self._save_expert_load()
             if moe.get("rollout/moe/routed_experts_found"):
                 with _timer("moe_agreement", timings):
@@ -688,6 +706,7 @@ def run_training(cfg: Config) -> dict[str, float]:
     # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
     transformers.utils.logging.disable_progress_bar()
     device = resolve_device(cfg)  # an unusable device fails before anything is built or written
+    resolve_routing_source(cfg, device)
     run_dir = cfg.run_dir
     lock = open_run_dir(cfg)
     try:

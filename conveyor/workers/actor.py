@@ -97,7 +97,11 @@ class PolicyWorker(CheckpointEndpoints):
             self.model, strategy, trainable=role == "actor", optim_cfg=arr.actor.optim, total_steps=total,
             gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         )
-        if role == "actor":
+        self.rollout: HFRollout | Any = None
+        self.agent_loop = None
+        if role == "actor" and arr.rollout.name == "vllm":
+            self.rollout = self._vllm_rollout(model_path)
+        elif role == "actor":
             self.rollout = HFRollout(
                 self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                 lean=self.lean,
@@ -109,6 +113,34 @@ class PolicyWorker(CheckpointEndpoints):
             logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
                         "no-grad log-probs keep the lean forward",
                         f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
+
+    def _vllm_rollout(self, model_path: str) -> Any:
+        """A vLLM engine in this process over the checkpoint the actor loaded; it gets the actor's weights before each rollout."""
+        from conveyor.rollout.vllm import VLLMRollout
+
+        cfg, ro = self.cfg, self.cfg.actor_rollout_ref.rollout
+        engine = VLLMRollout(
+            model_path, hf_config=self.model.config, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id, dtype=cfg.actor_rollout_ref.model.dtype,
+            max_model_len=cfg.rollout_max_model_len, seed=cfg.trainer.seed + self.rank, device=self.device,
+            gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
+            max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, free_cache_engine=ro.free_cache_engine,
+            capture_routing=self.moe is not None, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+        )
+        if self.rank == 0:
+            logger.info("vLLM engine started in %.1f s", engine.start_time_s)
+        return engine
+
+    def _sync_engine(self) -> dict[str, float]:
+        """Give the vllm engine the actor's current weights if it serves older ones; the sync's metrics."""
+        version = self.trained.optim_steps
+        if self.cfg.actor_rollout_ref.rollout.name != "vllm" or self.rollout.weights_version == version:
+            return {}
+        from torch.distributed.tensor import DTensor
+
+        # Every rank gathers every tensor (in the same order: full_tensor is a collective) for its own engine.
+        weights = [(k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.model.state_dict().items()]
+        return {"rollout/weight_sync_s": self.rollout.sync_weights(weights, version=version)}
 
     @property
     def optim_steps(self) -> int:
@@ -181,8 +213,11 @@ class PolicyWorker(CheckpointEndpoints):
         generator = None
         if info.get("seed") is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(info["seed"]) + 7919 * self.rank)
+        sync = self._sync_engine()
         t0 = time.perf_counter()
-        with self.trained.strategy.full_params():
+        # The hf rollout runs the actor's own modules, which need their full parameters; vLLM has its copy.
+        gather = self.agent_loop is not None or isinstance(self.rollout, HFRollout)
+        with self.trained.strategy.full_params() if gather else contextlib.nullcontext():
             out = self._generate(td, info, generator)
         elapsed = time.perf_counter() - t0
         fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
@@ -199,7 +234,7 @@ class PolicyWorker(CheckpointEndpoints):
             fields["tool_rewards"] = out["tool_rewards"]
         self._put(meta, fields)
         n_tokens = float(out["response_mask"].sum())
-        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed}
+        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync}
         metrics.update(out.get("metrics", {}))  # the agent loop's rollout/multi_turn/*
         return self._result(meta, list(fields), metrics)
 
@@ -240,8 +275,9 @@ class PolicyWorker(CheckpointEndpoints):
         with_entropy = bool(info.get("calculate_entropy", False)) and self.role == "actor"
         mode = self.cfg.actor_rollout_ref.actor.router_replay.mode
         replay_on = self.role == "actor" and mode == "R3"
-        # R2: this forward's routing is what every update of the step replays.
-        record = self.role == "actor" and mode == "R2" and self.moe is not None
+        # R2: this forward's routing is what every update of the step replays. record_routing: the rollout
+        # engine cannot return routing, so the load-balance metrics describe this forward's.
+        record = self.role == "actor" and (mode == "R2" or bool(info.get("record_routing"))) and self.moe is not None
         fields = ["prompts", "prompt_mask", "responses", "response_mask"]
         if replay_on:
             fields.append("routed_experts")

