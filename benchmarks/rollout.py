@@ -137,6 +137,8 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
     for name in ("generate", "vllm"):
         if base and name in medians:
             print(f"  tokens/s ratio {name} / hf: {base / medians[name]:.2f}x")
+    if "vllm" in args.engines:
+        engine.close()
     tmp.cleanup()
     return medians
 

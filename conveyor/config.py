@@ -804,6 +804,11 @@ class Config:
                f"data.train_batch_size={bs} must be divisible by it (got {mb})")
         ro = self.actor_rollout_ref.rollout
         if ro.name == "vllm":
+            # Each rank's engine would have to share the trainer's process group (vLLM's external_launcher
+            # backend); until that is built and tested, the vllm rollout serves a single actor rank.
+            _check(world == 1, "actor_rollout_ref.rollout.name",
+                   f"the vllm rollout runs with one actor rank so far, got {world} (trainer.nnodes x "
+                   "n_gpus_per_node or num_cpu_workers): use one rank, or rollout.name=hf")
             need = self.data.max_prompt_length + self.data.max_response_length
             _check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
                    f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got "

@@ -38,6 +38,7 @@ trainer takes the routing from its old-log-prob forward instead.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -172,6 +173,8 @@ class VLLMRollout:
             # batch can hold at once is enough, with a floor for vLLM's block granularity.
             need = _kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
             kwargs["kv_cache_memory_bytes"] = max(2 * need, 64 << 20)
+        # vLLM makes a one-rank torch.distributed group for its own use when none exists; close() removes it.
+        self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
@@ -184,6 +187,19 @@ class VLLMRollout:
         self.weights_version: int | None = None
         if self._sleeps:
             self._sleep()
+
+    def close(self) -> None:
+        """Shut the engine down and remove the process group vLLM made, so that the process can host others."""
+        if self.llm is None:
+            return
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        destroy_model_parallel()
+        if self._owns_process_group:
+            destroy_distributed_environment()
+        gc.collect()
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:

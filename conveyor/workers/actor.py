@@ -131,6 +131,11 @@ class PolicyWorker(CheckpointEndpoints):
             logger.info("vLLM engine started in %.1f s", engine.start_time_s)
         return engine
 
+    def close(self) -> None:
+        """Release what the worker holds outside Python's reach: the vllm engine, if any."""
+        if self.rollout is not None and hasattr(self.rollout, "close"):
+            self.rollout.close()
+
     def _sync_engine(self) -> dict[str, float]:
         """Give the vllm engine the actor's current weights if it serves older ones; the sync's metrics."""
         version = self.trained.optim_steps

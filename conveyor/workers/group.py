@@ -123,6 +123,12 @@ class LocalWorkerGroup(WorkerGroup):
         self.world_size = 1
         self.worker = spec.build(rank=0, world_size=1)
 
+    def shutdown(self) -> None:
+        """Let the worker release what it holds outside Python (a vllm engine), if it says how."""
+        close = getattr(self.worker, "close", None)
+        if callable(close):
+            close()
+
     def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
         """Run `endpoint` on the single rank."""
         try:

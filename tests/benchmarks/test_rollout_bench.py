@@ -15,6 +15,7 @@ def test_rollout_benchmark_times_every_engine(capsys):
     medians = bench.main(["--sizes", "tiny", "--batch", "4", "--new-tokens", "3", "--repeats", "1", "--threads", "1"])
     assert set(medians["tiny"]) == {"hf", "hf + capture_routing", "generate", "vllm"}
     assert all(t > 0 for t in medians["tiny"].values())
+    assert not torch.distributed.is_initialized()  # the benchmark closed its engine
     out = capsys.readouterr().out
     assert "tokens/s ratio vllm / hf" in out and "tokens/s ratio generate / hf" in out
 

@@ -39,7 +39,11 @@ def setup(tok, tmp_path_factory):
     engine = VLLMRollout(str(path), hf_config=model.config, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id, max_model_len=64, max_num_seqs=32, seed=0,
                          capture_routing=True)
-    return model, engine
+    yield model, engine
+    # vLLM made a one-rank process group in this process; later tests must find none.
+    assert torch.distributed.is_initialized()
+    engine.close()
+    assert not torch.distributed.is_initialized() and engine.llm is None
 
 
 def _prompts(tok, texts=PROMPTS):

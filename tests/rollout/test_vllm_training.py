@@ -20,6 +20,7 @@ VLLM_MODEL = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.ti
     (VLLM_MODEL + ["actor_rollout_ref.rollout.multi_turn.enable=true"], "actor_rollout_ref.rollout.multi_turn.enable"),
     (VLLM_MODEL + ["actor_rollout_ref.rollout.max_model_len=32"], "actor_rollout_ref.rollout.max_model_len"),
     (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name"),
+    (VLLM_MODEL + ["trainer.num_cpu_workers=2"], "actor_rollout_ref.rollout.name"),
     (VLLM_MODEL + ["actor_rollout_ref.rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
 ])
 def test_config_errors_name_the_key_to_change(overrides, key) -> None:
@@ -63,6 +64,9 @@ def test_a_vllm_run_syncs_every_step_and_measures_the_gap(tiny_run, tmp_path) ->
         "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
     ])
     run_training(cfg)
+    import torch.distributed
+
+    assert not torch.distributed.is_initialized()  # the engine was closed with the run
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("step", 0) >= 1 and "actor/pg_loss" in r]
     assert len(steps) == 4
