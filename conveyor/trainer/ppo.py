@@ -525,8 +525,9 @@ class PPOTrainer:
             moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
         if moe:
             metrics.update(moe)
-            # Which routing the numbers describe: 1 = the trainer's old-log-prob forward, 0 = the rollout engine's.
-            metrics["rollout/moe/routing_from_trainer_forward"] = float(self.routing_from_forward)
+            if moe.get("rollout/moe/routed_experts_found"):
+                # Whose routing the numbers describe: 1 = the trainer's old-log-prob forward, 0 = the rollout's.
+                metrics["rollout/moe/routing_from_trainer_forward"] = float(self.routing_from_forward)
             self._save_expert_load()
             if moe.get("rollout/moe/routed_experts_found"):
                 with _timer("moe_agreement", timings):
