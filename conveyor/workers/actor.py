@@ -359,7 +359,8 @@ class PolicyWorker(CheckpointEndpoints):
         if acfg.use_kl_loss:
             fields.append("ref_log_prob")
         rejection = correction.rejection()
-        if correction.rollout_is is not None or rejection:
+        rollout_is = self.cfg.rollout_is_level
+        if rollout_is is not None or rejection:
             fields.append("rollout_log_probs")
         if replay_on:
             fields.append("routed_experts")
@@ -392,7 +393,7 @@ class PolicyWorker(CheckpointEndpoints):
                 mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
                 entropy=entropy,
                 ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
-                rollout_log_probs=mb["rollout_log_probs"] if correction.rollout_is is not None else None,
+                rollout_log_probs=mb["rollout_log_probs"] if rollout_is is not None else None,
                 loss_mode=acfg.policy_loss.loss_mode,
                 clip_ratio_low=acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
                 clip_ratio_high=acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio,
@@ -401,7 +402,7 @@ class PolicyWorker(CheckpointEndpoints):
                 entropy_coeff=acfg.entropy_coeff,
                 kl_loss_type=acfg.kl_loss_type,
                 kl_loss_coef=acfg.kl_loss_coef,
-                rollout_is=correction.rollout_is,
+                rollout_is=rollout_is,
                 rollout_is_threshold=is_upper,
                 rollout_is_threshold_lower=is_lower,
                 num_tokens=num_tokens,
