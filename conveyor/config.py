@@ -923,6 +923,19 @@ class Config:
         return self.trainer.v1.is_async and self.trainer.v1.sampler.max_off_policy_threshold > 0
 
     @property
+    def proximal_from_update(self) -> bool:
+        """Off-policy with one optimizer step per batch: the update's own forward is the proximal policy.
+
+        Before the step's only optimizer step the weights are the proximal policy's, so the update's
+        forward gives `old_log_probs` (detached) and the old-log-prob forward is skipped. Not when a
+        stage needs them before the update (KL in the reward, rejection sampling, R2's recorded routing).
+        """
+        a = self.actor_rollout_ref.actor
+        return (self.off_policy and a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
+                and not self.algorithm.use_kl_in_reward and self.algorithm.rollout_correction.rollout_rs is None
+                and a.router_replay.mode != "R2")
+
+    @property
     def rollout_is_level(self) -> str | None:
         """algorithm.rollout_correction.rollout_is, resolved: off-policy training defaults to token-level weights.
 

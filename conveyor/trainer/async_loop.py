@@ -43,22 +43,24 @@ import torch
 from conveyor.config import Config
 from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.ppo import PPOTrainer, _timer
+from conveyor.trainer.setup import resolve_device
 from conveyor.workers.group import WorkerError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncPPOTrainer", "RolloutProcess"]
 
-# The rollout's fields that come back from its process into the trainer's data plane.
-_ROLLOUT_FIELDS = ("responses", "response_mask", "rollout_log_probs", "routed_experts")
+# The rollout's and the reward's fields that come back from its process into the trainer's data plane.
+_ROLLOUT_FIELDS = ("responses", "response_mask", "rollout_log_probs", "routed_experts", "rm_scores", "acc")
 
 
 # --------------------------------------------------------------------------- the rollout process
-def _rollout_main(cfg: Config, model_path: str, num_threads: int, requests: Any, results: Any) -> None:
-    """The rollout process: apply weights and generate batches, in the order they are sent, until told to stop.
+def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, requests: Any, results: Any) -> None:
+    """The rollout process: apply weights and generate and score batches, in the order they are sent, until told to stop.
 
-    It runs the actor worker's own `generate_sequences` over a data plane of its own, so the
-    samples are the ones the synchronous trainer's actor would draw from the same weights and seed.
+    It runs the actor worker's own `generate_sequences` and the reward worker's `compute_reward`
+    over a data plane of its own, so the samples and scores are the ones the synchronous
+    trainer's workers would produce from the same weights and seed.
     """
     try:
         torch.set_num_threads(num_threads)
@@ -68,7 +70,10 @@ def _rollout_main(cfg: Config, model_path: str, num_threads: int, requests: Any,
 
         load_plugins(list(cfg.trainer.plugins))
         local = make_data_plane("memory")
-        worker = PolicyWorker(cfg, model_path=model_path, data_plane=local, role="actor")
+        from conveyor.workers.roles import worker_specs
+
+        worker = PolicyWorker(cfg, model_path=model_path, data_plane=local, role="actor", device=device)
+        reward = worker_specs(cfg, model_path, local, worker.tokenizer, device)["reward"].build(rank=0, world_size=1)
         version = -1
         results.put(("ready", None))
         while True:
@@ -77,23 +82,58 @@ def _rollout_main(cfg: Config, model_path: str, num_threads: int, requests: Any,
             if kind == "stop":
                 break
             if kind == "weights":
-                _, version, state = msg
-                worker.model.load_state_dict(state)
+                _, version, packed = msg
+                worker.model.load_state_dict(from_wire(packed))
                 continue
-            _, batch_id, fields, params = msg
-            t0 = time.perf_counter()
+            _, batch_id, wired, params = msg
+            fields = from_wire(wired)
+            t0, c0 = time.perf_counter(), time.process_time()
             part = f"rollout-{batch_id}"
             keys = [str(i) for i in range(len(fields["prompts"]))]
             meta = local.kv_batch_put(keys=keys, partition_id=part, fields=fields)
             out = worker.generate_sequences(meta.with_extra_info(**params))
-            names = [f for f in _ROLLOUT_FIELDS if f in out.fields]
+            scored = reward.compute_reward(out)
+            names = [f for f in _ROLLOUT_FIELDS if f in scored.fields]
             td = local.kv_batch_get(keys=keys, partition_id=part, select_fields=names)
             local.kv_clear(part)
-            generated = {name: td[name].clone() for name in names}
-            metrics = {k: [v] for k, v in out.extra_info.items() if isinstance(v, (int, float))}
+            generated = to_wire({name: td[name] for name in names})
+            metrics = {k: [v] for info in (out.extra_info, scored.extra_info) for k, v in info.items()
+                       if isinstance(v, (int, float)) and not k.startswith("perf/")}
+            metrics["off_policy/rollout_cpu_s"] = [time.process_time() - c0]
             results.put(("batch", (batch_id, version, generated, metrics, time.perf_counter() - t0)))
     except BaseException:  # noqa: BLE001 - every failure, reported once to the trainer
         results.put(("error", traceback.format_exc()))
+
+
+class _Wire:
+    """A tensor as plain bytes, pickled inline with its message.
+
+    torch registers pickling that moves every tensor into a shared-memory segment of its own and
+    passes a file descriptor for it; for the many small tensors of a tiny model's batch or state
+    dict that costs more than copying their bytes.
+    """
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, t: torch.Tensor):
+        t = t.detach().contiguous().cpu()
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        self.data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+    def tensor(self) -> torch.Tensor:
+        if not self.data:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(self.dtype).reshape(self.shape)
+
+
+def to_wire(fields: dict[str, Any]) -> dict[str, Any]:
+    """Tensors of `fields` as `_Wire`s (other values as they are)."""
+    return {k: _Wire(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+
+
+def from_wire(fields: dict[str, Any]) -> dict[str, Any]:
+    """`to_wire`'s inverse: the same tensors, bit for bit."""
+    return {k: v.tensor() if isinstance(v, _Wire) else v for k, v in fields.items()}
 
 
 @dataclasses.dataclass
@@ -111,11 +151,11 @@ class _Pending:
 class RolloutProcess:
     """The trainer's end of the rollout process: send weights and batches, receive finished batches, in order."""
 
-    def __init__(self, cfg: Config, model_path: str, num_threads: int = 1):
+    def __init__(self, cfg: Config, model_path: str, device: str = "cpu", num_threads: int = 1):
         ctx = multiprocessing.get_context("spawn")
         self._requests = ctx.Queue()
         self._results = ctx.Queue()
-        self._proc = ctx.Process(target=_rollout_main, args=(cfg, model_path, num_threads, self._requests,
+        self._proc = ctx.Process(target=_rollout_main, args=(cfg, model_path, device, num_threads, self._requests,
                                                              self._results), daemon=True, name="conveyor-rollout")
         self._proc.start()
         self.busy_s = 0.0  # generation time reported so far
@@ -125,20 +165,20 @@ class RolloutProcess:
 
     def send_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """The rollout generates every later batch with these weights (copied, so training cannot change them)."""
-        self._requests.put(("weights", version, {k: v.detach().clone() for k, v in state.items()}))
+        self._requests.put(("weights", version, to_wire(state)))
 
     def submit(self, batch_id: int, fields: dict[str, Any], params: dict[str, Any]) -> None:
-        """Generate one batch of prompts (`prompts`, `prompt_mask`) with the generation `params`."""
-        self._requests.put(("generate", batch_id, fields, params))
+        """Generate and score one batch (`prompts`, `prompt_mask`, `data_source`, `ground_truth`) with `params`."""
+        self._requests.put(("generate", batch_id, to_wire(fields), params))
 
     def receive(self, timeout: float | None) -> tuple[int, int, dict[str, torch.Tensor], dict, float] | None:
         """The next finished batch (batch_id, version, fields, metrics, seconds), or None after `timeout` seconds."""
         got = self._receive(timeout)
         if got is None:
             return None
-        batch = got[1]
-        self.busy_s += batch[4]
-        return batch
+        batch_id, version, fields, metrics, seconds = got[1]
+        self.busy_s += seconds
+        return batch_id, version, from_wire(fields), metrics, seconds
 
     def _receive(self, timeout: float | None) -> tuple[str, Any] | None:
         deadline = None if timeout is None else time.perf_counter() + timeout
@@ -192,6 +232,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self._dropped = 0
         self._batch_part: str | None = None
         self._clock: float | None = None
+        self._cpu_clock = 0.0
         self._rollout_busy_at_clock = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -203,7 +244,7 @@ class AsyncPPOTrainer(PPOTrainer):
         rollout_threads = total if self.k == 0 else max(1, total // 2)
         if self.k > 0 and total > 1:
             torch.set_num_threads(max(1, total - rollout_threads))
-        self.rollout = RolloutProcess(self.cfg, self.model_path, rollout_threads)
+        self.rollout = RolloutProcess(self.cfg, self.model_path, resolve_device(self.cfg), rollout_threads)
         try:
             return super().fit()
         finally:
@@ -253,9 +294,7 @@ class AsyncPPOTrainer(PPOTrainer):
         # Hand out the next batches before this step's update: the rollout generates them meanwhile.
         with _timer("async/dispatch", timings):
             self._dispatch(version, in_training=1)
-        with _timer("reward", timings):
-            meta, reward_metrics = self._compute_reward(meta)
-        metrics.update(reward_metrics)
+        # Scored in the rollout process (rm_scores, acc): the reward stage's metrics came with the batch.
         metrics.update({k: float(v) for k, v in pending.metrics.items()})
         staleness = version - pending.version
         dropped = (self._dropped - dropped_before) * len(meta)
@@ -275,7 +314,11 @@ class AsyncPPOTrainer(PPOTrainer):
             out["off_policy/trainer_idle_frac"] = min(1.0, timings.get("async/wait", 0.0) / wall)
             busy = self.rollout.busy_s - self._rollout_busy_at_clock
             out["off_policy/rollout_idle_frac"] = max(0.0, 1.0 - busy / wall)
+            # CPU seconds of this process over the same span: on a busy machine, the wall time the
+            # trainer's share of a step would take on an idle one.
+            out["off_policy/trainer_cpu_s"] = time.process_time() - self._cpu_clock
         self._clock = time.perf_counter()
+        self._cpu_clock = time.process_time()
         self._rollout_busy_at_clock = self.rollout.busy_s
         del now
         return out
@@ -304,9 +347,11 @@ class AsyncPPOTrainer(PPOTrainer):
         records = self.train_data.next_batch(self.cfg.data.train_batch_size)
         n = self.cfg.actor_rollout_ref.rollout.n
         meta = self._put_prompts(records, f"batch-{batch_id}", n=n)
-        td = self.dp.get(meta, ["prompts", "prompt_mask"])
+        names = ["prompts", "prompt_mask", "data_source", "ground_truth"]  # what generation and scoring read
+        td = self.dp.get(meta, names)
         params = self._generation_params(self._seed_at("gen", batch_id))
-        self.rollout.submit(batch_id, {"prompts": td["prompts"], "prompt_mask": td["prompt_mask"]}, params)
+        fields = {name: td[name] if isinstance(td[name], torch.Tensor) else list(td[name]) for name in names}
+        self.rollout.submit(batch_id, fields, params)
         self._pending.append(_Pending(batch_id, meta, self._sent_version, data_state))
 
     def _take(self, version: int) -> _Pending:
@@ -338,7 +383,7 @@ class AsyncPPOTrainer(PPOTrainer):
         from conveyor.metrics.reduce import reduce_rank_metrics
 
         metrics = reduce_rank_metrics(extra, prefix="")
-        pending.metrics = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
+        pending.metrics = {k: v for k, v in metrics.items() if k.startswith(("rollout/", "reward/", "off_policy/"))}
         pending.arrived = True
 
     def _generation_params(self, seed: int) -> dict[str, Any]:

@@ -407,6 +407,8 @@ class PPOTrainer:
         if self.cfg.bypass_old_log_prob:
             td = self.dp.get(meta, ["rollout_log_probs"])
             return self.dp.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])})
+        if self.cfg.proximal_from_update:  # the update's own forward writes them (off-policy, one optimizer step)
+            return meta
         call = meta.with_extra_info(
             calculate_entropy=True,
             compute_loss=False,
@@ -489,7 +491,8 @@ class PPOTrainer:
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                 compute_loss=True,
                 # Without an old-log-prob forward, the update's forward reports the entropy.
-                calculate_entropy=self.cfg.bypass_old_log_prob,
+                calculate_entropy=self.cfg.bypass_old_log_prob or self.cfg.proximal_from_update,
+                **({"proximal_from_update": True} if self.cfg.proximal_from_update else {}),
             )
             out = self.workers.actor.update_actor(call)
             results.append(reduce_rank_metrics(out.extra_info))

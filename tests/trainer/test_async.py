@@ -92,6 +92,19 @@ def test_off_policy_training_logs_the_importance_weights(tmp_path, tiny_run):
     assert last["off_policy/staleness_mean"] == 1.0
 
 
+def test_one_optimizer_step_per_batch_takes_the_proximal_policy_from_the_update(tmp_path, tiny_run):
+    # ppo_mini_batch_size = train_batch_size, one epoch: the update's forward, before its only step, is pi_prox.
+    metrics, _ = _run(tmp_path, tiny_run, "run", [ASYNC, "trainer.total_training_steps=3",
+                                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    for row in metrics[1:]:
+        assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0  # ratio to itself: exactly 1
+        assert any(k.startswith("rollout_corr/") for k in row)
+        assert "actor/entropy" in row
+    assert load_config(None, [ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=32"]).proximal_from_update
+    assert not load_config(None, [ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=16"]).proximal_from_update
+    assert not load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=32"]).proximal_from_update
+
+
 def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run):
     plugin = tmp_path / "crash.py"
     plugin.write_text(
