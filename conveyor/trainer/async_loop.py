@@ -76,8 +76,15 @@ def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, r
         reward = worker_specs(cfg, model_path, local, worker.tokenizer, device)["reward"].build(rank=0, world_size=1)
         version = -1
         results.put(("ready", None))
+        parent = multiprocessing.parent_process()
         while True:
-            msg = requests.get()
+            try:
+                msg = requests.get(timeout=1.0)
+            except queue.Empty:
+                # A trainer killed outright (SIGKILL) sends no "stop": do not outlive it.
+                if parent is not None and not parent.is_alive():
+                    return
+                continue
             kind = msg[0]
             if kind == "stop":
                 break
