@@ -34,6 +34,7 @@ import json
 import logging
 import multiprocessing
 import queue
+import signal
 import time
 import traceback
 from typing import Any
@@ -62,6 +63,10 @@ def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, r
     over a data plane of its own, so the samples and scores are the ones the synchronous
     trainer's workers would produce from the same weights and seed.
     """
+    # Ctrl-C and SIGTERM reach the whole process group: the trainer decides how to stop (finish the
+    # step, save) and then stops this process; a trainer that dies outright is noticed below.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         torch.set_num_threads(num_threads)
         from conveyor.data_plane import make_data_plane
