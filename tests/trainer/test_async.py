@@ -211,3 +211,15 @@ def test_the_rollout_process_does_not_outlive_a_killed_trainer(tmp_path, tiny_ru
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_routed_experts_come_back_with_their_tokens_for_replay_and_the_load_balance_metrics(tmp_path, tiny_run):
+    # R3 replays, in the update, the experts the rollout process recorded with the (older) generating weights.
+    metrics, _ = _run(tmp_path, tiny_run, "run", [
+        ASYNC, "trainer.total_training_steps=3", "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    for row in metrics[1:]:
+        assert row["rollout/moe/routed_experts_found"] == 1.0
+        assert row["rollout/moe/routing_from_trainer_forward"] == 0.0
+        assert 0.0 < row["actor/moe/routing_agreement"] <= 1.0
+        assert row["off_policy/staleness_max"] <= 1.0
