@@ -293,7 +293,6 @@ class AsyncPPOTrainer(PPOTrainer):
     def _sample(self, part: str, timings: dict[str, float], metrics: dict[str, float]) -> KVBatchMeta:
         """Stages 1-3: the next batch the rollout generated within the staleness bound, with its rewards."""
         version = self.global_step - 1  # updates so far: the version this step trains
-        now = time.perf_counter()
         if self._next_batch == 0:  # first step of this run (or of a resumed one)
             self._next_batch = self.global_step
         with _timer("async/dispatch", timings):
@@ -314,11 +313,11 @@ class AsyncPPOTrainer(PPOTrainer):
         metrics["off_policy/staleness_max"] = float(staleness)
         metrics["off_policy/dropped_frac"] = dropped / (dropped + len(meta))
         metrics["off_policy/policy_version"] = float(pending.version)
-        metrics.update(self._idle_fractions(now, timings))
+        metrics.update(self._idle_fractions(timings))
         self._log_versions(meta, version, pending)
         return meta
 
-    def _idle_fractions(self, now: float, timings: dict[str, float]) -> dict[str, float]:
+    def _idle_fractions(self, timings: dict[str, float]) -> dict[str, float]:
         """The trainer's and the rollout's idle fractions since the previous step's sampling stage."""
         out: dict[str, float] = {}
         if self._clock is not None:
@@ -332,7 +331,6 @@ class AsyncPPOTrainer(PPOTrainer):
         self._clock = time.perf_counter()
         self._cpu_clock = time.process_time()
         self._rollout_busy_at_clock = self.rollout.busy_s
-        del now
         return out
 
     def _dispatch(self, version: int, in_training: int) -> None:
