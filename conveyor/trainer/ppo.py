@@ -407,6 +407,8 @@ class PPOTrainer:
         if self.cfg.bypass_old_log_prob:
             td = self.dp.get(meta, ["rollout_log_probs"])
             return self.dp.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])})
+        if self.cfg.proximal_from_update:  # the update's own forward writes them (off-policy, one optimizer step)
+            return meta
         call = meta.with_extra_info(
             calculate_entropy=True,
             compute_loss=False,
@@ -489,7 +491,8 @@ class PPOTrainer:
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                 compute_loss=True,
                 # Without an old-log-prob forward, the update's forward reports the entropy.
-                calculate_entropy=self.cfg.bypass_old_log_prob,
+                calculate_entropy=self.cfg.bypass_old_log_prob or self.cfg.proximal_from_update,
+                **({"proximal_from_update": True} if self.cfg.proximal_from_update else {}),
             )
             out = self.workers.actor.update_actor(call)
             results.append(reduce_rank_metrics(out.extra_info))
@@ -513,10 +516,10 @@ class PPOTrainer:
         metrics = compute_data_metrics(td, use_critic=self.cfg.use_critic,
                                        max_response_length=self.cfg.data.max_response_length)
         correction = self.cfg.algorithm.rollout_correction
-        if correction.rollout_is is not None and not self.cfg.bypass_old_log_prob:
+        if self.cfg.rollout_is_level is not None and not self.cfg.bypass_old_log_prob:
             upper, lower = correction.is_thresholds()
             metrics.update(compute_is_metrics(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
-                                              level=correction.rollout_is, threshold=upper, lower=lower))
+                                              level=self.cfg.rollout_is_level, threshold=upper, lower=lower))
         if correction.rollout_rs is not None and not self.cfg.bypass_old_log_prob:
             _, rs = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
                                            correction.rejection())
@@ -764,10 +767,16 @@ def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
         workers = build_worker_groups(cfg, model_path, data_plane, tokenizer, device)
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
                             experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
-        trainer = PPOTrainer(
+        trainer_cls: Any = PPOTrainer
+        extra: dict[str, Any] = {}
+        if cfg.trainer.v1.is_async:  # rollout in its own process, concurrently with the updates
+            from conveyor.trainer.async_loop import AsyncPPOTrainer
+
+            trainer_cls, extra = AsyncPPOTrainer, {"model_path": model_path}
+        trainer = trainer_cls(
             cfg, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
-            model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges,
+            model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges, **extra,
         )
         result = trainer.fit()
         failed = False

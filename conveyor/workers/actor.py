@@ -360,11 +360,16 @@ class PolicyWorker(CheckpointEndpoints):
         # Without an old-log-prob forward (bypass mode) the update's forward is where entropy gets reported.
         report_entropy = bool(info.get("calculate_entropy", False))
         replay_on = acfg.router_replay.mode in ("R2", "R3") and self.moe is not None
-        fields = ["prompts", "prompt_mask", "responses", "response_mask", "old_log_probs", "advantages"]
+        # The step's only optimizer step: this forward, before it, is the proximal policy (docs/async.md).
+        proximal = bool(info.get("proximal_from_update", False))
+        fields = ["prompts", "prompt_mask", "responses", "response_mask", "advantages"]
+        if not proximal:
+            fields.append("old_log_probs")
         if acfg.use_kl_loss:
             fields.append("ref_log_prob")
         rejection = correction.rejection()
-        if correction.rollout_is is not None or rejection:
+        rollout_is = self.cfg.rollout_is_level
+        if rollout_is is not None or rejection:
             fields.append("rollout_log_probs")
         if replay_on:
             fields.append("routed_experts")
@@ -388,16 +393,21 @@ class PolicyWorker(CheckpointEndpoints):
         self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         passes = self.trained.passes(self._micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu))
+        proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
             mb = td[sl]
             routed = mb["routed_experts"].long() if replay_on else None
             log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
                                                  train=True)
+            if proximal:
+                old = (log_prob.detach() * mb["response_mask"]).float()
+                if real:
+                    proximal_lps[sl] = old
             loss, mb_metrics = compute_policy_objective(
-                mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
+                old if proximal else mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
                 entropy=entropy,
                 ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
-                rollout_log_probs=mb["rollout_log_probs"] if correction.rollout_is is not None else None,
+                rollout_log_probs=mb["rollout_log_probs"] if rollout_is is not None else None,
                 loss_mode=acfg.policy_loss.loss_mode,
                 clip_ratio_low=acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
                 clip_ratio_high=acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio,
@@ -406,7 +416,7 @@ class PolicyWorker(CheckpointEndpoints):
                 entropy_coeff=acfg.entropy_coeff,
                 kl_loss_type=acfg.kl_loss_type,
                 kl_loss_coef=acfg.kl_loss_coef,
-                rollout_is=correction.rollout_is,
+                rollout_is=rollout_is,
                 rollout_is_threshold=is_upper,
                 rollout_is_threshold_lower=is_lower,
                 num_tokens=num_tokens,
@@ -423,6 +433,8 @@ class PolicyWorker(CheckpointEndpoints):
             sums.pop("entropy@sum", None)
             sums.pop("entropy@count", None)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
+        if proximal:  # for the metrics stage, which compares them with the rollout's
+            self._put(meta, {"old_log_probs": proximal_lps})
         grad_norm, stepped, lr, memory = self.trained.step(acfg.grad_clip)
         if not stepped:
             logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)

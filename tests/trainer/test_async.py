@@ -1,0 +1,225 @@
+"""Asynchronous training (trainer.v1.trainer_mode=separate_async): the staleness bound, k = 0 = sync, faults, config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conveyor.config import ConfigError, load_config
+from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.trainer.export import export_hf
+from conveyor.trainer.ppo import run_training
+from conveyor.workers.group import WorkerError
+
+# Wall-clock and memory readings differ from run to run by nature; the async loop's own counters are extra.
+_MEASURED = ("timing_s/", "perf/", "gen_time_s", "off_policy/")
+
+ASYNC = "trainer.v1.trainer_mode=separate_async"
+
+
+def _run(tmp_path, tiny_run: list[str], name: str, extra: list[str]) -> tuple[list[dict], object]:
+    run_dir = tmp_path / name
+    base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")]
+    run_training(load_config(None, base + [f"trainer.default_local_dir={run_dir}", *extra]))
+    return read_metrics_jsonl(run_dir / "metrics.jsonl"), run_dir
+
+
+def _weights(run_dir, out) -> dict[str, torch.Tensor]:
+    path = export_hf(run_dir, out)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def test_k0_is_the_synchronous_trainer_bit_for_bit(tmp_path, tiny_run):
+    common = ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+              "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+    sync, sync_dir = _run(tmp_path, tiny_run, "sync", common)
+    async_, async_dir = _run(tmp_path, tiny_run, "async",
+                             common + [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0"])
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(m in k for m in _MEASURED)} for r in rows]  # noqa: E731
+    assert [r["step"] for r in sync] == [0, 1, 2, 3]
+    assert strip(sync) == strip(async_)  # exact: same samples, same losses, same gradients
+    assert all(async_[i]["off_policy/staleness_max"] == 0.0 for i in (1, 2, 3))
+    a, b = _weights(sync_dir, tmp_path / "hf-sync"), _weights(async_dir, tmp_path / "hf-async")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_no_trained_sample_is_more_than_k_versions_old(tmp_path, tiny_run, k, strategy):
+    steps = 8
+    # Weights only every k + 1 updates: the slowest shipping the bound allows, so drop has something to drop.
+    metrics, run_dir = _run(tmp_path, tiny_run, "run", [
+        ASYNC, f"trainer.total_training_steps={steps}", f"trainer.v1.sampler.max_off_policy_threshold={k}",
+        f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
+        f"trainer.v1.separate_async.parameter_sync_step={k + 1}",
+    ])
+    log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, steps + 1))
+    staleness = []
+    for r in log:
+        assert r["trained_at"] == r["step"] - 1  # one update per step: version = updates so far
+        assert len(r["sample_versions"]) == 4 * 2  # every sample of the batch is logged
+        for v in r["sample_versions"]:
+            assert r["trained_at"] - k <= v <= r["trained_at"]
+            staleness.append(r["trained_at"] - v)
+    dropped = log[-1]["dropped_batches"]
+    if strategy == "wait" or k == 0:
+        assert dropped == 0
+    else:
+        assert dropped > 0  # weights every k + 1 updates make some batches k + 1 versions old
+    if k > 0:
+        assert max(staleness) > 0  # it did run ahead
+    rows = {r["step"]: r for r in metrics}
+    assert rows[steps]["off_policy/staleness_max"] <= k
+    assert 0.0 <= rows[steps]["off_policy/dropped_frac"] < 1.0
+    for key in ("off_policy/trainer_idle_frac", "off_policy/rollout_idle_frac"):
+        assert 0.0 <= rows[steps][key] <= 1.0
+
+
+def test_off_policy_training_logs_the_importance_weights(tmp_path, tiny_run):
+    metrics, _ = _run(tmp_path, tiny_run, "run", [ASYNC, "trainer.total_training_steps=3",
+                                                  "trainer.v1.sampler.max_off_policy_threshold=1"])
+    last = metrics[-1]
+    # The decoupled objective's behaviour weights (token level) and the staleness they correct.
+    assert any(k.startswith("rollout_corr/") for k in last)
+    assert last["off_policy/staleness_mean"] == 1.0
+
+
+def test_one_optimizer_step_per_batch_takes_the_proximal_policy_from_the_update(tmp_path, tiny_run):
+    # ppo_mini_batch_size = train_batch_size, one epoch: the update's forward, before its only step, is pi_prox.
+    metrics, _ = _run(tmp_path, tiny_run, "run", [ASYNC, "trainer.total_training_steps=3",
+                                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    for row in metrics[1:]:
+        assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0  # ratio to itself: exactly 1
+        assert any(k.startswith("rollout_corr/") for k in row)
+        assert "actor/entropy" in row
+    assert load_config(None, [ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=32"]).proximal_from_update
+    assert not load_config(None, [ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=16"]).proximal_from_update
+    assert not load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=32"]).proximal_from_update
+
+
+def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run):
+    plugin = tmp_path / "crash.py"
+    plugin.write_text(
+        "import multiprocessing\n"
+        "from conveyor.workers.actor import PolicyWorker\n"
+        "if multiprocessing.current_process().name == 'conveyor-rollout':\n"
+        "    def boom(self, meta):\n"
+        "        raise RuntimeError('rollout exploded')\n"
+        "    PolicyWorker.generate_sequences = boom\n"
+    )
+    with pytest.raises(WorkerError, match="rollout rank 0 failed in generate_sequences.*rollout exploded"):
+        _run(tmp_path, tiny_run, "run", [ASYNC, f"trainer.plugins=[{plugin}]"])
+
+
+@pytest.mark.parametrize("override, key", [
+    (["trainer.v1.sampler.max_off_policy_threshold=-1"], "max_off_policy_threshold"),
+    (["trainer.v1.sampler.max_off_policy_strategy=skip"], "max_off_policy_strategy"),
+    (["trainer.v1.trainer_mode=fully_async"], "trainer_mode"),
+    (["trainer.v1.sampler.max_off_policy_threshold=1", "trainer.v1.separate_async.parameter_sync_step=3"],
+     "parameter_sync_step"),
+    ([ASYNC, "trainer.num_cpu_workers=2"], "num_cpu_workers"),
+    ([ASYNC, "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode"),
+])
+def test_async_settings_are_checked(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, override)
+
+
+def test_sync_is_the_default_and_off_policy_turns_the_proximal_forward_on():
+    assert load_config(None, []).trainer.v1.trainer_mode == "sync"
+    cfg = load_config(None, [ASYNC])
+    assert cfg.off_policy and not cfg.bypass_old_log_prob and cfg.rollout_is_level == "token"
+    k0 = load_config(None, [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0"])
+    assert not k0.off_policy and k0.bypass_old_log_prob and k0.rollout_is_level is None
+
+
+def _prompts(run_dir, step: int) -> list[str]:
+    path = run_dir / "generations" / f"step_{step:06d}.jsonl"
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_trains_the_batches_that_were_in_flight(tmp_path, tiny_run):
+    """Stopped after step 2's checkpoint with batch 3 already generated: the resumed run draws its prompts again."""
+    import shutil
+
+    base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")]
+    common = base + [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=1", "trainer.total_training_steps=4",
+                     "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null", "trainer.dump_freq=1",
+                     "trainer.dump_num=8"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    run_training(load_config(None, common + [f"trainer.default_local_dir={ref_dir}"]))
+    run_training(load_config(None, common + [f"trainer.default_local_dir={run_dir}"]))
+    for step in (3, 4):  # a crash right after step 2's checkpoint
+        shutil.rmtree(run_dir / "checkpoints" / f"global_step_{step}")
+        (run_dir / "generations" / f"step_{step:06d}.jsonl").unlink()
+    run_training(load_config(None, common + [f"trainer.default_local_dir={run_dir}"]))
+    for step in (1, 2, 3, 4):  # the same prompts at every step: none lost, none twice
+        assert _prompts(run_dir, step) == _prompts(ref_dir, step)
+    log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
+    resumed = [r for r in log if r["step"] == 3][-1]
+    # Regenerated with the resumed (version 2) weights, so the bound holds across the restart too.
+    assert resumed["trained_at"] == 2 and set(resumed["sample_versions"]) <= {1, 2}
+
+
+def test_the_rollout_process_does_not_outlive_a_killed_trainer(tmp_path, tiny_run):
+    """SIGKILL leaves no orphan: the rollout process notices its parent is gone and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from conveyor.config import load_config\n"
+        "from conveyor.trainer.async_loop import RolloutProcess\n"
+        "from conveyor.trainer.setup import prepare_default_model\n"
+        "if __name__ == '__main__':  # spawned children import this file\n"
+        "    cfg = load_config(None, sys.argv[1:])\n"
+        "    proc = RolloutProcess(cfg, prepare_default_model(cfg))\n"
+        "    print(proc._proc.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script), *tiny_run, ASYNC], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        for _ in range(600):  # liveness, not speed: it checks once a second
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split()[2] == "Z":  # exited, waiting to be reaped by init
+                    break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the rollout process outlived its killed trainer")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_routed_experts_come_back_with_their_tokens_for_replay_and_the_load_balance_metrics(tmp_path, tiny_run):
+    # R3 replays, in the update, the experts the rollout process recorded with the (older) generating weights.
+    metrics, _ = _run(tmp_path, tiny_run, "run", [
+        ASYNC, "trainer.total_training_steps=3", "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    for row in metrics[1:]:
+        assert row["rollout/moe/routed_experts_found"] == 1.0
+        assert row["rollout/moe/routing_from_trainer_forward"] == 0.0
+        assert 0.0 < row["actor/moe/routing_agreement"] <= 1.0
+        assert row["off_policy/staleness_max"] <= 1.0
