@@ -47,7 +47,10 @@ def test_workload_flag_selects_one(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_unwritten_backends_are_skipped_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_benchmark()
-    result = bench.main([*TINY, "--workload", "dense", "--backends", "memory,ray", "transferqueue"])
+    # One timed creation: a transferqueue plane takes ~13 s to start here, and --create-reps 3 would start it
+    # five times (one for the workload, one warm-up and three timed).
+    result = bench.main([*TINY, "--workload", "dense", "--create-reps", "1", "--backends", "memory,ray",
+                         "transferqueue"])
     out = capsys.readouterr().out
     assert "memory" in result["backends"]
     for backend in ("ray", "transferqueue"):

@@ -26,8 +26,8 @@ def test_sweep_prints_each_pair_and_the_spread_and_fails_below_the_bar(tmp_path,
     finals = {(0, 0): 0.75, (1, 1): 0.5, (2, 2): 0.625}
     seen = []
 
-    def fake_run(model_seed, trainer_seed, out, threads, overrides):
-        seen.append((model_seed, trainer_seed, threads, tuple(overrides)))
+    def fake_run(model_seed, trainer_seed, out, threads, overrides, config):
+        seen.append((model_seed, trainer_seed, threads, tuple(overrides), config))
         return {"model_seed": model_seed, "trainer_seed": trainer_seed, "status": 0, "wall_s": 60.0 + model_seed,
                 "cpu_s": 50.0, "first": (0, 0.25), "last": (600, finals[(model_seed, trainer_seed)]),
                 "warm_start_steps": 400, "log": "x.log"}
@@ -35,7 +35,7 @@ def test_sweep_prints_each_pair_and_the_spread_and_fails_below_the_bar(tmp_path,
     monkeypatch.setattr(bench, "run_pair", fake_run)
     args = ["--pairs", "0:0", "1:1", "2:2", "--parallel", "2", "--set", "trainer.test_freq=50", "--out", str(tmp_path)]
     assert bench.main(args) == 0
-    assert sorted(seen) == [(m, t, 1, ("trainer.test_freq=50",)) for m, t in sorted(finals)]
+    assert sorted(seen) == [(m, t, 1, ("trainer.test_freq=50",), bench.DEFAULT_RUN) for m, t in sorted(finals)]
     out = capsys.readouterr().out
     assert "model seed 1  trainer seed 1:  held-out accuracy 0.250 -> 0.500 at step 600" in out
     assert "final held-out accuracy: min 0.500  median 0.625  max 0.750" in out

@@ -1,11 +1,13 @@
 """Bad input ends with one clear `error:` line and exit status 2, never a traceback; near-misses still train.
 
-Config mistakes are caught before anything heavy is imported, so each runs as
-its own `conveyor train` process. Mistakes found later (files, tokenizers,
-data, reward functions) need the model stack; to pay its import once, they
-run through the same command-line entry point (`conveyor.cli.main`, which
-`conveyor` calls) one after another inside a single child process, each with
-its own captured output and exit status.
+Each mistake runs through the command-line entry point (`conveyor.cli.main`,
+which `conveyor` calls) with its own captured output and exit status; to pay
+the import of the stack once (a `conveyor` process spends ~4 s importing
+torch before it even reads its config), the cases run one after another inside
+a single child process per group: config mistakes, then mistakes found later
+(files, tokenizers, data, reward functions). One config mistake also runs as a
+whole `conveyor train` process of its own, so that the process as a user sees
+it (nothing printed while importing, exit status 2) is checked too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from conveyor.tasks.parquet import write_parquet_records
 from conveyor.tasks.synthetic import make_arithmetic_records
 
 
-# --------------------------------------------------------------------------- config mistakes: one process each
+# --------------------------------------------------------------------------- config mistakes: one process
 _BAD_YAML = "trainer:\n  total_training_steps: [3\n"
 _REMOVED_IN_YAML = "actor_rollout_ref:\n  rollout:\n    moe_load_balance_monitor_interval: 5\n"
 
@@ -81,10 +83,26 @@ def config_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
+@pytest.fixture(scope="module")
+def config_mistakes(rel, config_files: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every config case, run once through the command's entry point in one child process."""
+    tmp = tmp_path_factory.mktemp("config-mistakes")
+    cases = {case: ["train", *[a.replace("{tmp}", str(config_files)) for a in args],
+                    f"trainer.default_local_dir={tmp / case / 'run'}"]
+             for case, (args, _) in CONFIG_CASES.items()}
+    return {"dir": tmp, "results": rel.run_cases_in_one_process(cases, tmp, timeout=300)}
+
+
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
-def test_config_mistake_is_a_one_line_usage_error(rel, case: str, config_files: Path, tmp_path: Path) -> None:
-    args, needles = CONFIG_CASES[case]
-    args = [a.replace("{tmp}", str(config_files)) for a in args]
+def test_config_mistake_is_a_one_line_usage_error(rel, case: str, config_mistakes: dict) -> None:
+    result = config_mistakes["results"][case]
+    rel.assert_usage_error(result["status"], result["stderr"], CONFIG_CASES[case][1])
+    assert len(result["stderr"].strip().splitlines()) == 1 and result["stdout"] == ""
+    assert not (config_mistakes["dir"] / case / "run").exists()  # nothing was started
+
+
+def test_config_mistake_in_a_process_of_its_own_is_one_line_and_status_2(rel, tmp_path: Path) -> None:
+    args, needles = CONFIG_CASES["misspelled_key"]
     proc = rel.run_cli("train", *args, f"trainer.default_local_dir={tmp_path / 'run'}", timeout=60)
     rel.assert_usage_error(proc.returncode, proc.stderr, needles)
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""

@@ -1,13 +1,17 @@
 """SIGTERM stops like Ctrl-C; resume checks what it loads; one run per run directory; a full or unusable disk.
 
 Every case runs `conveyor train` as a user (or a scheduler) would and checks
-the exit status, the one-line error and what is left on disk.
+the exit status, the one-line error and what is left on disk. The refusals,
+which stop before anything is built, run through the command's entry point one
+after another in one child process (the `refusals` fixture), so that the
+stack is imported once for all of them.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -42,14 +46,15 @@ def test_sigterm_saves_the_running_step_exits_143_and_resume_continues(rel, base
     assert f"(step {k})" in resumed.stderr and rel.logged_steps(run_dir) == list(range(1, k + 2))
 
 
-def test_sigterm_under_ray_workers_saves_and_exits_143(rel, base_model, tmp_path: Path, processes) -> None:
-    pytest.importorskip("ray")
-    run_dir = tmp_path / "run"
-    status, err = _sigterm_after_step(rel, processes, run_dir, "trainer.num_cpu_workers=2", "ray.num_cpus=4")
+def test_sigterm_under_ray_workers_saves_and_exits_143(rel, two_rank_runs: dict) -> None:
+    # The SIGTERM reaches the resumed run of the two-rank fixture (near the end of this file) after its step 4.
+    run_dir, status, err = two_rank_runs["run_dir"], two_rank_runs["sigterm_status"], two_rank_runs["sigterm_stderr"]
     assert status == 143, err[-3000:]
     assert "Traceback" not in err and "Stack trace" not in err and "*** SIG" not in err
     assert err.strip().splitlines()[-1] == "stopped by SIGTERM"
-    (k,) = rel.checkpoint_steps(run_dir)
+    assert "SIGTERM: finishing step" in err
+    k = max(rel.checkpoint_steps(run_dir))
+    assert k >= 4 and k == max(rel.logged_steps(run_dir))  # the running step was finished and saved
     # Two ranks wrote their shards of the same checkpoint.
     assert sorted(p.name for p in (run_dir / "checkpoints" / f"global_step_{k}" / "actor").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
@@ -60,24 +65,20 @@ def test_default_save_freq_bounds_what_a_crash_loses() -> None:
 
 
 # --------------------------------------------------------------------------- resume checks
-@pytest.fixture
-def two_step_run(rel, base_model, tmp_path: Path) -> Path:
-    """A finished 2-step run with checkpoints at steps 1 and 2."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_two_step_run(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-step run with checkpoints at steps 1 and 2 (made once; tests change copies of it)."""
+    run_dir = tmp_path_factory.mktemp("two-step") / "run"
     done = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
                                        "trainer.max_ckpt_to_keep=null"))
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
 
-def test_a_changed_setting_is_refused_naming_the_keys_and_can_be_accepted(rel, two_step_run: Path) -> None:
-    run_dir = two_step_run
-    before = (run_dir / "config.yaml").read_text()
-    refused = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3",
-                                          "actor_rollout_ref.actor.optim.lr=0.001", "actor_rollout_ref.rollout.n=2"))
-    rel.assert_usage_error(refused.returncode, refused.stderr, (
-        str(run_dir / "checkpoints" / "global_step_2"), "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
-        "actor_rollout_ref.rollout.n: 4 -> 2", "trainer.resume_accept_config_changes=true"))
+def test_a_changed_setting_is_refused_naming_the_keys_and_can_be_accepted(rel, refusals: dict) -> None:
+    refused, run_dir, needles = refusals["changed_setting"]
+    rel.assert_usage_error(refused["status"], refused["stderr"], needles)
+    before = refusals["config_before_the_change"]
     assert (run_dir / "config.yaml").read_text() == before  # never overwritten by a config that does not match
     assert rel.logged_steps(run_dir) == [1, 2]
 
@@ -92,34 +93,83 @@ def test_a_changed_setting_is_refused_naming_the_keys_and_can_be_accepted(rel, t
     assert rel.logged_steps(run_dir) == [1, 2, 3]
 
 
-def test_a_checkpoint_of_another_model_is_refused(rel, two_step_run: Path) -> None:
-    other = rel.run_cli(*rel.train_args(two_step_run, "trainer.total_training_steps=3",
-                                        "actor_rollout_ref.model.tiny.hidden_size=32",
-                                        "trainer.resume_accept_config_changes=true"))
-    rel.assert_usage_error(other.returncode, other.stderr, ("global_step_2", "cannot load into this model"))
+DAMAGES = ["step_mismatch", "truncated_state", "truncated_shard", "missing_shards"]
 
 
-@pytest.mark.parametrize("damage", ["step_mismatch", "truncated_state", "truncated_shard", "missing_shards"])
-def test_a_damaged_checkpoint_is_refused_naming_it(rel, two_step_run: Path, damage: str) -> None:
-    step2 = two_step_run / "checkpoints" / "global_step_2"
+def _damage(step2: Path, damage: str) -> tuple[str, ...]:
+    """Damage checkpoint `step2` as `damage` says; what the refusal must name."""
     if damage == "step_mismatch":
         step2.rename(step2.with_name("global_step_5"))
-        needles = ("global_step_5", "inconsistent", "step 5", "step 2")
-    elif damage == "truncated_state":
+        return ("global_step_5", "inconsistent", "step 5", "step 2")
+    if damage == "truncated_state":
         state = step2 / "trainer_state.pt"
         state.write_bytes(state.read_bytes()[:100])
-        needles = ("trainer_state.pt", "truncated or unreadable")
-    elif damage == "truncated_shard":
+        return ("trainer_state.pt", "truncated or unreadable")
+    if damage == "truncated_shard":
         (shard,) = (step2 / "actor").glob("*.distcp")
         shard.write_bytes(shard.read_bytes()[:1000])
-        needles = ("global_step_2", "actor")
-    else:
-        for f in (step2 / "actor").iterdir():
-            f.unlink()
-        (step2 / "actor").rmdir()
-        needles = ("global_step_2", "no actor shards")
-    result = rel.run_cli(*rel.train_args(two_step_run, "trainer.total_training_steps=6"))
-    rel.assert_usage_error(result.returncode, result.stderr, needles)
+        return ("global_step_2", "actor")
+    for f in (step2 / "actor").iterdir():
+        f.unlink()
+    (step2 / "actor").rmdir()
+    return ("global_step_2", "no actor shards")
+
+
+def _read_only_filesystem_here() -> bool:
+    return not (os.access("/sys", os.W_OK) and not os.path.ismount("/sys"))
+
+
+@pytest.fixture(scope="module")
+def refusals(rel, finished_two_step_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The refused runs of the tests in this file, each resume on its own copy of the two-step run, run one after
+    another through the command's entry point in one child process (a `conveyor train` process spends ~6 s
+    importing its stack; a refusal takes well under one). Case -> (result, run directory, what the refusal must
+    name); also the config.yaml of the changed-setting case before its refusal."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    cases, dirs, needles = {}, {}, {}
+
+    def copy(case: str) -> Path:
+        dirs[case] = tmp / case / "run"
+        shutil.copytree(finished_two_step_run, dirs[case])
+        return dirs[case]
+
+    for damage in DAMAGES:
+        needles[damage] = _damage(copy(damage) / "checkpoints" / "global_step_2", damage)
+        cases[damage] = rel.train_args(dirs[damage], "trainer.total_training_steps=6")
+    cases["another_model"] = rel.train_args(copy("another_model"), "trainer.total_training_steps=3",
+                                            "actor_rollout_ref.model.tiny.hidden_size=32",
+                                            "trainer.resume_accept_config_changes=true")
+    needles["another_model"] = ("global_step_2", "cannot load into this model")
+    run_dir = copy("changed_setting")
+    before = (run_dir / "config.yaml").read_text()
+    cases["changed_setting"] = rel.train_args(run_dir, "trainer.total_training_steps=3",
+                                              "actor_rollout_ref.actor.optim.lr=0.001", "actor_rollout_ref.rollout.n=2")
+    needles["changed_setting"] = (
+        str(run_dir / "checkpoints" / "global_step_2"), "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
+        "actor_rollout_ref.rollout.n: 4 -> 2", "trainer.resume_accept_config_changes=true")
+    (tmp / "a_file").write_text("")
+    unusable = {"under_a_file": tmp / "a_file" / "run"}
+    if _read_only_filesystem_here():
+        unusable["read_only_filesystem"] = Path("/sys/conveyor-run")
+    for where, path in unusable.items():
+        dirs[where] = path
+        cases[where] = ["train", f"trainer.default_local_dir={path}", "trainer.total_training_steps=1"]
+        needles[where] = (str(path), "trainer.default_local_dir")
+    results = rel.run_cases_in_one_process(cases, tmp)
+    out = {case: (results[case], dirs[case], needles[case]) for case in cases}
+    out["config_before_the_change"] = before
+    return out
+
+
+def test_a_checkpoint_of_another_model_is_refused(rel, refusals: dict) -> None:
+    result, _, needles = refusals["another_model"]
+    rel.assert_usage_error(result["status"], result["stderr"], needles)
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_naming_it(rel, refusals: dict, damage: str) -> None:
+    result, _, needles = refusals[damage]
+    rel.assert_usage_error(result["status"], result["stderr"], needles)
 
 
 # --------------------------------------------------------------------------- one run per directory
@@ -167,16 +217,11 @@ def test_disk_full_while_saving_is_one_error_and_leaves_no_half_checkpoint(rel, 
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "read_only_filesystem"])
-def test_an_unusable_run_directory_is_one_error_naming_the_key(rel, tmp_path: Path, where: str) -> None:
-    if where == "under_a_file":
-        (tmp_path / "a_file").write_text("")
-        run_dir = tmp_path / "a_file" / "run"
-    else:
-        run_dir = Path("/sys/conveyor-run")
-        if os.access("/sys", os.W_OK) and not os.path.ismount("/sys"):
-            pytest.skip("no read-only filesystem to try on this machine")
-    result = rel.run_cli("train", f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=1")
-    rel.assert_usage_error(result.returncode, result.stderr, (str(run_dir), "trainer.default_local_dir"))
+def test_an_unusable_run_directory_is_one_error_naming_the_key(rel, refusals: dict, where: str) -> None:
+    if where == "read_only_filesystem" and not _read_only_filesystem_here():
+        pytest.skip("no read-only filesystem to try on this machine")
+    result, _, needles = refusals[where]  # a run directory under a file, or /sys/conveyor-run
+    rel.assert_usage_error(result["status"], result["stderr"], needles)
 
 
 # --------------------------------------------------------------------------- two ranks: kill -9, resume, same run
@@ -197,23 +242,45 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def test_two_ranks_killed_mid_run_resume_to_the_uninterrupted_run(rel, base_model, tmp_path: Path, processes) -> None:
-    """fsdp2 over two Ray ranks: kill -9 after a sharded checkpoint, resume, and the later steps are bitwise the
-    steps of a run that was never stopped."""
+@pytest.fixture(scope="module")
+def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """fsdp2 over two Ray ranks: the runs two tests check, made once (a Ray run costs ~30 s here, nearly all of it
+    starting processes). An uninterrupted 4-step reference; a run killed -9 after its step-2 checkpoint, during
+    step 3 or 4; its resume, which gets a SIGTERM once it has logged step 4 again. The lr is constant (BASE_RUN), so
+    the resume's longer total does not change its steps."""
     pytest.importorskip("ray")
     pytest.importorskip("psutil")
-    ranks = ("trainer.num_cpu_workers=2", "ray.num_cpus=4", "trainer.save_freq=2", "trainer.total_training_steps=4")
-    reference = rel.run_cli(*rel.train_args(tmp_path / "reference", *ranks))
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    ranks = ("trainer.num_cpu_workers=2", "ray.num_cpus=4", "trainer.save_freq=2")
+    reference = rel.run_cli(*rel.train_args(tmp / "reference", *ranks, "trainer.total_training_steps=4"))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    run_dir = tmp_path / "run"
-    proc = rel.TrainProcess(run_dir, *ranks)
-    processes.append(proc)
-    rel.wait_until(lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), proc,
-                   timeout=240)
-    _kill_tree(proc.proc.pid)
-    assert 4 not in rel.checkpoint_steps(run_dir)
-    resumed = rel.run_cli(*rel.train_args(run_dir, *ranks))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "(step 2)" in resumed.stderr
-    rel.assert_same_steps(rel.read_steps(run_dir), rel.read_steps(tmp_path / "reference"), [3, 4])
+    run_dir = tmp / "run"
+    started = []
+    try:
+        killed = rel.TrainProcess(run_dir, *ranks, "trainer.total_training_steps=4")
+        started.append(killed)
+        rel.wait_until(lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), killed,
+                       timeout=240)
+        _kill_tree(killed.proc.pid)
+        checkpoints_after_kill = rel.checkpoint_steps(run_dir)
+        logged_before = len(rel.logged_steps(run_dir))
+        resumed = rel.TrainProcess(run_dir, *ranks, "trainer.total_training_steps=100000")
+        started.append(resumed)
+        rel.wait_until(lambda: 4 in rel.logged_steps(run_dir)[logged_before:], resumed, timeout=240)
+        resumed.proc.send_signal(signal.SIGTERM)
+        status = resumed.wait()
+    finally:
+        for proc in started:
+            proc.kill()
+    return {"reference": tmp / "reference", "run_dir": run_dir, "checkpoints_after_kill": checkpoints_after_kill,
+            "sigterm_status": status, "sigterm_stderr": resumed.stderr}
+
+
+def test_two_ranks_killed_mid_run_resume_to_the_uninterrupted_run(rel, two_rank_runs: dict) -> None:
+    """fsdp2 over two Ray ranks: kill -9 after a sharded checkpoint, resume, and the later steps are bitwise the
+    steps of a run that was never stopped."""
+    assert 2 in two_rank_runs["checkpoints_after_kill"] and 4 not in two_rank_runs["checkpoints_after_kill"]
+    assert "(step 2)" in two_rank_runs["sigterm_stderr"]  # the resume started from the step-2 checkpoint
+    rel.assert_same_steps(rel.read_steps(two_rank_runs["run_dir"]), rel.read_steps(two_rank_runs["reference"]),
+                          [3, 4])

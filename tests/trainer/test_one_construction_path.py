@@ -2,12 +2,17 @@
 
 The run below uses three things that live in the user's files (a reward
 function, an advantage estimator and a policy loss from a plugin) and checks
-that each took effect, with local workers and with two Ray ranks.
+that each took effect, with local workers and with two Ray ranks. The Ray
+case is also the suite's run of two CPU ranks on this machine started by
+`run_training` itself (a Ray run costs ~30 s here, nearly all of it starting
+processes): it checks what that run logs and that it leaves nothing running.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -48,11 +53,36 @@ def _steps(run_dir: Path) -> dict[int, dict]:
     return {int(r["step"]): r for r in rows}
 
 
+def _ray_processes() -> list:
+    """Ray worker processes (titled `ray::...`) below this test process."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.cmdline() and p.cmdline()[0].startswith("ray::"):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.25)
+    return condition()
+
+
 @pytest.mark.parametrize("where", ["local", "ray"])
-def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run, tmp_path: Path) -> None:
+def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run, tmp_path: Path, caplog) -> None:
     if where == "ray":
         ray = pytest.importorskip("ray")
+        pytest.importorskip("psutil")
         assert not ray.is_initialized()
+        caplog.set_level(logging.INFO, logger="conveyor")
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD)
     plugin_file = tmp_path / "my_algos.py"
@@ -74,3 +104,17 @@ def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run,
         assert row["actor/construction_test_marker"] == 1.0, f"{where}: the plugin's policy loss was not used"
         # Constant rewards: every group's advantage is exactly zero under the plugin's GRPO.
         assert row["advantages/max"] == 0.0 and row["advantages/min"] == 0.0
+    if where == "ray":
+        # Two CPU ranks on this machine (formerly test_ray_training's test_two_cpu_ranks_on_this_machine).
+        for step in (1, 2):
+            row = steps[step]
+            # Each rank reports its own peak; the trainer logs the max over ranks under the role.
+            assert row["actor/perf/max_memory_allocated_gb"] > 0
+            assert row["actor/perf/cpu_memory_used_gb"] > 0
+            assert "actor/pg_loss" in row and "actor/grad_norm" in row
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("using the ray data plane instead of transfer_queue.backend=memory" in m for m in messages)
+        assert any(m.startswith("actor: 2 rank(s)") for m in messages)
+        # run_training started Ray, so it stopped it: nothing is left running.
+        assert not ray.is_initialized()
+        assert _wait(lambda: not _ray_processes()), [p.cmdline() for p in _ray_processes()]

@@ -1,18 +1,22 @@
-"""Run one role's endpoints on N ranks (one process each, gloo) for the strategy tests.
+"""Run one or more roles' endpoints on N ranks (one process each, gloo) for the strategy tests.
 
     python strategy_ranks.py SPEC.json
 
-SPEC holds: `world`, `role` (actor or critic), `overrides` (config overrides),
-`model_path`, `batch` (a torch file of the batch's fields, loaded with
-weights_only), `jobs` (what to run, in order) and `out` (a folder). Every rank
-builds its own memory data plane holding the same batch, takes its share of
-the keys with the worker groups' own `split_for_ranks`, and runs the jobs:
+SPEC holds `world`, `model_path` and `runs`, a list run one after another by
+the same ranks (starting ranks costs far more than any run here: every rank
+imports torch, transformers and conveyor). Each run holds: `role` (actor or
+critic), `overrides` (config overrides), `batch` (a torch file of the batch's
+fields, loaded with weights_only), `jobs` (what to run, in order) and `out` (a
+folder). For every run each rank builds its own memory data plane holding the
+same batch and a fresh worker, takes its share of the keys with the worker
+groups' own `split_for_ranks`, and runs the jobs:
 
 - `update`: one update over the whole batch; rank 0 writes the gathered
   parameters to `out/params.pt` and every rank its metrics to `out/metrics_<rank>.json`.
 - `log_prob`: compute_log_prob; each rank's `old_log_probs` go to `out/log_probs_<rank>.pt`.
 - `save:DIR` / `load:DIR`: a sharded checkpoint written or read by all ranks
-  (after `load`, rank 0 writes the parameters to `out/loaded.pt`).
+  (`load` reads the schedule state from `out/extra.pt`; after it, rank 0 writes
+  the parameters to `out/loaded.pt`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank: int, spec: dict, port: int) -> None:
+def _run(rank: int, world: int, model_path: str, run: dict) -> None:
+    """One run's jobs on this rank, with a worker of its own."""
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
     from conveyor.protocol import KVBatchMeta
@@ -37,13 +42,9 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     from conveyor.workers.critic import CriticWorker
     from conveyor.workers.group import split_for_ranks
 
-    torch.set_num_threads(1)
-    world = spec["world"]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
-    out = Path(spec["out"])
-    cfg = load_config(None, spec["overrides"])
-    fields = torch.load(spec["batch"], weights_only=True)
+    out = Path(run["out"])
+    cfg = load_config(None, run["overrides"])
+    fields = torch.load(run["batch"], weights_only=True)
     n = len(next(iter(fields.values())))
     keys = [f"s{i}" for i in range(n)]
     plane = make_data_plane("memory")
@@ -52,15 +53,14 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     # A copy for the log-prob job, so that its old_log_probs leave the update's inputs untouched.
     plane.kv_batch_put(keys, "lp", fields)
     lp_share = KVBatchMeta(share.keys, "lp", share.fields, share.tags, {})
-    if spec["role"] == "critic":
-        worker = CriticWorker(cfg, model_path=spec["model_path"], data_plane=plane, rank=rank, world_size=world)
+    if run["role"] == "critic":
+        worker = CriticWorker(cfg, model_path=model_path, data_plane=plane, rank=rank, world_size=world)
     else:
-        worker = PolicyWorker(cfg, model_path=spec["model_path"], data_plane=plane, role="actor", rank=rank,
-                              world_size=world)
-    for job in spec["jobs"]:
+        worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane, role="actor", rank=rank, world_size=world)
+    for job in run["jobs"]:
         if job == "update":
             call = share.with_extra_info(temperature=1.0)
-            result = worker.update_critic(call) if spec["role"] == "critic" else worker.update_actor(call)
+            result = worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
             (out / f"metrics_{rank}.json").write_text(json.dumps(result.extra_info))
             params = worker.model_state_dict()
             if rank == 0:
@@ -80,7 +80,16 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
                 torch.save(params, out / "loaded.pt")
         else:
             raise ValueError(f"unknown job {job!r}")
-    tdist.barrier()
+    tdist.barrier()  # every rank done with this run (its files written) before the next one starts
+
+
+def _rank_main(rank: int, spec: dict, port: int) -> None:
+    torch.set_num_threads(1)
+    world = spec["world"]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    for run in spec["runs"]:
+        _run(rank, world, spec["model_path"], run)
     tdist.destroy_process_group()
 
 

@@ -1,13 +1,17 @@
 """Training strategies against the one-rank reference: FSDP2 and DDP over two gloo ranks take the same step.
 
-Each multi-rank case runs `strategy_ranks.py` in a subprocess that spawns
-the ranks; the one-rank reference runs in this process on the same batch.
+The multi-rank cases of every test run in one subprocess (`strategy_ranks.py`,
+the `ranks` fixture) that spawns the ranks once: a spawn costs ~15 s here,
+nearly all of it importing torch, transformers and conveyor in three
+processes, against ~1 s for a case. Each test checks its own case's outputs;
+the one-rank reference runs in this process on the same batch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +46,69 @@ BASE = [
 ]
 
 
+R3 = "actor_rollout_ref.actor.router_replay.mode=R3"
+FSDP2_CASES = {"actor": ("actor", []), "actor-R3": ("actor", [R3]), "critic": ("critic", [])}
+LEAN_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.model.forward_impl=lean",
+              "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+              "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+MIXED_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
+               "actor_rollout_ref.actor.fsdp_config.reduce_dtype=float32"]
+FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
+
+
 @pytest.fixture(scope="module")
 def model_path() -> str:
     return prepare_default_model(load_config(None, BASE))
+
+
+@pytest.fixture(scope="module")
+def batches(model_path: str) -> dict[bool, dict[str, torch.Tensor]]:
+    """The update batch without (False) and with (True) recorded routing."""
+    return {False: _batch(model_path), True: _batch(model_path, with_routing=True)}
+
+
+@pytest.fixture(scope="module")
+def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches) -> dict:
+    """A one-rank actor's checkpoint after one update: its folder, schedule state, weights and initial weights."""
+    cfg = load_config(None, BASE)
+    plane = make_data_plane("memory")
+    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", batches[False]).with_extra_info(temperature=1.0)
+    worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane)
+    initial = {k: v.clone() for k, v in worker.model_state_dict().items()}
+    worker.update_actor(meta)
+    folder = tmp_path_factory.mktemp("one-rank-checkpoint")
+    extra = worker.save_checkpoint(str(folder))
+    return {"dir": folder, "extra": extra, "params": worker.model_state_dict(), "initial": initial}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, one_rank_checkpoint) -> dict[str, Path]:
+    """Every test's multi-rank case, run by one spawn of two ranks; case name -> the folder of its outputs."""
+    root = tmp_path_factory.mktemp("ranks")
+    runs: dict[str, tuple[str, list[str], bool, list[str]]] = {}  # name -> role, overrides, with routing, jobs
+    for name, (role, overrides) in FSDP2_CASES.items():
+        strategy = "critic.strategy=fsdp2" if role == "critic" else "actor_rollout_ref.actor.strategy=fsdp2"
+        runs[f"fsdp2-{name}"] = (role, overrides + [strategy], R3 in overrides, ["update"])
+    runs["dp"] = ("actor", ["actor_rollout_ref.actor.strategy=dp"], False, ["update"])
+    runs["lean"] = ("actor", LEAN_FLAGS, False, ["log_prob", "update"])
+    runs["mixed"] = ("actor", MIXED_FLAGS, False, ["update"])
+    runs["save"] = ("actor", FSDP2, False, ["update", f"save:{root / 'two-ranks'}"])
+    runs["load"] = ("actor", FSDP2, False, [f"load:{one_rank_checkpoint['dir']}"])
+    for with_routing, fields in batches.items():
+        torch.save(fields, root / f"batch-{int(with_routing)}.pt")
+    spec_runs = []
+    for name, (role, overrides, with_routing, jobs) in runs.items():
+        (root / name).mkdir()
+        spec_runs.append({"role": role, "overrides": BASE + overrides, "jobs": jobs, "out": str(root / name),
+                          "batch": str(root / f"batch-{int(with_routing)}.pt")})
+    torch.save(one_rank_checkpoint["extra"], root / "load" / "extra.pt")
+    spec = {"world": 2, "model_path": model_path, "runs": spec_runs}
+    (root / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {name: root / name for name in runs}
 
 
 def _batch(model_path: str, with_routing: bool = False) -> dict[str, torch.Tensor]:
@@ -81,23 +145,6 @@ def _one_rank(role: str, model_path: str, fields: dict, overrides: list[str]) ->
     return worker.model_state_dict(), dict(out.extra_info)
 
 
-def _ranks(tmp_path: Path, role: str, model_path: str, fields: dict, overrides: list[str], jobs: list[str],
-           world: int = 2, extra: dict | None = None) -> Path:
-    """Run `jobs` on `world` ranks in a subprocess; the folder their outputs went to (`extra`: a load's schedule state)."""
-    out = tmp_path / f"out-{role}-{len(list(tmp_path.iterdir()))}"
-    out.mkdir()
-    torch.save(fields, out / "batch.pt")
-    if extra is not None:
-        torch.save(extra, out / "extra.pt")
-    spec = {"world": world, "role": role, "overrides": BASE + overrides, "model_path": model_path,
-            "batch": str(out / "batch.pt"), "jobs": jobs, "out": str(out)}
-    (out / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), str(out / "spec.json")], capture_output=True, text=True,
-                          timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return out
-
-
 def _assert_same_params(got: dict, want: dict, initial: dict | None = None, atol: float = 1e-5) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -111,55 +158,42 @@ def _metrics(out: Path, world: int = 2) -> list[dict]:
     return [json.loads((out / f"metrics_{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize(
-    ("role", "overrides"),
-    [
-        ("actor", []),
-        ("actor", ["actor_rollout_ref.actor.router_replay.mode=R3"]),
-        ("critic", []),
-    ],
-    ids=["actor", "actor-R3", "critic"],
-)
-def test_fsdp2_two_ranks_take_the_one_rank_step(tmp_path: Path, model_path: str, role: str, overrides: list[str]) -> None:
-    fields = _batch(model_path, with_routing="actor_rollout_ref.actor.router_replay.mode=R3" in overrides)
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_fsdp2_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks, case: str) -> None:
+    role, overrides = FSDP2_CASES[case]
+    fields = batches[R3 in overrides]
     want, one_metrics = _one_rank(role, model_path, fields, overrides)
     initial_cfg = load_config(None, BASE)
     plane = make_data_plane("memory")
     fresh = (CriticWorker if role == "critic" else PolicyWorker)(initial_cfg, model_path=model_path, data_plane=plane)
-    strategy = "critic.strategy=fsdp2" if role == "critic" else "actor_rollout_ref.actor.strategy=fsdp2"
-    out = _ranks(tmp_path, role, model_path, fields, overrides + [strategy], ["update"])
+    out = ranks[f"fsdp2-{case}"]
     _assert_same_params(torch.load(out / "params.pt", weights_only=True), want, fresh.model_state_dict())
-    ranks = _metrics(out)
+    ranks_metrics = _metrics(out)
     prefix = "critic/" if role == "critic" else "actor/"
     loss = "vf_loss@sum" if role == "critic" else "pg_loss@sum"
-    assert sum(m[prefix + loss] for m in ranks) == pytest.approx(one_metrics[prefix + loss], rel=1e-5, abs=1e-7)
-    assert ranks[0][prefix + "grad_norm"] == pytest.approx(one_metrics[prefix + "grad_norm"], rel=1e-5)
+    assert sum(m[prefix + loss] for m in ranks_metrics) == pytest.approx(one_metrics[prefix + loss], rel=1e-5, abs=1e-7)
+    assert ranks_metrics[0][prefix + "grad_norm"] == pytest.approx(one_metrics[prefix + "grad_norm"], rel=1e-5)
     # Each rank holds about half of the parameters, gradients and optimizer state.
     for key in ("perf/param_bytes_local", "perf/grad_bytes_local", "perf/optim_bytes_local"):
-        for m in ranks:
+        for m in ranks_metrics:
             assert 0.4 <= m[key] / one_metrics[key] <= 0.6, (key, m[key], one_metrics[key])
 
 
-def test_dp_two_ranks_take_the_one_rank_step(tmp_path: Path, model_path: str) -> None:
-    fields = _batch(model_path)
-    want, one_metrics = _one_rank("actor", model_path, fields, [])
-    out = _ranks(tmp_path, "actor", model_path, fields, ["actor_rollout_ref.actor.strategy=dp"], ["update"])
+def test_dp_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks) -> None:
+    want, one_metrics = _one_rank("actor", model_path, batches[False], [])
+    out = ranks["dp"]
     _assert_same_params(torch.load(out / "params.pt", weights_only=True), want)
     for m in _metrics(out):
         assert m["perf/param_bytes_local"] == one_metrics["perf/param_bytes_local"]  # full replicas
 
 
-def test_lean_forward_checkpointing_and_offload_under_fsdp2(tmp_path: Path, model_path: str) -> None:
+def test_lean_forward_checkpointing_and_offload_under_fsdp2(model_path: str, batches, ranks) -> None:
     """Under fsdp2: the no-grad forwards run the lean forward on gathered weights and match the one-rank
     Hugging Face forward; recomputed activations give the same step; offload is accepted on a CPU run and
     changes nothing."""
-    fields = _batch(model_path)  # old_log_probs: the one-rank Hugging Face forward
+    fields = batches[False]  # old_log_probs: the one-rank Hugging Face forward
     want, _ = _one_rank("actor", model_path, fields, [])
-    flags = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.model.forward_impl=lean",
-             "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-             "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
-    out = _ranks(tmp_path, "actor", model_path, fields, flags, ["log_prob", "update"])
+    out = ranks["lean"]  # LEAN_FLAGS, jobs log_prob then update
     got = torch.cat([torch.load(out / f"log_probs_{r}.pt", weights_only=True) for r in range(2)])
     torch.testing.assert_close(got, fields["old_log_probs"], atol=1e-5, rtol=0)
     _assert_same_params(torch.load(out / "params.pt", weights_only=True), want)
@@ -176,24 +210,18 @@ def test_offload_on_cpu_is_accepted_and_says_it_does_nothing(caplog: pytest.LogC
     assert any("no effect on a CPU run" in r.getMessage() for r in caplog.records)
 
 
-def test_mixed_precision_under_fsdp2(tmp_path: Path, model_path: str) -> None:
+def test_mixed_precision_under_fsdp2(model_path: str, batches, ranks) -> None:
     """bf16 compute with fp32 reduction: a different but close step, and fp32 master weights."""
-    fields = _batch(model_path)
-    want, _ = _one_rank("actor", model_path, fields, [])
-    flags = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
-             "actor_rollout_ref.actor.fsdp_config.reduce_dtype=float32"]
-    out = _ranks(tmp_path, "actor", model_path, fields, flags, ["update"])
-    got = torch.load(out / "params.pt", weights_only=True)
+    want, _ = _one_rank("actor", model_path, batches[False], [])
+    got = torch.load(ranks["mixed"] / "params.pt", weights_only=True)  # MIXED_FLAGS
     assert all(v.dtype == torch.float32 for v in got.values())
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert 0 < diff <= 3e-4, diff  # bf16 arithmetic shows, but one step at lr 1e-4 moves a weight by ~1e-4
 
 
-def test_sharded_checkpoints_move_between_world_sizes(tmp_path: Path, model_path: str) -> None:
-    fields = _batch(model_path)
-    fsdp2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
-    two = tmp_path / "two-ranks"
-    out = _ranks(tmp_path, "actor", model_path, fields, fsdp2, ["update", f"save:{two}"])
+def test_sharded_checkpoints_move_between_world_sizes(model_path: str, ranks, one_rank_checkpoint) -> None:
+    out = ranks["save"]  # fsdp2: one update, then a sharded save
+    two = out.parent / "two-ranks"
     trained = torch.load(out / "params.pt", weights_only=True)
     assert sorted(p.name for p in two.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
     # Two ranks' shards into one plain rank: the same weights (and the optimizer state loads with them).
@@ -206,11 +234,9 @@ def test_sharded_checkpoints_move_between_world_sizes(tmp_path: Path, model_path
     bare = PolicyWorker(cfg, model_path=model_path, data_plane=make_data_plane("memory")).model
     load_model_weights(two, bare)
     _assert_same_params({k: v for k, v in bare.state_dict().items()}, trained, atol=0)
-    # One rank's checkpoint into two fsdp2 ranks.
-    single = tmp_path / "one-rank"
-    extra = one.save_checkpoint(str(single))
-    back = _ranks(tmp_path, "actor", model_path, fields, fsdp2, [f"load:{single}"], extra=extra)
-    _assert_same_params(torch.load(back / "loaded.pt", weights_only=True), trained, atol=0)
+    # One rank's checkpoint (after a one-rank update) into two fsdp2 ranks: its weights, not the initial ones.
+    loaded = torch.load(ranks["load"] / "loaded.pt", weights_only=True)
+    _assert_same_params(loaded, one_rank_checkpoint["params"], one_rank_checkpoint["initial"], atol=0)
 
 
 def test_strategy_resolution() -> None:
