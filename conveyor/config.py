@@ -707,6 +707,10 @@ class SeparateAsyncConfig:
 
     parameter_sync_step: int = F(1, "the trainer sends its weights to the rollout every N updates (at most "
                                     "max_off_policy_threshold + 1, else the bound could never hold)")
+    partial_rollout: bool = F(False, "weights that reach the rollout mid-generation apply at once: unfinished "
+                                     "samples continue with them (cache recomputed) and each token records "
+                                     "the version that sampled it; false: a batch finishes with the weights "
+                                     "it started with")
 
     def _validate(self, prefix: str) -> None:
         _check(self.parameter_sync_step >= 1, f"{prefix}.parameter_sync_step",

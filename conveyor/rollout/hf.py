@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,11 +153,16 @@ class HFRollout:
         generator: torch.Generator | None = None,
         capture_routing: bool = False,
         stop_sequences: Sequence[Sequence[int]] = (),
+        interrupt: Callable[[int], bool] | None = None,
     ) -> dict[str, Tensor]:
         """Sample up to `max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
 
         A row also stops once its sampled tokens end with one of `stop_sequences` (token-id lists; the
         multi-turn loop stops a turn at a tool call this way), which stays in the response like EOS.
+        `interrupt`, when given, is called after every sampled token that is not the last, with the number
+        of tokens sampled so far; when it returns True (it changed the model's weights, say) the KV cache
+        is recomputed from the prompts and the tokens so far before the next token is sampled, so the rest
+        of the response comes from the weights the model has now (a partial rollout).
         Returns `responses` (B, R) long right-padded with pad, `response_mask` (B, R) bool (through EOS),
         `rollout_log_probs` (B, R) float32 (0 off the mask), and with `capture_routing` on an MoE model
         `routed_experts` (B, P+R, L, K) int16 (-1 where unknown); R <= max_new_tokens is the number of
@@ -185,7 +190,7 @@ class HFRollout:
             hooks = info is not None and self.lean is None
             with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
                 return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info,
-                                    _stop_tensors(stop_sequences, device))
+                                    _stop_tensors(stop_sequences, device), interrupt)
         finally:
             model.train(was_training)
 
@@ -198,6 +203,7 @@ class HFRollout:
         recorder: RoutingRecorder | None,
         info: MoEInfo | None,
         stops: Sequence[Tensor] = (),
+        interrupt: Callable[[int], bool] | None = None,
     ) -> dict[str, Tensor]:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
@@ -238,6 +244,20 @@ class HFRollout:
                 # forward below costs far more than this check.
                 if steps == steps_max or bool(finished.all()):
                     break
+                if interrupt is not None and interrupt(steps):
+                    # Resume under the model's weights as they are now: one prefill over each row's prompt and
+                    # tokens so far rebuilds the cache, exactly as if generation had started from that prefix.
+                    # Rows that finished ride along (their outputs are unused, as in a decode step); their
+                    # tokens after EOS count as real here, which changes no unfinished row.
+                    prefix = torch.cat([input_ids, responses[:, :steps]], dim=1)
+                    prefix_mask = torch.cat([prompt_mask, prompt_mask.new_ones((batch, steps))], dim=1)
+                    engine = self._engine(prefix, prefix_mask, steps_max - steps, recorder, routed is not None)
+                    logits = engine.prefill()
+                    if routed is not None:
+                        # Every position fed so far is routed again by the current weights: the routing of
+                        # a position is always that of the cache the later tokens were sampled from.
+                        routed[:, : prompt_len + steps] = engine.pop_routing()
+                    continue
                 logits = engine.step(token, finished)
                 if routed is not None:
                     routed[:, prompt_len + t] = engine.pop_routing()[:, 0]

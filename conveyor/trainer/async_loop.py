@@ -22,13 +22,20 @@ k + 1 batches are outstanding. Weights go out every
 so `wait` always makes progress). k = 0 hands out batch s only after update
 s - 1 has reached the rollout: the synchronous trainer, bit for bit.
 
+With `trainer.v1.separate_async.partial_rollout` the rollout process also
+takes weights between two tokens of a generation (`_Inbox`): unfinished
+samples continue with them, and every token records its version
+(`token_policy_version`); a sample's `policy_version` stays its oldest
+token's, so the bound above still holds.
+
 See docs/async.md for the timeline and the measured speed. What it does not
-do: Ray worker groups, the vllm rollout, multi-turn, dynamic sampling or
-partial rollouts (the config rejects those combinations).
+do: Ray worker groups, the vllm rollout, multi-turn or dynamic sampling (the
+config rejects those combinations).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -79,12 +86,14 @@ def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, r
 
         worker = PolicyWorker(cfg, model_path=model_path, data_plane=local, role="actor", device=device)
         reward = worker_specs(cfg, model_path, local, worker.tokenizer, device)["reward"].build(rank=0, world_size=1)
-        version = -1
+        inbox = _Inbox(requests, worker.model)
+        if cfg.trainer.v1.separate_async.partial_rollout:
+            worker.interrupt = inbox.apply_newer_weights
         results.put(("ready", None))
         parent = multiprocessing.parent_process()
         while True:
             try:
-                msg = requests.get(timeout=1.0)
+                msg = inbox.next(timeout=1.0)
             except queue.Empty:
                 # A trainer killed outright (SIGKILL) sends no "stop": do not outlive it.
                 if parent is not None and not parent.is_alive():
@@ -94,8 +103,7 @@ def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, r
             if kind == "stop":
                 break
             if kind == "weights":
-                _, version, packed = msg
-                worker.model.load_state_dict(from_wire(packed))
+                inbox.load(msg)
                 continue
             _, batch_id, wired, params = msg
             fields = from_wire(wired)
@@ -103,18 +111,69 @@ def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, r
             part = f"rollout-{batch_id}"
             keys = [str(i) for i in range(len(fields["prompts"]))]
             meta = local.kv_batch_put(keys=keys, partition_id=part, fields=fields)
+            start_version, inbox.switches = inbox.version, []
             out = worker.generate_sequences(meta.with_extra_info(**params))
             scored = reward.compute_reward(out)
             names = [f for f in _ROLLOUT_FIELDS if f in scored.fields]
             td = local.kv_batch_get(keys=keys, partition_id=part, select_fields=names)
             local.kv_clear(part)
-            generated = to_wire({name: td[name] for name in names})
+            got = {name: td[name] for name in names}
+            # Every response token's generating version: the batch's starting one, then each mid-generation switch.
+            token_versions = torch.full(got["responses"].shape, start_version, dtype=torch.long)
+            for sampled, version in inbox.switches:
+                token_versions[:, sampled:] = version
+            got["token_policy_version"] = token_versions
             metrics = {k: [v] for info in (out.extra_info, scored.extra_info) for k, v in info.items()
                        if isinstance(v, (int, float)) and not k.startswith("perf/")}
             metrics["off_policy/rollout_cpu_s"] = [time.process_time() - c0]
-            results.put(("batch", (batch_id, version, generated, metrics, time.perf_counter() - t0)))
+            metrics["off_policy/weight_switches"] = [float(len(inbox.switches))]
+            results.put(("batch", (batch_id, start_version, to_wire(got), metrics, time.perf_counter() - t0)))
     except BaseException:  # noqa: BLE001 - every failure, reported once to the trainer
         results.put(("error", traceback.format_exc()))
+
+
+class _Inbox:
+    """The rollout process's requests, in order, except that weights may be taken early (partial rollouts).
+
+    Between two tokens of a generation, `apply_newer_weights` loads the newest weights waiting in the
+    queue, even past batches queued before them: weights only get newer, so a batch that starts with
+    them is fresher than the trainer scheduled, never staler.
+    """
+
+    def __init__(self, requests: Any, model: torch.nn.Module):
+        self.requests, self.model = requests, model
+        self.backlog: collections.deque = collections.deque()
+        self.version = -1  # of the weights in the model
+        self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) within this generation
+
+    def next(self, timeout: float) -> tuple:
+        """The oldest request not yet handled (queue.Empty after `timeout` seconds without one)."""
+        if self.backlog:
+            return self.backlog.popleft()
+        return self.requests.get(timeout=timeout)
+
+    def load(self, msg: tuple) -> None:
+        """Put a ("weights", version, tensors) message's weights into the model."""
+        _, self.version, packed = msg
+        self.model.load_state_dict(from_wire(packed))
+
+    def apply_newer_weights(self, sampled: int) -> bool:
+        """Load the newest weights waiting, if any (True: the generation continues with them)."""
+        while True:
+            try:
+                self.backlog.append(self.requests.get_nowait())
+            except queue.Empty:
+                break
+        newest = None
+        for msg in self.backlog:
+            if msg[0] == "weights":
+                newest = msg
+        if newest is None:
+            return False
+        self.backlog = collections.deque(m for m in self.backlog if m[0] != "weights")
+        self.load(newest)
+        self.switches.append((sampled, self.version))
+        return True
 
 
 class _Wire:
@@ -314,7 +373,7 @@ class AsyncPPOTrainer(PPOTrainer):
         metrics["off_policy/dropped_frac"] = dropped / (dropped + len(meta))
         metrics["off_policy/policy_version"] = float(pending.version)
         metrics.update(self._idle_fractions(timings))
-        self._log_versions(meta, version, pending)
+        metrics.update(self._log_versions(meta, version, pending))
         return meta
 
     def _idle_fractions(self, timings: dict[str, float]) -> dict[str, float]:
@@ -385,8 +444,11 @@ class AsyncPPOTrainer(PPOTrainer):
         """Write the next finished batch into the data plane (blocking until one arrives)."""
         batch_id, gen_version, fields, extra, _ = self.rollout.receive(timeout=None)
         pending = next(p for p in self._pending if p.batch_id == batch_id)
-        assert gen_version == pending.version, (gen_version, pending.version)
+        # A partial rollout may have started the batch with weights sent after it was handed out: never older.
+        assert gen_version >= pending.version, (gen_version, pending.version)
+        pending.version = gen_version
         fields = dict(fields)
+        # A sample's version is that of its oldest token: the batch's starting weights.
         fields["policy_version"] = torch.full((len(pending.meta),), gen_version, dtype=torch.long)
         self.dp.put(pending.meta, fields)
         pending.meta = pending.meta.with_fields(list(fields))
@@ -418,10 +480,19 @@ class AsyncPPOTrainer(PPOTrainer):
         finally:
             self.global_step = saved
 
-    def _log_versions(self, meta: KVBatchMeta, version: int, pending: _Pending) -> None:
-        """One line per step in async_versions.jsonl: the version trained and every sample's generating version."""
-        versions = self.dp.get(meta, ["policy_version"])["policy_version"].tolist()
+    def _log_versions(self, meta: KVBatchMeta, version: int, pending: _Pending) -> dict[str, float]:
+        """One line per step in async_versions.jsonl (the version trained, every sample's and token's generating
+        versions); returns the token-level staleness metrics."""
+        td = self.dp.get(meta, ["policy_version", "token_policy_version", "response_mask"])
+        mask = td["response_mask"].bool()
+        tokens = td["token_policy_version"]
+        # Per sample, the versions its response tokens came from (more than one: continued by a partial rollout).
+        token_versions = [sorted(set(row[m].tolist())) for row, m in zip(tokens, mask)]
         record = {"step": self.global_step, "trained_at": version, "batch": pending.batch_id,
-                  "sample_versions": versions, "dropped_batches": self._dropped}
+                  "sample_versions": td["policy_version"].tolist(), "token_versions": token_versions,
+                  "dropped_batches": self._dropped}
         with open(self.run_dir / "async_versions.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        stale = (version - tokens)[mask].float()
+        return {"off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
+                "off_policy/partial_frac": sum(len(v) > 1 for v in token_versions) / max(1, len(token_versions))}

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,6 +100,9 @@ class PolicyWorker(CheckpointEndpoints):
         )
         self.rollout: HFRollout | Any = None
         self.agent_loop = None
+        # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
+        # hf rollout's tokens, True when it changed the weights mid-generation (`HFRollout.generate`).
+        self.interrupt: Callable[[int], bool] | None = None
         if role == "actor" and arr.rollout.name == "vllm":
             self.rollout = self._vllm_rollout(model_path)
         elif role == "actor":
@@ -260,6 +264,7 @@ class PolicyWorker(CheckpointEndpoints):
 
     def _generate(self, td: TensorDict, info: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
         engine = self.agent_loop.run if self.agent_loop is not None else self.rollout.generate
+        hook = {} if self.interrupt is None else {"interrupt": self.interrupt}
         return engine(
             td["prompts"],
             td["prompt_mask"],
@@ -270,6 +275,7 @@ class PolicyWorker(CheckpointEndpoints):
             do_sample=bool(info.get("do_sample", True)),
             generator=generator,
             capture_routing=bool(info.get("capture_routing", False)),
+            **hook,
         )
 
     @torch.no_grad()

@@ -357,3 +357,88 @@ def test_inverse_cdf_sampling_never_picks_a_zero_probability_token_and_follows_t
     assert (draws[:, 1] == 0).all() and (draws[:, 2] == 4).all()
     share = (draws[:, 0] == 3).float().mean().item()
     assert abs(share - 0.8) < 0.015  # about 5 standard errors
+
+
+# --------------------------------------------------------------------------- partial rollouts (interrupt)
+def _rollout(engine, model, tok, eos=None):
+    """The hf rollout over the Hugging Face forward ("hf") or over `LeanForward` ("lean", Qwen3 models)."""
+    from conveyor.models.lean import LeanForward
+
+    hf = _engine(model, tok, eos)
+    if engine == "hf":
+        return hf
+    return HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=hf.eos_token_id, lean=LeanForward(model))
+
+
+ENGINES = [(arch, "hf") for arch in TINY_ARCHS] + [("qwen3", "lean"), ("qwen3_moe", "lean")]
+
+
+@pytest.mark.parametrize(("arch", "engine"), ENGINES)
+def test_an_interrupted_and_resumed_greedy_generation_equals_an_uninterrupted_one(arch, engine, models, tok) -> None:
+    model = models[arch]
+    ids, mask = _prompts(tok)
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=8, do_sample=False)["responses"]
+    rollout = _rollout(engine, model, tok, eos=int(free[0, 2]))  # row 0 ends at step 2, the others run on
+    kwargs = dict(max_new_tokens=8, do_sample=False, capture_routing=True)
+    whole = rollout.generate(ids, mask, **kwargs)
+    calls = []
+
+    def interrupt(sampled: int) -> bool:
+        calls.append(sampled)
+        return sampled in (1, 3, 4)  # resume from a prefix three times, once right after row 0 finished
+
+    resumed = rollout.generate(ids, mask, interrupt=interrupt, **kwargs)
+    r = whole["responses"].shape[1]
+    assert r == 8 and calls == list(range(1, r))
+    assert torch.equal(resumed["responses"], whole["responses"])
+    assert torch.equal(resumed["response_mask"], whole["response_mask"])
+    # The resumed cache comes from one prefill instead of step-by-step decoding: the same values up to
+    # float rounding.
+    torch.testing.assert_close(resumed["rollout_log_probs"], whole["rollout_log_probs"], atol=1e-5, rtol=0)
+    if arch in MOE_ARCHS:
+        assert torch.equal(resumed["routed_experts"], whole["routed_experts"])
+    else:
+        assert "routed_experts" not in resumed
+
+
+@pytest.mark.parametrize("engine", ["hf", "lean"])
+def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follow_the_new_weights(engine, models,
+                                                                                                     tok) -> None:
+    old = models["qwen3_moe"]
+    model = build_tiny_model("qwen3_moe", tok, seed=0, initializer_range=0.3).eval()
+    new_state = build_tiny_model("qwen3_moe", tok, seed=1, initializer_range=0.3).state_dict()
+    ids, mask = _prompts(tok)
+    rollout = _rollout(engine, model, tok, eos=NEVER_EOS)
+    switch = 3
+
+    def interrupt(sampled: int) -> bool:
+        if sampled == switch:
+            model.load_state_dict(new_state)
+            return True
+        return False
+
+    out = rollout.generate(ids, mask, max_new_tokens=7, do_sample=True, generator=torch.Generator().manual_seed(0),
+                           capture_routing=True, interrupt=interrupt)
+    # Each token's log-prob is that of the weights that sampled it: the old ones before the switch, the
+    # new ones after, each as a teacher-forced forward over the final sequence computes it.
+    before, _ = _teacher_forced_log_probs(old, ids, mask, out, 1.0)
+    after, _ = _teacher_forced_log_probs(model, ids, mask, out, 1.0)
+    torch.testing.assert_close(out["rollout_log_probs"][:, :switch], before[:, :switch], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["rollout_log_probs"][:, switch:], after[:, switch:], atol=1e-5, rtol=0)
+    assert (before[:, switch:] - after[:, switch:]).abs().max() > 0.1  # the two really differ
+    # Routing stays aligned with its tokens: every fed position holds the routing of the cache the later
+    # tokens were sampled from, which after the switch is the new weights' routing of the whole prefix,
+    # what R3 replays and the load-balance metrics count.
+    seq = torch.cat([ids, out["responses"]], dim=1)
+    att = torch.cat([mask, out["response_mask"].long()], dim=1)
+    with torch.no_grad(), RoutingRecorder(model) as rec:
+        model(input_ids=seq, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0))
+        expected = rec.pop()
+    known = (out["routed_experts"] >= 0).all(-1).all(-1)
+    p = ids.shape[1]
+    assert torch.equal(known[:, :p], mask.bool()) and bool(known[:, p : p + 6].all())
+    assert torch.equal(out["routed_experts"][known], expected[known].to(torch.int16))
+    with torch.no_grad(), RoutingRecorder(old) as rec:
+        old(input_ids=seq, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0))
+        stale = rec.pop()
+    assert not torch.equal(stale[known], expected[known])  # the old weights route differently

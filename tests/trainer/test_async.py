@@ -223,3 +223,41 @@ def test_routed_experts_come_back_with_their_tokens_for_replay_and_the_load_bala
         assert row["rollout/moe/routing_from_trainer_forward"] == 0.0
         assert 0.0 < row["actor/moe/routing_agreement"] <= 1.0
         assert row["off_policy/staleness_max"] <= 1.0
+
+
+def test_partial_rollouts_continue_unfinished_samples_with_the_new_weights(tmp_path, tiny_run):
+    # A rollout slower than the update (10 ms per sampled token, in the rollout process only), so weights
+    # reach it mid-generation; R3 replays the routing recorded across the switch.
+    plugin = tmp_path / "slow.py"
+    plugin.write_text(
+        "import multiprocessing, time\n"
+        "from conveyor.rollout import hf\n"
+        "if multiprocessing.current_process().name == 'conveyor-rollout':\n"
+        "    sample = hf._Sampler.__call__\n"
+        "    def slow(self, logits):\n"
+        "        time.sleep(0.01)\n"
+        "        return sample(self, logits)\n"
+        "    hf._Sampler.__call__ = slow\n"
+    )
+    metrics, run_dir = _run(tmp_path, tiny_run, "run", [
+        ASYNC, "trainer.v1.separate_async.partial_rollout=true", "trainer.total_training_steps=4",
+        "data.max_response_length=24", f"trainer.plugins=[{plugin}]", "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
+    spans = []
+    for r in log:
+        for first, versions in zip(r["sample_versions"], r["token_versions"]):
+            # A sample's version is its oldest token's; later tokens are newer, none beyond the trained version.
+            assert versions[0] == first and r["trained_at"] - 1 <= first and versions[-1] <= r["trained_at"]
+            spans.append(len(versions))
+    assert max(spans) == 2  # some samples were continued with newer weights, never thrown away
+    rows = {r["step"]: r for r in metrics}
+    partial = [rows[r["step"]] for r in log if any(len(v) > 1 for v in r["token_versions"])]
+    for row in partial:
+        assert row["off_policy/weight_switches"] >= 1 and 0 < row["off_policy/partial_frac"] <= 1
+        assert row["off_policy/token_staleness_mean"] < row["off_policy/staleness_mean"]
+    for step in (1, 2, 3, 4):
+        # Routing that slipped off its tokens would agree with the update's own routing at about chance.
+        assert rows[step]["rollout/moe/routed_experts_found"] == 1.0
+        assert rows[step]["actor/moe/routing_agreement"] > 0.9
+        assert rows[step]["rollout/moe/routed_expert_assignments"] > 0 and "rollout/moe/max_vio/max" in rows[step]
