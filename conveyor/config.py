@@ -910,10 +910,6 @@ class Config:
         """What the asynchronous trainer does not (yet) combine with: each an error naming the key."""
         mode = f"trainer.v1.trainer_mode={self.trainer.v1.trainer_mode}"
         arr, algo = self.actor_rollout_ref, self.algorithm
-        _check(not (self.trainer.nnodes > 1 or self.trainer.n_gpus_per_node > 1 or self.trainer.num_cpu_workers > 1
-                    or self.ray.address is not None),
-               "trainer.num_cpu_workers", f"{mode} runs its rollout process next to a single in-process actor rank; "
-               "Ray worker groups are not supported in this mode yet")
         _check(arr.rollout.name == "hf", "actor_rollout_ref.rollout.name", f"{mode} supports the hf rollout only")
         _check(not arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
                f"multi-turn rollouts are not supported with {mode}")

@@ -29,8 +29,9 @@ samples continue with them, and every token records its version
 token's, so the bound above still holds.
 
 See docs/async.md for the timeline and the measured speed. What it does not
-do: Ray worker groups, the vllm rollout, multi-turn or dynamic sampling (the
-config rejects those combinations).
+do: the vllm rollout, multi-turn or dynamic sampling (the config rejects
+those combinations). With Ray worker groups the ranks train on Ray and the
+rollout process (on this machine) gets rank 0's full weights.
 """
 
 from __future__ import annotations

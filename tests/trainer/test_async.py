@@ -125,7 +125,6 @@ def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run):
     (["trainer.v1.trainer_mode=fully_async"], "trainer_mode"),
     (["trainer.v1.sampler.max_off_policy_threshold=1", "trainer.v1.separate_async.parameter_sync_step=3"],
      "parameter_sync_step"),
-    ([ASYNC, "trainer.num_cpu_workers=2"], "num_cpu_workers"),
     ([ASYNC, "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode"),
 ])
 def test_async_settings_are_checked(override, key):
@@ -261,3 +260,20 @@ def test_partial_rollouts_continue_unfinished_samples_with_the_new_weights(tmp_p
         assert rows[step]["rollout/moe/routed_experts_found"] == 1.0
         assert rows[step]["actor/moe/routing_agreement"] > 0.9
         assert rows[step]["rollout/moe/routed_expert_assignments"] > 0 and "rollout/moe/max_vio/max" in rows[step]
+
+
+def test_ray_workers_train_and_ship_their_weights_to_the_rollout(tmp_path, tiny_run):
+    # Two actor ranks on Ray; the rollout process gets rank 0's full weights. k = 0 takes the rollout's
+    # log-probs as the old policy, and one mini-batch per step makes the update's ratio compare them with
+    # the trained weights before they change: a rollout a version behind shows a KL of ~1e-2 here.
+    metrics, run_dir = _run(tmp_path, tiny_run, "run", [
+        ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0", "trainer.num_cpu_workers=2", "ray.num_cpus=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.model.tiny.warmstart_steps=20",
+        "trainer.total_training_steps=4"])
+    rows = {r["step"]: r for r in metrics}
+    assert [r["trained_at"] for r in map(json.loads, (run_dir / "async_versions.jsonl").read_text().splitlines())] \
+        == [0, 1, 2, 3]
+    assert sum(rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3)) >= 2  # the weights did change
+    for s in (1, 2, 3, 4):
+        assert abs(rows[s]["actor/ppo_kl"]) < 1e-5, (s, rows[s]["actor/ppo_kl"])
+        assert rows[s]["off_policy/staleness_max"] == 0.0
