@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -41,3 +42,18 @@ TINY_RUN = [
 def tiny_run(tmp_path):
     """Overrides for a tiny run writing into tmp_path."""
     return TINY_RUN + [f"trainer.default_local_dir={tmp_path}"]
+
+
+def _wait_until(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.25)
+    return condition()
+
+
+@pytest.fixture
+def wait_until():
+    """`wait_until(condition, seconds=30)`: poll `condition` every 0.25 s until true or out of time; its last value."""
+    return _wait_until

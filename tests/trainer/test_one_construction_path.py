@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -67,17 +66,9 @@ def _ray_processes() -> list:
     return out
 
 
-def _wait(condition, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.25)
-    return condition()
-
-
 @pytest.mark.parametrize("where", ["local", "ray"])
-def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run, tmp_path: Path, caplog) -> None:
+def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run, wait_until, tmp_path: Path,
+                                                           caplog) -> None:
     if where == "ray":
         ray = pytest.importorskip("ray")
         pytest.importorskip("psutil")
@@ -117,4 +108,4 @@ def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run,
         assert any(m.startswith("actor: 2 rank(s)") for m in messages)
         # run_training started Ray, so it stopped it: nothing is left running.
         assert not ray.is_initialized()
-        assert _wait(lambda: not _ray_processes()), [p.cmdline() for p in _ray_processes()]
+        assert wait_until(lambda: not _ray_processes()), [p.cmdline() for p in _ray_processes()]

@@ -28,15 +28,6 @@ def _steps(run_dir: Path) -> dict[int, dict]:
     return {int(r["step"]): r for r in rows}
 
 
-def _wait(condition, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.25)
-    return condition()
-
-
 def _assert_trained_two_steps(run_dir: Path) -> None:
     steps = _steps(run_dir)
     assert {1, 2} <= set(steps)
@@ -72,7 +63,7 @@ def test_an_address_where_no_ray_listens_fails_fast() -> None:
 # one Ray run serves both.
 
 
-def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, tmp_path, monkeypatch) -> None:
+def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_until, tmp_path, monkeypatch) -> None:
     import conveyor.workers.roles as roles
 
     base = roles.PolicyWorker
@@ -108,12 +99,12 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, tmp_path
         from ray._private.state import actors as actor_table
         from ray.util.placement_group import placement_group_table
 
-        assert _wait(lambda: all(a["State"] == "DEAD" for a in actor_table().values()))
+        assert wait_until(lambda: all(a["State"] == "DEAD" for a in actor_table().values()))
         assert len(actor_table()) >= 4  # 1 storage + 2 actor ranks + 1 reward at least
         assert not [p for p in placement_group_table().values() if p["state"] in ("PENDING", "CREATED")]
         pids = [int(p.read_text()) for p in pid_dir.iterdir()]
         assert len(pids) == 2
-        assert _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        assert wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                      for p in pids))
     finally:
         ray.shutdown()
