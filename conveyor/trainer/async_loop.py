@@ -487,13 +487,16 @@ class AsyncPPOTrainer(PPOTrainer):
         td = self.dp.get(meta, ["policy_version", "token_policy_version", "response_mask"])
         mask = td["response_mask"].bool()
         tokens = td["token_policy_version"]
-        # Per sample, the versions its response tokens came from (more than one: continued by a partial rollout).
-        token_versions = [sorted(set(row[m].tolist())) for row, m in zip(tokens, mask)]
+        # Per sample, the oldest and newest version among its response tokens (they differ when a partial
+        # rollout continued it): versions only grow along a response, so the two bound every token's.
+        oldest = tokens.masked_fill(~mask, version + 1).min(dim=-1).values
+        newest = tokens.masked_fill(~mask, -1).max(dim=-1).values
         record = {"step": self.global_step, "trained_at": version, "batch": pending.batch_id,
-                  "sample_versions": td["policy_version"].tolist(), "token_versions": token_versions,
+                  "sample_versions": td["policy_version"].tolist(),
+                  "token_version_range": torch.stack([oldest, newest], dim=-1).tolist(),
                   "dropped_batches": self._dropped}
         with open(self.run_dir / "async_versions.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         stale = (version - tokens)[mask].float()
         return {"off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
-                "off_policy/partial_frac": sum(len(v) > 1 for v in token_versions) / max(1, len(token_versions))}
+                "off_policy/partial_frac": float((newest > oldest).float().mean())}

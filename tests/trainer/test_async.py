@@ -243,15 +243,15 @@ def test_partial_rollouts_continue_unfinished_samples_with_the_new_weights(tmp_p
         "data.max_response_length=24", f"trainer.plugins=[{plugin}]", "actor_rollout_ref.actor.router_replay.mode=R3",
         "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
     log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
-    spans = []
+    continued = 0
     for r in log:
-        for first, versions in zip(r["sample_versions"], r["token_versions"]):
+        for first, (oldest, newest) in zip(r["sample_versions"], r["token_version_range"]):
             # A sample's version is its oldest token's; later tokens are newer, none beyond the trained version.
-            assert versions[0] == first and r["trained_at"] - 1 <= first and versions[-1] <= r["trained_at"]
-            spans.append(len(versions))
-    assert max(spans) == 2  # some samples were continued with newer weights, never thrown away
+            assert oldest == first and r["trained_at"] - 1 <= first and newest <= r["trained_at"]
+            continued += newest > oldest
+    assert continued > 0  # some samples were continued with newer weights, never thrown away
     rows = {r["step"]: r for r in metrics}
-    partial = [rows[r["step"]] for r in log if any(len(v) > 1 for v in r["token_versions"])]
+    partial = [rows[r["step"]] for r in log if any(new > old for old, new in r["token_version_range"])]
     for row in partial:
         assert row["off_policy/weight_switches"] >= 1 and 0 < row["off_policy/partial_frac"] <= 1
         assert row["off_policy/token_staleness_mean"] < row["off_policy/staleness_mean"]
