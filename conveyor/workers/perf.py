@@ -3,6 +3,13 @@
 On an accelerator these are the device allocator's peaks; on a CPU the process's
 peak resident memory stands in for "allocated" and "reserved" (there is no
 separate caching allocator to report).
+
+A phase (the rollout, a log-prob pass, an update) measures its own peak: it
+starts a new peak window (`reset_peak_memory`: the allocator's peak statistics
+on an accelerator; on Linux, writing 5 to `/proc/self/clear_refs`, which sets
+the process's high-water mark `VmHWM` back to its current resident set) and
+reads the peak at its end (`phase_memory_metrics`), so each figure says what
+that phase alone reached rather than the process's lifetime peak.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import sys
 
 import torch
 
-__all__ = ["memory_metrics", "reset_peak_memory", "result_handle"]
+__all__ = ["memory_metrics", "reset_peak_memory", "peak_memory_bytes", "phase_memory_metrics", "result_handle"]
 
 _GB = 1024**3
 
@@ -41,7 +48,7 @@ def memory_metrics(device: torch.device | str = "cpu") -> dict[str, float]:
         allocated = torch.cuda.max_memory_allocated(device)
         reserved = torch.cuda.max_memory_reserved(device)
     else:
-        allocated = reserved = _peak_rss_bytes()
+        allocated = reserved = peak_memory_bytes(device)
     return {
         "perf/max_memory_allocated_gb": allocated / _GB,
         "perf/max_memory_reserved_gb": reserved / _GB,
@@ -49,11 +56,45 @@ def memory_metrics(device: torch.device | str = "cpu") -> dict[str, float]:
     }
 
 
-def reset_peak_memory(device: torch.device | str = "cpu") -> None:
-    """Start a new peak window on an accelerator (the CPU peak RSS cannot be reset)."""
+def _status_kb(field: str) -> int | None:
+    """A `kB` line of /proc/self/status (VmHWM, VmRSS) in kB, or None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reset_peak_memory(device: torch.device | str = "cpu") -> bool:
+    """Start a new peak window: the allocator's on an accelerator, the process's VmHWM on Linux; False if it cannot."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        # "5": reset the peak resident set size to the current one (Linux >= 4.0, proc(5)).
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False  # not Linux, or a kernel without it: the peak stays the lifetime peak
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """This process's peak since the last `reset_peak_memory`: allocated device bytes, or resident bytes on a CPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(device))
+    hwm = _status_kb("VmHWM")
+    return hwm * 1024 if hwm is not None else _peak_rss_bytes()
+
+
+def phase_memory_metrics(phase: str, device: torch.device | str = "cpu") -> dict[str, float]:
+    """The peak of `phase` since its `reset_peak_memory`, as `perf/{phase}/max_memory_gb` (reduced over ranks by max)."""
+    return {f"perf/{phase}/max_memory_gb": peak_memory_bytes(device) / _GB}
 
 
 def result_handle(meta, fields: list[str], metrics: dict[str, float], device: torch.device | str = "cpu"):
