@@ -10,14 +10,17 @@ pass recomputes each block's softmax. Peak extra memory is one block, plus the
 gradient itself, which autograd needs anyway.
 
 Results are float32 (float64 logits stay float64, which lets gradcheck run).
-This module deliberately does not apply temperature (divide the logits first),
-shift labels, or mask positions: it maps logits and labels to per-token
-numbers and nothing else.
+A sampling temperature is applied inside each block (``temperature=``), so
+bf16 logits are never divided or upcast as a whole: the only full-size tensor
+is the model's own output. This module deliberately does not shift labels or
+mask positions: it maps logits and labels to per-token numbers and nothing
+else.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -79,6 +82,7 @@ class _LogProbEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         with_entropy: bool,
         chunk_elements: int,
+        temperature: float,
     ) -> tuple[torch.Tensor, ...]:
         batch, length, vocab = logits.shape
         dtype = _compute_dtype(logits)
@@ -86,7 +90,8 @@ class _LogProbEntropy(torch.autograd.Function):
         lse = torch.empty_like(log_probs)
         expected = torch.empty_like(log_probs) if with_entropy else None
         for idx in _blocks(batch, length, vocab, chunk_elements):
-            lp, block_lse, block_expected = _block_stats(logits[idx].to(dtype), labels[idx], with_entropy)
+            lp, block_lse, block_expected = _block_stats(_scaled(logits[idx], dtype, temperature), labels[idx],
+                                                         with_entropy)
             log_probs[idx] = lp
             lse[idx] = block_lse
             if expected is not None:
@@ -94,6 +99,7 @@ class _LogProbEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.with_entropy = with_entropy
         ctx.chunk_elements = chunk_elements
+        ctx.temperature = temperature
         ctx.save_for_backward(logits, labels, lse, expected)
         if expected is None:
             return (log_probs,)
@@ -103,17 +109,17 @@ class _LogProbEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, *grad_outputs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         logits, labels, lse, expected = ctx.saved_tensors
         grad_lp = grad_outputs[0]
         grad_ent = grad_outputs[1] if ctx.with_entropy else None
         if grad_lp is None and grad_ent is None:
-            return None, None, None, None
+            return None, None, None, None, None
         batch, length, vocab = logits.shape
         dtype = _compute_dtype(logits)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for idx in _blocks(batch, length, vocab, ctx.chunk_elements):
-            z = logits[idx].to(dtype)
+            z = _scaled(logits[idx], dtype, ctx.temperature)
             p = torch.exp(z - lse[idx].unsqueeze(-1))
             g = torch.zeros_like(z)
             if grad_lp is not None:
@@ -126,12 +132,21 @@ class _LogProbEntropy(torch.autograd.Function):
                 term = p * (expected[idx].unsqueeze(-1) - z)
                 term = torch.where(p > 0, term, torch.zeros((), dtype=dtype, device=z.device))
                 g = g + grad_ent[idx].to(dtype).unsqueeze(-1) * term
+            if ctx.temperature != 1.0:
+                g = g / ctx.temperature  # the chain rule through z = logits / T
             grad[idx] = g.to(logits.dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None
+
+
+def _scaled(block: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """One block of logits upcast to `dtype` and divided by the temperature (in the upcast precision)."""
+    z = block.to(dtype)
+    return z / temperature if temperature != 1.0 else z
 
 
 def _run(
-    logits: torch.Tensor, labels: torch.Tensor | None, with_entropy: bool, chunk_elements: int | None
+    logits: torch.Tensor, labels: torch.Tensor | None, with_entropy: bool, chunk_elements: int | None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Validate shapes, add a batch dim to (N, V) input, and call the autograd function."""
     if logits.dim() not in (2, 3):
@@ -148,10 +163,13 @@ def _run(
     chunk = DEFAULT_CHUNK_ELEMENTS if chunk_elements is None else int(chunk_elements)
     if chunk <= 0:
         raise ValueError(f"chunk_elements must be > 0, got {chunk_elements}")
+    temperature = float(temperature)
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     squeeze = logits.dim() == 2
     if squeeze:
         logits, labels = logits.unsqueeze(0), labels.unsqueeze(0)
-    outputs = _LogProbEntropy.apply(logits, labels.long(), with_entropy, chunk)
+    outputs = _LogProbEntropy.apply(logits, labels.long(), with_entropy, chunk, temperature)
     log_probs = outputs[0]
     entropy = outputs[1] if with_entropy else None
     if squeeze:
@@ -161,16 +179,18 @@ def _run(
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, *, chunk_elements: int | None = None
+    logits: torch.Tensor, labels: torch.Tensor, *, chunk_elements: int | None = None, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log softmax(logits)[label] per token: logits (B, T, V), labels (B, T) -> (B, T) float32."""
-    log_probs, _ = _run(logits, labels, False, chunk_elements)
+    """log softmax(logits / T)[label] per token: logits (B, T, V), labels (B, T) -> (B, T) float32."""
+    log_probs, _ = _run(logits, labels, False, chunk_elements, temperature)
     return log_probs
 
 
-def entropy_from_logits(logits: torch.Tensor, *, chunk_elements: int | None = None) -> torch.Tensor:
-    """Entropy of softmax(logits) per token: logits (B, T, V) -> (B, T) float32."""
-    _, entropy = _run(logits, None, True, chunk_elements)
+def entropy_from_logits(
+    logits: torch.Tensor, *, chunk_elements: int | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per token: logits (B, T, V) -> (B, T) float32."""
+    _, entropy = _run(logits, None, True, chunk_elements, temperature)
     assert entropy is not None
     return entropy
 
@@ -181,6 +201,7 @@ def logprobs_and_entropy(
     with_entropy: bool,
     *,
     chunk_elements: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Label log-probs (B, T) and, if ``with_entropy``, entropy (B, T) from one pass over logits (B, T, V)."""
-    return _run(logits, labels, with_entropy, chunk_elements)
+    """Label log-probs (B, T) and, if ``with_entropy``, entropy (B, T) of softmax(logits / T), logits (B, T, V)."""
+    return _run(logits, labels, with_entropy, chunk_elements, temperature)

@@ -136,3 +136,50 @@ def test_backward_keeps_no_full_vocabulary_float32_copy() -> None:
     reference = saved_bytes(lambda: _reference(logits, labels)[0])
     assert ours <= logits_bytes + 64 * batch * length
     assert reference >= logits.numel() * 4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_temperature_inside_blocks_equals_dividing_the_whole_logits(temperature):
+    """The in-block temperature gives the numbers (and gradients) of `logits.float() / T` at 1e-6, in float32."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5))
+    ref_in = logits.detach().clone().requires_grad_(True)
+    ref_lp, ref_ent = logprobs_and_entropy(ref_in / temperature, labels, True, chunk_elements=22)
+    lp, ent = logprobs_and_entropy(logits, labels, True, chunk_elements=22, temperature=temperature)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+    w1, w2 = torch.randn(3, 5), torch.randn(3, 5)
+    ((ref_lp * w1).sum() + (ref_ent * w2).sum()).backward()
+    ((lp * w1).sum() + (ent * w2).sum()).backward()
+    torch.testing.assert_close(logits.grad, ref_in.grad, atol=1e-6, rtol=0)
+
+
+def test_temperature_gradcheck_float64():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3))
+    assert torch.autograd.gradcheck(
+        lambda x: logprobs_and_entropy(x, labels, True, chunk_elements=4, temperature=0.6), (logits,)
+    )
+
+
+def test_bf16_logits_match_float32_within_bf16_rounding():
+    """bf16 logits (what a bf16 model returns) against the same logits kept in float32.
+
+    Each bf16 logit is within 2^-8 relative of its float32 value, so log-probs of
+    logits of magnitude ~3 move by at most a few 1e-2; the tolerance is stated here.
+    """
+    torch.manual_seed(2)
+    logits32 = torch.randn(4, 6, 50) * 3
+    labels = torch.randint(0, 50, (4, 6))
+    lp32, ent32 = logprobs_and_entropy(logits32, labels, True, temperature=0.8)
+    lp16, ent16 = logprobs_and_entropy(logits32.bfloat16(), labels, True, temperature=0.8)
+    assert lp16.dtype == torch.float32
+    torch.testing.assert_close(lp16, lp32, atol=5e-2, rtol=0)
+    torch.testing.assert_close(ent16, ent32, atol=5e-2, rtol=0)
+
+
+def test_temperature_must_be_positive():
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_from_logits(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
