@@ -167,17 +167,20 @@ def test_temperature_gradcheck_float64():
 def test_bf16_logits_match_float32_within_bf16_rounding():
     """bf16 logits (what a bf16 model returns) against the same logits kept in float32.
 
-    Each bf16 logit is within 2^-8 relative of its float32 value, so log-probs of
-    logits of magnitude ~3 move by at most a few 1e-2; the tolerance is stated here.
+    Rounding to bf16 moves each logit by at most 2^-9 of its magnitude, so a
+    log-prob (label logit minus log-sum-exp) moves by at most 2 x 2^-9 x max|z / T|,
+    and the entropy by no more: that is the tolerance (about 0.07 for logits of
+    magnitude 15 at T = 0.8; measured 0.063 over 64 x 64 x 1000 such logits).
     """
     torch.manual_seed(2)
-    logits32 = torch.randn(4, 6, 50) * 3
-    labels = torch.randint(0, 50, (4, 6))
+    logits32 = torch.randn(16, 16, 1000) * 3
+    labels = torch.randint(0, 1000, (16, 16))
+    bound = 2 * 2**-9 * float(logits32.abs().max()) / 0.8
     lp32, ent32 = logprobs_and_entropy(logits32, labels, True, temperature=0.8)
     lp16, ent16 = logprobs_and_entropy(logits32.bfloat16(), labels, True, temperature=0.8)
     assert lp16.dtype == torch.float32
-    torch.testing.assert_close(lp16, lp32, atol=5e-2, rtol=0)
-    torch.testing.assert_close(ent16, ent32, atol=5e-2, rtol=0)
+    assert float((lp16 - lp32).abs().max()) <= bound
+    assert float((ent16 - ent32).abs().max()) <= bound
 
 
 def test_temperature_must_be_positive():
