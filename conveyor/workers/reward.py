@@ -21,10 +21,8 @@ call is abandoned (in a daemon thread), not stopped: the run ends instead.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -39,6 +37,7 @@ from conveyor.tasks.rewards import (
     reward_fn_name,
 )
 from conveyor.rollout.trajectory import span_lengths
+from conveyor.user_code import is_file_source, user_attribute
 from conveyor.workers.perf import result_handle
 
 __all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn", "overlong_penalty"]
@@ -49,28 +48,19 @@ class SampleRewardError(RewardFunctionError, ValueError):
 
 
 _PATH_KEY = "reward.custom_reward_function.path"
+_NAME_KEY = "reward.custom_reward_function.name"
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..., Any]:
-    """The function `name` defined in the Python file `path`; a missing file or name is a ValueError naming the key."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"{_PATH_KEY}: no such file {str(path)!r}")
-    # Not added to sys.modules: each worker gets a fresh module, and a user's file
-    # cannot shadow an importable module of the same name.
-    spec = importlib.util.spec_from_file_location(f"conveyor_custom_reward_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{_PATH_KEY}: {str(path)!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ValueError(f"{_PATH_KEY}: importing {str(path)!r} failed: {type(err).__name__}: {err}") from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward.custom_reward_function.name: {str(path)!r} defines no function {name!r}")
-    return fn
+    """The function `name` defined in the Python file `path`; a missing file or name is a ValueError naming the key.
+
+    Loaded as all of the user's code is (`conveyor.user_code`): once per process, so a file that is also a
+    plugin runs once.
+    """
+    if not is_file_source(str(path)):
+        path = f"./{path}"  # always a file here, even without a `.py` suffix or a folder
+    return user_attribute(str(path), name, key=_PATH_KEY, name_key=_NAME_KEY, kind="function", must_be_callable=True)
 
 
 class RewardWorker:
