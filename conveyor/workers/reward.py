@@ -21,12 +21,11 @@ call is abandoned (in a daemon thread), not stopped: the run ends instead.
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Callable
 
 import torch
 
+from conveyor.deadline import DeadlineExceeded, map_with_deadline
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.rewards import (
     RewardFunctionError,
@@ -113,40 +112,18 @@ class RewardWorker:
         """Every sample's score; a failed or hung call stops the run with a SampleRewardError naming the sample.
 
         The calls run in a daemon thread so that one that hangs past
-        `timeout_s` can be given up on: a thread cannot be killed, so the call
-        is left running while the run stops with an error naming the function.
+        `timeout_s` can be given up on (`conveyor.deadline`): a thread cannot
+        be killed, so the call is left running while the run stops with an
+        error naming the function.
         """
-        if not self.timeout_s:
-            return [self._score_one(keys[i], *sample) for i, sample in enumerate(samples)]
-        scores: list[float] = []
-        failure: list[BaseException] = []
-        current = [(0, time.monotonic())]  # (sample index, its start), replaced whole so it reads consistently
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                for i, sample in enumerate(samples):
-                    current[0] = (i, time.monotonic())
-                    scores.append(self._score_one(keys[i], *sample))
-            except BaseException as err:  # handed to the caller's thread, which raises it
-                failure.append(err)
-            finally:
-                done.set()
-
-        threading.Thread(target=work, name=f"reward-rank{self.rank}", daemon=True).start()
-        while not done.is_set():
-            i, started = current[0]
-            left = started + self.timeout_s - time.monotonic()
-            if left <= 0 and not done.is_set() and current[0][0] == i:
-                raise SampleRewardError(
-                    f"sample {keys[i]!r}: {self._function_label(samples[i][0])} did not return within "
-                    f"reward.timeout_s={self.timeout_s:g}s; the run stops (the call is abandoned, not stopped). "
-                    "Fix the function, or raise reward.timeout_s if it is just slow"
-                )
-            done.wait(max(left, 0.001))
-        if failure:
-            raise failure[0]
-        return scores
+        try:
+            return map_with_deadline(lambda i: self._score_one(keys[i], *samples[i]), range(len(samples)),
+                                     timeout_s=self.timeout_s, key="reward.timeout_s",
+                                     what=lambda i: self._function_label(samples[i][0]),
+                                     thread_name=f"reward-rank{self.rank}")
+        except DeadlineExceeded as err:
+            raise SampleRewardError(f"sample {keys[err.index]!r}: {err}; the run stops. "
+                                    "Fix the function, or raise reward.timeout_s if it is just slow") from err
 
     def _score_one(self, key: str, source: str, text: str, truth: str) -> float:
         """`_score` of one sample, its failure a SampleRewardError naming `key`."""
