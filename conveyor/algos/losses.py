@@ -131,9 +131,19 @@ def get_policy_loss(name: str) -> PolicyLoss:
         raise ValueError(f"unknown policy_loss {name!r}; valid names: {valid}") from None
 
 
-def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
-    """exp(log_ratio) (B, T) with the exponent clamped to +-20 so the ratio stays finite."""
+def _clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """log r = log_prob - old_log_prob (B, T), clamped to +-20 so exp(log r) stays finite.
+
+    The losses that clamp it this way in verl (vanilla, sapo, cispo) also report
+    ``ppo_kl`` from the clamped value, so theirs do too: the metric saturates at
+    20 per token where verl's does.
+    """
     # Clipping makes the gradient 0 out there anyway; an inf would turn 0 * inf into NaN.
+    return torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+
+
+def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) (B, T) with the exponent clamped to +-20, for losses whose ``ppo_kl`` is unclamped, as in verl."""
     return torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
 
 
@@ -257,8 +267,8 @@ def compute_policy_loss(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual clip, got {clip_ratio_c}")
-    log_ratio = log_prob - old_log_prob
-    ratio = _ratio(log_ratio)
+    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
+    ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
@@ -316,13 +326,13 @@ def compute_policy_loss_sapo(
     """
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"SAPO temperatures tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
-    log_ratio = log_prob - old_log_prob
+    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
     taus = torch.where(
         advantages > 0,
         torch.as_tensor(tau_pos, dtype=advantages.dtype, device=advantages.device),
         torch.as_tensor(tau_neg, dtype=advantages.dtype, device=advantages.device),
     )
-    gates = torch.sigmoid(taus * (_ratio(log_ratio) - 1.0)) * (4.0 / taus)
+    gates = torch.sigmoid(taus * (torch.exp(log_ratio) - 1.0)) * (4.0 / taus)
     return -gates * advantages, {
         "pg_clipfrac": _zero(mask), "pg_clipfrac_lower": _zero(mask), "ppo_kl": masked_mean(-log_ratio, mask),
     }
@@ -339,8 +349,8 @@ def compute_policy_loss_cispo(
     Clipping the weight rather than the objective keeps every token's gradient
     (PPO drops clipped tokens entirely).
     """
-    log_ratio = log_prob - old_log_prob
-    ratio = _ratio(log_ratio)
+    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     return -clipped.detach() * advantages * log_prob, {
         "pg_clipfrac": masked_mean((ratio != clipped).float(), mask),

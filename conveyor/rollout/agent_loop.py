@@ -39,12 +39,14 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from conveyor.deadline import DeadlineExceeded, call_with_deadline
 from conveyor.rollout.hf import HFRollout
 from conveyor.rollout.trajectory import response_span
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call
@@ -53,6 +55,8 @@ from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
 logger = logging.getLogger(__name__)
 
 __all__ = ["AgentLoop", "AgentLoopSettings", "build_agent_loop", "truncate_text", "tool_turn_ids"]
+
+_TIMEOUT_KEY = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
 
 
 @dataclass(frozen=True)
@@ -283,43 +287,27 @@ class AgentLoop:
     def _run_calls(self, jobs: list[tuple[_Sample, ToolCall]]) -> dict[int, ToolResult]:
         """Results by sample index: up to `tool_workers` calls at once, each given `tool_timeout_s` from its start.
 
-        One daemon thread per call: a call that times out is abandoned (a thread cannot be stopped) and frees
-        its slot, so tools that hang cannot starve the calls after them, in this round or later ones.
+        Each call runs in its own daemon thread (`conveyor.deadline`): one that times out is abandoned (a thread
+        cannot be stopped) and frees its slot, so tools that hang cannot starve the calls after them, in this round
+        or later ones.
         """
         st = self.settings
-        results: dict[int, ToolResult] = {}
-        queue = list(jobs)
-        running: dict[int, tuple[threading.Thread, dict[str, ToolResult], float, ToolCall]] = {}
-        wake = threading.Event()
-        while queue or running:
-            while queue and len(running) < st.tool_workers:
-                s, call = queue.pop(0)
-                box: dict[str, ToolResult] = {}
 
-                def work(box=box, call=call, s=s) -> None:
-                    try:
-                        box["result"] = run_call(self.tools, call, self._instance_id(s), s.created)
-                    finally:
-                        wake.set()
+        def one(s: _Sample, call: ToolCall) -> ToolResult:
+            started = time.perf_counter()
+            try:
+                return call_with_deadline(run_call, self.tools, call, self._instance_id(s), s.created,
+                                          timeout_s=st.tool_timeout_s, what=f"tool {call.name!r}",
+                                          key=_TIMEOUT_KEY, thread_name=f"tool-{call.name}")
+            except DeadlineExceeded:
+                message = f"tool {call.name!r} timed out after {st.tool_timeout_s:g}s"
+                return ToolResult(f"error: {message}", 0.0, message, time.perf_counter() - started)
 
-                thread = threading.Thread(target=work, name=f"tool-{call.name}", daemon=True)
-                running[s.index] = (thread, box, time.perf_counter(), call)
-                thread.start()
-            now = time.perf_counter()
-            for index, (thread, box, started, call) in list(running.items()):
-                if "result" in box:
-                    results[index] = box["result"]
-                elif now - started >= st.tool_timeout_s:
-                    message = f"tool {call.name!r} timed out after {st.tool_timeout_s:g}s"
-                    results[index] = ToolResult(f"error: {message}", 0.0, message, now - started)
-                else:
-                    continue
-                del running[index]
-            if running and not (queue and len(running) < st.tool_workers):
-                first_deadline = min(started for _, _, started, _ in running.values()) + st.tool_timeout_s
-                wake.wait(max(first_deadline - time.perf_counter(), 0.0) + 1e-3)
-                wake.clear()
-        return results
+        if not jobs:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(st.tool_workers, len(jobs)), thread_name_prefix="tool-slot") as pool:
+            futures = {s.index: pool.submit(one, s, call) for s, call in jobs}
+        return {index: future.result() for index, future in futures.items()}
 
     # ------------------------------------------------------------------ output
     def _assemble(self, samples: list[_Sample], prompt_width: int, capture_routing: bool,

@@ -15,7 +15,7 @@ The tool YAML (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
 
     tools:
       - name: calc                                  # what the model writes
-        path: conveyor.tools.calculator:calculate   # module:attribute or module.attribute
+        path: conveyor.tools.calculator:calculate   # module:attribute, module.attribute or file.py:attribute
         config: {}                                  # optional: a class's constructor arguments
 
 `run_call` never raises: an exception becomes an error text for the model
@@ -27,7 +27,6 @@ cannot be stopped from inside.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import time
@@ -38,6 +37,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from conveyor.tools.formats import ToolCall
+from conveyor.user_code import describe_error, user_attribute
 
 __all__ = ["Tool", "ToolResult", "FunctionTool", "load_tools", "make_tool", "run_call", "release_all"]
 
@@ -90,22 +90,15 @@ class FunctionTool(Tool):
         return self.fn(call.text if call.text is not None else "")
 
 
-def _import(path: str) -> Any:
-    """The object at `module:attr` or `module.attr`."""
+def _import(path: str, where: str) -> Any:
+    """The object at `module:attr`, `module.attr` or `file.py:attr`, loaded as all user code is (`conveyor.user_code`)."""
     module, sep, attr = path.partition(":")
     if not sep:
         module, _, attr = path.rpartition(".")
     if not module or not attr:
-        raise ValueError(f"{path!r} is not a Python path; write module.attribute or module:attribute")
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module!r} of tool {path!r} ({err})") from err
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {module!r} has no attribute {attr!r} (tool {path!r})")
-        obj = getattr(obj, part)
-    return obj
+        raise ValueError(f"{where}: {path!r} is not a Python path; write module.attribute, module:attribute "
+                         "or file.py:attribute")
+    return user_attribute(module, attr, key=where)
 
 
 def make_tool(obj: Any, config: Optional[dict] = None) -> Tool:
@@ -145,12 +138,13 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: name, path, config, description")
         if entry["name"] in tools:
             raise ValueError(f"{where}: the name {entry['name']!r} is used twice; give each tool its own")
+        obj = _import(entry["path"], where)
         try:
-            tools[entry["name"]] = make_tool(_import(entry["path"]), entry.get("config"))
+            tools[entry["name"]] = make_tool(obj, entry.get("config"))
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from err
-        except Exception as err:  # a constructor that fails
-            raise ValueError(f"{where}: building {entry['path']!r} raised {type(err).__name__}: {err}") from err
+        except (Exception, SystemExit) as err:  # a constructor that fails (sys.exit in it must not end the run quietly)
+            raise ValueError(f"{where}: building {entry['path']!r} failed: {describe_error(err)}") from err
     return tools
 
 
@@ -181,7 +175,7 @@ def run_call(tools: dict[str, Tool], call: ToolCall, instance_id: str, created: 
                 _resolve(tool.create(instance_id))
         text, reward = _normalise(_resolve(tool.execute(instance_id, call)))
         return ToolResult(text, reward, None, time.perf_counter() - start)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # sys.exit in a tool is a failed call, not the end of the run
         message = f"{type(err).__name__}: {err}" if not isinstance(err, LookupError) else str(err).strip("'\"")
         return ToolResult(f"error: {message}", 0.0, message, time.perf_counter() - start)
 
@@ -195,6 +189,6 @@ def release_all(tools: dict[str, Tool], instance_id: str, created: set[str]) -> 
             continue
         try:
             _resolve(tool.release(instance_id))
-        except Exception as err:
+        except (Exception, SystemExit) as err:
             failures.append(f"tool {name!r} release raised {type(err).__name__}: {err}")
     return failures

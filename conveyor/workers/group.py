@@ -104,10 +104,6 @@ class WorkerGroup(abc.ABC):
         """Run `endpoint` on every rank over its share of `meta`; the merged handle."""
 
     @abc.abstractmethod
-    def call_rank0(self, method: Endpoint, *args: Any, **kwargs: Any) -> Any:
-        """Run `method` on rank 0 only (e.g. to read a state dict)."""
-
-    @abc.abstractmethod
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` with the same arguments on every rank; one result per rank."""
 
@@ -136,10 +132,6 @@ class LocalWorkerGroup(WorkerGroup):
         except Exception as err:
             raise wrap_worker_error(self.role, 0, endpoint.__name__, err) from err
         return BatchData([out]).concat()
-
-    def call_rank0(self, method: Endpoint, *args: Any, **kwargs: Any) -> Any:
-        """Run `method` on the single rank."""
-        return _bound(self.worker, method)(*args, **kwargs)
 
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` on the single rank."""

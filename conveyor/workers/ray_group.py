@@ -264,12 +264,6 @@ class RayWorkerGroup(WorkerGroup):
         self._gather(method, refs)
         return BatchData(refs).concat()
 
-    def call_rank0(self, method: Endpoint, *args: Any, **kwargs: Any) -> Any:
-        """Run `method` on rank 0 only."""
-        name = method.__name__
-        self._check_open(name)
-        return self._gather(name, [self._actors[0].call_args.remote(name, args, kwargs)])[0]
-
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` with the same arguments on every rank; one result per rank."""
         name = method.__name__

@@ -21,14 +21,11 @@ call is abandoned (in a daemon thread), not stopped: the run ends instead.
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from conveyor.deadline import DeadlineExceeded, map_with_deadline
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.rewards import (
     RewardFunctionError,
@@ -39,6 +36,7 @@ from conveyor.tasks.rewards import (
     reward_fn_name,
 )
 from conveyor.rollout.trajectory import span_lengths
+from conveyor.user_code import is_file_source, user_attribute
 from conveyor.workers.perf import result_handle
 
 __all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn", "overlong_penalty"]
@@ -49,28 +47,19 @@ class SampleRewardError(RewardFunctionError, ValueError):
 
 
 _PATH_KEY = "reward.custom_reward_function.path"
+_NAME_KEY = "reward.custom_reward_function.name"
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..., Any]:
-    """The function `name` defined in the Python file `path`; a missing file or name is a ValueError naming the key."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"{_PATH_KEY}: no such file {str(path)!r}")
-    # Not added to sys.modules: each worker gets a fresh module, and a user's file
-    # cannot shadow an importable module of the same name.
-    spec = importlib.util.spec_from_file_location(f"conveyor_custom_reward_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{_PATH_KEY}: {str(path)!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ValueError(f"{_PATH_KEY}: importing {str(path)!r} failed: {type(err).__name__}: {err}") from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward.custom_reward_function.name: {str(path)!r} defines no function {name!r}")
-    return fn
+    """The function `name` defined in the Python file `path`; a missing file or name is a ValueError naming the key.
+
+    Loaded as all of the user's code is (`conveyor.user_code`): once per process, so a file that is also a
+    plugin runs once.
+    """
+    if not is_file_source(str(path)):
+        path = f"./{path}"  # always a file here, even without a `.py` suffix or a folder
+    return user_attribute(str(path), name, key=_PATH_KEY, name_key=_NAME_KEY, kind="function", must_be_callable=True)
 
 
 class RewardWorker:
@@ -123,40 +112,18 @@ class RewardWorker:
         """Every sample's score; a failed or hung call stops the run with a SampleRewardError naming the sample.
 
         The calls run in a daemon thread so that one that hangs past
-        `timeout_s` can be given up on: a thread cannot be killed, so the call
-        is left running while the run stops with an error naming the function.
+        `timeout_s` can be given up on (`conveyor.deadline`): a thread cannot
+        be killed, so the call is left running while the run stops with an
+        error naming the function.
         """
-        if not self.timeout_s:
-            return [self._score_one(keys[i], *sample) for i, sample in enumerate(samples)]
-        scores: list[float] = []
-        failure: list[BaseException] = []
-        current = [(0, time.monotonic())]  # (sample index, its start), replaced whole so it reads consistently
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                for i, sample in enumerate(samples):
-                    current[0] = (i, time.monotonic())
-                    scores.append(self._score_one(keys[i], *sample))
-            except BaseException as err:  # handed to the caller's thread, which raises it
-                failure.append(err)
-            finally:
-                done.set()
-
-        threading.Thread(target=work, name=f"reward-rank{self.rank}", daemon=True).start()
-        while not done.is_set():
-            i, started = current[0]
-            left = started + self.timeout_s - time.monotonic()
-            if left <= 0 and not done.is_set() and current[0][0] == i:
-                raise SampleRewardError(
-                    f"sample {keys[i]!r}: {self._function_label(samples[i][0])} did not return within "
-                    f"reward.timeout_s={self.timeout_s:g}s; the run stops (the call is abandoned, not stopped). "
-                    "Fix the function, or raise reward.timeout_s if it is just slow"
-                )
-            done.wait(max(left, 0.001))
-        if failure:
-            raise failure[0]
-        return scores
+        try:
+            return map_with_deadline(lambda i: self._score_one(keys[i], *samples[i]), range(len(samples)),
+                                     timeout_s=self.timeout_s, key="reward.timeout_s",
+                                     what=lambda i: self._function_label(samples[i][0]),
+                                     thread_name=f"reward-rank{self.rank}")
+        except DeadlineExceeded as err:
+            raise SampleRewardError(f"sample {keys[err.index]!r}: {err}; the run stops. "
+                                    "Fix the function, or raise reward.timeout_s if it is just slow") from err
 
     def _score_one(self, key: str, source: str, text: str, truth: str) -> float:
         """`_score` of one sample, its failure a SampleRewardError naming `key`."""

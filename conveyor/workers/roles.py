@@ -144,10 +144,6 @@ class CriticGroup(_Role):
         """Every rank reads its shards from `path` and the schedule state."""
         self.ranks.call_all(CriticWorker.load_checkpoint, path, extra)
 
-    def model_state_dict(self) -> dict[str, Any]:
-        """The whole value model's weights, gathered from the ranks."""
-        return self.ranks.call_all(CriticWorker.model_state_dict)[0]
-
 
 class RewardGroup(_Role):
     """The reward functions."""

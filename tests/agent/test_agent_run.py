@@ -106,7 +106,8 @@ def test_tool_yaml_functions_and_stateful_classes(tmp_path) -> None:
     assert release_all(tools, "t1", created) == []
     assert tools["count"].log == [("create", "t1"), ("release", "t1")]
     for text, match in [("tools: []\n", "non-empty list"), ("tools:\n  - name: a\n", "give `name`"),
-                        ("tools:\n  - name: a\n    path: no.such.module:f\n", "cannot import module"),
+                        ("tools:\n  - name: a\n    path: no.such.module:f\n",
+                         "tools\\[0\\]: importing module 'no.such.module' failed: ModuleNotFoundError"),
                         ("tools:\n  - name: a\n    path: conveyor.tools.calculator:calculate\n    config: {x: 1}\n",
                          "for tool classes")]:
         path.write_text(text)

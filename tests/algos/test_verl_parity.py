@@ -128,13 +128,25 @@ LOSS_PARAMS: dict[str, list[dict[str, float]]] = {
 }
 
 
-def _policy_case(name: str, seed: int, mode: str, params: dict[str, float]) -> dict[str, Any]:
-    """Ratios around 1 (some clipped), token-level advantages, global normalisers above the local counts."""
+# Log-ratios beyond the +-20 that vanilla, sapo and cispo clamp them to (in verl and here), on column 0 (every
+# row has it) of the first rows; their ppo_kl is then the clamped value's mean.
+EXTREME_LOG_RATIOS = (25.0, -30.0, 21.5, -60.0, 45.0)
+CLAMPED_LOSSES = ("vanilla", "sapo", "cispo")
+
+
+def _policy_case(name: str, seed: int, mode: str, params: dict[str, float], extreme: bool = False) -> dict[str, Any]:
+    """Ratios around 1 (some clipped), token-level advantages, global normalisers above the local counts.
+
+    With ``extreme``, a few tokens get log-ratios of 20 and more in size (EXTREME_LOG_RATIOS).
+    """
     gen = torch.Generator().manual_seed(seed)
     batch = 13
     mask = _mask(gen, batch)
     old = -3.0 * torch.rand(batch, WIDTH, generator=gen)
     new = old + 0.4 * torch.randn(batch, WIDTH, generator=gen)
+    if extreme:
+        rows = len(EXTREME_LOG_RATIOS)
+        new[:rows, 0] = old[:rows, 0] + torch.tensor(EXTREME_LOG_RATIOS)
     with_weights = seed % 2 == 0
     return {
         "kind": "policy_loss", "name": name, "seed": seed, "params": params, "mask": mask,
@@ -159,6 +171,10 @@ def _policy_cases() -> dict[str, dict[str, Any]]:
                 seed += 1
                 suffix = "-".join(f"{k}{v}" for k, v in params.items())
                 cases[f"{name}-{mode}-{suffix or 'default'}"] = _policy_case(name, seed, mode, params)
+    for name in CLAMPED_LOSSES:
+        for mode in ("token-mean", "seq-mean-token-sum"):
+            seed += 1
+            cases[f"{name}-{mode}-extreme-log-ratio"] = _policy_case(name, seed, mode, {}, extreme=True)
     return cases
 
 
@@ -329,6 +345,18 @@ def test_policy_losses_match_verl(case_id: str, verl_out: dict) -> None:
     assert set(verl_metrics) <= set(metrics)
     for name, value in verl_metrics.items():
         torch.testing.assert_close(metrics[name].float().cpu(), value, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("case_id", [k for k in CASES if k.endswith("-extreme-log-ratio")])
+def test_ppo_kl_at_extreme_log_ratios_is_verls_clamped_one(case_id: str, verl_out: dict) -> None:
+    case = CASES[case_id]
+    _, _, metrics = _our_policy_loss(case)
+    mask = case["mask"]
+    log_ratio = (case["log_prob"] - case["old_log_prob"])[mask]
+    assert log_ratio.abs().max() > 20  # the case does reach the clamp
+    torch.testing.assert_close(metrics["ppo_kl"], (-log_ratio.clamp(-20, 20)).mean(), **TOL)
+    torch.testing.assert_close(metrics["ppo_kl"], verl_out[case_id]["metric/ppo_kl"], **TOL)
+    assert not torch.isclose(metrics["ppo_kl"], (-log_ratio).mean(), atol=1e-3)
 
 
 @pytest.mark.parametrize("case_id", _ids("agg/"))
