@@ -446,7 +446,8 @@ class PPOTrainer:
             rewards, current_kl = apply_kl_penalty(
                 rewards, td["old_log_probs"], td["ref_log_prob"], mask, kl_coef=self.kl_ctrl.value, kind=algo.kl_penalty
             )
-            self.kl_ctrl.update(current_kl, n_steps=self.cfg.data.train_batch_size)
+            # verl's apply_kl_penalty: the batch's number of sequences (prompts x rollout.n), not of prompts.
+            self.kl_ctrl.update(current_kl, n_steps=len(meta))
             metrics["actor/reward_kl_penalty"] = current_kl
             metrics["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
         advantages, returns = compute_advantage(

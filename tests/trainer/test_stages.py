@@ -11,6 +11,7 @@ calls, and check that every field is written before anything reads it.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conveyor.config import load_config
@@ -191,6 +192,44 @@ def test_greedy_baseline_is_written_before_the_advantage_reads_it(tiny_run):
     assert (frozenset(), frozenset({"reward_baselines"})) in segments  # computed in a partition of its own
     assert (frozenset({"rm_scores", "response_mask", "uid", "reward_baselines"}), ADVANTAGES) in segments
     assert ("put", PROMPT) in dp.ops("train-1-greedy")
+
+
+def test_adaptive_kl_in_reward_counts_sequences_as_verl_does(tiny_run):
+    """verl's apply_kl_penalty updates the controller with the batch's number of sequences (prompts x n)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    trainer, dp = make_trainer(tiny_run + ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                                           "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.01",
+                                           "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.rollout.n=4"])
+    metrics = run_step(trainer, dp)
+    current_kl = metrics["actor/reward_kl_penalty"]
+    n_seqs = trainer.cfg.data.train_batch_size * trainer.cfg.actor_rollout_ref.rollout.n
+    assert n_seqs == 16
+    # verl's own controller, in a subprocess (importing verl here would leak its logging set-up).
+    script = (
+        "import json, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from verl_reference import _load_core_algos\n"
+        "ca = _load_core_algos()\n"
+        "out = []\n"
+        "for n in sys.argv[3:]:\n"
+        "    ctrl = ca.AdaptiveKLController(init_kl_coef=0.05, target_kl=0.01, horizon=100)\n"
+        "    ctrl.update(float(sys.argv[2]), int(n))\n"
+        "    out.append(float(ctrl.value))\n"
+        "print(json.dumps(out))\n"
+    )
+    algos = Path(__file__).resolve().parents[1] / "algos"
+    n_prompts = trainer.cfg.data.train_batch_size
+    proc = subprocess.run([sys.executable, "-c", script, str(algos), repr(current_kl), str(n_seqs), str(n_prompts)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected, per_prompt = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert expected != pytest.approx(per_prompt)  # the case tells the two counts apart
+    assert trainer.kl_ctrl.value == pytest.approx(expected, rel=1e-12)
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_bypass_resolves_automatically():
