@@ -231,7 +231,8 @@ def run_conveyor(args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
     """Train with conveyor's `run_training`; per-step seconds, generated tokens and rewards from its metrics.jsonl."""
     import conveyor
     from conveyor.metrics.trackers import read_metrics_jsonl
-    from conveyor.trainer.ppo import PPOTrainer, run_training
+    from conveyor.trainer.ppo import PPOTrainer
+    from conveyor.trainer.run import run_training
 
     cfg = shared_config(args, run_dir)
     # The trainer reports each step's wall time itself; its CPU time is read around the same call here.

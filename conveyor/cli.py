@@ -62,7 +62,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     try:
-        from conveyor.trainer.ppo import run_training
+        from conveyor.trainer.run import run_training
     except ImportError as err:
         raise ValueError(f"no trainer is available in this installation ({err})") from err
     run_training(cfg)

@@ -3,7 +3,10 @@
 Every estimator maps response-aligned token rewards ``(B, T)`` (plus values or
 group ids when it needs them) to ``(advantages, returns)``, both ``(B, T)`` and
 zero wherever ``response_mask`` is 0. Estimators live in a name -> function
-registry so a new one is added by writing a function, not by editing a branch.
+registry so a new one is added by writing a function, not by editing a branch;
+what it needs from the run (a critic, a greedy baseline rollout, groups of a
+minimum size) is declared with it (``EstimatorNeeds``) and asked for by name
+with ``estimator_needs``.
 
 Conventions shared by all estimators:
 
@@ -28,6 +31,7 @@ caller, and whitening statistics are batch-wide for that reason.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -41,8 +45,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ADV_ESTIMATORS",
     "NEEDS_CRITIC",
+    "EstimatorNeeds",
     "register_adv_estimator",
     "get_adv_estimator",
+    "estimator_needs",
     "compute_advantage",
     "masked_mean",
     "masked_var",
@@ -60,23 +66,51 @@ __all__ = [
 
 AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an estimator needs from the run besides rewards, declared where it is registered.
+
+    The trainer and the config ask for these instead of naming estimators.
+    """
+
+    needs_critic: bool = False
+    """It reads ``values``: choosing it turns the critic on (``Config.use_critic``)."""
+    greedy_baseline: bool = False
+    """It reads ``reward_baselines`` (B,): the reward of one greedy rollout per prompt (ReMax)."""
+    min_group_size: int = 1
+    """The fewest samples per prompt (``rollout.n``) it is defined for."""
+
+
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
-# Estimators that read ``values``: choosing one turns the critic on (``Config.use_critic``).
+ADV_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
+# Estimators that read ``values``, derived from their declarations (``EstimatorNeeds.needs_critic``).
 NEEDS_CRITIC: set[str] = set()
 
 
-def register_adv_estimator(name: str, *, needs_critic: bool = False) -> Callable[[AdvEstimator], AdvEstimator]:
-    """Decorator registering ``fn`` as the advantage estimator called ``name`` (``needs_critic``: it reads values)."""
-
+def register_adv_estimator(
+    name: str, *, needs_critic: bool = False, greedy_baseline: bool = False, min_group_size: int = 1
+) -> Callable[[AdvEstimator], AdvEstimator]:
+    """Decorator registering ``fn`` as the advantage estimator called ``name``, with what it needs (``EstimatorNeeds``)."""
+    if min_group_size < 1:
+        raise ValueError(f"advantage estimator {name!r}: min_group_size must be >= 1, got {min_group_size}")
     register = registrar(ADV_ESTIMATORS, name, "advantage estimator")
+    needs = EstimatorNeeds(needs_critic=needs_critic, greedy_baseline=greedy_baseline, min_group_size=min_group_size)
 
     def decorator(fn: AdvEstimator) -> AdvEstimator:
         register(fn)
-        if needs_critic:
+        ADV_ESTIMATOR_NEEDS[name] = needs
+        if needs.needs_critic:
             NEEDS_CRITIC.add(name)
         return fn
 
     return decorator
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What estimator ``name`` declared it needs (defaults for one put into ``ADV_ESTIMATORS`` directly)."""
+    get_adv_estimator(name)  # an unknown name is the same error everywhere
+    return ADV_ESTIMATOR_NEEDS.get(name, EstimatorNeeds(needs_critic=name in NEEDS_CRITIC))
 
 
 def get_adv_estimator(name: str) -> AdvEstimator:
@@ -391,7 +425,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return adv, adv.clone()
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", greedy_baseline=True)
 def compute_remax_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -449,7 +483,7 @@ def compute_gpg_advantage(
     return _per_token(alpha * _centred(g), g, m, dtype)
 
 
-@register_adv_estimator("grpo_passk")
+@register_adv_estimator("grpo_passk", min_group_size=2)
 def compute_grpo_passk_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

@@ -51,7 +51,7 @@ import torch
 
 from conveyor.config import Config
 from conveyor.protocol import KVBatchMeta
-from conveyor.trainer.ppo import PPOTrainer, _timer
+from conveyor.trainer.ppo import PPOTrainer, StageResult, _timer, _timing_metrics
 from conveyor.trainer.setup import resolve_device
 from conveyor.workers.group import WorkerError
 
@@ -324,7 +324,7 @@ class AsyncPPOTrainer(PPOTrainer):
             self.rollout = None
             torch.set_num_threads(total)
             for p in self._pending:
-                self.dp.kv_clear(p.meta.partition_id)
+                self.data_plane.kv_clear(p.meta.partition_id)
 
     def step(self) -> dict[str, float]:
         """One step of the synchronous trainer on the next batch the rollout finished within the bound."""
@@ -332,7 +332,7 @@ class AsyncPPOTrainer(PPOTrainer):
             return super().step()
         finally:
             if self._batch_part is not None:
-                self.dp.kv_clear(self._batch_part)
+                self.data_plane.kv_clear(self._batch_part)
                 self._batch_part = None
 
     def save_checkpoint(self):
@@ -350,8 +350,10 @@ class AsyncPPOTrainer(PPOTrainer):
             self.train_data.load_state_dict(live)
 
     # ------------------------------------------------------------------ the sampling stage
-    def _sample(self, part: str, timings: dict[str, float], metrics: dict[str, float]) -> KVBatchMeta:
+    def _sample(self, meta: KVBatchMeta) -> StageResult:
         """Stages 1-3: the next batch the rollout generated within the staleness bound, with its rewards."""
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
         version = self.global_step - 1  # updates so far: the version this step trains
         if self._next_batch == 0:  # first step of this run (or of a resumed one)
             self._next_batch = self.global_step
@@ -375,7 +377,8 @@ class AsyncPPOTrainer(PPOTrainer):
         metrics["off_policy/policy_version"] = float(pending.version)
         metrics.update(self._idle_fractions(timings))
         metrics.update(self._log_versions(meta, version, pending))
-        return meta
+        metrics.update(_timing_metrics(timings))
+        return meta, metrics
 
     def _idle_fractions(self, timings: dict[str, float]) -> dict[str, float]:
         """The trainer's and the rollout's idle fractions since the previous step's sampling stage."""
@@ -418,7 +421,7 @@ class AsyncPPOTrainer(PPOTrainer):
         n = self.cfg.actor_rollout_ref.rollout.n
         meta = self._put_prompts(records, f"batch-{batch_id}", n=n)
         names = ["prompts", "prompt_mask", "data_source", "ground_truth"]  # what generation and scoring read
-        td = self.dp.get(meta, names)
+        td = self.data_plane.get(meta, names)
         params = self._generation_params(self._seed_at("gen", batch_id))
         fields = {name: td[name] if isinstance(td[name], torch.Tensor) else list(td[name]) for name in names}
         self.rollout.submit(batch_id, fields, params)
@@ -438,7 +441,7 @@ class AsyncPPOTrainer(PPOTrainer):
             # Only `drop` hands out batches that can end up too old.
             assert self.strategy == "drop", (head.version, version, self.k)
             self._dropped += 1
-            self.dp.kv_clear(head.meta.partition_id)
+            self.data_plane.kv_clear(head.meta.partition_id)
             self._dispatch(version, in_training=0)
 
     def _receive(self) -> None:
@@ -451,7 +454,7 @@ class AsyncPPOTrainer(PPOTrainer):
         fields = dict(fields)
         # A sample's version is that of its oldest token: the batch's starting weights.
         fields["policy_version"] = torch.full((len(pending.meta),), gen_version, dtype=torch.long)
-        self.dp.put(pending.meta, fields)
+        self.data_plane.put(pending.meta, fields)
         pending.meta = pending.meta.with_fields(list(fields))
         from conveyor.metrics.reduce import reduce_rank_metrics
 
@@ -484,7 +487,7 @@ class AsyncPPOTrainer(PPOTrainer):
     def _log_versions(self, meta: KVBatchMeta, version: int, pending: _Pending) -> dict[str, float]:
         """One line per step in async_versions.jsonl (the version trained, every sample's and token's generating
         versions); returns the token-level staleness metrics."""
-        td = self.dp.get(meta, ["policy_version", "token_policy_version", "response_mask"])
+        td = self.data_plane.get(meta, ["policy_version", "token_policy_version", "response_mask"])
         mask = td["response_mask"].bool()
         tokens = td["token_policy_version"]
         # Per sample, the oldest and newest version among its response tokens (they differ when a partial

@@ -33,7 +33,7 @@ from conveyor.tools import (
     release_all,
     run_call,
 )
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 # For the run below: an untrained model calls the calculator whenever a turn ends at a digit (frequent), so
 # trajectories hold tool turns without a warm start.

@@ -17,9 +17,9 @@ import pytest
 
 from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
-from conveyor.trainer import ppo
+from conveyor.trainer import run
 from conveyor.trainer.checkpoint import load_checkpoint
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 
 def test_ctrl_c_saves_the_running_step_exits_130_and_resume_continues(
@@ -88,7 +88,7 @@ class _Planes:
 def planes(monkeypatch: pytest.MonkeyPatch) -> _Planes:
     """run_training builds instrumented (but real) memory data planes during the test."""
     recorder = _Planes()
-    monkeypatch.setattr(ppo, "build_data_plane", recorder.build)
+    monkeypatch.setattr(run, "build_data_plane", recorder.build)
     return recorder
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from conveyor.config import load_config
 from conveyor.trainer.checkpoint import load_checkpoint
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 
 def _sigterm_after_step(rel, processes, run_dir: Path, *extra: str) -> tuple[int, str]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conveyor.config import ConfigError, load_config
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import resolve_routing_source
 
 # The tiny model with heads vLLM's CPU attention accepts (head_dim 32).

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conveyor.config import ConfigError, load_config
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 from conveyor.workers.reward import overlong_penalty
-from test_stages import make_trainer  # tests/trainer is on sys.path (rootdir import mode)
+from test_stages import make_trainer, step_partition  # tests/trainer is on sys.path (rootdir import mode)
 
 # Half the prompts (even answers) score the same whatever is generated: their groups
 # carry no signal. The others score the response's length parity, which varies.
@@ -35,8 +35,7 @@ def test_dynamic_sampling_trains_a_full_batch_of_varied_groups(tiny_run, half_co
         "algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
     ]
     trainer, dp = make_trainer(overrides)
-    metrics: dict = {}
-    meta = trainer._sample("train-1", {}, metrics)
+    meta, metrics = trainer._sample(step_partition("train-1"))
     assert len(meta) == 4 * 4  # full: train_batch_size groups of n samples
     td = dp.get(meta, ["acc", "uid", "ground_truth", "prompts", "responses"])
     groups: dict[str, list[float]] = {}
@@ -59,7 +58,7 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tiny_run, tmp_path)
                                           "algorithm.filter_groups.enable=true",
                                           "algorithm.filter_groups.max_num_gen_batches=2"])
     with pytest.raises(ValueError, match="after 2 generation batches only 0 of the 4"):
-        trainer._sample("train-1", {}, {})
+        trainer._sample(step_partition("train-1"))
 
 
 def test_dynamic_sampling_without_a_limit_stops_after_an_epoch_of_constant_groups(tiny_run, tmp_path):
@@ -68,7 +67,7 @@ def test_dynamic_sampling_without_a_limit_stops_after_an_epoch_of_constant_group
     trainer, _ = make_trainer(tiny_run + [f"reward.custom_reward_function.path={path}", "data.synthetic.num_train=16",
                                           "algorithm.filter_groups.enable=true"])
     with pytest.raises(ValueError, match="a whole epoch of prompts"):
-        trainer._sample("train-1", {}, {})
+        trainer._sample(step_partition("train-1"))
 
 
 def test_dynamic_sampling_logs_the_generation_batches_of_every_step(tiny_run, half_constant_reward):
@@ -86,7 +85,7 @@ def test_dynamic_sampling_needs_groups():
 
 def test_remax_baseline_is_the_greedy_response_reward(tiny_run):
     trainer, dp = make_trainer(tiny_run + ["algorithm.adv_estimator=remax"])
-    meta = trainer._sample("train-1", {}, {})
+    meta, _ = trainer._sample(step_partition("train-1"))
     base = dp.get(meta, ["reward_baselines", "uid"])
     # The baseline is one number per prompt, shared by its samples ...
     by_uid: dict[str, set] = {}
@@ -107,8 +106,7 @@ def test_overlong_shaping_moves_the_reward_not_the_accuracy(tiny_run):
     trainer, dp = make_trainer(tiny_run + ["reward_model.overlong_buffer.enable=true",
                                            "reward_model.overlong_buffer.len=3",
                                            "reward_model.overlong_buffer.penalty_factor=2.0"])
-    metrics: dict = {}
-    meta = trainer._sample("train-1", {}, metrics)
+    meta, metrics = trainer._sample(step_partition("train-1"))
     td = dp.get(meta, ["rm_scores", "acc", "response_mask"])
     lengths = td["response_mask"].sum(-1)
     penalty = overlong_penalty(lengths, trainer.cfg.data.max_response_length, 3, 2.0)

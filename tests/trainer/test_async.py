@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conveyor.config import ConfigError, load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.export import export_hf
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 from conveyor.workers.group import WorkerError
 
 # Wall-clock and memory readings differ from run to run by nature; the async loop's own counters are extra.

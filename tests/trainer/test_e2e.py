@@ -10,7 +10,7 @@ import pytest
 
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 STEP_KEYS = [
     "reward/mean", "reward/max", "reward/min",

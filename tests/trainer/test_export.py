@@ -12,7 +12,7 @@ from conveyor.cli import main
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.checkpoint import load_checkpoint
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.actor import PolicyWorker
 

@@ -11,7 +11,7 @@ import torch
 from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.actor import PolicyWorker
 

@@ -11,7 +11,7 @@ import pytest
 
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 
 def test_run_writes_tensorboard_and_mlflow(tiny_run, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.config import load_config
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -17,7 +17,7 @@ psutil = pytest.importorskip("psutil")
 
 from conveyor.config import load_config  # noqa: E402
 from conveyor.data_plane.ray_store import RayDataPlane  # noqa: E402
-from conveyor.trainer.ppo import run_training  # noqa: E402
+from conveyor.trainer.run import run_training  # noqa: E402
 from conveyor.workers.group import WorkerError  # noqa: E402
 
 # tiny_run (tests/conftest.py) keeps only the actor and the reward: GRPO, no KL term, so no reference or critic.

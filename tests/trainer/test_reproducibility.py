@@ -6,7 +6,7 @@ import json
 
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 # Wall-clock and memory readings differ from run to run by nature; every other metric must not.
 _MEASURED = ("timing_s/", "perf/", "gen_time_s")

@@ -6,7 +6,7 @@ import shutil
 
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.trainer.ppo import run_training
+from conveyor.trainer.run import run_training
 
 KEYS = ("actor/lr", "actor/pg_loss", "actor/grad_norm", "reward/mean", "actor/entropy")
 

@@ -1,0 +1,132 @@
+"""The composition root of a training run: build every part from the config, train, and take it all down.
+
+`run_training(cfg)` resolves the device, locks the run directory, checks a
+resume against the saved config before anything is built, writes the
+resolved config, loads the tokenizer and prompts, and builds, in order, the
+Prometheus endpoint (when enabled), Ray (when the run needs it), the data
+plane, the worker groups and the trackers; it picks the trainer (the
+synchronous `PPOTrainer`, or `AsyncPPOTrainer` for `trainer.v1` async mode),
+runs it, and closes what it built in reverse order whatever happens.
+
+This is the one place that knows every part; the trainers get their parts
+injected. What it deliberately does not do: train (the trainers do) or decide
+how each part is built (`trainer/setup.py`, `workers/roles.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from conveyor.config import Config, config_to_dict
+from conveyor.metrics.trackers import Tracking
+from conveyor.models.loading import load_model_config, load_tokenizer
+from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
+from conveyor.trainer import checkpoint as ckpt
+from conveyor.trainer.async_loop import AsyncPPOTrainer
+from conveyor.trainer.ppo import PPOTrainer
+from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
+from conveyor.trainer.setup import (
+    build_data_plane,
+    load_prompt_records,
+    prepare_default_model,
+    resolve_device,
+    resolve_routing_source,
+)
+from conveyor.workers.roles import build_worker_groups
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_training"]
+
+
+def run_training(cfg: Config) -> dict[str, float]:
+    """Build everything from `cfg`, train, and close the data plane (and workers) whatever happens."""
+    import transformers
+
+    # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
+    transformers.utils.logging.disable_progress_bar()
+    device = resolve_device(cfg)  # an unusable device fails before anything is built or written
+    resolve_routing_source(cfg, device)
+    run_dir = cfg.run_dir
+    lock = open_run_dir(cfg)
+    try:
+        return _train_in(cfg, run_dir, device)
+    finally:
+        lock.release()
+
+
+def _resume_check(cfg: Config, run_dir: Path) -> bool:
+    """Check the checkpoint a resume would load against this config before anything is built (True: accepted change)."""
+    path = ckpt.resume_path(cfg.trainer, run_dir / "checkpoints")
+    if path is None:
+        return False
+    state = ckpt.load_checkpoint(path)["trainer_state"]
+    return check_resume(cfg, path, state.get("config"))
+
+
+def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
+    """run_training's body, with the run directory locked."""
+    changed = _resume_check(cfg, run_dir)
+    try:
+        write_config(cfg, run_dir, keep_previous=changed)
+    except OSError as err:
+        raise ValueError(f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "
+                         "directory with trainer.default_local_dir") from err
+    torch.manual_seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed % 2**32)
+
+    model_path = prepare_default_model(cfg)
+    trust = cfg.actor_rollout_ref.model.trust_remote_code
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
+    train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
+
+    registry = server = gauges = None
+    if cfg.trainer.prometheus.enabled:
+        from prometheus_client import CollectorRegistry
+
+        from conveyor.data_plane.prometheus import serve_registry
+        from conveyor.metrics.train_prometheus import TrainingGauges
+
+        registry = CollectorRegistry()
+        gauges = TrainingGauges(registry)
+        server, port = serve_registry(registry, cfg.trainer.prometheus.host, cfg.trainer.prometheus.port)
+        logger.info("training metrics for Prometheus at http://%s:%d/metrics", cfg.trainer.prometheus.host, port)
+
+    data_plane = None
+    workers = None
+    tracking = None
+    failed = True
+    ray_started = False
+    try:
+        ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
+        data_plane = build_data_plane(cfg, registry=registry)
+        workers = build_worker_groups(cfg, model_path, data_plane, tokenizer, device)
+        tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
+                            experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+        trainer_cls: Any = PPOTrainer
+        extra: dict[str, Any] = {}
+        if cfg.trainer.v1.is_async:  # rollout in its own process, concurrently with the updates
+            trainer_cls, extra = AsyncPPOTrainer, {"model_path": model_path}
+        trainer = trainer_cls(
+            cfg, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
+            val_records=val_records, tracking=tracking, run_dir=run_dir,
+            model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges, **extra,
+        )
+        result = trainer.fit()
+        failed = False
+        return result
+    finally:
+        if tracking is not None:
+            tracking.close(failed=failed)
+        if workers is not None:
+            workers.shutdown()
+        if data_plane is not None:
+            data_plane.close()
+        if server is not None:
+            server.shutdown()
+        shutdown_ray(ray_started)  # after the data plane: its storage actors live in Ray

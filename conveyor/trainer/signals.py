@@ -1,0 +1,77 @@
+"""How a run stops on Ctrl-C or SIGTERM: finish the running step, then stop (and let the loop save it).
+
+A step stopped half-way has advanced the prompt order and maybe the model, so
+no checkpoint can describe it: with `trainer.save_on_interrupt` the first
+Ctrl-C or SIGTERM only records the request, the loop finishes the running step,
+saves it and raises `StopRequested`; a second one stops at once. Without
+`save_on_interrupt` the first one stops at once.
+
+What it deliberately does not do: save anything, or decide the exit status
+(the command maps `StopRequested.signum` to 128 + signum).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS"]
+
+# What a scheduler (Slurm, Kubernetes, `timeout`) or a person sends to stop a run.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(KeyboardInterrupt):
+    """Training stopped on a signal (Ctrl-C or SIGTERM); the command exits with 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """The stop handlers of one training loop: `install()` them, read `requested`, `restore()` the previous ones.
+
+    `step` tells the warning which step is being finished; `save_on_interrupt`
+    False makes the first signal stop at once.
+    """
+
+    def __init__(self, *, save_on_interrupt: bool, step: Callable[[], int]):
+        self.save_on_interrupt = save_on_interrupt
+        self._step = step
+        self.requested = 0  # the signal that asked the loop to stop after this step (0: none)
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "StopSignals":
+        """Take over SIGINT and SIGTERM (not off the main thread, where signals never arrive anyway)."""
+        self.requested = 0
+        for signum in STOP_SIGNALS:
+            try:
+                old = signal.getsignal(signum)
+                signal.signal(signum, self._on_signal)
+            except (ValueError, TypeError):  # not the main thread
+                continue
+            self._previous[signum] = old if old is not None else signal.SIG_DFL
+        return self
+
+    def restore(self) -> None:
+        """Put back the handlers `install` replaced."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def check(self) -> None:
+        """Raise `StopRequested` if a stop was asked for (called between two steps)."""
+        if self.requested:
+            raise StopRequested(self.requested)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.requested or not self.save_on_interrupt:
+            raise StopRequested(signum)
+        self.requested = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        logger.warning("%s: finishing step %d, then saving a checkpoint and stopping (send it again to stop at "
+                       "once, without saving)", name, self._step())

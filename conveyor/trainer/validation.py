@@ -1,0 +1,76 @@
+"""Validation: greedy (or `val_kwargs`) decoding of the held-out prompts, scored, and the accuracy over the run.
+
+`Validation.run(trainer)` writes the held-out prompts into a partition of
+their own, generates and scores them with the trainer's own stages (so a
+validation sample is made exactly as a training one, with `val_kwargs`), and
+returns `val/accuracy` (score >= 1), `val/reward`, `val/response_length` and,
+with several data sources, `val/accuracy/<source>`. It keeps each run's
+accuracy (`history`, saved in checkpoints) and `report()` prints the first
+against the last when the run ends.
+
+What it deliberately does not do: decide when to validate (the loop does) or
+log the numbers (they go out with the step's metrics).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from conveyor.trainer.ppo import PPOTrainer
+
+__all__ = ["Validation"]
+
+
+class Validation:
+    """The held-out prompts of a run and the accuracy each validation measured, as (step, accuracy)."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+        self.history: list[tuple[int, float]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.records)
+
+    def run(self, trainer: PPOTrainer) -> dict[str, float]:
+        """Greedy decoding on the held-out prompts: val/accuracy (score >= 1) and val/reward."""
+        step = trainer.global_step
+        part = f"val-{step}"
+        try:
+            meta = trainer._put_prompts(self.records, part, n=trainer.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+            meta, _ = trainer._generate(meta, seed=trainer._seed("val"), validate=True)
+            meta, _ = trainer._compute_reward(meta)
+            td = trainer.data_plane.get(meta, ["acc", "data_source", "response_mask"])
+        finally:
+            trainer.data_plane.kv_clear(part)
+        scores = td["acc"].float()
+        correct = (scores >= 1.0).float()
+        out = {"val/accuracy": float(correct.mean()), "val/reward": float(scores.mean()),
+               "val/response_length": float(td["response_mask"].sum(-1).float().mean())}
+        sources = list(td["data_source"])
+        if len(set(sources)) > 1:
+            for src in sorted(set(sources)):
+                idx = torch.tensor([s == src for s in sources])
+                out[f"val/accuracy/{src}"] = float(correct[idx].mean())
+        self.history.append((step, out["val/accuracy"]))
+        return out
+
+    def report(self) -> None:
+        """Print the first and the last held-out accuracy of the run (nothing with fewer than two)."""
+        if len(self.history) < 2:
+            return
+        first_step, first = self.history[0]
+        last_step, last = self.history[-1]
+        ratio = f"{last / first:.1f}x" if first > 0 else "n/a (step-0 accuracy is 0)"
+        msg = (f"held-out exact-match accuracy: step {first_step} = {first:.3f}, step {last_step} = {last:.3f} "
+               f"({ratio})")
+        print(msg, flush=True)
+
+    def state_dict(self) -> list[tuple[int, float]]:
+        """What a checkpoint keeps: the history."""
+        return list(self.history)
+
+    def load_state_dict(self, history: list[Any]) -> None:
+        self.history = [tuple(x) for x in history]
