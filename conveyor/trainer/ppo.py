@@ -15,6 +15,7 @@ how the data plane stores anything.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import signal
@@ -45,14 +46,14 @@ from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
-from conveyor.rollout.vllm import engine_returns_routing
+from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.setup import (
     build_data_plane,
     load_prompt_records,
     prepare_default_model,
     resolve_device,
-    resolve_routing_source,
 )
+from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.roles import WorkerGroups, build_worker_groups
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class PPOTrainer:
         self,
         cfg: Config,
         *,
+        plan: RunPlan,
         data_plane: DataPlane,
         workers: WorkerGroups,
         tokenizer: Any,
@@ -110,6 +112,7 @@ class PPOTrainer:
         prometheus: Any = None,
     ):
         self.cfg = cfg
+        self.plan = plan
         self.dp = data_plane
         self.workers = workers
         self.tokenizer = tokenizer
@@ -127,22 +130,6 @@ class PPOTrainer:
         self.val_history: list[tuple[int, float]] = []
         self._prompt_ids: dict[str, list[int]] = {}
         self._train_width: int | None = None
-        arr = cfg.actor_rollout_ref
-        replay = arr.actor.router_replay.mode
-        interval = arr.rollout.moe_load_balance_metrics_interval
-        # Whether the rollout engine can report each token's experts (the hf rollout can, vLLM only on a GPU).
-        engine_routing = arr.rollout.name == "hf" or engine_returns_routing(resolve_device(cfg))
-        # Under R2, or when the engine cannot report routing, the routing comes from the old-log-prob forward
-        # (which writes routed_experts), so the rollout records none and the load-balance metrics describe the
-        # trainer's routing.
-        self.capture_routing = engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
-        self.record_routing = not engine_routing and interval > 0 and replay != "R2"
-        self.routing_from_forward = interval > 0 and (replay == "R2" or not engine_routing)
-        if self.routing_from_forward:
-            why = ("router_replay.mode=R2" if replay == "R2"
-                   else f"the {arr.rollout.name} rollout cannot return routed experts on this device")
-            logger.info("%s: MoE load-balance metrics use the routing of the old-log-prob forward, not the "
-                        "rollout's", why)
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -208,15 +195,15 @@ class PPOTrainer:
             meta = self._sample(part, timings, metrics)  # stages 1-3, repeated under dynamic sampling
             with _timer("old_log_prob", timings):
                 meta = self._compute_old_log_prob(meta, metrics)
-            if self.cfg.use_reference:
+            if self.plan.use_reference:
                 with _timer("ref", timings):
                     meta = self._compute_ref_log_prob(meta)
-            if self.cfg.use_critic:
+            if self.plan.use_critic:
                 with _timer("values", timings):
                     meta = self._compute_values(meta)
             with _timer("adv", timings):
                 meta = self._compute_advantage(meta, metrics)
-            if self.cfg.use_critic:
+            if self.plan.use_critic:
                 with _timer("update_critic", timings):
                     metrics.update(self._update_critic(meta))
             with _timer("update_actor", timings):
@@ -381,17 +368,17 @@ class PPOTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         kw = r.val_kwargs if validate else r
         greedy = greedy or (validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0))
-        params = {
-            "max_new_tokens": self.cfg.data.max_response_length,
-            "temperature": 1.0 if greedy else kw.temperature,
-            "top_p": kw.top_p,
-            "top_k": kw.top_k,
-            "do_sample": False if greedy else kw.do_sample,
-            "seed": seed,
-            "capture_routing": self.capture_routing and not validate and not greedy,
-            "pad_to_max_new_tokens": pad,
-        }
-        out = self.workers.actor.generate_sequences(meta.with_extra_info(**params))
+        call = GenerateCall(
+            max_new_tokens=self.cfg.data.max_response_length,
+            temperature=1.0 if greedy else kw.temperature,
+            top_p=kw.top_p,
+            top_k=kw.top_k,
+            do_sample=False if greedy else kw.do_sample,
+            seed=seed,
+            capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,
+            pad_to_max_new_tokens=pad,
+        )
+        out = self.workers.actor.generate_sequences(meta.with_extra_info(**call.to_extra_info()))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
         gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
@@ -404,26 +391,23 @@ class PPOTrainer:
 
     def _compute_old_log_prob(self, meta: KVBatchMeta, metrics: dict[str, float]) -> KVBatchMeta:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
-        if self.cfg.bypass_old_log_prob:
+        if self.plan.old_log_probs == "rollout":
             td = self.dp.get(meta, ["rollout_log_probs"])
             return self.dp.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])})
-        if self.cfg.proximal_from_update:  # the update's own forward writes them (off-policy, one optimizer step)
+        if self.plan.old_log_probs == "update":  # the update's own forward writes them (off-policy, one optimizer step)
             return meta
-        call = meta.with_extra_info(
-            calculate_entropy=True,
-            compute_loss=False,
-            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-            record_routing=self.record_routing,
-        )
-        out = self.workers.actor.compute_log_prob(call)
+        call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=True,
+                           compute_loss=False)
+        out = self.workers.actor.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         reduced = reduce_rank_metrics(out.extra_info)
         metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/")})
         return out
 
     def _compute_ref_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 5: ref_log_prob from the frozen reference policy."""
-        call = meta.with_extra_info(temperature=self.cfg.actor_rollout_ref.rollout.temperature, compute_loss=False)
-        return self.workers.ref.compute_log_prob(call)
+        call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False,
+                           compute_loss=False)
+        return self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
 
     def _compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 6: values from the critic."""
@@ -438,7 +422,7 @@ class PPOTrainer:
             fields.append("reward_baselines")
         if algo.use_kl_in_reward:
             fields += ["old_log_probs", "ref_log_prob"]
-        if self.cfg.use_critic:
+        if self.plan.use_critic:
             fields.append("values")
         td = self.dp.get(meta, fields)
         mask = td["response_mask"].bool()
@@ -453,7 +437,7 @@ class PPOTrainer:
             metrics["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
         advantages, returns = compute_advantage(
             algo.adv_estimator, rewards, mask,
-            values=td["values"] if self.cfg.use_critic else None,
+            values=td["values"] if self.plan.use_critic else None,
             group_index=list(td["uid"]),
             gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
             reward_baselines=td["reward_baselines"] if remax else None,
@@ -487,14 +471,13 @@ class PPOTrainer:
         a = self.cfg.actor_rollout_ref.actor
         results = []
         for mb in self._mini_batches(meta, a.ppo_mini_batch_size, a.ppo_epochs, a.shuffle, "actor"):
-            call = mb.with_extra_info(
+            call = UpdateCall(
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                compute_loss=True,
                 # Without an old-log-prob forward, the update's forward reports the entropy.
-                calculate_entropy=self.cfg.bypass_old_log_prob or self.cfg.proximal_from_update,
-                **({"proximal_from_update": True} if self.cfg.proximal_from_update else {}),
+                calculate_entropy=self.plan.old_log_probs in ("rollout", "update"),
+                compute_loss=True,
             )
-            out = self.workers.actor.update_actor(call)
+            out = self.workers.actor.update_actor(mb.with_extra_info(**call.to_extra_info()))
             results.append(reduce_rank_metrics(out.extra_info))
         merged = mean_over_calls(results)
         if not math.isfinite(merged.get("actor/pg_loss", 0.0)):
@@ -504,23 +487,23 @@ class PPOTrainer:
     def _compute_metrics(self, meta: KVBatchMeta, timings: dict[str, float]) -> dict[str, float]:
         """Stage 9: data metrics of the step (and, every interval, MoE router load balance)."""
         fields = ["rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask"]
-        if not self.cfg.bypass_old_log_prob:
+        if not self.plan.bypass:
             # Sampler vs trainer log-probs; in bypass mode they are the same numbers by construction.
             fields += ["rollout_log_probs", "old_log_probs"]
-        if self.cfg.use_critic:
+        if self.plan.use_critic:
             fields.append("values")
         interval = self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval
         td = get_metric_data_with_optional_routed_experts(
             meta.keys, meta.partition_id, fields, interval, self.global_step, self.moe_acc, self.dp.kv_batch_get
         )
-        metrics = compute_data_metrics(td, use_critic=self.cfg.use_critic,
+        metrics = compute_data_metrics(td, use_critic=self.plan.use_critic,
                                        max_response_length=self.cfg.data.max_response_length)
         correction = self.cfg.algorithm.rollout_correction
-        if self.cfg.rollout_is_level is not None and not self.cfg.bypass_old_log_prob:
+        if self.plan.rollout_is_level is not None and not self.plan.bypass:
             upper, lower = correction.is_thresholds()
             metrics.update(compute_is_metrics(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
-                                              level=self.cfg.rollout_is_level, threshold=upper, lower=lower))
-        if correction.rollout_rs is not None and not self.cfg.bypass_old_log_prob:
+                                              level=self.plan.rollout_is_level, threshold=upper, lower=lower))
+        if correction.rollout_rs is not None and not self.plan.bypass:
             _, rs = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
                                            correction.rejection())
             metrics.update({f"rollout_corr/{k}": v for k, v in rs.items()})
@@ -530,7 +513,7 @@ class PPOTrainer:
             metrics.update(moe)
             if moe.get("rollout/moe/routed_experts_found"):
                 # Whose routing the numbers describe: 1 = the trainer's old-log-prob forward, 0 = the rollout's.
-                metrics["rollout/moe/routing_from_trainer_forward"] = float(self.routing_from_forward)
+                metrics["rollout/moe/routing_from_trainer_forward"] = float(self.plan.load_balance_from_forward)
             self._save_expert_load()
             if moe.get("rollout/moe/routed_experts_found"):
                 with _timer("moe_agreement", timings):
@@ -710,11 +693,14 @@ def run_training(cfg: Config) -> dict[str, float]:
     # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
     transformers.utils.logging.disable_progress_bar()
     device = resolve_device(cfg)  # an unusable device fails before anything is built or written
-    resolve_routing_source(cfg, device)
+    plan = build_run_plan(cfg, device)  # every decision of the run, once; a contradiction fails here
+    logger.info("%s", plan.describe())
+    if plan.replay_reason:
+        logger.warning("%s", plan.replay_reason)
     run_dir = cfg.run_dir
     lock = open_run_dir(cfg)
     try:
-        return _train_in(cfg, run_dir, device)
+        return _train_in(cfg, run_dir, device, plan)
     finally:
         lock.release()
 
@@ -728,11 +714,12 @@ def _resume_check(cfg: Config, run_dir: Path) -> bool:
     return check_resume(cfg, path, state.get("config"))
 
 
-def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
+def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[str, float]:
     """run_training's body, with the run directory locked."""
     changed = _resume_check(cfg, run_dir)
     try:
         write_config(cfg, run_dir, keep_previous=changed)
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     except OSError as err:
         raise ValueError(f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "
                          "directory with trainer.default_local_dir") from err
@@ -764,7 +751,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
     try:
         ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
-        workers = build_worker_groups(cfg, model_path, data_plane, tokenizer, device)
+        workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
                             experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
         trainer_cls: Any = PPOTrainer
@@ -774,7 +761,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
 
             trainer_cls, extra = AsyncPPOTrainer, {"model_path": model_path}
         trainer = trainer_cls(
-            cfg, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
+            cfg, plan=plan, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
             model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges, **extra,
         )
