@@ -47,7 +47,10 @@ def _overrides(args: argparse.Namespace, strategy: str) -> list[str]:
 def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: str, out: str) -> None:
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
+    from conveyor.trainer.plan import build_run_plan
     from conveyor.workers.actor import PolicyWorker
+    from conveyor.workers.calls import UpdateCall
+    from conveyor.workers.settings import actor_settings
     from conveyor.workers.group import split_for_ranks
 
     import transformers
@@ -64,8 +67,10 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: st
               "advantages": torch.randn(B, R, generator=gen), "old_log_probs": torch.full((B, R), -3.0)}
     plane = make_data_plane("memory")
     meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields)
-    worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane, rank=rank, world_size=world)
-    result = worker.update_actor(split_for_ranks(meta, world)[rank].with_extra_info(temperature=1.0))
+    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path, data_plane=plane,
+                          rank=rank, world_size=world)
+    result = worker.update_actor(split_for_ranks(meta, world)[rank].with_extra_info(
+        **UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     Path(out, f"rank{rank}.json").write_text(json.dumps({k: result.extra_info[k] for k in KEYS}))
     tdist.destroy_process_group()
 

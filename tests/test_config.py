@@ -43,7 +43,10 @@ def test_defaults_load() -> None:
     # Off by default (the SPEC's contract); the default run's config file turns it on.
     assert cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval == 0
     assert cfg.actor_rollout_ref.model.tiny.warmstart_until_accuracy == 0.3 and cfg.trainer.console_every == 0
-    assert cfg.use_critic is False and cfg.use_reference is False
+    from conveyor.trainer.plan import build_run_plan
+
+    plan = build_run_plan(cfg, "cpu")
+    assert plan.use_critic is False and plan.use_reference is False
 
 
 def test_defaults_are_not_shared_between_instances() -> None:
@@ -402,8 +405,11 @@ def test_choices_come_from_the_registries() -> None:
     from conveyor.metrics.trackers import VALID_LOGGERS
     from conveyor.tasks.dataset import TRUNCATION_MODES
 
+    from conveyor.trainer.plan import build_run_plan
+
     for name in ADV_ESTIMATORS:
-        assert load_config(None, [f"algorithm.adv_estimator={name}"]).use_critic == (name in NEEDS_CRITIC)
+        cfg = load_config(None, [f"algorithm.adv_estimator={name}"])
+        assert build_run_plan(cfg, "cpu").use_critic == (name in NEEDS_CRITIC)
     for name in POLICY_LOSSES:
         load_config(None, [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"])
     for name in LOSS_AGG_MODES:
@@ -458,7 +464,9 @@ def test_plugin_registers_a_selectable_estimator(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown 'config_test_estimator'"):
         load_config(None, ["algorithm.adv_estimator=config_test_estimator"])
     cfg = load_config(None, [f"trainer.plugins=[{plugin}]", "algorithm.adv_estimator=config_test_estimator"])
-    assert cfg.algorithm.adv_estimator == "config_test_estimator" and cfg.use_critic is False
+    from conveyor.trainer.plan import build_run_plan
+
+    assert cfg.algorithm.adv_estimator == "config_test_estimator" and build_run_plan(cfg, "cpu").use_critic is False
     # Loaded once per process: a second load does not re-register (which would clash).
     load_config(None, [f"trainer.plugins=[{plugin}]"])
     assert "config_test_estimator" in config_to_yaml(cfg, with_help=True)

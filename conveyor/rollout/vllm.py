@@ -48,7 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["VLLMRollout", "import_vllm", "engine_returns_routing"]
+from conveyor.rollout.base import engine_spec
+
+__all__ = ["VLLMRollout", "import_vllm"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +84,6 @@ def import_vllm() -> Any:
         if not any(isinstance(f, _DropExpected) for f in log.filters):
             log.addFilter(_DropExpected())
     return vllm
-
-
-def engine_returns_routing(device: str | torch.device) -> bool:
-    """Whether the vllm engine can return routed experts on `device` (vLLM's V2 model runner: CUDA only)."""
-    return torch.device(device).type == "cuda"
 
 
 def _kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
@@ -149,7 +146,9 @@ class VLLMRollout:
         # vLLM refuses it as a stop token, and nothing is lost by not passing it.
         self._stop_ids = [self.eos_token_id] if self.eos_token_id < int(hf_config.vocab_size) else []
         self.device = torch.device(device)
-        self.returns_routing = bool(capture_routing) and engine_returns_routing(self.device)
+        # What the engine declares it can do on this device (conveyor.rollout.base): routing needs CUDA.
+        caps = engine_spec("vllm").capabilities(self.device.type)
+        self.returns_routing = bool(capture_routing) and caps.returns_routing
         self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
         self._asleep = False
         kwargs: dict[str, Any] = dict(

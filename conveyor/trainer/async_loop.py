@@ -51,8 +51,10 @@ import torch
 
 from conveyor.config import Config
 from conveyor.protocol import KVBatchMeta
+from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.ppo import PPOTrainer, StageResult, _timer, _timing_metrics
 from conveyor.trainer.setup import resolve_device
+from conveyor.workers.calls import GenerateCall
 from conveyor.workers.group import WorkerError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,8 @@ _ROLLOUT_FIELDS = ("responses", "response_mask", "rollout_log_probs", "routed_ex
 
 
 # --------------------------------------------------------------------------- the rollout process
-def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, requests: Any, results: Any) -> None:
+def _rollout_main(cfg: Config, plan: RunPlan, model_path: str, device: str, num_threads: int, requests: Any,
+                  results: Any) -> None:
     """The rollout process: apply weights and generate and score batches, in the order they are sent, until told to stop.
 
     It runs the actor worker's own `generate_sequences` and the reward worker's `compute_reward`
@@ -80,13 +83,15 @@ def _rollout_main(cfg: Config, model_path: str, device: str, num_threads: int, r
         from conveyor.data_plane import make_data_plane
         from conveyor.plugins import load_plugins
         from conveyor.workers.actor import PolicyWorker
+        from conveyor.workers.settings import actor_settings
 
         load_plugins(list(cfg.trainer.plugins))
         local = make_data_plane("memory")
         from conveyor.workers.roles import worker_specs
 
-        worker = PolicyWorker(cfg, model_path=model_path, data_plane=local, role="actor", device=device)
-        reward = worker_specs(cfg, model_path, local, worker.tokenizer, device)["reward"].build(rank=0, world_size=1)
+        worker = PolicyWorker(actor_settings(cfg, plan), model_path=model_path, data_plane=local, device=device)
+        reward = worker_specs(cfg, plan, model_path, local, worker.tokenizer, device)["reward"].build(rank=0,
+                                                                                                    world_size=1)
         inbox = _Inbox(requests, worker.model)
         if cfg.trainer.v1.separate_async.partial_rollout:
             worker.interrupt = inbox.apply_newer_weights
@@ -223,12 +228,13 @@ class _Pending:
 class RolloutProcess:
     """The trainer's end of the rollout process: send weights and batches, receive finished batches, in order."""
 
-    def __init__(self, cfg: Config, model_path: str, device: str = "cpu", num_threads: int = 1):
+    def __init__(self, cfg: Config, plan: RunPlan, model_path: str, device: str = "cpu", num_threads: int = 1):
         ctx = multiprocessing.get_context("spawn")
         self._requests = ctx.Queue()
         self._results = ctx.Queue()
-        self._proc = ctx.Process(target=_rollout_main, args=(cfg, model_path, device, num_threads, self._requests,
-                                                             self._results), daemon=True, name="conveyor-rollout")
+        self._proc = ctx.Process(target=_rollout_main, args=(cfg, plan, model_path, device, num_threads,
+                                                             self._requests, self._results),
+                                 daemon=True, name="conveyor-rollout")
         self._proc.start()
         self.busy_s = 0.0  # generation time reported so far
         kind, payload = self._receive(timeout=None)
@@ -316,7 +322,7 @@ class AsyncPPOTrainer(PPOTrainer):
         rollout_threads = total if self.k == 0 else max(1, total // 2)
         if self.k > 0 and total > 1:
             torch.set_num_threads(max(1, total - rollout_threads))
-        self.rollout = RolloutProcess(self.cfg, self.model_path, resolve_device(self.cfg), rollout_threads)
+        self.rollout = RolloutProcess(self.cfg, self.plan, self.model_path, self.plan.device, rollout_threads)
         try:
             return super().fit()
         finally:
@@ -465,16 +471,11 @@ class AsyncPPOTrainer(PPOTrainer):
     def _generation_params(self, seed: int) -> dict[str, Any]:
         """The synchronous rollout's parameters for a training batch (`PPOTrainer._generate`'s, not greedy)."""
         r = self.cfg.actor_rollout_ref.rollout
-        return {
-            "max_new_tokens": self.cfg.data.max_response_length,
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "top_k": r.top_k,
-            "do_sample": r.do_sample,
-            "seed": seed,
-            "capture_routing": self.capture_routing,
-            "pad_to_max_new_tokens": False,
-        }
+        return GenerateCall(
+            max_new_tokens=self.cfg.data.max_response_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            do_sample=r.do_sample, seed=seed, capture_routing=self.plan.rollout_captures_routing,
+            pad_to_max_new_tokens=False,
+        ).to_extra_info()
 
     def _seed_at(self, salt: str, step: int) -> int:
         """`_seed(salt)` as it is at training step `step`: batch b samples with step b's seed."""

@@ -21,6 +21,7 @@ how the data plane stores anything.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import sys
@@ -43,12 +44,12 @@ from conveyor.metrics.moe_load_balance import (
 )
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.vllm import engine_returns_routing
 from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_prompt
 from conveyor.trainer import state
-from conveyor.trainer.setup import resolve_device
+from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.validation import Validation
+from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.roles import WorkerGroups
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class PPOTrainer:
         self,
         cfg: Config,
         *,
+        plan: RunPlan,
         data_plane: DataPlane,
         workers: WorkerGroups,
         tokenizer: Any,
@@ -102,6 +104,7 @@ class PPOTrainer:
         prometheus: Any = None,
     ):
         self.cfg = cfg
+        self.plan = plan
         self.data_plane = data_plane
         self.workers = workers
         self.tokenizer = tokenizer
@@ -121,22 +124,6 @@ class PPOTrainer:
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
         self._prompt_ids: dict[str, list[int]] = {}
         self._train_width: int | None = None
-        arr = cfg.actor_rollout_ref
-        replay = arr.actor.router_replay.mode
-        interval = arr.rollout.moe_load_balance_metrics_interval
-        # Whether the rollout engine can report each token's experts (the hf rollout can, vLLM only on a GPU).
-        engine_routing = arr.rollout.name == "hf" or engine_returns_routing(resolve_device(cfg))
-        # Under R2, or when the engine cannot report routing, the routing comes from the old-log-prob forward
-        # (which writes routed_experts), so the rollout records none and the load-balance metrics describe the
-        # trainer's routing.
-        self.capture_routing = engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
-        self.record_routing = not engine_routing and interval > 0 and replay != "R2"
-        self.routing_from_forward = interval > 0 and (replay == "R2" or not engine_routing)
-        if self.routing_from_forward:
-            why = ("router_replay.mode=R2" if replay == "R2"
-                   else f"the {arr.rollout.name} rollout cannot return routed experts on this device")
-            logger.info("%s: MoE load-balance metrics use the routing of the old-log-prob forward, not the "
-                        "rollout's", why)
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -207,12 +194,12 @@ class PPOTrainer:
             meta = KVBatchMeta(keys=[], partition_id=part)  # the step's partition, empty
             meta = run(None, self._sample, meta)  # stages 1-3 (timed inside), repeated under dynamic sampling
             meta = run("old_log_prob", self._compute_old_log_prob, meta)
-            if self.cfg.use_reference:
+            if self.plan.use_reference:
                 meta = run("ref", self._compute_ref_log_prob, meta)
-            if self.cfg.use_critic:
+            if self.plan.use_critic:
                 meta = run("values", self._compute_values, meta)
             meta = run("adv", self._compute_advantage, meta)
-            if self.cfg.use_critic:
+            if self.plan.use_critic:
                 meta = run("update_critic", self._update_critic, meta)
             meta = run("update_actor", self._update_actor, meta)
             meta = run("metrics", self._compute_metrics, meta)
@@ -380,17 +367,17 @@ class PPOTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         kw = r.val_kwargs if validate else r
         greedy = greedy or (validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0))
-        params = {
-            "max_new_tokens": self.cfg.data.max_response_length,
-            "temperature": 1.0 if greedy else kw.temperature,
-            "top_p": kw.top_p,
-            "top_k": kw.top_k,
-            "do_sample": False if greedy else kw.do_sample,
-            "seed": seed,
-            "capture_routing": self.capture_routing and not validate and not greedy,
-            "pad_to_max_new_tokens": pad,
-        }
-        out = self.workers.actor.generate_sequences(meta.with_extra_info(**params))
+        call = GenerateCall(
+            max_new_tokens=self.cfg.data.max_response_length,
+            temperature=1.0 if greedy else kw.temperature,
+            top_p=kw.top_p,
+            top_k=kw.top_k,
+            do_sample=False if greedy else kw.do_sample,
+            seed=seed,
+            capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,
+            pad_to_max_new_tokens=pad,
+        )
+        out = self.workers.actor.generate_sequences(meta.with_extra_info(**call.to_extra_info()))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
         gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
@@ -403,25 +390,22 @@ class PPOTrainer:
 
     def _compute_old_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
-        if self.cfg.bypass_old_log_prob:
+        if self.plan.old_log_probs == "rollout":
             td = self.data_plane.get(meta, ["rollout_log_probs"])
             return self.data_plane.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])}), {}
-        if self.cfg.proximal_from_update:  # the update's own forward writes them (off-policy, one optimizer step)
+        if self.plan.old_log_probs == "update":  # the update's own forward writes them (off-policy, one optimizer step)
             return meta, {}
-        call = meta.with_extra_info(
-            calculate_entropy=True,
-            compute_loss=False,
-            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-            record_routing=self.record_routing,
-        )
-        out = self.workers.actor.compute_log_prob(call)
+        call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=True,
+                           compute_loss=False)
+        out = self.workers.actor.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         reduced = reduce_rank_metrics(out.extra_info)
         return out, {k: v for k, v in reduced.items() if k.startswith("actor/")}
 
     def _compute_ref_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 5: ref_log_prob from the frozen reference policy."""
-        call = meta.with_extra_info(temperature=self.cfg.actor_rollout_ref.rollout.temperature, compute_loss=False)
-        return self.workers.ref.compute_log_prob(call), {}
+        call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False,
+                           compute_loss=False)
+        return self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info())), {}
 
     def _compute_values(self, meta: KVBatchMeta) -> StageResult:
         """Stage 6: values from the critic."""
@@ -436,7 +420,7 @@ class PPOTrainer:
             fields.append("reward_baselines")
         if algo.use_kl_in_reward:
             fields += ["old_log_probs", "ref_log_prob"]
-        if self.cfg.use_critic:
+        if self.plan.use_critic:
             fields.append("values")
         td = self.data_plane.get(meta, fields)
         mask = td["response_mask"].bool()
@@ -452,7 +436,7 @@ class PPOTrainer:
             metrics["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
         advantages, returns = compute_advantage(
             algo.adv_estimator, rewards, mask,
-            values=td["values"] if self.cfg.use_critic else None,
+            values=td["values"] if self.plan.use_critic else None,
             group_index=list(td["uid"]),
             gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
             reward_baselines=td["reward_baselines"] if self.estimator.greedy_baseline else None,
@@ -487,14 +471,13 @@ class PPOTrainer:
         a = self.cfg.actor_rollout_ref.actor
         results = []
         for mb in self._mini_batches(meta, a.ppo_mini_batch_size, a.ppo_epochs, a.shuffle, "actor"):
-            call = mb.with_extra_info(
+            call = UpdateCall(
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                compute_loss=True,
                 # Without an old-log-prob forward, the update's forward reports the entropy.
-                calculate_entropy=self.cfg.bypass_old_log_prob or self.cfg.proximal_from_update,
-                **({"proximal_from_update": True} if self.cfg.proximal_from_update else {}),
+                calculate_entropy=self.plan.old_log_probs in ("rollout", "update"),
+                compute_loss=True,
             )
-            out = self.workers.actor.update_actor(call)
+            out = self.workers.actor.update_actor(mb.with_extra_info(**call.to_extra_info()))
             results.append(reduce_rank_metrics(out.extra_info))
         merged = mean_over_calls(results)
         if not math.isfinite(merged.get("actor/pg_loss", 0.0)):
@@ -505,23 +488,23 @@ class PPOTrainer:
         """Stage 9: data metrics of the step (and, every interval, MoE router load balance)."""
         timings: dict[str, float] = {}
         fields = ["rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask"]
-        if not self.cfg.bypass_old_log_prob:
+        if not self.plan.bypass:
             # Sampler vs trainer log-probs; in bypass mode they are the same numbers by construction.
             fields += ["rollout_log_probs", "old_log_probs"]
-        if self.cfg.use_critic:
+        if self.plan.use_critic:
             fields.append("values")
         interval = self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval
         td = get_metric_data_with_optional_routed_experts(
             meta.keys, meta.partition_id, fields, interval, self.global_step, self.moe_acc, self.data_plane.kv_batch_get
         )
-        metrics = compute_data_metrics(td, use_critic=self.cfg.use_critic,
+        metrics = compute_data_metrics(td, use_critic=self.plan.use_critic,
                                        max_response_length=self.cfg.data.max_response_length)
         correction = self.cfg.algorithm.rollout_correction
-        if self.cfg.rollout_is_level is not None and not self.cfg.bypass_old_log_prob:
+        if self.plan.rollout_is_level is not None and not self.plan.bypass:
             upper, lower = correction.is_thresholds()
             metrics.update(compute_is_metrics(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
-                                              level=self.cfg.rollout_is_level, threshold=upper, lower=lower))
-        if correction.rollout_rs is not None and not self.cfg.bypass_old_log_prob:
+                                              level=self.plan.rollout_is_level, threshold=upper, lower=lower))
+        if correction.rollout_rs is not None and not self.plan.bypass:
             _, rs = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
                                            correction.rejection())
             metrics.update({f"rollout_corr/{k}": v for k, v in rs.items()})
@@ -531,7 +514,7 @@ class PPOTrainer:
             metrics.update(moe)
             if moe.get("rollout/moe/routed_experts_found"):
                 # Whose routing the numbers describe: 1 = the trainer's old-log-prob forward, 0 = the rollout's.
-                metrics["rollout/moe/routing_from_trainer_forward"] = float(self.routing_from_forward)
+                metrics["rollout/moe/routing_from_trainer_forward"] = float(self.plan.load_balance_from_forward)
             self._save_expert_load()
             if moe.get("rollout/moe/routed_experts_found"):
                 with _timer("moe_agreement", timings):
@@ -551,8 +534,6 @@ class PPOTrainer:
         counts = getattr(self.moe_acc, "last_counts", None)
         if counts is None:
             return
-        import json
-
         record = {"step": self.global_step, "num_experts": int(counts.shape[1]), "counts": counts.tolist()}
         with open(self.run_dir / "moe_expert_load.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -1,6 +1,8 @@
 """The composition root of a training run: build every part from the config, train, and take it all down.
 
-`run_training(cfg)` resolves the device, locks the run directory, checks a
+`run_training(cfg)` resolves the device, makes the run's decisions once
+(`conveyor.trainer.plan.build_run_plan`: logged, saved as plan.json, and
+handed to the trainer and every worker), locks the run directory, checks a
 resume against the saved config before anything is built, writes the
 resolved config, loads the tokenizer and prompts, and builds, in order, the
 Prometheus endpoint (when enabled), Ray (when the run needs it), the data
@@ -15,6 +17,7 @@ how each part is built (`trainer/setup.py`, `workers/roles.py`).
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.async_loop import AsyncPPOTrainer
+from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
 from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
 from conveyor.trainer.setup import (
@@ -35,7 +39,6 @@ from conveyor.trainer.setup import (
     load_prompt_records,
     prepare_default_model,
     resolve_device,
-    resolve_routing_source,
 )
 from conveyor.workers.roles import build_worker_groups
 
@@ -51,11 +54,14 @@ def run_training(cfg: Config) -> dict[str, float]:
     # Loading and saving tiny checkpoints is instant; the library's bars are noise in our console.
     transformers.utils.logging.disable_progress_bar()
     device = resolve_device(cfg)  # an unusable device fails before anything is built or written
-    resolve_routing_source(cfg, device)
+    plan = build_run_plan(cfg, device)  # every decision of the run, once; a contradiction fails here
+    logger.info("%s", plan.describe())
+    if plan.replay_reason:
+        logger.warning("%s", plan.replay_reason)
     run_dir = cfg.run_dir
     lock = open_run_dir(cfg)
     try:
-        return _train_in(cfg, run_dir, device)
+        return _train_in(cfg, run_dir, device, plan)
     finally:
         lock.release()
 
@@ -69,11 +75,12 @@ def _resume_check(cfg: Config, run_dir: Path) -> bool:
     return check_resume(cfg, path, state.get("config"))
 
 
-def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
+def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[str, float]:
     """run_training's body, with the run directory locked."""
     changed = _resume_check(cfg, run_dir)
     try:
         write_config(cfg, run_dir, keep_previous=changed)
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     except OSError as err:
         raise ValueError(f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "
                          "directory with trainer.default_local_dir") from err
@@ -105,7 +112,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
     try:
         ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
-        workers = build_worker_groups(cfg, model_path, data_plane, tokenizer, device)
+        workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
                             experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
         trainer_cls: Any = PPOTrainer
@@ -113,7 +120,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str) -> dict[str, float]:
         if cfg.trainer.v1.is_async:  # rollout in its own process, concurrently with the updates
             trainer_cls, extra = AsyncPPOTrainer, {"model_path": model_path}
         trainer = trainer_cls(
-            cfg, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
+            cfg, plan=plan, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
             model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges, **extra,
         )

@@ -33,7 +33,6 @@ __all__ = [
     "prepare_default_model",
     "load_prompt_records",
     "resolve_device",
-    "resolve_routing_source",
     "build_data_plane",
 ]
 
@@ -53,17 +52,6 @@ def resolve_device(cfg: Config) -> str:
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device: cuda was asked for but no CUDA device is visible; use trainer.device=cpu")
     return cfg.trainer.device
-
-
-def resolve_routing_source(cfg: Config, device: str) -> None:
-    """Run router_replay.mode=R3 as R2 when the rollout engine cannot return routed experts on `device` (says so once)."""
-    from conveyor.rollout.vllm import engine_returns_routing
-
-    arr = cfg.actor_rollout_ref
-    if arr.rollout.name == "vllm" and arr.actor.router_replay.mode == "R3" and not engine_returns_routing(device):
-        logger.warning("router_replay.mode=R3 replays the rollout's routing, which vLLM returns only on a GPU; on %s "
-                       "this run uses R2 (the routing of the old-log-prob forward, replayed in every update)", device)
-        arr.actor.router_replay.mode = "R2"
 
 
 def _load_files(paths: list[str]) -> tuple[list[dict], list[str]]:

@@ -1,12 +1,16 @@
-"""The policy worker: rollout, log-probs and the PPO update of one rank; also serves as the frozen reference.
+"""The actor worker: rollout, old log-probs and the PPO update of one rank.
 
 Every endpoint takes a handle, reads the fields it needs from the data plane,
 computes, writes its outputs back and returns a handle whose `extra_info` holds
 this rank's metrics (token-weighted ones as `@sum`/`@count` pairs, see
-`conveyor.metrics.reduce`) and memory figures. How the ranks of the role hold
-the model (one rank, DDP replicas or FSDP2 shards) is its `TrainedModel`'s
-business (`conveyor.workers.strategy`); where the ranks run is the worker
-group's.
+`conveyor.metrics.reduce`) and memory figures. The call's parameters come
+typed (`conveyor.workers.calls`); what holds for the whole run comes in its
+`ActorSettings` (`conveyor.workers.settings`), decided once by the run plan.
+How the ranks of the role hold the model (one rank, DDP replicas or FSDP2
+shards) is its `TrainedModel`'s business (`conveyor.workers.strategy`); where
+the ranks run is the worker group's. The frozen reference has its own worker
+(`conveyor.workers.reference`), sharing the log-prob forward
+(`conveyor.workers.forward`).
 
 Under a multi-rank strategy the update's forward is the Hugging Face forward
 through the strategy's wrapper (FSDP2 and DDP act in the module's own forward
@@ -27,19 +31,18 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.correction import compute_rejection_mask
-from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
-from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.loading import load_causal_lm, load_tokenizer
-from conveyor.models.moe_routing import RoutingRecorder, compute_routing_agreement, moe_info, replay_routing
+from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
-from conveyor.rollout.trajectory import response_span
-from conveyor.workers.optim import total_optim_steps
+from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
+from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
+from conveyor.workers.settings import ActorSettings
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
 from conveyor.workers.perf import result_handle
 
@@ -48,72 +51,62 @@ logger = logging.getLogger(__name__)
 __all__ = ["PolicyWorker", "sequence_inputs"]
 
 
-def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, position_ids), each (B, P+R), from left-padded prompts and right-padded responses."""
-    input_ids = torch.cat([td["prompts"], td["responses"]], dim=1)
-    # The span, not the mask: a multi-turn response's tool tokens are context (response_mask 0, attended to).
-    attention_mask = torch.cat([td["prompt_mask"].long(), response_span(td["response_mask"]).long()], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids
-
-
 class PolicyWorker(CheckpointEndpoints):
-    """One rank of the actor (role "actor": rollout + update) or of the reference policy (role "ref")."""
+    """One rank of the actor: rollout, old log-probs and the PPO update."""
 
     def __init__(
         self,
-        cfg: Config,
+        settings: ActorSettings,
         *,
         model_path: str,
         data_plane: DataPlane,
-        role: str = "actor",
         rank: int = 0,
         world_size: int = 1,
         device: str = "cpu",
     ):
-        assert role in ("actor", "ref")
-        self.cfg = cfg
-        self.role = role
+        self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
-        self.dp = data_plane
-        arr = cfg.actor_rollout_ref
-        trust = arr.model.trust_remote_code
-        self.model = load_causal_lm(model_path, dtype=arr.model.dtype, device=self.device, trust_remote_code=trust)
-        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path, trust_remote_code=trust)
+        self.data_plane = data_plane
+        m, acfg = settings.model, settings.actor
+        trust = m.trust_remote_code
+        self.model = load_causal_lm(model_path, dtype=m.dtype, device=self.device, trust_remote_code=trust)
+        self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=trust)
         self.moe = moe_info(self.model)
+        routing = settings.forward_records_routing or settings.forward_replays_routing or settings.update_replays_routing
+        if routing and self.moe is None:
+            raise ValueError(f"actor_rollout_ref.model: the run plan records or replays MoE routing, but "
+                             f"{type(self.model).__name__} has no MoE layers conveyor can route; set "
+                             "actor_rollout_ref.actor.router_replay.mode=disabled")
         # Before wrapping: the lean forward keeps references to the model's own modules.
         # None: the Hugging Face forward (models the lean one does not cover, or forward_impl=hf).
-        self.lean = resolve_forward_impl(arr.model.forward_impl, self.model)
-        section = arr.actor if role == "actor" else arr.ref
-        fsdp = section.fsdp_config
+        self.lean = resolve_forward_impl(m.forward_impl, self.model)
+        fsdp = acfg.fsdp_config
         strategy = TrainingStrategy(
-            section.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
+            acfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
             reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
         )
-        # The worker counts its own steps: the schedule must not depend on what a caller passes.
-        total = total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
-                                  arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs)
+        # The worker's own step count (from its settings): the schedule must not depend on what a caller passes.
         self.trained = TrainedModel(
-            self.model, strategy, trainable=role == "actor", optim_cfg=arr.actor.optim, total_steps=total,
-            gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+            self.model, strategy, trainable=True, optim_cfg=acfg.optim, total_steps=settings.total_optim_steps,
+            gradient_checkpointing=m.enable_gradient_checkpointing,
         )
+        self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe)
         self.rollout: HFRollout | Any = None
         self.agent_loop = None
         # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
         # hf rollout's tokens, True when it changed the weights mid-generation (`HFRollout.generate`).
         self.interrupt: Callable[[int], bool] | None = None
-        if role == "actor" and arr.rollout.name == "vllm":
+        if settings.rollout.name == "vllm":
             self.rollout = self._vllm_rollout(model_path)
-        elif role == "actor":
+        else:
             self.rollout = HFRollout(
                 self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                 lean=self.lean,
             )
             # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
-            self.agent_loop = build_agent_loop(arr.rollout.multi_turn, self.rollout, self.tokenizer)
-        if self.lean is not None and (strategy.distributed or self.trained.checkpointing) and role == "actor" \
-                and rank == 0:
+            self.agent_loop = build_agent_loop(settings.rollout.multi_turn, self.rollout, self.tokenizer)
+        if self.lean is not None and (strategy.distributed or self.trained.checkpointing) and rank == 0:
             logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
                         "no-grad log-probs keep the lean forward",
                         f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
@@ -122,14 +115,14 @@ class PolicyWorker(CheckpointEndpoints):
         """A vLLM engine in this process over the checkpoint the actor loaded; it gets the actor's weights before each rollout."""
         from conveyor.rollout.vllm import VLLMRollout
 
-        cfg, ro = self.cfg, self.cfg.actor_rollout_ref.rollout
+        st, ro = self.settings, self.settings.rollout
         engine = VLLMRollout(
             model_path, hf_config=self.model.config, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id, dtype=cfg.actor_rollout_ref.model.dtype,
-            max_model_len=cfg.rollout_max_model_len, seed=cfg.trainer.seed + self.rank, device=self.device,
+            eos_token_id=self.tokenizer.eos_token_id, dtype=st.model.dtype,
+            max_model_len=st.max_model_len, seed=st.seed + self.rank, device=self.device,
             gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, free_cache_engine=ro.free_cache_engine,
-            capture_routing=self.moe is not None, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+            capture_routing=self.moe is not None, trust_remote_code=st.model.trust_remote_code,
         )
         if self.rank == 0:
             logger.info("vLLM engine started in %.1f s", engine.start_time_s)
@@ -143,7 +136,7 @@ class PolicyWorker(CheckpointEndpoints):
     def _sync_engine(self) -> dict[str, float]:
         """Give the vllm engine the actor's current weights if it serves older ones; the sync's metrics."""
         version = self.trained.optim_steps
-        if self.cfg.actor_rollout_ref.rollout.name != "vllm" or self.rollout.weights_version == version:
+        if self.settings.rollout.name != "vllm" or self.rollout.weights_version == version:
             return {}
         from torch.distributed.tensor import DTensor
 
@@ -153,7 +146,7 @@ class PolicyWorker(CheckpointEndpoints):
 
     @property
     def optim_steps(self) -> int:
-        """Update calls so far (the lr schedule's position); 0 for the reference."""
+        """Update calls so far (the lr schedule's position)."""
         return self.trained.optim_steps
 
     # ------------------------------------------------------------------ helpers
@@ -161,84 +154,45 @@ class PolicyWorker(CheckpointEndpoints):
         return result_handle(meta, fields, metrics, self.device)
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
-        return self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(self.device)
+        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                            select_fields=fields).to(self.device)
 
     def _put(self, meta: KVBatchMeta, fields: dict[str, Any]) -> None:
         cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
-        self.dp.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
+        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
 
     def _forward(
         self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
         record_routing: bool = False, train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
-        logits, own_routing = self._response_logits(td, routed_experts, record_routing, train)
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy)
-        return log_probs, entropy, own_routing
-
-    def _response_logits(
-        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, R, V) predicting each response token, and the forward's routing (B, P+R, L, K) when recorded.
-
-        `train`: the update's forward, which under a multi-rank strategy must go through its wrapper.
-        """
-        # The update's forward goes through the strategy's hooks and the model's activation checkpointing,
-        # neither of which the lean forward calls.
-        hooked_update = train and (self.trained.strategy.distributed or self.trained.checkpointing)
-        if self.lean is not None and not hooked_update:
-            return self.lean.response_logits(
-                td["prompts"], td["prompt_mask"], td["responses"], response_span(td["response_mask"]),
-                routed_experts=routed_experts, record_routing=record_routing,
-            )
-        input_ids, attention_mask, position_ids = sequence_inputs(td)
-        resp_len = td["responses"].shape[1]
-        replay = replay_routing(self.model, routed_experts) if routed_experts is not None else contextlib.nullcontext()
-        recorder = RoutingRecorder(self.model) if record_routing else None
-        with replay, (recorder if recorder is not None else contextlib.nullcontext()):
-            # Only the positions that predict response tokens need the LM head.
-            module = self.trained.forward_module if train else self.model
-            out = module(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=resp_len + 1,
-            )
-            own_routing = recorder.pop() if recorder is not None else None
-        return out.logits[:, :-1, :], own_routing
-
-    def _micro_batches(self, n: int, size: int) -> list[slice]:
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+        return self.forward.log_probs(td, temperature, with_entropy, routed_experts, record_routing, train)
 
     # ------------------------------------------------------------------ endpoints
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts: writes responses, response_mask, rollout_log_probs (+ routed_experts)."""
-        info = meta.extra_info
+        call = GenerateCall.from_extra_info(meta.extra_info)
         td = self._get(meta, ["prompts", "prompt_mask"])
         generator = None
-        if info.get("seed") is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(info["seed"]) + 7919 * self.rank)
+        if call.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * self.rank)
         sync = self._sync_engine()
         t0 = time.perf_counter()
         # The hf rollout runs the actor's own modules, which need their full parameters; vLLM has its copy.
         gather = self.agent_loop is not None or isinstance(self.rollout, HFRollout)
         with self.trained.strategy.full_params() if gather else contextlib.nullcontext():
-            out = self._generate(td, info, generator)
+            out = self._generate(td, call, generator)
         elapsed = time.perf_counter() - t0
         fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
         if "routed_experts" in out:
             from conveyor.models.moe_routing import routed_experts_dtype
 
             fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
-        if self.world_size > 1 or info.get("pad_to_max_new_tokens"):
+        if self.world_size > 1 or call.pad_to_max_new_tokens:
             # Every rank (and, under dynamic sampling, every generation batch) writes into the same partition,
             # whose columns keep one width: each one's responses are as long as its own longest, so all pad to
             # the requested length (as verl's rollouts do).
-            fields = self._pad_responses(fields, int(info["max_new_tokens"]))
+            fields = self._pad_responses(fields, int(call.max_new_tokens))
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
         self._put(meta, fields)
@@ -262,77 +216,48 @@ class PolicyWorker(CheckpointEndpoints):
             out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
         return out
 
-    def _generate(self, td: TensorDict, info: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
+    def _generate(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> dict[str, Any]:
         engine = self.agent_loop.run if self.agent_loop is not None else self.rollout.generate
         hook = {} if self.interrupt is None else {"interrupt": self.interrupt}
         return engine(
             td["prompts"],
             td["prompt_mask"],
-            max_new_tokens=int(info["max_new_tokens"]),
-            temperature=float(info.get("temperature", 1.0)),
-            top_p=float(info.get("top_p", 1.0)),
-            top_k=int(info.get("top_k", 0)),
-            do_sample=bool(info.get("do_sample", True)),
+            max_new_tokens=int(call.max_new_tokens),
+            temperature=float(call.temperature),
+            top_p=float(call.top_p),
+            top_k=int(call.top_k),
+            do_sample=bool(call.do_sample),
             generator=generator,
-            capture_routing=bool(info.get("capture_routing", False)),
+            capture_routing=bool(call.capture_routing),
             **hook,
         )
 
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Forward without grad: writes old_log_probs (+ entropy) for the actor, ref_log_prob for the reference."""
-        info = meta.extra_info
-        temperature = float(info.get("temperature", 1.0))
-        with_entropy = bool(info.get("calculate_entropy", False)) and self.role == "actor"
-        mode = self.cfg.actor_rollout_ref.actor.router_replay.mode
-        replay_on = self.role == "actor" and mode == "R3"
-        # R2: this forward's routing is what every update of the step replays. record_routing: the rollout
-        # engine cannot return routing, so the load-balance metrics describe this forward's.
-        record = self.role == "actor" and (mode == "R2" or bool(info.get("record_routing"))) and self.moe is not None
+        """Forward without grad: writes old_log_probs (+ entropy, + routed_experts when the plan records them)."""
+        call = LogProbCall.from_extra_info(meta.extra_info)
+        st = self.settings
+        # R2: this forward's routing is what every update of the step replays; without routing from the
+        # rollout engine, the load-balance metrics describe this forward's (the run plan decides both).
+        record, replay = st.forward_records_routing, st.forward_replays_routing
         fields = ["prompts", "prompt_mask", "responses", "response_mask"]
-        if replay_on:
+        if replay:
             fields.append("routed_experts")
         td = self._get(meta, fields)
-        micro = (
-            self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-            if self.role == "actor"
-            else self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        log_probs, entropy, routing = self.forward.no_grad_log_probs(
+            td, st.rollout.log_prob_micro_batch_size_per_gpu, float(call.temperature),
+            with_entropy=bool(call.calculate_entropy), replay=replay, record=record,
         )
-        self.model.eval()
-        lps, ents, routings = [], [], []
-        with self.trained.strategy.full_params():
-            for sl in self._micro_batches(len(td), micro):
-                mb = td[sl]
-                routed = mb["routed_experts"].long() if replay_on else None
-                lp, ent, own = self._forward(mb, temperature, with_entropy, routed, record_routing=record)
-                lps.append(lp)
-                if ent is not None:
-                    ents.append(ent)
-                if record:
-                    routings.append(own)
-        mask = td["response_mask"].bool()
-        log_probs = torch.cat(lps) * mask
         metrics: dict[str, float] = {}
-        if self.role == "ref":
-            out = {"ref_log_prob": log_probs}
-        else:
-            out = {"old_log_probs": log_probs}
-            if ents:
-                entropy = torch.cat(ents) * mask
-                out["entropy"] = entropy
-                metrics.update(weighted("actor/entropy", float(entropy.sum()), float(mask.sum())))
-            if record:
-                out["routed_experts"] = self._recorded_routing(td, torch.cat(routings))
+        out = {"old_log_probs": log_probs}
+        if entropy is not None:
+            out["entropy"] = entropy
+            mask = td["response_mask"].bool()
+            metrics.update(weighted("actor/entropy", float(entropy.sum()), float(mask.sum())))
+        if routing is not None:
+            out["routed_experts"] = routing
         self._put(meta, out)
         return self._result(meta, list(out), metrics)
-
-    def _recorded_routing(self, td: TensorDict, routing: torch.Tensor) -> torch.Tensor:
-        """A forward's routing (B, P+R, L, K) in the rollout's convention: -1 wherever no token was fed (pads)."""
-        from conveyor.models.moe_routing import routed_experts_dtype
-
-        fed = torch.cat([td["prompt_mask"].bool(), response_span(td["response_mask"]).bool()], dim=1)
-        routing = torch.where(fed[:, :, None, None], routing.long(), torch.full_like(routing.long(), -1))
-        return routing.to(routed_experts_dtype(self.moe.num_experts))
 
     @torch.no_grad()
     def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -341,11 +266,11 @@ class PolicyWorker(CheckpointEndpoints):
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
         self.model.eval()
         total, count = 0.0, 0
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-        for sl in self._micro_batches(len(td), micro):
+        micro = self.settings.rollout.log_prob_micro_batch_size_per_gpu
+        for sl in micro_batches(len(td), micro):
             mb = td[sl]
             with self.trained.strategy.full_params():
-                _, own = self._response_logits(mb, None, record_routing=True)
+                _, own = self.forward.response_logits(mb, None, record_routing=True)
             attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
             valid = attention_mask.bool()
             frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
@@ -358,23 +283,22 @@ class PolicyWorker(CheckpointEndpoints):
 
     def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
         """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""
-        assert self.role == "actor", "the reference policy is never updated"
-        acfg = self.cfg.actor_rollout_ref.actor
-        correction = self.cfg.algorithm.rollout_correction
-        info = meta.extra_info
-        temperature = float(info.get("temperature", 1.0))
+        call = UpdateCall.from_extra_info(meta.extra_info)
+        st = self.settings
+        acfg = st.actor
+        temperature = float(call.temperature)
         # Without an old-log-prob forward (bypass mode) the update's forward is where entropy gets reported.
-        report_entropy = bool(info.get("calculate_entropy", False))
-        replay_on = acfg.router_replay.mode in ("R2", "R3") and self.moe is not None
+        report_entropy = bool(call.calculate_entropy)
+        replay_on = st.update_replays_routing
         # The step's only optimizer step: this forward, before it, is the proximal policy (docs/async.md).
-        proximal = bool(info.get("proximal_from_update", False))
+        proximal = st.update_writes_old_log_probs
         fields = ["prompts", "prompt_mask", "responses", "response_mask", "advantages"]
         if not proximal:
             fields.append("old_log_probs")
         if acfg.use_kl_loss:
             fields.append("ref_log_prob")
-        rejection = correction.rejection()
-        rollout_is = self.cfg.rollout_is_level
+        rejection = [tuple(r) for r in st.rejection]
+        rollout_is = st.rollout_is
         if rollout_is is not None or rejection:
             fields.append("rollout_log_probs")
         if replay_on:
@@ -391,14 +315,14 @@ class PolicyWorker(CheckpointEndpoints):
         counts = torch.tensor([float(td[loss_mask].sum()), float(len(td))], dtype=torch.float64)
         self.trained.strategy.all_reduce_sum(counts)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
-        scale = self.cfg.loss_scale_factor("actor")
-        is_upper, is_lower = correction.is_thresholds()
+        scale = st.loss_scale_factor
+        is_upper, is_lower = st.is_threshold, st.is_threshold_lower
         loss_kwargs = {**acfg.policy_loss.loss_kwargs(), "tau_pos": acfg.tau_pos, "tau_neg": acfg.tau_neg}
 
         self.model.train()
         self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        passes = self.trained.passes(self._micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu))
+        passes = self.trained.passes(micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu))
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
             mb = td[sl]

@@ -8,13 +8,12 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.losses import compute_value_loss
-from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.models.loading import load_causal_lm
 from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.actor import sequence_inputs
-from conveyor.workers.optim import total_optim_steps
+from conveyor.workers.forward import sequence_inputs
+from conveyor.workers.settings import CriticSettings
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
 from conveyor.workers.perf import result_handle
 from conveyor.metrics.reduce import weighted
@@ -27,29 +26,27 @@ __all__ = ["CriticWorker"]
 class CriticWorker(CheckpointEndpoints):
     """One rank of the value model (a copy of the policy's backbone plus a scalar head)."""
 
-    def __init__(self, cfg: Config, *, model_path: str, data_plane: DataPlane, rank: int = 0, world_size: int = 1,
-                 device: str = "cpu"):
-        self.cfg = cfg
+    def __init__(self, settings: CriticSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
+                 world_size: int = 1, device: str = "cpu"):
+        self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
-        self.dp = data_plane
-        model_cfg = cfg.actor_rollout_ref.model
+        self.data_plane = data_plane
+        model_cfg = settings.model
         base = load_causal_lm(model_path, dtype=model_cfg.dtype, device=self.device,
                               trust_remote_code=model_cfg.trust_remote_code)
         self.model = ValueModel.from_causal_lm(base).to(self.device)
         del base
-        ccfg = cfg.critic
+        ccfg = settings.critic
         fsdp = ccfg.fsdp_config
         strategy = TrainingStrategy(
             ccfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
             reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
         )
-        # The critic's own step count: its mini-batch size and epochs may differ from the actor's.
-        total = total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
-                                  ccfg.ppo_mini_batch_size, ccfg.ppo_epochs)
+        # The critic's own step count (its settings'): its mini-batch size and epochs may differ from the actor's.
         self.trained = TrainedModel(
-            self.model, strategy, trainable=True, optim_cfg=ccfg.optim, total_steps=total,
-            gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+            self.model, strategy, trainable=True, optim_cfg=ccfg.optim, total_steps=settings.total_optim_steps,
+            gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
         )
 
     @property
@@ -58,7 +55,8 @@ class CriticWorker(CheckpointEndpoints):
         return self.trained.optim_steps
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
-        return self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(self.device)
+        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                            select_fields=fields).to(self.device)
 
     def _values(self, td: TensorDict, train: bool = False) -> torch.Tensor:
         """Values (B, R): the value of the state before each response token (`train`: through the strategy)."""
@@ -76,15 +74,15 @@ class CriticWorker(CheckpointEndpoints):
         """Writes `values` (B, R) for the handle's samples."""
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         self.model.eval()
-        micro = self.cfg.critic.ppo_micro_batch_size_per_gpu
+        micro = self.settings.critic.ppo_micro_batch_size_per_gpu
         with self.trained.strategy.full_params():
             values = torch.cat([self._values(td[i : i + micro]) for i in range(0, len(td), micro)])
-        self.dp.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={"values": values.cpu()})
+        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={"values": values.cpu()})
         return self._result(meta, ["values"], {})
 
     def update_critic(self, meta: KVBatchMeta) -> KVBatchMeta:
         """One optimizer step of the clipped value loss over the handle's samples."""
-        ccfg = self.cfg.critic
+        ccfg = self.settings.critic
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "values", "returns"])
         mask = td["response_mask"].bool()
         counts = torch.tensor([float(mask.sum()), float(len(td))], dtype=torch.float64)
@@ -103,7 +101,7 @@ class CriticWorker(CheckpointEndpoints):
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, mb["returns"], mb["values"], mmask, cliprange_value=ccfg.cliprange_value,
                 loss_agg_mode=ccfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                loss_scale_factor=self.cfg.loss_scale_factor("critic"),
+                loss_scale_factor=self.settings.loss_scale_factor,
             )
             self.trained.backward(vf_loss, real=real, last=k == len(passes) - 1)
             if not real:

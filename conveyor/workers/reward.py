@@ -71,7 +71,7 @@ class RewardWorker:
         if not timeout_s >= 0:
             raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
         self.tokenizer = tokenizer
-        self.dp = data_plane
+        self.data_plane = data_plane
         self.rank, self.world_size = rank, world_size
         self.timeout_s = float(timeout_s)
         self.custom_fn = load_custom_reward_fn(custom_reward_path, custom_reward_name) if custom_reward_path else None
@@ -134,7 +134,7 @@ class RewardWorker:
 
     def compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Writes `rm_scores` (B, R) and `acc` (B,) (the raw score) for the handle's samples."""
-        td = self.dp.kv_batch_get(
+        td = self.data_plane.kv_batch_get(
             keys=meta.keys, partition_id=meta.partition_id,
             select_fields=["responses", "response_mask", "data_source", "ground_truth"],
         )
@@ -159,14 +159,14 @@ class RewardWorker:
                            "reward/overlong_reward_mean@count": n,
                            "reward/overlong_frac@sum": float((penalty < 0).sum()), "reward/overlong_frac@count": n}
         if "tool_rewards" in meta.fields:  # rewards returned by a multi-turn rollout's tools count in rm_scores
-            scores = scores + self.dp.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                                   select_fields=["tool_rewards"])["tool_rewards"].float()
+            scores = scores + self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                                           select_fields=["tool_rewards"])["tool_rewards"].float()
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)
         has_tokens = lengths > 0
         rm_scores[has_tokens, last[has_tokens]] = scores[has_tokens]
-        self.dp.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
-                             fields={"rm_scores": rm_scores, "acc": acc})
+        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
+                                     fields={"rm_scores": rm_scores, "acc": acc})
         return result_handle(meta, ["rm_scores", "acc"], metrics)
 
 

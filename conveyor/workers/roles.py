@@ -1,7 +1,8 @@
 """The roles of a run: which worker each one runs, built the same way in this process and on Ray, and typed handles.
 
-`worker_specs` is the one place that turns the config into each role's worker
-class and constructor arguments. `LocalWorkerGroup` and `RayWorkerGroup` both
+`worker_specs` is the one place that turns the config and the run plan into
+each role's worker class and constructor arguments (the role's settings,
+`conveyor.workers.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
 build their ranks from these specs, so a setting cannot reach workers in this
 process and miss those on Ray (or the reverse).
 
@@ -11,14 +12,14 @@ and an IDE follow the call from the trainer into the worker.
 
 What it deliberately does not do: decide where ranks run (`group.py`,
 `ray_group.py`) or what an endpoint computes (`actor.py`, `critic.py`,
-`reward.py`).
+`reward.py`, `reference.py`), or decide what a run does (`conveyor.trainer.plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
@@ -26,7 +27,12 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
+from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
+from conveyor.workers.settings import actor_settings, critic_settings, reference_settings
+
+if TYPE_CHECKING:
+    from conveyor.trainer.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +47,18 @@ __all__ = [
 ]
 
 
-def worker_specs(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer: Any, device: str) -> dict[str, WorkerSpec]:
+def worker_specs(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any,
+                 device: str) -> dict[str, WorkerSpec]:
     """Each role this run uses -> its worker class and constructor arguments (rank and world size come later)."""
     plugins = tuple(cfg.trainer.plugins)
-    policy = {"cfg": cfg, "model_path": model_path, "data_plane": data_plane, "device": device}
-    specs = {"actor": WorkerSpec("actor", PolicyWorker, {**policy, "role": "actor"}, plugins)}
-    if cfg.use_reference:
-        specs["ref"] = WorkerSpec("ref", PolicyWorker, {**policy, "role": "ref"}, plugins)
-    if cfg.use_critic:
-        specs["critic"] = WorkerSpec("critic", CriticWorker, policy, plugins)
+    where = {"model_path": model_path, "data_plane": data_plane, "device": device}
+    specs = {"actor": WorkerSpec("actor", PolicyWorker, {"settings": actor_settings(cfg, plan), **where}, plugins)}
+    if plan.use_reference:
+        specs["ref"] = WorkerSpec("ref", ReferenceWorker, {"settings": reference_settings(cfg, plan), **where},
+                                  plugins)
+    if plan.use_critic:
+        specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where},
+                                     plugins)
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec("reward", RewardWorker, {
         "tokenizer": tokenizer, "data_plane": data_plane,
@@ -122,7 +131,7 @@ class RefGroup(_Role):
 
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 5 on every rank: ref_log_prob."""
-        return self.ranks.call(PolicyWorker.compute_log_prob, meta)
+        return self.ranks.call(ReferenceWorker.compute_log_prob, meta)
 
 
 class CriticGroup(_Role):
@@ -169,18 +178,19 @@ class WorkerGroups:
                 role.shutdown()
 
 
-def build_worker_groups(cfg: Config, model_path: str, data_plane: DataPlane, tokenizer: Any,
+def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any,
                         device: str = "cpu") -> WorkerGroups:
     """Every role of the run from `worker_specs`: in this process, or as Ray actors for a multi-rank run."""
     if use_ray(cfg):
         from conveyor.workers.ray_group import build_ray_worker_groups, ray_worker_device
 
         device = ray_worker_device(cfg, device)
-        groups = build_ray_worker_groups(cfg, worker_specs(cfg, model_path, data_plane, tokenizer, device), data_plane)
+        groups = build_ray_worker_groups(cfg, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device),
+                                         data_plane)
     else:
         groups = {}
         try:
-            for role, spec in worker_specs(cfg, model_path, data_plane, tokenizer, device).items():
+            for role, spec in worker_specs(cfg, plan, model_path, data_plane, tokenizer, device).items():
                 groups[role] = LocalWorkerGroup(spec)
         except BaseException:
             for group in groups.values():

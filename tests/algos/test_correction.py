@@ -148,7 +148,10 @@ def test_rejected_tokens_leave_the_update(tiny_run) -> None:
     from conveyor.data_plane.memory import MemoryDataPlane
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.setup import prepare_default_model
+    from conveyor.trainer.plan import build_run_plan
     from conveyor.workers.actor import PolicyWorker
+    from conveyor.workers.calls import LogProbCall, UpdateCall
+    from conveyor.workers.settings import actor_settings
 
     prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
     responses = torch.tensor([[5, 6, 1], [7, 8, 1]])
@@ -161,11 +164,13 @@ def test_rejected_tokens_leave_the_update(tiny_run) -> None:
                       "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]
         cfg = load_config(None, tiny_run + extra)
         dp = MemoryDataPlane()
-        worker = PolicyWorker(cfg, model_path=prepare_default_model(cfg), data_plane=dp)
+        worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
+                              data_plane=dp)
         keys = ["a", "b"]
         dp.kv_batch_put(keys, "p", {"prompts": prompts, "prompt_mask": torch.ones(2, 3, dtype=torch.bool),
                                     "responses": responses, "response_mask": mask})
-        worker.compute_log_prob(KVBatchMeta(keys, "p").with_extra_info(temperature=1.0))
+        call = LogProbCall(temperature=1.0, calculate_entropy=False)
+        worker.compute_log_prob(KVBatchMeta(keys, "p").with_extra_info(**call.to_extra_info()))
         old = dp.kv_batch_get(keys, "p", ["old_log_probs"])["old_log_probs"]
         # The sampler saw tokens (0, 1) and (1, 2) as 3x likelier than the trainer does: beyond 0.5_2.0.
         rollout = old.clone()
@@ -174,7 +179,8 @@ def test_rejected_tokens_leave_the_update(tiny_run) -> None:
         advantages = torch.zeros(2, 3)
         advantages[0, 1], advantages[1, 2] = 1.0, -1.0
         dp.kv_batch_put(keys, "p", {"rollout_log_probs": rollout, "advantages": advantages})
-        out = worker.update_actor(KVBatchMeta(keys, "p").with_extra_info(temperature=1.0, compute_loss=True))
+        update = UpdateCall(temperature=1.0, calculate_entropy=False)
+        out = worker.update_actor(KVBatchMeta(keys, "p").with_extra_info(**update.to_extra_info()))
         grads[rs] = out.extra_info["actor/grad_norm"]
     assert grads[None] > 0
     assert grads["token_k1"] == 0.0

@@ -107,7 +107,10 @@ def test_shared_config_makes_one_optimizer_step_per_batch() -> None:
     assert arr.actor.ppo_micro_batch_size_per_gpu == 12
     assert arr.actor.optim.lr == 0.01 and arr.rollout.temperature == 1.0
     assert cfg.trainer.total_training_steps == 7 and cfg.trainer.seed == 3
-    assert not cfg.use_reference and not cfg.use_critic
+    from conveyor.trainer.plan import build_run_plan
+
+    plan = build_run_plan(cfg, "cpu")
+    assert not plan.use_reference and not plan.use_critic
     assert arr.model.tiny.warmstart_steps == 0 and cfg.transfer_queue.backend == "memory"
 
 

@@ -324,6 +324,7 @@ def test_replay_refuses_an_out_of_range_expert_id() -> None:
 def test_non_finite_rewards_reaching_the_trainer_name_the_step_and_field(rel, base_model: str, tmp_path: Path) -> None:
     """The trainer's own check, behind the reward worker's: whatever wrote rm_scores, inf/NaN stops the step."""
     from conveyor.config import load_config
+    from conveyor.trainer.plan import build_run_plan
     from conveyor.trainer.ppo import NonFiniteError, PPOTrainer
     from conveyor.trainer.setup import load_prompt_records
     from conveyor.workers.roles import build_worker_groups
@@ -333,7 +334,8 @@ def test_non_finite_rewards_reaching_the_trainer_name_the_step_and_field(rel, ba
     tok = load_tokenizer(base_model)
     train, val = load_prompt_records(cfg)
     plane = make_data_plane("memory")
-    trainer = PPOTrainer(cfg, data_plane=plane, workers=build_worker_groups(cfg, base_model, plane, tok),
+    plan = build_run_plan(cfg, "cpu")
+    trainer = PPOTrainer(cfg, plan=plan, data_plane=plane, workers=build_worker_groups(cfg, plan, base_model, plane, tok),
                          tokenizer=tok, train_records=train, val_records=val, tracking=None, run_dir=tmp_path)
     trainer.global_step = 7
     keys = ["a/s0", "a/s1", "b/s0", "b/s1"]

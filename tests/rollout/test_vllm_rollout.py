@@ -12,7 +12,8 @@ import torch
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.rollout.hf import HFRollout
-from conveyor.rollout.vllm import VLLMRollout, engine_returns_routing
+from conveyor.rollout.base import engine_spec
+from conveyor.rollout.vllm import VLLMRollout
 from test_hf_rollout import _teacher_forced_log_probs  # tests/rollout is on sys.path (rootdir import mode)
 
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
@@ -71,7 +72,7 @@ def test_outputs_have_the_hf_rollout_fields_and_conventions(setup, tok) -> None:
     out = engine.generate(ids, mask, max_new_tokens=7, generator=torch.Generator().manual_seed(0),
                           capture_routing=True)
     # The CPU build cannot return routed experts: the key is absent, as for a dense model.
-    assert not engine_returns_routing("cpu") and set(out) == {"responses", "response_mask", "rollout_log_probs"}
+    assert not engine_spec("vllm").capabilities("cpu").returns_routing and set(out) == {"responses", "response_mask", "rollout_log_probs"}
     b, r = out["responses"].shape
     assert b == len(PROMPTS) and 1 <= r <= 7
     assert out["responses"].dtype == torch.long and out["response_mask"].dtype == torch.bool

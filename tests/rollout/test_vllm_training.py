@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conveyor.config import ConfigError, load_config
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
-from conveyor.trainer.setup import resolve_routing_source
 
 # The tiny model with heads vLLM's CPU attention accepts (head_dim 32).
 VLLM_MODEL = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
@@ -30,21 +30,19 @@ def test_config_errors_name_the_key_to_change(overrides, key) -> None:
 
 def test_vllm_never_bypasses_the_old_log_prob_forward() -> None:
     # The engine's log-probs come from other kernels: the trainer recomputes them, and the gap is measured.
-    assert load_config(None, []).bypass_old_log_prob
-    assert not load_config(None, VLLM_MODEL).bypass_old_log_prob
-    assert load_config(None, VLLM_MODEL).rollout_max_model_len == 64 + 6
+    assert build_run_plan(load_config(None, []), "cpu").old_log_probs == "rollout"
+    plan = build_run_plan(load_config(None, VLLM_MODEL), "cpu")
+    assert plan.old_log_probs == "forward" and plan.vllm_max_model_len == 64 + 6
 
 
-def test_r3_runs_as_r2_where_the_engine_cannot_return_routing(caplog) -> None:
+def test_r3_runs_as_r2_where_the_engine_cannot_return_routing() -> None:
     cfg = load_config(None, VLLM_MODEL + ["actor_rollout_ref.actor.router_replay.mode=R3"])
-    resolve_routing_source(cfg, "cpu")
-    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R2" and "uses R2" in caplog.text
-    gpu = load_config(None, VLLM_MODEL + ["actor_rollout_ref.actor.router_replay.mode=R3"])
-    resolve_routing_source(gpu, "cuda")
-    assert gpu.actor_rollout_ref.actor.router_replay.mode == "R3"
+    plan = build_run_plan(cfg, "cpu")
+    assert plan.replay_mode == "R2" and "uses R2" in plan.replay_reason
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3"  # the plan decides; the config stays as given
+    assert build_run_plan(cfg, "cuda").replay_mode == "R3"
     hf = load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"])
-    resolve_routing_source(hf, "cpu")
-    assert hf.actor_rollout_ref.actor.router_replay.mode == "R3"
+    assert build_run_plan(hf, "cpu").replay_mode == "R3"
 
 
 # Untrained, the tiny model never answers right: this reward (one point per "1" written) gives

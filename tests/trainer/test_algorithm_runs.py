@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conveyor.config import ConfigError, load_config
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 from conveyor.workers.reward import overlong_penalty
 from test_stages import make_trainer, step_partition  # tests/trainer is on sys.path (rootdir import mode)
@@ -185,7 +186,8 @@ def test_a_run_with_rollout_correction_logs_the_gap_icepop_weights_and_rejection
                                         "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
                                         "algorithm.rollout_correction.rollout_rs=token_k1,seq_mean_k3",
                                         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0,0.01"])
-    assert not cfg.bypass_old_log_prob  # asking for a correction turns the old-log-prob forward on
+    # Asking for a correction turns the old-log-prob forward on.
+    assert build_run_plan(cfg, "cpu").old_log_probs == "forward"
     last = run_training(cfg)
     assert last["rollout_corr/rollout_rs_masked_fraction"] == 0.0
     # The hf rollout samples with the trainer's own numerics: the gap is (numerically) none.

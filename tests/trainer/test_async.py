@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from conveyor.config import ConfigError, load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.export import export_hf
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 from conveyor.workers.group import WorkerError
 
@@ -100,9 +101,12 @@ def test_one_optimizer_step_per_batch_takes_the_proximal_policy_from_the_update(
         assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0  # ratio to itself: exactly 1
         assert any(k.startswith("rollout_corr/") for k in row)
         assert "actor/entropy" in row
-    assert load_config(None, [ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=32"]).proximal_from_update
-    assert not load_config(None, [ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=16"]).proximal_from_update
-    assert not load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=32"]).proximal_from_update
+    def old(overrides):
+        return build_run_plan(load_config(None, overrides), "cpu").old_log_probs
+
+    assert old([ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=32"]) == "update"
+    assert old([ASYNC, "actor_rollout_ref.actor.ppo_mini_batch_size=16"]) == "forward"
+    assert old(["actor_rollout_ref.actor.ppo_mini_batch_size=32"]) == "rollout"
 
 
 def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run):
@@ -134,10 +138,10 @@ def test_async_settings_are_checked(override, key):
 
 def test_sync_is_the_default_and_off_policy_turns_the_proximal_forward_on():
     assert load_config(None, []).trainer.v1.trainer_mode == "sync"
-    cfg = load_config(None, [ASYNC])
-    assert cfg.off_policy and not cfg.bypass_old_log_prob and cfg.rollout_is_level == "token"
-    k0 = load_config(None, [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0"])
-    assert not k0.off_policy and k0.bypass_old_log_prob and k0.rollout_is_level is None
+    plan = build_run_plan(load_config(None, [ASYNC]), "cpu")
+    assert plan.off_policy and plan.old_log_probs != "rollout" and plan.rollout_is_level == "token"
+    k0 = build_run_plan(load_config(None, [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0"]), "cpu")
+    assert not k0.off_policy and k0.old_log_probs == "rollout" and k0.rollout_is_level is None
 
 
 def _prompts(run_dir, step: int) -> list[str]:
@@ -181,10 +185,11 @@ def test_the_rollout_process_does_not_outlive_a_killed_trainer(tmp_path, tiny_ru
         "import sys, time\n"
         "from conveyor.config import load_config\n"
         "from conveyor.trainer.async_loop import RolloutProcess\n"
+        "from conveyor.trainer.plan import build_run_plan\n"
         "from conveyor.trainer.setup import prepare_default_model\n"
         "if __name__ == '__main__':  # spawned children import this file\n"
         "    cfg = load_config(None, sys.argv[1:])\n"
-        "    proc = RolloutProcess(cfg, prepare_default_model(cfg))\n"
+        "    proc = RolloutProcess(cfg, build_run_plan(cfg, 'cpu'), prepare_default_model(cfg))\n"
         "    print(proc._proc.pid, flush=True)\n"
         "    time.sleep(600)\n"
     )

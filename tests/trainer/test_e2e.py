@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def test_grpo_run_logs_every_promised_metric(tiny_run, tmp_path):
         # Bypass mode (the default here): no old-log-prob forward, so no sampler/trainer comparison.
         assert "rollout_corr/log_prob_abs_diff/mean" not in rows[step]
     assert (tmp_path / "config.yaml").is_file()
+    # The run plan is saved next to the config: the decisions the run made, and why.
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["old_log_probs"] == "rollout" and plan["decisions"]
     assert (tmp_path / "checkpoints" / "global_step_2" / "actor" / ".metadata").is_file()
     assert sorted(p.name for p in (tmp_path / "generations").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
 

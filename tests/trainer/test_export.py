@@ -14,7 +14,9 @@ from conveyor.data_plane import make_data_plane
 from conveyor.trainer.checkpoint import load_checkpoint
 from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
+from conveyor.trainer.plan import build_run_plan
 from conveyor.workers.actor import PolicyWorker
+from conveyor.workers.settings import actor_settings
 
 
 REWARD = """
@@ -37,7 +39,8 @@ def test_export_gives_the_trainers_logits(tiny_run, tmp_path: Path, capsys: pyte
     tokenizer = AutoTokenizer.from_pretrained(out)
 
     # The trainer's policy at step 1: a worker restored from that checkpoint.
-    worker = PolicyWorker(cfg, model_path=prepare_default_model(cfg), data_plane=make_data_plane("memory"))
+    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
+                          data_plane=make_data_plane("memory"))
     parts = load_checkpoint(tmp_path / "checkpoints" / "global_step_1")
     worker.load_checkpoint(str(parts["actor"]), parts["trainer_state"]["roles"]["actor"])
     ids = torch.tensor([tokenizer("12+34=")["input_ids"]])

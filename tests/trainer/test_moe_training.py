@@ -13,7 +13,10 @@ from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
+from conveyor.trainer.plan import build_run_plan
 from conveyor.workers.actor import PolicyWorker
+from conveyor.workers.calls import LogProbCall, UpdateCall
+from conveyor.workers.settings import actor_settings
 
 LAYER_KEYS = ("max_vio", "min_vio", "avg_vio")
 
@@ -71,7 +74,7 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
                                         f"actor_rollout_ref.model.forward_impl={impl}"])
     path = prepare_default_model(cfg)
     dp = MemoryDataPlane()
-    worker = PolicyWorker(cfg, model_path=path, data_plane=dp)
+    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=path, data_plane=dp)
     keys, prompts, pmask, responses, rmask = _replay_batch()
     # A routing the model would not choose itself: experts (e, e+1) rotated by position.
     seq = prompts.shape[1] + responses.shape[1]
@@ -95,7 +98,7 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
 
     gate = [m for n, m in worker.model.named_modules() if n.endswith("mlp.gate")][0]
     before = gate.weight.detach().clone()
-    out = worker.update_actor(meta)
+    out = worker.update_actor(meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     assert out.extra_info["actor/grad_norm"] > 0
     assert not torch.equal(before, gate.weight.detach()), "the router must be trained under replay"
 
@@ -104,10 +107,11 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
 def test_r2_records_the_old_log_prob_forwards_routing_and_the_update_replays_it(tiny_run, impl):
     cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R2",
                                         f"actor_rollout_ref.model.forward_impl={impl}"])
-    assert not cfg.bypass_old_log_prob  # R2 needs the forward that records
+    plan = build_run_plan(cfg, "cpu")
+    assert plan.old_log_probs == "forward" and plan.forward_records_routing  # R2 needs the forward that records
     path = prepare_default_model(cfg)
     dp = MemoryDataPlane()
-    worker = PolicyWorker(cfg, model_path=path, data_plane=dp)
+    worker = PolicyWorker(actor_settings(cfg, plan), model_path=path, data_plane=dp)
     keys, prompts, pmask, responses, rmask = _replay_batch()
     dp.kv_batch_put(keys, "p", {"prompts": prompts, "prompt_mask": pmask, "responses": responses,
                                 "response_mask": rmask,
@@ -115,7 +119,7 @@ def test_r2_records_the_old_log_prob_forwards_routing_and_the_update_replays_it(
     from conveyor.protocol import KVBatchMeta
 
     meta = KVBatchMeta(keys, "p")
-    out = worker.compute_log_prob(meta.with_extra_info(temperature=1.0, calculate_entropy=False))
+    out = worker.compute_log_prob(meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     assert "routed_experts" in out.fields
     td = dp.kv_batch_get(keys, "p", ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
     recorded = td["routed_experts"].long()
@@ -142,7 +146,7 @@ def test_r2_records_the_old_log_prob_forwards_routing_and_the_update_replays_it(
         return original_get(keys, partition_id, select_fields)
 
     dp.kv_batch_get = spy
-    worker.update_actor(meta.with_extra_info(temperature=1.0, compute_loss=True))
+    worker.update_actor(meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     assert any("routed_experts" in f for f in fields_read), "the update reads the recorded routing to replay it"
 
 

@@ -76,7 +76,7 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_unt
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            (pid_dir / f"{self.role}-{self.rank}").write_text(str(os.getpid()))
+            (pid_dir / f"actor-{self.rank}").write_text(str(os.getpid()))
 
         def update_actor(self, meta):
             if self.rank == 1:

@@ -18,6 +18,7 @@ from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.models.loading import load_tokenizer
 from conveyor.protocol import KVBatchMeta
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
 from conveyor.trainer.setup import load_prompt_records, prepare_default_model
 from conveyor.workers.roles import build_worker_groups
@@ -86,8 +87,9 @@ def make_trainer(overrides):
     tok = load_tokenizer(path)
     train, val = load_prompt_records(cfg)
     dp = RecordingDataPlane()
-    workers = build_worker_groups(cfg, path, dp, tok)
-    trainer = PPOTrainer(cfg, data_plane=dp, workers=workers, tokenizer=tok, train_records=train,
+    plan = build_run_plan(cfg, "cpu")
+    workers = build_worker_groups(cfg, plan, path, dp, tok)
+    trainer = PPOTrainer(cfg, plan=plan, data_plane=dp, workers=workers, tokenizer=tok, train_records=train,
                          val_records=val, tracking=NullTracking(), run_dir=cfg.run_dir)
     trainer.global_step = 1
     return trainer, dp
@@ -235,11 +237,14 @@ def test_adaptive_kl_in_reward_counts_sequences_as_verl_does(tiny_run):
 def test_bypass_resolves_automatically():
     from conveyor.config import load_config
 
+    def old(overrides):
+        return build_run_plan(load_config(None, overrides), "cpu").old_log_probs
+
     # The hf rollout samples from the actor's own weights: its log-probs are the old ones.
-    assert load_config(None, []).bypass_old_log_prob
-    assert load_config(None, ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"]).bypass_old_log_prob
-    assert load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"]).bypass_old_log_prob
-    assert not load_config(None, ["algorithm.rollout_correction.bypass_mode=false"]).bypass_old_log_prob
+    assert old([]) == "rollout"
+    assert old(["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5"]) == "rollout"
+    assert old(["actor_rollout_ref.actor.router_replay.mode=R3"]) == "rollout"
+    assert old(["algorithm.rollout_correction.bypass_mode=false"]) == "forward"
 
 
 def test_bypass_run_reports_entropy_from_the_update(tiny_run, tmp_path):

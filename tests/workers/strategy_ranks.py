@@ -38,8 +38,11 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
     from conveyor.protocol import KVBatchMeta
+    from conveyor.trainer.plan import build_run_plan
     from conveyor.workers.actor import PolicyWorker
+    from conveyor.workers.calls import LogProbCall, UpdateCall
     from conveyor.workers.critic import CriticWorker
+    from conveyor.workers.settings import actor_settings, critic_settings
     from conveyor.workers.group import split_for_ranks
 
     out = Path(run["out"])
@@ -53,20 +56,24 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     # A copy for the log-prob job, so that its old_log_probs leave the update's inputs untouched.
     plane.kv_batch_put(keys, "lp", fields)
     lp_share = KVBatchMeta(share.keys, "lp", share.fields, share.tags, {})
+    plan = build_run_plan(cfg, "cpu")
     if run["role"] == "critic":
-        worker = CriticWorker(cfg, model_path=model_path, data_plane=plane, rank=rank, world_size=world)
+        worker = CriticWorker(critic_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank,
+                              world_size=world)
     else:
-        worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane, role="actor", rank=rank, world_size=world)
+        worker = PolicyWorker(actor_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank,
+                              world_size=world)
     for job in run["jobs"]:
         if job == "update":
-            call = share.with_extra_info(temperature=1.0)
+            call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
             result = worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
             (out / f"metrics_{rank}.json").write_text(json.dumps(result.extra_info))
             params = worker.model_state_dict()
             if rank == 0:
                 torch.save(params, out / "params.pt")
         elif job == "log_prob":
-            worker.compute_log_prob(lp_share.with_extra_info(temperature=1.0))
+            worker.compute_log_prob(lp_share.with_extra_info(**LogProbCall(temperature=1.0,
+                                                                           calculate_entropy=False).to_extra_info()))
             got = plane.kv_batch_get(share.keys, "lp", ["old_log_probs"])["old_log_probs"]
             torch.save(got, out / f"log_probs_{rank}.pt")
         elif job.startswith("save:"):

@@ -10,9 +10,13 @@ import torch
 
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.actor import PolicyWorker
+from conveyor.workers.calls import LogProbCall, UpdateCall
 from conveyor.workers.critic import CriticWorker
+from conveyor.workers.reference import ReferenceWorker
+from conveyor.workers.settings import actor_settings, critic_settings, reference_settings
 from conveyor.workers.optim import build_optimizer, total_optim_steps
 
 LR = 0.5
@@ -129,12 +133,13 @@ def _floor_reached_at(scheduler) -> int:
 def test_each_worker_counts_its_own_optimizer_steps(env) -> None:
     cfg, path = env
     dp = make_data_plane("memory")
-    actor = PolicyWorker(cfg, model_path=path, data_plane=dp, role="actor")
-    critic = CriticWorker(cfg, model_path=path, data_plane=dp)
+    plan = build_run_plan(cfg, "cpu")
+    actor = PolicyWorker(actor_settings(cfg, plan), model_path=path, data_plane=dp)
+    critic = CriticWorker(critic_settings(cfg, plan), model_path=path, data_plane=dp)
     # 5 steps x epochs x (4 prompts // mini-batch prompts): the critic's differ from the actor's.
     assert _floor_reached_at(actor.trained.scheduler) == 5 * 2 * 2
     assert _floor_reached_at(critic.trained.scheduler) == 5 * 3 * 4
-    ref = PolicyWorker(cfg, model_path=path, data_plane=dp, role="ref")
+    ref = ReferenceWorker(reference_settings(cfg, plan), model_path=path, data_plane=dp)
     assert ref.trained.scheduler is None and ref.optim_steps == 0
 
 
@@ -154,9 +159,14 @@ def _put_batch(dp, vocab: int):
 
 
 def _update(worker, meta, n: int) -> list[dict]:
-    endpoint = worker.update_actor if isinstance(worker, PolicyWorker) else worker.update_critic
-    # A wrong total passed by a caller is ignored: the worker's own count drives the schedule.
-    return [dict(endpoint(meta.with_extra_info(temperature=1.0, total_optim_steps=1)).extra_info) for _ in range(n)]
+    if isinstance(worker, PolicyWorker):
+        # The total is not a call parameter: a caller cannot pass one, the worker's own count drives the schedule.
+        with pytest.raises(ValueError, match="total_optim_steps"):
+            worker.update_actor(meta.with_extra_info(temperature=1.0, calculate_entropy=False, compute_loss=True,
+                                                     total_optim_steps=1))
+        call = meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+        return [dict(worker.update_actor(call).extra_info) for _ in range(n)]
+    return [dict(worker.update_critic(meta).extra_info) for _ in range(n)]
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
@@ -165,14 +175,15 @@ def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, r
     dp = make_data_plane("memory")
 
     def make():
+        plan = build_run_plan(cfg, "cpu")
         if role == "actor":
-            return PolicyWorker(cfg, model_path=path, data_plane=dp, role="actor")
-        return CriticWorker(cfg, model_path=path, data_plane=dp)
+            return PolicyWorker(actor_settings(cfg, plan), model_path=path, data_plane=dp)
+        return CriticWorker(critic_settings(cfg, plan), model_path=path, data_plane=dp)
 
     first = make()
     meta = _put_batch(dp, first.model.config.vocab_size)
     if role == "actor":
-        first.compute_log_prob(meta.with_extra_info(temperature=1.0))
+        first.compute_log_prob(meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     else:
         first.compute_values(meta)
     head = _update(first, meta, 3)

@@ -21,6 +21,8 @@ from conveyor.workers.actor import PolicyWorker  # noqa: E402
 from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
 from conveyor.workers.ray_group import RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
 from conveyor.workers.roles import worker_specs  # noqa: E402
+from conveyor.trainer.plan import build_run_plan  # noqa: E402
+from conveyor.workers.calls import LogProbCall, UpdateCall  # noqa: E402
 from update_batches import ragged_update_fields  # noqa: E402
 
 OVERRIDES = [
@@ -80,7 +82,8 @@ def _put_batch(dp, partition: str, vocab: int) -> KVBatchMeta:
 def two_ranks(env):
     """The actor role as two Ray ranks (gloo process group), shut down after the module."""
     cfg, model_path, dp = env
-    group = RayWorkerGroup(worker_specs(cfg, model_path, dp, None, "cpu")["actor"], world_size=2, num_cpus=0.5,
+    group = RayWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
+                           world_size=2, num_cpus=0.5,
                            timeout_s=60)
     yield group
     group.shutdown()
@@ -88,13 +91,13 @@ def two_ranks(env):
 
 def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path) -> None:
     cfg, model_path, dp = env
-    local = LocalWorkerGroup(WorkerSpec("actor", PolicyWorker, {"cfg": cfg, "model_path": model_path,
-                                                                "data_plane": dp, "role": "actor"}))
+    local = LocalWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"])
     meta = _put_batch(dp, "dp-equivalence", local.worker.model.config.vocab_size)
     # old_log_probs from the (shared) initial policy, so the ratio starts at 1 as in training.
-    local.call(PolicyWorker.compute_log_prob, meta.with_extra_info(temperature=1.0))
+    local.call(PolicyWorker.compute_log_prob,
+               meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     initial = {k: v.clone() for k, v in local.worker.model.state_dict().items()}
-    call = meta.with_extra_info(temperature=1.0, total_optim_steps=1)
+    call = meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
 
     one = local.call(PolicyWorker.update_actor, call)
     two = two_ranks.call(PolicyWorker.update_actor, call)
@@ -138,7 +141,8 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
     t0 = time.monotonic()
     # Rank 0 has its rows and waits for rank 1 in the all-reduce of normalisers; rank 1 fails reading its rows.
     with pytest.raises(WorkerError) as info:
-        two_ranks.call(PolicyWorker.update_actor, meta.with_extra_info(temperature=1.0))
+        two_ranks.call(PolicyWorker.update_actor,
+                       meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
     assert time.monotonic() - t0 < 60
     err = info.value
     assert not isinstance(err, WorkerUserError)
@@ -162,7 +166,7 @@ def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
     live_before = {k for k, p in placement_group_table().items() if p["state"] in ("PENDING", "CREATED")}
     t0 = time.monotonic()
     with pytest.raises(ValueError) as info:
-        build_ray_worker_groups(big, worker_specs(big, model_path, dp, None, "cuda"), dp)
+        build_ray_worker_groups(big, worker_specs(big, build_run_plan(big, "cuda"), model_path, dp, None, "cuda"), dp)
     assert time.monotonic() - t0 < 10
     msg = str(info.value)
     assert "the actor ranks need" in msg and "GPU 64" in msg  # what was asked
@@ -192,4 +196,5 @@ def test_memory_data_plane_is_refused(env) -> None:
     cfg, model_path, _ = env
     with make_data_plane("memory") as memory:
         with pytest.raises(ValueError, match="transfer_queue.backend=ray"):
-            build_ray_worker_groups(cfg, worker_specs(cfg, model_path, memory, None, "cpu"), memory)
+            build_ray_worker_groups(cfg, worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, memory, None, "cpu"),
+                                    memory)

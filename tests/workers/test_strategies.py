@@ -22,8 +22,11 @@ import torch
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.setup import prepare_default_model
+from conveyor.trainer.plan import build_run_plan
 from conveyor.workers.actor import PolicyWorker
+from conveyor.workers.calls import LogProbCall, UpdateCall
 from conveyor.workers.critic import CriticWorker
+from conveyor.workers.settings import actor_settings, critic_settings
 from conveyor.workers.strategy import TrainingStrategy, resolve_strategy
 from conveyor.workers.shards import load_model_weights
 from update_batches import ragged_update_fields
@@ -68,13 +71,25 @@ def batches(model_path: str) -> dict[bool, dict[str, torch.Tensor]]:
     return {False: _batch(model_path), True: _batch(model_path, with_routing=True)}
 
 
+# The calls the trainer makes, with the parameters these tests use.
+UPDATE = UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+LOG_PROB = LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+
+
+def _actor(cfg, **kwargs) -> PolicyWorker:
+    return PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), **kwargs)
+
+
+def _critic(cfg, **kwargs) -> CriticWorker:
+    return CriticWorker(critic_settings(cfg, build_run_plan(cfg, "cpu")), **kwargs)
+
 @pytest.fixture(scope="module")
 def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches) -> dict:
     """A one-rank actor's checkpoint after one update: its folder, schedule state, weights and initial weights."""
     cfg = load_config(None, BASE)
     plane = make_data_plane("memory")
-    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", batches[False]).with_extra_info(temperature=1.0)
-    worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane)
+    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", batches[False]).with_extra_info(**UPDATE)
+    worker = _actor(cfg, model_path=model_path, data_plane=plane)
     initial = {k: v.clone() for k, v in worker.model_state_dict().items()}
     worker.update_actor(meta)
     folder = tmp_path_factory.mktemp("one-rank-checkpoint")
@@ -125,8 +140,8 @@ def _batch(model_path: str, with_routing: bool = False) -> dict[str, torch.Tenso
     plane = make_data_plane("memory")
     keys = [f"s{i}" for i in range(B)]
     meta = plane.kv_batch_put(keys, "p", fields)
-    worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane)
-    worker.compute_log_prob(meta.with_extra_info(temperature=1.0))
+    worker = _actor(cfg, model_path=model_path, data_plane=plane)
+    worker.compute_log_prob(meta.with_extra_info(**LOG_PROB))
     fields["old_log_probs"] = plane.kv_batch_get(keys, "p", ["old_log_probs"])["old_log_probs"]
     return fields
 
@@ -135,12 +150,12 @@ def _one_rank(role: str, model_path: str, fields: dict, overrides: list[str]) ->
     """(parameters after one update, metrics) of the in-process one-rank worker."""
     cfg = load_config(None, BASE + overrides)
     plane = make_data_plane("memory")
-    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields).with_extra_info(temperature=1.0)
+    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields).with_extra_info(**UPDATE)
     if role == "critic":
-        worker = CriticWorker(cfg, model_path=model_path, data_plane=plane)
+        worker = _critic(cfg, model_path=model_path, data_plane=plane)
         out = worker.update_critic(meta)
     else:
-        worker = PolicyWorker(cfg, model_path=model_path, data_plane=plane)
+        worker = _actor(cfg, model_path=model_path, data_plane=plane)
         out = worker.update_actor(meta)
     return worker.model_state_dict(), dict(out.extra_info)
 
@@ -165,7 +180,7 @@ def test_fsdp2_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks,
     want, one_metrics = _one_rank(role, model_path, fields, overrides)
     initial_cfg = load_config(None, BASE)
     plane = make_data_plane("memory")
-    fresh = (CriticWorker if role == "critic" else PolicyWorker)(initial_cfg, model_path=model_path, data_plane=plane)
+    fresh = (_critic if role == "critic" else _actor)(initial_cfg, model_path=model_path, data_plane=plane)
     out = ranks[f"fsdp2-{case}"]
     _assert_same_params(torch.load(out / "params.pt", weights_only=True), want, fresh.model_state_dict())
     ranks_metrics = _metrics(out)
@@ -198,7 +213,7 @@ def test_lean_forward_checkpointing_and_offload_under_fsdp2(model_path: str, bat
     torch.testing.assert_close(got, fields["old_log_probs"], atol=1e-5, rtol=0)
     _assert_same_params(torch.load(out / "params.pt", weights_only=True), want)
     cfg = load_config(None, BASE + ["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
-    worker = PolicyWorker(cfg, model_path=model_path, data_plane=make_data_plane("memory"))
+    worker = _actor(cfg, model_path=model_path, data_plane=make_data_plane("memory"))
     assert worker.model.is_activation_checkpointing
 
 
@@ -226,12 +241,12 @@ def test_sharded_checkpoints_move_between_world_sizes(model_path: str, ranks, on
     assert sorted(p.name for p in two.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
     # Two ranks' shards into one plain rank: the same weights (and the optimizer state loads with them).
     cfg = load_config(None, BASE)
-    one = PolicyWorker(cfg, model_path=model_path, data_plane=make_data_plane("memory"))
+    one = _actor(cfg, model_path=model_path, data_plane=make_data_plane("memory"))
     one.load_checkpoint(str(two), torch.load(out / "extra.pt", weights_only=True))
     _assert_same_params(one.model_state_dict(), trained, atol=0)
     assert one.trained.optimizer.state, "the optimizer state was not restored"
     # Only the weights, into a fresh model outside any worker (what `conveyor export` does).
-    bare = PolicyWorker(cfg, model_path=model_path, data_plane=make_data_plane("memory")).model
+    bare = _actor(cfg, model_path=model_path, data_plane=make_data_plane("memory")).model
     load_model_weights(two, bare)
     _assert_same_params({k: v for k, v in bare.state_dict().items()}, trained, atol=0)
     # One rank's checkpoint (after a one-rank update) into two fsdp2 ranks: its weights, not the initial ones.

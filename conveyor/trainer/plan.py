@@ -1,0 +1,236 @@
+"""The run plan: every decision about what a run does, made once from the config, the device and the engines.
+
+`build_run_plan(cfg, device)` reads the validated config, the device the
+workers run on and the rollout engine's declared capabilities
+(`conveyor.rollout.base.ROLLOUT_ENGINES[name].capabilities(device)`) and
+returns a frozen `RunPlan`: where the old log-probs come from, where the MoE
+routing comes from and which replay mode actually runs, whether the
+importance weights apply and at which level, whether a critic and a reference
+run, and the loss scales. `run_training` builds it before anything else, logs
+it and saves it as `plan.json` in the run directory; the trainer and the
+workers' settings (`conveyor.workers.settings`) read their part of it.
+
+The rules:
+
+- replay: R3 replays the routing the rollout recorded. When the engine cannot
+  return routing on this device (vLLM on a CPU) R3 runs as R2: the updates
+  replay the routing of the old-log-prob forward. R3 with
+  `algorithm.rollout_correction.bypass_mode=true` on such an engine is
+  refused: R2 needs the forward that bypass mode skips.
+- old log-probs: `"rollout"` (bypass: the rollout's log-probs, no forward)
+  when bypass_mode says so, or when it is null, the run is on-policy, neither
+  R2, rollout_is nor rollout_rs needs the forward, and the engine samples from
+  the trainer's own modules (the hf rollout). Otherwise `"update"` when the
+  run is off-policy with one optimizer step per batch and no stage needs them
+  before the update (no KL in the reward, no rollout_rs, not R2): the
+  update's own forward is the proximal policy. Otherwise `"forward"`.
+- routing: the rollout captures routing when its engine returns it and R3
+  replays it or the load-balance metrics are on (and not R2). Otherwise, with
+  the metrics on, the old-log-prob forward records it; R2 always records it
+  there. The load-balance metrics then describe the trainer's forward.
+- importance weights: `algorithm.rollout_correction.rollout_is`, or token
+  level when null and the run is off-policy.
+- critic: `critic.enable`, or when null, whether the estimator needs values;
+  reference: whether a KL term (loss or reward) is on.
+- loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
+  the critic's own, else the actor's.
+
+What it deliberately does not do: check single settings (the config does),
+build anything, or change the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from conveyor.config import Config, ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunPlan", "build_run_plan", "OLD_LOG_PROB_SOURCES", "model_is_moe"]
+
+# Where old_log_probs come from: the rollout's (bypass), the old-log-prob forward, or the update's forward.
+OLD_LOG_PROB_SOURCES = ("rollout", "forward", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run does, decided once (see the module docstring for the rules)."""
+
+    device: str  # the device the workers run on
+    engine: str  # actor_rollout_ref.rollout.name
+    engine_returns_routing: bool  # the engine's declared capability on `device`
+    is_moe: bool  # the policy has routed experts (from the tiny config or the checkpoint's config.json)
+    old_log_probs: str  # one of OLD_LOG_PROB_SOURCES
+    replay_mode: str  # the router replay that runs: disabled, R2 or R3
+    replay_requested: str  # actor_rollout_ref.actor.router_replay.mode as configured
+    replay_reason: str  # why replay_mode differs from the request ("" when it does not)
+    routing_source: str  # where routed_experts come from: rollout, forward or none
+    rollout_captures_routing: bool  # the generate call asks the engine for routed_experts
+    forward_records_routing: bool  # the old-log-prob forward writes routed_experts (R2, or metrics without routing)
+    forward_replays_routing: bool  # the old-log-prob forward replays the rollout's routing (R3)
+    update_replays_routing: bool  # the update's forward replays routed_experts (R2 or R3)
+    load_balance_from_forward: bool  # the rollout/moe/* metrics describe the trainer's forward, not the rollout's
+    rollout_is_level: str | None  # importance weights: None, token or sequence
+    rollout_rs: bool  # rejection sampling is on
+    off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
+    use_critic: bool
+    use_reference: bool
+    actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
+    critic_loss_scale: float  # and of the critic's
+    vllm_max_model_len: int | None  # the longest sequence the vllm engine holds (None: another engine)
+    decisions: tuple[str, ...]  # what was decided and why, in words
+
+    @property
+    def bypass(self) -> bool:
+        """Whether old_log_probs are the rollout's (no old-log-prob forward)."""
+        return self.old_log_probs == "rollout"
+
+    @property
+    def proximal_from_update(self) -> bool:
+        """Whether the update's own forward writes old_log_probs (off-policy, one optimizer step per batch)."""
+        return self.old_log_probs == "update"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON-ready values (what plan.json holds)."""
+        out = dataclasses.asdict(self)
+        out["decisions"] = list(self.decisions)
+        return out
+
+    def describe(self) -> str:
+        """One block of text for the log: the decisions, one per line."""
+        return "run plan:\n" + "\n".join(f"  - {d}" for d in self.decisions)
+
+
+def model_is_moe(cfg: Config) -> bool:
+    """Whether the policy has routed experts, read from the tiny config or config.json (no weights loaded)."""
+    model = cfg.actor_rollout_ref.model
+    if model.path is None:
+        return model.tiny.arch != "qwen3"  # qwen3 is the tiny model's one dense architecture
+    from conveyor.metrics.moe_load_balance import infer_moe_num_experts
+    from conveyor.models.loading import read_config_json
+
+    try:
+        config = read_config_json(model.path)
+    except ValueError:
+        return False  # no readable config.json: the checkpoint check names the problem before anything loads
+    experts = infer_moe_num_experts(config)
+    return bool(experts) and experts > 0
+
+
+def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
+    """The plan of a run of `cfg` on `device` ("cpu" or "cuda"); a ConfigError for a contradictory combination.
+
+    `is_moe` overrides what `model_is_moe` would read (for callers that know, e.g. tests without a checkpoint).
+    """
+    from conveyor.algos.advantages import NEEDS_CRITIC
+    from conveyor.rollout.base import engine_spec
+
+    arr, algo, v1 = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer.v1
+    ro, actor, correction = arr.rollout, arr.actor, algo.rollout_correction
+    caps = engine_spec(ro.name).capabilities(device)
+    moe = model_is_moe(cfg) if is_moe is None else bool(is_moe)
+    why: list[str] = []
+
+    off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
+    if off_policy:
+        why.append(f"off-policy: trainer.v1.trainer_mode={v1.trainer_mode} with "
+                   f"max_off_policy_threshold={v1.sampler.max_off_policy_threshold}")
+
+    # ---- replay
+    requested = actor.router_replay.mode
+    replay, reason = requested, ""
+    if requested == "R3" and not caps.returns_routing:
+        replay = "R2"
+        reason = (f"router_replay.mode=R3 replays the rollout's routing, which the {ro.name} rollout cannot return "
+                  f"on {device}: the run uses R2 (the routing of the old-log-prob forward, replayed in every update)")
+        if correction.bypass_mode is True:
+            raise ConfigError(
+                f"actor_rollout_ref.actor.router_replay.mode=R3: the {ro.name} rollout returns no routed experts on "
+                f"{device}, so R3 would run as R2, which records the routing in the old-log-prob forward that "
+                "algorithm.rollout_correction.bypass_mode=true skips: set algorithm.rollout_correction.bypass_mode "
+                "to null or false, or use actor_rollout_ref.rollout.name=hf"
+                + (" or a GPU" if ro.name == "vllm" else "")
+            )
+        why.append(reason)
+    elif requested != "disabled":
+        why.append(f"router replay {requested}")
+
+    # ---- old log-probs
+    if correction.bypass_mode is not None:
+        bypass = correction.bypass_mode
+        bypass_why = f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}"
+    elif off_policy:
+        bypass, bypass_why = False, "the rollout's log-probs are an older policy's (off-policy)"
+    elif replay == "R2" or correction.rollout_is or correction.rollout_rs:
+        need = [n for n, on in (("R2", replay == "R2"), ("rollout_is", bool(correction.rollout_is)),
+                                ("rollout_rs", bool(correction.rollout_rs))) if on]
+        bypass, bypass_why = False, f"{', '.join(need)} need(s) the old-log-prob forward"
+    else:
+        bypass = caps.shares_trainer_modules
+        bypass_why = (f"the {ro.name} rollout samples from the trainer's own modules"
+                      if bypass else f"the {ro.name} rollout's numerics are not the trainer's")
+    proximal = (off_policy and actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                and not algo.use_kl_in_reward and correction.rollout_rs is None and replay != "R2")
+    if bypass:
+        old = "rollout"
+        why.append(f"old log-probs: the rollout's, no forward ({bypass_why})")
+    elif proximal:
+        old = "update"
+        why.append("old log-probs: the update's own forward (off-policy with one optimizer step per batch and no "
+                   "stage needing them before the update)")
+    else:
+        old = "forward"
+        why.append(f"old log-probs: the old-log-prob forward ({bypass_why})")
+
+    # ---- routing
+    interval = ro.moe_load_balance_metrics_interval
+    engine_routing = caps.returns_routing
+    capture = engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
+    record_for_metrics = not engine_routing and interval > 0 and replay != "R2"
+    record = moe and (replay == "R2" or record_for_metrics)
+    from_forward = interval > 0 and (replay == "R2" or not engine_routing)
+    source = "rollout" if capture else "forward" if record else "none"
+    if capture:
+        why.append(f"routing: captured by the {ro.name} rollout")
+    if replay == "R2" or record_for_metrics:
+        why.append("routing: recorded by the old-log-prob forward" + ("" if moe else " (none: the model is dense)"))
+    if from_forward:
+        cause = "router_replay.mode=R2" if replay == "R2" else f"the {ro.name} rollout returns no routing on {device}"
+        why.append(f"MoE load-balance metrics describe the old-log-prob forward's routing ({cause})")
+
+    # ---- correction, roles, scales
+    is_level = correction.rollout_is if correction.rollout_is is not None or not off_policy else "token"
+    if is_level is not None:
+        why.append(f"importance weights at {is_level} level"
+                   + ("" if correction.rollout_is is not None else " (off-policy default)"))
+    if correction.rollout_rs is not None:
+        why.append(f"rejection sampling: {correction.rollout_rs}")
+    use_critic = cfg.critic.enable if cfg.critic.enable is not None else algo.adv_estimator in NEEDS_CRITIC
+    use_reference = actor.use_kl_loss or algo.use_kl_in_reward
+    why.append(f"critic: {'on' if use_critic else 'off'}"
+               + (" (critic.enable)" if cfg.critic.enable is not None else f" (adv_estimator={algo.adv_estimator})"))
+    if use_reference:
+        kinds = [k for k, on in (("use_kl_loss", actor.use_kl_loss), ("use_kl_in_reward", algo.use_kl_in_reward))
+                 if on]
+        why.append(f"reference policy: on ({', '.join(kinds)})")
+    # A constant, not the micro-batch's padded width as in verl: the loss of a sequence must not
+    # depend on which sequences it was padded next to.
+    actor_scale = float(actor.loss_scale_factor or cfg.data.max_response_length)
+    critic_scale = float(cfg.critic.loss_scale_factor or actor.loss_scale_factor or cfg.data.max_response_length)
+    max_model_len = None
+    if ro.name == "vllm":
+        max_model_len = ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        why.append(f"vllm max_model_len={max_model_len}")
+
+    return RunPlan(
+        device=device, engine=ro.name, engine_returns_routing=engine_routing, is_moe=moe, old_log_probs=old,
+        replay_mode=replay, replay_requested=requested, replay_reason=reason, routing_source=source,
+        rollout_captures_routing=capture, forward_records_routing=record,
+        forward_replays_routing=moe and replay == "R3", update_replays_routing=moe and replay in ("R2", "R3"),
+        load_balance_from_forward=from_forward, rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None,
+        off_policy=off_policy, use_critic=use_critic, use_reference=use_reference, actor_loss_scale=actor_scale,
+        critic_loss_scale=critic_scale, vllm_max_model_len=max_model_len, decisions=tuple(why),
+    )

@@ -1,0 +1,126 @@
+"""The policy's log-prob forward, shared by the actor and the reference: response logits and log-probs of a batch.
+
+`PolicyForward` wraps a loaded causal LM under its role's `TrainedModel`: the
+lean forward where it applies (each group's shared prompt computed once), the
+Hugging Face forward elsewhere and for a training forward that must run
+through the strategy's hooks or activation checkpointing. It can replay given
+routed experts and record the forward's own routing. `no_grad_log_probs`
+runs it over micro-batches on gathered weights, as both the actor's
+old-log-prob forward and the reference's forward do.
+
+What it deliberately does not do: read or write the data plane, or decide
+whether routing is recorded or replayed (the caller's settings say).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
+from conveyor.rollout.trajectory import response_span
+from conveyor.workers.strategy import TrainedModel
+
+__all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
+
+
+def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids), each (B, P+R), from left-padded prompts and right-padded responses."""
+    input_ids = torch.cat([td["prompts"], td["responses"]], dim=1)
+    # The span, not the mask: a multi-turn response's tool tokens are context (response_mask 0, attended to).
+    attention_mask = torch.cat([td["prompt_mask"].long(), response_span(td["response_mask"]).long()], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    """Slices of at most `size` rows covering `n` rows, in order."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class PolicyForward:
+    """Response logits and log-probs of `model` (held under `trained`), with `lean` the lean forward or None."""
+
+    def __init__(self, model: torch.nn.Module, trained: TrainedModel, lean: Any, moe: Any):
+        self.model, self.trained, self.lean, self.moe = model, trained, lean, moe
+
+    def response_logits(
+        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, R, V) predicting each response token, and the forward's routing (B, P+R, L, K) when recorded.
+
+        `train`: the update's forward, which under a multi-rank strategy must go through its wrapper.
+        """
+        # The update's forward goes through the strategy's hooks and the model's activation checkpointing,
+        # neither of which the lean forward calls.
+        hooked_update = train and (self.trained.strategy.distributed or self.trained.checkpointing)
+        if self.lean is not None and not hooked_update:
+            return self.lean.response_logits(
+                td["prompts"], td["prompt_mask"], td["responses"], response_span(td["response_mask"]),
+                routed_experts=routed_experts, record_routing=record_routing,
+            )
+        input_ids, attention_mask, position_ids = sequence_inputs(td)
+        resp_len = td["responses"].shape[1]
+        replay = replay_routing(self.model, routed_experts) if routed_experts is not None else contextlib.nullcontext()
+        recorder = RoutingRecorder(self.model) if record_routing else None
+        with replay, (recorder if recorder is not None else contextlib.nullcontext()):
+            # Only the positions that predict response tokens need the LM head.
+            module = self.trained.forward_module if train else self.model
+            out = module(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=resp_len + 1,
+            )
+            own_routing = recorder.pop() if recorder is not None else None
+        return out.logits[:, :-1, :], own_routing
+
+    def log_probs(
+        self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
+        record_routing: bool = False, train: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
+        logits, own_routing = self.response_logits(td, routed_experts, record_routing, train)
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy)
+        return log_probs, entropy, own_routing
+
+    @torch.no_grad()
+    def no_grad_log_probs(
+        self, td: TensorDict, micro_batch_size: int, temperature: float, *, with_entropy: bool = False,
+        replay: bool = False, record: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Masked log-probs (B, R), masked entropy (B, R) or None, and the recorded routing (B, P+R, L, K) or None.
+
+        `replay`: replay `td["routed_experts"]`; `record`: record the forward's own routing, -1 where no token
+        was fed (the rollout's convention).
+        """
+        self.model.eval()
+        lps, ents, routings = [], [], []
+        with self.trained.strategy.full_params():
+            for sl in micro_batches(len(td), micro_batch_size):
+                mb = td[sl]
+                routed = mb["routed_experts"].long() if replay else None
+                lp, ent, own = self.log_probs(mb, temperature, with_entropy, routed, record_routing=record)
+                lps.append(lp)
+                if ent is not None:
+                    ents.append(ent)
+                if record:
+                    routings.append(own)
+        mask = td["response_mask"].bool()
+        entropy = torch.cat(ents) * mask if ents else None
+        routing = self._fed_routing(td, torch.cat(routings)) if record else None
+        return torch.cat(lps) * mask, entropy, routing
+
+    def _fed_routing(self, td: TensorDict, routing: torch.Tensor) -> torch.Tensor:
+        """A forward's routing (B, P+R, L, K) in the rollout's convention: -1 wherever no token was fed (pads)."""
+        fed = torch.cat([td["prompt_mask"].bool(), response_span(td["response_mask"]).bool()], dim=1)
+        routing = torch.where(fed[:, :, None, None], routing.long(), torch.full_like(routing.long(), -1))
+        return routing.to(routed_experts_dtype(self.moe.num_experts))

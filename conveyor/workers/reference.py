@@ -1,0 +1,73 @@
+"""The reference worker: the frozen policy of one rank, which writes `ref_log_prob` for the KL terms.
+
+It loads the policy's checkpoint frozen (no gradients, no optimizer), holds it
+under its own strategy (`actor_rollout_ref.ref.strategy`: FSDP2 shards the
+parameters and gathers them for each forward) and runs the same log-prob
+forward as the actor (`conveyor.workers.forward.PolicyForward`), without
+routing replay: the reference's routing is its own.
+
+What it deliberately does not do: sample, update, or save checkpoints (the
+reference never changes; a resumed run loads it from the checkpoint again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from conveyor.data_plane.base import DataPlane
+from conveyor.models.lean import resolve_forward_impl
+from conveyor.models.loading import load_causal_lm
+from conveyor.models.moe_routing import moe_info
+from conveyor.protocol import KVBatchMeta
+from conveyor.workers.calls import LogProbCall
+from conveyor.workers.forward import PolicyForward
+from conveyor.workers.perf import result_handle
+from conveyor.workers.settings import ReferenceSettings
+from conveyor.workers.strategy import TrainedModel, TrainingStrategy
+
+__all__ = ["ReferenceWorker"]
+
+
+class ReferenceWorker:
+    """One rank of the frozen reference policy."""
+
+    def __init__(self, settings: ReferenceSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
+                 world_size: int = 1, device: str = "cpu"):
+        self.settings = settings
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        self.data_plane = data_plane
+        m, ref = settings.model, settings.ref
+        self.model = load_causal_lm(model_path, dtype=m.dtype, device=self.device, trust_remote_code=m.trust_remote_code)
+        # Before wrapping: the lean forward keeps references to the model's own modules.
+        lean = resolve_forward_impl(m.forward_impl, self.model)
+        fsdp = ref.fsdp_config
+        strategy = TrainingStrategy(
+            ref.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
+            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+        )
+        self.trained = TrainedModel(self.model, strategy, trainable=False)
+        self.forward = PolicyForward(self.model, self.trained, lean, moe_info(self.model))
+
+    @property
+    def optim_steps(self) -> int:
+        """Always 0: the reference is never updated."""
+        return self.trained.optim_steps
+
+    def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
+        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                            select_fields=fields).to(self.device)
+
+    @torch.no_grad()
+    def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Forward without grad: writes ref_log_prob (B, R)."""
+        call = LogProbCall.from_extra_info(meta.extra_info)
+        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
+        log_probs, _, _ = self.forward.no_grad_log_probs(td, self.settings.ref.log_prob_micro_batch_size_per_gpu,
+                                                         call.temperature)
+        out: dict[str, Any] = {"ref_log_prob": log_probs.cpu()}
+        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=out)
+        return result_handle(meta, list(out), {}, self.device)

@@ -1,0 +1,110 @@
+"""What each model role's worker is built from: the config sections it needs and its part of the run plan.
+
+One frozen dataclass per role (`ActorSettings`, `ReferenceSettings`,
+`CriticSettings`) and one function per role that builds it from the config
+and the run plan (`actor_settings(cfg, plan)`, ...). `worker_specs`, the
+asynchronous trainer's rollout process and the tests all build workers from
+these, so a worker never reads the root config and never re-derives a
+decision: whether its forward records or replays routing, whether the update
+writes the proximal log-probs, the importance-weight level and the loss scale
+come decided. The sections are copies, so a later change to the config
+cannot reach a built worker. They are plain dataclasses: Ray pickles them to
+its ranks as they are.
+
+What it deliberately does not do: decide anything (`conveyor.trainer.plan`
+does) or hold per-call parameters (`conveyor.workers.calls`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from conveyor.workers.optim import total_optim_steps
+
+if TYPE_CHECKING:
+    from conveyor.config import Config
+    from conveyor.trainer.plan import RunPlan
+
+__all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "actor_settings", "reference_settings",
+           "critic_settings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSettings:
+    """The actor's worker (`PolicyWorker`): rollout, old log-probs and the PPO update."""
+
+    model: Any  # actor_rollout_ref.model
+    actor: Any  # actor_rollout_ref.actor (optim, strategy, fsdp_config, the loss's settings)
+    rollout: Any  # actor_rollout_ref.rollout
+    seed: int  # trainer.seed (the vllm engine's, plus the rank)
+    total_optim_steps: int  # optimizer steps of the whole run (the lr schedule's length)
+    replay_mode: str  # the router replay that runs (the plan's)
+    forward_records_routing: bool  # the old-log-prob forward writes routed_experts
+    forward_replays_routing: bool  # the old-log-prob forward replays the rollout's routed_experts (R3)
+    update_replays_routing: bool  # the update's forward replays routed_experts (R2, R3)
+    update_writes_old_log_probs: bool  # the update's forward is the proximal policy: it writes old_log_probs
+    rollout_is: str | None  # importance-weight level (None: off)
+    is_threshold: float  # upper truncation of the importance weights
+    is_threshold_lower: float | None  # IcePop's lower bound (None: none)
+    rejection: tuple[tuple[str, float | None, float], ...]  # rollout_rs options as (option, lower, upper)
+    loss_scale_factor: float  # seq-mean-token-sum-norm divisor
+    max_model_len: int | None  # the vllm engine's (None: another engine)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSettings:
+    """The frozen reference policy's worker (`ReferenceWorker`)."""
+
+    model: Any  # actor_rollout_ref.model
+    ref: Any  # actor_rollout_ref.ref (micro-batch size, strategy, fsdp_config)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSettings:
+    """The value model's worker (`CriticWorker`)."""
+
+    model: Any  # actor_rollout_ref.model (the critic starts from the policy's backbone)
+    critic: Any  # critic (optim, strategy, fsdp_config, the value loss's settings)
+    total_optim_steps: int  # the critic's own: its mini-batch size and epochs may differ from the actor's
+    loss_scale_factor: float
+
+
+def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
+    """The actor's settings of a run of `cfg` under `plan`."""
+    arr = cfg.actor_rollout_ref
+    correction = cfg.algorithm.rollout_correction
+    upper, lower = correction.is_thresholds()
+    return ActorSettings(
+        model=copy.deepcopy(arr.model), actor=copy.deepcopy(arr.actor), rollout=copy.deepcopy(arr.rollout),
+        seed=cfg.trainer.seed,
+        total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
+                                            arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs),
+        replay_mode=plan.replay_mode,
+        forward_records_routing=plan.forward_records_routing,
+        forward_replays_routing=plan.forward_replays_routing,
+        update_replays_routing=plan.update_replays_routing,
+        update_writes_old_log_probs=plan.proximal_from_update,
+        rollout_is=plan.rollout_is_level, is_threshold=upper, is_threshold_lower=lower,
+        rejection=tuple(tuple(r) for r in correction.rejection()),
+        loss_scale_factor=plan.actor_loss_scale,
+        max_model_len=plan.vllm_max_model_len,
+    )
+
+
+def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:
+    """The reference's settings of a run of `cfg` (the plan says whether there is one)."""
+    arr = cfg.actor_rollout_ref
+    return ReferenceSettings(model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref))
+
+
+def critic_settings(cfg: Config, plan: RunPlan) -> CriticSettings:
+    """The critic's settings of a run of `cfg` under `plan`."""
+    c = cfg.critic
+    return CriticSettings(
+        model=copy.deepcopy(cfg.actor_rollout_ref.model), critic=copy.deepcopy(c),
+        total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
+                                            c.ppo_mini_batch_size, c.ppo_epochs),
+        loss_scale_factor=plan.critic_loss_scale,
+    )

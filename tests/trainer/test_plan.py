@@ -1,0 +1,215 @@
+"""The run plan: every combination of engine, device, replay, bypass, staleness, correction and roles, decided once.
+
+`expected` below states the decisions from the documented rules (docs and the
+config's help), written separately from `conveyor.trainer.plan`; the truth
+table compares every field of the plan with it. A combination the config
+refuses is checked to be refused; R3 with bypass mode on an engine that
+cannot return routing is refused by the plan, naming the keys to change, and
+by the command line before any model is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conveyor.config import ConfigError, load_config
+from conveyor.trainer.plan import RunPlan, build_run_plan
+
+ENGINES = ("hf", "vllm")
+DEVICES = ("cpu", "cuda")
+REPLAYS = ("disabled", "R2", "R3")
+BYPASS = (None, True, False)
+MODES = ("sync", "async_k0", "async_k1")
+CORRECTIONS = ("none", "rollout_is", "rollout_rs")
+ROLES = ("plain", "kl_loss", "kl_reward", "critic")
+INTERVALS = (0, 5)
+
+# Heads vLLM's CPU attention accepts, so that the vllm engine is valid wherever the rest is.
+_BASE = load_config(None, ["actor_rollout_ref.model.tiny.num_heads=2", "actor_rollout_ref.model.tiny.num_kv_heads=2"])
+
+
+def make_config(engine, replay, bypass, mode, correction, role, interval, mini_batch=None):
+    """The base config with one combination set, checked again as a whole (ConfigError when refused)."""
+    cfg = copy.deepcopy(_BASE)
+    arr, algo, v1 = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer.v1
+    arr.rollout.name = engine
+    arr.rollout.moe_load_balance_metrics_interval = interval
+    arr.actor.router_replay.mode = replay
+    algo.rollout_correction.bypass_mode = bypass
+    if mode != "sync":
+        v1.trainer_mode = "separate_async"
+        v1.sampler.max_off_policy_threshold = 0 if mode == "async_k0" else 1
+    if correction == "rollout_is":
+        algo.rollout_correction.rollout_is = "token"
+    elif correction == "rollout_rs":
+        algo.rollout_correction.rollout_rs = "token_k1"
+        algo.rollout_correction.rollout_rs_threshold = "0.5_2.0"
+    arr.actor.use_kl_loss = role == "kl_loss"
+    algo.use_kl_in_reward = role == "kl_reward"
+    if role == "critic":
+        algo.adv_estimator = "gae"
+    if mini_batch is not None:
+        arr.actor.ppo_mini_batch_size = mini_batch
+    cfg.__post_init__()  # the cross-section checks, as loading runs them
+    return cfg
+
+
+def config_refuses(engine, replay, bypass, mode) -> bool:
+    """What the config itself refuses among these combinations (docs/async.md, docs/rollout.md)."""
+    if mode != "sync" and engine != "hf":
+        return True  # the asynchronous trainer runs the hf rollout only
+    if mode == "async_k1" and bypass is True:
+        return True  # an older policy's log-probs cannot be the proximal policy's
+    return replay == "R2" and bypass is True  # R2 records in the forward that bypass skips
+
+
+def expected(engine, device, replay, bypass, mode, correction, role, interval, *, one_step=True) -> dict:
+    """Every field of the plan, from the rules as documented."""
+    engine_routing = engine == "hf" or device == "cuda"  # vLLM returns routing from CUDA only
+    runs = "R2" if replay == "R3" and not engine_routing else replay
+    off_policy = mode == "async_k1"
+    # The update's forward is the proximal policy when it is the batch's only optimizer step and nothing
+    # before the update needs old log-probs (KL in the reward, rejection) or the forward's routing (R2).
+    proximal = off_policy and one_step and role != "kl_reward" and correction != "rollout_rs" and runs != "R2"
+    if bypass is True:
+        old = "rollout"
+    elif bypass is None and not off_policy and runs != "R2" and correction == "none" and engine == "hf":
+        old = "rollout"  # the hf rollout samples from the trainer's own modules: nothing needs a forward
+    else:
+        old = "update" if proximal else "forward"
+    metrics = interval > 0
+    if runs == "R3":
+        capture, record_for_metrics = True, False
+    elif runs == "R2":
+        capture, record_for_metrics = False, False
+    else:
+        capture, record_for_metrics = metrics and engine_routing, metrics and not engine_routing
+    record = runs == "R2" or record_for_metrics  # the tiny model is MoE
+    return {
+        "device": device, "engine": engine, "engine_returns_routing": engine_routing, "is_moe": True,
+        "old_log_probs": old, "replay_mode": runs, "replay_requested": replay,
+        "routing_source": "rollout" if capture else "forward" if record else "none",
+        "rollout_captures_routing": capture, "forward_records_routing": record,
+        "forward_replays_routing": runs == "R3", "update_replays_routing": runs != "disabled",
+        "load_balance_from_forward": metrics and (runs == "R2" or not engine_routing),
+        "rollout_is_level": "token" if correction == "rollout_is" or off_policy else None,
+        "rollout_rs": correction == "rollout_rs", "off_policy": off_policy,
+        "use_critic": role == "critic", "use_reference": role in ("kl_loss", "kl_reward"),
+        "actor_loss_scale": 6.0, "critic_loss_scale": 6.0,  # data.max_response_length
+        "vllm_max_model_len": 64 + 6 if engine == "vllm" else None,
+    }
+
+
+@pytest.mark.parametrize("engine, device, replay, bypass",
+                         list(itertools.product(ENGINES, DEVICES, REPLAYS, BYPASS)))
+def test_truth_table(engine, device, replay, bypass) -> None:
+    checked = 0
+    for mode, correction, role, interval in itertools.product(MODES, CORRECTIONS, ROLES, INTERVALS):
+        case = (engine, device, replay, bypass, mode, correction, role, interval)
+        if config_refuses(engine, replay, bypass, mode):
+            with pytest.raises(ConfigError):
+                make_config(engine, replay, bypass, mode, correction, role, interval)
+            continue
+        cfg = make_config(engine, replay, bypass, mode, correction, role, interval)
+        engine_routing = engine == "hf" or device == "cuda"
+        if replay == "R3" and not engine_routing and bypass is True:
+            with pytest.raises(ConfigError) as info:
+                build_run_plan(cfg, device)
+            msg = str(info.value)
+            assert "actor_rollout_ref.actor.router_replay.mode=R3" in msg, case
+            assert "algorithm.rollout_correction.bypass_mode" in msg and "null or false" in msg, case
+            continue
+        plan = build_run_plan(cfg, device)
+        got = {k: v for k, v in plan.to_dict().items() if k not in ("decisions", "replay_reason")}
+        assert got == expected(*case), case
+        assert bool(plan.replay_reason) == (plan.replay_mode != replay), case
+        assert plan.decisions and all(isinstance(d, str) and d for d in plan.decisions), case
+        checked += 1
+    assert checked or config_refuses(engine, replay, bypass, "sync") or (
+        replay == "R3" and bypass is True and engine == "vllm" and device == "cpu")
+
+
+@pytest.mark.parametrize("mini_batch, epochs", [(16, 1), (32, 2)])
+def test_more_than_one_optimizer_step_per_batch_needs_the_old_log_prob_forward(mini_batch, epochs) -> None:
+    cfg = make_config("hf", "disabled", None, "async_k1", "none", "plain", 0, mini_batch=mini_batch)
+    cfg.actor_rollout_ref.actor.ppo_epochs = epochs
+    plan = build_run_plan(cfg, "cpu")
+    assert plan.old_log_probs == "forward"
+    assert plan == RunPlan(**{**plan.__dict__, **expected("hf", "cpu", "disabled", None, "async_k1", "none",
+                                                          "plain", 0, one_step=False)})
+
+
+def test_loss_scales_fall_back_actor_then_response_length() -> None:
+    cfg = copy.deepcopy(_BASE)
+    assert (build_run_plan(cfg, "cpu").actor_loss_scale, build_run_plan(cfg, "cpu").critic_loss_scale) == (6.0, 6.0)
+    cfg.actor_rollout_ref.actor.loss_scale_factor = 4.0
+    assert (build_run_plan(cfg, "cpu").actor_loss_scale, build_run_plan(cfg, "cpu").critic_loss_scale) == (4.0, 4.0)
+    cfg.critic.loss_scale_factor = 2.0
+    assert (build_run_plan(cfg, "cpu").actor_loss_scale, build_run_plan(cfg, "cpu").critic_loss_scale) == (4.0, 2.0)
+    cfg.actor_rollout_ref.rollout.max_model_len = 100
+    cfg.actor_rollout_ref.rollout.name = "vllm"
+    assert build_run_plan(cfg, "cpu").vllm_max_model_len == 100
+
+
+def test_critic_enable_overrides_the_estimator() -> None:
+    cfg = copy.deepcopy(_BASE)
+    cfg.critic.enable = True
+    assert build_run_plan(cfg, "cpu").use_critic
+    cfg.algorithm.adv_estimator, cfg.critic.enable = "gae", False
+    assert not build_run_plan(cfg, "cpu").use_critic
+
+
+def test_a_dense_model_records_and_replays_nothing() -> None:
+    cfg = load_config(None, ["actor_rollout_ref.model.tiny.arch=qwen3", "actor_rollout_ref.actor.router_replay.mode=R2"])
+    plan = build_run_plan(cfg, "cpu")
+    assert not plan.is_moe and plan.replay_mode == "R2" and plan.old_log_probs == "forward"
+    assert not (plan.forward_records_routing or plan.forward_replays_routing or plan.update_replays_routing)
+
+
+def test_moe_is_read_from_a_checkpoints_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 4}))
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tmp_path}"])
+    assert build_run_plan(cfg, "cpu").is_moe
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert not build_run_plan(cfg, "cpu").is_moe
+
+
+def test_the_plan_is_plain_and_does_not_change_the_config() -> None:
+    cfg = load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
+                             "actor_rollout_ref.model.tiny.num_kv_heads=2", "actor_rollout_ref.actor.router_replay.mode=R3"])
+    before = copy.deepcopy(cfg)
+    plan = build_run_plan(cfg, "cpu")
+    assert cfg == before and plan.replay_mode == "R2"
+    assert json.loads(json.dumps(plan.to_dict())) == plan.to_dict()
+    with pytest.raises(AttributeError):
+        plan.replay_mode = "R3"  # frozen
+    assert "R2" in plan.describe()
+
+
+def test_the_command_line_refuses_r3_with_bypass_on_the_vllm_cpu_engine_before_building_anything(tmp_path) -> None:
+    """The run that used to fail at its first update with FieldNotFoundError: refused at start, exit status 2."""
+    root = Path(__file__).resolve().parents[2]
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    env = {**os.environ, "CONVEYOR_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", "train", "--config", str(root / "examples" / "vllm_cpu.yaml"),
+         "actor_rollout_ref.actor.router_replay.mode=R3", "algorithm.rollout_correction.bypass_mode=true",
+         "trainer.total_training_steps=1", f"trainer.default_local_dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "actor_rollout_ref.actor.router_replay.mode=R3" in done.stderr
+    assert "algorithm.rollout_correction.bypass_mode" in done.stderr and "Traceback" not in done.stderr
+    # Nothing was built or written: no tiny model in the cache, no run directory, no vLLM engine.
+    assert not cache.exists() or not any(cache.iterdir())
+    assert not run_dir.exists()
+    assert "vLLM engine started" not in done.stderr
