@@ -20,12 +20,14 @@ EXIT_USAGE = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML config file (overrides go on top)")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML config file (overrides go on top; it may stand "
+                                                         "anywhere among them)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides, e.g. actor_rollout_ref.rollout.temperature=0.7")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command's parser, and the subcommands' parsers that take `--config` and dotted overrides."""
     p = argparse.ArgumentParser(prog="conveyor", description="RL post-training of LLMs over a key-value data plane.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -54,7 +56,20 @@ def _parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("warmstart", help="build the tiny model's supervised warm start (done on first use anyway)")
     _add_config_args(w)
-    return p
+    return p, {"train": t, "config": c, "warmstart": w}
+
+
+def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Parse `argv`; a subcommand with overrides takes `--config` anywhere among them (`a=b --config f c=d`)."""
+    parser, with_overrides = _parser()
+    at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    if at is None or argv[at] not in with_overrides:
+        return parser, parser.parse_args(argv)
+    # A plain positional list ends at the first option, so `c=d` after `--config f` would be refused:
+    # the subcommand's own arguments are parsed intermixed.
+    args = parser.parse_args(argv[: at + 1])
+    vars(args).update(vars(with_overrides[argv[at]].parse_intermixed_args(argv[at + 1:])))
+    return parser, args
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -126,8 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["train"]  # `conveyor` alone runs the default training
-    parser = _parser()
-    args = parser.parse_args(argv)
+    parser, args = _parse(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

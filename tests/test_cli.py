@@ -141,3 +141,29 @@ def test_lean_forward_on_a_model_it_cannot_run_is_a_usage_error(tmp_path: Path) 
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: actor_rollout_ref.model.forward_impl=lean cannot run this model"), last
     assert "MixtralForCausalLM" in last and "set it to auto or hf" in last
+
+
+def test_config_file_may_stand_among_the_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  total_training_steps: 7\n  experiment_name: mine\n")
+    proc = run_cli("config", "data.seed=5", "--config", str(path), "trainer.total_training_steps=9")
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(proc.stdout)
+    assert data["data"]["seed"] == 5 and data["trainer"]["total_training_steps"] == 9
+    assert data["trainer"]["experiment_name"] == "mine"
+
+
+@pytest.mark.parametrize("command", ["train", "config", "warmstart"])
+def test_every_command_with_overrides_takes_config_between_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str
+) -> None:
+    import conveyor.cli as cli
+
+    seen: dict = {}
+    monkeypatch.setitem(cli._COMMANDS, command, lambda args: seen.update(vars(args)) or 0)
+    path = str(tmp_path / "f.yaml")
+    assert main([command, "a.b=1", "--config", path, "c.d=2"]) == 0
+    assert seen["config"] == path and seen["overrides"] == ["a.b=1", "c.d=2"]
+    seen.clear()
+    assert main(["-v", command, "--config", path, "a.b=1", "c.d=2"]) == 0
+    assert seen["config"] == path and seen["overrides"] == ["a.b=1", "c.d=2"] and seen["verbose"] is True

@@ -527,3 +527,128 @@ def test_numeric_keys_are_found() -> None:
     keys = dict(_numeric_keys())
     assert keys["actor_rollout_ref.actor.entropy_coeff"] is float and keys["data.train_batch_size"] is int
     assert keys["reward.timeout_s"] is float and "actor_rollout_ref.actor.optim.lr" in keys
+
+
+# --------------------------------------------------------------------------- declarations: ranges, choices, resume
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n: must be > 0, got 0"),
+        ("actor_rollout_ref.actor.optim.weight_decay=-1", "actor_rollout_ref.actor.optim.weight_decay: must be >= 0, "
+                                                           "got -1.0"),
+        ("algorithm.lam=1.5", "algorithm.lam: must be in [0, 1], got 1.5"),
+        ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p: must be in (0, 1], got 0.0"),
+        ("data.synthetic.max_operand=0", "data.synthetic.max_operand: must be >= 1, got 0"),
+        ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep: must be > 0 or null, got 0"),
+        ("critic.optim.lr=0", "critic.optim.lr: must be > 0, got 0.0"),
+        ("transfer_queue.metrics.port=65536", "transfer_queue.metrics.port: must be in [0, 65535], got 65536"),
+        ("reward.timeout_s=-1", "reward.timeout_s: must be >= 0 (0 = no limit), got -1.0"),
+    ],
+)
+def test_declared_ranges_name_the_full_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == message
+
+
+def test_optional_keys_with_a_range_take_null() -> None:
+    cfg = load_config(None, ["trainer.max_ckpt_to_keep=null", "actor_rollout_ref.actor.clip_ratio_low=null",
+                             "ray.num_cpus=null", "data.val_batch_size=null"])
+    assert cfg.trainer.max_ckpt_to_keep is None and cfg.ray.num_cpus is None
+
+
+@pytest.mark.parametrize(
+    ("key", "module", "name"),
+    [
+        ("actor_rollout_ref.rollout.name", "conveyor.rollout.base", "ROLLOUT_ENGINES"),
+        ("actor_rollout_ref.actor.router_replay.mode", "conveyor.models.moe_routing", "REPLAY_MODES"),
+        ("algorithm.kl_ctrl.type", "conveyor.algos.kl", "KL_CONTROLLERS"),
+        ("actor_rollout_ref.actor.optim.lr_scheduler", "conveyor.workers.optim", "LR_SCHEDULERS"),
+        ("critic.optim.lr_scheduler", "conveyor.workers.optim", "LR_SCHEDULERS"),
+        ("actor_rollout_ref.model.tiny.arch", "conveyor.models.tiny", "TINY_ARCHS"),
+        ("actor_rollout_ref.actor.strategy", "conveyor.workers.strategy", "STRATEGIES"),
+    ],
+)
+def test_choice_lists_are_the_implementing_registries(key: str, module: str, name: str) -> None:
+    import importlib
+
+    registry = list(getattr(importlib.import_module(module), name))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{key}=no_such_choice"])
+    assert str(info.value).startswith(f"{key}: unknown 'no_such_choice'") and str(info.value).endswith(
+        f"valid: {registry}")
+
+
+def _python(code: str) -> str:
+    """Run `code` in a fresh interpreter on this checkout; its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_importing_the_config_imports_no_implementation() -> None:
+    out = _python("import sys, conveyor.config; print(sorted(m for m in sys.modules "
+                  "if m.startswith('conveyor.') and not m.startswith('conveyor.config')))")
+    assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("first", ["conveyor.workers.optim", "conveyor.workers.strategy", "conveyor.trainer.run_dir"])
+def test_the_implementation_imports_the_config_without_a_cycle(first: str) -> None:
+    _python(f"import {first}; import conveyor.config; conveyor.config.load_config()")
+
+
+def _described_keys(text: str) -> list[str]:
+    """The dotted key of every line of `conveyor config --describe` output, from its indentation."""
+    stack: list[str] = []
+    keys = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.strip().split(":", 1)[0]
+        stack[depth:] = [name]
+        keys.append(".".join(stack))
+    return keys
+
+
+def test_describe_lists_exactly_the_schema_keys() -> None:
+    from conveyor.config import field_paths
+
+    assert _described_keys(config_to_yaml(Config(), with_help=True)) == field_paths(Config)
+    assert len(field_paths(Config)) == len(set(field_paths(Config))) > 150
+
+
+# The list run_dir kept by hand before the keys carried it as metadata.
+OLD_NEUTRAL_KEYS = (
+    "trainer.total_training_steps", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
+    "trainer.default_local_dir", "trainer.test_freq", "trainer.val_before_train", "trainer.save_freq",
+    "trainer.max_ckpt_to_keep", "trainer.resume_mode", "trainer.resume_from_path", "trainer.save_on_interrupt",
+    "trainer.resume_accept_config_changes", "trainer.dump_freq", "trainer.dump_num", "trainer.device",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.num_cpu_workers", "trainer.progress_bar",
+    "trainer.prometheus.", "transfer_queue.", "ray.",
+    "actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+    "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.fsdp_config.param_offload",
+    "critic.fsdp_config.optimizer_offload", "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.model.forward_impl",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "data.val_files", "data.val_batch_size",
+)
+
+
+def test_resume_neutral_keys_are_the_old_list() -> None:
+    from conveyor.config import resume_neutral_keys
+    from conveyor.trainer.run_dir import NEUTRAL_KEYS
+
+    assert NEUTRAL_KEYS == resume_neutral_keys(Config)
+    # One key more: optimizer_offload is declared once on the FSDP section, which the reference shares;
+    # the reference has no optimizer, so the key changes nothing there.
+    assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | {"actor_rollout_ref.ref.fsdp_config.optimizer_offload"}
+    assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))

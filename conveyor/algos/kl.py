@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "KL_KINDS",
+    "KL_CONTROLLERS",
     "kl_penalty",
     "FixedKLController",
     "AdaptiveKLController",
@@ -116,6 +117,10 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+# The in-reward KL controllers by name (algorithm.kl_ctrl.type).
+KL_CONTROLLERS: dict[str, type] = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}
+
+
 def make_kl_controller(
     kind: str,
     kl_coef: float,
@@ -123,13 +128,13 @@ def make_kl_controller(
     horizon: float | None = None,
 ) -> FixedKLController | AdaptiveKLController:
     """Build a ``"fixed"`` or ``"adaptive"`` KL controller starting at ``kl_coef``."""
+    if kind not in KL_CONTROLLERS:
+        raise ValueError(f"unknown kl controller kind {kind!r}; valid kinds: {', '.join(KL_CONTROLLERS)}")
     if kind == "fixed":
         return FixedKLController(kl_coef)
-    if kind == "adaptive":
-        if target_kl is None or horizon is None:
-            raise ValueError("an adaptive kl controller needs target_kl and horizon")
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown kl controller kind {kind!r}; valid kinds: fixed, adaptive")
+    if target_kl is None or horizon is None:
+        raise ValueError("an adaptive kl controller needs target_kl and horizon")
+    return AdaptiveKLController(kl_coef, target_kl, horizon)
 
 
 def apply_kl_penalty(

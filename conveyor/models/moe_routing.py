@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "REPLAY_MODES",
     "MoEInfo",
     "MoELayer",
     "moe_info",
@@ -49,6 +50,11 @@ __all__ = [
     "compute_routing_agreement",
     "routed_experts_dtype",
 ]
+
+
+# actor_rollout_ref.actor.router_replay.mode: no replay; R2, the updates replay the routing of the
+# old-log-prob forward (recorded there); R3, every training forward replays the rollout's routing.
+REPLAY_MODES: tuple[str, ...] = ("disabled", "R2", "R3")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@
   computes is refused, naming the checkpoint and each key (saved -> now),
   unless `trainer.resume_accept_config_changes=true`; settings that only
   change where or how often things happen (steps to run, logging, saving,
-  ranks and their strategy, devices, the data plane) may differ freely.
+  ranks and their strategy, devices, the data plane) may differ freely: each
+  is declared `resume_neutral` on its field in `conveyor.config`.
 - `write_config(cfg, run_dir, accepted)` writes `config.yaml`; the previous one
   is kept beside it when the change was accepted, so no record is lost.
 """
@@ -27,7 +28,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from conveyor.config import Config, config_to_dict, config_to_yaml
+from conveyor.config import Config, config_to_dict, config_to_yaml, resume_neutral_keys
 from conveyor.metrics.trackers import flatten_config
 
 logger = logging.getLogger(__name__)
@@ -36,22 +37,8 @@ __all__ = ["RunDirLock", "open_run_dir", "check_resume", "write_config", "config
 
 # Settings a resumed run may change without changing what it computes: how long, where and how often it
 # logs, saves and validates, and how its ranks are placed and hold the model (sharded checkpoints reshard).
-NEUTRAL_KEYS: tuple[str, ...] = (
-    "trainer.total_training_steps", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
-    "trainer.default_local_dir", "trainer.test_freq", "trainer.val_before_train", "trainer.save_freq",
-    "trainer.max_ckpt_to_keep", "trainer.resume_mode", "trainer.resume_from_path", "trainer.save_on_interrupt",
-    "trainer.resume_accept_config_changes", "trainer.dump_freq", "trainer.dump_num", "trainer.device",
-    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.num_cpu_workers", "trainer.progress_bar",
-    "trainer.prometheus.", "transfer_queue.", "ray.",
-    "actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
-    "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-    "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.fsdp_config.param_offload",
-    "critic.fsdp_config.optimizer_offload", "actor_rollout_ref.model.enable_gradient_checkpointing",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.model.forward_impl",
-    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "data.val_files", "data.val_batch_size",
-)
+# Each is declared where the setting is, `F(..., resume_neutral=True)`; a whole section ends with '.'.
+NEUTRAL_KEYS: tuple[str, ...] = resume_neutral_keys(Config)
 
 
 def _neutral(key: str) -> bool:

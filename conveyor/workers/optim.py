@@ -24,11 +24,16 @@ from torch.optim.lr_scheduler import LambdaLR
 if TYPE_CHECKING:
     from conveyor.config import OptimConfig
 
-__all__ = ["lr_multiplier", "total_optim_steps", "build_optimizer"]
+__all__ = ["LR_SCHEDULERS", "lr_multiplier", "total_optim_steps", "build_optimizer"]
+
+# The schedules after warm-up (actor_rollout_ref.actor.optim.lr_scheduler, critic.optim.lr_scheduler).
+LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine")
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, scheduler: str, min_lr_ratio: float) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): linear warm-up then constant or cosine."""
+    if scheduler not in LR_SCHEDULERS:
+        raise ValueError(f"unknown lr scheduler {scheduler!r}; valid: {list(LR_SCHEDULERS)}")
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if scheduler == "cosine":

@@ -1,0 +1,133 @@
+"""The `actor_rollout_ref.actor` and `actor_rollout_ref.ref` sections: the policy update and the reference.
+
+Also the sections they share with the critic (`optim`, `fsdp_config`) and the
+actor's own (`policy_loss`, `router_replay`). Choice lists (policy losses,
+loss aggregations, KL estimators, strategies, LR schedules, replay modes) are
+read from the modules that implement them, when checked.
+
+It deliberately holds no logic of the update itself: `conveyor.workers` and
+`conveyor.algos` take these values as plain arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from conveyor.config.fields import F, S, check, registry
+from conveyor.config.model import DTYPES
+
+__all__ = ["OptimConfig", "FSDPConfig", "RouterReplayConfig", "PolicyLossConfig", "ActorConfig", "RefConfig",
+           "STRATEGY_CHOICES"]
+
+STRATEGY_CHOICES = registry("conveyor.workers.strategy", "STRATEGIES")
+LOSS_AGG_CHOICES = registry("conveyor.algos.losses", "LOSS_AGG_MODES")
+KL_KIND_CHOICES = registry("conveyor.algos.kl", "KL_KINDS")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = F(6e-4, "learning rate (the default suits the tiny model; real models want 1e-6 to 1e-5)", gt=0)
+    weight_decay: float = F(0.0, "AdamW weight decay", ge=0)
+    betas: list = F([0.9, 0.99], "AdamW betas")
+    lr_warmup_steps: int = F(0, "linear warm-up steps", ge=0)
+    lr_scheduler: str = F("cosine", "the schedule after warm-up",
+                          choices=registry("conveyor.workers.optim", "LR_SCHEDULERS"))
+    min_lr_ratio: float = F(0.2, "cosine floor as a fraction of lr", ge=0, le=1)
+
+    def validate(self, prefix: str) -> None:
+        """The betas are two numbers in [0, 1)."""
+        check(len(self.betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                           for b in self.betas), f"{prefix}.betas",
+              f"must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 settings of a role (verl's fsdp_config keys); used when the role's strategy is fsdp2."""
+
+    param_dtype: Optional[str] = F(None, "dtype parameters are gathered and computed in (mixed precision); null = "
+                                   "the model's dtype", choices=DTYPES)
+    reduce_dtype: Optional[str] = F(None, "dtype gradients are reduce-scattered in; null = the parameters' dtype",
+                                    choices=DTYPES)
+    param_offload: bool = F(False, "keep parameter shards (and gradients) in host memory between uses, on a GPU "
+                                   "run (no effect on a CPU run)", resume_neutral=True)
+    optimizer_offload: bool = F(False, "keep optimizer state in host memory except during its step, on a GPU run "
+                                       "(no effect on a CPU run)", resume_neutral=True)
+
+
+@dataclass
+class RouterReplayConfig:
+    """Routing replay for MoE models."""
+
+    mode: str = F("disabled", "disabled; R3: training forwards use the experts recorded at rollout; R2: the "
+                  "updates use the experts of the old-log-prob forward (any rollout engine)",
+                  choices=registry("conveyor.models.moe_routing", "REPLAY_MODES"))
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which policy loss."""
+
+    loss_mode: str = F("vanilla", "policy loss from the registry (vanilla = PPO clip with dual clip; add one with "
+                       "conveyor.algos.register_policy_loss)",
+                       choices=registry("conveyor.algos.losses", "POLICY_LOSSES"))
+    clip_cov_ratio: float = F(0.0002, "clip_cov: share of tokens whose gradient is switched off", gt=0, le=1)
+    clip_cov_lb: float = F(1.0, "clip_cov: lower bound of the covariance of a token that may be switched off")
+    clip_cov_ub: float = F(5.0, "clip_cov: upper bound of that covariance")
+    kl_cov_ratio: float = F(0.0002, "kl_cov: share of tokens (highest covariance) given the KL penalty", gt=0, le=1)
+    ppo_kl_coef: float = F(0.1, "kl_cov: coefficient of that |log ratio| penalty", ge=0)
+
+    def validate(self, prefix: str) -> None:
+        """clip_cov's bounds are ordered."""
+        check(self.clip_cov_lb < self.clip_cov_ub, f"{prefix}.clip_cov_lb",
+              f"must be below clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}")
+
+    def loss_kwargs(self) -> dict[str, float]:
+        """The hyperparameters handed to the policy loss (each loss takes the ones it declares)."""
+        return {k: getattr(self, k) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                              "ppo_kl_coef")}
+
+
+@dataclass
+class ActorConfig:
+    """The policy update."""
+
+    optim: OptimConfig = S(OptimConfig, "optimizer")
+    ppo_mini_batch_size: int = F(32, "prompts per optimizer step (times rollout.n sequences)", gt=0)
+    ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (gradient accumulation; lower it for "
+                                          "big models)", gt=0, resume_neutral=True)
+    ppo_epochs: int = F(1, "passes over the batch per step", gt=0)
+    shuffle: bool = F(True, "shuffle sequences into mini-batches")
+    clip_ratio: float = F(0.2, "PPO clip range (both sides unless clip_ratio_low/high are set)", gt=0)
+    clip_ratio_low: Optional[float] = F(None, "lower clip range; null = clip_ratio", gt=0)
+    clip_ratio_high: Optional[float] = F(None, "upper clip range; null = clip_ratio", gt=0)
+    clip_ratio_c: float = F(3.0, "dual-clip bound for negative advantages (> 1)", gt=1)
+    loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=LOSS_AGG_CHOICES)
+    loss_scale_factor: Optional[float] = F(None, "seq-mean-token-sum-norm: the constant every sequence's token sum "
+                                           "is divided by; null = data.max_response_length", gt=0)
+    tau_pos: float = F(1.0, "sapo: temperature of the soft gate for positive advantages", gt=0)
+    tau_neg: float = F(1.05, "sapo: temperature of the soft gate for negative advantages", gt=0)
+    entropy_coeff: float = F(0.0, "entropy bonus coefficient")
+    use_kl_loss: bool = F(False, "add a KL(policy || reference) loss term")
+    kl_loss_coef: float = F(0.001, "KL loss coefficient", ge=0)
+    kl_loss_type: str = F("low_var_kl", "KL estimator of the loss term", choices=KL_KIND_CHOICES)
+    grad_clip: float = F(1.0, "gradient norm clip", gt=0)
+    policy_loss: PolicyLossConfig = S(PolicyLossConfig, "policy loss")
+    router_replay: RouterReplayConfig = S(RouterReplayConfig, "MoE routing replay")
+    strategy: Optional[str] = F(None, "how ranks hold the model: fsdp2 (sharded), dp (replicas, DDP) or none (one "
+                                "rank); null = fsdp2 with more than one rank", choices=STRATEGY_CHOICES,
+                                resume_neutral=True)
+    fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (used when a KL term is on)."""
+
+    log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per reference forward", gt=0, resume_neutral=True)
+    strategy: Optional[str] = F(None, "fsdp2 (sharded parameters, no optimizer), dp or none; null = fsdp2 with "
+                                "more than one rank", choices=STRATEGY_CHOICES, resume_neutral=True)
+    fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")

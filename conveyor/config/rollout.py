@@ -1,0 +1,90 @@
+"""The `actor_rollout_ref.rollout` section: generation, validation sampling and multi-turn rollouts with tools.
+
+The engine names are read from `conveyor.rollout.base.ROLLOUT_ENGINES` and the
+tool-call formats from `conveyor.tools.formats`, when checked. It deliberately
+does not decide what an engine can do (its declared capabilities) or build one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from conveyor.config.fields import F, S, check, registry
+
+__all__ = ["TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "RolloutConfig"]
+
+TRUNCATE_SIDES = ("left", "middle", "right")
+
+
+@dataclass
+class ValKwargs:
+    """Sampling for validation."""
+
+    temperature: float = F(0.0, "0 = greedy", ge=0, hint="0 = greedy")
+    top_p: float = F(1.0, "nucleus sampling", gt=0, le=1)
+    top_k: int = F(0, "top-k sampling (0 = off)", ge=0)
+    n: int = F(1, "samples per held-out prompt", gt=0)
+    do_sample: bool = F(False, "sample instead of greedy decoding")
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's actor_rollout_ref.rollout.multi_turn keys)."""
+
+    enable: bool = F(False, "generate, call tools, append their responses and generate again, per sample")
+    max_assistant_turns: Optional[int] = F(None, "most model turns per sample (null = until EOS or the response "
+                                           "budget, data.max_response_length, is spent)", gt=0, hint="no limit")
+    max_user_turns: Optional[int] = F(None, "most tool-response turns per sample (null = no limit)", gt=0,
+                                      hint="no limit")
+    max_tool_response_length: int = F(256, "characters of a tool's text kept (cut on tool_response_truncate_side)",
+                                      gt=0)
+    tool_response_truncate_side: str = F("middle", "which part of a long tool response is cut: left, middle or "
+                                         "right", choices=TRUNCATE_SIDES)
+    format: str = F("hermes", "tool-call syntax: hermes (<tool_call>{json}</tool_call>) or hash (#name text; "
+                    "writable with the tiny character tokenizer)",
+                    choices=registry("conveyor.tools.formats", "TOOL_CALL_FORMATS"))
+    tool_config_path: Optional[str] = F(None, "YAML naming the tools by Python path (see docs/agent.md)")
+    tool_timeout_s: float = F(30.0, "seconds one tool call may take; a slower call answers an error message", gt=0)
+    tool_workers: int = F(16, "tool calls run at once per rank (one thread each)", gt=0)
+
+    def validate(self, prefix: str) -> None:
+        """Multi-turn rollouts need a tool YAML."""
+        check(not self.enable or bool(self.tool_config_path), f"{prefix}.tool_config_path",
+              f"{prefix}.enable=true needs a tool YAML; give its path (see docs/agent.md) or set {prefix}.enable=false")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation."""
+
+    name: str = F("hf", "rollout engine: hf (conveyor's decode loop over the Hugging Face model) or vllm (a vLLM "
+                  "engine in the actor's process, fed the new weights after every update; docs/rollout.md)",
+                  choices=registry("conveyor.rollout.base", "ROLLOUT_ENGINES"))
+    n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)", gt=0)
+    temperature: float = F(1.0, "sampling temperature", gt=0, hint="use do_sample=false for greedy")
+    top_p: float = F(1.0, "nucleus sampling (1 = off)", gt=0, le=1)
+    top_k: int = F(0, "top-k sampling (0 = off)", ge=0)
+    do_sample: bool = F(True, "sample (false = greedy)")
+    log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward", gt=0, resume_neutral=True)
+    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
+                                               "per-expert load every N steps (0 = off; the default run, "
+                                               "examples/tiny_cpu.yaml, uses 10)", ge=0, resume_neutral=True)
+    gpu_memory_utilization: float = F(0.5, "vllm: the share of GPU memory the engine may take (weights and KV "
+                                      "cache); on a CPU the KV cache is sized to max_num_seqs x max_model_len",
+                                      gt=0, le=1)
+    tensor_model_parallel_size: int = F(1, "vllm: GPUs one engine shards the model over", gt=0)
+    max_num_seqs: int = F(256, "vllm: most sequences the engine decodes at once", gt=0)
+    max_model_len: Optional[int] = F(None, "vllm: longest sequence the engine holds; null = data.max_prompt_length "
+                                     "+ data.max_response_length", gt=0)
+    enforce_eager: bool = F(True, "vllm: no CUDA graphs (they take memory and start-up time, and weights change "
+                            "every step)")
+    free_cache_engine: bool = F(True, "vllm: release the engine's KV cache between rollouts so the update can use "
+                                "the memory (vLLM's sleep mode; GPU only, ignored on a CPU)")
+    val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
+    multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
+
+    def validate(self, prefix: str) -> None:
+        """Multi-turn rollouts run on the hf engine."""
+        check(not (self.name == "vllm" and self.multi_turn.enable), f"{prefix}.multi_turn.enable",
+              f"multi-turn rollouts with tools run on the hf rollout: set {prefix}.name=hf")
