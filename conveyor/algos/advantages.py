@@ -75,7 +75,7 @@ class EstimatorNeeds:
     """
 
     needs_critic: bool = False
-    """It reads ``values``: choosing it turns the critic on (``Config.use_critic``)."""
+    """It reads ``values``: choosing it turns the critic on (the run plan's ``use_critic``)."""
     greedy_baseline: bool = False
     """It reads ``reward_baselines`` (B,): the reward of one greedy rollout per prompt (ReMax)."""
     min_group_size: int = 1

@@ -2,9 +2,11 @@
 
 Building a `Config` (directly, or by the loader through OmegaConf) runs
 `check_tree` once over every section, then the cross-section checks here
-(`validate`). The derived properties (`use_critic`, `bypass_old_log_prob`,
-...) read several sections; their imports of implementation modules happen
-when they are read, never at import time.
+(`validate`). What a run does with the settings (where old log-probs come
+from, which replay runs, whether a critic runs, the loss scales) is not
+derived here: the run plan (`conveyor.trainer.plan`) decides it once. The
+checks that need an estimator's declared needs import the registry when they
+run, never at import time.
 
 It deliberately does not load YAML or overrides (that is `conveyor.config.loader`)
 and does not build anything the settings name.
@@ -27,7 +29,21 @@ from conveyor.config.reward import RewardConfig, RewardModelConfig
 from conveyor.config.rollout import RolloutConfig
 from conveyor.config.trainer import TrainerConfig
 
-__all__ = ["ActorRolloutRefConfig", "Config"]
+__all__ = ["ActorRolloutRefConfig", "Config", "critic_in_use"]
+
+
+def _estimator_needs(name: str):
+    """What the advantage estimator `name` declared at registration (critic, greedy baseline, group size)."""
+    from conveyor.algos.advantages import estimator_needs
+
+    return estimator_needs(name)
+
+
+def critic_in_use(cfg: "Config") -> bool:
+    """Whether a value model runs: critic.enable when set, else whether the estimator declared it needs values."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return _estimator_needs(cfg.algorithm.adv_estimator).needs_critic
 
 
 @dataclass
@@ -93,18 +109,20 @@ class Config:
               "algorithm.rollout_correction.bypass_mode",
               "router_replay.mode=R2 records the routing in the old-log-prob forward, which bypass mode skips: "
               "set bypass_mode to null or false, or use router_replay.mode=R3")
-        if algo.adv_estimator == "grpo_passk" or algo.filter_groups.enable:
-            what = ("algorithm.filter_groups.enable" if algo.filter_groups.enable
-                    else "algorithm.adv_estimator=grpo_passk")
-            check(n >= 2, "actor_rollout_ref.rollout.n", f"{what} compares the samples of a prompt: set it to 2 or "
-                  f"more, got {n}")
+        need = _estimator_needs(algo.adv_estimator)
+        if algo.filter_groups.enable:
+            check(n >= 2, "actor_rollout_ref.rollout.n", "algorithm.filter_groups.enable compares the samples of a "
+                  f"prompt: set it to 2 or more, got {n}")
+        check(n >= need.min_group_size, "actor_rollout_ref.rollout.n",
+              f"algorithm.adv_estimator={algo.adv_estimator} compares the samples of a prompt: set it to "
+              f"{need.min_group_size} or more, got {n}")
         ob = self.reward_model.overlong_buffer
         if ob.enable and ob.len is not None:
             check(ob.len <= self.data.max_response_length, "reward_model.overlong_buffer.len",
                   f"must be at most data.max_response_length={self.data.max_response_length}, got {ob.len}")
         if t.v1.is_async:
             self._check_async()
-        if self.use_critic:
+        if critic_in_use(self):
             cmb = self.critic.ppo_mini_batch_size
             check(bs % cmb == 0, "critic.ppo_mini_batch_size",
                   f"data.train_batch_size={bs} must be divisible by it (got {cmb})")
@@ -120,87 +138,12 @@ class Config:
               f"multi-turn rollouts are not supported with {mode}")
         check(not algo.filter_groups.enable, "algorithm.filter_groups.enable",
               f"dynamic sampling is not supported with {mode}")
-        check(algo.adv_estimator != "remax", "algorithm.adv_estimator",
-              f"remax's greedy baseline rollout is not supported with {mode}")
+        check(not _estimator_needs(algo.adv_estimator).greedy_baseline, "algorithm.adv_estimator",
+              f"{algo.adv_estimator}'s greedy baseline rollout is not supported with {mode}")
         k = self.trainer.v1.sampler.max_off_policy_threshold
         check(not (k > 0 and algo.rollout_correction.bypass_mode is True), "algorithm.rollout_correction.bypass_mode",
               f"with trainer.v1.sampler.max_off_policy_threshold={k} the rollout's log-probs come from an older "
               "policy and cannot stand in for the proximal policy's: set bypass_mode to null or false")
-
-    @property
-    def off_policy(self) -> bool:
-        """Whether samples may come from an older policy than the one they train (asynchronous, k > 0)."""
-        return self.trainer.v1.is_async and self.trainer.v1.sampler.max_off_policy_threshold > 0
-
-    @property
-    def proximal_from_update(self) -> bool:
-        """Off-policy with one optimizer step per batch: the update's own forward is the proximal policy.
-
-        Before the step's only optimizer step the weights are the proximal policy's, so the update's
-        forward gives `old_log_probs` (detached) and the old-log-prob forward is skipped. Not when a
-        stage needs them before the update (KL in the reward, rejection sampling, R2's recorded routing).
-        """
-        a = self.actor_rollout_ref.actor
-        return (self.off_policy and a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
-                and not self.algorithm.use_kl_in_reward and self.algorithm.rollout_correction.rollout_rs is None
-                and a.router_replay.mode != "R2")
-
-    @property
-    def rollout_is_level(self) -> str | None:
-        """algorithm.rollout_correction.rollout_is, resolved: off-policy training defaults to token-level weights.
-
-        They make the decoupled (proximal) objective of docs/async.md: the clipped ratio is taken against
-        the old-log-prob forward (the current policy), and each token is weighted by the truncated
-        pi_old / pi_behaviour of the policy that generated it.
-        """
-        level = self.algorithm.rollout_correction.rollout_is
-        return level if level is not None or not self.off_policy else "token"
-
-    @property
-    def use_critic(self) -> bool:
-        """Whether a value model runs (explicit, or because the estimator needs values)."""
-        if self.critic.enable is not None:
-            return self.critic.enable
-        from conveyor.algos.advantages import NEEDS_CRITIC
-
-        return self.algorithm.adv_estimator in NEEDS_CRITIC
-
-    @property
-    def bypass_old_log_prob(self) -> bool:
-        """Whether old_log_probs are the rollout's (algorithm.rollout_correction.bypass_mode, resolved)."""
-        bypass = self.algorithm.rollout_correction.bypass_mode
-        if bypass is not None:
-            return bypass
-        correction = self.algorithm.rollout_correction
-        if self.off_policy:
-            # The rollout's log-probs are an older policy's: the proximal policy needs the forward.
-            return False
-        if self.actor_rollout_ref.actor.router_replay.mode == "R2" or correction.rollout_is or correction.rollout_rs:
-            # R2 records the routing in that forward; importance weights and rejection compare it with the rollout.
-            return False
-        # The hf engine samples from the very weights the actor trains, in the same
-        # numerics (under R3, with the very routing the update replays), so its
-        # log-probs are the old log-probs; a forward would only repeat them.
-        return self.actor_rollout_ref.rollout.name == "hf"
-
-    @property
-    def rollout_max_model_len(self) -> int:
-        """The longest sequence the vllm engine must hold (actor_rollout_ref.rollout.max_model_len, resolved)."""
-        ro = self.actor_rollout_ref.rollout
-        return ro.max_model_len or self.data.max_prompt_length + self.data.max_response_length
-
-    def loss_scale_factor(self, role: str) -> float:
-        """The seq-mean-token-sum-norm divisor of `role` ("actor" or "critic"), resolved to a number."""
-        actor = self.actor_rollout_ref.actor.loss_scale_factor
-        chosen = self.critic.loss_scale_factor if role == "critic" else None
-        # A constant, not the micro-batch's padded width as in verl: the loss of a
-        # sequence must not depend on which sequences it was padded next to.
-        return float(chosen or actor or self.data.max_response_length)
-
-    @property
-    def use_reference(self) -> bool:
-        """Whether a reference policy is needed (a KL term is on)."""
-        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
     def run_dir(self) -> Path:

@@ -46,6 +46,7 @@ import logging
 from typing import Any
 
 from conveyor.config import Config, ConfigError
+from conveyor.config.root import critic_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,6 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
 
     `is_moe` overrides what `model_is_moe` would read (for callers that know, e.g. tests without a checkpoint).
     """
-    from conveyor.algos.advantages import NEEDS_CRITIC
     from conveyor.rollout.base import engine_spec
 
     arr, algo, v1 = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer.v1
@@ -208,7 +208,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
                    + ("" if correction.rollout_is is not None else " (off-policy default)"))
     if correction.rollout_rs is not None:
         why.append(f"rejection sampling: {correction.rollout_rs}")
-    use_critic = cfg.critic.enable if cfg.critic.enable is not None else algo.adv_estimator in NEEDS_CRITIC
+    use_critic = critic_in_use(cfg)
     use_reference = actor.use_kl_loss or algo.use_kl_in_reward
     why.append(f"critic: {'on' if use_critic else 'off'}"
                + (" (critic.enable)" if cfg.critic.enable is not None else f" (adv_estimator={algo.adv_estimator})"))
