@@ -131,3 +131,37 @@ def test_two_simulated_nodes(tiny_run, tmp_path, caplog) -> None:
         assert not ray.is_initialized()  # run_training connected, so it disconnected
     finally:
         cluster.shutdown()
+
+
+def test_a_reference_run_on_two_ranks_hosts_actor_and_reference_in_one_process_per_rank(
+        tiny_run, tmp_path, monkeypatch) -> None:
+    import conveyor.workers.roles as roles
+
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    # Defined here, so Ray ships the classes by value to the rank processes.
+    class PolicyWorkerWithPid(roles.PolicyWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            (pid_dir / f"actor-{self.rank}").write_text(str(os.getpid()))
+
+    class ReferenceWorkerWithPid(roles.ReferenceWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            (pid_dir / f"ref-{self.rank}").write_text(str(os.getpid()))
+
+    monkeypatch.setattr(roles, "PolicyWorker", PolicyWorkerWithPid)
+    monkeypatch.setattr(roles, "ReferenceWorker", ReferenceWorkerWithPid)
+    assert not ray.is_initialized()
+    run_training(load_config(None, tiny_run + ["trainer.num_cpu_workers=2", "ray.num_cpus=4",
+                                               "actor_rollout_ref.actor.use_kl_loss=true"]))
+    pids = {p.name: int(p.read_text()) for p in pid_dir.iterdir()}
+    assert sorted(pids) == ["actor-0", "actor-1", "ref-0", "ref-1"]
+    # Rank i of the reference was built in rank i's process of the actor: as many model processes as ranks.
+    assert pids["ref-0"] == pids["actor-0"] and pids["ref-1"] == pids["actor-1"]
+    assert pids["actor-0"] != pids["actor-1"]
+    steps = _steps(tmp_path)
+    for s in (1, 2):
+        assert "actor/kl_loss" in steps[s] and steps[s]["actor/perf/cpu_memory_used_gb"] > 0
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before step 1
