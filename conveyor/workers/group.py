@@ -7,13 +7,19 @@ per-rank handles with `BatchData.concat` (so `extra_info` arrives as one list
 entry per rank). `LocalWorkerGroup` runs one rank in this process;
 `conveyor.workers.ray_group` runs ranks as Ray actors behind the same
 interface. Both build each rank from the same `WorkerSpec`.
+
+The model roles of a run (actor, reference, critic) share their ranks: rank i
+of every one of them is built in one process by a `ColocatedWorker` (in this
+process for a local run, in rank i's Ray actor otherwise), on one device and
+in one `torch.distributed` process group. Each role's group is a view of
+that process's worker for the role: `LocalWorkerGroup.hosted(host, role)`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from conveyor.plugins import load_plugins
 from conveyor.protocol import BatchData, KVBatchMeta
@@ -22,12 +28,17 @@ __all__ = [
     "WorkerGroup",
     "LocalWorkerGroup",
     "WorkerSpec",
+    "ColocatedWorker",
+    "MODEL_ROLES",
     "WorkerError",
     "WorkerUserError",
     "split_for_ranks",
     "wrap_worker_error",
     "use_ray",
 ]
+
+# The roles that hold a copy of the model: rank i of each lives in one process (this one, or rank i's Ray actor).
+MODEL_ROLES = ("actor", "ref", "critic")
 
 # An endpoint is named by the worker class's own method (`PolicyWorker.update_actor`), never by a string.
 Endpoint = Callable[..., Any]
@@ -46,6 +57,50 @@ class WorkerSpec:
         """The worker of rank `rank` (plugins first: a Ray rank is a fresh process with empty registries)."""
         load_plugins(list(self.plugins))
         return self.cls(rank=rank, world_size=world_size, **self.kwargs)
+
+
+class ColocatedWorker:
+    """Rank `rank` of several roles in one process: one worker per spec, built in order, sharing device and ranks.
+
+    The roles run one call at a time (the trainer's stages are sequential), so
+    their collectives use the one process group of the process in the same
+    order on every rank. A role's frozen copy of the model (the reference)
+    costs its own parameters only, not a second process with its own
+    interpreter, libraries and allocator.
+    """
+
+    def __init__(self, rank: int, world_size: int, specs: Sequence[WorkerSpec] = ()):
+        self.rank, self.world_size = rank, world_size
+        self.workers: dict[str, Any] = {}
+        try:
+            for spec in specs:
+                self.add(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, spec: WorkerSpec) -> Any:
+        """Build this rank's worker of `spec.role` here (after the roles already hosted)."""
+        if spec.role in self.workers:
+            raise ValueError(f"role {spec.role!r} is hosted twice")
+        self.workers[spec.role] = spec.build(rank=self.rank, world_size=self.world_size)
+        return self.workers[spec.role]
+
+    @property
+    def roles(self) -> list[str]:
+        """The roles hosted here, in build order."""
+        return list(self.workers)
+
+    def worker(self, role: str) -> Any:
+        """The worker of `role` in this process."""
+        return self.workers[role]
+
+    def close(self, role: str | None = None) -> None:
+        """Let `role`'s worker (every worker when None) release what it holds outside Python, if it says how."""
+        for name in ([role] if role is not None else list(self.workers)):
+            close = getattr(self.workers.get(name), "close", None)
+            if callable(close):
+                close()
 
 
 def use_ray(cfg: Any) -> bool:
@@ -115,15 +170,23 @@ class LocalWorkerGroup(WorkerGroup):
     """One rank, in this process: no serialization, no copies."""
 
     def __init__(self, spec: WorkerSpec):
-        self.role = spec.role
+        self._init(ColocatedWorker(0, 1, [spec]), spec.role)
+
+    @classmethod
+    def hosted(cls, host: ColocatedWorker, role: str) -> LocalWorkerGroup:
+        """The group of `role`, whose one rank `host` (built in this process with the other model roles) holds."""
+        group = cls.__new__(cls)
+        group._init(host, role)
+        return group
+
+    def _init(self, host: ColocatedWorker, role: str) -> None:
+        self.host, self.role = host, role
         self.world_size = 1
-        self.worker = spec.build(rank=0, world_size=1)
+        self.worker = host.worker(role)
 
     def shutdown(self) -> None:
         """Let the worker release what it holds outside Python (a vllm engine), if it says how."""
-        close = getattr(self.worker, "close", None)
-        if callable(close):
-            close()
+        self.host.close(self.role)
 
     def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
         """Run `endpoint` on the single rank."""

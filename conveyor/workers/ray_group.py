@@ -12,8 +12,11 @@ original exception's type and message; the other ranks of that role are
 stopped (they may be waiting in a collective that will never complete).
 
 Placement: the data-parallel roles (actor, and the reference and critic when
-used) share one placement group with one bundle per rank, so rank i of every
-role lands on the same GPU (each takes a fraction of it) and on the same node.
+used) share their ranks (`RayRanks`): rank i of every role is built in one Ray
+actor, so in one process, on one GPU (the whole of it) and in one process
+group; the placement group holds one bundle per rank. No role starts a
+process of its own per device: a frozen reference costs its parameters, not
+a second interpreter, CUDA context and allocator per GPU.
 Ranks are numbered node by node. Resources that the cluster cannot provide are
 a `ValueError` at once (or after `ray.timeout_s` when they exist but are
 busy), never a silent wait.
@@ -38,9 +41,10 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.protocol import BatchData, KVBatchMeta
-from conveyor.workers.group import Endpoint, WorkerGroup, WorkerSpec, split_for_ranks, wrap_worker_error
+from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
+                                    wrap_worker_error)
 
-__all__ = ["RayWorkerGroup", "RayPlacement", "build_ray_worker_groups", "ray_worker_device"]
+__all__ = ["RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups", "ray_worker_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +55,11 @@ _MIN_BUNDLE_CPU = 0.001
 
 # --------------------------------------------------------------------------- the rank actor
 class _RankActor:
-    """One rank: joins the role's process group, then holds the worker and runs its endpoints."""
+    """One rank: joins the ranks' process group, then hosts the rank's workers (one per colocated role)."""
 
-    def __init__(self, role: str, rank: int, world_size: int, num_threads: int):
-        self.role, self.rank, self.world_size = role, rank, world_size
-        self.worker: Any = None
+    def __init__(self, name: str, rank: int, world_size: int, num_threads: int):
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.host = ColocatedWorker(rank, world_size)
         # Every rank's model-loading progress bars would interleave in the driver's console.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         # A rank reserves a fraction of the node's CPUs; letting torch use them all oversubscribes the node.
@@ -74,7 +78,7 @@ class _RankActor:
         return ray.util.get_node_ip_address(), port
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
-        """Join the role's process group (all ranks call this at once)."""
+        """Join the ranks' process group (all ranks call this at once)."""
         import torch.distributed as tdist
 
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
@@ -85,16 +89,20 @@ class _RankActor:
                                  timeout=timedelta(minutes=30))
 
     def build(self, spec: WorkerSpec) -> None:
-        """Construct the worker of this rank."""
-        self.worker = spec.build(rank=self.rank, world_size=self.world_size)
+        """Construct this rank's worker of `spec.role` in this process, next to the roles built before it."""
+        self.host.add(spec)
 
-    def call(self, method: str, meta: KVBatchMeta) -> KVBatchMeta:
-        """Run one endpoint over this rank's share of a handle."""
-        return getattr(self.worker, method)(meta)
+    def call(self, role: str, method: str, meta: KVBatchMeta) -> KVBatchMeta:
+        """Run one endpoint of `role`'s worker over this rank's share of a handle."""
+        return getattr(self.host.worker(role), method)(meta)
 
-    def call_args(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run `method(*args, **kwargs)` on the worker."""
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call_args(self, role: str, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run `method(*args, **kwargs)` on `role`'s worker."""
+        return getattr(self.host.worker(role), method)(*args, **kwargs)
+
+    def close(self, role: str) -> None:
+        """Let `role`'s worker release what it holds outside Python."""
+        self.host.close(role)
 
 
 _REMOTE_RANK: Any = None
@@ -204,9 +212,121 @@ class RayPlacement:
             self.pg = None
 
 
-# --------------------------------------------------------------------------- the group
+# --------------------------------------------------------------------------- the ranks and the groups
+class RayRanks:
+    """One Ray actor (process) per rank hosting rank i of every colocated role, in one process group.
+
+    Each role's `RayWorkerGroup` is a view of these ranks (`group(role)`). A
+    failure of any rank stops all of them: every role's ranks share the
+    processes, and the others may be waiting in a collective.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        *,
+        world_size: int = 1,
+        num_cpus: float = 0.5,
+        num_gpus: float = 0.0,
+        placement: RayPlacement | None = None,
+        nnodes: int = 1,
+        timeout_s: float = 60.0,
+    ):
+        self.roles = [s.role for s in specs]
+        self.name = "+".join(self.roles)
+        if world_size < 1:
+            raise ValueError(f"{self.name}: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.actors: list[Any] = []
+        self.where: list[dict[str, Any]] = []
+        self.closed = False
+        self._users = set(self.roles)
+        self.placement: RayPlacement | None = None
+        if placement is None:
+            bundle = {"CPU": num_cpus, "GPU": math.ceil(num_gpus)}
+            placement = RayPlacement(self.name, world_size, bundle, nnodes=nnodes, timeout_s=timeout_s)
+        elif placement.world_size != world_size:
+            raise ValueError(f"{self.name}: world_size {world_size} differs from the placement's "
+                             f"{placement.world_size}")
+        placement.acquire(self.name)
+        self.placement = placement
+        first = self.roles[0]
+        try:
+            remote = _remote_rank_class()
+            self.actors = [
+                remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r))
+                .remote(self.name, r, world_size, int(round(num_cpus)))
+                for r in range(world_size)
+            ]
+            self.where = self.gather(first, "start", [a.where.remote() for a in self.actors])
+            if world_size > 1:
+                addr, port = self.gather(first, "init_process_group", [self.actors[0].master_address.remote()])[0]
+                backend = "nccl" if num_gpus > 0 else "gloo"
+                self.gather(first, "init_process_group",
+                            [a.init_process_group.remote(addr, port, backend) for a in self.actors])
+            for spec in specs:  # in order, each role's ranks together (a strategy's wrap is a collective)
+                self.gather(spec.role, "__init__", [a.build.remote(spec) for a in self.actors])
+        except BaseException:
+            self.kill()
+            raise
+        logger.info("%s: %d rank(s) on %d node(s), one process per rank", self.name, world_size,
+                    len({w["node_id"] for w in self.where}))
+
+    def group(self, role: str) -> RayWorkerGroup:
+        """The worker group of `role` on these ranks."""
+        if role not in self.roles:
+            raise KeyError(f"{role!r} is not hosted on the {self.name} ranks")
+        return RayWorkerGroup._view(self, role)
+
+    def gather(self, role: str, method: str, refs: Sequence[Any]) -> list[Any]:
+        """Results of `refs` (one per rank, in rank order); the first rank to fail stops the ranks and is raised."""
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as err:
+                    cause = _original(err)
+                    if self.world_size > 1:
+                        # The other ranks may be blocked in a collective with the failed one: stop them all.
+                        self.kill()
+                    raise wrap_worker_error(role, rank, method, cause) from err
+        return ray.get(list(refs))
+
+    def release(self, role: str) -> None:
+        """`role` is done with the ranks; they stop when no role is left."""
+        if self.closed:
+            return
+        try:
+            ray.get([a.close.remote(role) for a in self.actors], timeout=30)
+        except Exception as err:  # a dead rank, or Ray shut down first
+            logger.debug("%s: closing %s failed: %s", self.name, role, err)
+        self._users.discard(role)
+        if not self._users:
+            self.kill()
+
+    def kill(self) -> None:
+        """Kill the ranks' processes and give back their placement (safe to call twice)."""
+        self.closed = True
+        if self.placement is None:
+            return
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as err:  # already dead, or Ray shut down first
+                logger.debug("%s rank already gone: %s", self.name, err)
+        self.placement.release(self.name)
+        self.placement = None
+
+
 class RayWorkerGroup(WorkerGroup):
-    """The ranks of one role as Ray actors, each built by `spec.build(rank, world_size)`."""
+    """The ranks of one role as Ray actors, each built by `spec.build(rank, world_size)`.
+
+    Built from one spec it starts ranks of its own; `RayRanks.group(role)` is
+    the same interface over ranks that host several roles.
+    """
 
     def __init__(
         self,
@@ -219,40 +339,24 @@ class RayWorkerGroup(WorkerGroup):
         nnodes: int = 1,
         timeout_s: float = 60.0,
     ):
-        role = spec.role
-        if world_size < 1:
-            raise ValueError(f"{role}: world_size must be >= 1, got {world_size}")
-        self.role = role
-        self.world_size = world_size
-        self._actors: list[Any] = []
-        self._where: list[dict[str, Any]] = []
-        self._closed = False
-        self.placement: RayPlacement | None = None
-        if placement is None:
-            bundle = {"CPU": num_cpus, "GPU": math.ceil(num_gpus)}
-            placement = RayPlacement(role, world_size, bundle, nnodes=nnodes, timeout_s=timeout_s)
-        elif placement.world_size != world_size:
-            raise ValueError(f"{role}: world_size {world_size} differs from the placement's {placement.world_size}")
-        placement.acquire(role)
-        self.placement = placement
-        try:
-            remote = _remote_rank_class()
-            self._actors = [
-                remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r))
-                .remote(role, r, world_size, int(round(num_cpus)))
-                for r in range(world_size)
-            ]
-            self._where = self._gather("start", [a.where.remote() for a in self._actors])
-            if world_size > 1:
-                addr, port = self._gather("init_process_group", [self._actors[0].master_address.remote()])[0]
-                backend = "nccl" if num_gpus > 0 else "gloo"
-                self._gather("init_process_group",
-                             [a.init_process_group.remote(addr, port, backend) for a in self._actors])
-            self._gather("__init__", [a.build.remote(spec) for a in self._actors])
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info("%s: %d rank(s) on %d node(s)", role, world_size, len({w["node_id"] for w in self._where}))
+        ranks = RayRanks([spec], world_size=world_size, num_cpus=num_cpus, num_gpus=num_gpus, placement=placement,
+                         nnodes=nnodes, timeout_s=timeout_s)
+        self._attach(ranks, spec.role)
+
+    @classmethod
+    def _view(cls, ranks: RayRanks, role: str) -> RayWorkerGroup:
+        group = cls.__new__(cls)
+        group._attach(ranks, role)
+        return group
+
+    def _attach(self, ranks: RayRanks, role: str) -> None:
+        self.ranks, self.role, self.world_size = ranks, role, ranks.world_size
+        self._released = False
+
+    @property
+    def placement(self) -> RayPlacement | None:
+        """The placement the role's ranks hold; None once they are stopped or the role shut down."""
+        return None if self._released or self.ranks.closed else self.ranks.placement
 
     # -- calls ----------------------------------------------------------
     def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
@@ -260,8 +364,8 @@ class RayWorkerGroup(WorkerGroup):
         method = endpoint.__name__  # the rank actor looks the method up on its own worker
         self._check_open(method)
         chunks = split_for_ranks(meta, self.world_size)
-        refs = [a.call.remote(method, c) for a, c in zip(self._actors, chunks)]
-        self._gather(method, refs)
+        refs = [a.call.remote(self.role, method, c) for a, c in zip(self.ranks.actors, chunks)]
+        self.ranks.gather(self.role, method, refs)
         return BatchData(refs).concat()
 
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
@@ -271,49 +375,24 @@ class RayWorkerGroup(WorkerGroup):
         # One copy in the object store for all ranks (a state dict is large), not one per call;
         # Ray resolves top-level refs before the method runs.
         args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
-        return self._gather(name, [a.call_args.remote(name, args_ref, kwargs_ref) for a in self._actors])
+        return self.ranks.gather(self.role, name, [a.call_args.remote(self.role, name, args_ref, kwargs_ref)
+                                                   for a in self.ranks.actors])
 
     def rank_info(self) -> list[dict[str, Any]]:
-        """Per rank: `pid`, `node_id`, `node_ip` of its process."""
-        return [dict(w) for w in self._where]
-
-    def _gather(self, method: str, refs: Sequence[Any]) -> list[Any]:
-        """Results of `refs` (one per rank, in rank order); the first rank to fail stops the role and is raised."""
-        pending = {ref: rank for rank, ref in enumerate(refs)}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    ray.get(ref)
-                except Exception as err:
-                    cause = _original(err)
-                    if self.world_size > 1:
-                        # The other ranks may be blocked in a collective with the failed one: stop them all.
-                        self.shutdown()
-                    raise wrap_worker_error(self.role, rank, method, cause) from err
-        return ray.get(list(refs))
+        """Per rank: `pid`, `node_id`, `node_ip` of its process (shared by every role colocated there)."""
+        return [dict(w) for w in self.ranks.where]
 
     def _check_open(self, method: str) -> None:
-        if self._closed:
+        if self._released or self.ranks.closed:
             raise RuntimeError(f"the {self.role} worker group was shut down; cannot call {method}")
 
     # -- teardown -------------------------------------------------------
-    def _kill_actors(self) -> None:
-        for a in self._actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception as err:  # already dead, or Ray shut down first
-                logger.debug("%s rank already gone: %s", self.role, err)
-
     def shutdown(self) -> None:
-        """Kill the ranks' processes and give back their placement (safe to call twice)."""
-        if self.placement is None:
+        """This role is done; the ranks' processes stop and give back their placement with the last role."""
+        if self._released:
             return
-        self._kill_actors()
-        self._closed = True
-        self.placement.release(self.role)
-        self.placement = None
+        self._released = True
+        self.ranks.release(self.role)
 
 
 # --------------------------------------------------------------------------- a run's roles
@@ -338,17 +417,17 @@ def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: 
     t = cfg.trainer
     gpu = t.n_gpus_per_node > 0
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    model_roles = [r for r in specs if r != "reward"]
+    model_roles = [r for r in specs if r in MODEL_ROLES]
     cpus = cfg.ray.worker_cpus
-    # Rank i of every model role shares bundle i: one GPU split between the roles (Ray takes fractions to 1e-4).
-    gpu_share = math.floor(1e4 / len(model_roles)) / 1e4 if gpu else 0.0
-    bundle = {"CPU": cpus * len(model_roles), "GPU": 1.0 if gpu else 0.0}
+    # Rank i of every model role lives in one process on bundle i: one whole GPU (or a CPU share) per rank.
+    bundle = {"CPU": cpus, "GPU": 1.0 if gpu else 0.0}
     groups: dict[str, RayWorkerGroup] = {}
     placement = RayPlacement("+".join(model_roles), world, bundle, nnodes=t.nnodes, timeout_s=cfg.ray.timeout_s)
     try:
+        ranks = RayRanks([specs[r] for r in model_roles], world_size=world, num_cpus=cpus,
+                         num_gpus=1.0 if gpu else 0.0, placement=placement, timeout_s=cfg.ray.timeout_s)
         for role in model_roles:
-            groups[role] = RayWorkerGroup(specs[role], world_size=world, num_cpus=cpus, num_gpus=gpu_share,
-                                          placement=placement, timeout_s=cfg.ray.timeout_s)
+            groups[role] = ranks.group(role)
         groups["reward"] = RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
                                           timeout_s=cfg.ray.timeout_s)
     except BaseException:

@@ -4,7 +4,10 @@
 each role's worker class and constructor arguments (the role's settings,
 `conveyor.workers.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
 build their ranks from these specs, so a setting cannot reach workers in this
-process and miss those on Ray (or the reverse).
+process and miss those on Ray (or the reverse). The model roles
+(`MODEL_ROLES`: actor, reference, critic) are colocated: rank i of each is
+built by one `ColocatedWorker` in one process, here or in rank i's Ray actor;
+the reward worker runs on its own.
 
 The trainer calls a role through its handle (`ActorGroup.update_actor(meta)`),
 whose methods name the worker's endpoints as functions, not strings: a reader
@@ -26,7 +29,7 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
-from conveyor.workers.group import LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
+from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings
@@ -188,13 +191,14 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         groups = build_ray_worker_groups(cfg, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device),
                                          data_plane)
     else:
-        groups = {}
+        specs = worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
+        # The model roles share one process as they share a Ray rank's (`ColocatedWorker`, built in order).
+        host = ColocatedWorker(0, 1, [spec for role, spec in specs.items() if role in MODEL_ROLES])
+        groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
-            for role, spec in worker_specs(cfg, plan, model_path, data_plane, tokenizer, device).items():
-                groups[role] = LocalWorkerGroup(spec)
+            groups["reward"] = LocalWorkerGroup(specs["reward"])
         except BaseException:
-            for group in groups.values():
-                group.shutdown()
+            host.close()
             raise
     ref, critic = groups.get("ref"), groups.get("critic")
     return WorkerGroups(

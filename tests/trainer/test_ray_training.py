@@ -119,15 +119,53 @@ def test_two_simulated_nodes(tiny_run, tmp_path, caplog) -> None:
     try:
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
-        # A KL loss brings the reference role: its ranks share the actor's placement bundles.
+        # A KL loss brings the reference role: its ranks live in the actor's processes.
         cfg = load_config(None, tiny_run + ["trainer.nnodes=2", f"ray.address={cluster.address}",
                                             "actor_rollout_ref.actor.use_kl_loss=true"])
         run_training(cfg)
         _assert_trained_two_steps(tmp_path)
         assert all("actor/kl_loss" in row for row in _steps(tmp_path).values() if row["step"] > 0)
-        # One rank of each role per node: the placement spread the bundles over both nodes.
+        # One process per node, hosting that rank of the actor and of the reference: the placement spread the
+        # bundles over both nodes.
         messages = [r.getMessage() for r in caplog.records]
-        assert "actor: 2 rank(s) on 2 node(s)" in messages and "ref: 2 rank(s) on 2 node(s)" in messages
+        assert "actor+ref: 2 rank(s) on 2 node(s), one process per rank" in messages
         assert not ray.is_initialized()  # run_training connected, so it disconnected
     finally:
         cluster.shutdown()
+
+
+def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_process_per_rank(
+        tiny_run, tmp_path, monkeypatch) -> None:
+    import conveyor.workers.roles as roles
+
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    def recording(base, role):
+        # Defined here, so Ray ships the classes by value to the rank processes.
+        class WithPid(base):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                (pid_dir / f"{role}-{self.rank}").write_text(str(os.getpid()))
+
+        return WithPid
+
+    for name, role in (("PolicyWorker", "actor"), ("ReferenceWorker", "ref"), ("CriticWorker", "critic")):
+        monkeypatch.setattr(roles, name, recording(getattr(roles, name), role))
+    assert not ray.is_initialized()
+    run_training(load_config(None, tiny_run + ["trainer.num_cpu_workers=2", "ray.num_cpus=4",
+                                               "actor_rollout_ref.actor.use_kl_loss=true",
+                                               "algorithm.adv_estimator=gae"]))
+    pids = {p.name: int(p.read_text()) for p in pid_dir.iterdir()}
+    assert sorted(pids) == ["actor-0", "actor-1", "critic-0", "critic-1", "ref-0", "ref-1"]
+    # Rank i of the reference and of the critic was built in rank i's process of the actor: as many model
+    # processes as ranks.
+    for rank in (0, 1):
+        assert pids[f"ref-{rank}"] == pids[f"critic-{rank}"] == pids[f"actor-{rank}"]
+    assert len(set(pids.values())) == 2
+    steps = _steps(tmp_path)
+    for s in (1, 2):
+        for key in ("actor/kl_loss", "critic/vf_loss", "actor/perf/cpu_memory_used_gb"):
+            assert key in steps[s], key
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before step 1
+    assert (tmp_path / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()

@@ -20,6 +20,7 @@ from conveyor.trainer.setup import prepare_default_model  # noqa: E402
 from conveyor.workers.actor import PolicyWorker  # noqa: E402
 from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
 from conveyor.workers.ray_group import RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
+from conveyor.workers.reference import ReferenceWorker  # noqa: E402
 from conveyor.workers.roles import worker_specs  # noqa: E402
 from conveyor.trainer.plan import build_run_plan  # noqa: E402
 from conveyor.workers.calls import LogProbCall, UpdateCall  # noqa: E402
@@ -198,3 +199,58 @@ def test_memory_data_plane_is_refused(env) -> None:
         with pytest.raises(ValueError, match="transfer_queue.backend=ray"):
             build_ray_worker_groups(cfg, worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, memory, None, "cpu"),
                                     memory)
+
+
+def _ray_rank_actors() -> list[dict]:
+    """The live rank actors (model roles' ranks and the reward's) of this Ray session."""
+    from ray._private.state import actors as actor_table
+
+    return [a for a in actor_table().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"].endswith("_RankActor")]
+
+
+def test_the_reference_lives_in_the_actors_processes_and_agrees_with_one_rank(env) -> None:
+    cfg, model_path, dp = env
+    kl = load_config(None, OVERRIDES + ["actor_rollout_ref.actor.use_kl_loss=true", "trainer.num_cpu_workers=2"])
+    plan = build_run_plan(kl, "cpu")
+    assert plan.use_reference
+    before = len(_ray_rank_actors())
+    groups = build_ray_worker_groups(kl, worker_specs(kl, plan, model_path, dp, None, "cpu"), dp)
+    try:
+        assert sorted(groups) == ["actor", "ref", "reward"]
+        actor_pids = [w["pid"] for w in groups["actor"].rank_info()]
+        # Rank i of the reference is built in rank i's process of the actor: two model processes for two ranks.
+        assert [w["pid"] for w in groups["ref"].rank_info()] == actor_pids
+        assert len(set(actor_pids)) == 2
+        assert len(_ray_rank_actors()) - before == 2 + 1  # two model ranks and the reward worker
+        # The placement reserves one share per rank for all model roles, not one per role.
+        assert groups["ref"].placement is groups["actor"].placement
+        assert groups["actor"].placement.bundle == {"CPU": kl.ray.worker_cpus}
+
+        local = LocalWorkerGroup(worker_specs(kl, plan, model_path, dp, None, "cpu")["ref"])
+        assert local.worker.trained.optimizer is None
+        assert not any(p.requires_grad for p in local.worker.model.parameters())
+        call = LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+        vocab = local.worker.model.config.vocab_size
+        on_ray = _put_batch(dp, "ref-colocated", vocab).with_extra_info(**call)
+        in_process = _put_batch(dp, "ref-local", vocab).with_extra_info(**call)
+        groups["ref"].call(ReferenceWorker.compute_log_prob, on_ray)
+        local.call(ReferenceWorker.compute_log_prob, in_process)
+        got = dp.kv_batch_get(on_ray.keys, on_ray.partition_id, select_fields=["ref_log_prob"])["ref_log_prob"]
+        want = dp.kv_batch_get(in_process.keys, in_process.partition_id,
+                               select_fields=["ref_log_prob"])["ref_log_prob"]
+        assert got.dtype == torch.float32 and float(want.abs().max()) > 0
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+        # The actor's ranks still train in the same processes, next to the reference.
+        upd = _put_batch(dp, "ref-colocated-update", vocab)
+        groups["actor"].call(PolicyWorker.compute_log_prob, upd.with_extra_info(**call))
+        groups["ref"].call(ReferenceWorker.compute_log_prob, upd.with_extra_info(**call))
+        out = groups["actor"].call(PolicyWorker.update_actor, upd.with_extra_info(
+            **UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+        assert len(out.extra_info["actor/grad_norm"]) == 2
+    finally:
+        for group in groups.values():
+            group.shutdown()
+    assert groups["actor"].placement is None and groups["ref"].placement is None
+    assert _wait_gone(actor_pids) == []
