@@ -56,6 +56,9 @@ class FSDPConfig:
                                    "run (no effect on a CPU run)", resume_neutral=True)
     optimizer_offload: bool = F(False, "keep optimizer state in host memory except during its step, on a GPU run "
                                        "(no effect on a CPU run)", resume_neutral=True)
+    defer_grad_sync: bool = F(False, "communicate gradients only in an update's last micro-batch instead of every "
+                                     "one: fewer collectives, but each rank holds a full unsharded gradient of the "
+                                     "model until then (dp and fsdp2; the trained roles only)", resume_neutral=True)
 
 
 @dataclass

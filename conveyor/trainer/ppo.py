@@ -78,6 +78,13 @@ def _timing_metrics(timings: dict[str, float]) -> dict[str, float]:
     return {f"timing_s/{k}": v for k, v in timings.items()}
 
 
+def _phase_memory(extra_info: dict, role: str) -> dict[str, float]:
+    """A call's `perf/<phase>/max_memory_gb` (max over ranks) as `<role>/perf/<phase>/max_memory_gb`."""
+    reduced = reduce_rank_metrics(extra_info)
+    return {f"{role}/{k}": v for k, v in reduced.items()
+            if k.startswith("perf/") and k.endswith("/max_memory_gb") and k.count("/") == 2}
+
+
 def _check_finite(step: int, name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:
     vals = t[mask.bool()] if mask is not None else t
     if vals.numel() and not bool(torch.isfinite(vals).all()):
@@ -399,17 +406,19 @@ class PPOTrainer:
                            compute_loss=False)
         out = self.workers.actor.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         reduced = reduce_rank_metrics(out.extra_info)
-        return out, {k: v for k, v in reduced.items() if k.startswith("actor/")}
+        return out, {**{k: v for k, v in reduced.items() if k.startswith("actor/")}, **_phase_memory(out.extra_info, "actor")}
 
     def _compute_ref_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 5: ref_log_prob from the frozen reference policy."""
         call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False,
                            compute_loss=False)
-        return self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info())), {}
+        out = self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
+        return out, _phase_memory(out.extra_info, "ref")
 
     def _compute_values(self, meta: KVBatchMeta) -> StageResult:
         """Stage 6: values from the critic."""
-        return self.workers.critic.compute_values(meta), {}
+        out = self.workers.critic.compute_values(meta)
+        return out, _phase_memory(out.extra_info, "critic")
 
     def _compute_advantage(self, meta: KVBatchMeta) -> StageResult:
         """Stage 7: token_level_rewards (after any in-reward KL), advantages and returns."""
@@ -521,6 +530,7 @@ class PPOTrainer:
                     out = self.workers.actor.compute_routing_agreement(meta)
                 reduced = reduce_rank_metrics(out.extra_info)
                 metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/moe/")})
+                metrics.update(_phase_memory(out.extra_info, "actor"))
         metrics.update(_timing_metrics(timings))
         return meta, metrics
 

@@ -14,8 +14,11 @@ the ranks run is the worker group's. The frozen reference has its own worker
 
 Under a multi-rank strategy the update's forward is the Hugging Face forward
 through the strategy's wrapper (FSDP2 and DDP act in the module's own forward
-hooks, which the lean forward does not call); the rollout and the no-grad
-log-prob forwards run on gathered weights and keep the lean forward.
+hooks, which the lean forward does not call). Under `fsdp2` the no-grad
+forwards (old log-probs, routing agreement) are the sharded module's own
+forward too, gathering one layer at a time; only the hf rollout gathers the
+whole model (`TrainingStrategy.full_params`) and keeps the lean forward.
+Every endpoint measures its phase's peak memory (`perf/<phase>/max_memory_gb`).
 """
 
 from __future__ import annotations
@@ -44,11 +47,16 @@ from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
 from conveyor.workers.settings import ActorSettings
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
-from conveyor.workers.perf import result_handle
+from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PolicyWorker", "sequence_inputs"]
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards under fsdp2)."""
+    return sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
 
 
 class PolicyWorker(CheckpointEndpoints):
@@ -64,6 +72,7 @@ class PolicyWorker(CheckpointEndpoints):
         world_size: int = 1,
         device: str = "cpu",
     ):
+        set_allocator_defaults()  # before the first CUDA allocation of this process
         self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
@@ -85,6 +94,7 @@ class PolicyWorker(CheckpointEndpoints):
         strategy = TrainingStrategy(
             acfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
             reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+            defer_grad_sync=fsdp.defer_grad_sync,
         )
         # The worker's own step count (from its settings): the schedule must not depend on what a caller passes.
         self.trained = TrainedModel(
@@ -106,10 +116,18 @@ class PolicyWorker(CheckpointEndpoints):
             )
             # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
             self.agent_loop = build_agent_loop(settings.rollout.multi_turn, self.rollout, self.tokenizer)
-        if self.lean is not None and (strategy.distributed or self.trained.checkpointing) and rank == 0:
+        if self.lean is not None and strategy.sharded and rank == 0:
+            logger.info("strategy fsdp2: the update and the no-grad forwards (old log-probs, routing agreement) run the "
+                        "Hugging Face forward over the shards, one layer gathered at a time (the lean forward needs "
+                        "the whole model); only the hf rollout gathers the whole model and keeps the lean forward")
+        elif self.lean is not None and (strategy.distributed or self.trained.checkpointing) and rank == 0:
             logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
                         "no-grad log-probs keep the lean forward",
                         f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
+        if strategy.sharded and settings.rollout.name != "vllm" and rank == 0:
+            logger.info("strategy fsdp2 with the hf rollout: generation gathers the whole model on every rank (%.2f GB "
+                        "here); for a model whose full copy does not fit next to its shards, use "
+                        "actor_rollout_ref.rollout.name=vllm", _model_bytes(self.model) * world_size / 1024**3)
 
     def _vllm_rollout(self, model_path: str) -> Any:
         """A vLLM engine in this process over the checkpoint the actor loaded; it gets the actor's weights before each rollout."""
@@ -150,7 +168,8 @@ class PolicyWorker(CheckpointEndpoints):
         return self.trained.optim_steps
 
     # ------------------------------------------------------------------ helpers
-    def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
+    def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float], phase: str) -> KVBatchMeta:
+        metrics = {**metrics, **phase_memory_metrics(phase, self.device)}
         return result_handle(meta, fields, metrics, self.device)
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
@@ -171,6 +190,7 @@ class PolicyWorker(CheckpointEndpoints):
     # ------------------------------------------------------------------ endpoints
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts: writes responses, response_mask, rollout_log_probs (+ routed_experts)."""
+        begin_phase(self.device)
         call = GenerateCall.from_extra_info(meta.extra_info)
         td = self._get(meta, ["prompts", "prompt_mask"])
         generator = None
@@ -179,6 +199,8 @@ class PolicyWorker(CheckpointEndpoints):
         sync = self._sync_engine()
         t0 = time.perf_counter()
         # The hf rollout runs the actor's own modules, which need their full parameters; vLLM has its copy.
+        # The one whole-model gather left (docs/distributed.md): ranks decode different numbers of steps,
+        # which per-layer all-gathers could not pair up.
         gather = self.agent_loop is not None or isinstance(self.rollout, HFRollout)
         with self.trained.strategy.full_params() if gather else contextlib.nullcontext():
             out = self._generate(td, call, generator)
@@ -199,7 +221,7 @@ class PolicyWorker(CheckpointEndpoints):
         n_tokens = float(out["response_mask"].sum())
         metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync}
         metrics.update(out.get("metrics", {}))  # the agent loop's rollout/multi_turn/*
-        return self._result(meta, list(fields), metrics)
+        return self._result(meta, list(fields), metrics, "rollout")
 
     def _pad_responses(self, fields: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
         """The rollout's fields right-padded to `width` response columns (pad token, no mask, log-prob 0, expert -1)."""
@@ -235,6 +257,7 @@ class PolicyWorker(CheckpointEndpoints):
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Forward without grad: writes old_log_probs (+ entropy, + routed_experts when the plan records them)."""
+        begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
         st = self.settings
         # R2: this forward's routing is what every update of the step replays; without routing from the
@@ -257,20 +280,25 @@ class PolicyWorker(CheckpointEndpoints):
         if routing is not None:
             out["routed_experts"] = routing
         self._put(meta, out)
-        return self._result(meta, list(out), metrics)
+        return self._result(meta, list(out), metrics, "old_log_prob")
 
     @torch.no_grad()
     def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:
         """How often this rank's own routing (no replay) picks the rollout's top-k set; writes nothing."""
         assert self.moe is not None, "routing agreement needs an MoE model"
+        begin_phase(self.device)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
         self.model.eval()
         total, count = 0.0, 0
         micro = self.settings.rollout.log_prob_micro_batch_size_per_gpu
-        for sl in micro_batches(len(td), micro):
+        with self.trained.strategy.sharded_no_grad():
+            routings = []
+            for sl, real in self.trained.passes(micro_batches(len(td), micro)):
+                _, own = self.forward.response_logits(td[sl], None, record_routing=True)
+                if real:
+                    routings.append((sl, own))
+        for sl, own in routings:
             mb = td[sl]
-            with self.trained.strategy.full_params():
-                _, own = self.forward.response_logits(mb, None, record_routing=True)
             attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
             valid = attention_mask.bool()
             frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
@@ -279,10 +307,11 @@ class PolicyWorker(CheckpointEndpoints):
                 total += frac * n
                 count += n
         metrics = weighted("actor/moe/routing_agreement", total, count) if count else {}
-        return self._result(meta, [], metrics)
+        return self._result(meta, [], metrics, "routing_agreement")
 
     def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
         """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""
+        begin_phase(self.device)
         call = UpdateCall.from_extra_info(meta.extra_info)
         st = self.settings
         acfg = st.actor
@@ -327,34 +356,36 @@ class PolicyWorker(CheckpointEndpoints):
         for i, (sl, real) in enumerate(passes):
             mb = td[sl]
             routed = mb["routed_experts"].long() if replay_on else None
-            log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
-                                                 train=True)
-            if proximal:
-                old = (log_prob.detach() * mb["response_mask"]).float()
-                if real:
-                    proximal_lps[sl] = old
-            loss, mb_metrics = compute_policy_objective(
-                old if proximal else mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
-                entropy=entropy,
-                ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
-                rollout_log_probs=mb["rollout_log_probs"] if rollout_is is not None else None,
-                loss_mode=acfg.policy_loss.loss_mode,
-                clip_ratio_low=acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
-                clip_ratio_high=acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio,
-                clip_ratio_c=acfg.clip_ratio_c,
-                loss_agg_mode=acfg.loss_agg_mode,
-                entropy_coeff=acfg.entropy_coeff,
-                kl_loss_type=acfg.kl_loss_type,
-                kl_loss_coef=acfg.kl_loss_coef,
-                rollout_is=rollout_is,
-                rollout_is_threshold=is_upper,
-                rollout_is_threshold_lower=is_lower,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                loss_scale_factor=scale,
-                policy_loss_kwargs=loss_kwargs,
-            )
-            self.trained.backward(loss, real=real, last=i == len(passes) - 1)
+            # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
+            with self.forward.update_replay(routed):
+                log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
+                                                     train=True)
+                if proximal:
+                    old = (log_prob.detach() * mb["response_mask"]).float()
+                    if real:
+                        proximal_lps[sl] = old
+                loss, mb_metrics = compute_policy_objective(
+                    old if proximal else mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
+                    entropy=entropy,
+                    ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
+                    rollout_log_probs=mb["rollout_log_probs"] if rollout_is is not None else None,
+                    loss_mode=acfg.policy_loss.loss_mode,
+                    clip_ratio_low=acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
+                    clip_ratio_high=acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio,
+                    clip_ratio_c=acfg.clip_ratio_c,
+                    loss_agg_mode=acfg.loss_agg_mode,
+                    entropy_coeff=acfg.entropy_coeff,
+                    kl_loss_type=acfg.kl_loss_type,
+                    kl_loss_coef=acfg.kl_loss_coef,
+                    rollout_is=rollout_is,
+                    rollout_is_threshold=is_upper,
+                    rollout_is_threshold_lower=is_lower,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    loss_scale_factor=scale,
+                    policy_loss_kwargs=loss_kwargs,
+                )
+                self.trained.backward(loss, real=real, last=i == len(passes) - 1)
             if real:
                 merge_objective_metrics(sums, mb_metrics)
 
@@ -372,4 +403,4 @@ class PolicyWorker(CheckpointEndpoints):
         metrics["actor/lr"] = lr
         metrics["actor/grad_norm"] = grad_norm
         metrics.update(memory)
-        return self._result(meta, [], metrics)
+        return self._result(meta, [], metrics, "update_actor")

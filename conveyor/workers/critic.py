@@ -1,4 +1,10 @@
-"""The critic worker: values of response positions and the clipped value-loss update of one rank."""
+"""The critic worker: values of response positions and the clipped value-loss update of one rank.
+
+Under `fsdp2` the values' no-grad forward is the sharded module's own forward
+(one layer gathered at a time, every rank running as many micro-batches as the
+busiest); each endpoint reports its phase's peak memory
+(`perf/values/max_memory_gb`, `perf/update_critic/max_memory_gb`).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,10 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.models.loading import load_causal_lm
 from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.forward import sequence_inputs
+from conveyor.workers.forward import micro_batches, sequence_inputs
 from conveyor.workers.settings import CriticSettings
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
-from conveyor.workers.perf import result_handle
+from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.metrics.reduce import weighted
 
 logger = logging.getLogger(__name__)
@@ -28,6 +34,7 @@ class CriticWorker(CheckpointEndpoints):
 
     def __init__(self, settings: CriticSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
                  world_size: int = 1, device: str = "cpu"):
+        set_allocator_defaults()  # before the first CUDA allocation of this process
         self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
@@ -42,6 +49,7 @@ class CriticWorker(CheckpointEndpoints):
         strategy = TrainingStrategy(
             ccfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
             reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+            defer_grad_sync=fsdp.defer_grad_sync,
         )
         # The critic's own step count (its settings'): its mini-batch size and epochs may differ from the actor's.
         self.trained = TrainedModel(
@@ -66,22 +74,27 @@ class CriticWorker(CheckpointEndpoints):
         values = module(input_ids, attention_mask, position_ids)
         return values[:, -resp_len - 1 : -1].float() * td["response_mask"]
 
-    def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float]) -> KVBatchMeta:
+    def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float], phase: str) -> KVBatchMeta:
+        metrics = {**metrics, **phase_memory_metrics(phase, self.device)}
         return result_handle(meta, fields, metrics, self.device)
 
     @torch.no_grad()
     def compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Writes `values` (B, R) for the handle's samples."""
+        begin_phase(self.device)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         self.model.eval()
         micro = self.settings.critic.ppo_micro_batch_size_per_gpu
-        with self.trained.strategy.full_params():
-            values = torch.cat([self._values(td[i : i + micro]) for i in range(0, len(td), micro)])
+        with self.trained.strategy.sharded_no_grad():
+            # Every rank runs as many forwards as the busiest (each gathers layer by layer); extra ones are dropped.
+            outs = [(self._values(td[sl]), real) for sl, real in self.trained.passes(micro_batches(len(td), micro))]
+        values = torch.cat([v for v, real in outs if real])
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={"values": values.cpu()})
-        return self._result(meta, ["values"], {})
+        return self._result(meta, ["values"], {}, "values")
 
     def update_critic(self, meta: KVBatchMeta) -> KVBatchMeta:
         """One optimizer step of the clipped value loss over the handle's samples."""
+        begin_phase(self.device)
         ccfg = self.settings.critic
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "values", "returns"])
         mask = td["response_mask"].bool()
@@ -119,4 +132,4 @@ class CriticWorker(CheckpointEndpoints):
         metrics.update(weighted("critic/vf_clipfrac", clip_sum, local_tokens))
         metrics.update(weighted("critic/vpred_mean", vpred_sum, local_tokens))
         metrics["critic/grad_norm"] = grad_norm
-        return self._result(meta, [], metrics)
+        return self._result(meta, [], metrics, "update_critic")

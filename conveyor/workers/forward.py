@@ -2,11 +2,18 @@
 
 `PolicyForward` wraps a loaded causal LM under its role's `TrainedModel`: the
 lean forward where it applies (each group's shared prompt computed once), the
-Hugging Face forward elsewhere and for a training forward that must run
-through the strategy's hooks or activation checkpointing. It can replay given
+Hugging Face forward elsewhere: for a training forward that must run through
+the strategy's hooks or activation checkpointing, and for every forward over
+FSDP2 shards (the sharded module's own forward gathers one layer at a time;
+the lean forward would need the whole model gathered). It can replay given
 routed experts and record the forward's own routing. `no_grad_log_probs`
-runs it over micro-batches on gathered weights, as both the actor's
-old-log-prob forward and the reference's forward do.
+runs it over micro-batches, as both the actor's old-log-prob forward and the
+reference's forward do; under a multi-rank strategy every rank runs as many
+micro-batches as the busiest one (the extra ones are dropped).
+
+Log-probs and entropy come from `logprobs_and_entropy` on the model's own
+logits, the temperature applied per block: no float32 copy of the
+full-vocabulary logits is made here.
 
 What it deliberately does not do: read or write the data plane, or decide
 whether routing is recorded or replayed (the caller's settings say).
@@ -47,6 +54,32 @@ class PolicyForward:
 
     def __init__(self, model: torch.nn.Module, trained: TrainedModel, lean: Any, moe: Any):
         self.model, self.trained, self.lean, self.moe = model, trained, lean, moe
+        # True while `update_replay` holds the replay hooks open (through the backward's recomputation).
+        self._held_replay = False
+
+    def uses_lean(self, train: bool = False) -> bool:
+        """Whether a forward runs the lean forward: not over FSDP2 shards, nor through training hooks or checkpointing."""
+        if self.lean is None or self.trained.strategy.sharded:
+            return False
+        return not (train and (self.trained.strategy.distributed or self.trained.checkpointing))
+
+    @contextlib.contextmanager
+    def update_replay(self, routed_experts: torch.Tensor | None):
+        """Replay `routed_experts` in an update's Hugging Face forward *and* in its backward.
+
+        Activation checkpointing recomputes each layer's forward inside `backward()`; the replay hooks
+        must still be in force then, or the recomputed forward routes natively (and saves other
+        tensors than the original did). Wrap the forward and its backward in this context.
+        """
+        if routed_experts is None or self.uses_lean(train=True):
+            yield
+            return
+        with replay_routing(self.model, routed_experts):
+            self._held_replay = True
+            try:
+                yield
+            finally:
+                self._held_replay = False
 
     def response_logits(
         self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool = False
@@ -56,16 +89,16 @@ class PolicyForward:
         `train`: the update's forward, which under a multi-rank strategy must go through its wrapper.
         """
         # The update's forward goes through the strategy's hooks and the model's activation checkpointing,
-        # neither of which the lean forward calls.
-        hooked_update = train and (self.trained.strategy.distributed or self.trained.checkpointing)
-        if self.lean is not None and not hooked_update:
+        # neither of which the lean forward calls; FSDP2 shards are gathered only by the module's own forward.
+        if self.uses_lean(train):
             return self.lean.response_logits(
                 td["prompts"], td["prompt_mask"], td["responses"], response_span(td["response_mask"]),
                 routed_experts=routed_experts, record_routing=record_routing,
             )
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
-        replay = replay_routing(self.model, routed_experts) if routed_experts is not None else contextlib.nullcontext()
+        held = routed_experts is None or self._held_replay
+        replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
         recorder = RoutingRecorder(self.model) if record_routing else None
         with replay, (recorder if recorder is not None else contextlib.nullcontext()):
             # Only the positions that predict response tokens need the LM head.
@@ -86,10 +119,8 @@ class PolicyForward:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
         logits, own_routing = self.response_logits(td, routed_experts, record_routing, train)
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy)
+        # Upcast and temperature per block inside: the logits stay the model's own tensor.
+        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy, temperature=temperature)
         return log_probs, entropy, own_routing
 
     @torch.no_grad()
@@ -104,11 +135,13 @@ class PolicyForward:
         """
         self.model.eval()
         lps, ents, routings = [], [], []
-        with self.trained.strategy.full_params():
-            for sl in micro_batches(len(td), micro_batch_size):
+        with self.trained.strategy.sharded_no_grad():
+            for sl, real in self.trained.passes(micro_batches(len(td), micro_batch_size)):
                 mb = td[sl]
                 routed = mb["routed_experts"].long() if replay else None
                 lp, ent, own = self.log_probs(mb, temperature, with_entropy, routed, record_routing=record)
+                if not real:  # a pass only to pair up with the other ranks' all-gathers
+                    continue
                 lps.append(lp)
                 if ent is not None:
                     ents.append(ent)

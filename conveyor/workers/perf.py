@@ -9,17 +9,32 @@ starts a new peak window (`reset_peak_memory`: the allocator's peak statistics
 on an accelerator; on Linux, writing 5 to `/proc/self/clear_refs`, which sets
 the process's high-water mark `VmHWM` back to its current resident set) and
 reads the peak at its end (`phase_memory_metrics`), so each figure says what
-that phase alone reached rather than the process's lifetime peak.
+that phase alone reached rather than the process's lifetime peak. Every worker
+endpoint opens its phase with `begin_phase`, which on a GPU also hands the
+previous phase's cached blocks back to the driver (`torch.cuda.empty_cache`),
+so one phase's leftovers do not count against the next one's reserved peak.
+
+`set_allocator_defaults` sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`
+for a worker process unless the user set it (segments that grow in place
+fragment far less when the phases' shapes alternate); it must run before the
+process's first CUDA allocation, so the workers call it first thing, and a
+process launcher can pass `allocator_env_defaults()` in the children's
+environment.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
 import torch
 
-__all__ = ["memory_metrics", "reset_peak_memory", "peak_memory_bytes", "phase_memory_metrics", "result_handle"]
+__all__ = ["memory_metrics", "reset_peak_memory", "peak_memory_bytes", "phase_memory_metrics", "result_handle",
+           "begin_phase", "allocator_env_defaults", "set_allocator_defaults"]
+
+# The environment a worker process gets unless the user set the variable already.
+_ALLOCATOR_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 _GB = 1024**3
 
@@ -28,8 +43,6 @@ def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
             pages = int(f.read().split()[1])
-        import os
-
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return _peak_rss_bytes()
@@ -90,6 +103,25 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
         return int(torch.cuda.max_memory_allocated(device))
     hwm = _status_kb("VmHWM")
     return hwm * 1024 if hwm is not None else _peak_rss_bytes()
+
+
+def allocator_env_defaults(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The allocator variables to add to `env` (default: this process's environment): those the user did not set."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in _ALLOCATOR_DEFAULTS.items() if k not in env}
+
+
+def set_allocator_defaults() -> None:
+    """Set the allocator defaults in this process's environment (effective only before its first CUDA allocation)."""
+    os.environ.update(allocator_env_defaults())
+
+
+def begin_phase(device: torch.device | str = "cpu") -> None:
+    """Open a phase: on a GPU, free the cached blocks the previous phase left; then start a new peak window."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():  # GPU only: the CPU has no caching allocator
+        torch.cuda.empty_cache()
+    reset_peak_memory(device)
 
 
 def phase_memory_metrics(phase: str, device: torch.device | str = "cpu") -> dict[str, float]:

@@ -4,7 +4,8 @@ It loads the policy's checkpoint frozen (no gradients, no optimizer), holds it
 under its own strategy (`actor_rollout_ref.ref.strategy`: FSDP2 shards the
 parameters and gathers them for each forward) and runs the same log-prob
 forward as the actor (`conveyor.workers.forward.PolicyForward`), without
-routing replay: the reference's routing is its own.
+routing replay: the reference's routing is its own. Under `fsdp2` that forward
+gathers one layer at a time; the whole model is never gathered.
 
 What it deliberately does not do: sample, update, or save checkpoints (the
 reference never changes; a resumed run loads it from the checkpoint again).
@@ -24,7 +25,7 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.calls import LogProbCall
 from conveyor.workers.forward import PolicyForward
-from conveyor.workers.perf import result_handle
+from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.settings import ReferenceSettings
 from conveyor.workers.strategy import TrainedModel, TrainingStrategy
 
@@ -36,6 +37,7 @@ class ReferenceWorker:
 
     def __init__(self, settings: ReferenceSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
                  world_size: int = 1, device: str = "cpu"):
+        set_allocator_defaults()  # before the first CUDA allocation of this process
         self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
@@ -64,10 +66,11 @@ class ReferenceWorker:
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Forward without grad: writes ref_log_prob (B, R)."""
+        begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         log_probs, _, _ = self.forward.no_grad_log_probs(td, self.settings.ref.log_prob_micro_batch_size_per_gpu,
                                                          call.temperature)
         out: dict[str, Any] = {"ref_log_prob": log_probs.cpu()}
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=out)
-        return result_handle(meta, list(out), {}, self.device)
+        return result_handle(meta, list(out), phase_memory_metrics("ref", self.device), self.device)

@@ -5,11 +5,15 @@ Three strategies behind one small interface, chosen by `actor_rollout_ref.actor.
 
 - `none`: one rank, the model as it is.
 - `dp`: every rank holds a full replica; PyTorch's `DistributedDataParallel`
-  all-reduces the gradients in the last micro-batch's backward.
+  all-reduces the gradients in every micro-batch's backward.
 - `fsdp2`: parameters, gradients and optimizer state are sharded over the
   ranks with `torch.distributed.fsdp.fully_shard` (one unit per decoder layer
   and one at the root); each layer's parameters are all-gathered for its
-  forward and backward and the gradients reduce-scattered.
+  forward and backward and the gradients reduce-scattered in every
+  micro-batch's backward, so a rank holds only its shard of the gradients.
+  `fsdp_config.defer_grad_sync` defers the communication to the last
+  micro-batch instead (fewer collectives, but a full unsharded gradient per
+  rank in between).
 
 Losses are normalised by the *global* token or sequence count (see
 `conveyor.algos.losses`), so the ranks' gradients must be summed; DDP and FSDP2
@@ -19,10 +23,14 @@ rank must run the same number of forward/backward passes: `agree_count`
 gives each rank the largest count, and a rank with fewer micro-batches runs
 extra passes whose loss is multiplied by 0.
 
-No-grad phases (the rollout, old/reference log-probs, values) run inside
-`full_params`: under `fsdp2` the whole model is gathered once and used as a
-plain module (so ranks may do different numbers of decode steps, and the lean
-forward applies), then re-sharded; under `dp` the replica is used directly.
+No-grad forwards (old/reference log-probs, values, routing agreement) run
+inside `sharded_no_grad`: under `fsdp2` they call the sharded module's own
+forward, which all-gathers one layer at a time and frees it after, so no rank
+ever holds the whole model; every rank runs the same number of forwards
+(`TrainedModel.passes`). The hf rollout alone runs inside `full_params`, the
+one remaining whole-model gather: its ranks do different numbers of decode
+steps, which per-layer collectives cannot pair up (docs/distributed.md).
+Under `dp` the replica is used directly.
 
 Checkpoints go through `torch.distributed.checkpoint.state_dict`, whose keys
 are the model's own parameter names whatever the strategy and world size: a
@@ -111,6 +119,7 @@ class TrainingStrategy:
         reduce_dtype: str | None = None,
         param_offload: bool = False,
         optimizer_offload: bool = False,
+        defer_grad_sync: bool = False,
     ):
         self.name = resolve_strategy(name, world_size)
         self.world_size = world_size
@@ -127,6 +136,8 @@ class TrainingStrategy:
         if (param_dtype or reduce_dtype) and self.name != "fsdp2":
             logger.warning("fsdp_config.param_dtype/reduce_dtype apply under strategy=fsdp2 only; this role runs %s",
                            self.name)
+        # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
+        self.defer_grad_sync = defer_grad_sync
         self._ddp: nn.Module | None = None
         self._fsdp_units: list[nn.Module] = []
 
@@ -194,7 +205,7 @@ class TrainingStrategy:
 
     @contextlib.contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
-        """Accumulate gradients locally unless `sync`: only the last micro-batch's backward communicates."""
+        """Accumulate gradients locally unless `sync` (the backward inside communicates only when it is True)."""
         if self._ddp is not None and not sync:
             with self._ddp.no_sync():
                 yield
@@ -204,9 +215,34 @@ class TrainingStrategy:
                 unit.set_requires_gradient_sync(sync)
         yield
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is held as FSDP2 shards (its forward gathers each layer in turn)."""
+        return bool(self._fsdp_units)
+
+    @contextlib.contextmanager
+    def sharded_no_grad(self) -> Iterator[None]:
+        """No-grad forwards over the shards: each layer (the root too) is gathered for its forward and freed after.
+
+        Every rank must run the same number of forwards inside (each one all-gathers); nothing is left
+        gathered on exit.
+        """
+        if not self._fsdp_units:
+            yield
+            return
+        for unit in self._fsdp_units:
+            # The root keeps its parameters after forward by default (for the backward that follows a
+            # training forward); a no-grad pass has none.
+            unit.set_reshard_after_forward(True, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in self._fsdp_units:
+                unit.reshard()
+
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
-        """No-grad phases: under fsdp2 gather the whole model once (no collective inside), re-shard afterwards."""
+        """The hf rollout only: under fsdp2 gather the whole model once (no collective inside), re-shard afterwards."""
         if not self._fsdp_units:
             yield
             return
@@ -321,9 +357,9 @@ class TrainedModel:
         return [(slices[i], True) if i < len(slices) else (slices[0], False) for i in range(n)]
 
     def backward(self, loss: torch.Tensor, *, real: bool, last: bool) -> None:
-        """Back-propagate `loss` (globally normalised), communicating only on the last pass."""
+        """Back-propagate `loss` (globally normalised); communicates every pass, or the last only when deferred."""
         scale = self.strategy.loss_scale if real else 0.0
-        with self.strategy.grad_sync(last):
+        with self.strategy.grad_sync(last or not self.strategy.defer_grad_sync):
             (loss * scale).backward()
 
     def step(self, grad_clip: float) -> tuple[float, bool, float, dict[str, float]]:

@@ -159,3 +159,26 @@ def test_r2_in_a_run_logs_load_balance_from_the_trainers_forward(tiny_run):
     with pytest.raises(ValueError, match="R2 records the routing"):
         load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R2",
                            "algorithm.rollout_correction.bypass_mode=true"])
+
+
+PHASE_KEYS = ("actor/perf/rollout/max_memory_gb", "actor/perf/old_log_prob/max_memory_gb",
+              "ref/perf/ref/max_memory_gb", "critic/perf/values/max_memory_gb",
+              "critic/perf/update_critic/max_memory_gb", "actor/perf/update_actor/max_memory_gb",
+              "actor/perf/routing_agreement/max_memory_gb")
+
+
+def test_r3_with_gradient_checkpointing_trains_and_every_phase_reports_its_memory(tiny_run, tmp_path):
+    """R3 replay under activation checkpointing completes a run (the recompute replays too); with every phase on
+    (old log-probs, reference, critic, routing agreement), each logs its own peak per rank."""
+    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3",
+                                        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                                        "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+                                        "algorithm.rollout_correction.bypass_mode=false",
+                                        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    run_training(cfg)
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")}
+    for step in (1, 2):
+        missing = [k for k in PHASE_KEYS if k not in rows[step]]
+        assert not missing, f"step {step} lacks {missing}"
+        assert all(rows[step][k] > 0 for k in PHASE_KEYS)
+        assert torch.isfinite(torch.tensor(rows[step]["actor/pg_loss"]))

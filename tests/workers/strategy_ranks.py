@@ -14,6 +14,12 @@ groups' own `split_for_ranks`, and runs the jobs:
 - `update`: one update over the whole batch; rank 0 writes the gathered
   parameters to `out/params.pt` and every rank its metrics to `out/metrics_<rank>.json`.
 - `log_prob`: compute_log_prob; each rank's `old_log_probs` go to `out/log_probs_<rank>.pt`.
+- `no_grad_both`: the no-grad forward of the role's endpoint (compute_log_prob with entropy, or
+  compute_values), over the shards layer by layer, and the same forward on the whole model gathered
+  (`full_params`); each rank writes both to `out/both_<rank>.pt`.
+- `grads`: one update whose gradients (gathered, before the step) rank 0 writes to `out/grads.pt`.
+
+A run may name its own `model_path` (a dense model beside the default MoE one).
 - `save:DIR` / `load:DIR`: a sharded checkpoint written or read by all ranks
   (`load` reads the schedule state from `out/extra.pt`; after it, rank 0 writes
   the parameters to `out/loaded.pt`).
@@ -33,6 +39,53 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 
+def _capture_grads(worker) -> dict:
+    """The worker's gradients just before its next optimizer step, gathered whole (every rank must call the step)."""
+    grads: dict = {}
+    step = worker.trained.step
+
+    def capturing(grad_clip: float):
+        for name, p in worker.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad
+                grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        return step(grad_clip)
+
+    worker.trained.step = capturing
+    return grads
+
+
+def _both_no_grad(worker, role: str, plane, share) -> dict:
+    """The role's no-grad forward over the shards (through its endpoint) and on the gathered model, on one share."""
+    from conveyor.workers.calls import LogProbCall
+    from conveyor.workers.forward import micro_batches
+
+    fields = ["prompts", "prompt_mask", "responses", "response_mask"]
+    if role == "critic":
+        worker.compute_values(share)
+        sharded = {"values": plane.kv_batch_get(share.keys, share.partition_id, ["values"])["values"]}
+        td = plane.kv_batch_get(share.keys, share.partition_id, fields)
+        with torch.no_grad(), worker.trained.strategy.full_params():
+            full = {"values": torch.cat([worker._values(td[sl]) for sl in micro_batches(len(td), 3)])}
+        return {"sharded": sharded, "full": full}
+    replay = worker.settings.forward_replays_routing
+    worker.compute_log_prob(share.with_extra_info(**LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()))
+    got = plane.kv_batch_get(share.keys, share.partition_id, ["old_log_probs", "entropy"])
+    sharded = {"log_probs": got["old_log_probs"], "entropy": got["entropy"]}
+    td = plane.kv_batch_get(share.keys, share.partition_id, fields + (["routed_experts"] if replay else []))
+    lps, ents = [], []
+    with torch.no_grad(), worker.trained.strategy.full_params():  # no collective inside: each rank on its own
+        for sl in micro_batches(len(td), 3):
+            mb = td[sl]
+            routed = mb["routed_experts"].long() if replay else None
+            lp, ent, _ = worker.forward.log_probs(mb, 0.7, True, routed)
+            lps.append(lp)
+            ents.append(ent)
+    mask = td["response_mask"].bool()
+    return {"sharded": sharded, "full": {"log_probs": torch.cat(lps) * mask, "entropy": torch.cat(ents) * mask},
+            "replayed": bool(replay)}
+
+
 def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     """One run's jobs on this rank, with a worker of its own."""
     from conveyor.config import load_config
@@ -46,6 +99,7 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     from conveyor.workers.group import split_for_ranks
 
     out = Path(run["out"])
+    model_path = run.get("model_path", model_path)
     cfg = load_config(None, run["overrides"])
     fields = torch.load(run["batch"], weights_only=True)
     n = len(next(iter(fields.values())))
@@ -76,6 +130,14 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
                                                                            calculate_entropy=False).to_extra_info()))
             got = plane.kv_batch_get(share.keys, "lp", ["old_log_probs"])["old_log_probs"]
             torch.save(got, out / f"log_probs_{rank}.pt")
+        elif job == "no_grad_both":
+            torch.save(_both_no_grad(worker, run["role"], plane, lp_share), out / f"both_{rank}.pt")
+        elif job == "grads":
+            grads = _capture_grads(worker)
+            call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+            worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
+            if rank == 0:
+                torch.save(grads, out / "grads.pt")
         elif job.startswith("save:"):
             extra = worker.save_checkpoint(job[5:])
             if rank == 0:

@@ -58,11 +58,26 @@ LEAN_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.model
 MIXED_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
                "actor_rollout_ref.actor.fsdp_config.reduce_dtype=float32"]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
+DENSE = ["actor_rollout_ref.model.tiny.arch=qwen3"]
+CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+LP_MICRO = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"  # ranks of 4 and 3 rows: 2 and 1 passes
+# The no-grad forwards over the shards against the gathered model: name -> role, overrides, dense, with routing.
+NO_GRAD_CASES = {
+    "actor-dense": ("actor", FSDP2 + [LP_MICRO], True, False),
+    "actor-moe-R3": ("actor", FSDP2 + [LP_MICRO, R3], False, True),
+    "critic-dense": ("critic", ["critic.strategy=fsdp2", "critic.optim.lr=0.05"], True, False),
+    "critic-moe": ("critic", ["critic.strategy=fsdp2", "critic.optim.lr=0.05"], False, False),
+}
 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
     return prepare_default_model(load_config(None, BASE))
+
+
+@pytest.fixture(scope="module")
+def dense_path() -> str:
+    return prepare_default_model(load_config(None, BASE + DENSE))
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +113,12 @@ def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_path: st
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, one_rank_checkpoint) -> dict[str, Path]:
+def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path: str, batches,
+          one_rank_checkpoint) -> dict[str, Path]:
     """Every test's multi-rank case, run by one spawn of two ranks; case name -> the folder of its outputs."""
     root = tmp_path_factory.mktemp("ranks")
     runs: dict[str, tuple[str, list[str], bool, list[str]]] = {}  # name -> role, overrides, with routing, jobs
+    paths: dict[str, str] = {}  # name -> model path, where not the default MoE model
     for name, (role, overrides) in FSDP2_CASES.items():
         strategy = "critic.strategy=fsdp2" if role == "critic" else "actor_rollout_ref.actor.strategy=fsdp2"
         runs[f"fsdp2-{name}"] = (role, overrides + [strategy], R3 in overrides, ["update"])
@@ -110,6 +127,18 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, on
     runs["mixed"] = ("actor", MIXED_FLAGS, False, ["update"])
     runs["save"] = ("actor", FSDP2, False, ["update", f"save:{root / 'two-ranks'}"])
     runs["load"] = ("actor", FSDP2, False, [f"load:{one_rank_checkpoint['dir']}"])
+    runs["fsdp2-defer"] = ("actor", FSDP2 + ["actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"], False,
+                           ["update"])
+    runs["dp-defer"] = ("actor", ["actor_rollout_ref.actor.strategy=dp",
+                                  "actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"], False, ["update"])
+    runs["grads-R3"] = ("actor", FSDP2 + [R3], True, ["grads"])
+    runs["grads-R3-ckpt"] = ("actor", FSDP2 + [R3, CKPT], True, ["grads"])
+    for name, (role, overrides, dense, with_routing) in NO_GRAD_CASES.items():
+        # The value head starts at zero: an update at a large lr first, so that the values say something.
+        jobs = ["update", "no_grad_both"] if role == "critic" else ["no_grad_both"]
+        runs[f"no-grad-{name}"] = (role, overrides + (DENSE if dense else []), with_routing, jobs)
+        if dense:
+            paths[f"no-grad-{name}"] = dense_path
     for with_routing, fields in batches.items():
         torch.save(fields, root / f"batch-{int(with_routing)}.pt")
     spec_runs = []
@@ -117,6 +146,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, on
         (root / name).mkdir()
         spec_runs.append({"role": role, "overrides": BASE + overrides, "jobs": jobs, "out": str(root / name),
                           "batch": str(root / f"batch-{int(with_routing)}.pt")})
+        if name in paths:
+            spec_runs[-1]["model_path"] = paths[name]
     torch.save(one_rank_checkpoint["extra"], root / "load" / "extra.pt")
     spec = {"world": 2, "model_path": model_path, "runs": spec_runs}
     (root / "spec.json").write_text(json.dumps(spec))
@@ -203,9 +234,9 @@ def test_dp_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks) ->
 
 
 def test_lean_forward_checkpointing_and_offload_under_fsdp2(model_path: str, batches, ranks) -> None:
-    """Under fsdp2: the no-grad forwards run the lean forward on gathered weights and match the one-rank
-    Hugging Face forward; recomputed activations give the same step; offload is accepted on a CPU run and
-    changes nothing."""
+    """Under fsdp2 with forward_impl=lean: the no-grad forwards run over the shards (not the lean forward) and
+    match the one-rank Hugging Face forward; recomputed activations give the same step; offload is accepted on
+    a CPU run and changes nothing."""
     fields = batches[False]  # old_log_probs: the one-rank Hugging Face forward
     want, _ = _one_rank("actor", model_path, fields, [])
     out = ranks["lean"]  # LEAN_FLAGS, jobs log_prob then update
@@ -260,3 +291,83 @@ def test_strategy_resolution() -> None:
     assert resolve_strategy("fsdp2", 1) == "fsdp2"
     with pytest.raises(ValueError, match="unknown strategy"):
         resolve_strategy("zero3", 2)
+
+
+@pytest.mark.parametrize("case", list(NO_GRAD_CASES))
+def test_no_grad_forwards_over_shards_equal_the_gathered_model(ranks, case: str) -> None:
+    """Old log-probs (with entropy, at a temperature; with R3 replay on the MoE model) and values computed over
+    the fsdp2 shards, one layer gathered at a time, equal the same forward on the whole gathered model."""
+    for r in range(2):
+        both = torch.load(ranks[f"no-grad-{case}"] / f"both_{r}.pt", weights_only=True)
+        if case == "actor-moe-R3":
+            assert both["replayed"], "the R3 case must replay the routing in its old-log-prob forward"
+        assert both["sharded"].keys() == both["full"].keys()
+        for key, want in both["full"].items():
+            assert want.abs().sum() > 0, key
+            torch.testing.assert_close(both["sharded"][key], want, atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "dp"])
+def test_deferred_grad_sync_takes_the_same_step(ranks, strategy: str) -> None:
+    """Gradients communicated every micro-batch (the default) and only in the last one (defer_grad_sync) give the
+    same update; rank 0 runs two micro-batches, rank 1 one real one and one dummy pass."""
+    synced = torch.load(ranks["fsdp2-actor" if strategy == "fsdp2" else "dp"] / "params.pt", weights_only=True)
+    deferred = torch.load(ranks[f"{strategy}-defer"] / "params.pt", weights_only=True)
+    _assert_same_params(deferred, synced, atol=1e-6)
+
+
+def test_r3_replay_holds_in_the_checkpointed_recompute_under_fsdp2(ranks, batches, model_path: str) -> None:
+    """Under fsdp2 on two ranks, with R3 and activation checkpointing, the gradients equal those without
+    checkpointing (the recomputed forward replays the recorded routing, which differs from the native one)."""
+    _assert_native_routing_differs(model_path, batches[True])
+    plain = torch.load(ranks["grads-R3"] / "grads.pt", weights_only=True)
+    ckpt = torch.load(ranks["grads-R3-ckpt"] / "grads.pt", weights_only=True)
+    assert plain.keys() == ckpt.keys() and plain
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _assert_native_routing_differs(model_path: str, fields: dict) -> None:
+    """The batch's recorded routing is not what the model routes natively (so a native recompute would differ)."""
+    from tensordict import TensorDict
+
+    from conveyor.models.moe_routing import compute_routing_agreement
+
+    worker = _actor(load_config(None, BASE), model_path=model_path, data_plane=make_data_plane("memory"))
+    td = TensorDict(fields, batch_size=[B])
+    with torch.no_grad():
+        _, own = worker.forward.response_logits(td, None, record_routing=True)
+    valid = torch.cat([td["prompt_mask"], td["response_mask"]], dim=1).bool()
+    assert compute_routing_agreement(own.long(), td["routed_experts"].long(), valid) < 0.5
+
+
+def _update_grads(cfg, model_path: str, fields: dict) -> dict[str, torch.Tensor]:
+    """The gradients of one in-process update (captured just before the optimizer step)."""
+    plane = make_data_plane("memory")
+    meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields).with_extra_info(**UPDATE)
+    worker = _actor(cfg, model_path=model_path, data_plane=plane)
+    grads: dict[str, torch.Tensor] = {}
+    step = worker.trained.step
+
+    def capturing(grad_clip: float):
+        grads.update({n: p.grad.detach().clone() for n, p in worker.model.named_parameters() if p.grad is not None})
+        return step(grad_clip)
+
+    worker.trained.step = capturing
+    worker.update_actor(meta)
+    return grads
+
+
+def test_r3_replay_holds_in_the_checkpointed_recompute(model_path: str, batches) -> None:
+    """Strategy none, Hugging Face forward: R3 with activation checkpointing takes the gradients R3 takes without
+    it (before the fix the recompute routed natively and raised CheckpointError)."""
+    fields = batches[True]
+    _assert_native_routing_differs(model_path, fields)
+    plain = _update_grads(load_config(None, BASE + [R3]), model_path, fields)
+    ckpt = _update_grads(load_config(None, BASE + [R3, CKPT]), model_path, fields)
+    assert plain.keys() == ckpt.keys() and plain
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    native = _update_grads(load_config(None, BASE), model_path, fields)
+    router = next(k for k in plain if "gate" in k and "mlp" in k)
+    assert not torch.allclose(native[router], plain[router], atol=1e-5), "replay must change the gradients"

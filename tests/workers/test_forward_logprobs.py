@@ -1,0 +1,66 @@
+"""The policy forward's log-probs and entropy come from the model's own logits, the temperature applied per block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import conveyor.workers.forward as forward_module
+from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.config import load_config
+from conveyor.data_plane import make_data_plane
+from conveyor.trainer.plan import build_run_plan
+from conveyor.trainer.setup import prepare_default_model
+from conveyor.workers.actor import PolicyWorker
+from conveyor.workers.settings import actor_settings
+from update_batches import ragged_update_fields
+
+BASE = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def td() -> TensorDict:
+    fields = ragged_update_fields(5, 4, 3, 40, torch.Generator().manual_seed(1))
+    return TensorDict(fields, batch_size=[5])
+
+
+def _worker(impl: str) -> PolicyWorker:
+    cfg = load_config(None, BASE + [f"actor_rollout_ref.model.forward_impl={impl}"])
+    return PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
+                        data_plane=make_data_plane("memory"))
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_equal_the_whole_logits_float32_formula(td: TensorDict, impl: str, temperature: float) -> None:
+    """Against what the forward computed before: the whole logits upcast, divided by T, then log-softmaxed."""
+    forward = _worker(impl).forward
+    with torch.no_grad():
+        lp, ent, _ = forward.log_probs(td, temperature, True)
+        logits, _ = forward.response_logits(td, None, False)
+        want_lp, want_ent = logprobs_and_entropy(logits.float() / temperature, td["responses"], True)
+    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=0)
+
+
+def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division)."""
+    forward = _worker("hf").forward
+    seen = {}
+    real_logits = forward.response_logits
+
+    def recording_logits(*args, **kwargs):
+        logits, routing = real_logits(*args, **kwargs)
+        seen["model"] = logits
+        return logits, routing
+
+    def recording(logits, labels, with_entropy, **kwargs):
+        seen["given"], seen["temperature"] = logits, kwargs.get("temperature")
+        return logprobs_and_entropy(logits, labels, with_entropy, **kwargs)
+
+    monkeypatch.setattr(forward, "response_logits", recording_logits)
+    monkeypatch.setattr(forward_module, "logprobs_and_entropy", recording)
+    with torch.no_grad():
+        forward.log_probs(td, 0.5, True)
+    assert seen["given"] is seen["model"] and seen["temperature"] == 0.5
