@@ -253,8 +253,18 @@ class RayRanks:
         first = self.roles[0]
         try:
             remote = _remote_rank_class()
+            extra: dict[str, Any] = {}
+            if num_gpus > 0:
+                from conveyor.workers.perf import allocator_env_defaults
+
+                # Set before the process's first CUDA allocation, whatever runs first in it; the user's own
+                # PYTORCH_CUDA_ALLOC_CONF (inherited from the driver's environment) is left alone.
+                env = allocator_env_defaults()
+                if env:
+                    extra["runtime_env"] = {"env_vars": env}
             self.actors = [
-                remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r))
+                remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r),
+                               **extra)
                 .remote(self.name, r, world_size, int(round(num_cpus)))
                 for r in range(world_size)
             ]
