@@ -35,13 +35,14 @@ from conveyor.algos.objective import compute_policy_objective, merge_objective_m
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
-from conveyor.models.loading import load_causal_lm, load_tokenizer
+from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
+from conveyor.workers.loading import load_role_model
 from conveyor.workers.settings import ActorSettings
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
 from conveyor.workers.perf import result_handle
@@ -70,7 +71,14 @@ class PolicyWorker(CheckpointEndpoints):
         self.data_plane = data_plane
         m, acfg = settings.model, settings.actor
         trust = m.trust_remote_code
-        self.model = load_causal_lm(model_path, dtype=m.dtype, device=self.device, trust_remote_code=trust)
+        fsdp = acfg.fsdp_config
+        strategy = TrainingStrategy(
+            acfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
+            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+        )
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
+                                     device=self.device, dtype=m.dtype, trust_remote_code=trust)
         self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=trust)
         self.moe = moe_info(self.model)
         routing = settings.forward_records_routing or settings.forward_replays_routing or settings.update_replays_routing
@@ -81,11 +89,6 @@ class PolicyWorker(CheckpointEndpoints):
         # Before wrapping: the lean forward keeps references to the model's own modules.
         # None: the Hugging Face forward (models the lean one does not cover, or forward_impl=hf).
         self.lean = resolve_forward_impl(m.forward_impl, self.model)
-        fsdp = acfg.fsdp_config
-        strategy = TrainingStrategy(
-            acfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
-            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-        )
         # The worker's own step count (from its settings): the schedule must not depend on what a caller passes.
         self.trained = TrainedModel(
             self.model, strategy, trainable=True, optim_cfg=acfg.optim, total_steps=settings.total_optim_steps,

@@ -297,7 +297,15 @@ class TrainedModel:
             model.eval()
         self.model = model
         self.strategy = strategy
+        # fsdp2 over several ranks: the model came as rank 0's host copy and meta skeletons elsewhere
+        # (conveyor.workers.loading); the shards are allocated after wrapping and filled from rank 0.
+        from conveyor.workers.loading import fill_shards, loads_from_rank0, take_host_weights
+
+        from_rank0 = loads_from_rank0(strategy.name, strategy.world_size)
+        weights = take_host_weights(model, tdist.get_rank()) if from_rank0 else None
         self.forward_module = strategy.wrap(model, trainable=trainable)
+        if weights is not None:
+            fill_shards(model, weights, strategy.device)
         # After wrapping: FSDP2's optimizer must hold the sharded parameters.
         self.optimizer = self.scheduler = None
         if trainable:
