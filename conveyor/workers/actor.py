@@ -121,7 +121,7 @@ class PolicyWorker(CheckpointEndpoints):
         st, ro = self.settings, self.settings.rollout
         engine = VLLMRollout(
             model_path, hf_config=self.model.config, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id, dtype=st.model.dtype,
+            eos_token_id=self.tokenizer.eos_token_id, dtype=ro.dtype or st.model.dtype,
             max_model_len=st.max_model_len, seed=st.seed + self.rank, device=self.device,
             gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, free_cache_engine=ro.free_cache_engine,

@@ -48,7 +48,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "TrainingStrategy", "TrainedModel", "CheckpointEndpoints", "resolve_strategy",
-           "decoder_layers", "ensure_process_group"]
+           "decoder_layers", "ensure_process_group", "mixed_precision"]
 
 STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
 
@@ -64,6 +64,19 @@ def resolve_strategy(name: str | None, world_size: int) -> str:
     if name == "dp" and world_size == 1:
         return "none"  # a replica of one is the model itself
     return name
+
+
+def mixed_precision(strategy: str, param_dtype: str | None, reduce_dtype: str | None,
+                    device_type: str) -> tuple[str | None, str | None]:
+    """The (param_dtype, reduce_dtype) an fsdp2 role computes and reduces in; None = the model's (master) dtype.
+
+    What is set is kept. Unset, a GPU run under fsdp2 computes in bfloat16 and reduces gradients in float32
+    over float32 master weights (verl's defaults for its FSDP actor); a CPU run (and dp, none) computes in the
+    model's dtype, as it always has.
+    """
+    if strategy != "fsdp2" or device_type != "cuda":
+        return param_dtype, reduce_dtype
+    return param_dtype or "bfloat16", reduce_dtype or "float32"
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -115,8 +128,8 @@ class TrainingStrategy:
         self.name = resolve_strategy(name, world_size)
         self.world_size = world_size
         self.device = device
-        self.param_dtype = _DTYPES[param_dtype] if param_dtype else None
-        self.reduce_dtype = _DTYPES[reduce_dtype] if reduce_dtype else None
+        self.param_dtype, self.reduce_dtype = (
+            _DTYPES[d] if d else None for d in mixed_precision(self.name, param_dtype, reduce_dtype, device.type))
         # Offloading moves state to host memory between uses: on a CPU run it already is there.
         on_gpu = device.type == "cuda"
         self.param_offload = param_offload and on_gpu
