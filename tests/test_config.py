@@ -652,3 +652,34 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
     # the reference has no optimizer, so the key changes nothing there.
     assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | {"actor_rollout_ref.ref.fsdp_config.optimizer_offload"}
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))
+
+
+def test_low_precision_master_dtype_is_refused_with_what_to_set() -> None:
+    """bf16 master weights would make AdamW train in bf16: refused, naming the mixed-precision keys and the opt-in."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["actor_rollout_ref.model.dtype=bfloat16"])
+    msg = str(info.value)
+    assert "actor_rollout_ref.model.dtype" in msg
+    assert "actor_rollout_ref.model.dtype=float32" in msg and "fsdp_config.param_dtype=bfloat16" in msg
+    assert "allow_low_precision_master_weights=true" in msg
+    cfg = load_config(None, ["actor_rollout_ref.model.dtype=bfloat16",
+                             "actor_rollout_ref.model.allow_low_precision_master_weights=true"])
+    assert cfg.actor_rollout_ref.model.dtype == "bfloat16"
+
+
+def test_rollout_dtype_defaults_to_the_models_and_takes_dtype_names() -> None:
+    assert load_config(None, []).actor_rollout_ref.rollout.dtype is None
+    assert load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16"]).actor_rollout_ref.rollout.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.dtype"):
+        load_config(None, ["actor_rollout_ref.rollout.dtype=float64"])
+
+
+def test_mixed_precision_dtype_defaults_per_device() -> None:
+    """Unset: bf16 compute and fp32 reduction on a GPU under fsdp2; the model's dtype on a CPU and under dp/none."""
+    from conveyor.workers.strategy import mixed_precision
+
+    assert mixed_precision("fsdp2", None, None, "cuda") == ("bfloat16", "float32")
+    assert mixed_precision("fsdp2", "float32", None, "cuda") == ("float32", "float32")
+    assert mixed_precision("fsdp2", None, None, "cpu") == (None, None)
+    assert mixed_precision("fsdp2", "bfloat16", "float32", "cpu") == ("bfloat16", "float32")
+    assert mixed_precision("dp", None, None, "cuda") == (None, None)

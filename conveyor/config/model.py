@@ -59,7 +59,13 @@ class ModelConfig:
     tokenizer_path: Optional[str] = F(None, "tokenizer directory if not the model's")
     trust_remote_code: bool = F(False, "run the Python code a checkpoint ships (the auto_map of its config.json or "
                                 "tokenizer_config.json) to build its model and tokenizer: only for checkpoints you trust")
-    dtype: str = F("float32", "parameter dtype", choices=DTYPES)
+    dtype: str = F("float32", "dtype of the weights as loaded: the master weights the trained roles (actor, critic) "
+                   "update and AdamW's state follow (bf16 compute over them: actor.fsdp_config.param_dtype)",
+                   choices=DTYPES)
+    allow_low_precision_master_weights: bool = F(
+        False, "let dtype=bfloat16/float16 be the dtype the actor and critic train and keep AdamW's state in "
+        "(pure low-precision training: updates smaller than the weights' precision are lost); without it such a "
+        "dtype is refused")
     forward_impl: str = F(
         "auto",
         "auto, lean or hf: lean computes each group's shared prompt once (Qwen3 and Qwen3-MoE); "

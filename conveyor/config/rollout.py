@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from conveyor.config.fields import F, S, check, registry
+from conveyor.config.model import DTYPES
 
 __all__ = ["TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "RolloutConfig"]
 
@@ -61,6 +62,10 @@ class RolloutConfig:
     name: str = F("hf", "rollout engine: hf (conveyor's decode loop over the Hugging Face model) or vllm (a vLLM "
                   "engine in the actor's process, fed the new weights after every update; docs/rollout.md)",
                   choices=registry("conveyor.rollout.base", "ROLLOUT_ENGINES"))
+    dtype: Optional[str] = F(None, "vllm: the dtype the engine holds the weights and computes in (e.g. bfloat16 "
+                             "over float32 master weights); null = actor_rollout_ref.model.dtype. The hf rollout "
+                             "decodes with the actor's own weights and ignores it: it computes in model.dtype, or "
+                             "in actor.fsdp_config.param_dtype under fsdp2", choices=DTYPES)
     n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)", gt=0)
     temperature: float = F(1.0, "sampling temperature", gt=0, hint="use do_sample=false for greedy")
     top_p: float = F(1.0, "nucleus sampling (1 = off)", gt=0, le=1)

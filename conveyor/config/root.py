@@ -103,6 +103,14 @@ class Config:
                 check(tiny.hidden_size // tiny.num_heads >= 32, "actor_rollout_ref.model.tiny.num_heads",
                       f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
                       f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)")
+        model = self.actor_rollout_ref.model
+        # The actor always trains: its weights and AdamW's moments are in model.dtype.
+        check(model.dtype == "float32" or model.allow_low_precision_master_weights, "actor_rollout_ref.model.dtype",
+              f"{model.dtype} master weights make the actor (and critic) train in {model.dtype}, AdamW state "
+              "included, where updates below its precision are lost; for bf16 compute over float32 masters set "
+              "actor_rollout_ref.model.dtype=float32 and actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16 "
+              "(strategy fsdp2), or set actor_rollout_ref.model.allow_low_precision_master_weights=true to train "
+              f"in {model.dtype} anyway")
         algo = self.algorithm
         check(not (self.actor_rollout_ref.actor.router_replay.mode == "R2"
                    and algo.rollout_correction.bypass_mode is True),

@@ -16,6 +16,10 @@ to transformers explicitly, so transformers never stops to ask on stdin.
 Without it, a model type transformers knows is built with its own
 implementation (with a warning); an unknown one is refused, naming the key.
 
+`build_causal_lm_on_meta` builds the same model from the checkpoint's config
+on the meta device, reading no weights: under FSDP2 the ranks other than 0
+start from it and get their shards from rank 0 (`conveyor.workers.loading`).
+
 It deliberately does not download from a model hub, shard, or wrap models for
 data parallelism; the workers do the wrapping.
 """
@@ -40,6 +44,7 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 __all__ = [
+    "build_causal_lm_on_meta",
     "check_tokenizer_dir",
     "load_causal_lm",
     "load_model_config",
@@ -223,6 +228,28 @@ def load_causal_lm(
         raise ValueError(f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
                          f"check the checkpoint's files, or set `{_PATH_KEY}` to another one") from err
     return model.to(device)
+
+
+def build_causal_lm_on_meta(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """The causal LM of the checkpoint `path` built from its config on the meta device: no weights read, no memory.
+
+    The same modules, names, dtypes and shapes as `load_causal_lm` gives (in eval
+    mode, as from_pretrained leaves it); the ranks that get their shards from
+    rank 0 start from it (`conveyor.workers.loading`).
+    """
+    config = load_model_config(path, trust_remote_code=trust_remote_code)
+    kwargs: dict = {"dtype": resolve_dtype(dtype), "trust_remote_code": bool(trust_remote_code)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    return model.eval()
 
 
 def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> PretrainedConfig:

@@ -13,7 +13,7 @@ It deliberately does not compute returns, advantages or the value loss
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -51,14 +51,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_causal_lm(cls, model: PreTrainedModel) -> ValueModel:
-        """A critic whose body is a copy of `model`'s (no parameters shared with `model`)."""
+    def from_causal_lm(cls, model: PreTrainedModel, *, copy: bool = True) -> ValueModel:
+        """A critic whose body is a copy of `model`'s (no parameters shared with `model`); `copy=False`: `model`'s own."""
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         if hidden is None:
             raise ValueError(
                 f"ValueModel.from_causal_lm: {type(model).__name__} has no config.hidden_size to size the value head"
             )
-        return cls(copy.deepcopy(_decoder_of(model)), int(hidden))
+        body = _decoder_of(model)
+        return cls(_copy.deepcopy(body) if copy else body, int(hidden))
 
     @property
     def config(self) -> PretrainedConfig:

@@ -38,15 +38,16 @@ from conveyor.algos.objective import compute_policy_objective, merge_objective_m
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
-from conveyor.models.loading import load_causal_lm, load_tokenizer
+from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
-from conveyor.workers.settings import ActorSettings
-from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
+from conveyor.workers.loading import load_role_model
+from conveyor.workers.settings import ActorSettings, role_strategy
+from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
 from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,10 @@ class PolicyWorker(CheckpointEndpoints):
         self.data_plane = data_plane
         m, acfg = settings.model, settings.actor
         trust = m.trust_remote_code
-        self.model = load_causal_lm(model_path, dtype=m.dtype, device=self.device, trust_remote_code=trust)
+        strategy = role_strategy(acfg.strategy, acfg.fsdp_config, world_size, self.device)
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
+                                     device=self.device, dtype=m.dtype, trust_remote_code=trust)
         self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=trust)
         self.moe = moe_info(self.model)
         routing = settings.forward_records_routing or settings.forward_replays_routing or settings.update_replays_routing
@@ -90,12 +94,6 @@ class PolicyWorker(CheckpointEndpoints):
         # Before wrapping: the lean forward keeps references to the model's own modules.
         # None: the Hugging Face forward (models the lean one does not cover, or forward_impl=hf).
         self.lean = resolve_forward_impl(m.forward_impl, self.model)
-        fsdp = acfg.fsdp_config
-        strategy = TrainingStrategy(
-            acfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
-            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-            defer_grad_sync=fsdp.defer_grad_sync,
-        )
         # The worker's own step count (from its settings): the schedule must not depend on what a caller passes.
         self.trained = TrainedModel(
             self.model, strategy, trainable=True, optim_cfg=acfg.optim, total_steps=settings.total_optim_steps,
@@ -136,7 +134,7 @@ class PolicyWorker(CheckpointEndpoints):
         st, ro = self.settings, self.settings.rollout
         engine = VLLMRollout(
             model_path, hf_config=self.model.config, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id, dtype=st.model.dtype,
+            eos_token_id=self.tokenizer.eos_token_id, dtype=ro.dtype or st.model.dtype,
             max_model_len=st.max_model_len, seed=st.seed + self.rank, device=self.device,
             gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, free_cache_engine=ro.free_cache_engine,

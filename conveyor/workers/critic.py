@@ -15,12 +15,12 @@ from tensordict import TensorDict
 
 from conveyor.algos.losses import compute_value_loss
 from conveyor.data_plane.base import DataPlane
-from conveyor.models.loading import load_causal_lm
+from conveyor.workers.loading import load_role_model
 from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.forward import micro_batches, sequence_inputs
-from conveyor.workers.settings import CriticSettings
-from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel, TrainingStrategy
+from conveyor.workers.settings import CriticSettings, role_strategy
+from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
 from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.metrics.reduce import weighted
 
@@ -40,17 +40,15 @@ class CriticWorker(CheckpointEndpoints):
         self.device = torch.device(device)
         self.data_plane = data_plane
         model_cfg = settings.model
-        base = load_causal_lm(model_path, dtype=model_cfg.dtype, device=self.device,
-                              trust_remote_code=model_cfg.trust_remote_code)
-        self.model = ValueModel.from_causal_lm(base).to(self.device)
-        del base
         ccfg = settings.critic
         fsdp = ccfg.fsdp_config
-        strategy = TrainingStrategy(
-            ccfg.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
-            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-            defer_grad_sync=fsdp.defer_grad_sync,
-        )
+        strategy = role_strategy(ccfg.strategy, fsdp, world_size, self.device)
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        base = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
+                               device=self.device, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
+        # The body is taken, not copied: the causal LM is dropped here (its LM head with it).
+        self.model = ValueModel.from_causal_lm(base, copy=False)
+        del base
         # The critic's own step count (its settings'): its mini-batch size and epochs may differ from the actor's.
         self.trained = TrainedModel(
             self.model, strategy, trainable=True, optim_cfg=ccfg.optim, total_steps=settings.total_optim_steps,

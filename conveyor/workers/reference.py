@@ -20,14 +20,14 @@ from tensordict import TensorDict
 
 from conveyor.data_plane.base import DataPlane
 from conveyor.models.lean import resolve_forward_impl
-from conveyor.models.loading import load_causal_lm
 from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.calls import LogProbCall
 from conveyor.workers.forward import PolicyForward
+from conveyor.workers.loading import load_role_model
 from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
-from conveyor.workers.settings import ReferenceSettings
-from conveyor.workers.strategy import TrainedModel, TrainingStrategy
+from conveyor.workers.settings import ReferenceSettings, role_strategy
+from conveyor.workers.strategy import TrainedModel
 
 __all__ = ["ReferenceWorker"]
 
@@ -43,14 +43,13 @@ class ReferenceWorker:
         self.device = torch.device(device)
         self.data_plane = data_plane
         m, ref = settings.model, settings.ref
-        self.model = load_causal_lm(model_path, dtype=m.dtype, device=self.device, trust_remote_code=m.trust_remote_code)
+        fsdp = ref.fsdp_config
+        strategy = role_strategy(ref.strategy, fsdp, world_size, self.device)
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
+                                     device=self.device, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
         # Before wrapping: the lean forward keeps references to the model's own modules.
         lean = resolve_forward_impl(m.forward_impl, self.model)
-        fsdp = ref.fsdp_config
-        strategy = TrainingStrategy(
-            ref.strategy, world_size=world_size, device=self.device, param_dtype=fsdp.param_dtype,
-            reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-        )
         self.trained = TrainedModel(self.model, strategy, trainable=False)
         self.forward = PolicyForward(self.model, self.trained, lean, moe_info(self.model))
 

@@ -26,9 +26,10 @@ from conveyor.workers.optim import total_optim_steps
 if TYPE_CHECKING:
     from conveyor.config import Config
     from conveyor.trainer.plan import RunPlan
+    from conveyor.workers.strategy import TrainingStrategy
 
 __all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "actor_settings", "reference_settings",
-           "critic_settings"]
+           "critic_settings", "role_strategy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,4 +108,15 @@ def critic_settings(cfg: Config, plan: RunPlan) -> CriticSettings:
         total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
                                             c.ppo_mini_batch_size, c.ppo_epochs),
         loss_scale_factor=plan.critic_loss_scale,
+    )
+
+
+def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> "TrainingStrategy":
+    """The `TrainingStrategy` of one role's rank from its `strategy` name and `fsdp_config` section."""
+    from conveyor.workers.strategy import TrainingStrategy
+
+    return TrainingStrategy(
+        name, world_size=world_size, device=device, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,
+        param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+        defer_grad_sync=fsdp.defer_grad_sync,
     )

@@ -56,7 +56,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "TrainingStrategy", "TrainedModel", "CheckpointEndpoints", "resolve_strategy",
-           "decoder_layers", "ensure_process_group"]
+           "decoder_layers", "ensure_process_group", "mixed_precision"]
 
 STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
 
@@ -72,6 +72,19 @@ def resolve_strategy(name: str | None, world_size: int) -> str:
     if name == "dp" and world_size == 1:
         return "none"  # a replica of one is the model itself
     return name
+
+
+def mixed_precision(strategy: str, param_dtype: str | None, reduce_dtype: str | None,
+                    device_type: str) -> tuple[str | None, str | None]:
+    """The (param_dtype, reduce_dtype) an fsdp2 role computes and reduces in; None = the model's (master) dtype.
+
+    What is set is kept. Unset, a GPU run under fsdp2 computes in bfloat16 and reduces gradients in float32
+    over float32 master weights (verl's defaults for its FSDP actor); a CPU run (and dp, none) computes in the
+    model's dtype, as it always has.
+    """
+    if strategy != "fsdp2" or device_type != "cuda":
+        return param_dtype, reduce_dtype
+    return param_dtype or "bfloat16", reduce_dtype or "float32"
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -124,8 +137,8 @@ class TrainingStrategy:
         self.name = resolve_strategy(name, world_size)
         self.world_size = world_size
         self.device = device
-        self.param_dtype = _DTYPES[param_dtype] if param_dtype else None
-        self.reduce_dtype = _DTYPES[reduce_dtype] if reduce_dtype else None
+        self.param_dtype, self.reduce_dtype = (
+            _DTYPES[d] if d else None for d in mixed_precision(self.name, param_dtype, reduce_dtype, device.type))
         # Offloading moves state to host memory between uses: on a CPU run it already is there.
         on_gpu = device.type == "cuda"
         self.param_offload = param_offload and on_gpu
@@ -333,7 +346,15 @@ class TrainedModel:
             model.eval()
         self.model = model
         self.strategy = strategy
+        # fsdp2 over several ranks: the model came as rank 0's host copy and meta skeletons elsewhere
+        # (conveyor.workers.loading); the shards are allocated after wrapping and filled from rank 0.
+        from conveyor.workers.loading import fill_shards, loads_from_rank0, take_host_weights
+
+        from_rank0 = loads_from_rank0(strategy.name, strategy.world_size)
+        weights = take_host_weights(model, tdist.get_rank()) if from_rank0 else None
         self.forward_module = strategy.wrap(model, trainable=trainable)
+        if weights is not None:
+            fill_shards(model, weights, strategy.device)
         # After wrapping: FSDP2's optimizer must hold the sharded parameters.
         self.optimizer = self.scheduler = None
         if trainable:
