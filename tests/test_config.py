@@ -648,9 +648,12 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
     from conveyor.trainer.run_dir import NEUTRAL_KEYS
 
     assert NEUTRAL_KEYS == resume_neutral_keys(Config)
-    # One key more: optimizer_offload is declared once on the FSDP section, which the reference shares;
-    # the reference has no optimizer, so the key changes nothing there.
-    assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | {"actor_rollout_ref.ref.fsdp_config.optimizer_offload"}
+    # optimizer_offload is declared once on the FSDP section, which the reference shares; the reference has
+    # no optimizer, so the key changes nothing there. defer_grad_sync (newer than the old list) moves only
+    # when gradients are reduced, not what they are, so a resume may change it like the offload keys.
+    later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload"} | {
+        f"{role}.fsdp_config.defer_grad_sync" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")}
+    assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | later
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))
 
 
