@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: nccl, then 2 training steps under fsdp2 on one GPU with a ~0.86B-parameter
-# Qwen3-MoE built from config (no download), printing tokens/s and peak GPU memory; then the rollout
+# Qwen3-MoE built from config (no download) with a reference and R3, printing every phase's peak GPU
+# memory and tokens/s; R3 with and without gradient checkpointing (their first gradient norms); one
+# update and log-prob pass over 4k-token responses of a ~1B model; then the rollout
 # benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model (when vllm is installed).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
@@ -31,30 +33,58 @@ print("all_reduce ok:", t.tolist())
 dist.destroy_process_group()
 PY
 
-echo "== 2 steps of fsdp2 (one GPU)"
-"$PY" -m conveyor.cli train \
-  trainer.device=cuda trainer.total_training_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
-  trainer.logger=[console,jsonl] trainer.progress_bar=false trainer.dump_freq=0 \
-  trainer.default_local_dir="$OUT/run" \
-  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.model.dtype=bfloat16 \
-  actor_rollout_ref.model.tiny.hidden_size=1024 actor_rollout_ref.model.tiny.num_layers=16 \
-  actor_rollout_ref.model.tiny.num_heads=16 actor_rollout_ref.model.tiny.num_kv_heads=8 \
-  actor_rollout_ref.model.tiny.intermediate_size=2048 actor_rollout_ref.model.tiny.num_experts=8 \
-  actor_rollout_ref.model.tiny.warmstart_steps=0 \
-  data.train_batch_size=32 actor_rollout_ref.rollout.n=8 data.max_response_length=64 \
-  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64
+# A ~0.86B Qwen3-MoE built from config: float32 master weights, bf16 compute (fsdp2's GPU defaults).
+MODEL=(actor_rollout_ref.model.tiny.hidden_size=1024 actor_rollout_ref.model.tiny.num_layers=16
+  actor_rollout_ref.model.tiny.num_heads=16 actor_rollout_ref.model.tiny.num_kv_heads=8
+  actor_rollout_ref.model.tiny.intermediate_size=2048 actor_rollout_ref.model.tiny.num_experts=8
+  actor_rollout_ref.model.tiny.warmstart_steps=0)
+RUN=(trainer.device=cuda trainer.total_training_steps=2 trainer.test_freq=0 trainer.val_before_train=false
+  trainer.logger=[console,jsonl] trainer.progress_bar=false trainer.dump_freq=0 trainer.save_freq=0
+  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.ref.strategy=fsdp2)
 
-"$PY" - "$OUT/run" <<'PY'
+# Every phase's peak (rollout, old_log_prob, ref, update_actor, ...), the step's speed and, for the R3
+# checks, the first update's gradient norm (equal with and without checkpointing when replay holds).
+report() {
+  "$PY" - "$1" <<'PY'
 import sys
 from pathlib import Path
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.models.loading import load_causal_lm
 rows = [r for r in read_metrics_jsonl(Path(sys.argv[1]) / "metrics.jsonl") if r.get("step", 0) > 0]
-last = rows[-1]
-print(f"tokens/s (step {last['step']}): {last['perf/throughput']:.0f}")
-print(f"peak GPU memory allocated: {last['actor/perf/max_memory_allocated_gb']:.2f} GiB")
-print(f"step time: {last['timing_s/step']:.2f} s")
+for key in sorted(k for k in rows[-1] if "/perf/" in k and k.endswith("/max_memory_gb")):
+    print(f"  {key}: {rows[-1][key]:.2f} GiB")
+print(f"  tokens/s (step {rows[-1]['step']}): {rows[-1]['perf/throughput']:.0f}; step time {rows[-1]['timing_s/step']:.2f} s")
+print(f"  step 1 actor/grad_norm: {rows[0]['actor/grad_norm']:.6g}")
 PY
+}
+
+echo "== 2 steps of fsdp2 (one GPU), reference + KL loss, R3: each phase's peak"
+"$PY" -m conveyor.cli train "${RUN[@]}" "${MODEL[@]}" trainer.default_local_dir="$OUT/run" \
+  actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.router_replay.mode=R3 \
+  data.train_batch_size=32 actor_rollout_ref.rollout.n=8 data.max_response_length=64 \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64
+report "$OUT/run"
+
+echo "== R3 with gradient checkpointing against without (same seed; the step-1 grad norms should agree)"
+for ckpt in false true; do
+  "$PY" -m conveyor.cli train "${RUN[@]}" "${MODEL[@]}" trainer.default_local_dir="$OUT/r3-ckpt-$ckpt" \
+    trainer.total_training_steps=1 actor_rollout_ref.actor.router_replay.mode=R3 \
+    actor_rollout_ref.model.enable_gradient_checkpointing=$ckpt \
+    data.train_batch_size=8 actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.rollout.n=4 \
+    data.max_response_length=64 >/dev/null
+  echo "enable_gradient_checkpointing=$ckpt"; report "$OUT/r3-ckpt-$ckpt"
+done
+
+echo "== one update and one log-prob pass over 4k-token responses, ~1B model, checkpointing on: peaks"
+"$PY" -m conveyor.cli train "${RUN[@]}" trainer.default_local_dir="$OUT/long" trainer.total_training_steps=1 \
+  actor_rollout_ref.model.tiny.hidden_size=1536 actor_rollout_ref.model.tiny.num_layers=16 \
+  actor_rollout_ref.model.tiny.num_heads=16 actor_rollout_ref.model.tiny.num_kv_heads=8 \
+  actor_rollout_ref.model.tiny.intermediate_size=1536 actor_rollout_ref.model.tiny.num_experts=8 \
+  actor_rollout_ref.model.tiny.warmstart_steps=0 actor_rollout_ref.model.enable_gradient_checkpointing=true \
+  algorithm.rollout_correction.bypass_mode=false \
+  data.max_prompt_length=64 data.max_response_length=4096 data.train_batch_size=2 actor_rollout_ref.rollout.n=2 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
+report "$OUT/long"
 echo "== rollout: vLLM against the hf rollout, ~0.44B dense Qwen3, batch 256 x 512 new tokens (goal: vllm >= 5x hf)"
 if "$PY" -c "import vllm" 2>/dev/null; then
   "$PY" benchmarks/rollout.py --sizes 0.5b --engines hf vllm --device cuda --dtype bfloat16 \
