@@ -651,7 +651,10 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
     # optimizer_offload is declared once on the FSDP section, which the reference shares; the reference has
     # no optimizer, so the key changes nothing there. defer_grad_sync (newer than the old list) moves only
     # when gradients are reduced, not what they are, so a resume may change it like the offload keys.
-    later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload"} | {
+    # hf_whole_gather_max_gb picks how the rollout reaches the weights (gathered once or a layer at a time),
+    # like forward_impl: the same numbers up to summation order.
+    later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload",
+             "actor_rollout_ref.rollout.hf_whole_gather_max_gb"} | {
         f"{role}.fsdp_config.defer_grad_sync" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")}
     assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | later
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))

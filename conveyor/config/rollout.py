@@ -79,13 +79,19 @@ class RolloutConfig:
                                       "cache); on a CPU the KV cache is sized to max_num_seqs x max_model_len",
                                       gt=0, le=1)
     tensor_model_parallel_size: int = F(1, "vllm: GPUs one engine shards the model over", gt=0)
-    max_num_seqs: int = F(256, "vllm: most sequences the engine decodes at once", gt=0)
+    max_num_seqs: int = F(256, "most sequences the engine decodes at once: vllm's scheduler limit; the hf rollout "
+                          "generates a rank's share in chunks of this many (its KV cache grows with them)", gt=0)
     max_model_len: Optional[int] = F(None, "vllm: longest sequence the engine holds; null = data.max_prompt_length "
                                      "+ data.max_response_length", gt=0)
     enforce_eager: bool = F(True, "vllm: no CUDA graphs (they take memory and start-up time, and weights change "
                             "every step)")
     free_cache_engine: bool = F(True, "vllm: release the engine's KV cache between rollouts so the update can use "
                                 "the memory (vLLM's sleep mode; GPU only, ignored on a CPU)")
+    hf_whole_gather_max_gb: float = F(1.0, "hf rollout under fsdp2: a model whose full parameters take at most "
+                                      "this many GB is gathered whole once for generation (decoding then needs no "
+                                      "collective); a larger one decodes over its shards, each layer gathered for "
+                                      "every token's forward, all ranks stepping together (0 = always over the "
+                                      "shards; docs/distributed.md)", ge=0, resume_neutral=True)
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
 

@@ -154,6 +154,7 @@ class HFRollout:
         capture_routing: bool = False,
         stop_sequences: Sequence[Sequence[int]] = (),
         interrupt: Callable[[int], bool] | None = None,
+        synced: Callable[[bool], bool] | None = None,
     ) -> dict[str, Tensor]:
         """Sample up to `max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
 
@@ -163,6 +164,10 @@ class HFRollout:
         of tokens sampled so far; when it returns True (it changed the model's weights, say) the KV cache
         is recomputed from the prompts and the tokens so far before the next token is sampled, so the rest
         of the response comes from the weights the model has now (a partial rollout).
+        `synced`, when given, is called once per step with whether this rank is done and answers whether
+        every rank is: decoding goes on until the last rank is done, so every rank runs the same number of
+        forwards, as forwards over FSDP2 shards (each one gathers the layers in turn) need. It runs the Hugging
+        Face forward (the lean forward bypasses the module hooks that gather the layers).
         Returns `responses` (B, R) long right-padded with pad, `response_mask` (B, R) bool (through EOS),
         `rollout_log_probs` (B, R) float32 (0 off the mask), and with `capture_routing` on an MoE model
         `routed_experts` (B, P+R, L, K) int16 (-1 where unknown); R <= max_new_tokens is the number of
@@ -170,6 +175,10 @@ class HFRollout:
         model's device.
         """
         _check_args(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, do_sample)
+        if synced is not None and interrupt is not None:
+            raise ValueError("HFRollout.generate: `synced` and `interrupt` do not combine (a partial rollout runs on "
+                             "one rank)")
+        lean = None if synced is not None else self.lean
         model = self.model
         device = next(model.parameters()).device
         input_ids = input_ids.to(device=device, dtype=torch.long)
@@ -187,10 +196,10 @@ class HFRollout:
         was_training = model.training
         model.eval()
         try:
-            hooks = info is not None and self.lean is None
+            hooks = info is not None and lean is None
             with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
                 return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info,
-                                    _stop_tensors(stop_sequences, device), interrupt)
+                                    _stop_tensors(stop_sequences, device), interrupt, synced, lean)
         finally:
             model.train(was_training)
 
@@ -204,6 +213,8 @@ class HFRollout:
         info: MoEInfo | None,
         stops: Sequence[Tensor] = (),
         interrupt: Callable[[int], bool] | None = None,
+        synced: Callable[[bool], bool] | None = None,
+        lean: LeanForward | None = None,
     ) -> dict[str, Tensor]:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
@@ -219,8 +230,10 @@ class HFRollout:
                 (batch, prompt_len + steps_max, info.num_layers, info.top_k), -1, dtype=torch.int16, device=device
             )
         steps = 0
-        with torch.inference_mode():
-            engine = self._engine(input_ids, prompt_mask, steps_max, recorder, routed is not None)
+        # Not inference mode over FSDP2 shards: the all-gather buffers it would allocate there become inference
+        # tensors, which the next forward outside inference mode (an old-log-prob pass) may not write into.
+        with torch.no_grad() if synced is not None else torch.inference_mode():
+            engine = self._engine(input_ids, prompt_mask, steps_max, recorder, routed is not None, lean)
             logits = engine.prefill()
             if routed is not None:
                 routed[:, :prompt_len] = engine.pop_routing()
@@ -242,7 +255,11 @@ class HFRollout:
                 steps = t + 1
                 # One host sync per step (not per row) to stop early; the
                 # forward below costs far more than this check.
-                if steps == steps_max or bool(finished.all()):
+                done = steps == steps_max or bool(finished.all())
+                if synced is not None:
+                    # A rank that is done keeps stepping (its rows ride along, masked) while another is not.
+                    done = synced(done)
+                if done:
                     break
                 if interrupt is not None and interrupt(steps):
                     # Resume under the model's weights as they are now: one prefill over each row's prompt and
@@ -251,7 +268,7 @@ class HFRollout:
                     # tokens after EOS count as real here, which changes no unfinished row.
                     prefix = torch.cat([input_ids, responses[:, :steps]], dim=1)
                     prefix_mask = torch.cat([prompt_mask, prompt_mask.new_ones((batch, steps))], dim=1)
-                    engine = self._engine(prefix, prefix_mask, steps_max - steps, recorder, routed is not None)
+                    engine = self._engine(prefix, prefix_mask, steps_max - steps, recorder, routed is not None, lean)
                     logits = engine.prefill()
                     if routed is not None:
                         # Every position fed so far is routed again by the current weights: the routing of
@@ -278,10 +295,11 @@ class HFRollout:
         return out
 
     def _engine(
-        self, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, recorder: RoutingRecorder | None, record: bool
+        self, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, recorder: RoutingRecorder | None, record: bool,
+        lean: LeanForward | None,
     ) -> _LeanSteps | _HFSteps:
-        if self.lean is not None:
-            return _LeanSteps(self.lean, input_ids, prompt_mask, steps_max, record)
+        if lean is not None:
+            return _LeanSteps(lean, input_ids, prompt_mask, steps_max, record)
         return _HFSteps(self.model, self._cache_kw, input_ids, prompt_mask, steps_max, recorder)
 
 

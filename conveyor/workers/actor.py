@@ -16,8 +16,12 @@ Under a multi-rank strategy the update's forward is the Hugging Face forward
 through the strategy's wrapper (FSDP2 and DDP act in the module's own forward
 hooks, which the lean forward does not call). Under `fsdp2` the no-grad
 forwards (old log-probs, routing agreement) are the sharded module's own
-forward too, gathering one layer at a time; only the hf rollout gathers the
-whole model (`TrainingStrategy.full_params`) and keeps the lean forward.
+forward too, gathering one layer at a time. So is the hf rollout's decoding,
+every rank stepping until the last one is done, unless the whole model takes
+at most `rollout.hf_whole_gather_max_gb`: then it is gathered once for the
+rollout (`TrainingStrategy.full_params`), which keeps the lean forward and
+spares a collective per layer and token. The multi-turn loop always gathers
+it (its ranks run different numbers of turns).
 Every endpoint measures its phase's peak memory (`perf/<phase>/max_memory_gb`).
 """
 
@@ -55,9 +59,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["PolicyWorker", "sequence_inputs"]
 
 
-def _model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters this rank holds (its shards under fsdp2)."""
-    return sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
+def _full_model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the whole model's parameters (a DTensor shard counts as its full tensor)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class PolicyWorker(CheckpointEndpoints):
@@ -114,18 +118,29 @@ class PolicyWorker(CheckpointEndpoints):
             )
             # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
             self.agent_loop = build_agent_loop(settings.rollout.multi_turn, self.rollout, self.tokenizer)
+        # Under fsdp2 the hf rollout gathers the whole model once when it is small, else decodes over the shards.
+        full_gb = _full_model_bytes(self.model) / 1e9
+        self.rollout_over_shards = (strategy.sharded and settings.rollout.name != "vllm" and self.agent_loop is None
+                                    and full_gb > settings.rollout.hf_whole_gather_max_gb)
         if self.lean is not None and strategy.sharded and rank == 0:
             logger.info("strategy fsdp2: the update and the no-grad forwards (old log-probs, routing agreement) run the "
                         "Hugging Face forward over the shards, one layer gathered at a time (the lean forward needs "
-                        "the whole model); only the hf rollout gathers the whole model and keeps the lean forward")
+                        "the whole model)")
         elif self.lean is not None and (strategy.distributed or self.trained.checkpointing) and rank == 0:
             logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
                         "no-grad log-probs keep the lean forward",
                         f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
         if strategy.sharded and settings.rollout.name != "vllm" and rank == 0:
-            logger.info("strategy fsdp2 with the hf rollout: generation gathers the whole model on every rank (%.2f GB "
-                        "here); for a model whose full copy does not fit next to its shards, use "
-                        "actor_rollout_ref.rollout.name=vllm", _model_bytes(self.model) * world_size / 1024**3)
+            if self.rollout_over_shards:
+                logger.info("strategy fsdp2 with the hf rollout: the model's %.2f GB exceed rollout."
+                            "hf_whole_gather_max_gb=%g, so generation decodes over the shards (one all-gather per "
+                            "layer and token; actor_rollout_ref.rollout.name=vllm decodes without them)",
+                            full_gb, settings.rollout.hf_whole_gather_max_gb)
+            else:
+                logger.info("strategy fsdp2 with the hf rollout: generation gathers the whole model (%.2f GB) on every "
+                            "rank%s", full_gb, " (the multi-turn loop needs it whole)" if self.agent_loop is not None
+                            else f" (at most rollout.hf_whole_gather_max_gb="
+                                 f"{settings.rollout.hf_whole_gather_max_gb:g})")
 
     def _vllm_rollout(self, model_path: str) -> Any:
         """A vLLM engine in this process over the checkpoint the actor loaded; it gets the actor's weights before each rollout."""
@@ -196,12 +211,16 @@ class PolicyWorker(CheckpointEndpoints):
             generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * self.rank)
         sync = self._sync_engine()
         t0 = time.perf_counter()
-        # The hf rollout runs the actor's own modules, which need their full parameters; vLLM has its copy.
-        # The one whole-model gather left (docs/distributed.md): ranks decode different numbers of steps,
-        # which per-layer all-gathers could not pair up.
-        gather = self.agent_loop is not None or isinstance(self.rollout, HFRollout)
-        with self.trained.strategy.full_params() if gather else contextlib.nullcontext():
-            out = self._generate(td, call, generator)
+        # The hf rollout runs the actor's own modules (vLLM has its copy): over the shards, every rank stepping
+        # until the last is done, or with the whole model gathered once when it is small (docs/distributed.md).
+        strategy = self.trained.strategy
+        if self.rollout_over_shards:
+            with strategy.sharded_no_grad():
+                out = self._generate_in_chunks(td, call, generator, synced=strategy.all_done)
+        else:
+            gather = self.agent_loop is not None or isinstance(self.rollout, HFRollout)
+            with strategy.full_params() if gather else contextlib.nullcontext():
+                out = self._generate_in_chunks(td, call, generator)
         elapsed = time.perf_counter() - t0
         fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
         if "routed_experts" in out:
@@ -236,9 +255,36 @@ class PolicyWorker(CheckpointEndpoints):
             out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
         return out
 
-    def _generate(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> dict[str, Any]:
+    def _generate_in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
+                            synced: Callable[[bool], bool] | None = None) -> dict[str, Any]:
+        """The hf rollout at most `rollout.max_num_seqs` sequences at a time (its KV cache is bounded by them).
+
+        Decoding over the shards, every rank runs as many chunks as the busiest (a rank short of chunks
+        repeats its first and drops the result: the chunks' collectives must pair up). vLLM and the
+        multi-turn loop schedule their own sequences.
+        """
+        size = self.settings.rollout.max_num_seqs
+        if self.agent_loop is not None or not isinstance(self.rollout, HFRollout) or len(td) <= size and synced is None:
+            return self._generate(td, call, generator, synced)
+        slices = micro_batches(len(td), size)
+        passes = self.trained.passes(slices) if synced is not None else [(sl, True) for sl in slices]
+        outs = []
+        for sl, real in passes:
+            out = self._generate(td[sl], call, generator, synced)
+            if real:
+                outs.append(out)
+        if len(outs) == 1:
+            return outs[0]
+        width = max(o["responses"].shape[1] for o in outs)
+        padded = [self._pad_responses(o, width) for o in outs]
+        return {k: torch.cat([o[k] for o in padded]) for k in padded[0]}
+
+    def _generate(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
+                  synced: Callable[[bool], bool] | None = None) -> dict[str, Any]:
         engine = self.agent_loop.run if self.agent_loop is not None else self.rollout.generate
         hook = {} if self.interrupt is None else {"interrupt": self.interrupt}
+        if synced is not None:
+            hook["synced"] = synced
         return engine(
             td["prompts"],
             td["prompt_mask"],

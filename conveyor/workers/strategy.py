@@ -27,9 +27,11 @@ No-grad forwards (old/reference log-probs, values, routing agreement) run
 inside `sharded_no_grad`: under `fsdp2` they call the sharded module's own
 forward, which all-gathers one layer at a time and frees it after, so no rank
 ever holds the whole model; every rank runs the same number of forwards
-(`TrainedModel.passes`). The hf rollout alone runs inside `full_params`, the
-one remaining whole-model gather: its ranks do different numbers of decode
-steps, which per-layer collectives cannot pair up (docs/distributed.md).
+(`TrainedModel.passes`). The hf rollout decodes over the shards the same way,
+every rank stepping until the last one is done (`all_done`), unless the whole
+model is small enough to gather once for the rollout (`full_params`, below
+`rollout.hf_whole_gather_max_gb`), which spares a collective per layer and
+token (docs/distributed.md).
 Under `dp` the replica is used directly.
 
 Checkpoints go through `torch.distributed.checkpoint.state_dict`, whose keys
@@ -205,6 +207,10 @@ class TrainingStrategy:
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         return int(t.item())
 
+    def all_done(self, done: bool) -> bool:
+        """Whether every rank is `done` (a collective: every rank must ask as often as the others)."""
+        return self.agree_count(0 if done else 1) == 0
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks in place (a no-op on one rank)."""
         if self.distributed and self.world_size > 1:
@@ -255,7 +261,7 @@ class TrainingStrategy:
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
-        """The hf rollout only: under fsdp2 gather the whole model once (no collective inside), re-shard afterwards."""
+        """The hf rollout of a small model only: under fsdp2 gather the whole model once (no collective inside), re-shard after."""
         if not self._fsdp_units:
             yield
             return

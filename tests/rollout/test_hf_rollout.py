@@ -101,6 +101,39 @@ def test_stops_as_soon_as_every_row_is_done(models, tok) -> None:
         assert out["response_mask"].tolist() == [[True]]
 
 
+def test_synced_decoding_rides_along_until_every_rank_is_done(models, tok) -> None:
+    """A rank that is done keeps stepping while another is not: its rows stay finished, masked and unchanged."""
+    model = models["qwen3_moe"]
+    ids, mask = _prompts(tok)
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=8, do_sample=False)["responses"]
+    eos = int(free[0, 2])
+    rows = [b for b in range(len(free)) if eos in free[b, :6].tolist()]  # every row here finishes early
+    ids, mask = ids[rows], mask[rows]
+    engine = _engine(model, tok, eos=eos)
+    alone = engine.generate(ids, mask, max_new_tokens=8, do_sample=False, capture_routing=True)
+    steps = alone["responses"].shape[1]
+    assert steps < 8, "the batch must finish early for the other rank's extra steps to show"
+    asked: list[bool] = []
+
+    def other_rank_needs(extra: int):
+        # Stands in for the collective: another rank is still decoding for `extra` more steps.
+        def synced(done: bool) -> bool:
+            asked.append(done)
+            return done and len(asked) >= steps + extra
+        return synced
+
+    out = engine.generate(ids, mask, max_new_tokens=8, do_sample=False, capture_routing=True,
+                          synced=other_rank_needs(2))
+    assert out["responses"].shape == (len(rows), steps + 2) and asked[steps - 1 :] == [True] * 3
+    assert torch.equal(out["responses"][:, :steps], alone["responses"])
+    assert out["responses"][:, steps:].eq(tok.pad_token_id).all() and not out["response_mask"][:, steps:].any()
+    assert torch.equal(out["response_mask"][:, :steps], alone["response_mask"])
+    assert torch.equal(out["rollout_log_probs"][:, :steps], alone["rollout_log_probs"])
+    assert torch.equal(out["routed_experts"][:, : ids.shape[1] + steps], alone["routed_experts"])
+    with pytest.raises(ValueError, match="do not combine"):
+        engine.generate(ids, mask, max_new_tokens=2, synced=lambda d: d, interrupt=lambda n: False)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_left_padding_gives_the_unpadded_greedy_continuation(arch, models, tok) -> None:
     model = models[arch]

@@ -17,6 +17,8 @@ groups' own `split_for_ranks`, and runs the jobs:
 - `no_grad_both`: the no-grad forward of the role's endpoint (compute_log_prob with entropy, or
   compute_values), over the shards layer by layer, and the same forward on the whole model gathered
   (`full_params`); each rank writes both to `out/both_<rank>.pt`.
+- `generate`: greedy generate_sequences (6 tokens, routing captured) on the rank's share of the prompts;
+  each rank writes the rollout's fields to `out/gen_<rank>.pt`.
 - `grads`: one update whose gradients (gathered, before the step) rank 0 writes to `out/grads.pt`.
 
 A run may name its own `model_path` (a dense model beside the default MoE one).
@@ -93,7 +95,7 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
     from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.calls import LogProbCall, UpdateCall
+    from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
     from conveyor.workers.critic import CriticWorker
     from conveyor.workers.settings import actor_settings, critic_settings
     from conveyor.workers.group import split_for_ranks
@@ -109,6 +111,7 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     share = split_for_ranks(KVBatchMeta(keys, "p", meta.fields, [{} for _ in keys], {}), world)[rank]
     # A copy for the log-prob job, so that its old_log_probs leave the update's inputs untouched.
     plane.kv_batch_put(keys, "lp", fields)
+    plane.kv_batch_put(keys, "gen", {k: fields[k] for k in ("prompts", "prompt_mask")})  # for the generate job
     lp_share = KVBatchMeta(share.keys, "lp", share.fields, share.tags, {})
     plan = build_run_plan(cfg, "cpu")
     if run["role"] == "critic":
@@ -130,6 +133,16 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
                                                                            calculate_entropy=False).to_extra_info()))
             got = plane.kv_batch_get(share.keys, "lp", ["old_log_probs"])["old_log_probs"]
             torch.save(got, out / f"log_probs_{rank}.pt")
+        elif job == "generate":
+            call = GenerateCall(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, do_sample=False, seed=0,
+                                capture_routing=True, pad_to_max_new_tokens=False)
+            worker.generate_sequences(KVBatchMeta(share.keys, "gen", [], share.tags, call.to_extra_info()))
+            torch.save(dict(plane.kv_batch_get(share.keys, "gen", ["responses", "response_mask", "rollout_log_probs",
+                                                                   "routed_experts"]).items()),
+                       out / f"gen_{rank}.pt")
+            # A forward outside inference mode after it (an old-log-prob pass) must still run on the same shards.
+            worker.compute_log_prob(lp_share.with_extra_info(**LogProbCall(temperature=1.0,
+                                                                           calculate_entropy=False).to_extra_info()))
         elif job == "no_grad_both":
             torch.save(_both_no_grad(worker, run["role"], plane, lp_share), out / f"both_{rank}.pt")
         elif job == "grads":

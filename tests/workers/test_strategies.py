@@ -131,6 +131,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
                            ["update"])
     runs["dp-defer"] = ("actor", ["actor_rollout_ref.actor.strategy=dp",
                                   "actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"], False, ["update"])
+    runs["gen-shards"] = ("actor", FSDP2 + ["actor_rollout_ref.rollout.hf_whole_gather_max_gb=0"], False, ["generate"])
+    runs["gen-whole"] = ("actor", FSDP2, False, ["generate"])
+    # Chunks of 3: the ranks' 4 and 3 rows make 2 chunks and 1 (which the second rank pairs with a dropped repeat).
+    runs["gen-shards-chunks"] = ("actor", FSDP2 + ["actor_rollout_ref.rollout.hf_whole_gather_max_gb=0",
+                                                   "actor_rollout_ref.rollout.max_num_seqs=3"], False, ["generate"])
     runs["grads-R3"] = ("actor", FSDP2 + [R3], True, ["grads"])
     runs["grads-R3-ckpt"] = ("actor", FSDP2 + [R3, CKPT], True, ["grads"])
     for name, (role, overrides, dense, with_routing) in NO_GRAD_CASES.items():
@@ -283,6 +288,23 @@ def test_sharded_checkpoints_move_between_world_sizes(model_path: str, ranks, on
     # One rank's checkpoint (after a one-rank update) into two fsdp2 ranks: its weights, not the initial ones.
     loaded = torch.load(ranks["load"] / "loaded.pt", weights_only=True)
     _assert_same_params(loaded, one_rank_checkpoint["params"], one_rank_checkpoint["initial"], atol=0)
+
+
+def test_hf_rollout_over_the_shards_equals_the_gathered_model(ranks) -> None:
+    """Decoding over the shards (a collective per layer and token, ranks stepping together), whole or in chunks of
+    `rollout.max_num_seqs`, gives what the gathered model gives."""
+    for rank in range(2):
+        whole = torch.load(ranks["gen-whole"] / f"gen_{rank}.pt", weights_only=True)
+        assert whole["response_mask"].any(), "nothing was generated: the comparison would be vacuous"
+        for case in ("gen-shards", "gen-shards-chunks"):
+            got = torch.load(ranks[case] / f"gen_{rank}.pt", weights_only=True)
+            width = int(got["response_mask"].sum(-1).max())
+            assert width == int(whole["response_mask"].sum(-1).max())
+            assert torch.equal(got["responses"][:, :width], whole["responses"][:, :width]), case
+            assert torch.equal(got["response_mask"][:, :width], whole["response_mask"][:, :width]), case
+            assert torch.equal(got["routed_experts"], whole["routed_experts"]), case
+            assert (got["routed_experts"] >= 0).any()
+            torch.testing.assert_close(got["rollout_log_probs"], whole["rollout_log_probs"], atol=1e-5, rtol=0)
 
 
 def test_strategy_resolution() -> None:
