@@ -216,10 +216,21 @@ def load_causal_lm(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    mmap: bool | None = None,
 ) -> PreTrainedModel:
-    """A causal LM from the local checkpoint directory `path`, in `dtype` on `device` (its own code only if trusted)."""
+    """A causal LM from the local checkpoint directory `path`, in `dtype` on `device` (its own code only if trusted).
+
+    `mmap` (None: only when the model leaves the host) memory-maps the checkpoint's files. A model that stays
+    in host memory is read instead: tensors built from mapped pages (and the pages of tensors that loading
+    converted, such as fused experts) keep the whole file mapped and resident for the model's life.
+    """
     p = _check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
+    on_host = torch.device(device).type == "cpu"
+    if mmap is None:
+        mmap = not on_host
     kwargs: dict = {"dtype": resolve_dtype(dtype), "trust_remote_code": bool(trust_remote_code)}
+    if not mmap:
+        kwargs["disable_mmap"] = True
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
@@ -227,7 +238,24 @@ def load_causal_lm(
     except (OSError, ValueError, SafetensorError) as err:
         raise ValueError(f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
                          f"check the checkpoint's files, or set `{_PATH_KEY}` to another one") from err
+    if not mmap:
+        release_freed_host_memory()  # the file's bytes and the loading's copies, freed but kept by the heap
     return model.to(device)
+
+
+def release_freed_host_memory() -> None:
+    """Hand memory the C heap keeps after frees back to the system (glibc's malloc_trim; elsewhere nothing)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def build_causal_lm_on_meta(

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm
+from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm, release_freed_host_memory
 
 __all__ = ["HostWeights", "fill_shards", "load_role_model", "loads_from_rank0", "non_persistent_buffers",
            "take_host_weights"]
@@ -50,7 +50,8 @@ def load_role_model(path: str | Path, *, strategy_name: str, world_size: int, ra
     if not loads_from_rank0(strategy_name, world_size):
         return load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if rank == 0:
-        return load_causal_lm(path, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
+        # Mapped: rank 0's host copy lives only until its tensors are sent (the pages go with it).
+        return load_causal_lm(path, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code, mmap=True)
     return build_causal_lm_on_meta(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
@@ -111,3 +112,4 @@ def fill_shards(model: nn.Module, weights: HostWeights, device: torch.device) ->
         tdist.broadcast(tmp, src=0)
         buf.copy_(tmp)
     weights.buffers.clear()
+    release_freed_host_memory()  # rank 0's host copy (and every rank's broadcast buffers), freed but kept by the heap
