@@ -1,0 +1,373 @@
+"""Memory per rank, phase by phase, on 1 and 2 fsdp2 ranks: does it shrink with the ranks?
+
+A Qwen3-MoE of 340M float32 parameters is built from config and saved as
+a checkpoint. Then, once with one rank and once with two gloo ranks (fsdp2),
+every rank builds the run's model roles in one process as the trainer does
+(`ColocatedWorker` over `worker_specs` of the config and its run plan: the
+actor, and the reference for the KL loss), and runs a few training steps
+through the workers' own endpoints, on a data plane of its own holding its
+share of the batch: the rollout (hf, routing captured for R3), the old
+log-probs (bypass off, routing replayed), the reference log-probs and the
+update (routing replayed). Every endpoint reports its phase's peak resident
+memory (`perf/<phase>/max_memory_gb`, `conveyor.workers.perf`); the table
+shows it above the process's baseline (its resident set before any model was
+built), for the last step, the highest rank, with the ratio 2 ranks / 1 rank.
+Sequences are short, so parameters, gradients and optimizer state dominate,
+as they do on a GPU at these settings. Loading is each role's peak while it
+is built, above what the process held just before, against the full model's
+bytes.
+
+The same accounting (`account`) that predicts the CPU figures (printed next
+to them) gives the per-GPU figures of real models on real hardware:
+
+    python benchmarks/memory.py                    # the CPU measurement (~5 min on 2 cores)
+    python benchmarks/memory.py --smoke            # a tiny model, seconds (the suite runs it)
+    python benchmarks/memory.py --account          # Qwen3-8B and Qwen3-30B-A3B on 8 x 80 GB (no model built)
+
+Bar (CPU measurement at the default size): every phase at most 0.6x, goal
+0.55x; rank 1's loading peak at most 0.6x of the full model's bytes. Exit
+status 1 when a bar is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+GB = 1e9
+PHASES = ("rollout", "old_log_prob", "ref", "update_actor")
+PROMPT_LEN, RESPONSE_LEN, BATCH, MICRO = 16, 8, 16, 4
+
+
+# --------------------------------------------------------------------------- accounting
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a model's memory depends on, counted from the model built on the meta device."""
+
+    params: int  # all parameters
+    layer_params: int  # the largest decoder layer (one FSDP2 unit)
+    root_params: int  # outside the decoder layers (embeddings, final norm, lm_head): the root unit
+    hidden: int
+    layers: int
+    vocab: int
+    kv_dim: int  # key/value heads x head dim
+    ffn_tokens_dim: int  # per-token width of the MLP's intermediate (top_k x moe_intermediate for MoE)
+
+
+def layout_of(config) -> Layout:
+    """The `Layout` of a transformers config (built on the meta device: no memory, exact counts)."""
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.workers.strategy import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = decoder_layers(model)
+    total = sum(p.numel() for p in model.parameters())
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    top_k = getattr(config, "num_experts_per_tok", None)
+    ffn = top_k * config.moe_intermediate_size if top_k else config.intermediate_size
+    return Layout(total, max(per_layer), total - sum(per_layer), config.hidden_size, len(layers), config.vocab_size,
+                  config.num_key_value_heads * head_dim, ffn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A run's settings as memory sees them, per rank."""
+
+    world: int
+    master_bytes: int = 4  # model.dtype: parameters, gradients, AdamW's two moments
+    compute_bytes: int = 4  # fsdp_config.param_dtype (what a gathered layer and the activations take)
+    reference: bool = True
+    ref_offload: bool = False  # ref.fsdp_config.param_offload: the reference's shards on the host
+    optimizer_offload: bool = False  # actor.fsdp_config.optimizer_offload: AdamW's state on the host but in its step
+    rollout_seqs: int = BATCH  # sequences this rank generates at once
+    seq_len: int = PROMPT_LEN + RESPONSE_LEN
+    micro_seqs: int = MICRO  # sequences per forward (log-prob and update micro-batches)
+    checkpointing: bool = False
+    kv_bytes: int = 4
+
+
+def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
+    """Bytes per rank by phase and term: resident state plus what the phase adds at its peak.
+
+    State: the actor's parameter shards and AdamW's two moments (master dtype),
+    the reference's shards unless offloaded. A phase adds what it gathers
+    (under fsdp2 over several ranks: the root unit, and one decoder layer in
+    flight plus the next one prefetched, in the compute dtype; with one rank
+    nothing is gathered) and its activations: the KV cache of the rollout; the
+    hidden states and one MLP's intermediate of a micro-batch for a no-grad
+    forward; for the update also its gradient shards, a layer's unsharded
+    gradient with the buffer it is reduce-scattered from (several ranks), and
+    the activations kept for the backward (every layer's, or the layer
+    boundaries only under gradient checkpointing). Logits are one micro-batch's, in the compute
+    dtype. It leaves out the allocator's own slack and the libraries' buffers.
+    """
+    w = s.world
+    shard = lay.params / w
+    optim = 2 * shard * s.master_bytes
+    state = {"actor parameters": shard * s.master_bytes}
+    if not s.optimizer_offload:
+        state["optimizer state"] = optim
+    if s.reference and not s.ref_offload:
+        state["reference parameters"] = shard * s.master_bytes
+    gathered = (lay.root_params + 2 * lay.layer_params) * s.compute_bytes if w > 1 else 0.0
+    tokens = s.micro_seqs * s.seq_len
+    logits = tokens * lay.vocab * s.compute_bytes
+    per_layer_act = tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim) * s.compute_bytes
+    kv = s.rollout_seqs * s.seq_len * lay.layers * 2 * lay.kv_dim * s.kv_bytes
+    rollout_logits = s.rollout_seqs * lay.vocab * 4  # one position per sequence, float32 for sampling
+    no_grad = {"gathered weights": gathered, "activations": per_layer_act, "logits": logits}
+    kept = lay.layers * tokens * lay.hidden * s.compute_bytes if s.checkpointing else lay.layers * per_layer_act
+    grads = shard * s.master_bytes
+    update = {"gathered weights": gathered, "gradients": grads, "activations kept": kept + per_layer_act,
+              "logits and their gradient": 2 * logits}
+    if w > 1:  # a layer's unsharded gradient and the buffer it is reduce-scattered from (float32)
+        update["a layer's gradient in flight"] = 2 * lay.layer_params * 4
+    if s.optimizer_offload and optim + grads > total(update):
+        update = {"gradients": grads, "optimizer state (in its step)": optim}  # the step outgrows the backward
+    phases = {
+        "rollout": {"gathered weights": gathered, "KV cache": kv, "logits": rollout_logits},
+        "old_log_prob": dict(no_grad),
+        "ref": dict(no_grad) if s.reference else {},
+        "update_actor": update,
+    }
+    return {p: {**state, **extra} for p, extra in phases.items() if extra or p != "ref"}
+
+
+def total(terms: dict[str, float]) -> float:
+    """The sum of a phase's terms."""
+    return float(sum(terms.values()))
+
+
+# --------------------------------------------------------------------------- CPU measurement
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+OVERRIDES = [
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.router_replay.mode=R3",
+    "algorithm.rollout_correction.bypass_mode=false",  # an old-log-prob forward of its own, to measure it
+    f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MICRO}",
+    f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={MICRO}",
+    f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={MICRO}",
+    f"data.max_prompt_length={PROMPT_LEN}",
+    f"data.max_response_length={RESPONSE_LEN}",
+]
+
+
+def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: str) -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    from conveyor.config import load_config
+    from conveyor.data_plane import make_data_plane
+    from conveyor.models.loading import load_tokenizer
+    from conveyor.protocol import KVBatchMeta
+    from conveyor.trainer.plan import build_run_plan
+    from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
+    from conveyor.workers.group import ColocatedWorker
+    from conveyor.workers.perf import peak_memory_bytes, reset_peak_memory
+    from conveyor.workers.roles import worker_specs
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    if world > 1:
+        tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=20))
+    cfg = load_config(None, OVERRIDES + [f"trainer.num_cpu_workers={world}"])
+    plan = build_run_plan(cfg, "cpu")
+    plane = make_data_plane("memory")
+    specs = worker_specs(cfg, plan, model_path, plane, load_tokenizer(model_path), "cpu")
+    baseline = _rss()
+    host = ColocatedWorker(rank, world)
+    loading = {}
+    for role in ("actor", "ref"):
+        before = _rss()
+        reset_peak_memory()
+        host.add(specs[role])
+        loading[role] = peak_memory_bytes() - before
+    actor, ref = host.worker("actor"), host.worker("ref")
+
+    # This rank's share of one global batch of prompts (the trainer's split: contiguous equal shares).
+    gen = torch.Generator().manual_seed(0)
+    vocab = actor.model.config.vocab_size
+    special = {actor.tokenizer.pad_token_id, actor.tokenizer.eos_token_id}
+    prompts = torch.randint(0, vocab, (BATCH, PROMPT_LEN), generator=gen)
+    for t in special:
+        prompts[prompts == t] = (t + 1) % vocab
+    share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    keys = [f"s{i}" for i in range(BATCH)][share]
+    phases: list[dict[str, float]] = []
+    for step in range(steps):
+        part = f"step{step}"
+        fields = {"prompts": prompts[share], "prompt_mask": torch.ones(len(keys), PROMPT_LEN, dtype=torch.long)}
+        meta = plane.kv_batch_put(keys, part, fields)
+        meta = KVBatchMeta(keys, part, meta.fields, [{} for _ in keys], {})
+        call = GenerateCall(max_new_tokens=RESPONSE_LEN, temperature=1.0, top_p=1.0, top_k=0, do_sample=True,
+                            seed=step, capture_routing=True, pad_to_max_new_tokens=True)
+        got: dict[str, float] = {}
+        got.update(actor.generate_sequences(meta.with_extra_info(**call.to_extra_info())).extra_info)
+        lp = LogProbCall(temperature=1.0, calculate_entropy=True).to_extra_info()
+        got.update(actor.compute_log_prob(meta.with_extra_info(**lp)).extra_info)
+        got.update(ref.compute_log_prob(meta.with_extra_info(**{**lp, "calculate_entropy": False})).extra_info)
+        mask = plane.kv_batch_get(keys, part, ["response_mask"])["response_mask"]
+        plane.kv_batch_put(keys, part, {"advantages": torch.randn(mask.shape, generator=gen) * mask})
+        update = UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+        got.update(actor.update_actor(meta.with_extra_info(**update)).extra_info)
+        phases.append({p: got[f"perf/{p}/max_memory_gb"] * 1024**3 - baseline for p in PHASES})
+    result = {"phases": phases[-1], "loading": loading, "baseline": baseline,
+              "shards": sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
+                            else p.numel() * p.element_size() for p in actor.model.parameters())}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    host.close()
+    if world > 1:
+        tdist.barrier()
+        tdist.destroy_process_group()
+
+
+def _run_ranks(world: int, model_path: str, steps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        mp.spawn(_rank, args=(world, port, model_path, steps, tmp), nprocs=world)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def measure(hidden: int, layers: int, experts: int, steps: int) -> dict:
+    """Build and save the model, run 1 and 2 ranks; the per-rank figures of both and the model's layout."""
+    import transformers
+
+    from conveyor.models.loading import save_pretrained_checkpoint
+    from conveyor.models.tiny import build_tiny_model
+    from conveyor.models.tokenizer import build_char_tokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    tok = build_char_tokenizer()
+    heads = max(4, hidden // 64)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model("qwen3_moe", tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                                 num_kv_heads=max(1, heads // 2), intermediate_size=hidden, num_experts=experts)
+        lay = layout_of(model.config)
+        path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
+        del model
+        runs = {w: _run_ranks(w, str(path), steps) for w in (1, 2)}
+    return {"layout": dataclasses.asdict(lay), "runs": {str(w): r for w, r in runs.items()}}
+
+
+def report(res: dict, bars: bool) -> int:
+    """Print the phase table and loading; 1 when a bar is missed (only checked when `bars`)."""
+    lay = Layout(**res["layout"])
+    one, two = res["runs"]["1"], res["runs"]["2"]
+    full = lay.params * 4
+    print(f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({full / GB:.2f} GB), {lay.layers} layers, "
+          f"hidden {lay.hidden}; batch {BATCH} x ({PROMPT_LEN} + {RESPONSE_LEN}) tokens, micro-batches of {MICRO}, "
+          "reference + KL loss, R3")
+    print(f"{'phase':<14}{'1 rank GB':>11}{'2 ranks GB':>12}{'ratio':>8}{'accounted 1':>13}{'accounted 2':>13}")
+    worst = 0.0
+    acc = {w: account(lay, Setup(world=w, rollout_seqs=BATCH // w)) for w in (1, 2)}
+    for phase in PHASES:
+        a = one[0]["phases"][phase]
+        b = max(r["phases"][phase] for r in two)
+        ratio = b / a
+        worst = max(worst, ratio)
+        print(f"{phase:<14}{a / GB:>11.2f}{b / GB:>12.2f}{ratio:>7.3f}x{total(acc[1][phase]) / GB:>13.2f}"
+              f"{total(acc[2][phase]) / GB:>13.2f}")
+    load = [r["loading"] for r in two]
+    for rank, roles in enumerate(load):
+        print(f"loading, rank {rank} of 2: " + ", ".join(f"{role} {v / GB:.2f} GB ({v / full:.3f}x the model)"
+                                                        for role, v in roles.items()))
+    rank1 = max(load[1].values()) / full
+    print(f"worst phase ratio {worst:.3f}x (bar <= 0.6x, goal 0.55x); rank 1's loading peak {rank1:.3f}x the "
+          "model (bar <= 0.6x)")
+    if not bars:
+        return 0
+    return 0 if worst <= 0.6 and rank1 <= 0.6 else 1
+
+
+# --------------------------------------------------------------------------- real models
+def _qwen3_8b():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+
+
+def _qwen3_30b_a3b():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                          tie_word_embeddings=False)
+
+
+REAL_MODELS = {"Qwen3-8B": _qwen3_8b, "Qwen3-30B-A3B": _qwen3_30b_a3b}
+
+
+def gpu_table(gpus: int, gpu_gb: float, response_len: int) -> None:
+    """Per-GPU bytes of each phase for examples/gpu_moe_gsm8k.yaml's settings on one node of `gpus` GPUs."""
+    # The recipe: 256 prompts x 8 samples per step, micro-batches of 4, prompts of 512, fp32 masters with bf16
+    # compute, a reference for the KL loss (its shards offloaded, verl's default), gradient checkpointing; the hf
+    # rollout decodes at most rollout.max_num_seqs (256) of the rank's sequences at once.
+    seqs = min(256, 256 * 8 // gpus)
+    for name, make in REAL_MODELS.items():
+        lay = layout_of(make())
+        base = Setup(world=gpus, master_bytes=4, compute_bytes=2, kv_bytes=2, reference=True, ref_offload=True,
+                     rollout_seqs=seqs, seq_len=512 + response_len, micro_seqs=4, checkpointing=True)
+        print(f"\n{name}: {lay.params / 1e9:.2f}B parameters, {gpus} x {gpu_gb:g} GB, responses of {response_len}")
+        lean = dataclasses.replace(base, rollout_seqs=32, micro_seqs=1)
+        rows = (("recipe", base), ("+ rollout.max_num_seqs=32", dataclasses.replace(base, rollout_seqs=32)),
+                ("+ micro-batches of 1", lean),
+                ("+ optimizer_offload", dataclasses.replace(lean, optimizer_offload=True)))
+        for label, s in rows:
+            acc = account(lay, s)
+            cells = "  ".join(f"{p} {total(t) / GB:6.1f}" for p, t in acc.items())
+            fits = all(total(t) / GB <= gpu_gb for t in acc.values())
+            print(f"  {label:<27} {cells}  {'fits' if fits else 'does not fit'}")
+        acc = account(lay, base)
+        print("  terms of the recipe's update: " + ", ".join(f"{k} {v / GB:.1f}" for k, v in acc["update_actor"].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure on the CPU (or only account for real models with --account); exit 1 when a bar is missed."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=2, help="training steps per run (the last one is reported)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model: checks the script, not the bars")
+    parser.add_argument("--account", action="store_true", help="per-GPU figures of Qwen3-8B and Qwen3-30B-A3B")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu-gb", type=float, default=80.0)
+    parser.add_argument("--response-len", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--json", help="also write the measurement here")
+    args = parser.parse_args(argv)
+    if args.account:
+        for n in args.response_len:
+            gpu_table(args.gpus, args.gpu_gb, n)
+        return 0
+    if args.smoke:
+        args.hidden, args.layers, args.experts = 64, 2, 4
+    res = measure(args.hidden, args.layers, args.experts, args.steps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return report(res, bars=not args.smoke and args.hidden >= 1024)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Smoke test: the memory benchmark runs 1 and 2 fsdp2 ranks of a tiny MoE through every phase, and accounts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmark_scripts import spawning_script
+
+PHASES = ("rollout", "old_log_prob", "ref", "update_actor")
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch):
+    with spawning_script("memory", monkeypatch) as module:
+        yield module
+
+
+def test_memory_benchmark_smoke(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    status = bench.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert status == 0, out[-2000:]
+    for phase in PHASES:
+        assert re.search(rf"^{phase}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x", out, re.M), out
+    assert out.count("loading, rank") == 2 and "worst phase ratio" in out
+
+
+def test_accounting_shrinks_with_the_ranks_and_counts_what_the_settings_move(bench) -> None:
+    from conveyor.models.tiny import tiny_config
+    from conveyor.models.tokenizer import build_char_tokenizer
+
+    lay = bench.layout_of(tiny_config("qwen3_moe", vocab_size=len(build_char_tokenizer())))
+    one, two = (bench.account(lay, bench.Setup(world=w)) for w in (1, 2))
+    for phase in PHASES:
+        # The state halves; what two ranks add is only the gathered layers.
+        assert two[phase]["actor parameters"] == one[phase]["actor parameters"] / 2
+        assert "gathered weights" not in one[phase] or one[phase]["gathered weights"] == 0
+    offloaded = bench.account(lay, bench.Setup(world=2, ref_offload=True, optimizer_offload=True))
+    assert "reference parameters" not in offloaded["ref"] and "optimizer state" not in offloaded["old_log_prob"]
+    assert bench.total(offloaded["old_log_prob"]) < bench.total(two["old_log_prob"])
+    # The meta-device count is the model's own.
+    assert lay.params == sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(
+        tiny_config("qwen3_moe", vocab_size=len(build_char_tokenizer()))).parameters())
+
+
+def test_real_model_accounting_prints_both_models(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--account", "--response-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3-8B: 8.19B parameters" in out and "Qwen3-30B-A3B: 30.53B parameters" in out
