@@ -47,6 +47,7 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
+from conveyor.workers.balance import sequence_lengths, with_seq_lens
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
 from conveyor.workers.loading import load_role_model
@@ -235,6 +236,8 @@ class PolicyWorker(CheckpointEndpoints):
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
         self._put(meta, fields)
+        # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.
+        meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], out["response_mask"]))
         n_tokens = float(out["response_mask"].sum())
         metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync}
         metrics.update(out.get("metrics", {}))  # the agent loop's rollout/multi_turn/*
