@@ -48,6 +48,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
 from conveyor.workers.balance import sequence_lengths, with_seq_lens
+from conveyor.workers.batching import plan_micro_batches
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
 from conveyor.workers.loading import load_role_model
@@ -316,7 +317,7 @@ class PolicyWorker(CheckpointEndpoints):
         td = self._get(meta, fields)
         log_probs, entropy, routing = self.forward.no_grad_log_probs(
             td, st.rollout.log_prob_micro_batch_size_per_gpu, float(call.temperature),
-            with_entropy=bool(call.calculate_entropy), replay=replay, record=record,
+            with_entropy=bool(call.calculate_entropy), replay=replay, record=record, budget=st.log_prob_budget,
         )
         metrics: dict[str, float] = {}
         out = {"old_log_probs": log_probs}
@@ -398,7 +399,10 @@ class PolicyWorker(CheckpointEndpoints):
         self.model.train()
         self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        passes = self.trained.passes(micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu))
+        # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
+        passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
+                                                        acfg.ppo_micro_batch_size_per_gpu, st.update_budget,
+                                                        agree=self.trained.strategy.agree_count))
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
             mb = td[sl]
