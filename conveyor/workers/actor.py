@@ -48,7 +48,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
 from conveyor.workers.balance import sequence_lengths, with_seq_lens
-from conveyor.workers.batching import plan_micro_batches
+from conveyor.workers.batching import plan_micro_batches, take
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
 from conveyor.workers.loading import load_role_model
@@ -405,7 +405,7 @@ class PolicyWorker(CheckpointEndpoints):
                                                         agree=self.trained.strategy.agree_count))
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
-            mb = td[sl]
+            mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
             routed = mb["routed_experts"].long() if replay_on else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
             with self.forward.update_replay(routed):
@@ -414,7 +414,7 @@ class PolicyWorker(CheckpointEndpoints):
                 if proximal:
                     old = (log_prob.detach() * mb["response_mask"]).float()
                     if real:
-                        proximal_lps[sl] = old
+                        proximal_lps[sl] = window.responses(old)
                 loss, mb_metrics = compute_policy_objective(
                     old if proximal else mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
                     entropy=entropy,

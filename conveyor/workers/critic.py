@@ -18,7 +18,7 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.workers.loading import load_role_model
 from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.batching import in_row_order, plan_micro_batches
+from conveyor.workers.batching import in_row_order, plan_micro_batches, take
 from conveyor.workers.forward import sequence_inputs
 from conveyor.workers.settings import CriticSettings, role_strategy
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
@@ -88,7 +88,10 @@ class CriticWorker(CheckpointEndpoints):
                                      agree=self.trained.strategy.agree_count)
         with self.trained.strategy.sharded_no_grad():
             # Every rank runs as many forwards as the busiest (each gathers layer by layer); extra ones are dropped.
-            outs = [(self._values(td[sl]), real) for sl, real in self.trained.passes(batches)]
+            outs = []
+            for sl, real in self.trained.passes(batches):
+                mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
+                outs.append((window.responses(self._values(mb)), real))
         values = in_row_order([v for v, real in outs if real], batches)
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={"values": values.cpu()})
         return self._result(meta, ["values"], {}, "values")
@@ -111,7 +114,7 @@ class CriticWorker(CheckpointEndpoints):
                                                         ccfg.ppo_micro_batch_size_per_gpu, self.settings.update_budget,
                                                         agree=self.trained.strategy.agree_count))
         for k, (sl, real) in enumerate(passes):
-            mb = td[sl]
+            mb, _ = take(td, sl)
             mmask = mb["response_mask"].bool()
             vpreds = self._values(mb, train=True)
             vf_loss, vf_clipfrac = compute_value_loss(

@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
 from conveyor.rollout.trajectory import response_span
-from conveyor.workers.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches
+from conveyor.workers.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.strategy import TrainedModel
 
 __all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
@@ -137,16 +137,16 @@ class PolicyForward:
                                      agree=self.trained.strategy.agree_count)
         with self.trained.strategy.sharded_no_grad():
             for sl, real in self.trained.passes(batches):
-                mb = td[sl]
+                mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
                 routed = mb["routed_experts"].long() if replay else None
                 lp, ent, own = self.log_probs(mb, temperature, with_entropy, routed, record_routing=record)
                 if not real:  # a pass only to pair up with the other ranks' all-gathers
                     continue
-                lps.append(lp)
+                lps.append(window.responses(lp))
                 if ent is not None:
-                    ents.append(ent)
+                    ents.append(window.responses(ent))
                 if record:
-                    routings.append(own)
+                    routings.append(window.sequence(own))
         mask = td["response_mask"].bool()
         entropy = in_row_order(ents, batches) * mask if ents else None
         routing = self._fed_routing(td, in_row_order(routings, batches)) if record else None

@@ -61,8 +61,8 @@ FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 DENSE = ["actor_rollout_ref.model.tiny.arch=qwen3"]
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
 LP_MICRO = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"  # ranks of 4 and 3 rows: 2 and 1 passes
-# Token budgets (rows of 6 to 9 tokens): the actor's 16 packs 2 rows a pass (4 passes on one rank, 2 and 2 on two);
-# the critic's 9 one row a pass (4 and 3 on two ranks: the second pairs with a dropped repeat).
+# Token budgets (rows of 6 to 9 tokens): the actor's 16 packs 1 or 2 rows a pass (5 passes on one rank); the
+# critic's 9 one row a pass (4 and 3 on two ranks: the second pairs with a dropped repeat).
 DYN = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"]
 CRITIC_DYN = ["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=9"]
 # The no-grad forwards over the shards against the gathered model: name -> role, overrides, dense, with routing.
@@ -407,13 +407,16 @@ def _plane_meta(fields: dict, extra: dict):
 
 
 def test_token_budget_update_takes_the_fixed_micro_batch_gradient(model_path: str, batches) -> None:
-    """Micro-batches of at most 16 real tokens (4 passes of 2 rows, regrouped) against 3 rows a pass: same gradient."""
-    from conveyor.workers.batching import TokenBudget, plan_micro_batches
+    """Micro-batches of at most 16 tokens (5 passes of 1 or 2 rows, regrouped, their padding columns dropped)
+    against 3 rows a pass: the same gradient."""
+    from conveyor.workers.batching import TokenBudget, plan_micro_batches, take
+    from tensordict import TensorDict
 
     fields = batches[False]
     budgeted = plan_micro_batches(fields["prompt_mask"], fields["response_mask"], 3, TokenBudget(16, "k"))
-    lengths = (fields["prompt_mask"].sum(-1) + fields["response_mask"].sum(-1)).tolist()
-    assert len(budgeted) == 4 and all(sum(lengths[i] for i in b.tolist()) <= 16 for b in budgeted)
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")}, batch_size=[B])
+    widths = [take(td, b)[0]["prompts"].shape[1] + take(td, b)[0]["responses"].shape[1] for b in budgeted]
+    assert len(budgeted) == 5 and all(len(b) * w <= 16 for b, w in zip(budgeted, widths)) and min(widths) < P + R
     fixed = _update_grads(load_config(None, BASE), model_path, fields)
     dynamic = _update_grads(load_config(None, BASE + DYN), model_path, fields)
     assert fixed.keys() == dynamic.keys() and fixed
@@ -429,9 +432,11 @@ def test_token_budget_critic_update_takes_the_fixed_step(model_path: str, batche
     assert dyn["critic/vf_loss@sum"] == pytest.approx(one["critic/vf_loss@sum"], rel=1e-5)
 
 
-def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: str, batches) -> None:
-    """Old log-probs and entropy, reference log-probs and values, with micro-batches of at most 9 tokens (one row
-    each, not in row order), equal the fixed micro-batches' at the same keys."""
+@pytest.mark.parametrize("impl", ["hf", "lean"])
+def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: str, batches, impl: str) -> None:
+    """Old log-probs and entropy, reference log-probs and values, with micro-batches of at most 9 or 16 tokens
+    (one or two rows each, not in row order, without their padding columns), equal the fixed micro-batches' at the
+    same keys."""
     from conveyor.workers.reference import ReferenceWorker
     from conveyor.workers.settings import reference_settings
 
@@ -444,7 +449,7 @@ def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: 
               "critic.forward_max_token_len_per_gpu=9"]
     out = {}
     for name, overrides in (("fixed", []), ("budget", budget)):
-        cfg = load_config(None, BASE + overrides)
+        cfg = load_config(None, BASE + overrides + [f"actor_rollout_ref.model.forward_impl={impl}"])
         plane, meta = _plane_meta(fields, entropy_call)
         _actor(cfg, model_path=model_path, data_plane=plane).compute_log_prob(meta)
         ReferenceWorker(reference_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path,
@@ -476,8 +481,8 @@ def test_a_sequence_longer_than_the_token_budget_names_the_key(model_path: str, 
 
 
 def test_token_budget_under_two_fsdp2_ranks_takes_the_one_rank_step(model_path: str, batches, ranks) -> None:
-    """Two fsdp2 ranks, token-budget micro-batches (actor: 2 passes each; critic: 4 and 3, agreed to 4): the
-    one-rank fixed micro-batches' gradient, log-probs and step."""
+    """Two fsdp2 ranks, token-budget micro-batches (the critic's: 4 and 3 passes, the second rank's count agreed up
+    with a dropped repeat): the one-rank fixed micro-batches' gradient, log-probs and step."""
     fields = batches[False]
     out = ranks["fsdp2-dynbsz"]
     got = torch.cat([torch.load(out / f"log_probs_{r}.pt", weights_only=True) for r in range(2)])
