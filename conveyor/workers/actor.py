@@ -338,15 +338,17 @@ class PolicyWorker(CheckpointEndpoints):
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
         self.model.eval()
         total, count = 0.0, 0
-        micro = self.settings.rollout.log_prob_micro_batch_size_per_gpu
+        st = self.settings
+        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], st.rollout.log_prob_micro_batch_size_per_gpu,
+                                     st.log_prob_budget, agree=self.trained.strategy.agree_count)
         with self.trained.strategy.sharded_no_grad():
             routings = []
-            for sl, real in self.trained.passes(micro_batches(len(td), micro)):
-                _, own = self.forward.response_logits(td[sl], None, record_routing=True)
+            for sl, real in self.trained.passes(batches):
+                mb, _ = take(td, sl)
+                _, own = self.forward.response_logits(mb, None, record_routing=True)
                 if real:
-                    routings.append((sl, own))
-        for sl, own in routings:
-            mb = td[sl]
+                    routings.append((mb, own))
+        for mb, own in routings:
             attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
             valid = attention_mask.bool()
             frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)

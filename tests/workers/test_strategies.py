@@ -406,19 +406,21 @@ def _plane_meta(fields: dict, extra: dict):
     return plane, plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields).with_extra_info(**extra)
 
 
-def test_token_budget_update_takes_the_fixed_micro_batch_gradient(model_path: str, batches) -> None:
-    """Micro-batches of at most 16 tokens (5 passes of 1 or 2 rows, regrouped, their padding columns dropped)
-    against 3 rows a pass: the same gradient."""
+@pytest.mark.parametrize("replay", [False, True])
+def test_token_budget_update_takes_the_fixed_micro_batch_gradient(model_path: str, batches, replay: bool) -> None:
+    """Micro-batches of at most 16 tokens (5 passes of 1 or 2 rows, regrouped, their padding columns dropped, with
+    the routing they replay under R3) against 3 rows a pass: the same gradient."""
     from conveyor.workers.batching import TokenBudget, plan_micro_batches, take
     from tensordict import TensorDict
 
-    fields = batches[False]
+    fields = batches[replay]
     budgeted = plan_micro_batches(fields["prompt_mask"], fields["response_mask"], 3, TokenBudget(16, "k"))
     td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")}, batch_size=[B])
     widths = [take(td, b)[0]["prompts"].shape[1] + take(td, b)[0]["responses"].shape[1] for b in budgeted]
     assert len(budgeted) == 5 and all(len(b) * w <= 16 for b, w in zip(budgeted, widths)) and min(widths) < P + R
-    fixed = _update_grads(load_config(None, BASE), model_path, fields)
-    dynamic = _update_grads(load_config(None, BASE + DYN), model_path, fields)
+    extra = [R3] if replay else []
+    fixed = _update_grads(load_config(None, BASE + extra), model_path, fields)
+    dynamic = _update_grads(load_config(None, BASE + extra + DYN), model_path, fields)
     assert fixed.keys() == dynamic.keys() and fixed
     assert max(float(g.abs().max()) for g in fixed.values()) > 1e-3
     for k in fixed:
@@ -432,15 +434,16 @@ def test_token_budget_critic_update_takes_the_fixed_step(model_path: str, batche
     assert dyn["critic/vf_loss@sum"] == pytest.approx(one["critic/vf_loss@sum"], rel=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["hf", "lean"])
-def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: str, batches, impl: str) -> None:
+@pytest.mark.parametrize("impl,replay", [("hf", False), ("lean", False), ("hf", True)])
+def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: str, batches, impl: str,
+                                                                    replay: bool) -> None:
     """Old log-probs and entropy, reference log-probs and values, with micro-batches of at most 9 or 16 tokens
     (one or two rows each, not in row order, without their padding columns), equal the fixed micro-batches' at the
-    same keys."""
+    same keys; under R3, replaying the rollout's routing over the kept columns."""
     from conveyor.workers.reference import ReferenceWorker
     from conveyor.workers.settings import reference_settings
 
-    fields = batches[False]
+    fields = batches[replay]
     entropy_call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
     budget = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9",
@@ -449,7 +452,8 @@ def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: 
               "critic.forward_max_token_len_per_gpu=9"]
     out = {}
     for name, overrides in (("fixed", []), ("budget", budget)):
-        cfg = load_config(None, BASE + overrides + [f"actor_rollout_ref.model.forward_impl={impl}"])
+        cfg = load_config(None, BASE + overrides + [f"actor_rollout_ref.model.forward_impl={impl}"]
+                          + ([R3] if replay else []))
         plane, meta = _plane_meta(fields, entropy_call)
         _actor(cfg, model_path=model_path, data_plane=plane).compute_log_prob(meta)
         ReferenceWorker(reference_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path,
@@ -494,3 +498,16 @@ def test_token_budget_under_two_fsdp2_ranks_takes_the_one_rank_step(model_path: 
         torch.testing.assert_close(grads[k], fixed[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     want, _ = _one_rank("critic", model_path, fields, [])
     _assert_same_params(torch.load(ranks["fsdp2-critic-dynbsz"] / "params.pt", weights_only=True), want)
+
+
+def test_token_budget_routing_agreement_is_the_fixed_one(model_path: str, batches) -> None:
+    """The routing-agreement forward over token-budget micro-batches (columns trimmed) agrees as the fixed one does."""
+    got = {}
+    for name, overrides in (("fixed", []), ("budget", ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                                                       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9"])):
+        plane, meta = _plane_meta(batches[True], {})
+        info = _actor(load_config(None, BASE + overrides), model_path=model_path,
+                      data_plane=plane).compute_routing_agreement(meta).extra_info
+        got[name] = (info["actor/moe/routing_agreement@sum"], info["actor/moe/routing_agreement@count"])
+    assert got["budget"][1] == got["fixed"][1] > 0
+    assert got["budget"][0] == pytest.approx(got["fixed"][0], rel=1e-6)
