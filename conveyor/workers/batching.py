@@ -88,8 +88,8 @@ def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequenc
     """Row indices of micro-batches whose rows x (longest prompt + longest response) fit `budget.max_tokens`.
 
     First fit by decreasing length: like lengths share a micro-batch, so little of it is padding (prompts of 100
-    to 600 tokens and responses of up to 4096, long-tailed: 1.34 tokens processed per real one, 6.9 passes of a
-    16k budget for 64 rows where their real tokens need at least 5). `agree` (a
+    to 600 tokens and responses of up to 4096, long-tailed: 1.34 tokens processed per real one, 7 passes of a
+    16k budget for 64 rows where their real tokens need at least 5; benchmarks/token_balance.py). `agree` (a
     collective: every rank calls it) turns this rank's count into the count every rank uses, the largest; a
     rank then splits its costliest micro-batches in two until it has that many (or one row in each).
     """

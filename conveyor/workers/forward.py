@@ -128,8 +128,8 @@ class PolicyForward:
         """Masked log-probs (B, R), masked entropy (B, R) or None, and the recorded routing (B, P+R, L, K) or None.
 
         `replay`: replay `td["routed_experts"]`; `record`: record the forward's own routing, -1 where no token
-        was fed (the rollout's convention). `budget`: micro-batches of at most that many real tokens instead of
-        `micro_batch_size` rows (the outputs come back in row order either way).
+        was fed (the rollout's convention). `budget`: micro-batches of at most that many tokens (rows x kept columns)
+        instead of `micro_batch_size` rows (the outputs come back in row order and width either way).
         """
         self.model.eval()
         lps, ents, routings = [], [], []
