@@ -7,6 +7,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
   data-plane backend (one whose adapter or package is missing is skipped
   with a note by the script itself);
 - `moe_metrics.py --threads 1`: the MoE load-balance metrics;
+- `token_balance.py`: the ranks' token balance and the token-budget micro-batches (synthetic lengths);
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
   forward, in training and in the rollout;
@@ -45,6 +46,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("e2e_vs_trl", ()),
     ("data_plane", ("--backends", "memory", "ray", "transferqueue", "--threads", "1", "--create-reps", "3")),
     ("moe_metrics", ("--threads", "1")),
+    ("token_balance", ()),
     ("rollout", ("--threads", "1")),
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),

@@ -653,8 +653,15 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
     # when gradients are reduced, not what they are, so a resume may change it like the offload keys.
     # hf_whole_gather_max_gb picks how the rollout reaches the weights (gathered once or a layer at a time),
     # like forward_impl: the same numbers up to summation order.
+    # The token budgets (use_dynamic_bsz and its limits) regroup rows into micro-batches, like the micro-batch
+    # sizes: the losses' normalisers are the mini-batch's, so only the summation order moves.
+    budgets = {"actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+               "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+               "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+               "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu"}
     later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload",
-             "actor_rollout_ref.rollout.hf_whole_gather_max_gb"} | {
+             "actor_rollout_ref.rollout.hf_whole_gather_max_gb"} | budgets | {
         f"{role}.fsdp_config.defer_grad_sync" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")}
     assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | later
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))

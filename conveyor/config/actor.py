@@ -102,6 +102,13 @@ class ActorConfig:
     ppo_mini_batch_size: int = F(32, "prompts per optimizer step (times rollout.n sequences)", gt=0)
     ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (gradient accumulation; lower it for "
                                           "big models)", gt=0, resume_neutral=True)
+    use_dynamic_bsz: bool = F(False, "fill each micro-batch up to ppo_max_token_len_per_gpu real tokens (prompt + "
+                              "response) instead of ppo_micro_batch_size_per_gpu sequences; also the default of "
+                              "rollout.log_prob_use_dynamic_bsz, ref.log_prob_use_dynamic_bsz and critic.use_dynamic_bsz",
+                              resume_neutral=True)
+    ppo_max_token_len_per_gpu: int = F(16384, "use_dynamic_bsz: most real tokens per forward/backward of the update "
+                                       "(at least the longest sequence; verl suggests 2 x (max_prompt_length + "
+                                       "max_response_length))", gt=0, resume_neutral=True)
     ppo_epochs: int = F(1, "passes over the batch per step", gt=0)
     shuffle: bool = F(True, "shuffle sequences into mini-batches")
     clip_ratio: float = F(0.2, "PPO clip range (both sides unless clip_ratio_low/high are set)", gt=0)
@@ -131,6 +138,11 @@ class RefConfig:
     """The frozen reference policy (used when a KL term is on)."""
 
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per reference forward", gt=0, resume_neutral=True)
+    log_prob_use_dynamic_bsz: Optional[bool] = F(None, "fill each reference forward up to log_prob_max_token_len_per_gpu "
+                                                 "real tokens; null = actor.use_dynamic_bsz", resume_neutral=True)
+    log_prob_max_token_len_per_gpu: Optional[int] = F(None, "most real tokens per reference forward under a token "
+                                                      "budget; null = actor.ppo_max_token_len_per_gpu", gt=0,
+                                                      resume_neutral=True)
     strategy: Optional[str] = F(None, "fsdp2 (sharded parameters, no optimizer), dp or none; null = fsdp2 with "
                                 "more than one rank", choices=STRATEGY_CHOICES, resume_neutral=True)
     fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")

@@ -24,6 +24,13 @@ class CriticConfig:
     ppo_mini_batch_size: int = F(32, "prompts per critic optimizer step", gt=0)
     ppo_micro_batch_size_per_gpu: int = F(256, "sequences per forward/backward (lower it for big models)", gt=0,
                                           resume_neutral=True)
+    use_dynamic_bsz: Optional[bool] = F(None, "fill each micro-batch up to a number of real tokens (prompt + "
+                                        "response) instead of ppo_micro_batch_size_per_gpu sequences; null = "
+                                        "actor_rollout_ref.actor.use_dynamic_bsz", resume_neutral=True)
+    ppo_max_token_len_per_gpu: int = F(32768, "use_dynamic_bsz: most real tokens per forward/backward of the update",
+                                       gt=0, resume_neutral=True)
+    forward_max_token_len_per_gpu: Optional[int] = F(None, "use_dynamic_bsz: most real tokens per values forward; "
+                                                     "null = ppo_max_token_len_per_gpu", gt=0, resume_neutral=True)
     ppo_epochs: int = F(1, "passes over the batch per step", gt=0)
     cliprange_value: float = F(0.5, "value clip range", gt=0)
     loss_agg_mode: str = F("token-mean", "how token losses become one number", choices=LOSS_AGG_CHOICES)

@@ -72,6 +72,12 @@ class RolloutConfig:
     top_k: int = F(0, "top-k sampling (0 = off)", ge=0)
     do_sample: bool = F(True, "sample (false = greedy)")
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward", gt=0, resume_neutral=True)
+    log_prob_use_dynamic_bsz: Optional[bool] = F(None, "fill each old-log-prob forward up to "
+                                                 "log_prob_max_token_len_per_gpu real tokens; null = "
+                                                 "actor.use_dynamic_bsz", resume_neutral=True)
+    log_prob_max_token_len_per_gpu: Optional[int] = F(None, "most real tokens per old-log-prob forward under a token "
+                                                      "budget; null = actor.ppo_max_token_len_per_gpu", gt=0,
+                                                      resume_neutral=True)
     moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
                                                "per-expert load every N steps (0 = off; the default run, "
                                                "examples/tiny_cpu.yaml, uses 10)", ge=0, resume_neutral=True)

@@ -54,6 +54,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.ppo import PPOTrainer, StageResult, _timer, _timing_metrics
 from conveyor.trainer.setup import resolve_device
+from conveyor.workers.balance import sequence_lengths, with_seq_lens
 from conveyor.workers.calls import GenerateCall
 from conveyor.workers.group import WorkerError
 
@@ -462,6 +463,9 @@ class AsyncPPOTrainer(PPOTrainer):
         fields["policy_version"] = torch.full((len(pending.meta),), gen_version, dtype=torch.long)
         self.data_plane.put(pending.meta, fields)
         pending.meta = pending.meta.with_fields(list(fields))
+        # As the generation endpoint does: later splits over ranks balance prompt + response tokens.
+        prompt_mask = self.data_plane.get(pending.meta, ["prompt_mask"])["prompt_mask"]
+        pending.meta = with_seq_lens(pending.meta, sequence_lengths(prompt_mask, fields["response_mask"]))
         from conveyor.metrics.reduce import reduce_rank_metrics
 
         metrics = reduce_rank_metrics(extra, prefix="")

@@ -79,10 +79,13 @@ def _timing_metrics(timings: dict[str, float]) -> dict[str, float]:
 
 
 def _phase_memory(extra_info: dict, role: str) -> dict[str, float]:
-    """A call's `perf/<phase>/max_memory_gb` (max over ranks) as `<role>/perf/<phase>/max_memory_gb`."""
+    """A call's `perf/<phase>/max_memory_gb` (max over ranks) as `<role>/perf/<phase>/max_memory_gb`.
+
+    Also the split's `perf/<endpoint>/rank_token_imbalance`, when the call ran on several ranks.
+    """
     reduced = reduce_rank_metrics(extra_info)
     return {f"{role}/{k}": v for k, v in reduced.items()
-            if k.startswith("perf/") and k.endswith("/max_memory_gb") and k.count("/") == 2}
+            if k.startswith("perf/") and k.endswith(("/max_memory_gb", "/rank_token_imbalance")) and k.count("/") == 2}
 
 
 def _check_finite(step: int, name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:

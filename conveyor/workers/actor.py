@@ -47,6 +47,8 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
+from conveyor.workers.balance import sequence_lengths, with_seq_lens
+from conveyor.workers.batching import plan_micro_batches, take
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
 from conveyor.workers.loading import load_role_model
@@ -235,6 +237,8 @@ class PolicyWorker(CheckpointEndpoints):
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
         self._put(meta, fields)
+        # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.
+        meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], out["response_mask"]))
         n_tokens = float(out["response_mask"].sum())
         metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync}
         metrics.update(out.get("metrics", {}))  # the agent loop's rollout/multi_turn/*
@@ -313,7 +317,7 @@ class PolicyWorker(CheckpointEndpoints):
         td = self._get(meta, fields)
         log_probs, entropy, routing = self.forward.no_grad_log_probs(
             td, st.rollout.log_prob_micro_batch_size_per_gpu, float(call.temperature),
-            with_entropy=bool(call.calculate_entropy), replay=replay, record=record,
+            with_entropy=bool(call.calculate_entropy), replay=replay, record=record, budget=st.log_prob_budget,
         )
         metrics: dict[str, float] = {}
         out = {"old_log_probs": log_probs}
@@ -334,15 +338,17 @@ class PolicyWorker(CheckpointEndpoints):
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
         self.model.eval()
         total, count = 0.0, 0
-        micro = self.settings.rollout.log_prob_micro_batch_size_per_gpu
+        st = self.settings
+        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], st.rollout.log_prob_micro_batch_size_per_gpu,
+                                     st.log_prob_budget, agree=self.trained.strategy.agree_count)
         with self.trained.strategy.sharded_no_grad():
             routings = []
-            for sl, real in self.trained.passes(micro_batches(len(td), micro)):
-                _, own = self.forward.response_logits(td[sl], None, record_routing=True)
+            for sl, real in self.trained.passes(batches):
+                mb, _ = take(td, sl)
+                _, own = self.forward.response_logits(mb, None, record_routing=True)
                 if real:
-                    routings.append((sl, own))
-        for sl, own in routings:
-            mb = td[sl]
+                    routings.append((mb, own))
+        for mb, own in routings:
             attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
             valid = attention_mask.bool()
             frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
@@ -395,10 +401,13 @@ class PolicyWorker(CheckpointEndpoints):
         self.model.train()
         self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        passes = self.trained.passes(micro_batches(len(td), acfg.ppo_micro_batch_size_per_gpu))
+        # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
+        passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
+                                                        acfg.ppo_micro_batch_size_per_gpu, st.update_budget,
+                                                        agree=self.trained.strategy.agree_count))
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
-            mb = td[sl]
+            mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
             routed = mb["routed_experts"].long() if replay_on else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
             with self.forward.update_replay(routed):
@@ -407,7 +416,7 @@ class PolicyWorker(CheckpointEndpoints):
                 if proximal:
                     old = (log_prob.detach() * mb["response_mask"]).float()
                     if real:
-                        proximal_lps[sl] = old
+                        proximal_lps[sl] = window.responses(old)
                 loss, mb_metrics = compute_policy_objective(
                     old if proximal else mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
                     entropy=entropy,

@@ -18,7 +18,8 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.workers.loading import load_role_model
 from conveyor.models.value_head import ValueModel
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.forward import micro_batches, sequence_inputs
+from conveyor.workers.batching import in_row_order, plan_micro_batches, take
+from conveyor.workers.forward import sequence_inputs
 from conveyor.workers.settings import CriticSettings, role_strategy
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
 from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
@@ -82,11 +83,16 @@ class CriticWorker(CheckpointEndpoints):
         begin_phase(self.device)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         self.model.eval()
-        micro = self.settings.critic.ppo_micro_batch_size_per_gpu
+        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"],
+                                     self.settings.critic.ppo_micro_batch_size_per_gpu, self.settings.forward_budget,
+                                     agree=self.trained.strategy.agree_count)
         with self.trained.strategy.sharded_no_grad():
             # Every rank runs as many forwards as the busiest (each gathers layer by layer); extra ones are dropped.
-            outs = [(self._values(td[sl]), real) for sl, real in self.trained.passes(micro_batches(len(td), micro))]
-        values = torch.cat([v for v, real in outs if real])
+            outs = []
+            for sl, real in self.trained.passes(batches):
+                mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
+                outs.append((window.responses(self._values(mb)), real))
+        values = in_row_order([v for v, real in outs if real], batches)
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={"values": values.cpu()})
         return self._result(meta, ["values"], {}, "values")
 
@@ -103,10 +109,12 @@ class CriticWorker(CheckpointEndpoints):
         self.trained.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {"critic/vf_loss@sum": 0.0}
         clip_sum = vpred_sum = 0.0
-        size = ccfg.ppo_micro_batch_size_per_gpu
-        passes = self.trained.passes([slice(i, min(i + size, len(td))) for i in range(0, len(td), size)])
+        # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
+        passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
+                                                        ccfg.ppo_micro_batch_size_per_gpu, self.settings.update_budget,
+                                                        agree=self.trained.strategy.agree_count))
         for k, (sl, real) in enumerate(passes):
-            mb = td[sl]
+            mb, _ = take(td, sl)
             mmask = mb["response_mask"].bool()
             vpreds = self._values(mb, train=True)
             vf_loss, vf_clipfrac = compute_value_loss(

@@ -8,8 +8,9 @@ FSDP2 shards (the sharded module's own forward gathers one layer at a time;
 the lean forward would need the whole model gathered). It can replay given
 routed experts and record the forward's own routing. `no_grad_log_probs`
 runs it over micro-batches, as both the actor's old-log-prob forward and the
-reference's forward do; under a multi-rank strategy every rank runs as many
-micro-batches as the busiest one (the extra ones are dropped).
+reference's forward do, of a fixed number of rows or up to a token budget
+(`conveyor.workers.batching`); under a multi-rank strategy every rank runs as
+many micro-batches as the busiest one (the extra ones are dropped).
 
 Log-probs and entropy come from `logprobs_and_entropy` on the model's own
 logits, the temperature applied per block: no float32 copy of the
@@ -30,6 +31,7 @@ from tensordict import TensorDict
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
 from conveyor.rollout.trajectory import response_span
+from conveyor.workers.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.strategy import TrainedModel
 
 __all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
@@ -42,11 +44,6 @@ def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.T
     attention_mask = torch.cat([td["prompt_mask"].long(), response_span(td["response_mask"]).long()], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
-
-
-def micro_batches(n: int, size: int) -> list[slice]:
-    """Slices of at most `size` rows covering `n` rows, in order."""
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 class PolicyForward:
@@ -126,31 +123,34 @@ class PolicyForward:
     @torch.no_grad()
     def no_grad_log_probs(
         self, td: TensorDict, micro_batch_size: int, temperature: float, *, with_entropy: bool = False,
-        replay: bool = False, record: bool = False,
+        replay: bool = False, record: bool = False, budget: TokenBudget | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Masked log-probs (B, R), masked entropy (B, R) or None, and the recorded routing (B, P+R, L, K) or None.
 
         `replay`: replay `td["routed_experts"]`; `record`: record the forward's own routing, -1 where no token
-        was fed (the rollout's convention).
+        was fed (the rollout's convention). `budget`: micro-batches of at most that many tokens (rows x kept columns)
+        instead of `micro_batch_size` rows (the outputs come back in row order and width either way).
         """
         self.model.eval()
         lps, ents, routings = [], [], []
+        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], micro_batch_size, budget,
+                                     agree=self.trained.strategy.agree_count)
         with self.trained.strategy.sharded_no_grad():
-            for sl, real in self.trained.passes(micro_batches(len(td), micro_batch_size)):
-                mb = td[sl]
+            for sl, real in self.trained.passes(batches):
+                mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
                 routed = mb["routed_experts"].long() if replay else None
                 lp, ent, own = self.log_probs(mb, temperature, with_entropy, routed, record_routing=record)
                 if not real:  # a pass only to pair up with the other ranks' all-gathers
                     continue
-                lps.append(lp)
+                lps.append(window.responses(lp))
                 if ent is not None:
-                    ents.append(ent)
+                    ents.append(window.responses(ent))
                 if record:
-                    routings.append(own)
+                    routings.append(window.sequence(own))
         mask = td["response_mask"].bool()
-        entropy = torch.cat(ents) * mask if ents else None
-        routing = self._fed_routing(td, torch.cat(routings)) if record else None
-        return torch.cat(lps) * mask, entropy, routing
+        entropy = in_row_order(ents, batches) * mask if ents else None
+        routing = self._fed_routing(td, in_row_order(routings, batches)) if record else None
+        return in_row_order(lps, batches) * mask, entropy, routing
 
     def _fed_routing(self, td: TensorDict, routing: torch.Tensor) -> torch.Tensor:
         """A forward's routing (B, P+R, L, K) in the rollout's convention: -1 wherever no token was fed (pads)."""

@@ -2,7 +2,9 @@
 
 A role's handle (`conveyor.workers.roles`) calls `group.call(PolicyWorker.compute_log_prob, meta)`;
 the group splits the handle across its ranks (balancing tokens when the
-handle's tags carry `seq_len`), runs the endpoint on every rank, and merges the
+handle's tags carry `seq_len`: prompt + response once the rollout has run;
+the split's `perf/<endpoint>/rank_token_imbalance` joins the merged
+`extra_info`), runs the endpoint on every rank, and merges the
 per-rank handles with `BatchData.concat` (so `extra_info` arrives as one list
 entry per rank). `LocalWorkerGroup` runs one rank in this process;
 `conveyor.workers.ray_group` runs ranks as Ray actors behind the same
@@ -23,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from conveyor.plugins import load_plugins
 from conveyor.protocol import BatchData, KVBatchMeta
+from conveyor.workers.balance import SEQ_LEN_TAG, balanced_partition, imbalance
 
 __all__ = [
     "WorkerGroup",
@@ -33,6 +36,7 @@ __all__ = [
     "WorkerError",
     "WorkerUserError",
     "split_for_ranks",
+    "split_metrics",
     "wrap_worker_error",
     "use_ray",
 ]
@@ -130,22 +134,34 @@ def wrap_worker_error(role: str, rank: int, stage: str, err: BaseException) -> W
 
 
 def split_for_ranks(meta: KVBatchMeta, n: int) -> list[KVBatchMeta]:
-    """Split a handle into `n` chunks of sizes differing by at most one, balancing `seq_len` tags when present."""
+    """Split a handle into `n` chunks of sizes differing by at most one, balancing `seq_len` tags when present.
+
+    With tags, the chunks' token sums are balanced (`balanced_partition`, equal counts); each chunk keeps its
+    samples in the handle's order. Results are written by key, so the reordering across ranks is harmless.
+    """
     if n == 1:
         return [meta]
-    lengths = [t.get("seq_len") for t in meta.tags]
+    lengths = [t.get(SEQ_LEN_TAG) for t in meta.tags]
     if any(v is None for v in lengths):
         return meta.chunk(n)
-    base, rest = divmod(len(meta), n)
-    caps = [base + (1 if i < rest else 0) for i in range(n)]
-    loads = [0] * n
-    assigned: list[list[int]] = [[] for _ in range(n)]
-    # Longest first onto the least-loaded rank that still has room.
-    for idx in sorted(range(len(meta)), key=lambda i: -lengths[i]):
-        rank = min((r for r in range(n) if len(assigned[r]) < caps[r]), key=lambda r: loads[r])
-        assigned[rank].append(idx)
-        loads[rank] += lengths[idx]
-    return [meta.select(sorted(a)) for a in assigned]
+    return [meta.select(part) for part in balanced_partition(lengths, n, equal_size=True)]
+
+
+def split_metrics(chunks: Sequence[KVBatchMeta], endpoint: str) -> dict[str, list[float]]:
+    """`perf/<endpoint>/rank_token_imbalance` (max / mean of the chunks' `seq_len` sums), one entry per rank.
+
+    Empty when there is one chunk or the tags carry no `seq_len` (nothing was balanced).
+    """
+    if len(chunks) < 2:
+        return {}
+    sums = []
+    for c in chunks:
+        lengths = [t.get(SEQ_LEN_TAG) for t in c.tags]
+        if any(v is None for v in lengths):
+            return {}
+        sums.append(float(sum(lengths)))
+    # The same value in every rank's entry: reduced (mean over ranks) it is the split's own figure.
+    return {f"perf/{endpoint}/rank_token_imbalance": [imbalance(sums)] * len(chunks)}
 
 
 class WorkerGroup(abc.ABC):

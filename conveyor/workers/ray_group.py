@@ -42,7 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.protocol import BatchData, KVBatchMeta
 from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
-                                    wrap_worker_error)
+                                    split_metrics, wrap_worker_error)
 
 __all__ = ["RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups", "ray_worker_device"]
 
@@ -376,7 +376,9 @@ class RayWorkerGroup(WorkerGroup):
         chunks = split_for_ranks(meta, self.world_size)
         refs = [a.call.remote(self.role, method, c) for a, c in zip(self.ranks.actors, chunks)]
         self.ranks.gather(self.role, method, refs)
-        return BatchData(refs).concat()
+        merged = BatchData(refs).concat()
+        merged.extra_info.update(split_metrics(chunks, method))
+        return merged
 
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` with the same arguments on every rank; one result per rank."""

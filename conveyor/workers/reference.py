@@ -69,7 +69,7 @@ class ReferenceWorker:
         call = LogProbCall.from_extra_info(meta.extra_info)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         log_probs, _, _ = self.forward.no_grad_log_probs(td, self.settings.ref.log_prob_micro_batch_size_per_gpu,
-                                                         call.temperature)
+                                                         call.temperature, budget=self.settings.log_prob_budget)
         out: dict[str, Any] = {"ref_log_prob": log_probs.cpu()}
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=out)
         return result_handle(meta, list(out), phase_memory_metrics("ref", self.device), self.device)

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from conveyor.workers.batching import TokenBudget, token_budget
 from conveyor.workers.optim import total_optim_steps
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ class ActorSettings:
     rejection: tuple[tuple[str, float | None, float], ...]  # rollout_rs options as (option, lower, upper)
     loss_scale_factor: float  # seq-mean-token-sum-norm divisor
     max_model_len: int | None  # the vllm engine's (None: another engine)
+    # Token budgets of the micro-batches (None: fixed-size micro-batches of sequences).
+    update_budget: TokenBudget | None = None  # actor.use_dynamic_bsz / ppo_max_token_len_per_gpu
+    log_prob_budget: TokenBudget | None = None  # rollout.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,7 @@ class ReferenceSettings:
 
     model: Any  # actor_rollout_ref.model
     ref: Any  # actor_rollout_ref.ref (micro-batch size, strategy, fsdp_config)
+    log_prob_budget: TokenBudget | None = None  # ref.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,8 @@ class CriticSettings:
     critic: Any  # critic (optim, strategy, fsdp_config, the value loss's settings)
     total_optim_steps: int  # the critic's own: its mini-batch size and epochs may differ from the actor's
     loss_scale_factor: float
+    update_budget: TokenBudget | None = None  # critic.use_dynamic_bsz / ppo_max_token_len_per_gpu
+    forward_budget: TokenBudget | None = None  # critic.use_dynamic_bsz / forward_max_token_len_per_gpu
 
 
 def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
@@ -91,24 +98,47 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
         rejection=tuple(tuple(r) for r in correction.rejection()),
         loss_scale_factor=plan.actor_loss_scale,
         max_model_len=plan.vllm_max_model_len,
+        update_budget=token_budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu, _ACTOR_MAX,
+                                   **_actor_defaults(arr)),
+        log_prob_budget=token_budget(arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu,
+                                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", **_actor_defaults(arr)),
     )
 
 
 def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:
     """The reference's settings of a run of `cfg` (the plan says whether there is one)."""
     arr = cfg.actor_rollout_ref
-    return ReferenceSettings(model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref))
+    budget = token_budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
+                          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", **_actor_defaults(arr))
+    return ReferenceSettings(model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref), log_prob_budget=budget)
 
 
 def critic_settings(cfg: Config, plan: RunPlan) -> CriticSettings:
     """The critic's settings of a run of `cfg` under `plan`."""
     c = cfg.critic
+    arr_on = cfg.actor_rollout_ref.actor.use_dynamic_bsz  # critic.use_dynamic_bsz's default, as in verl
     return CriticSettings(
         model=copy.deepcopy(cfg.actor_rollout_ref.model), critic=copy.deepcopy(c),
         total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
                                             c.ppo_mini_batch_size, c.ppo_epochs),
         loss_scale_factor=plan.critic_loss_scale,
+        update_budget=token_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, "critic.ppo_max_token_len_per_gpu",
+                                   enabled_default=arr_on, max_tokens_default=c.ppo_max_token_len_per_gpu,
+                                   default_key="critic.ppo_max_token_len_per_gpu"),
+        forward_budget=token_budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
+                                    "critic.forward_max_token_len_per_gpu", enabled_default=arr_on,
+                                    max_tokens_default=c.ppo_max_token_len_per_gpu,
+                                    default_key="critic.ppo_max_token_len_per_gpu"),
     )
+
+
+_ACTOR_MAX = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+
+
+def _actor_defaults(arr: Any) -> dict[str, Any]:
+    """What a null log-prob budget key of the rollout or the reference stands for: the actor's (verl's defaults)."""
+    return {"enabled_default": arr.actor.use_dynamic_bsz, "max_tokens_default": arr.actor.ppo_max_token_len_per_gpu,
+            "default_key": _ACTOR_MAX}
 
 
 def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> "TrainingStrategy":

@@ -153,9 +153,12 @@ def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_p
     for name, role in (("PolicyWorker", "actor"), ("ReferenceWorker", "ref"), ("CriticWorker", "critic")):
         monkeypatch.setattr(roles, name, recording(getattr(roles, name), role))
     assert not ray.is_initialized()
+    # Token budgets on (every role's forwards fill micro-batches by tokens): the stages' plumbing on two ranks.
     run_training(load_config(None, tiny_run + ["trainer.num_cpu_workers=2", "ray.num_cpus=4",
                                                "actor_rollout_ref.actor.use_kl_loss=true",
-                                               "algorithm.adv_estimator=gae"]))
+                                               "algorithm.adv_estimator=gae",
+                                               "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=140"]))
     pids = {p.name: int(p.read_text()) for p in pid_dir.iterdir()}
     assert sorted(pids) == ["actor-0", "actor-1", "critic-0", "critic-1", "ref-0", "ref-1"]
     # Rank i of the reference and of the critic was built in rank i's process of the actor: as many model
@@ -167,5 +170,12 @@ def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_p
     for s in (1, 2):
         for key in ("actor/kl_loss", "critic/vf_loss", "actor/perf/cpu_memory_used_gb"):
             assert key in steps[s], key
+        # Every split after the rollout balances prompt + response tokens over the two ranks, and says how well
+        # (the old log-probs come from the rollout here: no actor forward).
+        logged = sorted(k for k in steps[s] if k.endswith("/rank_token_imbalance"))
+        assert logged == ["actor/perf/generate_sequences/rank_token_imbalance",
+                          "actor/perf/update_actor/rank_token_imbalance", "critic/perf/compute_values/rank_token_imbalance",
+                          "critic/perf/update_critic/rank_token_imbalance", "ref/perf/compute_log_prob/rank_token_imbalance"]
+        assert all(1.0 <= steps[s][k] < 1.5 for k in logged), {k: steps[s][k] for k in logged}
     assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before step 1
     assert (tmp_path / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()

@@ -134,6 +134,24 @@ def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path)
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
+def test_a_tagged_handle_is_split_by_tokens_and_logs_the_imbalance(env, two_ranks) -> None:
+    """seq_len tags (prompt + response tokens) balance the ranks' shares; the call reports the split's imbalance."""
+    from conveyor.workers.balance import imbalance, sequence_lengths, with_seq_lens
+    from conveyor.workers.group import split_for_ranks
+
+    _, _, dp = env
+    meta = _put_batch(dp, "balance", 40)
+    td = dp.kv_batch_get(meta.keys, "balance", ["prompt_mask", "response_mask"])
+    meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))
+    out = two_ranks.call(PolicyWorker.compute_log_prob,
+                         meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+    assert sorted(out.keys) == sorted(meta.keys)
+    assert {k: t["seq_len"] for k, t in zip(out.keys, out.tags)} == {k: t["seq_len"] for k, t in zip(meta.keys,
+                                                                                                      meta.tags)}
+    want = imbalance([sum(t["seq_len"] for t in c.tags) for c in split_for_ranks(meta, 2)])
+    assert out.extra_info["perf/compute_log_prob/rank_token_imbalance"] == [pytest.approx(want)] * 2
+
+
 def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -> None:
     cfg, model_path, dp = env
     meta = _put_batch(dp, "failure", 100)

@@ -61,6 +61,10 @@ FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 DENSE = ["actor_rollout_ref.model.tiny.arch=qwen3"]
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
 LP_MICRO = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"  # ranks of 4 and 3 rows: 2 and 1 passes
+# Token budgets (rows of 6 to 9 tokens): the actor's 16 packs 1 or 2 rows a pass (5 passes on one rank); the
+# critic's 9 one row a pass (4 and 3 on two ranks: the second pairs with a dropped repeat).
+DYN = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"]
+CRITIC_DYN = ["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=9"]
 # The no-grad forwards over the shards against the gathered model: name -> role, overrides, dense, with routing.
 NO_GRAD_CASES = {
     "actor-dense": ("actor", FSDP2 + [LP_MICRO], True, False),
@@ -136,6 +140,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
     # Chunks of 3: the ranks' 4 and 3 rows make 2 chunks and 1 (which the second rank pairs with a dropped repeat).
     runs["gen-shards-chunks"] = ("actor", FSDP2 + ["actor_rollout_ref.rollout.hf_whole_gather_max_gb=0",
                                                    "actor_rollout_ref.rollout.max_num_seqs=3"], False, ["generate"])
+    runs["fsdp2-dynbsz"] = ("actor", FSDP2 + DYN, False, ["log_prob", "grads"])
+    runs["fsdp2-critic-dynbsz"] = ("critic", ["critic.strategy=fsdp2"] + CRITIC_DYN, False, ["update"])
     runs["grads-R3"] = ("actor", FSDP2 + [R3], True, ["grads"])
     runs["grads-R3-ckpt"] = ("actor", FSDP2 + [R3, CKPT], True, ["grads"])
     for name, (role, overrides, dense, with_routing) in NO_GRAD_CASES.items():
@@ -393,3 +399,115 @@ def test_r3_replay_holds_in_the_checkpointed_recompute(model_path: str, batches)
     native = _update_grads(load_config(None, BASE), model_path, fields)
     router = next(k for k in plain if "gate" in k and "mlp" in k)
     assert not torch.allclose(native[router], plain[router], atol=1e-5), "replay must change the gradients"
+
+
+def _plane_meta(fields: dict, extra: dict):
+    plane = make_data_plane("memory")
+    return plane, plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields).with_extra_info(**extra)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_token_budget_update_takes_the_fixed_micro_batch_gradient(model_path: str, batches, replay: bool) -> None:
+    """Micro-batches of at most 16 tokens (5 passes of 1 or 2 rows, regrouped, their padding columns dropped, with
+    the routing they replay under R3) against 3 rows a pass: the same gradient."""
+    from conveyor.workers.batching import TokenBudget, plan_micro_batches, take
+    from tensordict import TensorDict
+
+    fields = batches[replay]
+    budgeted = plan_micro_batches(fields["prompt_mask"], fields["response_mask"], 3, TokenBudget(16, "k"))
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")}, batch_size=[B])
+    widths = [take(td, b)[0]["prompts"].shape[1] + take(td, b)[0]["responses"].shape[1] for b in budgeted]
+    assert len(budgeted) == 5 and all(len(b) * w <= 16 for b, w in zip(budgeted, widths)) and min(widths) < P + R
+    extra = [R3] if replay else []
+    fixed = _update_grads(load_config(None, BASE + extra), model_path, fields)
+    dynamic = _update_grads(load_config(None, BASE + extra + DYN), model_path, fields)
+    assert fixed.keys() == dynamic.keys() and fixed
+    assert max(float(g.abs().max()) for g in fixed.values()) > 1e-3
+    for k in fixed:
+        torch.testing.assert_close(dynamic[k], fixed[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_token_budget_critic_update_takes_the_fixed_step(model_path: str, batches) -> None:
+    want, one = _one_rank("critic", model_path, batches[False], [])
+    got, dyn = _one_rank("critic", model_path, batches[False], CRITIC_DYN)
+    _assert_same_params(got, want)
+    assert dyn["critic/vf_loss@sum"] == pytest.approx(one["critic/vf_loss@sum"], rel=1e-5)
+
+
+@pytest.mark.parametrize("impl,replay", [("hf", False), ("lean", False), ("hf", True)])
+def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: str, batches, impl: str,
+                                                                    replay: bool) -> None:
+    """Old log-probs and entropy, reference log-probs and values, with micro-batches of at most 9 or 16 tokens
+    (one or two rows each, not in row order, without their padding columns), equal the fixed micro-batches' at the
+    same keys; under R3, replaying the rollout's routing over the kept columns."""
+    from conveyor.workers.reference import ReferenceWorker
+    from conveyor.workers.settings import reference_settings
+
+    fields = batches[replay]
+    entropy_call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
+    budget = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9",
+              "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=16", "critic.use_dynamic_bsz=true",
+              "critic.forward_max_token_len_per_gpu=9"]
+    out = {}
+    for name, overrides in (("fixed", []), ("budget", budget)):
+        cfg = load_config(None, BASE + overrides + [f"actor_rollout_ref.model.forward_impl={impl}"]
+                          + ([R3] if replay else []))
+        plane, meta = _plane_meta(fields, entropy_call)
+        _actor(cfg, model_path=model_path, data_plane=plane).compute_log_prob(meta)
+        ReferenceWorker(reference_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path,
+                        data_plane=plane).compute_log_prob(meta)
+        _critic(cfg, model_path=model_path, data_plane=plane).compute_values(meta)
+        out[name] = plane.kv_batch_get(meta.keys, "p", ["old_log_probs", "entropy", "ref_log_prob", "values"])
+    for key in ("old_log_probs", "entropy", "ref_log_prob", "values"):
+        want = out["fixed"][key]
+        if key != "values":  # the value head starts at zero
+            assert want.abs().sum() > 0, key
+        torch.testing.assert_close(out["budget"][key], want, atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_a_sequence_longer_than_the_token_budget_names_the_key(model_path: str, batches) -> None:
+    cfg = load_config(None, BASE + ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8"])
+    plane, meta = _plane_meta(batches[False], UPDATE)
+    worker = _actor(cfg, model_path=model_path, data_plane=plane)
+    key = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    with pytest.raises(ValueError, match=f"a sequence of 9 tokens .* exceeds {key}=8; set {key} to at least 9"):
+        worker.update_actor(meta)
+    # The old-log-prob forward's own key when it is set, else the actor's that it defaults to.
+    with pytest.raises(ValueError, match=key):
+        worker.compute_log_prob(meta.with_extra_info(**LOG_PROB))
+    cfg = load_config(None, BASE + ["critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=8"])
+    critic = _critic(cfg, model_path=model_path, data_plane=plane)
+    with pytest.raises(ValueError, match="critic.forward_max_token_len_per_gpu=8"):
+        critic.compute_values(meta)
+
+
+def test_token_budget_under_two_fsdp2_ranks_takes_the_one_rank_step(model_path: str, batches, ranks) -> None:
+    """Two fsdp2 ranks, token-budget micro-batches (the critic's: 4 and 3 passes, the second rank's count agreed up
+    with a dropped repeat): the one-rank fixed micro-batches' gradient, log-probs and step."""
+    fields = batches[False]
+    out = ranks["fsdp2-dynbsz"]
+    got = torch.cat([torch.load(out / f"log_probs_{r}.pt", weights_only=True) for r in range(2)])
+    torch.testing.assert_close(got, fields["old_log_probs"], atol=1e-5, rtol=0)
+    fixed = _update_grads(load_config(None, BASE), model_path, fields)
+    grads = torch.load(out / "grads.pt", weights_only=True)
+    assert grads.keys() == fixed.keys()
+    for k in fixed:
+        torch.testing.assert_close(grads[k], fixed[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    want, _ = _one_rank("critic", model_path, fields, [])
+    _assert_same_params(torch.load(ranks["fsdp2-critic-dynbsz"] / "params.pt", weights_only=True), want)
+
+
+def test_token_budget_routing_agreement_is_the_fixed_one(model_path: str, batches) -> None:
+    """The routing-agreement forward over token-budget micro-batches (columns trimmed) agrees as the fixed one does."""
+    got = {}
+    for name, overrides in (("fixed", []), ("budget", ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                                                       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9"])):
+        plane, meta = _plane_meta(batches[True], {})
+        info = _actor(load_config(None, BASE + overrides), model_path=model_path,
+                      data_plane=plane).compute_routing_agreement(meta).extra_info
+        got[name] = (info["actor/moe/routing_agreement@sum"], info["actor/moe/routing_agreement@count"])
+    assert got["budget"][1] == got["fixed"][1] > 0
+    assert got["budget"][0] == pytest.approx(got["fixed"][0], rel=1e-6)
