@@ -8,7 +8,6 @@ fixture) that imported torch, transformers and conveyor once, instead of each im
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_server import CliServer
 from conveyor.cli import main
 from conveyor.config import Config, config_to_dict
 
@@ -28,23 +28,9 @@ def run_cli(tmp_path_factory: pytest.TempPathFactory):
     """`run_cli(*ARGS, cwd=ROOT)`: `python -m conveyor.cli ARGS` in a fresh child process, as a user would run it."""
     env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_DEBUG"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    log = tmp_path_factory.mktemp("cli-server") / "stderr"
-    with open(log, "w") as err:
-        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_server.py"))], cwd=ROOT, env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-
-    def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-        server.stdin.write(json.dumps({"args": list(args), "cwd": str(cwd), "timeout": 120}) + "\n")
-        server.stdin.flush()
-        answer = server.stdout.readline()
-        assert answer, f"the cli server exited with {server.poll()}: {log.read_text()[-3000:]}"
-        done = json.loads(answer)
-        return subprocess.CompletedProcess([sys.executable, "-m", "conveyor.cli", *args], done["returncode"],
-                                           done["stdout"], done["stderr"])
-
-    yield run
-    server.stdin.close()
-    server.wait(timeout=60)
+    server = CliServer(ROOT, env, tmp_path_factory.mktemp("cli-server") / "stderr")
+    yield server.run
+    server.close()
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
