@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -250,7 +251,9 @@ def rel() -> Any:
     """This module's helpers for the test modules (a conftest cannot be imported by name reliably)."""
     yield _THIS
     while _SERVER:
-        _SERVER.pop().close()
+        server = _SERVER.pop()
+        server.close()
+        shutil.rmtree(server.log.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
