@@ -38,6 +38,12 @@ TINY_RUN = [
 ]
 
 
+@pytest.fixture(scope="session")
+def tiny_run_base():
+    """The tiny run's overrides without a run directory (for a run that a module's tests share)."""
+    return list(TINY_RUN)
+
+
 @pytest.fixture
 def tiny_run(tmp_path):
     """Overrides for a tiny run writing into tmp_path."""

@@ -1,4 +1,9 @@
-"""Tests of the `conveyor` command as a user runs it: real subprocesses, exit statuses and error output."""
+"""Tests of the `conveyor` command as a user runs it: real subprocesses, exit statuses and error output.
+
+Each `run_cli` is a child process running `python -m conveyor.cli ARGS`'s module as `__main__`, with its own
+stdout, stderr and exit status; the children are forked from one server (`cli_server.py`, the `run_cli`
+fixture) that imported torch, transformers and conveyor once, instead of each importing them again (~10 s).
+"""
 
 from __future__ import annotations
 
@@ -11,19 +16,21 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_server import CliServer
 from conveyor.cli import main
 from conveyor.config import Config, config_to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run `python -m conveyor.cli ARGS` in a fresh process, as a user would."""
+@pytest.fixture(scope="module")
+def run_cli(tmp_path_factory: pytest.TempPathFactory):
+    """`run_cli(*ARGS, cwd=ROOT)`: `python -m conveyor.cli ARGS` in a fresh child process, as a user would run it."""
     env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_DEBUG"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-m", "conveyor.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
-    )
+    server = CliServer(ROOT, env, tmp_path_factory.mktemp("cli-server") / "stderr")
+    yield server.run
+    server.close()
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -35,7 +42,7 @@ def assert_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> None
         assert needle in proc.stderr
 
 
-def test_config_prints_yaml_that_parses() -> None:
+def test_config_prints_yaml_that_parses(run_cli) -> None:
     proc = run_cli("config", "actor_rollout_ref.rollout.temperature=0.7", "trainer.logger=[console]")
     assert proc.returncode == 0, proc.stderr
     data = yaml.safe_load(proc.stdout)
@@ -47,7 +54,7 @@ def test_config_prints_yaml_that_parses() -> None:
     assert data == expected
 
 
-def test_config_describe_has_comments(tmp_path: Path) -> None:
+def test_config_describe_has_comments(run_cli, tmp_path: Path) -> None:
     proc = run_cli("config", "--describe")
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -60,7 +67,7 @@ def test_config_describe_has_comments(tmp_path: Path) -> None:
     assert again.returncode == 0 and yaml.safe_load(again.stdout) == config_to_dict(Config())
 
 
-def test_config_file_and_overrides(tmp_path: Path) -> None:
+def test_config_file_and_overrides(run_cli, tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("trainer:\n  total_training_steps: 7\n  experiment_name: mine\n")
     proc = run_cli("config", "--config", str(path), "trainer.total_training_steps=9")
@@ -69,25 +76,25 @@ def test_config_file_and_overrides(tmp_path: Path) -> None:
     assert data["trainer"]["total_training_steps"] == 9 and data["trainer"]["experiment_name"] == "mine"
 
 
-def test_bad_override_is_a_one_line_error() -> None:
+def test_bad_override_is_a_one_line_error(run_cli) -> None:
     proc = run_cli("config", "trainer.totl_training_steps=3")
     assert_usage_error(proc, "trainer.totl_training_steps", "did you mean trainer.total_training_steps")
     assert proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_removed_key_is_an_error() -> None:
+def test_removed_key_is_an_error(run_cli) -> None:
     proc = run_cli("config", "actor_rollout_ref.rollout.moe_load_balance_monitor_interval=5")
     assert_usage_error(proc, "actor_rollout_ref.rollout.moe_load_balance_metrics_interval")
 
 
-def test_missing_config_file(tmp_path: Path) -> None:
+def test_missing_config_file(run_cli, tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     proc = run_cli("config", "--config", str(missing))
     assert_usage_error(proc, str(missing), "no such file")
 
 
-def test_train_with_bad_config_fails_before_training() -> None:
+def test_train_with_bad_config_fails_before_training(run_cli) -> None:
     proc = run_cli("train", "actor_rollout_ref.actor.optim.lr=-1")
     assert_usage_error(proc, "actor_rollout_ref.actor.optim.lr")
 
@@ -101,7 +108,7 @@ def _has_module(name: str) -> bool:
 
 
 @pytest.mark.parametrize(("command", "module"), [("plot", "conveyor.metrics.plots"), ("show", "conveyor.metrics.dumps")])
-def test_missing_run_dir(tmp_path: Path, command: str, module: str) -> None:
+def test_missing_run_dir(run_cli, tmp_path: Path, command: str, module: str) -> None:
     if not _has_module(module):
         pytest.skip(f"{module} (behind `conveyor {command}`) is not written yet")
     missing = tmp_path / "no-such-run"
@@ -124,13 +131,13 @@ def test_debug_env_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
         main(["config", "nonsense=1"])
 
 
-def test_argparse_usage_errors_exit_2() -> None:
+def test_argparse_usage_errors_exit_2(run_cli) -> None:
     proc = run_cli("config", "--no-such-flag")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "unrecognized arguments" in proc.stderr
 
 
-def test_lean_forward_on_a_model_it_cannot_run_is_a_usage_error(tmp_path: Path) -> None:
+def test_lean_forward_on_a_model_it_cannot_run_is_a_usage_error(run_cli, tmp_path: Path) -> None:
     proc = run_cli(
         "train", "actor_rollout_ref.model.tiny.arch=mixtral", "actor_rollout_ref.model.forward_impl=lean",
         "actor_rollout_ref.model.tiny.warmstart_steps=0", "trainer.total_training_steps=1",
@@ -143,7 +150,7 @@ def test_lean_forward_on_a_model_it_cannot_run_is_a_usage_error(tmp_path: Path) 
     assert "MixtralForCausalLM" in last and "set it to auto or hf" in last
 
 
-def test_config_file_may_stand_among_the_overrides(tmp_path: Path) -> None:
+def test_config_file_may_stand_among_the_overrides(run_cli, tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("trainer:\n  total_training_steps: 7\n  experiment_name: mine\n")
     proc = run_cli("config", "data.seed=5", "--config", str(path), "trainer.total_training_steps=9")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -102,28 +104,42 @@ open(sys.argv[2], "w").write(json.dumps(results))
 def run_cases_in_one_process(cases: dict[str, list[str]], tmp: Path, timeout: float = 600) -> dict[str, dict]:
     """Each case's `conveyor` arguments through the command's entry point, one after another in one child process.
 
-    The model stack is imported once for all of them. The child runs in `tmp`
-    (a relative run directory lands there) with stdin closed, as under a
+    The model stack is imported once for all of them (the child is forked from
+    the server of `run_cli`, which has imported it already). The child runs in
+    `tmp` (a relative run directory lands there) with stdin closed, as under a
     scheduler: nothing may wait for an answer. Returns case -> {"status",
     "stdout", "stderr"}.
     """
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "driver.py").write_text(_CASES_DRIVER)
-    proc = subprocess.run([sys.executable, str(tmp / "driver.py"), str(tmp / "cases.json"), str(tmp / "results.json")],
-                          cwd=tmp, env=cli_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = _cli_server().run(str(tmp / "cases.json"), str(tmp / "results.json"), script=tmp / "driver.py", cwd=tmp,
+                             timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp / "results.json").read_text())
     assert results.keys() == cases.keys()
     return results
 
 
+_SERVER: list = []  # the session's CliServer, started on first use
+
+
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python -m conveyor.cli ARGS` to completion, output captured as text."""
-    return subprocess.run(
-        [sys.executable, "-m", "conveyor.cli", *args],
-        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout,
-    )
+    """`python -m conveyor.cli ARGS` to completion in a fresh child process, output captured as text.
+
+    The child is forked from a server that imported the stack once (tests/cli_server.py): a `conveyor train`
+    spends ~6 s importing it. It runs the command's module as `__main__` in its own process, with its own
+    stdout, stderr and exit status, and its stdin closed; a child still running after `timeout` seconds is killed
+    (status -9).
+    """
+    return _cli_server().run(*args, timeout=timeout)
+
+
+def _cli_server():
+    if not _SERVER:
+        from cli_server import CliServer
+
+        _SERVER.append(CliServer(ROOT, cli_env(), Path(tempfile.mkdtemp(prefix="cli-server-")) / "stderr"))
+    return _SERVER[0]
 
 
 def train_args(run_dir: Path, *extra: str) -> list[str]:
@@ -233,7 +249,11 @@ def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps: range |
 @pytest.fixture(scope="session")
 def rel() -> Any:
     """This module's helpers for the test modules (a conftest cannot be imported by name reliably)."""
-    return _THIS
+    yield _THIS
+    while _SERVER:
+        server = _SERVER.pop()
+        server.close()
+        shutil.rmtree(server.log.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -262,11 +260,9 @@ def test_a_checkpoint_that_ships_code_is_refused_without_asking(rel, tmp_path: P
     }))
     (model / "custom_lm.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "conveyor.cli", "train", f"actor_rollout_ref.model.path={model}",
-         f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.progress_bar=false"],
-        cwd=rel.ROOT, env=rel.cli_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-    )
+    # The child's stdin is closed (rel.run_cli), as under a scheduler: a prompt would find no answer.
+    proc = rel.run_cli("train", f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run_dir}",
+                       "trainer.logger=[jsonl]", "trainer.progress_bar=false", timeout=120)
     rel.assert_usage_error(proc.returncode, proc.stderr, ("custom_model", "auto_map",
                                                           "actor_rollout_ref.model.trust_remote_code=true"))
     assert "[y/N]" not in proc.stdout + proc.stderr

@@ -84,10 +84,18 @@ def test_no_trained_sample_is_more_than_k_versions_old(tmp_path, tiny_run, k, st
         assert 0.0 <= rows[steps][key] <= 1.0
 
 
-def test_off_policy_training_logs_the_importance_weights(tmp_path, tiny_run):
-    metrics, _ = _run(tmp_path, tiny_run, "run", [ASYNC, "trainer.total_training_steps=3",
-                                                  "trainer.v1.sampler.max_off_policy_threshold=1"])
-    last = metrics[-1]
+@pytest.fixture(scope="module")
+def off_policy_r3_run(tiny_run_base, tmp_path_factory) -> list[dict]:
+    """The metrics of one 3-step run at k = 1 with R3 and the load-balance metrics, which two tests check."""
+    metrics, _ = _run(tmp_path_factory.mktemp("off-policy-r3"), tiny_run_base, "run", [
+        ASYNC, "trainer.total_training_steps=3", "trainer.v1.sampler.max_off_policy_threshold=1",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    return metrics
+
+
+def test_off_policy_training_logs_the_importance_weights(off_policy_r3_run):
+    last = off_policy_r3_run[-1]
     # The decoupled objective's behaviour weights (token level) and the staleness they correct.
     assert any(k.startswith("rollout_corr/") for k in last)
     assert last["off_policy/staleness_mean"] == 1.0
@@ -217,12 +225,9 @@ def test_the_rollout_process_does_not_outlive_a_killed_trainer(tmp_path, tiny_ru
             parent.kill()
 
 
-def test_routed_experts_come_back_with_their_tokens_for_replay_and_the_load_balance_metrics(tmp_path, tiny_run):
+def test_routed_experts_come_back_with_their_tokens_for_replay_and_the_load_balance_metrics(off_policy_r3_run):
     # R3 replays, in the update, the experts the rollout process recorded with the (older) generating weights.
-    metrics, _ = _run(tmp_path, tiny_run, "run", [
-        ASYNC, "trainer.total_training_steps=3", "actor_rollout_ref.actor.router_replay.mode=R3",
-        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
-    for row in metrics[1:]:
+    for row in off_policy_r3_run[1:]:
         assert row["rollout/moe/routed_experts_found"] == 1.0
         assert row["rollout/moe/routing_from_trainer_forward"] == 0.0
         assert 0.0 < row["actor/moe/routing_agreement"] <= 1.0

@@ -110,35 +110,16 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_unt
         ray.shutdown()
 
 
-def test_two_simulated_nodes(tiny_run, tmp_path, caplog) -> None:
+@pytest.fixture(scope="module")
+def two_node_run(tiny_run_base: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run that two tests check (a Ray run costs ~25 s here, nearly all of it starting processes): the tiny run
+    on two simulated nodes with a KL loss (the reference role) and GAE (the critic role), each rank's worker of
+    every model role recording the pid of the process that built it."""
+    import conveyor.workers.roles as roles
     from ray.cluster_utils import Cluster
 
-    assert not ray.is_initialized()
-    caplog.set_level(logging.INFO, logger="conveyor")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes()
-        # A KL loss brings the reference role: its ranks live in the actor's processes.
-        cfg = load_config(None, tiny_run + ["trainer.nnodes=2", f"ray.address={cluster.address}",
-                                            "actor_rollout_ref.actor.use_kl_loss=true"])
-        run_training(cfg)
-        _assert_trained_two_steps(tmp_path)
-        assert all("actor/kl_loss" in row for row in _steps(tmp_path).values() if row["step"] > 0)
-        # One process per node, hosting that rank of the actor and of the reference: the placement spread the
-        # bundles over both nodes.
-        messages = [r.getMessage() for r in caplog.records]
-        assert "actor+ref: 2 rank(s) on 2 node(s), one process per rank" in messages
-        assert not ray.is_initialized()  # run_training connected, so it disconnected
-    finally:
-        cluster.shutdown()
-
-
-def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_process_per_rank(
-        tiny_run, tmp_path, monkeypatch) -> None:
-    import conveyor.workers.roles as roles
-
-    pid_dir = tmp_path / "pids"
+    tmp = tmp_path_factory.mktemp("two-nodes")
+    run_dir, pid_dir = tmp / "run", tmp / "pids"
     pid_dir.mkdir()
 
     def recording(base, role):
@@ -150,23 +131,59 @@ def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_p
 
         return WithPid
 
-    for name, role in (("PolicyWorker", "actor"), ("ReferenceWorker", "ref"), ("CriticWorker", "critic")):
-        monkeypatch.setattr(roles, name, recording(getattr(roles, name), role))
     assert not ray.is_initialized()
-    # Token budgets on (every role's forwards fill micro-batches by tokens): the stages' plumbing on two ranks.
-    run_training(load_config(None, tiny_run + ["trainer.num_cpu_workers=2", "ray.num_cpus=4",
-                                               "actor_rollout_ref.actor.use_kl_loss=true",
-                                               "algorithm.adv_estimator=gae",
-                                               "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=140"]))
-    pids = {p.name: int(p.read_text()) for p in pid_dir.iterdir()}
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("conveyor")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, role in (("PolicyWorker", "actor"), ("ReferenceWorker", "ref"), ("CriticWorker", "critic")):
+            mp.setattr(roles, name, recording(getattr(roles, name), role))
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=2)
+            cluster.wait_for_nodes()
+            run_training(load_config(None, tiny_run_base + [f"trainer.default_local_dir={run_dir}", "trainer.nnodes=2",
+                                                       f"ray.address={cluster.address}",
+                                                       "actor_rollout_ref.actor.use_kl_loss=true",
+                                                       "algorithm.adv_estimator=gae",
+                                                       # Token budgets on (every role's forwards fill micro-batches
+                                                       # by tokens): the stages' plumbing on two ranks.
+                                                       "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=140"]))
+            still_connected = ray.is_initialized()
+        finally:
+            cluster.shutdown()
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+    return {"run_dir": run_dir, "messages": [r.getMessage() for r in records], "still_connected": still_connected,
+            "pids": {p.name: int(p.read_text()) for p in pid_dir.iterdir()}}
+
+
+def test_two_simulated_nodes(two_node_run) -> None:
+    run_dir = two_node_run["run_dir"]
+    _assert_trained_two_steps(run_dir)
+    assert all("actor/kl_loss" in row for row in _steps(run_dir).values() if row["step"] > 0)
+    # One process per node, hosting that rank of the actor, of the reference and of the critic: the placement
+    # spread the bundles over both nodes.
+    assert "actor+ref+critic: 2 rank(s) on 2 node(s), one process per rank" in two_node_run["messages"], \
+        [m for m in two_node_run["messages"] if "rank(s)" in m]
+    assert not two_node_run["still_connected"]  # run_training connected, so it disconnected
+
+
+def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_process_per_rank(two_node_run) -> None:
+    # The two-node run above: a KL loss and GAE bring the reference and the critic next to the actor.
+    pids = two_node_run["pids"]
     assert sorted(pids) == ["actor-0", "actor-1", "critic-0", "critic-1", "ref-0", "ref-1"]
     # Rank i of the reference and of the critic was built in rank i's process of the actor: as many model
     # processes as ranks.
     for rank in (0, 1):
         assert pids[f"ref-{rank}"] == pids[f"critic-{rank}"] == pids[f"actor-{rank}"]
     assert len(set(pids.values())) == 2
-    steps = _steps(tmp_path)
+    steps = _steps(two_node_run["run_dir"])
     for s in (1, 2):
         for key in ("actor/kl_loss", "critic/vf_loss", "actor/perf/cpu_memory_used_gb"):
             assert key in steps[s], key
@@ -178,4 +195,4 @@ def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_p
                           "critic/perf/update_critic/rank_token_imbalance", "ref/perf/compute_log_prob/rank_token_imbalance"]
         assert all(1.0 <= steps[s][k] < 1.5 for k in logged), {k: steps[s][k] for k in logged}
     assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before step 1
-    assert (tmp_path / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()
+    assert (two_node_run["run_dir"] / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()
