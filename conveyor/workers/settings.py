@@ -52,6 +52,8 @@ class ActorSettings:
     rejection: tuple[tuple[str, float | None, float], ...]  # rollout_rs options as (option, lower, upper)
     loss_scale_factor: float  # seq-mean-token-sum-norm divisor
     max_model_len: int | None  # the vllm engine's (None: another engine)
+    serves_reference: bool = False  # LoRA: the actor also writes ref_log_prob, with its adapters disabled
+    ref: Any = None  # actor_rollout_ref.ref when it serves the reference (its micro-batch size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,8 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
         rejection=tuple(tuple(r) for r in correction.rejection()),
         loss_scale_factor=plan.actor_loss_scale,
         max_model_len=plan.vllm_max_model_len,
+        serves_reference=plan.reference_from_actor,
+        ref=copy.deepcopy(arr.ref) if plan.reference_from_actor else None,
     )
 
 
