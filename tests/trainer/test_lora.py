@@ -149,3 +149,29 @@ def test_lora_export_loads_back(tiny_run, tmp_path, adapter_only):
             assert not any("lora" in k for k in loaded.state_dict())
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_asynchronous_lora_at_k0_is_the_synchronous_run(tmp_path, tiny_run):
+    """The rollout process gets the adapters alone after each update; at k=0 the run is the synchronous one exactly."""
+    import json
+
+    from conveyor.trainer.export import export_hf
+    from conveyor.trainer.run import run_training
+    from safetensors.torch import load_file
+
+    base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")] + LORA + [
+        "trainer.total_training_steps=3", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+    rows, weights = {}, {}
+    for name, extra in (("sync", []), ("async", ["trainer.v1.trainer_mode=separate_async",
+                                                 "trainer.v1.sampler.max_off_policy_threshold=0"])):
+        run_dir = tmp_path / name
+        run_training(load_config(None, base + extra + [f"trainer.default_local_dir={run_dir}"]))
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        measured = ("timing_s/", "perf/", "gen_time_s", "weight_sync_s", "off_policy/")  # clocks and memory
+        rows[name] = [{k: v for k, v in json.loads(x).items() if not any(m in k for m in measured)} for x in lines]
+        out = export_hf(run_dir, tmp_path / f"hf-{name}")
+        weights[name] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert [r["step"] for r in rows["sync"]] == [0, 1, 2, 3]
+    assert rows["sync"] == rows["async"]
+    assert weights["sync"].keys() == weights["async"].keys()
+    assert all(torch.equal(weights["sync"][k], weights["async"][k]) for k in weights["sync"])
