@@ -53,6 +53,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     ex.add_argument("run_dir")
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     ex.add_argument("--out", required=True, help="a new directory to write")
+    ex.add_argument("--adapter-only", action="store_true",
+                    help="a LoRA run: write the adapter in PEFT's format instead of the merged model")
 
     w = sub.add_parser("warmstart", help="build the tiny model's supervised warm start (done on first use anyway)")
     _add_config_args(w)
@@ -112,7 +114,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from conveyor.trainer.export import export_hf
 
-    print(export_hf(args.run_dir, args.out, step=args.step))
+    print(export_hf(args.run_dir, args.out, step=args.step, adapter_only=args.adapter_only))
     return 0
 
 

@@ -98,6 +98,10 @@ def _lookup(data: Any, path: str) -> Any:
     return node
 
 
+# Keys that take a name or a list of names: `[a,b]` from the command line arrives as one string.
+_NAME_OR_LIST_KEYS = frozenset({"target_modules"})
+
+
 def _prepare(data: Any, cls: Any, prefix: str) -> Any:
     """Refuse removed keys and values given for sections; a section given null is its defaults.
 
@@ -119,6 +123,9 @@ def _prepare(data: Any, cls: Any, prefix: str) -> Any:
                 raise ConfigError(f"{path}: expected a mapping of keys, got {type(value).__name__} {value!r}")
         elif (t is list or typing.get_origin(t) is list) and isinstance(value, str) and "${" not in value:
             value = [v.strip() for v in value.split(",") if v.strip()]
+        elif key in _NAME_OR_LIST_KEYS and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+            # A key that takes a name or a list (model.target_modules): `[a,b]` from the command line is the list.
+            value = [v.strip() for v in value[1:-1].split(",") if v.strip()]
         out[key] = _prepare(value, t, path + ".")
     return out
 

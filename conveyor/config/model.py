@@ -7,7 +7,7 @@ architectures, which are read from there (`TINY_ARCHS`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from conveyor.config.fields import F, S, check, registry
 
@@ -75,4 +75,21 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = F(
         False, "recompute activations in the backward instead of keeping them (actor and critic): less memory, "
         "about a third more compute", resume_neutral=True)
+    lora_rank: int = F(0, "rank of the LoRA adapters the actor trains instead of its weights (PEFT); 0 = off "
+                       "(full fine-tuning). With it on, the reference is the actor with its adapters disabled",
+                       ge=0, hint="0 = off")
+    lora_alpha: float = F(16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank",
+                          gt=0)
+    target_modules: Any = F(
+        "all-linear", "the layers that get adapters: all-linear (every linear layer but the LM head and the MoE "
+        "router; not the fused experts) or a list of module names (e.g. [q_proj,v_proj]); the name experts "
+        "adds adapters to every expert of each MoE layer (PEFT's target_parameters on the fused tensors)")
     tiny: TinyModelConfig = S(TinyModelConfig, "the built-in tiny model")
+
+    def validate(self, prefix: str) -> None:
+        """target_modules is all-linear or a non-empty list of module names."""
+        t = self.target_modules
+        ok = t == "all-linear" or (isinstance(t, (list, tuple)) and len(t) > 0
+                                   and all(isinstance(x, str) and x for x in t))
+        check(ok, f"{prefix}.target_modules",
+              f"must be all-linear or a list of module names such as [q_proj,k_proj,v_proj,o_proj], got {t!r}")

@@ -70,6 +70,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "the model has attention dropout"
     if _checkpointing(model):
         return "gradient checkpointing is on"
+    if any(hasattr(m, "lora_A") for m in model.modules()):
+        # The lean forward reads the projections' weights directly, which would skip the adapters.
+        return "the model has LoRA adapters"
     return _layer_reason(model)
 
 

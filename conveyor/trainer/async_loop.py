@@ -162,7 +162,14 @@ class _Inbox:
     def load(self, msg: tuple) -> None:
         """Put a ("weights", version, tensors) message's weights into the model."""
         _, self.version, packed = msg
-        self.model.load_state_dict(from_wire(packed))
+        state = from_wire(packed)
+        from conveyor.models.lora import is_adapter_key
+
+        # LoRA sends the adapters alone (the base weights never change): the rest of the model stays as loaded.
+        adapters = bool(state) and all(is_adapter_key(k) for k in state)
+        result = self.model.load_state_dict(state, strict=not adapters)
+        if adapters and result.unexpected_keys:
+            raise ValueError(f"the rollout process's model has no adapter tensors {result.unexpected_keys[:3]}")
 
     def apply_newer_weights(self, sampled: int) -> bool:
         """Load the newest weights waiting, if any (True: the generation continues with them)."""

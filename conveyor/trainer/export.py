@@ -7,6 +7,10 @@ group, no unpickling), and writes `config.json`, safetensors weights and the
 tokenizer (with its chat template) into a new directory that
 `AutoModelForCausalLM.from_pretrained` and serving engines load directly.
 
+A LoRA run's checkpoint holds the adapters and the path of the base
+checkpoint they adapt (PEFT's `adapter_config.json`): export merges them into
+the base weights, or with `adapter_only` writes the adapter in PEFT's format.
+
 It deliberately exports only the policy: the critic's value head and the
 optimizer state stay in the checkpoint.
 """
@@ -37,8 +41,31 @@ def _choose_checkpoint(run_dir: Path, step: int | None) -> Path:
     return by_step[step]
 
 
-def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Write the actor of `run_dir`'s newest checkpoint (or of `step`) to `out` as a Hugging Face checkpoint."""
+def _lora_model(actor_dir: Path, config, dtype) -> tuple:
+    """A LoRA checkpoint's base model (from the path its adapter_config.json names) with the adapters loaded."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.workers.shards import load_model_weights
+
+    lora = LoraConfig.from_pretrained(str(actor_dir))
+    base = lora.base_model_name_or_path
+    if not base or not Path(base).is_dir():
+        raise ValueError(f"{actor_dir} holds LoRA adapters over the base checkpoint {base!r}, which is not a "
+                         "directory here: the base weights are not in the checkpoint; make that path available")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=False)
+    lora.inference_mode = False
+    peft_model = get_peft_model(model, lora)
+    load_model_weights(actor_dir, model, adapters_only=True)
+    return peft_model, model
+
+
+def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, adapter_only: bool = False) -> Path:
+    """Write the actor of `run_dir`'s newest checkpoint (or of `step`) to `out` as a Hugging Face checkpoint.
+
+    A LoRA run's checkpoint holds adapters only: by default they are merged into the base model (a plain
+    checkpoint); `adapter_only` writes the adapter in PEFT's format instead (`PeftModel.from_pretrained`).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from conveyor.workers.shards import load_model_weights
@@ -54,8 +81,17 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     if "actor" not in parts or not (hf / "config.json").is_file():
         raise ValueError(f"checkpoint {path} lacks the actor's shards or hf/config.json; it cannot be exported")
     config = AutoConfig.from_pretrained(str(hf), trust_remote_code=False)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
-    load_model_weights(parts["actor"], model)
+    actor_dir = Path(parts["actor"])
+    is_lora = (actor_dir / "adapter_config.json").is_file()
+    if adapter_only and not is_lora:
+        raise ValueError(f"--adapter-only: checkpoint {path} is a full fine-tuning run's (no LoRA adapters, "
+                         "actor_rollout_ref.model.lora_rank was 0); export it without --adapter-only")
+    if is_lora:
+        peft_model, _ = _lora_model(actor_dir, config, getattr(config, "dtype", None))
+        model = peft_model if adapter_only else peft_model.merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
+        load_model_weights(parts["actor"], model)
     tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed into place: an interrupted export leaves no half directory.

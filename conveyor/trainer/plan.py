@@ -31,7 +31,9 @@ The rules:
 - importance weights: `algorithm.rollout_correction.rollout_is`, or token
   level when null and the run is off-policy.
 - critic: `critic.enable`, or when null, whether the estimator needs values;
-  reference: whether a KL term (loss or reward) is on.
+  reference: whether a KL term (loss or reward) is on; with LoRA on
+  (`actor_rollout_ref.model.lora_rank > 0`) it is the actor with its adapters
+  disabled, and no reference model is built.
 - loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
   the critic's own, else the actor's.
 
@@ -79,6 +81,7 @@ class RunPlan:
     off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
     use_critic: bool
     use_reference: bool
+    reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
     actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
     critic_loss_scale: float  # and of the critic's
     vllm_max_model_len: int | None  # the longest sequence the vllm engine holds (None: another engine)
@@ -216,6 +219,15 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         kinds = [k for k, on in (("use_kl_loss", actor.use_kl_loss), ("use_kl_in_reward", algo.use_kl_in_reward))
                  if on]
         why.append(f"reference policy: on ({', '.join(kinds)})")
+    # LoRA trains adapters over frozen weights: those weights are the reference, so no second model is built.
+    reference_from_actor = use_reference and arr.model.lora_rank > 0
+    if reference_from_actor:
+        why.append(f"reference policy: the actor with its LoRA adapters disabled (actor_rollout_ref.model.lora_rank="
+                   f"{arr.model.lora_rank}: the base weights are frozen), no reference model built")
+    if arr.model.lora_rank > 0:
+        why.append(f"LoRA: rank {arr.model.lora_rank}, alpha {arr.model.lora_alpha:g}, target_modules="
+                   f"{arr.model.target_modules}; only the adapters train"
+                   + ("; the vllm engine gets the merged weights after every update" if ro.name == "vllm" else ""))
     # A constant, not the micro-batch's padded width as in verl: the loss of a sequence must not
     # depend on which sequences it was padded next to.
     actor_scale = float(actor.loss_scale_factor or cfg.data.max_response_length)
@@ -231,6 +243,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         rollout_captures_routing=capture, forward_records_routing=record,
         forward_replays_routing=moe and replay == "R3", update_replays_routing=moe and replay in ("R2", "R3"),
         load_balance_from_forward=from_forward, rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None,
-        off_policy=off_policy, use_critic=use_critic, use_reference=use_reference, actor_loss_scale=actor_scale,
+        off_policy=off_policy, use_critic=use_critic, use_reference=use_reference,
+        reference_from_actor=reference_from_actor, actor_loss_scale=actor_scale,
         critic_loss_scale=critic_scale, vllm_max_model_len=max_model_len, decisions=tuple(why),
     )

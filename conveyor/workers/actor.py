@@ -97,8 +97,19 @@ class PolicyWorker(CheckpointEndpoints):
             raise ValueError(f"actor_rollout_ref.model: the run plan records or replays MoE routing, but "
                              f"{type(self.model).__name__} has no MoE layers conveyor can route; set "
                              "actor_rollout_ref.actor.router_replay.mode=disabled")
+        # LoRA: adapters injected in place, before the strategy wraps the model (fsdp2 shards them with their
+        # layer; on rank 0 of a rank-0 load they are initialised and sent with the base weights).
+        self.peft = None
+        if m.lora_rank > 0:
+            from conveyor.models.lora import apply_lora
+
+            self.peft = apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
+                                   seed=settings.seed, base_model_path=model_path)
+        if settings.serves_reference and self.peft is None:
+            raise ValueError("the run plan makes the actor serve the reference, which needs "
+                             "actor_rollout_ref.model.lora_rank > 0")
         # Before wrapping: the lean forward keeps references to the model's own modules.
-        # None: the Hugging Face forward (models the lean one does not cover, or forward_impl=hf).
+        # None: the Hugging Face forward (models the lean one does not cover, LoRA, or forward_impl=hf).
         self.lean = resolve_forward_impl(m.forward_impl, self.model)
         # The worker's own step count (from its settings): the schedule must not depend on what a caller passes.
         self.trained = TrainedModel(
@@ -173,6 +184,14 @@ class PolicyWorker(CheckpointEndpoints):
             return {}
         from torch.distributed.tensor import DTensor
 
+        if self.peft is not None:
+            # LoRA: the engine serves the base model's architecture, so it gets the weights with the adapters
+            # merged in, under the base model's names (gathered whole first under fsdp2).
+            from conveyor.models.lora import merged_state_dict
+
+            with self.trained.strategy.full_params():
+                weights = list(merged_state_dict(self.model).items())
+            return {"rollout/weight_sync_s": self.rollout.sync_weights(weights, version=version)}
         # Every rank gathers every tensor (in the same order: full_tensor is a collective) for its own engine.
         weights = [(k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.model.state_dict().items()]
         return {"rollout/weight_sync_s": self.rollout.sync_weights(weights, version=version)}
@@ -329,6 +348,39 @@ class PolicyWorker(CheckpointEndpoints):
             out["routed_experts"] = routing
         self._put(meta, out)
         return self._result(meta, list(out), metrics, "old_log_prob")
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """LoRA's reference: the forward with the adapters disabled (the frozen base model); writes ref_log_prob (B, R)."""
+        assert self.peft is not None and self.settings.ref is not None, "the actor serves the reference under LoRA only"
+        begin_phase(self.device)
+        call = LogProbCall.from_extra_info(meta.extra_info)
+        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
+        # No replay: the reference's routing is its own, as the separate reference worker's is.
+        with self.peft.disable_adapter():
+            log_probs, _, _ = self.forward.no_grad_log_probs(td, self.settings.ref.log_prob_micro_batch_size_per_gpu,
+                                                             float(call.temperature), budget=self.settings.ref_budget)
+        out = {"ref_log_prob": log_probs}
+        self._put(meta, out)
+        return self._result(meta, list(out), {}, "ref")
+
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Write this rank's shards (LoRA: the adapters and their optimizer state only) under `path`."""
+        extra = super().save_checkpoint(path)
+        if self.peft is not None and self.rank == 0:
+            # PEFT's adapter_config.json (rank, alpha, targets, the base checkpoint's path): what export needs.
+            from conveyor.models.lora import ADAPTER
+
+            self.peft.peft_config[ADAPTER].save_pretrained(path)
+        return extra
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0 (LoRA: the adapters only, the rest never changes); empty elsewhere."""
+        if self.peft is None:
+            return super().model_state_dict()
+        from conveyor.models.lora import is_adapter_key
+
+        return {k: v for k, v in super().model_state_dict().items() if is_adapter_key(k)}
 
     @torch.no_grad()
     def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:

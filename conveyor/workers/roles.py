@@ -56,7 +56,7 @@ def worker_specs(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPl
     plugins = tuple(cfg.trainer.plugins)
     where = {"model_path": model_path, "data_plane": data_plane, "device": device}
     specs = {"actor": WorkerSpec("actor", PolicyWorker, {"settings": actor_settings(cfg, plan), **where}, plugins)}
-    if plan.use_reference:
+    if plan.use_reference and not plan.reference_from_actor:
         specs["ref"] = WorkerSpec("ref", ReferenceWorker, {"settings": reference_settings(cfg, plan), **where},
                                   plugins)
     if plan.use_critic:
@@ -130,11 +130,22 @@ class ActorGroup(_Role):
 
 
 class RefGroup(_Role):
-    """The frozen reference policy."""
+    """The frozen reference policy: its own worker, or (LoRA) the actor's ranks with their adapters disabled."""
+
+    def __init__(self, ranks: WorkerGroup, *, from_actor: bool = False):
+        super().__init__(ranks)
+        self.from_actor = from_actor
 
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 5 on every rank: ref_log_prob."""
+        if self.from_actor:
+            return self.ranks.call(PolicyWorker.compute_ref_log_prob, meta)
         return self.ranks.call(ReferenceWorker.compute_log_prob, meta)
+
+    def shutdown(self) -> None:
+        """Release the role's ranks (the actor's own handle releases them when they are the actor's)."""
+        if not self.from_actor:
+            self.ranks.shutdown()
 
 
 class CriticGroup(_Role):
@@ -201,9 +212,13 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
             host.close()
             raise
     ref, critic = groups.get("ref"), groups.get("critic")
+    if plan.reference_from_actor:
+        ref_group: RefGroup | None = RefGroup(groups["actor"], from_actor=True)
+    else:
+        ref_group = RefGroup(ref) if ref is not None else None
     return WorkerGroups(
         actor=ActorGroup(groups["actor"]),
-        ref=RefGroup(ref) if ref is not None else None,
+        ref=ref_group,
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
     )

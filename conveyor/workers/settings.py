@@ -56,6 +56,9 @@ class ActorSettings:
     # Token budgets of the micro-batches (None: fixed-size micro-batches of sequences).
     update_budget: TokenBudget | None = None  # actor.use_dynamic_bsz / ppo_max_token_len_per_gpu
     log_prob_budget: TokenBudget | None = None  # rollout.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu
+    serves_reference: bool = False  # LoRA: the actor also writes ref_log_prob, with its adapters disabled
+    ref: Any = None  # actor_rollout_ref.ref when it serves the reference (its micro-batch size)
+    ref_budget: TokenBudget | None = None  # and that reference forward's token budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +105,23 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
                                    **_actor_defaults(arr)),
         log_prob_budget=token_budget(arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu,
                                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", **_actor_defaults(arr)),
+        serves_reference=plan.reference_from_actor,
+        ref=copy.deepcopy(arr.ref) if plan.reference_from_actor else None,
+        ref_budget=_reference_budget(arr) if plan.reference_from_actor else None,
     )
+
+
+def _reference_budget(arr: Any) -> TokenBudget | None:
+    """The reference forward's token budget (ref.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu)."""
+    return token_budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
+                        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", **_actor_defaults(arr))
 
 
 def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:
     """The reference's settings of a run of `cfg` (the plan says whether there is one)."""
     arr = cfg.actor_rollout_ref
-    budget = token_budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
-                          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", **_actor_defaults(arr))
-    return ReferenceSettings(model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref), log_prob_budget=budget)
+    return ReferenceSettings(model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref),
+                             log_prob_budget=_reference_budget(arr))
 
 
 def critic_settings(cfg: Config, plan: RunPlan) -> CriticSettings:

@@ -112,10 +112,15 @@ def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dic
     return {"state": optim_sd["state"]}, optim_sd["param_groups"]
 
 
-def save_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Write this rank's shards of `model` (and `optimizer`) under `path`; every rank of the role calls it."""
+def save_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                trainable_only: bool = False) -> None:
+    """Write this rank's shards of `model` (and `optimizer`) under `path`; every rank of the role calls it.
+
+    `trainable_only`: the parameters that train and nothing else (LoRA: the adapters; the frozen base is
+    the checkpoint the run started from).
+    """
     path = Path(path)
-    options = StateDictOptions(ignore_frozen_params=False)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         tensors, groups = _split_optimizer(optim_sd)
@@ -128,13 +133,18 @@ def save_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         (path / _PARAM_GROUPS).write_text(json.dumps(groups))
 
 
-def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load `path` into `model` (and `optimizer`), resharding to this role's strategy and world size."""
+def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                trainable_only: bool = False) -> None:
+    """Load `path` into `model` (and `optimizer`), resharding to this role's strategy and world size.
+
+    `trainable_only`: the checkpoint holds the trained parameters only (`save_shards`); the rest is kept.
+    """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise CheckpointFormatError(f"{path} is not a sharded checkpoint (no .metadata)")
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         tensors, _ = _split_optimizer(optim_sd)
         state = {"model": model_sd, "optim": tensors}
     else:
@@ -147,16 +157,24 @@ def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         except (OSError, ValueError) as err:
             raise CheckpointFormatError(f"{groups_file}: missing or unreadable ({err})") from err
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
+                       optim_state_dict={"state": state["optim"]["state"], "param_groups": groups}, options=options)
     else:
         set_model_state_dict(model, state["model"])
 
 
-def load_model_weights(path: str | Path, model: nn.Module) -> None:
-    """Load only the model weights of a sharded checkpoint into a plain (unsharded) `model` in this process."""
-    state = {"model": model.state_dict()}
+def load_model_weights(path: str | Path, model: nn.Module, adapters_only: bool = False) -> None:
+    """Load only the model weights of a sharded checkpoint into a plain (unsharded) `model` in this process.
+
+    `adapters_only`: the checkpoint holds a LoRA run's adapters (its trainable parameters) and no base weights.
+    """
+    sd = model.state_dict()
+    if adapters_only:
+        from conveyor.models.lora import is_adapter_key
+
+        sd = {k: v for k, v in sd.items() if is_adapter_key(k)}
+    state = {"model": sd}
     _dcp_load(Path(path), state, no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not adapters_only)
 
 
 def _dcp_load(path: Path, state: dict[str, Any], no_dist: bool) -> None:

@@ -364,7 +364,14 @@ class TrainedModel:
         # After wrapping: FSDP2's optimizer must hold the sharded parameters.
         self.optimizer = self.scheduler = None
         if trainable:
-            self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim_cfg, total_steps)
+            # Only what trains: under LoRA the adapters, so AdamW's moments are the adapters' size.
+            self.optimizer, self.scheduler = build_optimizer([p for p in model.parameters() if p.requires_grad],
+                                                             optim_cfg, total_steps)
+
+    @property
+    def adapters_only(self) -> bool:
+        """Whether only part of a trained model trains (LoRA adapters): checkpoints then hold that part alone."""
+        return self.optimizer is not None and any(not p.requires_grad for p in self.model.parameters())
 
     @property
     def optim_steps(self) -> int:
@@ -408,7 +415,7 @@ class TrainedModel:
         """Write this rank's shards under `path`; returns the small state (the schedule) rank 0's checkpoint keeps."""
         from conveyor.workers.shards import save_shards
 
-        save_shards(path, self.model, self.optimizer)
+        save_shards(path, self.model, self.optimizer, trainable_only=self.adapters_only)
         extra: dict[str, Any] = {"optim_steps": self.optim_steps}
         if self.scheduler is not None:
             extra["lr_scheduler"] = self.scheduler.state_dict()
@@ -418,7 +425,7 @@ class TrainedModel:
         """Read the shards under `path` (written by any number of ranks) and the schedule state `extra`."""
         from conveyor.workers.shards import load_shards
 
-        load_shards(path, self.model, self.optimizer)
+        load_shards(path, self.model, self.optimizer, trainable_only=self.adapters_only)
         if self.scheduler is not None:
             if "lr_scheduler" not in extra:
                 raise ValueError(f"checkpoint {path} has no learning-rate schedule state for a trained role")

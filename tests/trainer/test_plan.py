@@ -103,6 +103,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "rollout_is_level": "token" if correction == "rollout_is" or off_policy else None,
         "rollout_rs": correction == "rollout_rs", "off_policy": off_policy,
         "use_critic": role == "critic", "use_reference": role in ("kl_loss", "kl_reward"),
+        "reference_from_actor": False,  # no LoRA in the table (tests/trainer/test_lora.py)
         "actor_loss_scale": 6.0, "critic_loss_scale": 6.0,  # data.max_response_length
         "vllm_max_model_len": 64 + 6 if engine == "vllm" else None,
     }
@@ -213,3 +214,13 @@ def test_the_command_line_refuses_r3_with_bypass_on_the_vllm_cpu_engine_before_b
     assert not cache.exists() or not any(cache.iterdir())
     assert not run_dir.exists()
     assert "vLLM engine started" not in done.stderr
+
+
+@pytest.mark.parametrize("kl", ["actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true", None])
+def test_lora_makes_the_reference_the_actors_base(kl) -> None:
+    """With LoRA on, a KL term's reference is the actor with its adapters disabled; without one there is none."""
+    cfg = load_config(None, ["actor_rollout_ref.model.lora_rank=8"] + ([kl] if kl else []))
+    plan = build_run_plan(cfg, "cpu")
+    assert plan.use_reference == plan.reference_from_actor == (kl is not None)
+    assert any(d.startswith("LoRA: rank 8") for d in plan.decisions)
+    assert any("adapters disabled" in d for d in plan.decisions) == (kl is not None)

@@ -14,6 +14,8 @@ groups' own `split_for_ranks`, and runs the jobs:
 - `update`: one update over the whole batch; rank 0 writes the gathered
   parameters to `out/params.pt` and every rank its metrics to `out/metrics_<rank>.json`.
 - `log_prob`: compute_log_prob; each rank's `old_log_probs` go to `out/log_probs_<rank>.pt`.
+- `ref_log_prob` (LoRA with a KL term): compute_ref_log_prob; each rank's `ref_log_prob` go to
+  `out/ref_log_probs_<rank>.pt`.
 - `no_grad_both`: the no-grad forward of the role's endpoint (compute_log_prob with entropy, or
   compute_values), over the shards layer by layer, and the same forward on the whole model gathered
   (`full_params`); each rank writes both to `out/both_<rank>.pt`.
@@ -133,6 +135,11 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
                                                                            calculate_entropy=False).to_extra_info()))
             got = plane.kv_batch_get(share.keys, "lp", ["old_log_probs"])["old_log_probs"]
             torch.save(got, out / f"log_probs_{rank}.pt")
+        elif job == "ref_log_prob":  # LoRA: the actor's forward with its adapters disabled
+            worker.compute_ref_log_prob(lp_share.with_extra_info(**LogProbCall(temperature=1.0,
+                                                                               calculate_entropy=False).to_extra_info()))
+            got = plane.kv_batch_get(share.keys, "lp", ["ref_log_prob"])["ref_log_prob"]
+            torch.save(got, out / f"ref_log_probs_{rank}.pt")
         elif job == "generate":
             call = GenerateCall(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, do_sample=False, seed=0,
                                 capture_routing=True, pad_to_max_new_tokens=False)
