@@ -23,6 +23,7 @@ to them) gives the per-GPU figures of real models on real hardware:
     python benchmarks/memory.py                    # the CPU measurement (~5 min on 2 cores)
     python benchmarks/memory.py --smoke            # a tiny model, seconds (the suite runs it)
     python benchmarks/memory.py --account          # Qwen3-8B and Qwen3-30B-A3B on 8 x 80 GB (no model built)
+    python benchmarks/memory.py --lora 16          # one rank: full fine-tuning against LoRA (one model held)
 
 Bar (CPU measurement at the default size): every phase at most 0.6x, goal
 0.55x; rank 1's loading peak at most 0.6x of the full model's bytes. Exit
@@ -170,7 +171,13 @@ OVERRIDES = [
 ]
 
 
-def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: str) -> None:
+def lora_overrides(rank: int) -> list[str]:
+    """LoRA adapters of `rank` on attention and the experts (alpha 2 x rank), as docs/lora.md trains the tiny MoE."""
+    return [f"actor_rollout_ref.model.lora_rank={rank}", f"actor_rollout_ref.model.lora_alpha={2 * rank}",
+            "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]"]
+
+
+def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: str, extra: list[str]) -> None:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -188,19 +195,21 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if world > 1:
         tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=20))
-    cfg = load_config(None, OVERRIDES + [f"trainer.num_cpu_workers={world}"])
+    cfg = load_config(None, OVERRIDES + [f"trainer.num_cpu_workers={world}"] + extra)
     plan = build_run_plan(cfg, "cpu")
     plane = make_data_plane("memory")
     specs = worker_specs(cfg, plan, model_path, plane, load_tokenizer(model_path), "cpu")
     baseline = _rss()
     host = ColocatedWorker(rank, world)
     loading = {}
-    for role in ("actor", "ref"):
+    # Under LoRA no reference is built: the actor serves it with its adapters disabled.
+    for role in [r for r in ("actor", "ref") if r in specs]:
         before = _rss()
         reset_peak_memory()
         host.add(specs[role])
         loading[role] = peak_memory_bytes() - before
-    actor, ref = host.worker("actor"), host.worker("ref")
+    actor = host.worker("actor")
+    ref_log_prob = (host.worker("ref").compute_log_prob if "ref" in host.roles else actor.compute_ref_log_prob)
 
     # This rank's share of one global batch of prompts (the trainer's split: contiguous equal shares).
     gen = torch.Generator().manual_seed(0)
@@ -223,7 +232,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
         got.update(actor.generate_sequences(meta.with_extra_info(**call.to_extra_info())).extra_info)
         lp = LogProbCall(temperature=1.0, calculate_entropy=True).to_extra_info()
         got.update(actor.compute_log_prob(meta.with_extra_info(**lp)).extra_info)
-        got.update(ref.compute_log_prob(meta.with_extra_info(**{**lp, "calculate_entropy": False})).extra_info)
+        got.update(ref_log_prob(meta.with_extra_info(**{**lp, "calculate_entropy": False})).extra_info)
         mask = plane.kv_batch_get(keys, part, ["response_mask"])["response_mask"]
         plane.kv_batch_put(keys, part, {"advantages": torch.randn(mask.shape, generator=gen) * mask})
         update = UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()
@@ -239,17 +248,17 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
         tdist.destroy_process_group()
 
 
-def _run_ranks(world: int, model_path: str, steps: int) -> list[dict]:
+def _run_ranks(world: int, model_path: str, steps: int, extra: list[str] = ()) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        mp.spawn(_rank, args=(world, port, model_path, steps, tmp), nprocs=world)
+        mp.spawn(_rank, args=(world, port, model_path, steps, tmp, list(extra)), nprocs=world)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def measure(hidden: int, layers: int, experts: int, steps: int) -> dict:
-    """Build and save the model, run 1 and 2 ranks; the per-rank figures of both and the model's layout."""
+def measure(hidden: int, layers: int, experts: int, steps: int, lora: int = 0) -> dict:
+    """Build and save the model, run 1 and 2 ranks (with `lora`: 1 rank in full and with adapters); the layout too."""
     import transformers
 
     from conveyor.models.loading import save_pretrained_checkpoint
@@ -265,13 +274,18 @@ def measure(hidden: int, layers: int, experts: int, steps: int) -> dict:
         lay = layout_of(model.config)
         path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
         del model
-        runs = {w: _run_ranks(w, str(path), steps) for w in (1, 2)}
+        if lora:
+            runs = {"1": _run_ranks(1, str(path), steps), "lora": _run_ranks(1, str(path), steps, lora_overrides(lora))}
+        else:
+            runs = {w: _run_ranks(w, str(path), steps) for w in (1, 2)}
     return {"layout": dataclasses.asdict(lay), "runs": {str(w): r for w, r in runs.items()}}
 
 
 def report(res: dict, bars: bool) -> int:
     """Print the phase table and loading; 1 when a bar is missed (only checked when `bars`)."""
     lay = Layout(**res["layout"])
+    if "lora" in res["runs"]:
+        return report_lora(res, lay)
     one, two = res["runs"]["1"], res["runs"]["2"]
     full = lay.params * 4
     print(f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({full / GB:.2f} GB), {lay.layers} layers, "
@@ -297,6 +311,20 @@ def report(res: dict, bars: bool) -> int:
     if not bars:
         return 0
     return 0 if worst <= 0.6 and rank1 <= 0.6 else 1
+
+
+def report_lora(res: dict, lay: Layout) -> int:
+    """Print one rank's phases in full fine-tuning (with its reference) against LoRA (the reference is the base)."""
+    full, lora = res["runs"]["1"][0], res["runs"]["lora"][0]
+    print(f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({lay.params * 4 / GB:.2f} GB); one rank, "
+          "reference + KL loss, R3; LoRA on attention and experts")
+    print(f"{'phase':<14}{'full GB':>9}{'LoRA GB':>9}{'ratio':>8}")
+    for phase in PHASES:
+        a, b = full["phases"][phase], lora["phases"][phase]
+        print(f"{phase:<14}{a / GB:>9.2f}{b / GB:>9.2f}{b / a:>7.3f}x")
+    print(f"models loaded: full {sorted(full['loading'])}, LoRA {sorted(lora['loading'])}; loading "
+          f"{sum(full['loading'].values()) / GB:.2f} GB vs {sum(lora['loading'].values()) / GB:.2f} GB")
+    return 0
 
 
 # --------------------------------------------------------------------------- real models
@@ -356,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-gb", type=float, default=80.0)
     parser.add_argument("--response-len", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--json", help="also write the measurement here")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="one rank in full fine-tuning against LoRA adapters of this rank (no bars)")
     args = parser.parse_args(argv)
     if args.account:
         for n in args.response_len:
@@ -363,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.hidden, args.layers, args.experts = 64, 2, 4
-    res = measure(args.hidden, args.layers, args.experts, args.steps)
+    res = measure(args.hidden, args.layers, args.experts, args.steps, args.lora)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return report(res, bars=not args.smoke and args.hidden >= 1024)

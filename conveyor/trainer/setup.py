@@ -248,8 +248,16 @@ def _tiny_key(cfg: Config) -> str:
     syn = dataclasses.asdict(cfg.data.synthetic)
     if syn.get("task") == "arithmetic":
         del syn["task"]  # the default task keeps the key it had before tasks were selectable
-    blob = json.dumps({"tiny": tiny, "task": syn, "seed": cfg.data.seed, "v": _TINY_RECIPE_VERSION}, sort_keys=True)
+    # The positions the model is built with follow the data's lengths: two runs that differ only there must not
+    # share a cached model (the shorter one's would refuse the longer sequences).
+    blob = json.dumps({"tiny": tiny, "task": syn, "seed": cfg.data.seed, "v": _TINY_RECIPE_VERSION,
+                       "positions": _tiny_positions(cfg)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _tiny_positions(cfg: Config) -> int:
+    """The tiny model's max_position_embeddings: the longest prompt + response, and a few spare."""
+    return cfg.data.max_prompt_length + cfg.data.max_response_length + 8
 
 
 def prepare_default_model(cfg: Config) -> str:
@@ -279,7 +287,7 @@ def prepare_default_model(cfg: Config) -> str:
         tiny.arch, tokenizer, seed=tiny.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
         num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
         num_experts=tiny.num_experts, top_k=tiny.top_k,
-        max_position_embeddings=cfg.data.max_prompt_length + cfg.data.max_response_length + 8,
+        max_position_embeddings=_tiny_positions(cfg),
     )
     if tiny.warmstart_steps:
         train, _ = load_prompt_records(cfg) if not cfg.data.train_files else (None, None)

@@ -48,3 +48,12 @@ def test_real_model_accounting_prints_both_models(bench, capsys: pytest.CaptureF
     assert bench.main(["--account", "--response-len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3-8B: 8.19B parameters" in out and "Qwen3-30B-A3B: 30.53B parameters" in out
+
+
+def test_memory_benchmark_lora_smoke(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    # One rank in full fine-tuning (actor + reference loaded) against LoRA (the actor alone: it serves the reference).
+    assert bench.main(["--smoke", "--lora", "4"]) == 0
+    out = capsys.readouterr().out
+    for phase in PHASES:
+        assert re.search(rf"^{phase}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x", out, re.M), out
+    assert "models loaded: full ['actor', 'ref'], LoRA ['actor']" in out

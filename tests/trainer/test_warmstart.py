@@ -41,3 +41,20 @@ def test_warm_start_stops_once_its_training_exact_match_reaches_the_target():
         len(losses) + 3
     with pytest.raises(ValueError, match=r"until_accuracy must be in \[0, 1\]"):
         supervised_warmstart(model(), tok, records, steps=1, lr=1e-2, until_accuracy=1.5)
+
+
+def test_runs_whose_lengths_differ_do_not_share_a_cached_tiny_model() -> None:
+    """The cached tiny model's positions follow the data's lengths, so the cache key does too."""
+    import json
+    from pathlib import Path
+
+    from conveyor.config import load_config
+    from conveyor.trainer.setup import prepare_default_model
+
+    base = ["actor_rollout_ref.model.tiny.warmstart_steps=0", "actor_rollout_ref.model.tiny.hidden_size=32"]
+    short = prepare_default_model(load_config(None, base + ["data.max_response_length=8"]))
+    long = prepare_default_model(load_config(None, base + ["data.max_response_length=64"]))
+    assert short != long
+    positions = {p: json.loads((Path(p) / "config.json").read_text())["max_position_embeddings"] for p in (short, long)}
+    cfg = load_config(None, base + ["data.max_response_length=64"])
+    assert positions[long] >= cfg.data.max_prompt_length + 64 > positions[short]
