@@ -9,15 +9,10 @@ import torch
 
 from conveyor.config import load_config
 from conveyor.models.lora import is_adapter_key
-from conveyor.models.loading import load_model_config, load_tokenizer
-from conveyor.trainer.plan import build_run_plan
-from conveyor.trainer.ppo import PPOTrainer
-from conveyor.trainer.setup import load_prompt_records, prepare_default_model
 from conveyor.workers.reference import ReferenceWorker
-from conveyor.workers.roles import build_worker_groups
 from conveyor.workers.settings import reference_settings
 
-from test_stages import NullTracking, RecordingDataPlane  # tests/trainer is on sys.path (rootdir import mode)
+from test_stages import build_trainer  # tests/trainer is on sys.path (rootdir import mode)
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
@@ -27,17 +22,7 @@ LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alp
 
 
 def _trainer(overrides):
-    cfg = load_config(None, overrides)
-    path = prepare_default_model(cfg)
-    tok = load_tokenizer(path)
-    train, val = load_prompt_records(cfg)
-    dp = RecordingDataPlane()
-    plan = build_run_plan(cfg, "cpu")
-    workers = build_worker_groups(cfg, plan, path, dp, tok)
-    trainer = PPOTrainer(cfg, plan=plan, data_plane=dp, workers=workers, tokenizer=tok, train_records=train,
-                         val_records=val, tracking=NullTracking(), run_dir=cfg.run_dir,
-                         model_config=load_model_config(path))
-    return trainer, dp, cfg, plan, path
+    return build_trainer(overrides, with_model_config=True)
 
 
 def test_config_keys_are_checked():

@@ -16,7 +16,7 @@ import torch
 
 from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
-from conveyor.models.loading import load_tokenizer
+from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
@@ -80,8 +80,8 @@ class NullTracking:
         pass
 
 
-def make_trainer(overrides):
-    """A synchronous trainer on a recording memory data plane, at step 1 (the data plane is returned too)."""
+def build_trainer(overrides, *, with_model_config: bool = False):
+    """A synchronous trainer on a recording memory data plane: (trainer, data plane, config, plan, model path)."""
     cfg = load_config(None, overrides)
     path = prepare_default_model(cfg)
     tok = load_tokenizer(path)
@@ -89,8 +89,15 @@ def make_trainer(overrides):
     dp = RecordingDataPlane()
     plan = build_run_plan(cfg, "cpu")
     workers = build_worker_groups(cfg, plan, path, dp, tok)
+    extra = {"model_config": load_model_config(path)} if with_model_config else {}
     trainer = PPOTrainer(cfg, plan=plan, data_plane=dp, workers=workers, tokenizer=tok, train_records=train,
-                         val_records=val, tracking=NullTracking(), run_dir=cfg.run_dir)
+                         val_records=val, tracking=NullTracking(), run_dir=cfg.run_dir, **extra)
+    return trainer, dp, cfg, plan, path
+
+
+def make_trainer(overrides):
+    """A synchronous trainer on a recording memory data plane, at step 1 (the data plane is returned too)."""
+    trainer, dp, *_ = build_trainer(overrides)
     trainer.global_step = 1
     return trainer, dp
 
