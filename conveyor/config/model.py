@@ -72,6 +72,11 @@ class ModelConfig:
         "auto uses it where the model allows and the Hugging Face forward elsewhere",
         choices=FORWARD_IMPLS, resume_neutral=True,
     )
+    use_remove_padding: Optional[bool] = F(
+        None, "run the trainer's Hugging Face forwards (update, old and reference log-probs, critic values) on "
+        "packed rows: each micro-batch's real tokens in one row, attention kept within each sequence, no work for "
+        "padding (verl's key). null = on where the model allows (full causal attention), true = required, "
+        "false = padded rows", resume_neutral=True)
     enable_gradient_checkpointing: bool = F(
         False, "recompute activations in the backward instead of keeping them (actor and critic): less memory, "
         "about a third more compute", resume_neutral=True)

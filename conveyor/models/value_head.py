@@ -73,8 +73,12 @@ class ValueModel(nn.Module):
         key = "activation_checkpointing_kwargs" if "activation" in enable.__name__ else "gradient_checkpointing_kwargs"
         enable(**{key: next(iter(kwargs.values()), None)})
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """Values (B, S) float32 for `input_ids`, `attention_mask`: (B, S); positions from the mask when None."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None,
+                **kwargs) -> Tensor:
+        """Values (B, S) float32 for `input_ids`, `attention_mask`: (B, S); positions from the mask when None.
+
+        `kwargs` go to the backbone: a packed forward's sequence bounds (`conveyor.models.packing`).
+        """
         if position_ids is None:
             # Left or right padding alike: a row's first real token is at position 0.
             position_ids = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
@@ -83,6 +87,7 @@ class ValueModel(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **kwargs,
         )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return self.value_head(hidden).squeeze(-1).float()

@@ -48,6 +48,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
+from conveyor.models.packing import sdpa_compatible
 
 __all__ = ["HFRollout"]
 
@@ -348,7 +349,7 @@ class _HFSteps:
     def _can_pass_4d_mask(self) -> bool:
         """Whether decode steps may take a boolean (B, 1, 1, K) padding mask instead of the 2-D one."""
         config = getattr(self.model, "config", None)
-        if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        if config is None or not sdpa_compatible(config):
             return False
         # Sliding-window or hybrid layers need masks that a padding mask alone does not express.
         if getattr(config, "sliding_window", None) is not None:

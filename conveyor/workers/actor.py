@@ -42,6 +42,7 @@ from conveyor.algos.objective import compute_policy_objective, merge_objective_m
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
+from conveyor.models.packing import setup_packing
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
@@ -116,7 +117,8 @@ class PolicyWorker(CheckpointEndpoints):
             self.model, strategy, trainable=True, optim_cfg=acfg.optim, total_steps=settings.total_optim_steps,
             gradient_checkpointing=m.enable_gradient_checkpointing,
         )
-        self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe)
+        self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe,
+                                     packed=setup_packing(self.model, m.use_remove_padding))
         self.rollout: HFRollout | Any = None
         self.agent_loop = None
         # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
@@ -248,11 +250,14 @@ class PolicyWorker(CheckpointEndpoints):
             from conveyor.models.moe_routing import routed_experts_dtype
 
             fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
-        if self.world_size > 1 or call.pad_to_max_new_tokens:
-            # Every rank (and, under dynamic sampling, every generation batch) writes into the same partition,
-            # whose columns keep one width: each one's responses are as long as its own longest, so all pad to
-            # the requested length (as verl's rollouts do).
+        if call.pad_to_max_new_tokens or (self.world_size > 1 and not strategy.distributed):
+            # Dynamic sampling's generation batches write into one partition, whose columns keep one width, at
+            # different times: all pad to the requested length.
             fields = self._pad_responses(fields, int(call.max_new_tokens))
+        elif self.world_size > 1:
+            # The ranks write into one partition too, together: to the longest response of any rank, not to
+            # max_new_tokens (the forwards then drop what is padding in a whole micro-batch, or pack).
+            fields = self._pad_responses(fields, strategy.agree_count(int(fields["responses"].shape[1])))
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
         self._put(meta, fields)
@@ -392,7 +397,8 @@ class PolicyWorker(CheckpointEndpoints):
         total, count = 0.0, 0
         st = self.settings
         batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], st.rollout.log_prob_micro_batch_size_per_gpu,
-                                     st.log_prob_budget, agree=self.trained.strategy.agree_count)
+                                     st.log_prob_budget, agree=self.trained.strategy.agree_count,
+                                     packed=self.forward.packed)
         with self.trained.strategy.sharded_no_grad():
             routings = []
             for sl, real in self.trained.passes(batches):
@@ -456,13 +462,14 @@ class PolicyWorker(CheckpointEndpoints):
         # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
         passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
                                                         acfg.ppo_micro_batch_size_per_gpu, st.update_budget,
-                                                        agree=self.trained.strategy.agree_count))
+                                                        agree=self.trained.strategy.agree_count,
+                                                        packed=self.forward.packed))
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
             mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
             routed = mb["routed_experts"].long() if replay_on else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
-            with self.forward.update_replay(routed):
+            with self.forward.update_replay(routed, mb):
                 log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
                                                      train=True)
                 if proximal:

@@ -17,8 +17,11 @@ The losses are normalised by token and sequence counts of the whole
 mini-batch (the caller computes them), so the grouping changes the summation
 order only: the gradient is the fixed-size micro-batches' one.
 
-What it deliberately does not do: run forwards, or pack several sequences
-into one row (each row stays one sequence, with its own padding).
+With packed forwards (`conveyor.models.packing`) a micro-batch costs its
+rows' real tokens, and the budget bounds what a pass computes exactly.
+
+What it deliberately does not do: run forwards, or pack the rows itself
+(`conveyor.models.packing.PackedRows` does, inside the forward).
 """
 
 from __future__ import annotations
@@ -68,24 +71,39 @@ def _cost(rows: int, prompt: int, response: int) -> int:
 
 
 class _Bin:
-    __slots__ = ("rows", "prompt", "response")
+    """A micro-batch being filled: padded, it costs rows x (longest prompt + longest response); packed, its tokens."""
 
-    def __init__(self, rows: list[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int]):
+    __slots__ = ("rows", "prompt", "response", "tokens", "packed")
+
+    def __init__(self, rows: list[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
+                 packed: bool = False):
         self.rows = rows
         self.prompt = max(prompt_lengths[i] for i in rows)
         self.response = max(response_lengths[i] for i in rows)
+        self.tokens = sum(_cost(1, prompt_lengths[i], response_lengths[i]) for i in rows)
+        self.packed = packed
 
     def cost_with(self, p: int, r: int) -> int:
+        if self.packed:
+            return self.tokens + _cost(1, p, r)
         return _cost(len(self.rows) + 1, max(self.prompt, p), max(self.response, r))
+
+    def add(self, i: int, p: int, r: int) -> None:
+        self.rows.append(i)
+        self.prompt, self.response = max(self.prompt, p), max(self.response, r)
+        self.tokens += _cost(1, p, r)
 
     @property
     def cost(self) -> int:
-        return _cost(len(self.rows), self.prompt, self.response)
+        return self.tokens if self.packed else _cost(len(self.rows), self.prompt, self.response)
 
 
 def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: TokenBudget,
-                        agree: Callable[[int], int] | None = None) -> list[list[int]]:
+                        agree: Callable[[int], int] | None = None, packed: bool = False) -> list[list[int]]:
     """Row indices of micro-batches whose rows x (longest prompt + longest response) fit `budget.max_tokens`.
+
+    `packed`: the forwards run on packed rows (`conveyor.models.packing`), so a micro-batch costs the sum of
+    its rows' tokens and the budget bounds exactly what a pass computes.
 
     First fit by decreasing length: like lengths share a micro-batch, so little of it is padding (prompts of 100
     to 600 tokens and responses of up to 4096, long-tailed: 1.34 tokens processed per real one, 7 passes of a
@@ -109,11 +127,10 @@ def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequenc
         p, r = prompt_lengths[i], response_lengths[i]
         for b in bins:
             if b.cost_with(p, r) <= limit:
-                b.rows.append(i)
-                b.prompt, b.response = max(b.prompt, p), max(b.response, r)
+                b.add(i, p, r)
                 break
         else:
-            bins.append(_Bin([i], prompt_lengths, response_lengths))
+            bins.append(_Bin([i], prompt_lengths, response_lengths, packed))
     if agree is not None:
         target = agree(len(bins))
         while len(bins) < target:
@@ -123,8 +140,8 @@ def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequenc
             b = max(splittable, key=lambda x: x.cost)
             half = len(b.rows) // 2
             bins.remove(b)
-            bins += [_Bin(b.rows[:half], prompt_lengths, response_lengths),
-                     _Bin(b.rows[half:], prompt_lengths, response_lengths)]
+            bins += [_Bin(b.rows[:half], prompt_lengths, response_lengths, packed),
+                     _Bin(b.rows[half:], prompt_lengths, response_lengths, packed)]
     return [b.rows for b in bins]
 
 
@@ -134,8 +151,12 @@ def micro_batches(n: int, size: int) -> list[slice]:
 
 
 def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, size: int,
-                       budget: TokenBudget | None, agree: Callable[[int], int] | None = None) -> list[MicroBatch]:
-    """The micro-batches of rows (B,): slices of `size` rows without a budget, index tensors under one."""
+                       budget: TokenBudget | None, agree: Callable[[int], int] | None = None,
+                       packed: bool = False) -> list[MicroBatch]:
+    """The micro-batches of rows (B,): slices of `size` rows without a budget, index tensors under one.
+
+    `packed`: a micro-batch's cost is its tokens (packed forwards), not its rows x its widest row.
+    """
     n = prompt_mask.shape[0]
     if budget is None:
         return micro_batches(n, size)
@@ -143,7 +164,7 @@ def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, s
     response_lengths = span_lengths(response_mask).tolist()
     device = prompt_mask.device
     return [torch.tensor(rows, dtype=torch.long, device=device)
-            for rows in token_micro_batches(prompt_lengths, response_lengths, budget, agree)]
+            for rows in token_micro_batches(prompt_lengths, response_lengths, budget, agree, packed)]
 
 
 @dataclasses.dataclass(frozen=True)

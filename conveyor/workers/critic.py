@@ -16,7 +16,9 @@ from tensordict import TensorDict
 from conveyor.algos.losses import compute_value_loss
 from conveyor.data_plane.base import DataPlane
 from conveyor.workers.loading import load_role_model
+from conveyor.models.packing import PackedRows, setup_packing
 from conveyor.models.value_head import ValueModel
+from conveyor.rollout.trajectory import response_span
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.batching import in_row_order, plan_micro_batches, take
 from conveyor.workers.forward import sequence_inputs
@@ -48,6 +50,8 @@ class CriticWorker(CheckpointEndpoints):
         base = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
                                device=self.device, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
         # The body is taken, not copied: the causal LM is dropped here (its LM head with it).
+        # Packed forwards are set up on the causal LM, whose config the body shares.
+        self.packed = setup_packing(base, model_cfg.use_remove_padding)
         self.model = ValueModel.from_causal_lm(base, copy=False)
         del base
         # The critic's own step count (its settings'): its mini-batch size and epochs may differ from the actor's.
@@ -70,6 +74,11 @@ class CriticWorker(CheckpointEndpoints):
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
         module = self.trained.forward_module if train else self.model
+        if self.packed:
+            packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
+            values = module(packed.pack(input_ids), None, packed.pack(position_ids), **packed.bounds())
+            values = packed.responses(values[0, packed.predict], resp_len)
+            return values.float() * td["response_mask"]
         values = module(input_ids, attention_mask, position_ids)
         return values[:, -resp_len - 1 : -1].float() * td["response_mask"]
 
@@ -85,7 +94,7 @@ class CriticWorker(CheckpointEndpoints):
         self.model.eval()
         batches = plan_micro_batches(td["prompt_mask"], td["response_mask"],
                                      self.settings.critic.ppo_micro_batch_size_per_gpu, self.settings.forward_budget,
-                                     agree=self.trained.strategy.agree_count)
+                                     agree=self.trained.strategy.agree_count, packed=self.packed)
         with self.trained.strategy.sharded_no_grad():
             # Every rank runs as many forwards as the busiest (each gathers layer by layer); extra ones are dropped.
             outs = []
@@ -112,7 +121,8 @@ class CriticWorker(CheckpointEndpoints):
         # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
         passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
                                                         ccfg.ppo_micro_batch_size_per_gpu, self.settings.update_budget,
-                                                        agree=self.trained.strategy.agree_count))
+                                                        agree=self.trained.strategy.agree_count,
+                                                        packed=self.packed))
         for k, (sl, real) in enumerate(passes):
             mb, _ = take(td, sl)
             mmask = mb["response_mask"].bool()

@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.models.packing import PackedRows
 from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
 from conveyor.rollout.trajectory import response_span
 from conveyor.workers.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
@@ -49,8 +50,10 @@ def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.T
 class PolicyForward:
     """Response logits and log-probs of `model` (held under `trained`), with `lean` the lean forward or None."""
 
-    def __init__(self, model: torch.nn.Module, trained: TrainedModel, lean: Any, moe: Any):
+    def __init__(self, model: torch.nn.Module, trained: TrainedModel, lean: Any, moe: Any, packed: bool = False):
         self.model, self.trained, self.lean, self.moe = model, trained, lean, moe
+        # The Hugging Face forwards run packed (`conveyor.models.packing`; the model's attention set up for it).
+        self.packed = packed
         # True while `update_replay` holds the replay hooks open (through the backward's recomputation).
         self._held_replay = False
 
@@ -61,8 +64,8 @@ class PolicyForward:
         return not (train and (self.trained.strategy.distributed or self.trained.checkpointing))
 
     @contextlib.contextmanager
-    def update_replay(self, routed_experts: torch.Tensor | None):
-        """Replay `routed_experts` in an update's Hugging Face forward *and* in its backward.
+    def update_replay(self, routed_experts: torch.Tensor | None, td: TensorDict):
+        """Replay `routed_experts` in an update's Hugging Face forward over `td` *and* in its backward.
 
         Activation checkpointing recomputes each layer's forward inside `backward()`; the replay hooks
         must still be in force then, or the recomputed forward routes natively (and saves other
@@ -71,12 +74,48 @@ class PolicyForward:
         if routed_experts is None or self.uses_lean(train=True):
             yield
             return
+        if self.packed:  # each packed token replays the experts recorded for it
+            _, attention_mask, _ = sequence_inputs(td)
+            routed_experts = PackedRows.from_masks(attention_mask, response_span(td["response_mask"])).pack(
+                routed_experts)
         with replay_routing(self.model, routed_experts):
             self._held_replay = True
             try:
                 yield
             finally:
                 self._held_replay = False
+
+    def _hf_forward(
+        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedRows | None]:
+        """The Hugging Face forward: logits predicting the response tokens, its routing (B, P+R, L, K), the packing.
+
+        Padded: logits (B, R, V). Packed (`self.packed`): logits (1, N, V) of the N response-span tokens, which
+        `PackedRows.responses` places; replayed and recorded routing follow each packed token.
+        """
+        input_ids, attention_mask, position_ids = sequence_inputs(td)
+        resp_len = td["responses"].shape[1]
+        packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"])) if self.packed else None
+        if packed is not None:
+            kwargs = packed.model_kwargs(input_ids, position_ids)
+            keep: int | torch.Tensor = packed.predict  # the LM head runs on the predicting positions only
+            if routed_experts is not None:
+                routed_experts = packed.pack(routed_experts)
+        else:
+            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            keep = resp_len + 1  # only the positions that predict response tokens need the LM head
+        held = routed_experts is None or self._held_replay
+        replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
+        recorder = RoutingRecorder(self.model) if record_routing else None
+        with replay, (recorder if recorder is not None else contextlib.nullcontext()):
+            module = self.trained.forward_module if train else self.model
+            out = module(**kwargs, use_cache=False, logits_to_keep=keep)
+            own_routing = recorder.pop() if recorder is not None else None
+        if packed is None:
+            return out.logits[:, :-1, :], own_routing, None
+        if own_routing is not None:
+            own_routing = packed.unpack(own_routing, -1)
+        return out.logits, own_routing, packed
 
     def response_logits(
         self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool = False
@@ -92,29 +131,23 @@ class PolicyForward:
                 td["prompts"], td["prompt_mask"], td["responses"], response_span(td["response_mask"]),
                 routed_experts=routed_experts, record_routing=record_routing,
             )
-        input_ids, attention_mask, position_ids = sequence_inputs(td)
-        resp_len = td["responses"].shape[1]
-        held = routed_experts is None or self._held_replay
-        replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
-        recorder = RoutingRecorder(self.model) if record_routing else None
-        with replay, (recorder if recorder is not None else contextlib.nullcontext()):
-            # Only the positions that predict response tokens need the LM head.
-            module = self.trained.forward_module if train else self.model
-            out = module(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=resp_len + 1,
-            )
-            own_routing = recorder.pop() if recorder is not None else None
-        return out.logits[:, :-1, :], own_routing
+        logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
+        if packed is not None:
+            logits = packed.responses(logits[0], td["responses"].shape[1])
+        return logits, own_routing
 
     def log_probs(
         self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
         record_routing: bool = False, train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
+        if self.packed and not self.uses_lean(train):
+            logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
+            targets = td["responses"][packed.rows, packed.cols][None]
+            log_probs, entropy = logprobs_and_entropy(logits, targets, with_entropy, temperature=temperature)
+            width = td["responses"].shape[1]
+            entropy = packed.responses(entropy[0], width) if entropy is not None else None
+            return packed.responses(log_probs[0], width), entropy, own_routing
         logits, own_routing = self.response_logits(td, routed_experts, record_routing, train)
         # Upcast and temperature per block inside: the logits stay the model's own tensor.
         log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy, temperature=temperature)
@@ -134,7 +167,7 @@ class PolicyForward:
         self.model.eval()
         lps, ents, routings = [], [], []
         batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], micro_batch_size, budget,
-                                     agree=self.trained.strategy.agree_count)
+                                     agree=self.trained.strategy.agree_count, packed=self.packed)
         with self.trained.strategy.sharded_no_grad():
             for sl, real in self.trained.passes(batches):
                 mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows

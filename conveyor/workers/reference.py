@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from conveyor.data_plane.base import DataPlane
 from conveyor.models.lean import resolve_forward_impl
+from conveyor.models.packing import setup_packing
 from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.calls import LogProbCall
@@ -51,7 +52,8 @@ class ReferenceWorker:
         # Before wrapping: the lean forward keeps references to the model's own modules.
         lean = resolve_forward_impl(m.forward_impl, self.model)
         self.trained = TrainedModel(self.model, strategy, trainable=False)
-        self.forward = PolicyForward(self.model, self.trained, lean, moe_info(self.model))
+        self.forward = PolicyForward(self.model, self.trained, lean, moe_info(self.model),
+                                     packed=setup_packing(self.model, m.use_remove_padding))
 
     @property
     def optim_steps(self) -> int:

@@ -25,28 +25,31 @@ def td() -> TensorDict:
     return TensorDict(fields, batch_size=[5])
 
 
-def _worker(impl: str) -> PolicyWorker:
-    cfg = load_config(None, BASE + [f"actor_rollout_ref.model.forward_impl={impl}"])
+def _worker(impl: str, packed: bool = False) -> PolicyWorker:
+    cfg = load_config(None, BASE + [f"actor_rollout_ref.model.forward_impl={impl}",
+                                    f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"])
     return PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
                         data_plane=make_data_plane("memory"))
 
 
-@pytest.mark.parametrize("impl", ["hf", "lean"])
+@pytest.mark.parametrize("impl", ["hf", "lean", "hf-packed"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_the_whole_logits_float32_formula(td: TensorDict, impl: str, temperature: float) -> None:
     """Against what the forward computed before: the whole logits upcast, divided by T, then log-softmaxed."""
-    forward = _worker(impl).forward
+    forward = _worker(impl.removesuffix("-packed"), packed=impl.endswith("-packed")).forward
     with torch.no_grad():
         lp, ent, _ = forward.log_probs(td, temperature, True)
         logits, _ = forward.response_logits(td, None, False)
         want_lp, want_ent = logprobs_and_entropy(logits.float() / temperature, td["responses"], True)
-    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=0)
+    # A packed forward computes the response tokens only (0 after a row's last one); the others are masked anyway.
+    mask = td["response_mask"]
+    torch.testing.assert_close(lp * mask, want_lp * mask, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent * mask, want_ent * mask, atol=1e-6, rtol=0)
 
 
 def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division)."""
-    forward = _worker("hf").forward
+    forward = _worker("hf", packed=False).forward
     seen = {}
     real_logits = forward.response_logits
 
@@ -64,3 +67,28 @@ def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.Monke
     with torch.no_grad():
         forward.log_probs(td, 0.5, True)
     assert seen["given"] is seen["model"] and seen["temperature"] == 0.5
+
+
+def test_no_copy_of_the_packed_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed too: the (1, N, V) logits of the response tokens reach logprobs_and_entropy as the model returned them."""
+    forward = _worker("hf", packed=True).forward
+    assert forward.packed
+    seen = {}
+    real_forward = forward._hf_forward
+
+    def recording_forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        seen["model"] = out[0]
+        return out
+
+    def recording(logits, labels, with_entropy, **kwargs):
+        seen["given"], seen["temperature"] = logits, kwargs.get("temperature")
+        return logprobs_and_entropy(logits, labels, with_entropy, **kwargs)
+
+    monkeypatch.setattr(forward, "_hf_forward", recording_forward)
+    monkeypatch.setattr(forward_module, "logprobs_and_entropy", recording)
+    with torch.no_grad():
+        forward.log_probs(td, 0.5, True)
+    n = int(td["response_mask"].bool().sum())
+    assert seen["given"] is seen["model"] and seen["temperature"] == 0.5
+    assert seen["model"].shape[:2] == (1, n)  # responses here have no tool tokens: the span is the mask

@@ -29,6 +29,7 @@ from conveyor.workers.critic import CriticWorker
 from conveyor.workers.settings import actor_settings, critic_settings
 from conveyor.workers.strategy import TrainingStrategy, resolve_strategy
 from conveyor.workers.shards import load_model_weights
+from conveyor.rollout.trajectory import span_lengths
 from update_batches import ragged_update_fields
 
 RANKS_SCRIPT = Path(__file__).with_name("strategy_ranks.py")
@@ -60,6 +61,7 @@ MIXED_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.acto
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 DENSE = ["actor_rollout_ref.model.tiny.arch=qwen3"]
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+PADDED = "actor_rollout_ref.model.use_remove_padding=false"
 LP_MICRO = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"  # ranks of 4 and 3 rows: 2 and 1 passes
 # Token budgets (rows of 6 to 9 tokens): the actor's 16 packs 1 or 2 rows a pass (5 passes on one rank); the
 # critic's 9 one row a pass (4 and 3 on two ranks: the second pairs with a dropped repeat).
@@ -217,9 +219,10 @@ def _metrics(out: Path, world: int = 2) -> list[dict]:
 
 @pytest.mark.parametrize("case", list(FSDP2_CASES))
 def test_fsdp2_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks, case: str) -> None:
+    """Two ranks' packed forwards (the default) take the one-rank step of padded forwards."""
     role, overrides = FSDP2_CASES[case]
     fields = batches[R3 in overrides]
-    want, one_metrics = _one_rank(role, model_path, fields, overrides)
+    want, one_metrics = _one_rank(role, model_path, fields, overrides + [PADDED])
     initial_cfg = load_config(None, BASE)
     plane = make_data_plane("memory")
     fresh = (_critic if role == "critic" else _actor)(initial_cfg, model_path=model_path, data_plane=plane)
@@ -311,6 +314,10 @@ def test_hf_rollout_over_the_shards_equals_the_gathered_model(ranks) -> None:
             assert torch.equal(got["routed_experts"], whole["routed_experts"]), case
             assert (got["routed_experts"] >= 0).any()
             torch.testing.assert_close(got["rollout_log_probs"], whole["rollout_log_probs"], atol=1e-5, rtol=0)
+    # Both ranks write one width into the shared partition: the longest response of either, not max_new_tokens.
+    gens = [torch.load(ranks["gen-shards"] / f"gen_{rank}.pt", weights_only=True) for rank in range(2)]
+    longest = max(int(span_lengths(g["response_mask"]).max()) for g in gens)
+    assert [g["responses"].shape[1] for g in gens] == [longest, longest]
 
 
 def test_strategy_resolution() -> None:
