@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import math
 import types
 import typing
@@ -26,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
+from conveyor.files import read_text
 from conveyor.config.fields import ConfigError, choices_of, field_paths, section_hints
 from conveyor.config.root import Config
 
@@ -230,13 +232,21 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
     try:
-        loaded = OmegaConf.load(path)
+        text = read_text(path, "--config")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    try:
+        loaded = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as err:
         # One line, as every config error is: where, then what.
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         what = getattr(err, "problem", None) or " ".join(str(err).split())
         raise ConfigError(f"--config {path}: not valid YAML{where}: {what}") from err
+    except RecursionError as err:
+        raise ConfigError(f"--config {path}: nested too deeply to be a config") from err
+    except OSError as err:  # OmegaConf's word for a top level that is a lone number or text
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections, not a single value") from err
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
     return OmegaConf.to_container(loaded, resolve=False)

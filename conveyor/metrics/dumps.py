@@ -147,10 +147,14 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except ValueError as err:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as err:
                 raise ValueError(f"generation dump {path}, line {number} is not valid JSON ({err}); "
                                  "it was not written by conveyor, or was edited") from err
+            if not isinstance(row, dict):
+                raise ValueError(f"generation dump {path}, line {number} is a JSON {type(row).__name__}, not an "
+                                 "object (one sample per line); it was not written by conveyor, or was edited")
+            rows.append(row)
     return step, rows
 
 

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from conveyor.files import make_dir
 from conveyor.trainer import checkpoint as ckpt
 
 __all__ = ["export_hf"]
@@ -73,8 +74,11 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a new directory")
+    if out.is_dir() and any(out.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
+    make_dir(out.parent, "--out")  # before the model is built: a path under a file fails at once
     path = _choose_checkpoint(run_dir, step)
     parts = ckpt.load_checkpoint(path)
     hf = path / "hf"
@@ -93,7 +97,6 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
         load_model_weights(parts["actor"], model)
     tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed into place: an interrupted export leaves no half directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -24,6 +24,7 @@ import torch
 
 from conveyor.config import Config, ConfigError
 from conveyor.data_plane import DataPlane, make_data_plane
+from conveyor.files import describe_os_error, make_dir
 from conveyor.ray_utils import data_plane_backend
 
 logger = logging.getLogger(__name__)
@@ -276,7 +277,16 @@ def prepare_default_model(cfg: Config) -> str:
     tiny = cfg.actor_rollout_ref.model.tiny
     target = cache_dir() / f"tiny-{tiny.arch}-{_tiny_key(cfg)}"
     if (target / "config.json").is_file():
+        try:
+            _check_checkpoint_dir(str(target), trust_remote_code=False)
+        except ValueError as err:
+            # Not the user's checkpoint to copy again: the cache's own copy was cut short (a full disk, a kill).
+            problem = str(err).split(";")[0]  # what is wrong, without the advice meant for a user's own checkpoint
+            raise ValueError(f"the cached tiny model {target} is damaged ({problem}); delete that folder "
+                             f"(rm -r {target}) and run again to rebuild it") from err
         return str(target)
+    # Checked before the minutes of building: a cache under a file or on a read-only disk fails at once.
+    make_dir(target.parent, "CONVEYOR_CACHE (the model cache)")
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
     from conveyor.trainer.warmstart import supervised_warmstart
@@ -298,12 +308,20 @@ def prepare_default_model(cfg: Config) -> str:
             torch.manual_seed(tiny.seed)
             supervised_warmstart(model, tokenizer, train, steps=tiny.warmstart_steps, lr=tiny.warmstart_lr,
                                  seed=tiny.seed, until_accuracy=tiny.warmstart_until_accuracy)
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename into place, so a concurrent or killed
     # build never leaves a half-written checkpoint under the final name.
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    except OSError as err:
+        raise ValueError(f"CONVEYOR_CACHE (the model cache): cannot write into {target.parent}: "
+                         f"{describe_os_error(err)}") from err
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written model must not stay to fill the disk
+        raise ValueError(f"CONVEYOR_CACHE (the model cache): writing the tiny model into {target.parent} failed: "
+                         f"{describe_os_error(err)}") from err
     try:
         os.rename(tmp, target)
     except OSError:
