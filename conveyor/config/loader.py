@@ -27,7 +27,6 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from conveyor.files import read_text
 from conveyor.config.fields import ConfigError, choices_of, field_paths, section_hints
 from conveyor.config.root import Config
 
@@ -231,6 +230,8 @@ def parse_overrides(overrides: list[str]) -> dict:
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
+    from conveyor.files import read_text  # here: importing the config imports no implementation
+
     try:
         text = read_text(path, "--config")
     except ValueError as err:

@@ -190,18 +190,21 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
                    tokenizer if tokenizer is not None else _prompt_tokenizer(cfg))
     if not cfg.reward.custom_reward_function.path:
         # Checked now, not at the first reward stage after the model is built and has generated.
-        from conveyor.tasks.rewards import get_reward_fn
+        from conveyor.tasks.rewards import get_reward_fn, ground_truth_problem
 
         checked: set[str] = set()
         for rec, origin in zip(train + val, train_origins + val_origins):
             source = rec.get("data_source")
-            if isinstance(source, str) and source in checked:
-                continue
-            try:
-                get_reward_fn(source)  # a non-string data_source is refused here too
-            except ValueError as err:
-                raise ValueError(f"{origin}: {err}, or set reward.custom_reward_function.path") from err
-            checked.add(source)
+            if not (isinstance(source, str) and source in checked):
+                try:
+                    get_reward_fn(source)  # a non-string data_source is refused here too
+                except ValueError as err:
+                    raise ValueError(f"{origin}: {err}, or set reward.custom_reward_function.path") from err
+                checked.add(source)
+            # A row its reward can never match would score 0 for every response, or fail its step hours in.
+            problem = ground_truth_problem(source, (rec.get("reward_model") or {}).get("ground_truth"))
+            if problem:
+                raise ValueError(f"{origin}: {problem}")
     return train, val
 
 
