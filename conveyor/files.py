@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,6 +35,8 @@ _ENVIRONMENT_ERRNOS = frozenset(
                  "ENAMETOOLONG", "EFBIG", "ENOTEMPTY", "EMFILE", "ENFILE", "ELOOP", "EXDEV")
     if hasattr(errno, name)
 )
+
+_RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)")
 
 # What to change, per kind of failure.
 _FIX = {
@@ -123,6 +126,10 @@ def environment_error(err: BaseException, any_errno: bool = False, through_conte
         seen.add(id(e))
         if isinstance(e, OSError) and (any_errno or e.errno in _ENVIRONMENT_ERRNOS):
             return e
+        rust = _RUST_IO_ERROR.search(str(e)) if not isinstance(e, OSError) else None
+        if rust and int(rust.group(1)) in _ENVIRONMENT_ERRNOS:
+            # A Rust library's I/O failure (safetensors' SafetensorError) is no OSError, but says its errno.
+            return OSError(int(rust.group(1)), os.strerror(int(rust.group(1))))
         todo += [e.__cause__, getattr(e, "cause", None)] + ([e.__context__] if through_context else [])
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):

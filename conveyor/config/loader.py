@@ -209,6 +209,13 @@ def _parse_dotlist(overrides: list[str]) -> dict:
         data = OmegaConf.to_container(OmegaConf.from_dotlist(items), resolve=False)
     except OmegaConfBaseException as err:
         raise ConfigError(f"overrides {overrides}: {str(err).splitlines()[0]}") from err
+    except (yaml.YAMLError, RecursionError) as err:
+        # A value YAML cannot read ("@", ",", "*"): name the override it is in, and how to pass it as text.
+        culprit = next((item for item in items if not _reads_as_yaml(item)), items[0])
+        key, value = culprit.split("=", 1)
+        what = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"override {culprit!r}: the value is not valid YAML ({what}); to pass it as text, quote "
+                          f"it: {key}='\"{value}\"'") from err
     for item in items:
         key, value = (part.strip() for part in item.split("=", 1))
         # YAML reads "5_0.5" as the number 50.5 (underscores are digit separators there); for a
@@ -220,6 +227,17 @@ def _parse_dotlist(overrides: list[str]) -> dict:
                 node = node[part]
             node[last] = value
     return data
+
+
+def _reads_as_yaml(item: str) -> bool:
+    """Whether the value of one `key=value` override parses."""
+    try:
+        OmegaConf.from_dotlist([item])
+    except (yaml.YAMLError, RecursionError):
+        return False
+    except OmegaConfBaseException:
+        pass
+    return True
 
 
 def parse_overrides(overrides: list[str]) -> dict:

@@ -72,13 +72,17 @@ def write_generations(run_dir: str | Path, step: int, rows: Sequence[dict[str, A
     path = dump_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            ordered = {k: row[k] for k in REQUIRED_KEYS}
-            ordered.update({k: v for k, v in row.items() if k not in ordered})
-            f.write(json.dumps(to_json_value(ordered), ensure_ascii=False, allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for row in rows:
+                ordered = {k: row[k] for k in REQUIRED_KEYS}
+                ordered.update({k: v for k, v in row.items() if k not in ordered})
+                f.write(json.dumps(to_json_value(ordered), ensure_ascii=False, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep half a dump filling it further
+        raise
     os.replace(tmp, path)
     return path
 

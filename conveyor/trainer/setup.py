@@ -24,7 +24,7 @@ import torch
 
 from conveyor.config import Config, ConfigError
 from conveyor.data_plane import DataPlane, make_data_plane
-from conveyor.files import describe_os_error, make_dir
+from conveyor.files import describe_os_error, environment_error, make_dir
 from conveyor.ray_utils import data_plane_backend
 
 logger = logging.getLogger(__name__)
@@ -321,10 +321,13 @@ def prepare_default_model(cfg: Config) -> str:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    except OSError as err:
+    except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written model must not stay to fill the disk
+        cause = environment_error(err)
+        if cause is None:
+            raise
         raise ValueError(f"CONVEYOR_CACHE (the model cache): writing the tiny model into {target.parent} failed: "
-                         f"{describe_os_error(err)}") from err
+                         f"{describe_os_error(cause)}") from err
     try:
         os.rename(tmp, target)
     except OSError:

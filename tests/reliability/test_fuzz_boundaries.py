@@ -29,8 +29,11 @@ from conveyor.tasks.rewards import RewardFunctionError, compute_score, finite_sc
 from conveyor.tools.base import load_tools, run_call
 from conveyor.tools.formats import MAX_JSON_DEPTH, ToolCall, ToolCallError, get_format
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                       HealthCheck.too_slow])
+_QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=_QUIET)
+"""For readers that take microseconds."""
+SLOW_FUZZ = settings(max_examples=20, deadline=None, suppress_health_check=_QUIET)
+"""For whole commands (a config resolved, a plot drawn, parquet written and loaded): ~0.1-0.5 s an example."""
 
 # Text with what breaks naive readers: lone surrogates, NULs, control and bidi characters, brackets.
 nasty_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=200) | st.sampled_from(
@@ -82,7 +85,7 @@ jsonl_lines = st.lists(
 
 # --------------------------------------------------------------------------- config YAML and overrides
 
-@FUZZ
+@SLOW_FUZZ
 @given(body=st.binary(max_size=300) | nasty_text.map(lambda t: t.encode("utf-8", "surrogatepass"))
        | st.sampled_from([b"- a\n", b"3\n", b"trainer: 5\n", b"trainer:\n  seed: 1e999\n", b"\xff\xfe\x00",
                           b"a: &x [*x]\n", b"[" * 3000, b"trainer: {total_training_steps: 99999999999999999999}\n"]))
@@ -107,7 +110,7 @@ override_keys = st.sampled_from(["trainer.total_training_steps", "trainer.seed",
                                  "trainer.nope", "", "a..b", "+trainer.seed", "trainer"])
 
 
-@FUZZ
+@SLOW_FUZZ
 @given(overrides=st.lists(st.tuples(override_keys, nasty_text).map(lambda kv: f"{kv[0]}={kv[1]}") | nasty_text,
                           max_size=3))
 def test_any_command_line_override_is_applied_or_one_error_line(capsys, overrides: list[str]) -> None:
@@ -118,7 +121,7 @@ def test_any_command_line_override_is_applied_or_one_error_line(capsys, override
 
 # --------------------------------------------------------------------------- metrics (plot) and dumps (show)
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=_QUIET)
 @given(lines=jsonl_lines)
 def test_plot_of_any_metrics_file_plots_the_good_lines_or_says_what_is_missing(capsys, lines: list) -> None:
     pytest.importorskip("matplotlib")
@@ -279,7 +282,7 @@ def test_a_state_file_without_its_rng_entry_is_refused_naming_it(tmp_path: Path)
 
 # --------------------------------------------------------------------------- tool YAML, tool outputs, tool calls
 
-@FUZZ
+@SLOW_FUZZ
 @given(body=st.binary(max_size=200) | st.sampled_from([
     b"tools: 3\n", b"tools: []\n", b"tools:\n- name: x\n", b"tools:\n- name: x\n  path: no_such_module:f\n",
     b"tools:\n- {name: x, path: 'conveyor.tools.calculator:calculate', extra: 1}\n", b"\xff\xfe", b"[" * 3000]))
@@ -381,7 +384,7 @@ rows = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None, suppress_health_check=_QUIET)
 @given(records=st.lists(rows, min_size=1, max_size=3))
 def test_parquet_rows_of_any_content_load_or_name_the_file_and_row(records: list[dict]) -> None:
     from conveyor.config import load_config
