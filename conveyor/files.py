@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_text", "read_jsonl_objects", "make_dir", "environment_error", "describe_os_error"]
+__all__ = ["read_text", "read_jsonl_objects", "make_dir", "environment_error", "full_disk_error", "describe_os_error"]
 
 # The errors a user's disk, mounts and paths cause; any other OSError (EBADF, EINVAL, ...) is a bug and stays one.
 _ENVIRONMENT_ERRNOS = frozenset(
@@ -102,6 +102,25 @@ def make_dir(path: str | Path, key: str) -> Path:
     if not os.access(p, os.W_OK):
         raise ValueError(f"{key}: the folder {p} is not writable; fix its permissions or choose another folder")
     return p
+
+
+_FULL_BYTES = 1 << 20
+"""Free space below which a filesystem counts as full: a write that ran out of room leaves only part of a block."""
+
+
+def full_disk_error(path: str | Path) -> OSError | None:
+    """An ENOSPC OSError when the filesystem holding `path` is full now, else None.
+
+    For writers whose failure on a full disk is no OSError (torch's zip writer says "unexpected pos"):
+    asked right after the failure, before anything is cleaned up, the disk itself tells.
+    """
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= _FULL_BYTES:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def describe_os_error(err: OSError) -> str:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from conveyor.files import environment_error
+from conveyor.files import environment_error, full_disk_error
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +115,13 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not leave a half-written copy filling the disk
-        # DCP's CheckpointException is a BaseException: look through anything but a stop.
+        # DCP's CheckpointException is a BaseException: look through anything but a stop. torch's own writer
+        # reports a real full disk as a RuntimeError ("unexpected pos"), so the disk is asked too, while the
+        # half-written copy still fills it.
         cause = None
         if not isinstance(err, (KeyboardInterrupt, SystemExit)):
-            cause = environment_error(err, any_errno=True, through_context=True)
+            cause = environment_error(err, any_errno=True, through_context=True) or full_disk_error(root)
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not leave a half-written copy filling the disk
         if cause is not None:
             newest = latest_checkpoint(root)
             raise ValueError(
