@@ -146,7 +146,7 @@ _COMMAND_WRITES = {"train": "writing the run", "plot": "writing the plots", "exp
 
 
 def _usage_error(message: str) -> int:
-    """Print `message` as the one `error:` line of a user mistake (or re-raise under CONVEYOR_DEBUG=1); exit status 2."""
+    """Print `message` as the `error:` line of a user mistake (re-raise under CONVEYOR_DEBUG=1); exit status 2."""
     if os.environ.get("CONVEYOR_DEBUG"):
         raise  # noqa: PLE0704 - called only from an except block, to show the traceback asked for
     print(f"error: {message}", file=sys.stderr)

@@ -28,11 +28,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["read_text", "read_jsonl_objects", "make_dir", "environment_error", "full_disk_error", "describe_os_error"]
 
-# The errors a user's disk, mounts and paths cause; any other OSError (EBADF, EINVAL, ...) is a bug and stays one.
+# The errors a user's disk, mounts and paths cause. Any other OSError (EBADF, EINVAL; EEXIST or ENOTEMPTY from a
+# rename, EMFILE from a leak) is more likely a bug, and stays a traceback.
 _ENVIRONMENT_ERRNOS = frozenset(
     getattr(errno, name)
-    for name in ("ENOSPC", "EDQUOT", "EROFS", "ENOTDIR", "EISDIR", "EACCES", "EPERM", "EEXIST", "ENOENT",
-                 "ENAMETOOLONG", "EFBIG", "ENOTEMPTY", "EMFILE", "ENFILE", "ELOOP", "EXDEV")
+    for name in ("ENOSPC", "EDQUOT", "EROFS", "ENOTDIR", "EISDIR", "EACCES", "EPERM", "ENOENT", "ENAMETOOLONG",
+                 "EFBIG", "ELOOP")
     if hasattr(errno, name)
 )
 
@@ -91,7 +92,7 @@ def read_jsonl_objects(path: Path, what: str) -> Iterator[tuple[int, dict[str, A
 
 
 def make_dir(path: str | Path, key: str) -> Path:
-    """Create the folder `path` (and its parents) for writing; ValueError naming it and `key` when that is impossible."""
+    """Create the folder `path` (and its parents) for writing; a ValueError naming it and `key` if impossible."""
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ def describe_os_error(err: OSError) -> str:
 
 
 def environment_error(err: BaseException, any_errno: bool = False, through_context: bool = False) -> OSError | None:
-    """The OSError the environment caused behind `err` (itself, an explicit cause, a worker's or DCP's failure), or None.
+    """The OSError the environment caused behind `err` (itself, a cause, a worker's or DCP's failure), or None.
 
     `through_context` also follows exceptions raised while handling another (a save's cleanup); `any_errno`
     accepts every OSError, not only the environment's (a save that failed on its disk, whatever the reason).
