@@ -150,8 +150,13 @@ def test_plot_skips_a_step_of_10_to_the_400_and_a_huge_value(capsys, tmp_path: P
     assert "reward/mean" not in records[1]  # the value too large for a float is dropped, the step kept
 
 
+dump_rows = st.fixed_dictionaries({k: json_values for k in ("prompt", "response", "ground_truth", "data_source",
+                                                             "reward", "advantage")},
+                                  optional={"turns": json_values, "extra": json_values})
+
+
 @FUZZ
-@given(lines=jsonl_lines)
+@given(lines=st.lists(dump_rows, max_size=4) | jsonl_lines)
 def test_show_of_any_dump_prints_it_or_names_the_file_and_line(capsys, lines: list) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp)
