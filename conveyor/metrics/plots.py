@@ -73,12 +73,18 @@ Panel = Callable[[Any], None]
 # --------------------------------------------------------------------------- reading
 
 
+_MAX_PLOTTED = 1e100
+"""The largest magnitude a metric may have to be drawn."""
+
+
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of the records that hold a number for `key`."""
     steps, values = [], []
     for r in records:
         v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        # A finite value beyond _MAX_PLOTTED makes an axis' span overflow a double, and matplotlib fails the
+        # whole figure; it is left out (NaN and inf stay: they draw as gaps).
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not _MAX_PLOTTED < abs(v) < math.inf:
             steps.append(r["step"])
             values.append(float(v))
     return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)

@@ -155,6 +155,17 @@ dump_rows = st.fixed_dictionaries({k: json_values for k in ("prompt", "response"
                                   optional={"turns": json_values, "extra": json_values})
 
 
+def test_plot_draws_metrics_with_values_at_the_edge_of_a_double(capsys, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, v in enumerate([1e308, -1e308, 5e-324, 0.5, float("inf"), 1.7e308, float("nan")]):
+            f.write(json.dumps({"step": step, **{k: v for k in ("reward/mean", "reward/max", "reward/min",
+                                                                 "actor/pg_loss", "actor/entropy", "val/accuracy",
+                                                                 "timing_s/step", "perf/throughput")}}) + "\n")
+    status, err = _cli(["plot", str(tmp_path)], capsys)  # matplotlib refused the axis: "arange: cannot compute length"
+    assert status == 0, err[-3000:]
+
+
 @FUZZ
 @given(lines=st.lists(dump_rows, max_size=4) | jsonl_lines)
 def test_show_of_any_dump_prints_it_or_names_the_file_and_line(capsys, lines: list) -> None:
