@@ -217,7 +217,7 @@ def _load_tracker_runs(run_dir: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
         logger.warning("%s is unreadable; starting new tracker runs", path)
         return {}
     return data if isinstance(data, dict) else {}

@@ -171,7 +171,7 @@ def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         groups_file = path / _PARAM_GROUPS
         try:
             groups = json.loads(groups_file.read_text())
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{groups_file}: missing or unreadable ({err})") from err
         _check_param_groups(groups, optim_sd["param_groups"], groups_file)
         set_state_dict(model, optimizer, model_state_dict=state["model"],

@@ -220,6 +220,29 @@ def test_an_emptied_param_groups_json_is_refused_when_the_checkpoint_loads(tmp_p
             load_shards(tmp_path / "actor", model, optim)
 
 
+model_files = st.binary(max_size=120) | json_values.map(lambda v: _encode(v)) | st.sampled_from(
+    [b"[" * 5000, b'{"weight_map": {"a": ["x"]}}', b'{"weight_map": 3}', b"\xff\xfe{}"])
+
+
+@FUZZ
+@given(config=model_files, index=st.none() | model_files, weights=st.binary(max_size=64)
+       | st.sampled_from([(8).to_bytes(8, "little") + b"{" * 8, (2**63).to_bytes(8, "little") + b"{}"]))
+def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(config: bytes, index: Any,
+                                                                               weights: bytes) -> None:
+    from conveyor.models.loading import _check_checkpoint_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "config.json").write_bytes(config)
+        (d / "model.safetensors").write_bytes(weights)
+        if index is not None:
+            (d / "model.safetensors.index.json").write_bytes(index)
+        try:
+            _check_checkpoint_dir(d)
+        except ValueError as err:
+            assert tmp in str(err) and "actor_rollout_ref.model.path" in str(err), err
+
+
 def _stub_trainer(ckpt_path: Path) -> Any:
     """Just what `maybe_resume` touches: the real dataset, validation and RNG code, no model."""
     from conveyor.tasks.dataset import PromptDataset
