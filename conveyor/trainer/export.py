@@ -69,6 +69,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from conveyor.models.loading import read_config_json
     from conveyor.workers.shards import load_model_weights
 
     run_dir, out = Path(run_dir), Path(out)
@@ -84,7 +85,14 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     hf = path / "hf"
     if "actor" not in parts or not (hf / "config.json").is_file():
         raise ValueError(f"checkpoint {path} lacks the actor's shards or hf/config.json; it cannot be exported")
-    config = AutoConfig.from_pretrained(str(hf), trust_remote_code=False)
+    # transformers reports a broken config.json as an OSError that names no errno; this says which file and why.
+    read_config_json(hf)
+    try:
+        config = AutoConfig.from_pretrained(str(hf), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"checkpoint {path}: {hf / 'config.json'} cannot be read as a model config "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); export another "
+                         "checkpoint (--step)") from err
     actor_dir = Path(parts["actor"])
     is_lora = (actor_dir / "adapter_config.json").is_file()
     if adapter_only and not is_lora:

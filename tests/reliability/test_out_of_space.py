@@ -115,6 +115,10 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_newest_checkpoint_stays_w
     assert third.returncode == 0, third.stderr[-3000:]
     assert "(step 1)" in third.stderr and rel.checkpoint_steps(run_dir) == [1, 2]
 
+    # A checkpoint from elsewhere whose model config is broken: transformers' OSError without an errno is named.
+    (run_dir / "checkpoints" / "global_step_2" / "hf" / "config.json").write_bytes(b"{\xff")
+    _one_error_line(rel, *_cli(["export", str(run_dir), "--out", str(fs / "model")], capsys), "hf/config.json")
+
 
 def test_a_full_disk_for_the_model_cache_is_one_line_naming_conveyor_cache(rel, tmpfs, capsys, monkeypatch) -> None:
     fs = tmpfs("2M")
