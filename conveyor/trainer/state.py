@@ -82,13 +82,16 @@ def maybe_resume(trainer: PPOTrainer) -> None:
         what = f"lacks the entry {err}" if isinstance(err, KeyError) else f"holds an unusable entry ({err})"
         raise ValueError(f"checkpoint file {path / 'trainer_state.pt'} {what}; it was edited or not written by "
                          "conveyor: resume from another checkpoint (trainer.resume_mode=resume_path)") from err
+    try:
+        trainer.train_data.load_state_dict(dataset)  # before the workers load too: its errors say what differs
+    except ValueError as err:
+        raise ValueError(f"checkpoint file {path / 'trainer_state.pt'}: {err}") from err
     trainer.workers.actor.load_checkpoint(str(parts["actor"]), roles.get("actor", {}))
     if trainer.workers.critic is not None:
         if "critic" not in parts:
             raise ValueError(f"checkpoint {path} has no critic state but this run uses a critic")
         trainer.workers.critic.load_checkpoint(str(parts["critic"]), roles.get("critic", {}))
     trainer.global_step = step
-    trainer.train_data.load_state_dict(dataset)  # its own errors say what differs (seed, prompt count)
     trainer.kl_ctrl.value = kl_coef
     trainer.moe_acc.counts = st.get("moe_counts")
     trainer.moe_acc.routed_experts_retry_step = retry_step

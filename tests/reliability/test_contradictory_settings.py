@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
-
-from conveyor.cli import main
 
 CONTRADICTIONS = {
     "resume_from_path_with_auto": (["trainer.resume_from_path=/runs/a/checkpoints/global_step_2"],
@@ -20,19 +16,13 @@ CONTRADICTIONS = {
 
 
 @pytest.mark.parametrize("case", sorted(CONTRADICTIONS))
-def test_a_contradiction_is_one_error_line_saying_what_to_change(case: str, capsys) -> None:
+def test_a_contradiction_is_one_error_line_saying_what_to_change(rel, case: str, capsys) -> None:
     overrides, needles = CONTRADICTIONS[case]
-    for handler in list(logging.getLogger().handlers):
-        logging.getLogger().removeHandler(handler)
-    capsys.readouterr()
-    assert main(["config", *overrides]) == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("error: "), last
-    for needle in needles:
-        assert needle in last, (needle, last)
+    status, err = rel.main_in_process(["config", *overrides], capsys)
+    rel.assert_usage_error(status, err, needles)
 
 
 @pytest.mark.parametrize("overrides", [["trainer.dump_freq=0", "trainer.dump_num=0"],
                                        ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/x"]])
-def test_the_consistent_forms_are_accepted(overrides: list[str], capsys) -> None:
-    assert main(["config", *overrides]) == 0
+def test_the_consistent_forms_are_accepted(rel, overrides: list[str], capsys) -> None:
+    assert rel.main_in_process(["config", *overrides], capsys)[0] == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import tempfile
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.cli import main
 from conveyor.tasks.rewards import RewardFunctionError, compute_score, finite_score, register_reward_fn
 from conveyor.tools.base import load_tools, run_call
 from conveyor.tools.formats import MAX_JSON_DEPTH, ToolCall, ToolCallError, get_format
@@ -43,16 +41,6 @@ json_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=
                 | nasty_text | st.sampled_from([10**400, -(10**400), 2**63, 1e308, -1e308, 5e-324]))
 json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4)
                            | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
-
-
-def _cli(argv: list[str], capsys) -> tuple[int, str]:
-    """Exit status and stderr of the command run in this process; any exception escaping it fails the test."""
-    root = logging.getLogger()
-    for handler in list(root.handlers):  # main() sets up logging on the stderr of the moment
-        root.removeHandler(handler)
-    capsys.readouterr()
-    status = main(argv)
-    return status, capsys.readouterr().err
 
 
 def _assert_ok_or_one_error_line(status: int, err: str, *needles: str) -> None:
@@ -89,18 +77,18 @@ jsonl_lines = st.lists(
 @given(body=st.binary(max_size=300) | nasty_text.map(lambda t: t.encode("utf-8", "surrogatepass"))
        | st.sampled_from([b"- a\n", b"3\n", b"trainer: 5\n", b"trainer:\n  seed: 1e999\n", b"\xff\xfe\x00",
                           b"a: &x [*x]\n", b"[" * 3000, b"trainer: {total_training_steps: 99999999999999999999}\n"]))
-def test_config_yaml_of_any_bytes_is_read_or_one_error_line_naming_the_file(capsys, body: bytes) -> None:
+def test_config_yaml_of_any_bytes_is_read_or_one_error_line_naming_the_file(rel, capsys, body: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
         path.write_bytes(body)
-        status, err = _cli(["config", "--config", str(path)], capsys)
+        status, err = rel.main_in_process(["config", "--config", str(path)], capsys)
     _assert_ok_or_one_error_line(status, err)  # the file, or the key in it, is named: checked below
 
 
-def test_a_config_that_is_not_utf8_names_the_file_and_the_byte(capsys, tmp_path: Path) -> None:
+def test_a_config_that_is_not_utf8_names_the_file_and_the_byte(rel, capsys, tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes("trainer:\n  experiment_name: caf\xe9\n".encode("latin-1"))
-    status, err = _cli(["config", "--config", str(path)], capsys)
+    status, err = rel.main_in_process(["config", "--config", str(path)], capsys)
     _assert_ok_or_one_error_line(status, err, str(path), "not UTF-8", "0xe9", "line 2")
     assert status == 2
 
@@ -113,9 +101,9 @@ override_keys = st.sampled_from(["trainer.total_training_steps", "trainer.seed",
 @SLOW_FUZZ
 @given(overrides=st.lists(st.tuples(override_keys, nasty_text).map(lambda kv: f"{kv[0]}={kv[1]}") | nasty_text,
                           max_size=3))
-def test_any_command_line_override_is_applied_or_one_error_line(capsys, overrides: list[str]) -> None:
+def test_any_command_line_override_is_applied_or_one_error_line(rel, capsys, overrides: list[str]) -> None:
     overrides = [o for o in overrides if not o.startswith("-")]  # an option is argparse's, not an override
-    status, err = _cli(["config", *overrides], capsys)
+    status, err = rel.main_in_process(["config", *overrides], capsys)
     _assert_ok_or_one_error_line(status, err)
 
 
@@ -123,25 +111,25 @@ def test_any_command_line_override_is_applied_or_one_error_line(capsys, override
 
 @settings(max_examples=8, deadline=None, suppress_health_check=_QUIET)
 @given(lines=jsonl_lines)
-def test_plot_of_any_metrics_file_plots_the_good_lines_or_says_what_is_missing(capsys, lines: list) -> None:
+def test_plot_of_any_metrics_file_plots_the_good_lines_or_says_what_is_missing(rel, capsys, lines: list) -> None:
     pytest.importorskip("matplotlib")
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp)
         good = b'{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n'
         (run / "metrics.jsonl").write_bytes(good + b"\n".join(_encode(x) for x in lines) + b"\n")
-        status, err = _cli(["plot", str(run)], capsys)
+        status, err = rel.main_in_process(["plot", str(run)], capsys)
     _assert_ok_or_one_error_line(status, err)
     assert status == 0, err[-3000:]  # two good lines are always there to plot
 
 
-def test_plot_skips_a_step_of_10_to_the_400_and_a_huge_value(capsys, tmp_path: Path) -> None:
+def test_plot_skips_a_step_of_10_to_the_400_and_a_huge_value(rel, capsys, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n'
                                             '{"step": 1%s, "reward/mean": 0.6}\n' % ("0" * 400)
                                             + '{"step": 2, "reward/mean": 1%s}\n' % ("0" * 400)
                                             + '{"step": 3, "reward/mean": 0.7}\n')
     (tmp_path / "metrics.jsonl").open("ab").write(b'{"step": 4, "reward/mean": "\xff"}\n')
-    status, err = _cli(["plot", str(tmp_path)], capsys)
+    status, err = rel.main_in_process(["plot", str(tmp_path)], capsys)
     assert status == 0, err[-3000:]
     from conveyor.metrics.trackers import read_metrics_jsonl
 
@@ -155,33 +143,33 @@ dump_rows = st.fixed_dictionaries({k: json_values for k in ("prompt", "response"
                                   optional={"turns": json_values, "extra": json_values})
 
 
-def test_plot_draws_metrics_with_values_at_the_edge_of_a_double(capsys, tmp_path: Path) -> None:
+def test_plot_draws_metrics_with_values_at_the_edge_of_a_double(rel, capsys, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for step, v in enumerate([1e308, -1e308, 5e-324, 0.5, float("inf"), 1.7e308, float("nan")]):
             f.write(json.dumps({"step": step, **{k: v for k in ("reward/mean", "reward/max", "reward/min",
                                                                  "actor/pg_loss", "actor/entropy", "val/accuracy",
                                                                  "timing_s/step", "perf/throughput")}}) + "\n")
-    status, err = _cli(["plot", str(tmp_path)], capsys)  # matplotlib refused the axis: "arange: cannot compute length"
+    status, err = rel.main_in_process(["plot", str(tmp_path)], capsys)  # matplotlib refused the axis: "arange: cannot compute length"
     assert status == 0, err[-3000:]
 
 
 @FUZZ
 @given(lines=st.lists(dump_rows, max_size=4) | jsonl_lines)
-def test_show_of_any_dump_prints_it_or_names_the_file_and_line(capsys, lines: list) -> None:
+def test_show_of_any_dump_prints_it_or_names_the_file_and_line(rel, capsys, lines: list) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp)
         (run / "generations").mkdir()
         path = run / "generations" / "step_000001.jsonl"
         path.write_bytes(b"\n".join(_encode(x) for x in lines) + b"\n")
-        status, err = _cli(["show", str(run)], capsys)
+        status, err = rel.main_in_process(["show", str(run)], capsys)
     _assert_ok_or_one_error_line(status, err, *(("generation",) if status else ()))
 
 
-def test_show_names_the_line_of_a_dump_that_is_not_an_object(capsys, tmp_path: Path) -> None:
+def test_show_names_the_line_of_a_dump_that_is_not_an_object(rel, capsys, tmp_path: Path) -> None:
     (tmp_path / "generations").mkdir()
     (tmp_path / "generations" / "step_000003.jsonl").write_text('{"prompt": "1+1", "response": "2"}\n[1, 2]\n')
-    status, err = _cli(["show", str(tmp_path)], capsys)
+    status, err = rel.main_in_process(["show", str(tmp_path)], capsys)
     assert status == 2
     _assert_ok_or_one_error_line(status, err, "step_000003.jsonl", "line 2", "not an object")
 
@@ -301,7 +289,7 @@ def test_a_trainer_state_with_entries_missing_or_changed_resumes_or_names_the_fi
         try:
             maybe_resume(trainer)
         except ValueError as err:
-            assert "trainer_state.pt" in str(err) or "PromptDataset" in str(err), err
+            assert "trainer_state.pt" in str(err), err
             assert not trainer.loaded  # refused before any worker loaded its shards
         finally:
             torch.set_rng_state(random_state)

@@ -18,9 +18,6 @@ from typing import Callable
 
 import pytest
 
-from conveyor.cli import main
-
-
 def _mount(where: Path, size: str, read_only: bool = False) -> None:
     where.mkdir(parents=True, exist_ok=True)
     options = f"size={size}" + (",ro" if read_only else "")
@@ -61,12 +58,6 @@ def fill(fs: Path, leave: int = 0) -> Path:
     return filler
 
 
-def _cli(argv: list[str], capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    status = main(argv)
-    return status, capsys.readouterr().err
-
-
 def _one_error_line(rel, status: int, err: str, *needles: str) -> str:
     """The `error:` line of a usage error holding every needle (the suite's assert_usage_error), returned."""
     rel.assert_usage_error(status, err, needles)
@@ -103,11 +94,11 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_newest_checkpoint_stays_w
 
     # Writers outside a run, onto the same full filesystem: one line each, nothing half-written left.
     out = fs / "export"
-    _one_error_line(rel, *_cli(["export", str(run_dir), "--out", str(out)], capsys), "No space left on device")
+    _one_error_line(rel, *rel.main_in_process(["export", str(run_dir), "--out", str(out)], capsys), "No space left on device")
     assert not out.exists()
     pytest.importorskip("matplotlib")
     fill(fs)
-    _one_error_line(rel, *_cli(["plot", str(run_dir), "--out", str(fs / "plots")], capsys), "No space left on device")
+    _one_error_line(rel, *rel.main_in_process(["plot", str(run_dir), "--out", str(fs / "plots")], capsys), "No space left on device")
 
     # Space freed, the same command resumes from the intact checkpoint and finishes.
     filler.unlink()
@@ -117,7 +108,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_newest_checkpoint_stays_w
 
     # A checkpoint from elsewhere whose model config is broken: transformers' OSError without an errno is named.
     (run_dir / "checkpoints" / "global_step_2" / "hf" / "config.json").write_bytes(b"{\xff")
-    _one_error_line(rel, *_cli(["export", str(run_dir), "--out", str(fs / "model")], capsys), "hf/config.json")
+    _one_error_line(rel, *rel.main_in_process(["export", str(run_dir), "--out", str(fs / "model")], capsys), "hf/config.json")
 
 
 def test_a_full_disk_for_the_model_cache_is_one_line_naming_conveyor_cache(rel, tmpfs, capsys, monkeypatch) -> None:
@@ -125,7 +116,7 @@ def test_a_full_disk_for_the_model_cache_is_one_line_naming_conveyor_cache(rel, 
     (fs / "cache").mkdir()
     fill(fs, leave=64 << 10)  # room for the folder, not for the model's weights
     monkeypatch.setenv("CONVEYOR_CACHE", str(fs / "cache"))
-    status, err = _cli(["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"], capsys)
+    status, err = rel.main_in_process(["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"], capsys)
     _one_error_line(rel, status, err, "CONVEYOR_CACHE", "No space left on device")
     _no_temporaries(fs)
 
@@ -156,12 +147,12 @@ def test_a_full_disk_for_dumps_and_metrics_is_an_environment_error_and_leaves_no
 def test_a_cut_short_cached_model_says_to_delete_that_cache_entry(rel, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
     args = ["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"]
-    status, err = _cli(args, capsys)
+    status, err = rel.main_in_process(args, capsys)
     assert status == 0, err
     (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     weights = entry / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
-    last = _one_error_line(rel, *_cli(args, capsys), str(entry), "delete that folder", "rebuild")
+    last = _one_error_line(rel, *rel.main_in_process(args, capsys), str(entry), "delete that folder", "rebuild")
     assert "copy" not in last
 
 
@@ -186,19 +177,19 @@ def unusable(request, tmp_path: Path, tmpfs) -> tuple[Path, str]:
 def test_plot_into_an_unusable_folder_is_one_line(rel, unusable, tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     folder, needle = unusable
-    _one_error_line(rel, *_cli(["plot", str(_metrics_run(tmp_path)), "--out", str(folder)], capsys), "--out", needle)
+    _one_error_line(rel, *rel.main_in_process(["plot", str(_metrics_run(tmp_path)), "--out", str(folder)], capsys), "--out", needle)
 
 
 def test_export_into_an_unusable_folder_is_one_line_before_anything_is_built(rel, unusable, tmp_path: Path,
                                                                             capsys) -> None:
     folder, needle = unusable
-    _one_error_line(rel, *_cli(["export", str(_metrics_run(tmp_path)), "--out", str(folder / "model")], capsys),
+    _one_error_line(rel, *rel.main_in_process(["export", str(_metrics_run(tmp_path)), "--out", str(folder / "model")], capsys),
                     "--out", needle)
 
 
 def test_export_out_naming_a_file_is_one_line(rel, tmp_path: Path, capsys) -> None:
     (tmp_path / "taken").write_text("x")
-    _one_error_line(rel, *_cli(["export", str(_metrics_run(tmp_path)), "--out", str(tmp_path / "taken")], capsys),
+    _one_error_line(rel, *rel.main_in_process(["export", str(_metrics_run(tmp_path)), "--out", str(tmp_path / "taken")], capsys),
                     "--out", "is a file")
 
 
@@ -206,5 +197,5 @@ def test_a_model_cache_in_an_unusable_folder_is_one_line_naming_conveyor_cache(r
                                                                                monkeypatch) -> None:
     folder, needle = unusable
     monkeypatch.setenv("CONVEYOR_CACHE", str(folder))
-    _one_error_line(rel, *_cli(["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"], capsys),
+    _one_error_line(rel, *rel.main_in_process(["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"], capsys),
                     "CONVEYOR_CACHE", needle)
