@@ -452,3 +452,42 @@ def test_a_gsm8k_row_whose_ground_truth_is_not_a_number_is_reported_at_load(tmp_
     custom = load_config(None, [f"data.train_files=[{path}]", "actor_rollout_ref.model.tiny.warmstart_steps=0",
                                 f"reward.custom_reward_function.path={tmp_path / 'score.py'}"])
     assert len(load_prompt_records(custom)[0]) == 2
+
+
+# --------------------------------------------------------------------------- the command's boundary itself
+
+@pytest.mark.parametrize("raised, user_caused", [
+    (OSError(28, "No space left on device", "/full/metrics.jsonl"), True),
+    (RuntimeError("no cause"), False),
+    (OSError(9, "Bad file descriptor"), False),
+    (KeyError("bug"), False),
+    (RecursionError("bug"), False),
+])
+def test_the_command_turns_what_the_environment_caused_into_one_line_and_keeps_bugs_tracebacks(
+    rel, capsys, monkeypatch, raised: BaseException, user_caused: bool
+) -> None:
+    import conveyor.cli as cli
+
+    def command(args):
+        raise raised
+
+    monkeypatch.setitem(cli._COMMANDS, "plot", command)
+    if user_caused:
+        status, err = rel.main_in_process(["plot", "run"], capsys)
+        rel.assert_usage_error(status, err, ("No space left on device", "/full/metrics.jsonl", "free space"))
+    else:
+        with pytest.raises(type(raised)):
+            rel.main_in_process(["plot", "run"], capsys)
+
+
+def test_an_environment_error_behind_a_wrapper_is_found(rel, capsys, monkeypatch) -> None:
+    import conveyor.cli as cli
+    from conveyor.workers.group import WorkerError
+
+    def command(args):
+        # A worker's failure wraps the disk's, as a Rust library's message carries its errno.
+        raise WorkerError("actor", 0, "save_checkpoint", RuntimeError("I/O error: Read-only file system (os error 30)"))
+
+    monkeypatch.setitem(cli._COMMANDS, "plot", command)
+    status, err = rel.main_in_process(["plot", "run"], capsys)
+    rel.assert_usage_error(status, err, ("Read-only file system", "writable folder"))
