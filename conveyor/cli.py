@@ -14,6 +14,8 @@ import signal
 import sys
 from typing import Sequence
 
+from conveyor.files import describe_os_error, environment_error
+
 __all__ = ["main"]
 
 EXIT_USAGE = 2
@@ -138,6 +140,19 @@ _COMMANDS = {
 }
 
 
+# What each command writes, for the message of a failure of the file system.
+_COMMAND_WRITES = {"train": "writing the run", "plot": "writing the plots", "export": "writing the export",
+                   "warmstart": "writing the model cache", "show": "reading the dump", "config": "reading the config"}
+
+
+def _usage_error(message: str) -> int:
+    """Print `message` as the `error:` line of a user mistake (re-raise under CONVEYOR_DEBUG=1); exit status 2."""
+    if os.environ.get("CONVEYOR_DEBUG"):
+        raise  # noqa: PLE0704 - called only from an except block, to show the traceback asked for
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `conveyor` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -155,10 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as err:
-        if os.environ.get("CONVEYOR_DEBUG"):
+        return _usage_error(str(err))
+    except Exception as err:
+        # A full disk, a read-only or missing folder, a path under a file: the environment's fault, said in one
+        # line. Any other exception is a bug and keeps its traceback.
+        cause = environment_error(err)
+        if cause is None:
             raise
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(f"{_COMMAND_WRITES.get(args.command, 'the command')} failed: {describe_os_error(cause)}")
     except KeyboardInterrupt as err:
         # 128 + the signal's number, as a shell reports a process a signal ended: 130 for Ctrl-C, 143 for SIGTERM.
         signum = getattr(err, "signum", signal.SIGINT)

@@ -42,7 +42,11 @@ def describe_error(err: BaseException) -> str:
     """`Type: message` on one line; a `SystemExit` says that sys.exit was called."""
     if isinstance(err, SystemExit):
         return f"it called sys.exit({err.code!r})"
-    text = " ".join(str(err).split())
+    try:
+        text = " ".join(str(err).split())
+    except Exception:  # an exception whose __str__ itself fails still has a type to report
+        text = "(its message cannot be shown)"
+    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be printed or logged
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import math
 import types
 import typing
@@ -208,6 +209,13 @@ def _parse_dotlist(overrides: list[str]) -> dict:
         data = OmegaConf.to_container(OmegaConf.from_dotlist(items), resolve=False)
     except OmegaConfBaseException as err:
         raise ConfigError(f"overrides {overrides}: {str(err).splitlines()[0]}") from err
+    except (yaml.YAMLError, RecursionError) as err:
+        # A value YAML cannot read ("@", ",", "*"): name the override it is in, and how to pass it as text.
+        culprit = next((item for item in items if not _reads_as_yaml(item)), items[0])
+        key, value = culprit.split("=", 1)
+        what = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"override {culprit!r}: the value is not valid YAML ({what}); to pass it as text, quote "
+                          f"it: {key}='\"{value}\"'") from err
     for item in items:
         key, value = (part.strip() for part in item.split("=", 1))
         # YAML reads "5_0.5" as the number 50.5 (underscores are digit separators there); for a
@@ -221,6 +229,17 @@ def _parse_dotlist(overrides: list[str]) -> dict:
     return data
 
 
+def _reads_as_yaml(item: str) -> bool:
+    """Whether the value of one `key=value` override parses."""
+    try:
+        OmegaConf.from_dotlist([item])
+    except (yaml.YAMLError, RecursionError):
+        return False
+    except OmegaConfBaseException:
+        pass
+    return True
+
+
 def parse_overrides(overrides: list[str]) -> dict:
     """Turn `a.b.c=value` strings into a nested dict (values parsed by OmegaConf: numbers, bools, lists)."""
     return _parse_dotlist(list(overrides))
@@ -229,14 +248,24 @@ def parse_overrides(overrides: list[str]) -> dict:
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
+    from conveyor.files import read_text  # here: importing the config imports no implementation
+
     try:
-        loaded = OmegaConf.load(path)
+        text = read_text(path, "--config")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    try:
+        loaded = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as err:
         # One line, as every config error is: where, then what.
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         what = getattr(err, "problem", None) or " ".join(str(err).split())
         raise ConfigError(f"--config {path}: not valid YAML{where}: {what}") from err
+    except RecursionError as err:
+        raise ConfigError(f"--config {path}: nested too deeply to be a config") from err
+    except OSError as err:  # OmegaConf's word for a top level that is a lone number or text
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections, not a single value") from err
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
     return OmegaConf.to_container(loaded, resolve=False)

@@ -124,7 +124,7 @@ class TrainerConfig:
     v1: TrainerV1Config = S(TrainerV1Config, "synchronous or asynchronous training (verl's V1 trainer keys)")
 
     def validate(self, prefix: str) -> None:
-        """The experiment name is a plain directory name; resume_path names its checkpoint."""
+        """The experiment name is a plain directory name; resume_path names its checkpoint; no setting is ignored."""
         name = self.experiment_name
         # It names the run directory (runs/<name>): a path in it would write outside runs/.
         check(bool(name.strip()) and "/" not in name and "\\" not in name and name not in (".", "..")
@@ -133,3 +133,10 @@ class TrainerConfig:
               f"To write the run elsewhere, set {prefix}.default_local_dir")
         check(self.resume_mode != "resume_path" or bool(self.resume_from_path), f"{prefix}.resume_from_path",
               f"must be set when {prefix}.resume_mode=resume_path")
+        # A path given with another mode would be silently ignored: the run would start fresh or continue its own.
+        check(self.resume_from_path is None or self.resume_mode == "resume_path", f"{prefix}.resume_from_path",
+              f"is set but {prefix}.resume_mode={self.resume_mode} ignores it; set {prefix}.resume_mode=resume_path "
+              f"to resume from it, or {prefix}.resume_from_path=null")
+        check(self.dump_freq == 0 or self.dump_num > 0, f"{prefix}.dump_num",
+              f"is 0 while {prefix}.dump_freq={self.dump_freq} asks for dumps, which would hold no samples; set "
+              f"{prefix}.dump_num to 1 or more, or {prefix}.dump_freq=0 to turn dumps off")

@@ -45,8 +45,9 @@ REQUIRED_KEYS = ("prompt", "response", "ground_truth", "data_source", "reward", 
 _DUMP_NAME = re.compile(r"^step_(\d+)\.jsonl$")
 # What a terminal would act on rather than show: C0 controls but newline and tab,
 # DEL and C1 controls, Unicode line/paragraph separators, and bidirectional
-# overrides and isolates (which make text read in a different order than stored).
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# overrides and isolates (which make text read in a different order than stored), and lone surrogates
+# (half a UTF-16 pair, which a JSON file may hold escaped and no terminal can be sent).
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _HOW_TO_ENABLE = "set trainer.dump_freq=N (N > 0) to write generation dumps every N steps"
 
 
@@ -72,13 +73,17 @@ def write_generations(run_dir: str | Path, step: int, rows: Sequence[dict[str, A
     path = dump_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            ordered = {k: row[k] for k in REQUIRED_KEYS}
-            ordered.update({k: v for k, v in row.items() if k not in ordered})
-            f.write(json.dumps(to_json_value(ordered), ensure_ascii=False, allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for row in rows:
+                ordered = {k: row[k] for k in REQUIRED_KEYS}
+                ordered.update({k: v for k, v in row.items() if k not in ordered})
+                f.write(json.dumps(to_json_value(ordered), ensure_ascii=False, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep half a dump filling it further
+        raise
     os.replace(tmp, path)
     return path
 
@@ -147,10 +152,14 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except ValueError as err:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as err:
                 raise ValueError(f"generation dump {path}, line {number} is not valid JSON ({err}); "
                                  "it was not written by conveyor, or was edited") from err
+            if not isinstance(row, dict):
+                raise ValueError(f"generation dump {path}, line {number} is a JSON {type(row).__name__}, not an "
+                                 "object (one sample per line); it was not written by conveyor, or was edited")
+            rows.append(row)
     return step, rows
 
 
@@ -170,11 +179,23 @@ def _as_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float when it is a number that has one (not a bool, NaN, inf or an int beyond a double)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _fmt_score(value: Any, signed: bool = False) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:+.3f}" if signed else f"{value:.3f}"
+        number = _finite(value)
+        if number is None:
+            return str(value) if isinstance(value, float) else "(too large)"
+        return f"{number:+.3f}" if signed else f"{number:.3f}"
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return value
     return "-" if value is None else str(value)
@@ -210,7 +231,7 @@ def format_generations(
     if max_lines < 3:
         raise ValueError(f"max_lines must be at least 3, got {max_lines}")
     rewards = [r.get("reward") for r in rows]
-    numeric = [float(x) for x in rewards if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    numeric = [x for x in map(_finite, rewards) if x is not None]
     summary = f"step {step}: {len(rows)} samples"
     if numeric:
         summary += f", reward mean {sum(numeric) / len(numeric):.3f} (min {min(numeric):.3f}, max {max(numeric):.3f})"

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from conveyor.files import make_dir, read_jsonl_objects
 from conveyor.metrics.trackers import read_metrics_jsonl
 
 logger = logging.getLogger(__name__)
@@ -72,12 +73,18 @@ Panel = Callable[[Any], None]
 # --------------------------------------------------------------------------- reading
 
 
+_MAX_PLOTTED = 1e100
+"""The largest magnitude a metric may have to be drawn."""
+
+
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of the records that hold a number for `key`."""
     steps, values = [], []
     for r in records:
         v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        # A finite value beyond _MAX_PLOTTED makes an axis' span overflow a double, and matplotlib fails the
+        # whole figure; it is left out (NaN and inf stay: they draw as gaps).
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not _MAX_PLOTTED < abs(v) < math.inf:
             steps.append(r["step"])
             values.append(float(v))
     return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
@@ -99,23 +106,18 @@ def read_moe_expert_load(path: str | Path) -> list[dict[str, Any]]:
     """Records of a `moe_expert_load.jsonl` sorted by step (last wins per step), counts as (layers, experts) arrays."""
     path = Path(path)
     by_step: dict[int, dict[str, Any]] = {}
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                step, num_experts = int(rec["step"]), int(rec["num_experts"])
-                counts = np.asarray(rec["counts"], dtype=float)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-                logger.warning("%s:%d is not a valid expert-load record (%s); skipped", path, lineno, err)
-                continue
-            if counts.ndim != 2 or counts.shape[1] != num_experts:
-                logger.warning(
-                    "%s:%d counts have shape %s, expected (layers, %d); skipped", path, lineno, counts.shape, num_experts
-                )
-                continue
-            by_step[step] = {"step": step, "num_experts": num_experts, "counts": counts}
+    for lineno, rec in read_jsonl_objects(path, "expert-load file"):
+        try:
+            step, num_experts = int(rec["step"]), int(rec["num_experts"])
+            counts = np.asarray(rec["counts"], dtype=float)
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
+            logger.warning("%s:%d is not a valid expert-load record (%s); skipped", path, lineno, err)
+            continue
+        if counts.ndim != 2 or counts.shape[1] != num_experts or not 0 <= step < 2**53:
+            logger.warning("%s:%d counts have shape %s, expected (layers, %d), or its step is out of range; skipped",
+                           path, lineno, counts.shape, num_experts)
+            continue
+        by_step[step] = {"step": step, "num_experts": num_experts, "counts": counts}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -413,8 +415,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             f"nothing to plot in {run_dir}: {metrics_path.name} is missing or empty "
             "(add 'jsonl' to trainer.logger to write it)"
         )
-    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(Path(out_dir) if out_dir is not None else run_dir / "plots",
+                   "--out" if out_dir is not None else "the plots folder")
 
     figures: list[tuple[str, str, list[Panel | None]]] = []
     reward_prefix = next((p for p in _REWARD_PREFIXES if _has(records, f"{p}/mean")), None)

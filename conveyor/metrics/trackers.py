@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
+from conveyor.files import read_jsonl_objects
 from conveyor.registry import registrar
 
 logger = logging.getLogger(__name__)
@@ -126,22 +127,18 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"metrics file {path} does not exist; add 'jsonl' to trainer.logger to write it")
     by_step: dict[int, dict[str, Any]] = {}
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                # A crash can leave the last line half written; the rest is still good.
-                logger.warning("%s:%d is not valid JSON; skipped", path, lineno)
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                logger.warning("%s:%d has no integer 'step'; skipped", path, lineno)
-                continue
-            by_step[record["step"]] = {k: _from_json_number(v) for k, v in record.items()}
+    for lineno, record in read_jsonl_objects(path, "metrics file"):
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
+            logger.warning("%s:%d has no 'step' that is a whole number from 0 to 2**53; skipped", path, lineno)
+            continue
+        by_step[step] = {k: v for k, v in ((k, _from_json_number(v)) for k, v in record.items()) if _plottable(v)}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _plottable(value: Any) -> bool:
+    """Whether a metric value can be kept: anything but an integer too large for a float (it would fail a plot)."""
+    return not (isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**1023)
 
 
 def flatten_config(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -220,7 +217,7 @@ def _load_tracker_runs(run_dir: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
         logger.warning("%s is unreadable; starting new tracker runs", path)
         return {}
     return data if isinstance(data, dict) else {}

@@ -98,7 +98,7 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(file)!r} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
                          f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one") from err
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, UnicodeDecodeError, RecursionError) as err:
         raise ValueError(f"cannot read {str(file)!r} ({_first_line(err)}); check `{_PATH_KEY}`") from err
     if not isinstance(data, dict):
         raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, not an object of settings; "
@@ -138,7 +138,7 @@ def _safetensors_problem(file: Path) -> str | None:
                 return f"is cut short ({size} bytes, shorter than its own header)"
             header = json.loads(f.read(n))
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as err:
         return f"is not a safetensors file ({type(err).__name__}: {_first_line(err)})"
     if 8 + n + end > size:
         return f"is cut short ({size} bytes; its header describes {8 + n + end})"
@@ -152,7 +152,7 @@ def _check_weights(path: Path) -> None:
         if index.is_file():
             try:
                 shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
                 raise ValueError(f"{str(index)!r} is not a valid weight index ({_first_line(err)}); "
                                  f"re-save the checkpoint, or set `{_PATH_KEY}` to another one") from err
             break

@@ -32,6 +32,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional
 
+from conveyor.user_code import describe_error
+
 __all__ = [
     "REWARD_FNS",
     "RewardFn",
@@ -44,6 +46,8 @@ __all__ = [
     "extract_gsm8k_answer",
     "finite_score",
     "get_reward_fn",
+    "ground_truth_check",
+    "ground_truth_problem",
     "gsm8k_score",
     "gsm8k_strict",
     "normalize_number",
@@ -113,6 +117,39 @@ def get_reward_fn(data_source: str) -> RewardFn:
     )
 
 
+def ground_truth_check(check: Callable[[Any], Optional[str]]) -> Callable[[RewardFn], RewardFn]:
+    """Decorator giving a reward function `check(ground_truth) -> problem or None`, run on every row at load.
+
+    A row whose ground truth its reward can never match (a GSM8K answer that is not a number) would
+    otherwise earn 0 for every response, or fail the step it is drawn in, hours into a run.
+    """
+    def decorator(fn: RewardFn) -> RewardFn:
+        fn.check_ground_truth = check  # type: ignore[attr-defined]
+        return fn
+
+    return decorator
+
+
+def ground_truth_problem(data_source: Any, ground_truth: Any) -> Optional[str]:
+    """Why the registered reward of `data_source` can never reward `ground_truth`, or None (also when none is known)."""
+    try:
+        fn = get_reward_fn(data_source)
+    except ValueError:
+        return None  # an unknown data source is reported, with the registered ones, when it is scored
+    check = getattr(fn, "check_ground_truth", None)
+    return check(ground_truth) if check is not None else None
+
+
+def _gsm8k_truth_problem(ground_truth: Any) -> Optional[str]:
+    """GSM8K's ground truth is a number, or a solution ending in "#### number"."""
+    gt = str(ground_truth)
+    expected = extract_gsm8k_answer(gt, "strict") if "####" in gt else normalize_number(gt)
+    if expected is None:
+        return (f"reward_model.ground_truth {ground_truth!r} is not a number (nor a solution ending in "
+                "'#### <number>'), so the GSM8K reward can never match it; fix or drop the row")
+    return None
+
+
 def reward_fn_name(fn: Callable) -> str:
     """How messages name a reward function: its qualified name (its repr when it has none)."""
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
@@ -134,7 +171,7 @@ def describe_failure(err: BaseException) -> str:
     """How a reward function failed, for an error message: what it raised, or that it called sys.exit."""
     if isinstance(err, SystemExit):
         return f"called sys.exit({err.code!r}); a reward function must return a score, not end the program"
-    return f"raised {type(err).__name__}: {err}"
+    return f"raised {describe_error(err)}"
 
 
 def finite_score(result: Any, label: str, context: str = "") -> float:
@@ -143,7 +180,8 @@ def finite_score(result: Any, label: str, context: str = "") -> float:
     if not isinstance(result, (str, bytes)):
         try:
             value = float(result)
-        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond a double
+        # OverflowError: an int beyond a double; anything else: a user's type whose __float__ fails.
+        except Exception:
             value = None
     if value is None or not math.isfinite(value):
         raise RewardFunctionError(f"{label} returned {describe_result(result)}, not a finite number{context}")
@@ -263,6 +301,7 @@ def gsm8k_score(
 
 
 @register_reward_fn("openai/gsm8k", "gsm8k")
+@ground_truth_check(_gsm8k_truth_problem)
 def gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
     """GSM8K reward in strict mode: 1.0 when the number after the last "####" equals the ground truth."""
     return gsm8k_score(solution_str, ground_truth, extra_info, method="strict")

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from conveyor.files import read_text
 from conveyor.tools.formats import ToolCall
 from conveyor.user_code import describe_error, user_attribute
 
@@ -122,7 +123,9 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
     if not p.is_file():
         raise ValueError(f"{_KEY}: no file at {str(p)!r}; give the path of a tool YAML (see docs/agent.md)")
     try:
-        spec = yaml.safe_load(p.read_text())
+        spec = yaml.safe_load(read_text(p, f"{_KEY}: the tool YAML"))
+    except RecursionError as err:
+        raise ValueError(f"{_KEY}: {str(p)!r} is nested too deeply to be a tool YAML") from err
     except yaml.YAMLError as err:
         raise ValueError(f"{_KEY}: {str(p)!r} is not valid YAML ({err})") from err
     entries = spec.get("tools") if isinstance(spec, dict) else None
@@ -159,7 +162,8 @@ def _normalise(value: Any) -> tuple[str, float]:
         value = str(value)
     if not isinstance(value, str):
         raise ValueError(f"it returned {type(value).__name__}; return text, or (text, reward)")
-    return value, float(reward)
+    # Lone surrogates (half a UTF-16 pair) cannot be tokenized, dumped or printed: they become U+FFFD's "?".
+    return value.encode("utf-8", "replace").decode("utf-8"), float(reward)
 
 
 def run_call(tools: dict[str, Tool], call: ToolCall, instance_id: str, created: set[str]) -> ToolResult:
@@ -175,8 +179,9 @@ def run_call(tools: dict[str, Tool], call: ToolCall, instance_id: str, created: 
                 _resolve(tool.create(instance_id))
         text, reward = _normalise(_resolve(tool.execute(instance_id, call)))
         return ToolResult(text, reward, None, time.perf_counter() - start)
-    except (Exception, SystemExit) as err:  # sys.exit in a tool is a failed call, not the end of the run
-        message = f"{type(err).__name__}: {err}" if not isinstance(err, LookupError) else str(err).strip("'\"")
+    # sys.exit in a tool, or a coroutine tool cancelled from inside, is a failed call, not the end of the run.
+    except (Exception, SystemExit, asyncio.CancelledError) as err:
+        message = describe_error(err) if tool is not None else str(err).strip("'\"")
         return ToolResult(f"error: {message}", 0.0, message, time.perf_counter() - start)
 
 
@@ -189,6 +194,6 @@ def release_all(tools: dict[str, Tool], instance_id: str, created: set[str]) -> 
             continue
         try:
             _resolve(tool.release(instance_id))
-        except (Exception, SystemExit) as err:
-            failures.append(f"tool {name!r} release raised {type(err).__name__}: {err}")
+        except (Exception, SystemExit, asyncio.CancelledError) as err:
+            failures.append(f"tool {name!r} release raised {describe_error(err)}")
     return failures

@@ -83,6 +83,42 @@ def _parse_hash(turn: str) -> Optional[ToolCall]:
     return ToolCall(name=m.group(1), text=(m.group(2) or "").strip())
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of brackets a tool call's JSON may have: deeper is refused before parsing (the parser recurses)."""
+
+
+def _json_depth(text: str) -> int:
+    """The deepest bracket nesting of `text`, counting brackets outside JSON strings (an upper bound when malformed)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _load_json(text: str, what: str) -> Any:
+    """`text` parsed as JSON; ToolCallError (shown to the model) when it is not JSON or nested too deeply."""
+    if _json_depth(text) > MAX_JSON_DEPTH:
+        raise ToolCallError(f"{what} nests brackets deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise ToolCallError(f"{what} is not valid JSON ({err})") from err
+
+
 def _parse_hermes(turn: str) -> Optional[ToolCall]:
     found = _HERMES_CALL.findall(turn)
     if not found:
@@ -90,18 +126,12 @@ def _parse_hermes(turn: str) -> Optional[ToolCall]:
             raise ToolCallError("a <tool_call> is not closed with </tool_call>")
         return None
     body = found[-1].strip()  # one call per turn: the last one wins
-    try:
-        obj = json.loads(body)
-    except ValueError as err:
-        raise ToolCallError(f"the tool call is not valid JSON ({err})") from err
+    obj = _load_json(body, "the tool call")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ToolCallError('a tool call must be {"name": ..., "arguments": {...}}')
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError as err:
-            raise ToolCallError(f"the tool call's arguments are not valid JSON ({err})") from err
+        args = _load_json(args, "the tool call's arguments")
     if not isinstance(args, dict):
         raise ToolCallError("a tool call's arguments must be a JSON object")
     return ToolCall(name=obj["name"], arguments=args)

@@ -33,6 +33,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from conveyor.files import environment_error, full_disk_error
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_state", "set_rng_state",
@@ -67,24 +69,6 @@ def resume_path(trainer_cfg: Any, ckpt_root: Path) -> Path | None:
     if trainer_cfg.resume_mode == "resume_path":
         return Path(trainer_cfg.resume_from_path)
     return latest_checkpoint(ckpt_root)
-
-
-def _os_error(err: BaseException) -> OSError | None:
-    """The OSError behind `err`, through chained causes, worker wrappers and DCP's per-rank failures."""
-    seen = set()
-    todo = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            todo += [v for v in failures.values() if isinstance(v, BaseException)]
-    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -131,9 +115,13 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
     except BaseException as err:
+        # DCP's CheckpointException is a BaseException: look through anything but a stop. torch's own writer
+        # reports a real full disk as a RuntimeError ("unexpected pos"), so the disk is asked too, while the
+        # half-written copy still fills it.
+        cause = None
+        if not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            cause = environment_error(err, any_errno=True, through_context=True) or full_disk_error(root)
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not leave a half-written copy filling the disk
-        # DCP's CheckpointException is a BaseException: look through anything but a stop.
-        cause = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else _os_error(err)
         if cause is not None:
             newest = latest_checkpoint(root)
             raise ValueError(

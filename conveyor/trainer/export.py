@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from conveyor.files import make_dir
 from conveyor.trainer import checkpoint as ckpt
 
 __all__ = ["export_hf"]
@@ -68,19 +69,30 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from conveyor.models.loading import read_config_json
     from conveyor.workers.shards import load_model_weights
 
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a new directory")
+    if out.is_dir() and any(out.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
+    make_dir(out.parent, "--out")  # before the model is built: a path under a file fails at once
     path = _choose_checkpoint(run_dir, step)
     parts = ckpt.load_checkpoint(path)
     hf = path / "hf"
     if "actor" not in parts or not (hf / "config.json").is_file():
         raise ValueError(f"checkpoint {path} lacks the actor's shards or hf/config.json; it cannot be exported")
-    config = AutoConfig.from_pretrained(str(hf), trust_remote_code=False)
+    # transformers reports a broken config.json as an OSError that names no errno; this says which file and why.
+    read_config_json(hf)
+    try:
+        config = AutoConfig.from_pretrained(str(hf), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"checkpoint {path}: {hf / 'config.json'} cannot be read as a model config "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); export another "
+                         "checkpoint (--step)") from err
     actor_dir = Path(parts["actor"])
     is_lora = (actor_dir / "adapter_config.json").is_file()
     if adapter_only and not is_lora:
@@ -93,7 +105,6 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
         load_model_weights(parts["actor"], model)
     tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed into place: an interrupted export leaves no half directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -24,6 +24,7 @@ import torch
 
 from conveyor.config import Config, ConfigError
 from conveyor.data_plane import DataPlane, make_data_plane
+from conveyor.files import describe_os_error, environment_error, make_dir
 from conveyor.ray_utils import data_plane_backend
 
 logger = logging.getLogger(__name__)
@@ -189,18 +190,21 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
                    tokenizer if tokenizer is not None else _prompt_tokenizer(cfg))
     if not cfg.reward.custom_reward_function.path:
         # Checked now, not at the first reward stage after the model is built and has generated.
-        from conveyor.tasks.rewards import get_reward_fn
+        from conveyor.tasks.rewards import get_reward_fn, ground_truth_problem
 
         checked: set[str] = set()
         for rec, origin in zip(train + val, train_origins + val_origins):
             source = rec.get("data_source")
-            if isinstance(source, str) and source in checked:
-                continue
-            try:
-                get_reward_fn(source)  # a non-string data_source is refused here too
-            except ValueError as err:
-                raise ValueError(f"{origin}: {err}, or set reward.custom_reward_function.path") from err
-            checked.add(source)
+            if not (isinstance(source, str) and source in checked):
+                try:
+                    get_reward_fn(source)  # a non-string data_source is refused here too
+                except ValueError as err:
+                    raise ValueError(f"{origin}: {err}, or set reward.custom_reward_function.path") from err
+                checked.add(source)
+            # A row its reward can never match would score 0 for every response, or fail its step hours in.
+            problem = ground_truth_problem(source, (rec.get("reward_model") or {}).get("ground_truth"))
+            if problem:
+                raise ValueError(f"{origin}: {problem}")
     return train, val
 
 
@@ -276,7 +280,16 @@ def prepare_default_model(cfg: Config) -> str:
     tiny = cfg.actor_rollout_ref.model.tiny
     target = cache_dir() / f"tiny-{tiny.arch}-{_tiny_key(cfg)}"
     if (target / "config.json").is_file():
+        try:
+            _check_checkpoint_dir(str(target), trust_remote_code=False)
+        except ValueError as err:
+            # Not the user's checkpoint to copy again: the cache's own copy was cut short (a full disk, a kill).
+            problem = str(err).split(";")[0]  # what is wrong, without the advice meant for a user's own checkpoint
+            raise ValueError(f"the cached tiny model {target} is damaged ({problem}); delete that folder "
+                             f"(rm -r {target}) and run again to rebuild it") from err
         return str(target)
+    # Checked before the minutes of building: a cache under a file or on a read-only disk fails at once.
+    make_dir(target.parent, "CONVEYOR_CACHE (the model cache)")
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
     from conveyor.trainer.warmstart import supervised_warmstart
@@ -298,12 +311,23 @@ def prepare_default_model(cfg: Config) -> str:
             torch.manual_seed(tiny.seed)
             supervised_warmstart(model, tokenizer, train, steps=tiny.warmstart_steps, lr=tiny.warmstart_lr,
                                  seed=tiny.seed, until_accuracy=tiny.warmstart_until_accuracy)
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename into place, so a concurrent or killed
     # build never leaves a half-written checkpoint under the final name.
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    except OSError as err:
+        raise ValueError(f"CONVEYOR_CACHE (the model cache): cannot write into {target.parent}: "
+                         f"{describe_os_error(err)}") from err
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written model must not stay to fill the disk
+        cause = environment_error(err)
+        if cause is None:
+            raise
+        raise ValueError(f"CONVEYOR_CACHE (the model cache): writing the tiny model into {target.parent} failed: "
+                         f"{describe_os_error(cause)}") from err
     try:
         os.rename(tmp, target)
     except OSError:

@@ -70,17 +70,29 @@ def maybe_resume(trainer: PPOTrainer) -> None:
     if "actor" not in parts:
         raise ValueError(f"checkpoint {path} has no actor shards (no actor/ directory); it is incomplete")
     st = parts["trainer_state"]
-    roles = st.get("roles", {})
+    try:
+        # Every entry is read (and the RNG restored) before any worker loads: only an edited or foreign file lacks
+        # one or holds the wrong kind of value (conveyor writes them all), and that must not surface steps later.
+        step, dataset, kl_coef = int(st["global_step"]), dict(st["dataset"]), float(st["kl_coef"])
+        int(dataset["epoch"]), int(dataset["position"])
+        roles, retry_step = dict(st.get("roles", {})), int(st.get("moe_retry_step", 0))
+        ckpt.set_rng_state(st["rng"])
+        trainer.validation.load_state_dict(st.get("val_history", []))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as err:
+        what = f"lacks the entry {err}" if isinstance(err, KeyError) else f"holds an unusable entry ({err})"
+        raise ValueError(f"checkpoint file {path / 'trainer_state.pt'} {what}; it was edited or not written by "
+                         "conveyor: resume from another checkpoint (trainer.resume_mode=resume_path)") from err
+    try:
+        trainer.train_data.load_state_dict(dataset)  # before the workers load too: its errors say what differs
+    except ValueError as err:
+        raise ValueError(f"checkpoint file {path / 'trainer_state.pt'}: {err}") from err
     trainer.workers.actor.load_checkpoint(str(parts["actor"]), roles.get("actor", {}))
     if trainer.workers.critic is not None:
         if "critic" not in parts:
             raise ValueError(f"checkpoint {path} has no critic state but this run uses a critic")
         trainer.workers.critic.load_checkpoint(str(parts["critic"]), roles.get("critic", {}))
-    trainer.global_step = int(st["global_step"])
-    trainer.train_data.load_state_dict(st["dataset"])
-    ckpt.set_rng_state(st["rng"])
-    trainer.kl_ctrl.value = st["kl_coef"]
+    trainer.global_step = step
+    trainer.kl_ctrl.value = kl_coef
     trainer.moe_acc.counts = st.get("moe_counts")
-    trainer.moe_acc.routed_experts_retry_step = st.get("moe_retry_step", 0)
-    trainer.validation.load_state_dict(st.get("val_history", []))
+    trainer.moe_acc.routed_experts_retry_step = retry_step
     logger.info("resumed from %s (step %d)", path, trainer.global_step)

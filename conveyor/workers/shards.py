@@ -133,6 +133,23 @@ def save_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         (path / _PARAM_GROUPS).write_text(json.dumps(groups))
 
 
+def _check_param_groups(groups: Any, expected: list[dict[str, Any]], groups_file: Path) -> None:
+    """Refuse saved optimizer groups that do not match this optimizer's (an emptied or edited file).
+
+    Checked here, at load: set_state_dict accepts them, and the next step then fails deep in the optimizer.
+    """
+    ok = isinstance(groups, list) and len(groups) == len(expected) and all(
+        isinstance(g, dict) and set(e) <= set(g) and isinstance(g.get("params"), list)
+        and len(g["params"]) == len(e["params"])
+        for g, e in zip(groups, expected)
+    )
+    if not ok:
+        want = [sorted(e) for e in expected]
+        raise CheckpointFormatError(f"{groups_file} does not describe this optimizer ({len(expected)} groups with "
+                                    f"keys {want[0] if want else []}); it was emptied or edited: resume from another "
+                                    "checkpoint (trainer.resume_mode=resume_path)")
+
+
 def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 trainable_only: bool = False) -> None:
     """Load `path` into `model` (and `optimizer`), resharding to this role's strategy and world size.
@@ -154,8 +171,9 @@ def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         groups_file = path / _PARAM_GROUPS
         try:
             groups = json.loads(groups_file.read_text())
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{groups_file}: missing or unreadable ({err})") from err
+        _check_param_groups(groups, optim_sd["param_groups"], groups_file)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optim"]["state"], "param_groups": groups}, options=options)
     else:

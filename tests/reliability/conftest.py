@@ -10,6 +10,7 @@ them deterministic and cheap on a shared machine.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -74,6 +75,18 @@ def assert_usage_error(status: Any, stderr: str, needles: tuple[str, ...]) -> No
     assert last.startswith("error: "), stderr[-3000:]
     for needle in needles:
         assert needle in last, (needle, last)
+
+
+def main_in_process(argv: list[str], capsys: Any) -> tuple[int, str]:
+    """Exit status and stderr of `conveyor ARGV` run by its entry point in this process (any exception escapes)."""
+    from conveyor.cli import main
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # main() sets up logging on the stderr of the moment, a capture now gone
+        root.removeHandler(handler)
+    capsys.readouterr()
+    status = main(argv)
+    return status, capsys.readouterr().err
 
 
 _CASES_DRIVER = r'''
