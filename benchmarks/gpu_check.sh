@@ -2,7 +2,8 @@
 # The prepared GPU check: nccl, then 2 training steps under fsdp2 on one GPU with a ~0.86B-parameter
 # Qwen3-MoE built from config (no download) with a reference and R3, printing every phase's peak GPU
 # memory and tokens/s; R3 with and without gradient checkpointing (their first gradient norms); one
-# update and log-prob pass over 4k-token responses of a ~1B model; then the rollout
+# update and log-prob pass over 4k-token responses of a ~1B model; packed forwards (torch's varlen kernel) against
+# padded ones on a ~1B model with responses of 64..4096 tokens; then the rollout
 # benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model (when vllm is installed).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
@@ -85,6 +86,64 @@ echo "== one update and one log-prob pass over 4k-token responses, ~1B model, ch
   actor_rollout_ref.actor.ppo_mini_batch_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
 report "$OUT/long"
+echo "== packed forwards (use_remove_padding): torch's varlen flash kernel against padded SDPA, ~1B dense Qwen3, bf16"
+"$PY" - <<'PY'
+import time, torch
+from transformers import AutoModelForCausalLM
+from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.models.packing import PackedRows, enable_packing
+from conveyor.models.tiny import tiny_config
+torch.manual_seed(0)
+cfg = tiny_config("qwen3", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8,
+                  intermediate_size=5632, max_position_embeddings=8192)
+model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to("cuda", torch.bfloat16)
+print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
+gen = torch.Generator().manual_seed(0)
+B, P = 8, 64
+lengths = torch.linspace(64, 4096, B).long()  # responses of 64..4096 tokens
+R = int(lengths.max())
+prompts = torch.randint(1, 32000, (B, P), generator=gen)
+responses = torch.randint(1, 32000, (B, R), generator=gen)
+span = torch.arange(R)[None] < lengths[:, None]
+responses[~span] = 0
+ids = torch.cat([prompts, responses], 1).cuda()
+attention = torch.cat([torch.ones(B, P, dtype=torch.bool), span], 1).long().cuda()
+positions = (attention.cumsum(-1) - 1).clamp(min=0)
+span, responses = span.cuda(), responses.cuda()
+
+def padded():
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
+                   logits_to_keep=R + 1).logits[:, :-1]
+    return logprobs_and_entropy(logits, responses, False)[0] * span
+
+def packed():
+    rows = PackedRows.from_masks(attention, span)
+    logits = model(**rows.model_kwargs(ids, positions), use_cache=False, logits_to_keep=rows.predict).logits
+    lp = logprobs_and_entropy(logits, responses[rows.rows, rows.cols][None], False)[0]
+    return rows.responses(lp[0], R) * span
+
+def timed(fn):
+    for _ in range(2):
+        fn().sum().backward()
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); t0 = time.perf_counter()
+    for _ in range(3):
+        fn().sum().backward()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 3, torch.cuda.max_memory_allocated() / 2**30
+
+with torch.no_grad():
+    want = padded()
+enable_packing(model)
+with torch.no_grad():
+    got = packed()
+diff = (got - want).abs()[span]
+print(f"log-probs packed vs padded: max |diff| {diff.max():.4f}, mean {diff.mean():.5f} (bf16; tokens {int(span.sum())})")
+t_pad, m_pad = timed(padded)
+t_pack, m_pack = timed(packed)
+print(f"forward+backward: padded {t_pad:.3f} s, {m_pad:.1f} GiB peak; packed {t_pack:.3f} s, {m_pack:.1f} GiB peak; "
+      f"speed-up {t_pad / t_pack:.2f}x")
+PY
+
 echo "== rollout: vLLM against the hf rollout, ~0.44B dense Qwen3, batch 256 x 512 new tokens (goal: vllm >= 5x hf)"
 if "$PY" -c "import vllm" 2>/dev/null; then
   "$PY" benchmarks/rollout.py --sizes 0.5b --engines hf vllm --device cuda --dtype bfloat16 \

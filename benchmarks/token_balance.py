@@ -10,7 +10,8 @@ capped at `--max-response`). Two tables, averaged over `--trials` batches:
   (Karmarkar-Karp with equal counts), with the partition's time;
 - micro-batches of one rank's share under `--budget` tokens: passes of the
   token budget against a fixed size that fits the longest rows, and the tokens
-  processed per real token (the padding left inside micro-batches).
+  processed per real token (the padding left inside micro-batches); with
+  packed forwards a micro-batch costs its real tokens only.
 
     python benchmarks/token_balance.py
     python benchmarks/token_balance.py --ranks 16 --budget 32768
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     split = {"in-order chunks": [], "greedy on prompt lengths (before)": [], "split_for_ranks (KK)": []}
-    kk_ms, fixed, passes, per_real, lower = [], [], [], [], []
+    kk_ms, fixed, passes, per_real, lower, packed_passes = [], [], [], [], [], []
     for _ in range(args.trials):
         prompts = [rng.randint(100, 600) for _ in range(args.prompts)]
         p = [x for x in prompts for _ in range(args.n)]
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         passes.append(len(batches))
         per_real.append(processed / (sum(sp) + sum(sr)))
         lower.append(math.ceil((sum(sp) + sum(sr)) / args.budget))
+        # Packed forwards: a micro-batch costs its real tokens, so nothing but the real tokens is processed.
+        packed_passes.append(len(token_micro_batches(sp, sr, TokenBudget(args.budget, "--budget"), packed=True)))
         fixed.append(math.ceil(len(share) / max(1, args.budget // (600 + args.max_response))))
     out: dict[str, float] = {}
     print(f"ranks: {args.ranks} x {args.prompts * args.n // args.ranks} samples, max / mean of prompt + response "
@@ -90,8 +93,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  fixed size fitting the longest rows: {statistics.mean(fixed):.1f} passes of the full padded width")
     print(f"  token budget: {statistics.mean(passes):.1f} passes (real tokens alone need >= "
           f"{statistics.mean(lower):.1f}), {statistics.mean(per_real):.2f} tokens processed per real one")
+    print(f"  token budget, packed forwards: {statistics.mean(packed_passes):.1f} passes, 1.00 tokens processed per "
+          "real one")
     out.update(kk_ms=statistics.mean(kk_ms), fixed_passes=statistics.mean(fixed), budget_passes=statistics.mean(passes),
-               processed_per_real=statistics.mean(per_real), lower_bound_passes=statistics.mean(lower))
+               processed_per_real=statistics.mean(per_real), lower_bound_passes=statistics.mean(lower),
+               packed_passes=statistics.mean(packed_passes))
     return out
 
 

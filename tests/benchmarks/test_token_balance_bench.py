@@ -12,6 +12,6 @@ def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:
                                                 "--budget", "12000"])
     out = capsys.readouterr().out
     assert 1.0 <= result["split_for_ranks (KK)"] <= result["in-order chunks"]
-    assert result["lower_bound_passes"] <= result["budget_passes"]
+    assert result["lower_bound_passes"] <= result["packed_passes"] <= result["budget_passes"]
     assert result["processed_per_real"] >= 1.0
     assert "split_for_ranks (KK)" in out and "tokens processed per real one" in out
