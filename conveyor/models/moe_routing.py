@@ -157,9 +157,10 @@ def routed_experts_dtype(num_experts: int) -> torch.dtype:
     """Smallest signed integer dtype holding expert ids 0..num_experts-1 and -1."""
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if num_experts <= torch.iinfo(torch.int8).max:
+    # The largest id is num_experts - 1: int8 holds 128 experts (Qwen3-30B-A3B's), ids 0..127 and -1.
+    if num_experts - 1 <= torch.iinfo(torch.int8).max:
         return torch.int8
-    if num_experts <= torch.iinfo(torch.int16).max:
+    if num_experts - 1 <= torch.iinfo(torch.int16).max:
         return torch.int16
     raise ValueError(f"num_experts={num_experts} does not fit int16 expert ids")
 

@@ -188,8 +188,10 @@ def test_moe_info_counts_only_sparse_layers() -> None:
 def test_routed_experts_dtype() -> None:
     assert routed_experts_dtype(4) == torch.int8
     assert routed_experts_dtype(127) == torch.int8
-    assert routed_experts_dtype(128) == torch.int16
-    assert routed_experts_dtype(32767) == torch.int16
+    assert routed_experts_dtype(128) == torch.int8  # ids 0..127
+    assert torch.tensor([-1, 127], dtype=routed_experts_dtype(128)).tolist() == [-1, 127]
+    assert routed_experts_dtype(129) == torch.int16
+    assert routed_experts_dtype(32768) == torch.int16
     assert torch.tensor([-1, 126], dtype=routed_experts_dtype(127)).tolist() == [-1, 126]
     with pytest.raises(ValueError, match="num_experts"):
         routed_experts_dtype(0)
