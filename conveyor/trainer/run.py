@@ -40,6 +40,7 @@ from conveyor.trainer.setup import (
     prepare_default_model,
     resolve_device,
 )
+from conveyor.trainer.signals import StopSignals
 from conveyor.workers.roles import build_worker_groups
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,18 @@ def run_training(cfg: Config) -> dict[str, float]:
     if plan.replay_reason:
         logger.warning("%s", plan.replay_reason)
     run_dir = cfg.run_dir
-    lock = open_run_dir(cfg)
+    # Outside the training loop (start-up, the last clean-up) a Ctrl-C or SIGTERM stops at once, through
+    # every `finally` below: a SIGTERM's default action would end the process before any of them ran,
+    # leaving the rollout process, Ray and the data plane to stop by themselves, if ever.
+    stops = StopSignals(save_on_interrupt=False, step=lambda: 0).install()
     try:
-        return _train_in(cfg, run_dir, device, plan)
+        lock = open_run_dir(cfg)
+        try:
+            return _train_in(cfg, run_dir, device, plan)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        stops.restore()
 
 
 def _resume_check(cfg: Config, run_dir: Path) -> bool:
