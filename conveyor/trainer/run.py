@@ -3,12 +3,13 @@
 `run_training(cfg)` resolves the device, makes the run's decisions once
 (`conveyor.trainer.plan.build_run_plan`: logged, saved as plan.json, and
 handed to the trainer and every worker), locks the run directory, checks a
-resume against the saved config before anything is built, writes the
-resolved config, loads the tokenizer and prompts, and builds, in order, the
-Prometheus endpoint (when enabled), Ray (when the run needs it), the data
-plane, the worker groups and the trackers; it picks the trainer (the
-synchronous `PPOTrainer`, or `AsyncPPOTrainer` for `trainer.v1` async mode),
-runs it, and closes what it built in reverse order whatever happens.
+resume against the saved config and the checkpoints already in the run
+directory before anything is built, writes the resolved config, loads the
+tokenizer and prompts, and builds, in order, the Prometheus endpoint (when
+enabled), Ray (when the run needs it), the data plane, the worker groups and
+the trackers; it picks the trainer (the synchronous `PPOTrainer`, or
+`AsyncPPOTrainer` for `trainer.v1` async mode), runs it, and closes what it
+built in reverse order whatever happens.
 
 This is the one place that knows every part; the trainers get their parts
 injected. What it deliberately does not do: train (the trainers do) or decide
@@ -33,7 +34,7 @@ from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.async_loop import AsyncPPOTrainer
 from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
-from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
+from conveyor.trainer.run_dir import check_no_newer_checkpoints, check_resume, open_run_dir, write_config
 from conveyor.trainer.setup import (
     build_data_plane,
     load_prompt_records,
@@ -75,11 +76,13 @@ def run_training(cfg: Config) -> dict[str, float]:
 
 
 def _resume_check(cfg: Config, run_dir: Path) -> bool:
-    """Check the checkpoint a resume would load against this config before anything is built (True: accepted change)."""
+    """Check the checkpoint a resume would load against this config and the run directory before anything is built
+    (True: accepted change)."""
     path = ckpt.resume_path(cfg.trainer, run_dir / "checkpoints")
+    state = ckpt.load_checkpoint(path)["trainer_state"] if path is not None else None
+    check_no_newer_checkpoints(cfg, run_dir, path, int(state["global_step"]) if state is not None else 0)
     if path is None:
         return False
-    state = ckpt.load_checkpoint(path)["trainer_state"]
     return check_resume(cfg, path, state.get("config"))
 
 

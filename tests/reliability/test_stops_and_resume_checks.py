@@ -147,6 +147,15 @@ def refusals(rel, finished_two_step_run: Path, tmp_path_factory: pytest.TempPath
     needles["changed_setting"] = (
         str(run_dir / "checkpoints" / "global_step_2"), "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
         "actor_rollout_ref.rollout.n: 4 -> 2", "trainer.resume_accept_config_changes=true")
+    older = copy("resume_older") / "checkpoints" / "global_step_1"
+    cases["resume_older"] = rel.train_args(dirs["resume_older"], "trainer.total_training_steps=3",
+                                           "trainer.resume_mode=resume_path", f"trainer.resume_from_path={older}")
+    needles["resume_older"] = (str(older), "is step 1", "newer checkpoints (global_step_2)",
+                               "trainer.default_local_dir", "trainer.resume_mode=auto")
+    cases["fresh_over_checkpoints"] = rel.train_args(copy("fresh_over_checkpoints"), "trainer.total_training_steps=3",
+                                                     "trainer.resume_mode=disable")
+    needles["fresh_over_checkpoints"] = ("trainer.resume_mode=disable", "global_step_1, global_step_2",
+                                         "trainer.default_local_dir")
     (tmp / "a_file").write_text("")
     unusable = {"under_a_file": tmp / "a_file" / "run"}
     if _read_only_filesystem_here():
@@ -170,6 +179,25 @@ def test_a_checkpoint_of_another_model_is_refused(rel, refusals: dict) -> None:
 def test_a_damaged_checkpoint_is_refused_naming_it(rel, refusals: dict, damage: str) -> None:
     result, _, needles = refusals[damage]
     rel.assert_usage_error(result["status"], result["stderr"], needles)
+
+
+@pytest.mark.parametrize("case", ["resume_older", "fresh_over_checkpoints"])
+def test_a_run_that_would_start_behind_newer_checkpoints_is_refused_and_deletes_nothing(rel, refusals: dict,
+                                                                                        case: str) -> None:
+    result, run_dir, needles = refusals[case]
+    rel.assert_usage_error(result["status"], result["stderr"], needles)
+    assert rel.checkpoint_steps(run_dir) == [1, 2] and rel.logged_steps(run_dir) == [1, 2]
+
+
+def test_pruning_keeps_the_checkpoint_a_run_was_resumed_from(rel, finished_two_step_run: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_two_step_run, run_dir)
+    step2 = run_dir / "checkpoints" / "global_step_2"
+    done = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3", "trainer.max_ckpt_to_keep=1",
+                                       "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step2}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Step 1 is rotated out; step 2, only read, stays; step 3 is the newest, so a plain re-run continues it.
+    assert rel.checkpoint_steps(run_dir) == [2, 3] and rel.logged_steps(run_dir) == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------- one run per directory
