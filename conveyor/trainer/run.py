@@ -4,12 +4,13 @@
 (`conveyor.trainer.plan.build_run_plan`: logged, saved as plan.json, and
 handed to the trainer and every worker), locks the run directory, checks a
 resume against the saved config and the checkpoints already in the run
-directory before anything is built, writes the resolved config, loads the
-tokenizer and prompts, and builds, in order, the Prometheus endpoint (when
-enabled), Ray (when the run needs it), the data plane, the worker groups and
-the trackers; it picks the trainer (the synchronous `PPOTrainer`, or
-`AsyncPPOTrainer` for `trainer.v1` async mode), runs it, and closes what it
-built in reverse order whatever happens.
+directory before anything is built, writes the resolved config, checks that
+the rollout engine can serve the model, loads the tokenizer and prompts, and
+builds, in order, the Prometheus endpoint (when enabled), Ray (when the run
+needs it), the data plane, the worker groups and the trackers; it picks the
+trainer (the synchronous `PPOTrainer`, or `AsyncPPOTrainer` for `trainer.v1`
+async mode), runs it, and closes what it built in reverse order whatever
+happens.
 
 This is the one place that knows every part; the trainers get their parts
 injected. What it deliberately does not do: train (the trainers do) or decide
@@ -30,6 +31,7 @@ from conveyor.config import Config, config_to_dict
 from conveyor.metrics.trackers import Tracking
 from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
+from conveyor.rollout.base import engine_spec
 from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.async_loop import AsyncPPOTrainer
 from conveyor.trainer.plan import RunPlan, build_run_plan
@@ -86,6 +88,18 @@ def _resume_check(cfg: Config, run_dir: Path) -> bool:
     return check_resume(cfg, path, state.get("config"))
 
 
+def _check_engine_serves(cfg: Config, plan: RunPlan, model_config: Any, device: str) -> None:
+    """Refuse a model the rollout engine cannot serve on `device` before any worker is built, naming what to change."""
+    model = cfg.actor_rollout_ref.model
+    ro = cfg.actor_rollout_ref.rollout
+    source = (f"checkpoint {model.path} (actor_rollout_ref.model.path)" if model.path else
+              "the tiny model (actor_rollout_ref.model.tiny)")
+    length_key = ("actor_rollout_ref.rollout.max_model_len" if ro.max_model_len is not None
+                  else "data.max_prompt_length + data.max_response_length")
+    engine_spec(ro.name).check_model(model_config, device=device, max_model_len=plan.vllm_max_model_len,
+                                     source=source, length_key=length_key)
+
+
 def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[str, float]:
     """run_training's body, with the run directory locked."""
     changed = _resume_check(cfg, run_dir)
@@ -100,6 +114,8 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
 
     model_path = prepare_default_model(cfg)
     trust = cfg.actor_rollout_ref.model.trust_remote_code
+    model_config = load_model_config(model_path, trust_remote_code=trust)
+    _check_engine_serves(cfg, plan, model_config, device)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
     train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
 
@@ -133,7 +149,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         trainer = trainer_cls(
             cfg, plan=plan, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
-            model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges, **extra,
+            model_config=model_config, prometheus=gauges, **extra,
         )
         result = trainer.fit()
         failed = False

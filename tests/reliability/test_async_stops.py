@@ -73,14 +73,21 @@ def test_a_stop_while_the_rollout_process_starts_ends_the_run_and_the_process(
     _assert_all_gone(children, within=5)
 
 
-def test_sigkill_of_the_trainer_leaves_no_process_of_the_run(rel, base_model, tmp_path: Path, processes) -> None:
+def _after_step_1(rel, processes, tmp_path: Path):
+    """An async run of 6 steps that has logged step 1 (the rollout then has batches queued ahead)."""
     run_dir = tmp_path / "run"
     proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=6", *ASYNC)
     processes.append(proc)
-    # After step 1 the rollout has batches queued ahead: it would not look for a "stop" for a while.
+    # Step 1 ends although the bound (1000) is far beyond the run: only batches a step will train are handed out.
     rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), proc)
-    children = _descendants(proc.proc.pid)
     assert _rollout_process(proc.proc.pid) is not None
+    return proc
+
+
+def test_sigkill_of_the_trainer_leaves_no_process_of_the_run(rel, base_model, tmp_path: Path, processes) -> None:
+    proc = _after_step_1(rel, processes, tmp_path)
+    # With batches queued the rollout process would not look for a "stop" for a while.
+    children = _descendants(proc.proc.pid)
     proc.proc.kill()
     proc.wait()
     try:
@@ -90,13 +97,8 @@ def test_sigkill_of_the_trainer_leaves_no_process_of_the_run(rel, base_model, tm
 
 
 def test_a_rollout_process_killed_from_outside_is_one_error(rel, base_model, tmp_path: Path, processes) -> None:
-    run_dir = tmp_path / "run"
-    proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=6", *ASYNC)
-    processes.append(proc)
-    # Step 1 ends although the bound (1000) is far beyond the run: only batches a step will train are handed out.
-    rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), proc)
-    rollout = _rollout_process(proc.proc.pid)
-    rollout.kill()
+    proc = _after_step_1(rel, processes, tmp_path)
+    _rollout_process(proc.proc.pid).kill()
     rel.assert_usage_error(proc.wait(timeout=60), proc.stderr, ("rollout process", "killed by SIGKILL",
                                                                 "rerun the same command"))
     _assert_all_gone(_descendants(proc.proc.pid), within=5)
