@@ -74,9 +74,9 @@ def test_a_stop_while_the_rollout_process_starts_ends_the_run_and_the_process(
 
 
 def _after_step_1(rel, processes, tmp_path: Path):
-    """An async run of 6 steps that has logged step 1 (the rollout then has batches queued ahead)."""
+    """An async run that has logged step 1, with far more batches queued ahead than the rollout can finish soon."""
     run_dir = tmp_path / "run"
-    proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=6", *ASYNC)
+    proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=200", *ASYNC)
     processes.append(proc)
     # Step 1 ends although the bound (1000) is far beyond the run: only batches a step will train are handed out.
     rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), proc)
