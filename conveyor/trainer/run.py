@@ -43,7 +43,7 @@ from conveyor.trainer.setup import (
     prepare_default_model,
     resolve_device,
 )
-from conveyor.trainer.signals import StopSignals
+from conveyor.trainer.signals import Reaper, StopSignals
 from conveyor.workers.roles import build_worker_groups
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,11 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     tracking = None
     failed = True
     ray_started = False
+    reaper = None
     try:
+        if needs_ray(cfg) and not cfg.ray.address:
+            # A local Ray is this run's own: its processes must not outlive a trainer killed outright.
+            reaper = Reaper()
         ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
         workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
@@ -164,3 +168,5 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         if server is not None:
             server.shutdown()
         shutdown_ray(ray_started)  # after the data plane: its storage actors live in Ray
+        if reaper is not None:
+            reaper.release()

@@ -8,7 +8,9 @@ saves it and raises `StopRequested`; a second one stops at once. Without
 
 `die_with_parent(pid)` is for a process the run starts (the asynchronous
 rollout process): it ends as soon as the trainer that started it ends, however
-the trainer ends, SIGKILL included.
+the trainer ends, SIGKILL included. `Reaper` is for processes the run does not
+start itself (a local Ray's raylet, agents and actors): a small watcher
+process that kills them if the trainer ends without saying it is done.
 
 What it deliberately does not do: save anything, or decide the exit status
 (the command maps `StopRequested.signum` to 128 + signum).
@@ -20,6 +22,7 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -27,7 +30,7 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS", "die_with_parent"]
+__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS", "die_with_parent", "Reaper"]
 
 # What a scheduler (Slurm, Kubernetes, `timeout`) or a person sends to stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -114,3 +117,76 @@ def die_with_parent(parent_pid: int, interval: float = 0.5) -> None:
         os._exit(1)  # no clean-up to run: everything this process holds dies with it
 
     threading.Thread(target=watch, name="conveyor-parent-watchdog", daemon=True).start()
+
+
+# The watcher `Reaper` runs (python -c): every half second it notes the trainer's descendants started after it
+# (another process's children are never its business); when the trainer's pipe ends without "done", or the
+# trainer is gone, it kills the last ones noted that are still the same processes (same start time).
+_REAPER = r"""
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+trainer, me = int(sys.argv[1]), os.getpid()
+def stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[19])
+born = stat(me)[1]
+def family():
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                ppid, start = stat(int(name))
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append((int(name), start))
+    found, todo = [], [trainer]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            if pid != me and start >= born:
+                found.append((pid, start))
+                todo.append(pid)
+    return found
+noted, said = [], b""
+while os.getppid() == trainer:
+    ready, _, _ = select.select([0], [], [], 0.5)
+    if ready:
+        got = os.read(0, 64)
+        said += got
+        if not got:
+            break
+    noted = family()
+if b"done" not in said:
+    for pid, start in noted:
+        try:
+            if stat(pid)[1] == start:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+"""
+
+
+class Reaper:
+    """Kills the processes this one starts from now on if it ends without `release()` (Linux; elsewhere a no-op)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        if sys.platform.startswith("linux"):
+            self._proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
+                                          stdout=subprocess.DEVNULL, close_fds=True)
+
+    def release(self) -> None:
+        """The processes were stopped in order: the watcher leaves them alone and exits."""
+        if self._proc is None:
+            return
+        try:
+            self._proc.stdin.write(b"done")
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._proc = None

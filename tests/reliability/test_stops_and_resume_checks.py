@@ -253,21 +253,26 @@ def test_an_unusable_run_directory_is_one_error_naming_the_key(rel, refusals: di
 
 
 # --------------------------------------------------------------------------- two ranks: kill -9, resume, same run
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything it started (a killed driver's Ray processes would outlive it)."""
+def _kill_driver(pid: int) -> list:
+    """SIGKILL the driver alone; the processes it started (Ray's) still alive 5 s later, killed then."""
     import psutil
 
     try:
         parent = psutil.Process(pid)
     except psutil.NoSuchProcess:
-        return
-    family = parent.children(recursive=True) + [parent]
-    for p in family:
+        return []
+    family = parent.children(recursive=True)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    _, alive = psutil.wait_procs(family, timeout=5)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = [(p.pid, p.name()) for p in alive]
+    for p in alive:  # a failed check must not leave them running either
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(family, timeout=30)
+    return left
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +295,7 @@ def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> 
         started.append(killed)
         rel.wait_until(lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), killed,
                        timeout=240)
-        _kill_tree(killed.proc.pid)
+        left_after_kill = _kill_driver(killed.proc.pid)
         checkpoints_after_kill = rel.checkpoint_steps(run_dir)
         logged_before = len(rel.logged_steps(run_dir))
         resumed = rel.TrainProcess(run_dir, *ranks, "trainer.total_training_steps=100000")
@@ -302,7 +307,12 @@ def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> 
         for proc in started:
             proc.kill()
     return {"reference": tmp / "reference", "run_dir": run_dir, "checkpoints_after_kill": checkpoints_after_kill,
-            "sigterm_status": status, "sigterm_stderr": resumed.stderr}
+            "left_after_kill": left_after_kill, "sigterm_status": status, "sigterm_stderr": resumed.stderr}
+
+
+def test_sigkill_of_a_ray_driver_leaves_no_process_of_the_run(two_rank_runs: dict) -> None:
+    # Ray's raylet, agents and rank actors: none alive 5 s after the driver was killed with SIGKILL.
+    assert two_rank_runs["left_after_kill"] == []
 
 
 def test_two_ranks_killed_mid_run_resume_to_the_uninterrupted_run(rel, two_rank_runs: dict) -> None:
