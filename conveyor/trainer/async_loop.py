@@ -118,6 +118,7 @@ def _rollout_main(cfg: Config, plan: RunPlan, model_path: str, device: str, num_
             if kind == "stop":
                 break
             if kind == "weights":
+                stage = "loading weights"
                 inbox.load(msg)
                 continue
             _, batch_id, wired, params = msg
@@ -309,7 +310,9 @@ class RolloutProcess:
     def _died(self) -> WorkerUserError:
         """The error for a rollout process that ended without a word (killed from outside, or crashed hard)."""
         code = self._proc.exitcode
-        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
+        how = f"exited ({code})"
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
         # Nothing the trainer can do about it, and no bug of the run's to show: one line, with what to do.
         return WorkerUserError("rollout", 0, "generate_sequences", RuntimeError(
             f"the rollout process (pid {self._proc.pid}) {how} without reporting an error, e.g. stopped from outside "
