@@ -37,6 +37,10 @@ class MetricsEndpointConfig:
         check(bool(self.host.strip()), f"{prefix}.host", "must be an address to bind to, e.g. 127.0.0.1")
 
 
+# The largest staleness bound accepted: that many batches in flight already hold far more than a rollout needs.
+MAX_OFF_POLICY_THRESHOLD = 1024
+
+
 @dataclass
 class SamplerConfig:
     """How old a sample may be in asynchronous training (trainer.v1.sampler)."""
@@ -71,6 +75,10 @@ class TrainerV1Config:
     def validate(self, prefix: str) -> None:
         """Weights reach the rollout often enough for the staleness bound to hold."""
         k, p = self.sampler.max_off_policy_threshold, self.separate_async.parameter_sync_step
+        # Up to k + 1 batches are outstanding, each held in memory by both processes until trained.
+        check(k <= MAX_OFF_POLICY_THRESHOLD, f"{prefix}.sampler.max_off_policy_threshold",
+              f"{k} would keep up to {k + 1} batches outstanding in memory; set it to at most "
+              f"{MAX_OFF_POLICY_THRESHOLD} (a few versions is the usual bound)")
         check(p <= k + 1, f"{prefix}.separate_async.parameter_sync_step",
               f"weights that reach the rollout every {p} updates make samples up to {p - 1} versions old, beyond "
               f"{prefix}.sampler.max_off_policy_threshold={k}: set it to at most {k + 1}")

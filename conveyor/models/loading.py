@@ -45,6 +45,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 __all__ = [
     "build_causal_lm_on_meta",
+    "max_positions",
     "check_tokenizer_dir",
     "load_causal_lm",
     "load_model_config",
@@ -88,6 +89,26 @@ def _first_line(err: BaseException) -> str:
     """The first line of an exception's message (transformers' run over several), at most 300 characters."""
     text = str(err).strip().splitlines()
     return (text[0] if text else type(err).__name__)[:300]
+
+
+def max_positions(config: dict) -> tuple[int, str] | None:
+    """(positions, how they were read) from a config.json: max_position_embeddings, widened by rope scaling."""
+    for section in (config, config.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                limit, how = value, f"{key}={value}"
+                # A rope-scaled model (YaRN, linear, dynamic) handles factor x its original positions.
+                scaling = section.get("rope_scaling") or section.get("rope_parameters")
+                factor = scaling.get("factor") if isinstance(scaling, dict) else None
+                if isinstance(factor, (int, float)) and factor > 1:
+                    original = scaling.get("original_max_position_embeddings") or value
+                    if int(original * factor) > limit:
+                        limit, how = int(original * factor), f"{how} with rope scaling factor {factor:g}"
+                return limit, how
+    return None
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:

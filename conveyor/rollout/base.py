@@ -14,7 +14,8 @@ the actor worker builds them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import importlib
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +40,16 @@ class EngineSpec:
     name: str
     module: str
     capabilities: Callable[[str], EngineCapabilities]
+
+    def check_model(self, hf_config: Any, *, device: str, max_model_len: int | None, source: str,
+                    length_key: str) -> None:
+        """Refuse (ValueError) a model this engine cannot serve, before anything is built (`module.check_servable`).
+
+        An engine whose module defines no `check_servable` serves what the trainer can run.
+        """
+        check = getattr(importlib.import_module(self.module), "check_servable", None)
+        if check is not None:
+            check(hf_config, device=device, max_model_len=max_model_len, source=source, length_key=length_key)
 
 
 def _hf(device: str) -> EngineCapabilities:

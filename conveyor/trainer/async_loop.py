@@ -41,6 +41,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import time
@@ -54,9 +55,10 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.ppo import PPOTrainer, StageResult, _timer, _timing_metrics
 from conveyor.trainer.setup import resolve_device
+from conveyor.trainer.signals import die_with_parent
 from conveyor.workers.balance import sequence_lengths, with_seq_lens
 from conveyor.workers.calls import GenerateCall
-from conveyor.workers.group import WorkerError
+from conveyor.workers.group import WorkerError, WorkerUserError
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +70,28 @@ _ROLLOUT_FIELDS = ("responses", "response_mask", "rollout_log_probs", "routed_ex
 
 # --------------------------------------------------------------------------- the rollout process
 def _rollout_main(cfg: Config, plan: RunPlan, model_path: str, device: str, num_threads: int, requests: Any,
-                  results: Any) -> None:
+                  results: Any, parent_pid: int) -> None:
     """The rollout process: apply weights and generate and score batches, in the order they are sent, until told to stop.
 
     It runs the actor worker's own `generate_sequences` and the reward worker's `compute_reward`
     over a data plane of its own, so the samples and scores are the ones the synchronous
     trainer's workers would produce from the same weights and seed.
     """
+    # A trainer killed outright (SIGKILL) sends no "stop", and with many batches queued this process
+    # would not look for one for a long time: it ends with the trainer instead.
+    die_with_parent(parent_pid)
     # Ctrl-C and SIGTERM reach the whole process group: the trainer decides how to stop (finish the
-    # step, save) and then stops this process; a trainer that dies outright is noticed below.
+    # step, save) and then stops this process (SIGKILL, which nothing ignores, if it does not stop on request).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stage = "start-up"
     try:
         torch.set_num_threads(num_threads)
+        import transformers
+
+        # As in the trainer: no loading bars, and so no tqdm lock, a named semaphore that a killed
+        # process would leave to the resource tracker's warning at exit.
+        transformers.utils.logging.disable_progress_bar()
         from conveyor.data_plane import make_data_plane
         from conveyor.plugins import load_plugins
         from conveyor.workers.actor import PolicyWorker
@@ -97,19 +108,17 @@ def _rollout_main(cfg: Config, plan: RunPlan, model_path: str, device: str, num_
         if cfg.trainer.v1.separate_async.partial_rollout:
             worker.interrupt = inbox.apply_newer_weights
         results.put(("ready", None))
-        parent = multiprocessing.parent_process()
         while True:
+            stage = "waiting for requests"
             try:
                 msg = inbox.next(timeout=1.0)
             except queue.Empty:
-                # A trainer killed outright (SIGKILL) sends no "stop": do not outlive it.
-                if parent is not None and not parent.is_alive():
-                    return
                 continue
             kind = msg[0]
             if kind == "stop":
                 break
             if kind == "weights":
+                stage = "loading weights"
                 inbox.load(msg)
                 continue
             _, batch_id, wired, params = msg
@@ -119,7 +128,9 @@ def _rollout_main(cfg: Config, plan: RunPlan, model_path: str, device: str, num_
             keys = [str(i) for i in range(len(fields["prompts"]))]
             meta = local.kv_batch_put(keys=keys, partition_id=part, fields=fields)
             start_version, inbox.switches = inbox.version, []
+            stage = "generate_sequences"
             out = worker.generate_sequences(meta.with_extra_info(**params))
+            stage = "compute_reward"
             scored = reward.compute_reward(out)
             names = [f for f in _ROLLOUT_FIELDS if f in scored.fields]
             td = local.kv_batch_get(keys=keys, partition_id=part, select_fields=names)
@@ -135,8 +146,10 @@ def _rollout_main(cfg: Config, plan: RunPlan, model_path: str, device: str, num_
             metrics["off_policy/rollout_cpu_s"] = [time.process_time() - c0]
             metrics["off_policy/weight_switches"] = [float(len(inbox.switches))]
             results.put(("batch", (batch_id, start_version, to_wire(got), metrics, time.perf_counter() - t0)))
-    except BaseException:  # noqa: BLE001 - every failure, reported once to the trainer
-        results.put(("error", traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - every failure, reported once to the trainer
+        # A ValueError is the user's to fix (config, data, reward function), as in the synchronous workers.
+        results.put(("error", (stage, type(err).__name__, str(err), traceback.format_exc(),
+                               isinstance(err, ValueError))))
 
 
 class _Inbox:
@@ -241,11 +254,17 @@ class RolloutProcess:
         self._requests = ctx.Queue()
         self._results = ctx.Queue()
         self._proc = ctx.Process(target=_rollout_main, args=(cfg, plan, model_path, device, num_threads,
-                                                             self._requests, self._results),
+                                                             self._requests, self._results, os.getpid()),
                                  daemon=True, name="conveyor-rollout")
         self._proc.start()
         self.busy_s = 0.0  # generation time reported so far
-        kind, payload = self._receive(timeout=None)
+        try:
+            kind, payload = self._receive(timeout=None)
+        except BaseException:
+            # Ctrl-C or a failure while it starts: nobody else would stop it, and at exit Python would
+            # wait for it for ever (it ignores the SIGTERM that multiprocessing sends a daemon child).
+            self.close(at_once=True)
+            raise
         if kind != "ready":  # pragma: no cover - _receive raises on errors
             raise RuntimeError(f"rollout process answered {kind!r} before starting")
 
@@ -274,30 +293,47 @@ class RolloutProcess:
                 kind, payload = self._results.get(timeout=wait)
             except queue.Empty:
                 if not self._proc.is_alive():
-                    raise WorkerError("rollout", 0, "generate_sequences",
-                                      RuntimeError(f"the rollout process exited with status {self._proc.exitcode}"))
+                    raise self._died()
                 if deadline is not None and time.perf_counter() >= deadline:
                     return None
                 continue
             if kind == "error":
-                raise WorkerError("rollout", 0, "generate_sequences", RuntimeError(payload.strip().splitlines()[-1]
-                                  + "\n(in the rollout process)\n" + payload))
+                stage, name, message, trace, user_error = payload
+                if user_error:  # the user's to fix: one line, as the synchronous workers report it
+                    err = WorkerUserError("rollout", 0, stage, ValueError(message))
+                    err.args = (f"rollout rank 0 failed in {stage}: {name}: {message}",)  # the error's own type
+                    raise err
+                raise WorkerError("rollout", 0, stage,
+                                  RuntimeError(f"{name}: {message}\n(in the rollout process)\n{trace}"))
             return kind, payload
 
-    def close(self) -> None:
-        """Stop the process (at once if it does not stop on request)."""
-        if self._proc.is_alive():
-            try:
-                self._requests.put(("stop",))
+    def _died(self) -> WorkerUserError:
+        """The error for a rollout process that ended without a word (killed from outside, or crashed hard)."""
+        code = self._proc.exitcode
+        how = f"exited ({code})"
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+        # Nothing the trainer can do about it, and no bug of the run's to show: one line, with what to do.
+        return WorkerUserError("rollout", 0, "generate_sequences", RuntimeError(
+            f"the rollout process (pid {self._proc.pid}) {how} without reporting an error, e.g. stopped from outside "
+            "or by the out-of-memory killer; rerun the same command to resume from the newest checkpoint"))
+
+    def close(self, at_once: bool = False) -> None:
+        """Stop the process: on request, or with SIGKILL if it does not stop within 10 s or `at_once`."""
+        try:
+            if self._proc.is_alive() and not at_once:
+                try:
+                    self._requests.put(("stop",))
+                    self._proc.join(timeout=10)
+                except Exception:  # noqa: BLE001 - closing must not hide the error that brought us here
+                    pass
+        finally:  # also when a second Ctrl-C lands in the wait: the process must not outlive the run
+            if self._proc.is_alive():
+                self._proc.kill()
                 self._proc.join(timeout=10)
-            except Exception:  # noqa: BLE001 - closing must not hide the error that brought us here
-                pass
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=10)
-        for q in (self._requests, self._results):
-            q.cancel_join_thread()
-            q.close()
+            for q in (self._requests, self._results):
+                q.cancel_join_thread()
+                q.close()
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -331,10 +367,14 @@ class AsyncPPOTrainer(PPOTrainer):
         if self.k > 0 and total > 1:
             torch.set_num_threads(max(1, total - rollout_threads))
         self.rollout = RolloutProcess(self.cfg, self.plan, self.model_path, self.plan.device, rollout_threads)
+        failed = True
         try:
-            return super().fit()
+            result = super().fit()
+            failed = False
+            return result
         finally:
-            self.rollout.close()
+            # A stop or a failure ends the process at once: what it is generating will never be trained.
+            self.rollout.close(at_once=failed)
             self.rollout = None
             torch.set_num_threads(total)
             for p in self._pending:
@@ -423,6 +463,10 @@ class AsyncPPOTrainer(PPOTrainer):
         while len(self._pending) + in_training < self.k + 1:
             # Trained, if nothing is dropped, at version + (batches ahead of it).
             trained_at = version + in_training + len(self._pending)
+            # A batch no step of this run would train is never handed out: a bound far beyond the run's
+            # length would otherwise draw batches without end before the first step.
+            if trained_at >= self.cfg.trainer.total_training_steps:
+                break
             if self.strategy == "wait" and self._sent_version < trained_at - self.k:
                 break
             self._submit()

@@ -98,9 +98,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    ckpt_root: str | Path, step: int, write: Callable[[Path], dict[str, Any]], max_to_keep: int | None = None
+    ckpt_root: str | Path, step: int, write: Callable[[Path], dict[str, Any]], max_to_keep: int | None = None,
+    keep: str | Path | None = None,
 ) -> Path:
-    """Checkpoint `step`: `write(tmp_dir)` writes the roles' shards and returns the trainer state; prune to `max_to_keep`."""
+    """Checkpoint `step`: `write(tmp_dir)` writes the roles' shards and returns the trainer state; prune to `max_to_keep`.
+
+    Pruning never removes `keep` (the checkpoint a run was explicitly resumed from: only ever read).
+    """
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("global_step_*.tmp-*"):
@@ -135,8 +139,10 @@ def save_checkpoint(
     os.rename(tmp, final)
     _fsync_dir(root)
     if max_to_keep is not None:
+        kept = Path(keep).resolve() if keep is not None else None
         for _, old in list_checkpoints(root)[:-max_to_keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.resolve() != kept:
+                shutil.rmtree(old, ignore_errors=True)
     logger.info("checkpoint saved: %s", final)
     return final
 

@@ -3,12 +3,14 @@
 `run_training(cfg)` resolves the device, makes the run's decisions once
 (`conveyor.trainer.plan.build_run_plan`: logged, saved as plan.json, and
 handed to the trainer and every worker), locks the run directory, checks a
-resume against the saved config before anything is built, writes the
-resolved config, loads the tokenizer and prompts, and builds, in order, the
-Prometheus endpoint (when enabled), Ray (when the run needs it), the data
-plane, the worker groups and the trackers; it picks the trainer (the
-synchronous `PPOTrainer`, or `AsyncPPOTrainer` for `trainer.v1` async mode),
-runs it, and closes what it built in reverse order whatever happens.
+resume against the saved config and the checkpoints already in the run
+directory before anything is built, writes the resolved config, checks that
+the rollout engine can serve the model, loads the tokenizer and prompts, and
+builds, in order, the Prometheus endpoint (when enabled), Ray (when the run
+needs it), the data plane, the worker groups and the trackers; it picks the
+trainer (the synchronous `PPOTrainer`, or `AsyncPPOTrainer` for `trainer.v1`
+async mode), runs it, and closes what it built in reverse order whatever
+happens.
 
 This is the one place that knows every part; the trainers get their parts
 injected. What it deliberately does not do: train (the trainers do) or decide
@@ -29,17 +31,19 @@ from conveyor.config import Config, config_to_dict
 from conveyor.metrics.trackers import Tracking
 from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
+from conveyor.rollout.base import engine_spec
 from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.async_loop import AsyncPPOTrainer
 from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
-from conveyor.trainer.run_dir import check_resume, open_run_dir, write_config
+from conveyor.trainer.run_dir import check_no_newer_checkpoints, check_resume, open_run_dir, write_config
 from conveyor.trainer.setup import (
     build_data_plane,
     load_prompt_records,
     prepare_default_model,
     resolve_device,
 )
+from conveyor.trainer.signals import Reaper, StopSignals
 from conveyor.workers.roles import build_worker_groups
 
 logger = logging.getLogger(__name__)
@@ -59,20 +63,41 @@ def run_training(cfg: Config) -> dict[str, float]:
     if plan.replay_reason:
         logger.warning("%s", plan.replay_reason)
     run_dir = cfg.run_dir
-    lock = open_run_dir(cfg)
+    # Outside the training loop (start-up, the last clean-up) a Ctrl-C or SIGTERM stops at once, through
+    # every `finally` below: a SIGTERM's default action would end the process before any of them ran,
+    # leaving the rollout process, Ray and the data plane to stop by themselves, if ever.
+    stops = StopSignals(save_on_interrupt=False, step=lambda: 0).install()
     try:
-        return _train_in(cfg, run_dir, device, plan)
+        lock = open_run_dir(cfg)
+        try:
+            return _train_in(cfg, run_dir, device, plan)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        stops.restore()
 
 
 def _resume_check(cfg: Config, run_dir: Path) -> bool:
-    """Check the checkpoint a resume would load against this config before anything is built (True: accepted change)."""
+    """Check the checkpoint a resume would load against this config and the run directory before anything is built
+    (True: accepted change)."""
     path = ckpt.resume_path(cfg.trainer, run_dir / "checkpoints")
+    state = ckpt.load_checkpoint(path)["trainer_state"] if path is not None else None
+    check_no_newer_checkpoints(cfg, run_dir, path, int(state["global_step"]) if state is not None else 0)
     if path is None:
         return False
-    state = ckpt.load_checkpoint(path)["trainer_state"]
     return check_resume(cfg, path, state.get("config"))
+
+
+def _check_engine_serves(cfg: Config, plan: RunPlan, model_config: Any, device: str) -> None:
+    """Refuse a model the rollout engine cannot serve on `device` before any worker is built, naming what to change."""
+    model = cfg.actor_rollout_ref.model
+    ro = cfg.actor_rollout_ref.rollout
+    source = (f"checkpoint {model.path} (actor_rollout_ref.model.path)" if model.path else
+              "the tiny model (actor_rollout_ref.model.tiny)")
+    length_key = ("actor_rollout_ref.rollout.max_model_len" if ro.max_model_len is not None
+                  else "data.max_prompt_length + data.max_response_length")
+    engine_spec(ro.name).check_model(model_config, device=device, max_model_len=plan.vllm_max_model_len,
+                                     source=source, length_key=length_key)
 
 
 def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[str, float]:
@@ -89,6 +114,8 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
 
     model_path = prepare_default_model(cfg)
     trust = cfg.actor_rollout_ref.model.trust_remote_code
+    model_config = load_model_config(model_path, trust_remote_code=trust)
+    _check_engine_serves(cfg, plan, model_config, device)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
     train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
 
@@ -109,7 +136,11 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     tracking = None
     failed = True
     ray_started = False
+    reaper = None
     try:
+        if needs_ray(cfg) and not cfg.ray.address:
+            # A local Ray is this run's own: its processes must not outlive a trainer killed outright.
+            reaper = Reaper()
         ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
         data_plane = build_data_plane(cfg, registry=registry)
         workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
@@ -122,7 +153,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         trainer = trainer_cls(
             cfg, plan=plan, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
-            model_config=load_model_config(model_path, trust_remote_code=trust), prometheus=gauges, **extra,
+            model_config=model_config, prometheus=gauges, **extra,
         )
         result = trainer.fit()
         failed = False
@@ -137,3 +168,5 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         if server is not None:
             server.shutdown()
         shutdown_ray(ray_started)  # after the data plane: its storage actors live in Ray
+        if reaper is not None:
+            reaper.release()

@@ -13,6 +13,13 @@
   change where or how often things happen (steps to run, logging, saving,
   ranks and their strategy, devices, the data plane) may differ freely: each
   is declared `resume_neutral` on its field in `conveyor.config`.
+- `check_no_newer_checkpoints(cfg, run_dir, resumed, step)` refuses a run that
+  would start behind checkpoints already in its run directory (an explicit
+  `resume_path` to an older step, or `resume_mode=disable` over a run's
+  checkpoints): theirs would outrank the new steps, a plain re-run would
+  continue the abandoned run, and pruning or a save of the same step would
+  delete them. Nothing is moved or deleted; the message says how to branch
+  into a new run directory.
 - `write_config(cfg, run_dir, accepted)` writes `config.yaml`; the previous one
   is kept beside it when the change was accepted, so no record is lost.
 """
@@ -30,10 +37,12 @@ from typing import Any
 
 from conveyor.config import Config, config_to_dict, config_to_yaml, resume_neutral_keys
 from conveyor.metrics.trackers import flatten_config
+from conveyor.trainer.checkpoint import list_checkpoints
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunDirLock", "open_run_dir", "check_resume", "write_config", "config_differences", "NEUTRAL_KEYS"]
+__all__ = ["RunDirLock", "open_run_dir", "check_resume", "check_no_newer_checkpoints", "write_config",
+           "config_differences", "NEUTRAL_KEYS"]
 
 # Settings a resumed run may change without changing what it computes: how long, where and how often it
 # logs, saves and validates, and how its ranks are placed and hold the model (sharded checkpoints reshard).
@@ -126,6 +135,26 @@ def check_resume(cfg: Config, checkpoint: Path, saved_config: dict[str, Any] | N
     logger.warning("resuming %s with changed settings (trainer.resume_accept_config_changes=true): %s%s",
                    checkpoint, listed, more)
     return True
+
+
+def check_no_newer_checkpoints(cfg: Config, run_dir: Path, resumed: Path | None, step: int) -> None:
+    """Refuse (ValueError) a run starting at `step` (from `resumed`, or fresh) behind checkpoints already in `run_dir`."""
+    newer = [p for s, p in list_checkpoints(run_dir / "checkpoints") if s > step]
+    if not newer:
+        return
+    names = ", ".join(p.name for p in newer[:4]) + (f" and {len(newer) - 4} more" if len(newer) > 4 else "")
+    key = "trainer.default_local_dir" if cfg.trainer.default_local_dir else "trainer.experiment_name"
+    if resumed is None:
+        raise ValueError(
+            f"trainer.resume_mode={cfg.trainer.resume_mode} starts a new run at step 0, but run directory {run_dir} "
+            f"holds checkpoints of an earlier run ({names}), which would outrank the new run's steps and be "
+            f"overwritten or pruned by its saves; give the new run its own directory ({key}), or continue the "
+            "earlier run with trainer.resume_mode=auto")
+    raise ValueError(
+        f"trainer.resume_from_path={resumed} is step {step}, but run directory {run_dir} holds newer checkpoints "
+        f"({names}): they would outrank this run's steps, so a plain re-run would continue the abandoned run. To "
+        f"branch from step {step}, give this run a new directory with {key} (keeping trainer.resume_from_path); to "
+        "continue the newest checkpoint instead, use trainer.resume_mode=auto")
 
 
 def write_config(cfg: Config, run_dir: Path, keep_previous: bool = False) -> None:

@@ -208,31 +208,11 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
     return train, val
 
 
-def _max_positions(config: dict) -> tuple[int, str] | None:
-    """(positions, how they were read) from a config.json: max_position_embeddings, widened by rope scaling."""
-    for section in (config, config.get("text_config")):
-        if not isinstance(section, dict):
-            continue
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-            value = section.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                limit, how = value, f"{key}={value}"
-                # A rope-scaled model (YaRN, linear, dynamic) handles factor x its original positions.
-                scaling = section.get("rope_scaling") or section.get("rope_parameters")
-                factor = scaling.get("factor") if isinstance(scaling, dict) else None
-                if isinstance(factor, (int, float)) and factor > 1:
-                    original = scaling.get("original_max_position_embeddings") or value
-                    if int(original * factor) > limit:
-                        limit, how = int(original * factor), f"{how} with rope scaling factor {factor:g}"
-                return limit, how
-    return None
-
-
 def _check_max_positions(cfg: Config, path: str) -> None:
     """data.max_prompt_length + data.max_response_length must fit the checkpoint's positions (checked before loading)."""
-    from conveyor.models.loading import read_config_json
+    from conveyor.models.loading import max_positions, read_config_json
 
-    found = _max_positions(read_config_json(path))
+    found = max_positions(read_config_json(path))
     if found is None:
         return  # the config does not say; the model itself will tell
     limit, how = found

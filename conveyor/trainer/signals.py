@@ -6,19 +6,31 @@ Ctrl-C or SIGTERM only records the request, the loop finishes the running step,
 saves it and raises `StopRequested`; a second one stops at once. Without
 `save_on_interrupt` the first one stops at once.
 
+`die_with_parent(pid)` is for a process the run starts (the asynchronous
+rollout process): it ends as soon as the trainer that started it ends, however
+the trainer ends, SIGKILL included. `Reaper` is for processes the run does not
+start itself (a local Ray's raylet, agents and actors): a small watcher
+process that kills them if the trainer ends without saying it is done.
+
 What it deliberately does not do: save anything, or decide the exit status
 (the command maps `StopRequested.signum` to 128 + signum).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
+import subprocess
+import sys
+import threading
+import time
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS"]
+__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS", "die_with_parent", "Reaper"]
 
 # What a scheduler (Slurm, Kubernetes, `timeout`) or a person sends to stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -75,3 +87,106 @@ class StopSignals:
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         logger.warning("%s: finishing step %d, then saving a checkpoint and stopping (send it again to stop at "
                        "once, without saving)", name, self._step())
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int, interval: float = 0.5) -> None:
+    """End this process (SIGKILL) when process `parent_pid`, which started it, ends; call it first thing in the child.
+
+    On Linux the kernel does it (`prctl(PR_SET_PDEATHSIG)`); a watchdog thread that polls the parent
+    pid covers the other systems, a parent that died before the call, and a `prctl` that fails.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl here: the watchdog alone
+            pass
+
+    def orphaned() -> bool:
+        return os.getppid() != parent_pid
+
+    if orphaned():  # the parent ended before the kernel was asked to tell us
+        os._exit(1)
+
+    def watch() -> None:
+        while not orphaned():
+            time.sleep(interval)
+        os._exit(1)  # no clean-up to run: everything this process holds dies with it
+
+    threading.Thread(target=watch, name="conveyor-parent-watchdog", daemon=True).start()
+
+
+# The watcher `Reaper` runs (python -c): every half second it notes the trainer's descendants started after it
+# (another process's children are never its business); when the trainer's pipe ends without "done", or the
+# trainer is gone, it kills the last ones noted that are still the same processes (same start time).
+_REAPER = r"""
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+trainer, me = int(sys.argv[1]), os.getpid()
+def stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[19])
+born = stat(me)[1]
+def family():
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                ppid, start = stat(int(name))
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append((int(name), start))
+    found, todo = [], [trainer]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            if pid != me and start >= born:
+                found.append((pid, start))
+                todo.append(pid)
+    return found
+noted, said = [], b""
+while os.getppid() == trainer:
+    ready, _, _ = select.select([0], [], [], 0.5)
+    if ready:
+        got = os.read(0, 64)
+        said += got
+        if not got:
+            break
+    noted = family()
+if b"done" not in said:
+    for pid, start in noted:
+        try:
+            if stat(pid)[1] == start:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+"""
+
+
+class Reaper:
+    """Kills the processes this one starts from now on if it ends without `release()` (Linux; elsewhere a no-op)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        if sys.platform.startswith("linux"):
+            self._proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
+                                          stdout=subprocess.DEVNULL, close_fds=True)
+
+    def release(self) -> None:
+        """The processes were stopped in order: the watcher leaves them alone and exits."""
+        if self._proc is None:
+            return
+        try:
+            self._proc.stdin.write(b"done")
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._proc = None

@@ -58,7 +58,10 @@ def save_checkpoint(trainer: PPOTrainer) -> Path:
             trainer.tokenizer.save_pretrained(tmp / "hf")
         return trainer_state(trainer, roles)
 
-    return ckpt.save_checkpoint(trainer.ckpt_root, trainer.global_step, write, trainer.cfg.trainer.max_ckpt_to_keep)
+    t = trainer.cfg.trainer
+    # The checkpoint named by resume_path is only read: rotation never takes it.
+    keep = t.resume_from_path if t.resume_mode == "resume_path" else None
+    return ckpt.save_checkpoint(trainer.ckpt_root, trainer.global_step, write, t.max_ckpt_to_keep, keep=keep)
 
 
 def maybe_resume(trainer: PPOTrainer) -> None:

@@ -171,7 +171,7 @@ class TrainProcess:
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "conveyor.cli", *train_args(run_dir, *extra)],
-                cwd=ROOT, env=cli_env(), stdout=out, stderr=err,
+                cwd=ROOT, env=cli_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
             )
 
     @property

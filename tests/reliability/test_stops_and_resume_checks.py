@@ -147,6 +147,15 @@ def refusals(rel, finished_two_step_run: Path, tmp_path_factory: pytest.TempPath
     needles["changed_setting"] = (
         str(run_dir / "checkpoints" / "global_step_2"), "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
         "actor_rollout_ref.rollout.n: 4 -> 2", "trainer.resume_accept_config_changes=true")
+    older = copy("resume_older") / "checkpoints" / "global_step_1"
+    cases["resume_older"] = rel.train_args(dirs["resume_older"], "trainer.total_training_steps=3",
+                                           "trainer.resume_mode=resume_path", f"trainer.resume_from_path={older}")
+    needles["resume_older"] = (str(older), "is step 1", "newer checkpoints (global_step_2)",
+                               "trainer.default_local_dir", "trainer.resume_mode=auto")
+    cases["fresh_over_checkpoints"] = rel.train_args(copy("fresh_over_checkpoints"), "trainer.total_training_steps=3",
+                                                     "trainer.resume_mode=disable")
+    needles["fresh_over_checkpoints"] = ("trainer.resume_mode=disable", "global_step_1, global_step_2",
+                                         "trainer.default_local_dir")
     (tmp / "a_file").write_text("")
     unusable = {"under_a_file": tmp / "a_file" / "run"}
     if _read_only_filesystem_here():
@@ -170,6 +179,25 @@ def test_a_checkpoint_of_another_model_is_refused(rel, refusals: dict) -> None:
 def test_a_damaged_checkpoint_is_refused_naming_it(rel, refusals: dict, damage: str) -> None:
     result, _, needles = refusals[damage]
     rel.assert_usage_error(result["status"], result["stderr"], needles)
+
+
+@pytest.mark.parametrize("case", ["resume_older", "fresh_over_checkpoints"])
+def test_a_run_that_would_start_behind_newer_checkpoints_is_refused_and_deletes_nothing(rel, refusals: dict,
+                                                                                        case: str) -> None:
+    result, run_dir, needles = refusals[case]
+    rel.assert_usage_error(result["status"], result["stderr"], needles)
+    assert rel.checkpoint_steps(run_dir) == [1, 2] and rel.logged_steps(run_dir) == [1, 2]
+
+
+def test_pruning_keeps_the_checkpoint_a_run_was_resumed_from(rel, finished_two_step_run: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_two_step_run, run_dir)
+    step2 = run_dir / "checkpoints" / "global_step_2"
+    done = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3", "trainer.max_ckpt_to_keep=1",
+                                       "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step2}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Step 1 is rotated out; step 2, only read, stays; step 3 is the newest, so a plain re-run continues it.
+    assert rel.checkpoint_steps(run_dir) == [2, 3] and rel.logged_steps(run_dir) == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------- one run per directory
@@ -225,21 +253,26 @@ def test_an_unusable_run_directory_is_one_error_naming_the_key(rel, refusals: di
 
 
 # --------------------------------------------------------------------------- two ranks: kill -9, resume, same run
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything it started (a killed driver's Ray processes would outlive it)."""
+def _kill_driver(pid: int) -> list:
+    """SIGKILL the driver alone; the processes it started (Ray's) still alive 5 s later, killed then."""
     import psutil
 
     try:
         parent = psutil.Process(pid)
     except psutil.NoSuchProcess:
-        return
-    family = parent.children(recursive=True) + [parent]
-    for p in family:
+        return []
+    family = parent.children(recursive=True)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    _, alive = psutil.wait_procs(family, timeout=5)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = [(p.pid, p.name()) for p in alive]
+    for p in alive:  # a failed check must not leave them running either
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(family, timeout=30)
+    return left
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +295,7 @@ def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> 
         started.append(killed)
         rel.wait_until(lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), killed,
                        timeout=240)
-        _kill_tree(killed.proc.pid)
+        left_after_kill = _kill_driver(killed.proc.pid)
         checkpoints_after_kill = rel.checkpoint_steps(run_dir)
         logged_before = len(rel.logged_steps(run_dir))
         resumed = rel.TrainProcess(run_dir, *ranks, "trainer.total_training_steps=100000")
@@ -274,7 +307,12 @@ def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> 
         for proc in started:
             proc.kill()
     return {"reference": tmp / "reference", "run_dir": run_dir, "checkpoints_after_kill": checkpoints_after_kill,
-            "sigterm_status": status, "sigterm_stderr": resumed.stderr}
+            "left_after_kill": left_after_kill, "sigterm_status": status, "sigterm_stderr": resumed.stderr}
+
+
+def test_sigkill_of_a_ray_driver_leaves_no_process_of_the_run(two_rank_runs: dict) -> None:
+    # Ray's raylet, agents and rank actors: none alive 5 s after the driver was killed with SIGKILL.
+    assert two_rank_runs["left_after_kill"] == []
 
 
 def test_two_ranks_killed_mid_run_resume_to_the_uninterrupted_run(rel, two_rank_runs: dict) -> None:

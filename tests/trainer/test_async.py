@@ -133,6 +133,8 @@ def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run):
 
 @pytest.mark.parametrize("override, key", [
     (["trainer.v1.sampler.max_off_policy_threshold=-1"], "max_off_policy_threshold"),
+    # Up to k + 1 batches in memory: a bound of 10^9 would fill it before the first step.
+    (["trainer.v1.sampler.max_off_policy_threshold=1000000000"], "at most 1024"),
     (["trainer.v1.sampler.max_off_policy_strategy=skip"], "max_off_policy_strategy"),
     (["trainer.v1.trainer_mode=fully_async"], "trainer_mode"),
     (["trainer.v1.sampler.max_off_policy_threshold=1", "trainer.v1.separate_async.parameter_sync_step=3"],
