@@ -96,15 +96,15 @@ class PolicyForward:
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
         packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"])) if self.packed else None
+        held = routed_experts is None or self._held_replay  # `update_replay` installed the replay already
         if packed is not None:
             kwargs = packed.model_kwargs(input_ids, position_ids)
             keep: int | torch.Tensor = packed.predict  # the LM head runs on the predicting positions only
-            if routed_experts is not None:
+            if not held:
                 routed_experts = packed.pack(routed_experts)
         else:
             kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             keep = resp_len + 1  # only the positions that predict response tokens need the LM head
-        held = routed_experts is None or self._held_replay
         replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
         recorder = RoutingRecorder(self.model) if record_routing else None
         with replay, (recorder if recorder is not None else contextlib.nullcontext()):
