@@ -43,6 +43,7 @@ __all__ = [
     "MoELayer",
     "moe_info",
     "moe_layers",
+    "sparse_decoder_layers",
     "stack_routing",
     "RoutingRecorder",
     "replay_routing",
@@ -126,6 +127,23 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
         if arch is not None:
             layers.append(MoELayer(module, getattr(module, arch.router_attr), arch))
     return layers
+
+
+def sparse_decoder_layers(model: nn.Module) -> list[int]:
+    """The decoder-layer index of each sparse MoE layer of `model`, in `moe_layers` order (dense layers left out).
+
+    Engines that number routing by absolute decoder layer (vLLM's captured `routed_experts`) are read at
+    these indices: conveyor's (.., L, K) routing counts the sparse layers only.
+    """
+    out = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in _ARCHS:
+            parts = name.split(".")
+            index = next((int(p) for p in reversed(parts) if p.isdigit()), None)
+            if index is None:
+                raise ValueError(f"sparse MoE block {name!r} is not inside a numbered decoder layer")
+            out.append(index)
+    return out
 
 
 def _require_moe_layers(model: nn.Module) -> list[MoELayer]:

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from conveyor.rollout.base import engine_spec
 
-__all__ = ["VLLMRollout", "import_vllm", "check_servable"]
+__all__ = ["VLLMRollout", "import_vllm", "check_servable", "select_sparse_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,21 @@ def _reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> int:
     return _repack_cpu_experts(worker.model_runner.model)
 
 
+def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -> Tensor:
+    """vLLM's captured routing (tokens, decoder layers, K) at conveyor's sparse layers (tokens, L, K).
+
+    vLLM fills a row for every decoder layer, dense ones included (Qwen3-MoE's `mlp_only_layers`, DeepSeek's
+    first dense layers); `sparse_layers` are the decoder indices of the MoE layers, in order. None, or as
+    many layers as given: every layer is sparse.
+    """
+    if sparse_layers is None or experts.shape[1] == len(sparse_layers):
+        return experts
+    if max(sparse_layers) >= experts.shape[1]:
+        raise ValueError(f"vLLM returned routing for {experts.shape[1]} decoder layers, but the model's sparse MoE "
+                         f"layers are {list(sparse_layers)}")
+    return experts[:, list(sparse_layers)]
+
+
 class VLLMRollout:
     """Batched sampling with a vLLM engine over the checkpoint at `model_path`, fed new weights by `sync_weights`."""
 
@@ -189,6 +204,7 @@ class VLLMRollout:
         free_cache_engine: bool = True,
         capture_routing: bool = False,
         trust_remote_code: bool = False,
+        sparse_layers: Sequence[int] | None = None,
     ) -> None:
         if pad_token_id is None or eos_token_id is None:
             raise ValueError("VLLMRollout: the tokenizer needs a pad token and an EOS token")
@@ -203,6 +219,8 @@ class VLLMRollout:
         # What the engine declares it can do on this device (conveyor.rollout.base): routing needs CUDA.
         caps = engine_spec("vllm").capabilities(self.device.type)
         self.returns_routing = bool(capture_routing) and caps.returns_routing
+        # vLLM numbers captured routing by decoder layer; conveyor's (.., L, K) counts the sparse layers only.
+        self.sparse_layers = list(sparse_layers) if sparse_layers is not None else None
         self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
         self._asleep = False
         kwargs: dict[str, Any] = dict(
@@ -345,8 +363,12 @@ class VLLMRollout:
             responses[i, :n] = torch.tensor(tokens, dtype=torch.long)
             response_mask[i, :n] = True
             log_probs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, c.logprobs)], dtype=torch.float32)
-            if routing and c.routed_experts is not None:
-                experts = torch.as_tensor(c.routed_experts)  # (prompt + fed response tokens, L, K)
+            if routing:
+                if c.routed_experts is None:
+                    # Noticed here, not a stage later where R3 finds no routing to replay.
+                    raise RuntimeError(f"the vllm engine returned no routed_experts for request {i} although "
+                                       "enable_return_routed_experts is on")
+                experts = select_sparse_layers(torch.as_tensor(c.routed_experts), self.sparse_layers)
                 if routed is None:
                     routed = torch.full((batch, prompt_len + steps, *experts.shape[1:]), -1, dtype=torch.int16)
                 start = prompt_len - int(prompt_mask[i].sum())

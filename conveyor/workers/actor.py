@@ -44,7 +44,7 @@ from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.packing import setup_packing
 from conveyor.models.loading import load_tokenizer
-from conveyor.models.moe_routing import compute_routing_agreement, moe_info
+from conveyor.models.moe_routing import compute_routing_agreement, moe_info, sparse_decoder_layers
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.hf import HFRollout
@@ -169,6 +169,7 @@ class PolicyWorker(CheckpointEndpoints):
             gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, free_cache_engine=ro.free_cache_engine,
             capture_routing=self.moe is not None, trust_remote_code=st.model.trust_remote_code,
+            sparse_layers=sparse_decoder_layers(self.model) if self.moe is not None else None,
         )
         if self.rank == 0:
             logger.info("vLLM engine started in %.1f s", engine.start_time_s)
