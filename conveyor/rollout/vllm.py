@@ -10,9 +10,15 @@ Colocation. The engine lives in the actor worker's process, like verl's
 hybrid engine: vLLM's engine core runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) with one executor over the same device as
 the trainer. On a GPU `free_cache_engine` puts the engine to sleep after each
-rollout (its KV cache is released for the update) and wakes it before the
-next; vLLM's CPU build has no sleep mode, and its KV cache is sized to what
-`max_num_seqs` sequences of `max_model_len` tokens need.
+rollout at vLLM's level 2: its weights and KV cache are both released for the
+update (level 1 would keep a host copy of the whole model per rank, and the
+weights change at every update anyway). Waking is in two steps, as verl does:
+the weights' memory before a weight sync, then, after the allocator's cache
+is emptied, the KV cache before generating, so the two never peak together
+with what the trainer freed. A sleeping engine holds no weights, so the next
+generation always syncs them first (`weights_version` is reset). vLLM's CPU
+build has no sleep mode, and its KV cache is sized to what `max_num_seqs`
+sequences of `max_model_len` tokens need.
 
 Weight sync. `sync_weights` hands the trainer's tensors to every vLLM worker
 through `collective_rpc`, which calls the worker's in-place `reload_weights`:
@@ -222,7 +228,7 @@ class VLLMRollout:
         # vLLM numbers captured routing by decoder layer; conveyor's (.., L, K) counts the sparse layers only.
         self.sparse_layers = list(sparse_layers) if sparse_layers is not None else None
         self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
-        self._asleep = False
+        self._asleep: set[str] = set()  # the memory a sleeping engine has released (vLLM's wake_up tags)
         kwargs: dict[str, Any] = dict(
             model=model_path,
             skip_tokenizer_init=True,  # prompts arrive as token ids and responses leave as token ids
@@ -276,7 +282,7 @@ class VLLMRollout:
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
         """Load the trainer's weights (HF parameter names) into the live engine in place; returns the seconds taken."""
         t0 = time.perf_counter()
-        self._wake()
+        self._wake("weights")  # the KV cache stays released until generation
         weights = [(name, t.detach()) for name, t in named_tensors]
         self.llm.collective_rpc(_reload_weights, args=(weights,))
         self.weights_version = version
@@ -284,13 +290,21 @@ class VLLMRollout:
 
     def _sleep(self) -> None:
         if self._sleeps and not self._asleep:
-            self.llm.sleep(level=1)  # level 1 keeps the weights, frees the KV cache
-            self._asleep = True
+            self.llm.sleep(level=2)  # weights and KV cache released: the next generation syncs the weights first
+            self._asleep = {"weights", "kv_cache"}
+            self.weights_version = None
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def _wake(self, tag: str | None = None) -> None:
+        """Reallocate the sleeping engine's memory: `tag` weights or kv_cache, or both (None)."""
+        if not self._asleep:
+            return
+        tags = [t for t in ("weights", "kv_cache") if t in self._asleep and (tag is None or t == tag)]
+        if not tags:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the trainer freed goes back to the device before vLLM claims it
+        self.llm.wake_up(tags=tags)
+        self._asleep = self._asleep - set(tags)
 
     # --------------------------------------------------------------- generation
     def generate(
@@ -341,6 +355,8 @@ class VLLMRollout:
             )
             for seed in seeds
         ]
+        if "weights" in self._asleep:
+            raise RuntimeError("VLLMRollout.generate: the engine sleeps without weights; sync_weights first")
         self._wake()
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
