@@ -144,6 +144,17 @@ print(f"forward+backward: padded {t_pad:.3f} s, {m_pad:.1f} GiB peak; packed {t_
       f"speed-up {t_pad / t_pack:.2f}x")
 PY
 
+echo "== vLLM in the actor's process on the GPU: 3 steps with R3 from vLLM's captured routing, sleeping at level 2"
+if "$PY" -c "import vllm" 2>/dev/null; then
+  "$PY" -m conveyor.cli train --config examples/vllm_cpu.yaml "${RUN[@]}" trainer.default_local_dir="$OUT/vllm" \
+    trainer.total_training_steps=3 actor_rollout_ref.actor.strategy=none actor_rollout_ref.ref.strategy=none \
+    actor_rollout_ref.actor.router_replay.mode=R3 actor_rollout_ref.rollout.free_cache_engine=true \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+  report "$OUT/vllm"
+else
+  echo "vllm is not installed in $PY's environment: pip install 'conveyor[vllm]' there, then rerun"
+fi
+
 echo "== rollout: vLLM against the hf rollout, ~0.44B dense Qwen3, batch 256 x 512 new tokens (goal: vllm >= 5x hf)"
 if "$PY" -c "import vllm" 2>/dev/null; then
   "$PY" benchmarks/rollout.py --sizes 0.5b --engines hf vllm --device cuda --dtype bfloat16 \

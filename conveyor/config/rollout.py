@@ -91,8 +91,9 @@ class RolloutConfig:
                                      "+ data.max_response_length", gt=0)
     enforce_eager: bool = F(True, "vllm: no CUDA graphs (they take memory and start-up time, and weights change "
                             "every step)")
-    free_cache_engine: bool = F(True, "vllm: release the engine's KV cache between rollouts so the update can use "
-                                "the memory (vLLM's sleep mode; GPU only, ignored on a CPU)")
+    free_cache_engine: bool = F(True, "vllm: release the engine's weights and KV cache between rollouts so the "
+                                "update can use the memory (vLLM's sleep mode, level 2: the weights are synced "
+                                "again before each generation; GPU only, ignored on a CPU)")
     hf_whole_gather_max_gb: float = F(1.0, "hf rollout under fsdp2: a model whose full parameters take at most "
                                       "this many GB is gathered whole once for generation (decoding then needs no "
                                       "collective); a larger one decodes over its shards, each layer gathered for "
