@@ -89,8 +89,10 @@ class RolloutConfig:
                           "generates a rank's share in chunks of this many (its KV cache grows with them)", gt=0)
     max_model_len: Optional[int] = F(None, "vllm: longest sequence the engine holds; null = data.max_prompt_length "
                                      "+ data.max_response_length", gt=0)
-    enforce_eager: bool = F(True, "vllm: no CUDA graphs (they take memory and start-up time, and weights change "
-                            "every step)")
+    enforce_eager: Optional[bool] = F(None, "vllm: true = no CUDA graphs (less memory and a faster start, slower "
+                                      "decoding); null = false on a GPU (CUDA graphs, verl's default: the weights "
+                                      "are updated in place, so the graphs stay valid) and true on a CPU (where "
+                                      "false compiles the model at every engine start)", resume_neutral=True)
     free_cache_engine: bool = F(True, "vllm: release the engine's weights and KV cache between rollouts so the "
                                 "update can use the memory (vLLM's sleep mode, level 2: the weights are synced "
                                 "again before each generation; GPU only, ignored on a CPU)")

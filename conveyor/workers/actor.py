@@ -167,7 +167,9 @@ class PolicyWorker(CheckpointEndpoints):
             eos_token_id=self.tokenizer.eos_token_id, dtype=ro.dtype or st.model.dtype,
             max_model_len=st.max_model_len, seed=st.seed + self.rank, device=self.device,
             gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
-            max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, free_cache_engine=ro.free_cache_engine,
+            max_num_seqs=ro.max_num_seqs, free_cache_engine=ro.free_cache_engine,
+            # null: CUDA graphs on a GPU (verl's default); eager on a CPU, where graphs mean compiling at start.
+            enforce_eager=ro.enforce_eager if ro.enforce_eager is not None else self.device.type != "cuda",
             capture_routing=self.moe is not None, trust_remote_code=st.model.trust_remote_code,
             sparse_layers=sparse_decoder_layers(self.model) if self.moe is not None else None,
         )
