@@ -149,8 +149,16 @@ def _usage_error(message: str) -> int:
     """Print `message` as the `error:` line of a user mistake (re-raise under CONVEYOR_DEBUG=1); exit status 2."""
     if os.environ.get("CONVEYOR_DEBUG"):
         raise  # noqa: PLE0704 - called only from an except block, to show the traceback asked for
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {one_line(message)}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def one_line(text: str) -> str:
+    """`text` with every unprintable character escaped (a newline or carriage return from the user's input, a lone
+    surrogate), so that an error stays one line and the terminal can always print it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -174,3 +174,12 @@ def test_every_command_with_overrides_takes_config_between_them(
     seen.clear()
     assert main(["-v", command, "--config", path, "a.b=1", "c.d=2"]) == 0
     assert seen["config"] == path and seen["overrides"] == ["a.b=1", "c.d=2"] and seen["verbose"] is True
+
+
+def test_an_error_stays_one_printable_line() -> None:
+    """A carriage return, newline or lone surrogate from the user's input is escaped in the error line."""
+    from conveyor.cli import one_line
+
+    assert one_line("plain text, é 中") == "plain text, é 中"
+    assert one_line("a\rb\nc\td\ud800") == "a\\rb\\nc\\td\\ud800"
+    assert len(one_line("x=\r'").splitlines()) == 1
