@@ -47,37 +47,19 @@ def test_log_probs_equal_the_whole_logits_float32_formula(td: TensorDict, impl: 
     torch.testing.assert_close(ent * mask, want_ent * mask, atol=1e-6, rtol=0)
 
 
-def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division)."""
-    forward = _worker("hf", packed=False).forward
+@pytest.mark.parametrize("packed", [False, True])
+def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+    """The logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division); packed,
+    they are the (1, N, V) logits of the response tokens only."""
+    forward = _worker("hf", packed=packed).forward
+    assert forward.packed is packed
     seen = {}
-    real_logits = forward.response_logits
+    # The padded path's logits come from response_logits, the packed path's from the forward itself.
+    name = "_hf_forward" if packed else "response_logits"
+    real = getattr(forward, name)
 
     def recording_logits(*args, **kwargs):
-        logits, routing = real_logits(*args, **kwargs)
-        seen["model"] = logits
-        return logits, routing
-
-    def recording(logits, labels, with_entropy, **kwargs):
-        seen["given"], seen["temperature"] = logits, kwargs.get("temperature")
-        return logprobs_and_entropy(logits, labels, with_entropy, **kwargs)
-
-    monkeypatch.setattr(forward, "response_logits", recording_logits)
-    monkeypatch.setattr(forward_module, "logprobs_and_entropy", recording)
-    with torch.no_grad():
-        forward.log_probs(td, 0.5, True)
-    assert seen["given"] is seen["model"] and seen["temperature"] == 0.5
-
-
-def test_no_copy_of_the_packed_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Packed too: the (1, N, V) logits of the response tokens reach logprobs_and_entropy as the model returned them."""
-    forward = _worker("hf", packed=True).forward
-    assert forward.packed
-    seen = {}
-    real_forward = forward._hf_forward
-
-    def recording_forward(*args, **kwargs):
-        out = real_forward(*args, **kwargs)
+        out = real(*args, **kwargs)
         seen["model"] = out[0]
         return out
 
@@ -85,10 +67,10 @@ def test_no_copy_of_the_packed_logits_is_made(td: TensorDict, monkeypatch: pytes
         seen["given"], seen["temperature"] = logits, kwargs.get("temperature")
         return logprobs_and_entropy(logits, labels, with_entropy, **kwargs)
 
-    monkeypatch.setattr(forward, "_hf_forward", recording_forward)
+    monkeypatch.setattr(forward, name, recording_logits)
     monkeypatch.setattr(forward_module, "logprobs_and_entropy", recording)
     with torch.no_grad():
         forward.log_probs(td, 0.5, True)
-    n = int(td["response_mask"].bool().sum())
     assert seen["given"] is seen["model"] and seen["temperature"] == 0.5
-    assert seen["model"].shape[:2] == (1, n)  # responses here have no tool tokens: the span is the mask
+    if packed:  # responses here have no tool tokens: the span is the mask
+        assert seen["model"].shape[:2] == (1, int(td["response_mask"].bool().sum()))
