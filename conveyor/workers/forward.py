@@ -5,7 +5,10 @@ lean forward where it applies (each group's shared prompt computed once), the
 Hugging Face forward elsewhere: for a training forward that must run through
 the strategy's hooks or activation checkpointing, and for every forward over
 FSDP2 shards (the sharded module's own forward gathers one layer at a time;
-the lean forward would need the whole model gathered). It can replay given
+the lean forward would need the whole model gathered). With packing on
+(`use_remove_padding`) the Hugging Face forward runs on each micro-batch's
+real tokens in one row (`conveyor.models.packing`), and the LM head and the
+log-softmax on its response tokens only. It can replay given
 routed experts and record the forward's own routing. `no_grad_log_probs`
 runs it over micro-batches, as both the actor's old-log-prob forward and the
 reference's forward do, of a fixed number of rows or up to a token budget
