@@ -406,7 +406,7 @@ class PolicyWorker(CheckpointEndpoints):
             routings = []
             for sl, real in self.trained.passes(batches):
                 mb, _ = take(td, sl)
-                _, own = self.forward.response_logits(mb, None, record_routing=True)
+                own = self.forward.routing(mb)
                 if real:
                     routings.append((mb, own))
         for mb, own in routings:

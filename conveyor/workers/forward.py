@@ -139,6 +139,12 @@ class PolicyForward:
             logits = packed.responses(logits[0], td["responses"].shape[1])
         return logits, own_routing
 
+    def routing(self, td: TensorDict) -> torch.Tensor:
+        """This forward's own routing (B, P+R, L, K) over `td`, no replay (its logits are not widened to (B, R, V))."""
+        if self.uses_lean():
+            return self.response_logits(td, None, record_routing=True)[1]
+        return self._hf_forward(td, None, True, False)[1]
+
     def log_probs(
         self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
         record_routing: bool = False, train: bool = False,
