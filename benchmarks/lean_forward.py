@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from conveyor.rollout.base import SamplingParams
 from conveyor.models import build_char_tokenizer, build_tiny_model
 from conveyor.models.lean import LeanForward
 from conveyor.rollout.hf import HFRollout
@@ -122,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
     def rollout(engine: HFRollout) -> Callable[[], None]:
         def run() -> None:
-            out = engine.generate(b["prompts"], b["prompt_mask"].long(), max_new_tokens=args.response_len,
-                                  generator=gen)
+            out = engine.generate(b["prompts"], b["prompt_mask"].long(), SamplingParams(max_new_tokens=args.response_len), generator=gen)
             assert out["responses"].shape == (rows, args.response_len)
         return run
 

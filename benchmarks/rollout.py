@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from conveyor.rollout.base import SamplingParams
 from conveyor.models import build_char_tokenizer, build_tiny_model
 from conveyor.rollout.hf import HFRollout
 
@@ -87,7 +88,7 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
 
     def run_hf(routing: bool) -> Callable[[], None]:
         def call() -> None:
-            out = hf.generate(ids, mask, max_new_tokens=args.new_tokens, generator=gen, capture_routing=routing)
+            out = hf.generate(ids, mask, SamplingParams(max_new_tokens=args.new_tokens, capture_routing=routing), generator=gen)
             assert out["responses"].shape == expected
         return call
 
@@ -116,7 +117,7 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
         print(f"  (vLLM engine started in {engine.start_time_s:.1f} s)", flush=True)
 
         def run_vllm() -> None:
-            out = engine.generate(ids, mask, max_new_tokens=args.new_tokens, generator=gen)
+            out = engine.generate(ids, mask, SamplingParams(max_new_tokens=args.new_tokens), generator=gen)
             assert out["responses"].shape == expected and bool(out["response_mask"].all())
         calls["vllm"] = run_vllm
 

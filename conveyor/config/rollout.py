@@ -1,8 +1,10 @@
 """The `actor_rollout_ref.rollout` section: generation, validation sampling and multi-turn rollouts with tools.
 
 The engine names are read from `conveyor.rollout.base.ROLLOUT_ENGINES` and the
-tool-call formats from `conveyor.tools.formats`, when checked. It deliberately
-does not decide what an engine can do (its declared capabilities) or build one.
+tool-call formats from `conveyor.tools.formats`, when checked; each engine
+checks its own keys (`validate_config` in its module, run by the root
+section). It deliberately does not decide what an engine can do (its
+declared capabilities, read by the run plan) or build one.
 """
 
 from __future__ import annotations
@@ -103,8 +105,3 @@ class RolloutConfig:
                                       "shards; docs/distributed.md)", ge=0, resume_neutral=True)
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
-
-    def validate(self, prefix: str) -> None:
-        """Multi-turn rollouts run on the hf engine."""
-        check(not (self.name == "vllm" and self.multi_turn.enable), f"{prefix}.multi_turn.enable",
-              f"multi-turn rollouts with tools run on the hf rollout: set {prefix}.name=hf")

@@ -87,22 +87,10 @@ class Config:
         check(bs % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               f"data.train_batch_size={bs} must be divisible by it (got {mb})")
         ro = self.actor_rollout_ref.rollout
-        if ro.name == "vllm":
-            # Each rank's engine would have to share the trainer's process group (vLLM's external_launcher
-            # backend); until that is built and tested, the vllm rollout serves a single actor rank.
-            check(world == 1, "actor_rollout_ref.rollout.name",
-                  f"the vllm rollout runs with one actor rank so far, got {world} (trainer.nnodes x "
-                  "n_gpus_per_node or num_cpu_workers): use one rank, or rollout.name=hf")
-            need = self.data.max_prompt_length + self.data.max_response_length
-            check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
-                  f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got "
-                  f"{ro.max_model_len}")
-            tiny = self.actor_rollout_ref.model.tiny
-            if self.actor_rollout_ref.model.path is None:
-                # vLLM's CPU attention kernels reject smaller heads ("Unsupported CPU attention configuration").
-                check(tiny.hidden_size // tiny.num_heads >= 32, "actor_rollout_ref.model.tiny.num_heads",
-                      f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
-                      f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)")
+        # The engine's own keys (context length, what its kernels serve), checked by its module.
+        from conveyor.rollout.base import engine_spec
+
+        engine_spec(ro.name).validate_config(self)
         model = self.actor_rollout_ref.model
         # The actor always trains: its weights and AdamW's moments are in model.dtype.
         check(model.dtype == "float32" or model.allow_low_precision_master_weights, "actor_rollout_ref.model.dtype",
@@ -141,7 +129,6 @@ class Config:
         """What the asynchronous trainer does not (yet) combine with: each an error naming the key."""
         mode = f"trainer.v1.trainer_mode={self.trainer.v1.trainer_mode}"
         arr, algo = self.actor_rollout_ref, self.algorithm
-        check(arr.rollout.name == "hf", "actor_rollout_ref.rollout.name", f"{mode} supports the hf rollout only")
         check(not arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
               f"multi-turn rollouts are not supported with {mode}")
         check(not algo.filter_groups.enable, "algorithm.filter_groups.enable",

@@ -1,7 +1,8 @@
 """Multi-turn rollouts with tools: generate until a tool call or the end, run the tool, append its answer, go on.
 
-`AgentLoop.run` takes the same left-padded prompts as `HFRollout.generate`
-and returns the same fields, so the rest of the trainer is unchanged: each
+`AgentLoop.run` takes the same left-padded prompts and `SamplingParams` as
+any engine's `generate` (conveyor.rollout.base) and returns the same
+`RolloutOutput`, over any engine that declares stop sequences (hf, vllm), so the rest of the trainer is unchanged: each
 sample's whole trajectory (model turns and tool answers, in order) is one
 right-padded `responses` row, and `response_mask` is 1 on the tokens the
 model sampled and 0 on tool tokens, so losses, KL, entropy, advantages and
@@ -20,8 +21,9 @@ Alignment, which is what goes wrong in this mode:
   last token hold -1.
 
 How it runs: turns are batched. Every round generates one turn for all
-samples still going (one `HFRollout.generate` call over their contexts so
-far; the KV cache is rebuilt each round, which costs one prefill per turn),
+samples still going (one engine `generate` call over their contexts so
+far; the hf engine rebuilds its KV cache each round, one prefill per turn;
+vLLM's prefix cache keeps the contexts it has seen),
 then runs all the tool calls of that round at once (up to `tool_workers`
 threads), so a slow tool delays its round, not each sample in turn. A call
 that raises, returns junk or outlasts `tool_timeout_s` answers an error text
@@ -47,7 +49,7 @@ import torch
 from torch import Tensor
 
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, mask_unfed_routing
 from conveyor.rollout.trajectory import response_span
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
@@ -126,11 +128,11 @@ def tool_turn_ids(tokenizer: Any, content: str, prefix: Optional[str] = None) ->
 
 
 class AgentLoop:
-    """Multi-turn sampling with tools over an `HFRollout`; `run` returns what `HFRollout.generate` returns."""
+    """Multi-turn sampling with tools over a rollout engine; `run` returns what the engine's `generate` returns."""
 
     def __init__(
         self,
-        rollout: HFRollout,
+        rollout: RolloutEngine,
         tokenizer: Any,
         tools: dict[str, Tool],
         call_format: CallFormat,
@@ -138,6 +140,9 @@ class AgentLoop:
     ) -> None:
         if not tools:
             raise ValueError("AgentLoop needs at least one tool (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+        if not rollout.capabilities.stop_sequences:
+            raise ValueError(f"AgentLoop: {type(rollout).__name__} does not stop at token sequences, which ends a turn "
+                             "at a tool call; use an engine that does (actor_rollout_ref.rollout.name)")
         self.rollout = rollout
         self.tokenizer = tokenizer
         self.tools = tools
@@ -145,7 +150,8 @@ class AgentLoop:
         self.settings = settings
         self.pad = rollout.pad_token_id
         self.eos = rollout.eos_token_id
-        self.stop_sequences = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in call_format.stop_texts]
+        self.stop_sequences = tuple(tuple(tokenizer(t, add_special_tokens=False)["input_ids"])
+                                    for t in call_format.stop_texts)
         self._prefix = _chat_prefix(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
         self._lock = threading.Lock()
         self._calls = 0  # instance ids unique over the loop's life
@@ -155,20 +161,19 @@ class AgentLoop:
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        capture_routing: bool = False,
-        **sampling: Any,
-    ) -> dict[str, Any]:
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput:
         """Trajectories for left-padded prompts (B, P): `generate`'s fields plus `metrics` and per-sample `tool_rewards`.
 
-        `sampling`: temperature, top_p, top_k, do_sample, generator, as for `HFRollout.generate`.
+        `params.max_new_tokens` is the whole trajectory's budget; the loop adds its tool-call stop sequences.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"AgentLoop.run: `max_new_tokens` must be >= 1, got {max_new_tokens}")
         ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
         samples = [_Sample(i, ids[i][mask[i]].tolist()) for i in range(ids.shape[0])]
-        budget = int(max_new_tokens)
+        budget = int(params.max_new_tokens)
+        capture_routing = params.capture_routing
+        sampling = (params.replace(stop_sequences=params.stop_sequences + self.stop_sequences), generator)
         try:
             while True:
                 active = [s for s in samples if not s.done]
@@ -192,7 +197,8 @@ class AgentLoop:
         return s.instance_id
 
     def _model_turn(
-        self, active: list[_Sample], budget: int, capture_routing: bool, sampling: dict[str, Any]
+        self, active: list[_Sample], budget: int, capture_routing: bool,
+        sampling: tuple[SamplingParams, torch.Generator | None],
     ) -> list[tuple[_Sample, Optional[ToolCall], Optional[str]]]:
         """One turn of every active sample; the (sample, call, parse error) of those that called a tool."""
         contexts = [s.prompt + s.tokens for s in active]
@@ -203,10 +209,9 @@ class AgentLoop:
             batch_ids[row, width - len(ctx):] = torch.tensor(ctx, dtype=torch.long)
             batch_mask[row, width - len(ctx):] = 1
         left = [budget - len(s.tokens) for s in active]
-        out = self.rollout.generate(
-            batch_ids, batch_mask, max_new_tokens=max(left), capture_routing=capture_routing,
-            stop_sequences=self.stop_sequences, **sampling,
-        )
+        params, generator = sampling
+        out = self.rollout.generate(batch_ids, batch_mask, params.replace(max_new_tokens=max(left)),
+                                    generator=generator)
         responses = out["responses"].cpu()
         lengths = out["response_mask"].sum(-1).cpu().tolist()
         log_probs = out["rollout_log_probs"].cpu()
@@ -311,7 +316,7 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ output
     def _assemble(self, samples: list[_Sample], prompt_width: int, capture_routing: bool,
-                  device: torch.device) -> dict[str, Any]:
+                  device: torch.device) -> RolloutOutput:
         """The `generate` fields over all trajectories, right-padded to the longest, plus metrics."""
         batch = len(samples)
         width = max(1, max(len(s.tokens) for s in samples))
@@ -323,24 +328,23 @@ class AgentLoop:
             responses[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
             model_mask[i, :n] = torch.tensor(s.model, dtype=torch.bool)
             log_probs[i, :n] = torch.tensor(s.log_probs, dtype=torch.float32)
-        out: dict[str, Any] = {"responses": responses, "response_mask": model_mask, "rollout_log_probs": log_probs}
+        routed = None
         routed_rows = [s.routing for s in samples if s.routing is not None]
         if capture_routing and routed_rows:
             shape = routed_rows[0].shape[1:]
             routed = torch.full((batch, prompt_width + width, *shape), -1, dtype=torch.int16)
-            span_end = response_span(model_mask).sum(-1).tolist()
+            prompt_mask = torch.zeros((batch, prompt_width), dtype=torch.bool)
             for i, s in enumerate(samples):
                 assert s.routing is not None
-                p = len(s.prompt)
-                routed[i, prompt_width - p:prompt_width] = s.routing[:p]
-                # Up to (not including) the last model token: it is never fed through the model.
-                fed = max(int(span_end[i]) - 1, 0)
-                routed[i, prompt_width:prompt_width + fed] = s.routing[p:p + fed]
-            out["routed_experts"] = routed
-        out = {k: v.to(device) for k, v in out.items()}
-        out["tool_rewards"] = torch.tensor([s.tool_reward for s in samples], dtype=torch.float32)
-        out["metrics"] = self._metrics(samples, model_mask, responses)
-        return out
+                p, n = len(s.prompt), min(len(s.tokens), s.routing.shape[0] - len(s.prompt))
+                prompt_mask[i, prompt_width - p:] = True
+                routed[i, prompt_width - p:prompt_width + n] = s.routing[:p + n]
+            # The engines' rule, over the trajectory's span: its last model token was never fed.
+            routed = mask_unfed_routing(routed, prompt_mask, response_span(model_mask).sum(-1))
+        out = RolloutOutput(responses=responses, response_mask=model_mask, rollout_log_probs=log_probs,
+                            routed_experts=routed).to(device)
+        return out.replace(tool_rewards=torch.tensor([s.tool_reward for s in samples], dtype=torch.float32),
+                           metrics=self._metrics(samples, model_mask, responses))
 
     def _metrics(self, samples: list[_Sample], model_mask: Tensor, responses: Tensor) -> dict[str, float]:
         """rollout/multi_turn/* of one call, as @sum/@count pairs (reduced over ranks by sample or call counts)."""
@@ -368,7 +372,7 @@ class AgentLoop:
         return m
 
 
-def build_agent_loop(multi_turn: Any, rollout: HFRollout, tokenizer: Any) -> Optional[AgentLoop]:
+def build_agent_loop(multi_turn: Any, rollout: RolloutEngine, tokenizer: Any) -> Optional[AgentLoop]:
     """The agent loop of `actor_rollout_ref.rollout.multi_turn` (a MultiTurnConfig), or None when it is off."""
     if not multi_turn.enable:
         return None

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +49,10 @@ from transformers import DynamicCache, PreTrainedModel
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
+from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
+                                   mask_unfed_routing)
 
-__all__ = ["HFRollout"]
+__all__ = ["HFRollout", "build_engine"]
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -124,7 +126,7 @@ class _Sampler:
         return _sample(probs, self.generator), logp
 
 
-class HFRollout:
+class HFRollout(RolloutEngine):
     """Batched sampling with a KV cache from a Hugging Face causal LM (`model`), in our own decode loop."""
 
     def __init__(
@@ -138,6 +140,7 @@ class HFRollout:
         self.pad_token_id = int(pad_token_id)
         self.eos_token_id = int(eos_token_id)
         self._cache_kw = _cache_kwarg(model)
+        self.capabilities = engine_spec("hf").capabilities(str(next(model.parameters()).device))
         # When given (a LeanForward over `model`), prefill and decode run through it.
         self.lean = lean
 
@@ -145,22 +148,14 @@ class HFRollout:
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        do_sample: bool = True,
         generator: torch.Generator | None = None,
-        capture_routing: bool = False,
-        stop_sequences: Sequence[Sequence[int]] = (),
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
-    ) -> dict[str, Tensor]:
-        """Sample up to `max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
+    ) -> RolloutOutput:
+        """Sample up to `params.max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
 
-        A row also stops once its sampled tokens end with one of `stop_sequences` (token-id lists; the
-        multi-turn loop stops a turn at a tool call this way), which stays in the response like EOS.
         `interrupt`, when given, is called after every sampled token that is not the last, with the number
         of tokens sampled so far; when it returns True (it changed the model's weights, say) the KV cache
         is recomputed from the prompts and the tokens so far before the next token is sampled, so the rest
@@ -169,13 +164,10 @@ class HFRollout:
         every rank is: decoding goes on until the last rank is done, so every rank runs the same number of
         forwards, as forwards over FSDP2 shards (each one gathers the layers in turn) need. It runs the Hugging
         Face forward (the lean forward bypasses the module hooks that gather the layers).
-        Returns `responses` (B, R) long right-padded with pad, `response_mask` (B, R) bool (through EOS),
-        `rollout_log_probs` (B, R) float32 (0 off the mask), and with `capture_routing` on an MoE model
-        `routed_experts` (B, P+R, L, K) int16 (-1 where unknown); R <= max_new_tokens is the number of
-        steps taken. `top_k` 0 or -1 and `top_p` 1 mean no truncation; `generator` must live on the
-        model's device.
+        Returns a `RolloutOutput` (`routed_experts` with `params.capture_routing` on an MoE model, int16);
+        `generator` must live on the model's device.
         """
-        _check_args(input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, do_sample)
+        _check_inputs(input_ids, attention_mask)
         if synced is not None and interrupt is not None:
             raise ValueError("HFRollout.generate: `synced` and `interrupt` do not combine (a partial rollout runs on "
                              "one rank)")
@@ -191,18 +183,24 @@ class HFRollout:
                 "HFRollout.generate: `attention_mask` has padding after a real token; pad prompts on the left "
                 "(tokenizer.padding_side = 'left')"
             )
-        sampler = _Sampler(float(temperature), int(top_k), float(top_p), bool(do_sample), generator)
-        info = moe_info(model) if capture_routing else None
+        sampler = _Sampler(float(params.temperature), int(params.top_k), float(params.top_p), bool(params.do_sample),
+                           generator)
+        info = moe_info(model) if params.capture_routing else None
 
         was_training = model.training
         model.eval()
         try:
             hooks = info is not None and lean is None
             with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
-                return self._decode(input_ids, prompt_mask, int(max_new_tokens), sampler, recorder, info,
-                                    _stop_tensors(stop_sequences, device), interrupt, synced, lean)
+                return self._decode(input_ids, prompt_mask, int(params.max_new_tokens), sampler, recorder, info,
+                                    _stop_tensors(params.stop_sequences, device), interrupt, synced, lean)
         finally:
             model.train(was_training)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
+        """Nothing to load: the engine samples from the trainer's own modules, which the update changed in place."""
+        self.weights_version = version
+        return 0.0
 
     def _decode(
         self,
@@ -216,7 +214,7 @@ class HFRollout:
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
         lean: LeanForward | None = None,
-    ) -> dict[str, Tensor]:
+    ) -> RolloutOutput:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
@@ -280,20 +278,13 @@ class HFRollout:
                 if routed is not None:
                     routed[:, prompt_len + t] = engine.pop_routing()[:, 0]
 
-        out = {
-            "responses": responses[:, :steps].contiguous(),
-            "response_mask": response_mask[:, :steps].contiguous(),
-            "rollout_log_probs": log_probs[:, :steps].contiguous(),
-        }
-        if routed is not None:
-            # Only tokens fed through the model have a routing: a row's last
-            # sampled token (its EOS or the step-limit token) and the pads after
-            # it get -1, as do the prompt's left pads.
-            resp_len = out["response_mask"].sum(dim=-1, keepdim=True)
-            fed = torch.arange(steps, device=device).unsqueeze(0) < resp_len - 1
-            known = torch.cat([prompt_mask.bool(), fed], dim=1)
-            out["routed_experts"] = routed[:, : prompt_len + steps].masked_fill(~known[:, :, None, None], -1)
-        return out
+        mask = response_mask[:, :steps].contiguous()
+        return RolloutOutput(
+            responses=responses[:, :steps].contiguous(), response_mask=mask,
+            rollout_log_probs=log_probs[:, :steps].contiguous(),
+            routed_experts=(mask_unfed_routing(routed[:, : prompt_len + steps], prompt_mask, mask.sum(dim=-1))
+                            if routed is not None else None),
+        )
 
     def _engine(
         self, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, recorder: RoutingRecorder | None, record: bool,
@@ -401,21 +392,11 @@ def _stop_tensors(stop_sequences: Sequence[Sequence[int]], device: torch.device)
     out = []
     for seq in stop_sequences:
         ids = [int(i) for i in seq]
-        if not ids:
-            raise ValueError("HFRollout.generate: a stop sequence is empty; give at least one token id")
         out.append(torch.tensor([ids], dtype=torch.long, device=device))
     return out
 
 
-def _check_args(
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    do_sample: bool,
-) -> None:
+def _check_inputs(input_ids: Tensor, attention_mask: Tensor) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"HFRollout.generate: `input_ids` must be (B, P), got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
@@ -425,11 +406,9 @@ def _check_args(
         )
     if input_ids.shape[1] == 0:
         raise ValueError("HFRollout.generate: `input_ids` has no prompt tokens")
-    if max_new_tokens < 1:
-        raise ValueError(f"HFRollout.generate: `max_new_tokens` must be >= 1, got {max_new_tokens}")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"HFRollout.generate: `temperature` must be > 0 when sampling, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"HFRollout.generate: `top_p` must be in (0, 1], got {top_p}")
-    if top_k < -1:
-        raise ValueError(f"HFRollout.generate: `top_k` must be >= 0 (or -1 for off), got {top_k}")
+
+
+def build_engine(context: EngineContext) -> HFRollout:
+    """The hf engine of a worker: a decode loop over the actor's own modules (and its lean forward, if any)."""
+    return HFRollout(context.model, pad_token_id=context.tokenizer.pad_token_id,
+                     eos_token_id=context.tokenizer.eos_token_id, lean=context.lean)

@@ -1,10 +1,11 @@
 """Sampling with vLLM in the actor's process: the `vllm` rollout engine (actor_rollout_ref.rollout.name=vllm).
 
-`VLLMRollout` is a drop-in for `HFRollout`: `generate` takes the same
-left-padded prompts and returns the same fields (right-padded `responses`, a
-`response_mask` through EOS, the sampled tokens' `rollout_log_probs`, and
-`routed_experts` where the engine can return them), so every later stage of
-a step is unchanged.
+`VLLMRollout` is a `RolloutEngine` (conveyor.rollout.base): `generate`
+takes the same left-padded prompts and `SamplingParams` as every engine and
+returns the same `RolloutOutput` (right-padded `responses`, a `response_mask`
+through EOS, the sampled tokens' `rollout_log_probs`, and `routed_experts`
+where the engine can return them), so every later stage of a step, and the
+multi-turn agent loop, is unchanged.
 
 Colocation. The engine lives in the actor worker's process, like verl's
 hybrid engine: vLLM's engine core runs in-process
@@ -20,7 +21,7 @@ generation always syncs them first (`weights_version` is reset). vLLM's CPU
 build has no sleep mode, and its KV cache is sized to what `max_num_seqs`
 sequences of `max_model_len` tokens need.
 
-Weight sync. `sync_weights` hands the trainer's tensors to every vLLM worker
+Weight sync. `update_weights` hands the trainer's tensors to every vLLM worker
 through `collective_rpc`, which calls the worker's in-place `reload_weights`:
 no restart, no checkpoint on disk, and in-process no copy beyond the one
 into the engine's parameters. vLLM 0.32's CPU MoE kernel keeps its experts
@@ -48,15 +49,16 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from conveyor.rollout.base import engine_spec
+from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
+                                   mask_unfed_routing)
 
-__all__ = ["VLLMRollout", "import_vllm", "check_servable", "select_sparse_layers"]
+__all__ = ["VLLMRollout", "build_engine", "check_servable", "import_vllm", "select_sparse_layers", "validate_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +191,8 @@ def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -
     return experts[:, list(sparse_layers)]
 
 
-class VLLMRollout:
-    """Batched sampling with a vLLM engine over the checkpoint at `model_path`, fed new weights by `sync_weights`."""
+class VLLMRollout(RolloutEngine):
+    """Batched sampling with a vLLM engine over the checkpoint at `model_path`, fed new weights by `update_weights`."""
 
     def __init__(
         self,
@@ -223,8 +225,8 @@ class VLLMRollout:
         self._stop_ids = [self.eos_token_id] if self.eos_token_id < int(hf_config.vocab_size) else []
         self.device = torch.device(device)
         # What the engine declares it can do on this device (conveyor.rollout.base): routing needs CUDA.
-        caps = engine_spec("vllm").capabilities(self.device.type)
-        self.returns_routing = bool(capture_routing) and caps.returns_routing
+        self.capabilities = engine_spec("vllm").capabilities(self.device.type)
+        self.returns_routing = bool(capture_routing) and self.capabilities.returns_routing
         # vLLM numbers captured routing by decoder layer; conveyor's (.., L, K) counts the sparse layers only.
         self.sparse_layers = list(sparse_layers) if sparse_layers is not None else None
         self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
@@ -263,7 +265,7 @@ class VLLMRollout:
         self._sampling_params = vllm.SamplingParams
         self.weights_version: int | None = None
         if self._sleeps:
-            self._sleep()
+            self.sleep()
 
     def close(self) -> None:
         """Shut the engine down and remove the process group vLLM made, so that the process can host others."""
@@ -279,26 +281,27 @@ class VLLMRollout:
         gc.collect()
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
         """Load the trainer's weights (HF parameter names) into the live engine in place; returns the seconds taken."""
         t0 = time.perf_counter()
-        self._wake("weights")  # the KV cache stays released until generation
+        self.wake(["weights"])  # the KV cache stays released until generation
         weights = [(name, t.detach()) for name, t in named_tensors]
         self.llm.collective_rpc(_reload_weights, args=(weights,))
         self.weights_version = version
         return time.perf_counter() - t0
 
-    def _sleep(self) -> None:
+    def sleep(self) -> None:
+        """Level 2: weights and KV cache released; the next generation syncs the weights first (GPU only)."""
         if self._sleeps and not self._asleep:
-            self.llm.sleep(level=2)  # weights and KV cache released: the next generation syncs the weights first
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
             self.weights_version = None
 
-    def _wake(self, tag: str | None = None) -> None:
-        """Reallocate the sleeping engine's memory: `tag` weights or kv_cache, or both (None)."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Reallocate the sleeping engine's memory: `tags` weights and/or kv_cache, or both (None)."""
         if not self._asleep:
             return
-        tags = [t for t in ("weights", "kv_cache") if t in self._asleep and (tag is None or t == tag)]
+        tags = [t for t in ("weights", "kv_cache") if t in self._asleep and (tags is None or t in tags)]
         if not tags:
             return
         if self.device.type == "cuda":
@@ -311,87 +314,170 @@ class VLLMRollout:
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        do_sample: bool = True,
         generator: torch.Generator | None = None,
-        capture_routing: bool = False,
-        stop_sequences: Sequence[Sequence[int]] = (),
-    ) -> dict[str, Tensor]:
-        """Sample up to `max_new_tokens` per left-padded prompt; the same arguments and outputs as `HFRollout.generate`.
+        interrupt: Callable[[int], bool] | None = None,
+        synced: Callable[[bool], bool] | None = None,
+    ) -> RolloutOutput:
+        """Sample up to `params.max_new_tokens` per left-padded prompt; the same outputs as every engine's.
 
         Each row is its own request with a seed drawn from `generator` (so a row's sample does not depend on
         its batch); without a generator vLLM seeds from its engine seed. `routed_experts` is returned only
-        when `capture_routing` is set and the engine can return it (`returns_routing`).
+        when `params.capture_routing` is set and the engine can return it (`returns_routing`).
+
+        Stop sequences: vLLM stops at single token ids, so the last token of every stop sequence is one; a
+        request that stops there without the whole sequence is continued from its tokens so far (prompt +
+        response, a fresh seed), which samples exactly what one uninterrupted request would have.
         """
-        if stop_sequences:
-            raise ValueError("the vllm rollout does not stop at token sequences; multi-turn rollouts with tools "
-                             "run on the hf rollout (actor_rollout_ref.rollout.name=hf)")
-        if max_new_tokens <= 0:
-            raise ValueError(f"VLLMRollout.generate: max_new_tokens must be > 0, got {max_new_tokens}")
+        self.check_call(params, interrupt=interrupt, synced=synced)
         mask = attention_mask.bool().cpu()
         ids = input_ids.cpu()
         batch, prompt_len = ids.shape
         if not bool(mask.any(dim=-1).all()):
             raise ValueError("VLLMRollout.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
-        prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(batch)]
+        prompts = [ids[i][mask[i]].tolist() for i in range(batch)]
         seeds = (torch.randint(0, 2**31 - 1, (batch,), generator=generator, device=generator.device).tolist()
                  if generator is not None else [None] * batch)
-        greedy = not do_sample
-        params = [
-            self._sampling_params(
-                n=1,
-                temperature=0.0 if greedy else float(temperature),
-                top_p=1.0 if greedy else float(top_p),
-                top_k=0 if greedy or top_k <= 0 else int(top_k),
-                max_tokens=int(max_new_tokens),
-                logprobs=0,  # the sampled token's log-prob only
-                seed=seed,
-                stop_token_ids=self._stop_ids,
-                detokenize=False,
-            )
-            for seed in seeds
-        ]
         if "weights" in self._asleep:
-            raise RuntimeError("VLLMRollout.generate: the engine sleeps without weights; sync_weights first")
-        self._wake()
+            raise RuntimeError("VLLMRollout.generate: the engine sleeps without weights; update_weights first")
+        routing = params.capture_routing and self.returns_routing
+        rows = [_Row(prompt) for prompt in prompts]
+        self.wake()
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            pending = list(range(batch))
+            rounds = 0
+            while pending:
+                outputs = self.llm.generate([{"prompt_token_ids": rows[i].prompt + rows[i].tokens} for i in pending],
+                                            [self._params(params, seeds[i], rounds, len(rows[i].tokens))
+                                             for i in pending], use_tqdm=False)
+                pending = [i for i, o in zip(pending, outputs) if self._extend(rows[i], o, params, routing, i)]
+                rounds += 1
         finally:
-            self._sleep()
-        return self._collect(outputs, mask, prompt_len, capture_routing and self.returns_routing)
+            self.sleep()
+        return self._collect(rows, mask, prompt_len, routing)
 
-    def _collect(self, outputs: list[Any], prompt_mask: Tensor, prompt_len: int, routing: bool) -> dict[str, Tensor]:
-        """The engine's per-request outputs as the rollout's right-padded tensors."""
-        batch = len(outputs)
-        completions = [o.outputs[0] for o in outputs]
-        steps = max(1, max(len(c.token_ids) for c in completions))
+    def _params(self, params: SamplingParams, seed: int | None, rounds: int, done: int) -> Any:
+        """vLLM's SamplingParams of one request: `done` tokens already sampled in `rounds` earlier requests."""
+        stops = list(self._stop_ids) + sorted({s[-1] for s in params.stop_sequences} - set(self._stop_ids))
+        greedy = params.greedy
+        return self._sampling_params(
+            n=1,
+            temperature=0.0 if greedy else float(params.temperature),
+            top_p=1.0 if greedy else float(params.top_p),
+            top_k=0 if greedy or params.top_k <= 0 else int(params.top_k),
+            max_tokens=int(params.max_new_tokens) - done,
+            logprobs=0,  # the sampled token's log-prob only
+            # A continued request must not reuse the random stream of its first part.
+            seed=None if seed is None else (seed + 1_000_003 * rounds) % (2**31 - 1),
+            stop_token_ids=stops,
+            detokenize=False,
+        )
+
+    def _extend(self, row: _Row, output: Any, params: SamplingParams, routing: bool, index: int) -> bool:
+        """Append one request's tokens to `row`; True when the row must be continued (a partial stop sequence)."""
+        c = output.outputs[0]
+        tokens = list(c.token_ids)
+        row.tokens.extend(tokens)
+        row.log_probs.extend(lp[t].logprob for t, lp in zip(tokens, c.logprobs))
+        if routing:
+            if c.routed_experts is None:
+                # Noticed here, not a stage later where R3 finds no routing to replay.
+                raise RuntimeError(f"the vllm engine returned no routed_experts for request {index} although "
+                                   "enable_return_routed_experts is on")
+            row.add_routing(select_sparse_layers(torch.as_tensor(c.routed_experts), self.sparse_layers),
+                            len(row.prompt) + params.max_new_tokens)
+        if not tokens or len(row.tokens) >= params.max_new_tokens or tokens[-1] in self._stop_ids:
+            return False
+        if any(row.tokens[-len(s):] == list(s) for s in params.stop_sequences if len(row.tokens) >= len(s)):
+            return False
+        # Stopped at a stop sequence's last token without the rest of it: sample on.
+        return c.finish_reason == "stop"
+
+    def _collect(self, rows: list[_Row], prompt_mask: Tensor, prompt_len: int, routing: bool) -> RolloutOutput:
+        """The rows' tokens as the rollout's right-padded tensors."""
+        batch = len(rows)
+        steps = max(1, max(len(r.tokens) for r in rows))
         responses = torch.full((batch, steps), self.pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((batch, steps), dtype=torch.bool)
         log_probs = torch.zeros((batch, steps), dtype=torch.float32)
         routed = None
-        for i, c in enumerate(completions):
-            tokens = list(c.token_ids)
-            n = len(tokens)
-            responses[i, :n] = torch.tensor(tokens, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            responses[i, :n] = torch.tensor(r.tokens, dtype=torch.long)
             response_mask[i, :n] = True
-            log_probs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, c.logprobs)], dtype=torch.float32)
-            if routing:
-                if c.routed_experts is None:
-                    # Noticed here, not a stage later where R3 finds no routing to replay.
-                    raise RuntimeError(f"the vllm engine returned no routed_experts for request {i} although "
-                                       "enable_return_routed_experts is on")
-                experts = select_sparse_layers(torch.as_tensor(c.routed_experts), self.sparse_layers)
+            log_probs[i, :n] = torch.tensor(r.log_probs, dtype=torch.float32)
+            if routing and r.routing is not None:
                 if routed is None:
-                    routed = torch.full((batch, prompt_len + steps, *experts.shape[1:]), -1, dtype=torch.int16)
-                start = prompt_len - int(prompt_mask[i].sum())
-                # The last sampled token was never fed through the model: no routing (the hf rollout's convention).
-                known = min(experts.shape[0], prompt_len - start + max(n - 1, 0))
-                routed[i, start : start + known] = experts[:known].to(torch.int16)
-        out = {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}
+                    routed = torch.full((batch, prompt_len + steps, *r.routing.shape[1:]), -1, dtype=torch.int16)
+                start = prompt_len - len(r.prompt)
+                known = min(r.routing.shape[0], len(r.prompt) + n)
+                routed[i, start : start + known] = r.routing[:known]
         if routed is not None:
-            out["routed_experts"] = routed
-        return out
+            routed = mask_unfed_routing(routed, prompt_mask, response_mask.sum(dim=-1))
+        return RolloutOutput(responses=responses, response_mask=response_mask, rollout_log_probs=log_probs,
+                             routed_experts=routed)
+
+
+class _Row:
+    """One prompt's response, assembled over the requests it took (more than one only at a partial stop sequence)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.routing: Tensor | None = None  # (prompt + budget, L, K) int16, -1 where not yet known
+
+    def add_routing(self, experts: Tensor, length: int) -> None:
+        """Take one request's routing (its positions from the row's first prompt token) where still unknown."""
+        experts = experts.to(torch.int16)
+        if self.routing is None:
+            self.routing = torch.full((length, *experts.shape[1:]), -1, dtype=torch.int16)
+        n = min(experts.shape[0], self.routing.shape[0])
+        seg = experts[:n]
+        # A placeholder (all K ids equal, e.g. a prefix-cache hit) is no record: keep looking for a real one.
+        real = ~(seg == seg[..., :1]).all(dim=-1) if seg.shape[-1] > 1 else torch.ones(seg.shape[:2], dtype=torch.bool)
+        unknown = (self.routing[:n] < 0).all(dim=-1)
+        take = (real & unknown)[..., None]
+        self.routing[:n] = torch.where(take, seg, self.routing[:n])
+
+
+def build_engine(context: EngineContext) -> VLLMRollout:
+    """A vLLM engine in the worker's process over the checkpoint the actor loaded (it is fed the actor's weights)."""
+    from conveyor.models.moe_routing import sparse_decoder_layers
+
+    ro = context.rollout
+    return VLLMRollout(
+        context.model_path, hf_config=context.model.config, pad_token_id=context.tokenizer.pad_token_id,
+        eos_token_id=context.tokenizer.eos_token_id, dtype=ro.dtype or context.model_dtype,
+        max_model_len=context.max_model_len, seed=context.seed + context.rank, device=context.device,
+        gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
+        max_num_seqs=ro.max_num_seqs, free_cache_engine=ro.free_cache_engine,
+        # null: CUDA graphs on a GPU (verl's default); eager on a CPU, where graphs mean compiling at start.
+        enforce_eager=ro.enforce_eager if ro.enforce_eager is not None else context.device.type != "cuda",
+        capture_routing=context.moe is not None, trust_remote_code=context.trust_remote_code,
+        sparse_layers=sparse_decoder_layers(context.model) if context.moe is not None else None,
+    )
+
+
+def validate_config(cfg: Any) -> None:
+    """The vllm engine's checks of a config: its context length and, for the tiny model, vLLM's CPU head widths."""
+    from conveyor.config.fields import check
+
+    ro, t, data = cfg.actor_rollout_ref.rollout, cfg.trainer, cfg.data
+    world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
+    # Each rank's engine would have to share the trainer's process group (vLLM's external_launcher
+    # backend); until that is built and tested, the vllm rollout serves a single actor rank.
+    check(world == 1, "actor_rollout_ref.rollout.name",
+          f"the vllm rollout runs with one actor rank so far, got {world} (trainer.nnodes x "
+          "n_gpus_per_node or num_cpu_workers): use one rank, or rollout.name=hf")
+    need = data.max_prompt_length + data.max_response_length
+    check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
+          f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}")
+    model = cfg.actor_rollout_ref.model
+    if model.path is None:
+        tiny = model.tiny
+        # vLLM's CPU attention kernels reject smaller heads ("Unsupported CPU attention configuration").
+        check(tiny.hidden_size // tiny.num_heads >= 32, "actor_rollout_ref.model.tiny.num_heads",
+              f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
+              f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)")

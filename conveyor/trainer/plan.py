@@ -84,7 +84,7 @@ class RunPlan:
     reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
     actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
     critic_loss_scale: float  # and of the critic's
-    vllm_max_model_len: int | None  # the longest sequence the vllm engine holds (None: another engine)
+    vllm_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
     decisions: tuple[str, ...]  # what was decided and why, in words
 
     @property
@@ -129,13 +129,24 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
 
     `is_moe` overrides what `model_is_moe` would read (for callers that know, e.g. tests without a checkpoint).
     """
-    from conveyor.rollout.base import engine_spec
+    from conveyor.rollout.base import ROLLOUT_ENGINES, engine_spec
 
     arr, algo, v1 = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer.v1
     ro, actor, correction = arr.rollout, arr.actor, algo.rollout_correction
-    caps = engine_spec(ro.name).capabilities(device)
+    spec = engine_spec(ro.name)
+    caps = spec.capabilities(device)
     moe = model_is_moe(cfg) if is_moe is None else bool(is_moe)
     why: list[str] = []
+    able = list(ROLLOUT_ENGINES)
+    if ro.multi_turn.enable and not caps.stop_sequences:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable: the {ro.name} rollout does not stop at token "
+                          "sequences, which ends a turn at a tool call; use an engine that does: "
+                          + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).stop_sequences))
+    if v1.is_async and not caps.interruptible:
+        raise ConfigError(f"actor_rollout_ref.rollout.name: trainer.v1.trainer_mode={v1.trainer_mode} runs its "
+                          f"rollout process on an engine that can be interrupted between tokens; the {ro.name} "
+                          "rollout cannot: use "
+                          + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).interruptible))
 
     off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
     if off_policy:
@@ -154,8 +165,9 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
                 f"actor_rollout_ref.actor.router_replay.mode=R3: the {ro.name} rollout returns no routed experts on "
                 f"{device}, so R3 would run as R2, which records the routing in the old-log-prob forward that "
                 "algorithm.rollout_correction.bypass_mode=true skips: set algorithm.rollout_correction.bypass_mode "
-                "to null or false, or use actor_rollout_ref.rollout.name=hf"
-                + (" or a GPU" if ro.name == "vllm" else "")
+                "to null or false, or use an engine that returns routing here (actor_rollout_ref.rollout.name="
+                + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).returns_routing) + ")"
+                + (" or a GPU" if spec.capabilities("cuda").returns_routing else "")
             )
         why.append(reason)
     elif requested != "disabled":
@@ -227,15 +239,16 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     if arr.model.lora_rank > 0:
         why.append(f"LoRA: rank {arr.model.lora_rank}, alpha {arr.model.lora_alpha:g}, target_modules="
                    f"{arr.model.target_modules}; only the adapters train"
-                   + ("; the vllm engine gets the merged weights after every update" if ro.name == "vllm" else ""))
+                   + (f"; the {ro.name} engine gets the merged weights after every update"
+                      if not caps.shares_trainer_modules else ""))
     # A constant, not the micro-batch's padded width as in verl: the loss of a sequence must not
     # depend on which sequences it was padded next to.
     actor_scale = float(actor.loss_scale_factor or cfg.data.max_response_length)
     critic_scale = float(cfg.critic.loss_scale_factor or actor.loss_scale_factor or cfg.data.max_response_length)
     max_model_len = None
-    if ro.name == "vllm":
+    if not caps.shares_trainer_modules:  # an engine with its own KV cache holds sequences up to a length
         max_model_len = ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
-        why.append(f"vllm max_model_len={max_model_len}")
+        why.append(f"{ro.name} max_model_len={max_model_len}")
 
     return RunPlan(
         device=device, engine=ro.name, engine_returns_routing=engine_routing, is_moe=moe, old_log_probs=old,

@@ -44,10 +44,10 @@ from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.packing import setup_packing
 from conveyor.models.loading import load_tokenizer
-from conveyor.models.moe_routing import compute_routing_agreement, moe_info, sparse_decoder_layers
+from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.base import EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec
 from conveyor.workers.balance import sequence_lengths, with_seq_lens
 from conveyor.workers.batching import plan_micro_batches, take
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
@@ -119,23 +119,25 @@ class PolicyWorker(CheckpointEndpoints):
         )
         self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe,
                                      packed=setup_packing(self.model, m.use_remove_padding))
-        self.rollout: HFRollout | Any = None
-        self.agent_loop = None
         # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
-        # hf rollout's tokens, True when it changed the weights mid-generation (`HFRollout.generate`).
+        # engine's tokens, True when it changed the weights mid-generation (interruptible engines only).
         self.interrupt: Callable[[int], bool] | None = None
-        if settings.rollout.name == "vllm":
-            self.rollout = self._vllm_rollout(model_path)
-        else:
-            self.rollout = HFRollout(
-                self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-                lean=self.lean,
-            )
-            # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
-            self.agent_loop = build_agent_loop(settings.rollout.multi_turn, self.rollout, self.tokenizer)
-        # Under fsdp2 the hf rollout gathers the whole model once when it is small, else decodes over the shards.
+        spec = engine_spec(settings.rollout.name)
+        self.rollout: RolloutEngine = spec.build(EngineContext(
+            model_path=model_path, model=self.model, tokenizer=self.tokenizer, rollout=settings.rollout,
+            model_dtype=m.dtype, trust_remote_code=trust, max_model_len=settings.max_model_len, seed=settings.seed,
+            rank=rank, world_size=world_size, device=self.device, lean=self.lean, moe=self.moe,
+        ))
+        caps = self.rollout.capabilities
+        if not caps.shares_trainer_modules and rank == 0:
+            logger.info("%s rollout engine started in %.1f s", spec.name, getattr(self.rollout, "start_time_s", 0.0))
+        # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
+        self.agent_loop = build_agent_loop(settings.rollout.multi_turn, self.rollout, self.tokenizer)
+        # An engine over the trainer's modules under fsdp2 gathers the whole model once when it is small, else
+        # decodes over the shards; an engine with its own copy of the weights needs neither.
+        shares = caps.shares_trainer_modules
         full_gb = _full_model_bytes(self.model) / 1e9
-        self.rollout_over_shards = (strategy.sharded and settings.rollout.name != "vllm" and self.agent_loop is None
+        self.rollout_over_shards = (strategy.sharded and shares and self.agent_loop is None
                                     and full_gb > settings.rollout.hf_whole_gather_max_gb)
         if self.lean is not None and strategy.sharded and rank == 0:
             logger.info("strategy fsdp2: the update and the no-grad forwards (old log-probs, routing agreement) run the "
@@ -145,37 +147,17 @@ class PolicyWorker(CheckpointEndpoints):
             logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
                         "no-grad log-probs keep the lean forward",
                         f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
-        if strategy.sharded and settings.rollout.name != "vllm" and rank == 0:
+        if strategy.sharded and shares and rank == 0:
             if self.rollout_over_shards:
-                logger.info("strategy fsdp2 with the hf rollout: the model's %.2f GB exceed rollout."
+                logger.info("strategy fsdp2 with the %s rollout: the model's %.2f GB exceed rollout."
                             "hf_whole_gather_max_gb=%g, so generation decodes over the shards (one all-gather per "
-                            "layer and token; actor_rollout_ref.rollout.name=vllm decodes without them)",
-                            full_gb, settings.rollout.hf_whole_gather_max_gb)
+                            "layer and token; an engine with its own weights, e.g. rollout.name=vllm, decodes "
+                            "without them)", spec.name, full_gb, settings.rollout.hf_whole_gather_max_gb)
             else:
-                logger.info("strategy fsdp2 with the hf rollout: generation gathers the whole model (%.2f GB) on every "
-                            "rank%s", full_gb, " (the multi-turn loop needs it whole)" if self.agent_loop is not None
-                            else f" (at most rollout.hf_whole_gather_max_gb="
-                                 f"{settings.rollout.hf_whole_gather_max_gb:g})")
-
-    def _vllm_rollout(self, model_path: str) -> Any:
-        """A vLLM engine in this process over the checkpoint the actor loaded; it gets the actor's weights before each rollout."""
-        from conveyor.rollout.vllm import VLLMRollout
-
-        st, ro = self.settings, self.settings.rollout
-        engine = VLLMRollout(
-            model_path, hf_config=self.model.config, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id, dtype=ro.dtype or st.model.dtype,
-            max_model_len=st.max_model_len, seed=st.seed + self.rank, device=self.device,
-            gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
-            max_num_seqs=ro.max_num_seqs, free_cache_engine=ro.free_cache_engine,
-            # null: CUDA graphs on a GPU (verl's default); eager on a CPU, where graphs mean compiling at start.
-            enforce_eager=ro.enforce_eager if ro.enforce_eager is not None else self.device.type != "cuda",
-            capture_routing=self.moe is not None, trust_remote_code=st.model.trust_remote_code,
-            sparse_layers=sparse_decoder_layers(self.model) if self.moe is not None else None,
-        )
-        if self.rank == 0:
-            logger.info("vLLM engine started in %.1f s", engine.start_time_s)
-        return engine
+                logger.info("strategy fsdp2 with the %s rollout: generation gathers the whole model (%.2f GB) on every "
+                            "rank%s", spec.name, full_gb, " (the multi-turn loop needs it whole)"
+                            if self.agent_loop is not None else f" (at most rollout.hf_whole_gather_max_gb="
+                                                                 f"{settings.rollout.hf_whole_gather_max_gb:g})")
 
     def close(self) -> None:
         """Release what the worker holds outside Python's reach: the vllm engine, if any."""
@@ -183,9 +165,9 @@ class PolicyWorker(CheckpointEndpoints):
             self.rollout.close()
 
     def _sync_engine(self) -> dict[str, float]:
-        """Give the vllm engine the actor's current weights if it serves older ones; the sync's metrics."""
+        """Give an engine with its own weights the actor's current ones if it serves older ones; the sync's metrics."""
         version = self.trained.optim_steps
-        if self.settings.rollout.name != "vllm" or self.rollout.weights_version == version:
+        if self.rollout.capabilities.shares_trainer_modules or self.rollout.weights_version == version:
             return {}
         from torch.distributed.tensor import DTensor
 
@@ -196,10 +178,10 @@ class PolicyWorker(CheckpointEndpoints):
 
             with self.trained.strategy.full_params():
                 weights = list(merged_state_dict(self.model).items())
-            return {"rollout/weight_sync_s": self.rollout.sync_weights(weights, version=version)}
+            return {"rollout/weight_sync_s": self.rollout.update_weights(weights, version=version)}
         # Every rank gathers every tensor (in the same order: full_tensor is a collective) for its own engine.
         weights = [(k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.model.state_dict().items()]
-        return {"rollout/weight_sync_s": self.rollout.sync_weights(weights, version=version)}
+        return {"rollout/weight_sync_s": self.rollout.update_weights(weights, version=version)}
 
     @property
     def optim_steps(self) -> int:
@@ -244,11 +226,18 @@ class PolicyWorker(CheckpointEndpoints):
             with strategy.sharded_no_grad():
                 out = self._generate_in_chunks(td, call, generator, synced=strategy.all_done)
         else:
-            gather = self.agent_loop is not None or isinstance(self.rollout, HFRollout)
+            gather = self.rollout.capabilities.shares_trainer_modules
             with strategy.full_params() if gather else contextlib.nullcontext():
                 out = self._generate_in_chunks(td, call, generator)
         elapsed = time.perf_counter() - t0
         fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
+        if call.capture_routing and self.moe is not None and "routed_experts" not in out:
+            # Noticed at the first rollout, not at the update that finds nothing to replay.
+            raise RuntimeError(
+                f"the {self.settings.rollout.name} rollout returned no routed_experts, which the run plan captures "
+                "(actor_rollout_ref.actor.router_replay.mode=R3, or rollout.moe_load_balance_metrics_interval > 0): "
+                "set router_replay.mode=R2 (the old-log-prob forward records the routing), or use an engine that "
+                "returns routing on this device")
         if "routed_experts" in out:
             from conveyor.models.moe_routing import routed_experts_dtype
 
@@ -287,15 +276,17 @@ class PolicyWorker(CheckpointEndpoints):
         return out
 
     def _generate_in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-                            synced: Callable[[bool], bool] | None = None) -> dict[str, Any]:
-        """The hf rollout at most `rollout.max_num_seqs` sequences at a time (its KV cache is bounded by them).
+                            synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+        """An engine over the trainer's modules at most `rollout.max_num_seqs` sequences at a time (its KV cache is
+        bounded by them).
 
         Decoding over the shards, every rank runs as many chunks as the busiest (a rank short of chunks
-        repeats its first and drops the result: the chunks' collectives must pair up). vLLM and the
-        multi-turn loop schedule their own sequences.
+        repeats its first and drops the result: the chunks' collectives must pair up). Engines with their own
+        scheduler (vLLM) and the multi-turn loop take the whole share.
         """
         size = self.settings.rollout.max_num_seqs
-        if self.agent_loop is not None or not isinstance(self.rollout, HFRollout) or len(td) <= size and synced is None:
+        own = not self.rollout.capabilities.shares_trainer_modules
+        if self.agent_loop is not None or own or len(td) <= size and synced is None:
             return self._generate(td, call, generator, synced)
         slices = micro_batches(len(td), size)
         passes = self.trained.passes(slices) if synced is not None else [(sl, True) for sl in slices]
@@ -307,27 +298,18 @@ class PolicyWorker(CheckpointEndpoints):
         if len(outs) == 1:
             return outs[0]
         width = max(o["responses"].shape[1] for o in outs)
-        padded = [self._pad_responses(o, width) for o in outs]
-        return {k: torch.cat([o[k] for o in padded]) for k in padded[0]}
+        padded = [self._pad_responses(dict(o), width) for o in outs]
+        return RolloutOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
 
     def _generate(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-                  synced: Callable[[bool], bool] | None = None) -> dict[str, Any]:
-        engine = self.agent_loop.run if self.agent_loop is not None else self.rollout.generate
-        hook = {} if self.interrupt is None else {"interrupt": self.interrupt}
-        if synced is not None:
-            hook["synced"] = synced
-        return engine(
-            td["prompts"],
-            td["prompt_mask"],
-            max_new_tokens=int(call.max_new_tokens),
-            temperature=float(call.temperature),
-            top_p=float(call.top_p),
-            top_k=int(call.top_k),
-            do_sample=bool(call.do_sample),
-            generator=generator,
-            capture_routing=bool(call.capture_routing),
-            **hook,
-        )
+                  synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+        params = SamplingParams(max_new_tokens=int(call.max_new_tokens), temperature=float(call.temperature),
+                                top_p=float(call.top_p), top_k=int(call.top_k), do_sample=bool(call.do_sample),
+                                capture_routing=bool(call.capture_routing))
+        if self.agent_loop is not None:
+            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator)
+        return self.rollout.generate(td["prompts"], td["prompt_mask"], params, generator=generator,
+                                     interrupt=self.interrupt, synced=synced)
 
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:

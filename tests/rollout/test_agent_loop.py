@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from conveyor.rollout.base import SamplingParams
 from conveyor.metrics.moe_load_balance import count_expert_assignments
 from conveyor.models.lean import LeanForward
 from conveyor.models.moe_routing import RoutingRecorder
@@ -73,7 +74,7 @@ def test_trajectories_align_with_a_teacher_forced_forward(engine, model, tok) ->
                         lean=LeanForward(model) if engine == "lean" else None)
     loop = AgentLoop(rollout, tok, {"echo": make_tool(_echo)}, DIGIT_CALLS)
     ids, mask = _prompts(tok, PROMPTS, repeat=3)
-    out = loop.run(ids, mask, max_new_tokens=40, capture_routing=True, generator=torch.Generator().manual_seed(3))
+    out = loop.run(ids, mask, SamplingParams(max_new_tokens=40, capture_routing=True), generator=torch.Generator().manual_seed(3))
     resp, model_mask, lp = out["responses"], out["response_mask"], out["rollout_log_probs"]
     routed = out["routed_experts"]
     p = ids.shape[1]
@@ -130,7 +131,7 @@ def test_turn_limits_and_budget(model, tok) -> None:
     ids, mask = _prompts(tok, PROMPTS, repeat=2)
     for settings, most in [(AgentLoopSettings(max_assistant_turns=1), 0), (AgentLoopSettings(max_user_turns=1), 1)]:
         loop = AgentLoop(rollout, tok, {"echo": make_tool(_echo)}, DIGIT_CALLS, settings)
-        out = loop.run(ids, mask, max_new_tokens=30, generator=torch.Generator().manual_seed(3))
+        out = loop.run(ids, mask, SamplingParams(max_new_tokens=30), generator=torch.Generator().manual_seed(3))
         tools = [sum(1 for is_model, _, _ in segments(row) if not is_model) for row in out["response_mask"]]
         assert max(tools) <= most
         assert out["responses"].shape[1] <= 30
@@ -156,7 +157,7 @@ def test_tools_run_concurrently_across_samples(model, tok) -> None:
     loop = AgentLoop(rollout, tok, {"slow": make_tool(slow)}, ALWAYS,
                      AgentLoopSettings(max_user_turns=1, tool_workers=4, tool_timeout_s=30))
     ids, mask = _prompts(tok, PROMPTS)
-    out = loop.run(ids, mask, max_new_tokens=40, generator=torch.Generator().manual_seed(0))
+    out = loop.run(ids, mask, SamplingParams(max_new_tokens=40), generator=torch.Generator().manual_seed(0))
     assert state["most"] >= 2
     assert out["metrics"]["rollout/multi_turn/tool_errors@sum"] == 0
     assert out["metrics"]["rollout/multi_turn/tool_calls@sum"] == 4
@@ -180,7 +181,7 @@ def test_a_tool_that_raises_or_times_out_answers_an_error_and_the_run_goes_on(mo
             loop = AgentLoop(rollout, tok, {"slow": make_tool(fn)}, ALWAYS,
                              AgentLoopSettings(max_user_turns=1, tool_timeout_s=0.2, max_tool_response_length=500,
                                                tool_workers=1))
-            out = loop.run(ids, mask, max_new_tokens=60, generator=torch.Generator().manual_seed(0))
+            out = loop.run(ids, mask, SamplingParams(max_new_tokens=60), generator=torch.Generator().manual_seed(0))
             m = out["metrics"]
             assert m["rollout/multi_turn/tool_errors@sum"] == 2
             assert m["rollout/multi_turn/tool_error_rate@sum"] / m["rollout/multi_turn/tool_error_rate@count"] == 1.0
@@ -196,15 +197,15 @@ def test_a_tool_that_raises_or_times_out_answers_an_error_and_the_run_goes_on(mo
 def test_generate_stops_a_row_at_a_stop_sequence(model, tok) -> None:
     rollout = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000)  # EOS never sampled
     ids, mask = _prompts(tok, PROMPTS)
-    free = rollout.generate(ids, mask, max_new_tokens=12, do_sample=False)["responses"]
+    free = rollout.generate(ids, mask, SamplingParams(max_new_tokens=12, do_sample=False))["responses"]
     stop = free[0, 3:5].tolist()  # two tokens row 0 writes at steps 3 and 4
-    out = rollout.generate(ids, mask, max_new_tokens=12, do_sample=False, stop_sequences=[stop])
+    out = rollout.generate(ids, mask, SamplingParams(max_new_tokens=12, do_sample=False, stop_sequences=[stop]))
     for row, full, rmask in zip(out["responses"].tolist(), free.tolist(), out["response_mask"]):
         ends = [t + 2 for t in range(len(full) - 1) if full[t:t + 2] == stop]
         n = ends[0] if ends else len(full)
         assert int(rmask.sum()) == n and row[:n] == full[:n]
     with pytest.raises(ValueError, match="stop sequence is empty"):
-        rollout.generate(ids, mask, max_new_tokens=2, stop_sequences=[[]])
+        rollout.generate(ids, mask, SamplingParams(max_new_tokens=2, stop_sequences=[[]]))
 
 
 def test_truncate_text_sides() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.rollout.base import SamplingParams
 from conveyor.models.moe_routing import RoutingRecorder, moe_info
 from conveyor.models.tiny import TINY_ARCHS, build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
@@ -51,9 +52,7 @@ def _teacher_forced_log_probs(model, ids, mask, out, temperature):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_shapes_dtypes_and_full_length(arch, models, tok) -> None:
     ids, mask = _prompts(tok)
-    out = _engine(models[arch], tok, eos=NEVER_EOS).generate(
-        ids, mask, max_new_tokens=5, generator=torch.Generator().manual_seed(0)
-    )
+    out = _engine(models[arch], tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=5), generator=torch.Generator().manual_seed(0))
     assert set(out) == {"responses", "response_mask", "rollout_log_probs"}
     assert out["responses"].shape == (4, 5) and out["responses"].dtype == torch.long
     assert out["response_mask"].shape == (4, 5) and out["response_mask"].dtype == torch.bool
@@ -69,10 +68,10 @@ def test_shapes_dtypes_and_full_length(arch, models, tok) -> None:
 def test_eos_stops_rows_and_masks_after_it(models, tok) -> None:
     model = models["qwen3_moe"]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=8, do_sample=False)["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))["responses"]
     # Pick as EOS the token row 0 emits at step 2 (if it also appeared earlier, the first one counts).
     eos = int(free[0, 2])
-    out = _engine(model, tok, eos=eos).generate(ids, mask, max_new_tokens=8, do_sample=False)
+    out = _engine(model, tok, eos=eos).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))
     # Expected by hand from the free run: each row cut after its first `eos`, pad after.
     stops = []
     for row in free.tolist():
@@ -91,12 +90,10 @@ def test_eos_stops_rows_and_masks_after_it(models, tok) -> None:
 def test_stops_as_soon_as_every_row_is_done(models, tok) -> None:
     model = models["qwen3"]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=1, do_sample=False)["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=1, do_sample=False))["responses"]
     # Alone in its batch, a row whose first greedy token is the EOS ends the loop after one step.
     for b in range(ids.shape[0]):
-        out = _engine(model, tok, eos=int(free[b, 0])).generate(
-            ids[b : b + 1], mask[b : b + 1], max_new_tokens=10, do_sample=False
-        )
+        out = _engine(model, tok, eos=int(free[b, 0])).generate(ids[b : b + 1], mask[b : b + 1], SamplingParams(max_new_tokens=10, do_sample=False))
         assert out["responses"].shape == (1, 1)
         assert out["response_mask"].tolist() == [[True]]
 
@@ -105,12 +102,12 @@ def test_synced_decoding_rides_along_until_every_rank_is_done(models, tok) -> No
     """A rank that is done keeps stepping while another is not: its rows stay finished, masked and unchanged."""
     model = models["qwen3_moe"]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=8, do_sample=False)["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))["responses"]
     eos = int(free[0, 2])
     rows = [b for b in range(len(free)) if eos in free[b, :6].tolist()]  # every row here finishes early
     ids, mask = ids[rows], mask[rows]
     engine = _engine(model, tok, eos=eos)
-    alone = engine.generate(ids, mask, max_new_tokens=8, do_sample=False, capture_routing=True)
+    alone = engine.generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True))
     steps = alone["responses"].shape[1]
     assert steps < 8, "the batch must finish early for the other rank's extra steps to show"
     asked: list[bool] = []
@@ -122,8 +119,7 @@ def test_synced_decoding_rides_along_until_every_rank_is_done(models, tok) -> No
             return done and len(asked) >= steps + extra
         return synced
 
-    out = engine.generate(ids, mask, max_new_tokens=8, do_sample=False, capture_routing=True,
-                          synced=other_rank_needs(2))
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True), synced=other_rank_needs(2))
     assert out["responses"].shape == (len(rows), steps + 2) and asked[steps - 1 :] == [True] * 3
     assert torch.equal(out["responses"][:, :steps], alone["responses"])
     assert out["responses"][:, steps:].eq(tok.pad_token_id).all() and not out["response_mask"][:, steps:].any()
@@ -131,7 +127,7 @@ def test_synced_decoding_rides_along_until_every_rank_is_done(models, tok) -> No
     assert torch.equal(out["rollout_log_probs"][:, :steps], alone["rollout_log_probs"])
     assert torch.equal(out["routed_experts"][:, : ids.shape[1] + steps], alone["routed_experts"])
     with pytest.raises(ValueError, match="do not combine"):
-        engine.generate(ids, mask, max_new_tokens=2, synced=lambda d: d, interrupt=lambda n: False)
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=2), synced=lambda d: d, interrupt=lambda n: False)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -140,10 +136,10 @@ def test_left_padding_gives_the_unpadded_greedy_continuation(arch, models, tok) 
     ids, mask = _prompts(tok)
     assert (mask == 0).any()  # the batch really is left-padded
     engine = _engine(model, tok, eos=NEVER_EOS)
-    batched = engine.generate(ids, mask, max_new_tokens=6, do_sample=False)
+    batched = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
     for b, text in enumerate(PROMPTS):
         one_ids, one_mask = _prompts(tok, [text])
-        alone = engine.generate(one_ids, one_mask, max_new_tokens=6, do_sample=False)
+        alone = engine.generate(one_ids, one_mask, SamplingParams(max_new_tokens=6, do_sample=False))
         assert batched["responses"][b].tolist() == alone["responses"][0].tolist()
         torch.testing.assert_close(batched["rollout_log_probs"][b], alone["rollout_log_probs"][0], atol=1e-5, rtol=0)
 
@@ -159,7 +155,7 @@ def test_position_ids_count_real_tokens_only(models, tok) -> None:
         lambda module, args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True
     )
     try:
-        _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=4, do_sample=False)
+        _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=4, do_sample=False))
     finally:
         handle.remove()
     assert len(seen) == 4  # prefill + 3 decode steps (the last token is never fed)
@@ -176,10 +172,7 @@ def test_rollout_log_probs_match_a_teacher_forced_forward(arch, temperature, top
     model = models[arch]
     ids, mask = _prompts(tok)
     # A real EOS so that some rows may stop early and exercise the masking.
-    out = _engine(model, tok).generate(
-        ids, mask, max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p,
-        generator=torch.Generator().manual_seed(1),
-    )
+    out = _engine(model, tok).generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p), generator=torch.Generator().manual_seed(1))
     expected, logits = _teacher_forced_log_probs(model, ids, mask, out, temperature)
     m = out["response_mask"]
     # Scored under the full softmax(logits / T), before any top-k / top-p truncation.
@@ -193,7 +186,7 @@ def test_rollout_log_probs_match_a_teacher_forced_forward(arch, temperature, top
 def test_greedy_log_probs_use_temperature_one(models, tok) -> None:
     model = models["mixtral"]
     ids, mask = _prompts(tok)
-    out = _engine(model, tok).generate(ids, mask, max_new_tokens=4, do_sample=False, temperature=0.3)
+    out = _engine(model, tok).generate(ids, mask, SamplingParams(max_new_tokens=4, do_sample=False, temperature=0.3))
     expected, logits = _teacher_forced_log_probs(model, ids, mask, out, 1.0)
     m = out["response_mask"]
     torch.testing.assert_close(out["rollout_log_probs"][m], expected[m], atol=1e-5, rtol=0)
@@ -204,8 +197,8 @@ def test_greedy_log_probs_use_temperature_one(models, tok) -> None:
 def test_top_k_one_equals_greedy(arch, models, tok) -> None:
     ids, mask = _prompts(tok)
     engine = _engine(models[arch], tok)
-    greedy = engine.generate(ids, mask, max_new_tokens=6, do_sample=False)
-    top1 = engine.generate(ids, mask, max_new_tokens=6, top_k=1, generator=torch.Generator().manual_seed(5))
+    greedy = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
+    top1 = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, top_k=1), generator=torch.Generator().manual_seed(5))
     for key in greedy:
         assert torch.equal(top1[key], greedy[key]), key
 
@@ -214,7 +207,7 @@ def test_seeded_generator_is_deterministic(models, tok) -> None:
     ids, mask = _prompts(tok)
     engine = _engine(models["olmoe"], tok, eos=NEVER_EOS)
     runs = [
-        engine.generate(ids, mask, max_new_tokens=8, generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)
     ]
     for key in runs[0]:
         assert torch.equal(runs[0][key], runs[1][key]), key
@@ -261,10 +254,7 @@ def test_generate_samples_from_the_truncated_tempered_distribution(models, tok) 
     model = models["qwen3_moe"]
     n, temperature, top_k = 2000, 0.5, 3
     ids, mask = _prompts(tok, ["1+2="])
-    out = _engine(model, tok).generate(
-        ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1, temperature=temperature, top_k=top_k,
-        generator=torch.Generator().manual_seed(0),
-    )
+    out = _engine(model, tok).generate(ids.expand(n, -1), mask.expand(n, -1), SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, -1]
     expected, keep = _truncated_tempered(logits, temperature, top_k, 1.0)
@@ -292,12 +282,9 @@ def test_routed_experts_match_a_teacher_forced_forward(arch, models, tok) -> Non
     model = models[arch]
     info = moe_info(model)
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=6, do_sample=False)["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))["responses"]
     # An EOS that row 0 emits at step 1, so rows end at different steps.
-    out = _engine(model, tok, eos=int(free[0, 1])).generate(
-        ids, mask, max_new_tokens=6, generator=torch.Generator().manual_seed(2), do_sample=False,
-        capture_routing=True,
-    )
+    out = _engine(model, tok, eos=int(free[0, 1])).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False, capture_routing=True), generator=torch.Generator().manual_seed(2))
     routed = out["routed_experts"]
     p, r = ids.shape[1], out["responses"].shape[1]
     assert routed.shape == (4, p + r, info.num_layers, info.top_k) and routed.dtype == torch.int16
@@ -324,7 +311,7 @@ def test_routed_experts_match_a_teacher_forced_forward(arch, models, tok) -> Non
 
 def test_capture_routing_on_a_dense_model_omits_the_key(models, tok) -> None:
     ids, mask = _prompts(tok)
-    out = _engine(models["qwen3"], tok).generate(ids, mask, max_new_tokens=3, capture_routing=True)
+    out = _engine(models["qwen3"], tok).generate(ids, mask, SamplingParams(max_new_tokens=3, capture_routing=True))
     assert "routed_experts" not in out
 
 
@@ -333,12 +320,12 @@ def test_training_mode_is_restored_and_no_grad_leaks(models, tok) -> None:
     ids, mask = _prompts(tok)
     model.train()
     try:
-        out = _engine(model, tok).generate(ids, mask, max_new_tokens=3)
+        out = _engine(model, tok).generate(ids, mask, SamplingParams(max_new_tokens=3))
         assert model.training
         assert not out["rollout_log_probs"].requires_grad
     finally:
         model.eval()
-    _engine(model, tok).generate(ids, mask, max_new_tokens=2)
+    _engine(model, tok).generate(ids, mask, SamplingParams(max_new_tokens=2))
     assert not model.training
 
 
@@ -351,25 +338,24 @@ def test_training_mode_is_restored_and_no_grad_leaks(models, tok) -> None:
         ({"max_new_tokens": 2, "top_k": -2}, "top_k"),
     ],
 )
-def test_bad_arguments_raise(kwargs, match, models, tok) -> None:
-    ids, mask = _prompts(tok)
+def test_bad_arguments_raise(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
-        _engine(models["qwen3"], tok).generate(ids, mask, **kwargs)
+        SamplingParams(**kwargs)
 
 
 def test_bad_inputs_raise(models, tok) -> None:
     ids, mask = _prompts(tok)
     engine = _engine(models["qwen3"], tok)
     with pytest.raises(ValueError, match="attention_mask"):
-        engine.generate(ids, mask[:, 1:], max_new_tokens=2)
+        engine.generate(ids, mask[:, 1:], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="input_ids"):
-        engine.generate(ids[0], mask[0], max_new_tokens=2)
+        engine.generate(ids[0], mask[0], SamplingParams(max_new_tokens=2))
     empty_row = mask.clone()
     empty_row[1] = 0
     with pytest.raises(ValueError, match="all zeros"):
-        engine.generate(ids, empty_row, max_new_tokens=2)
+        engine.generate(ids, empty_row, SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="pad prompts on the left"):
-        engine.generate(ids, mask.flip(-1), max_new_tokens=2)
+        engine.generate(ids, mask.flip(-1), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="pad_token_id"):
         HFRollout(models["qwen3"], pad_token_id=None, eos_token_id=1)
 
@@ -377,8 +363,8 @@ def test_bad_inputs_raise(models, tok) -> None:
 def test_greedy_ignores_temperature_zero(models, tok) -> None:
     ids, mask = _prompts(tok)
     engine = _engine(models["qwen3"], tok)
-    a = engine.generate(ids, mask, max_new_tokens=3, do_sample=False, temperature=0.0)
-    b = engine.generate(ids, mask, max_new_tokens=3, do_sample=False)
+    a = engine.generate(ids, mask, SamplingParams(max_new_tokens=3, do_sample=False, temperature=0.0))
+    b = engine.generate(ids, mask, SamplingParams(max_new_tokens=3, do_sample=False))
     assert torch.equal(a["responses"], b["responses"])
 
 
@@ -410,17 +396,17 @@ ENGINES = [(arch, "hf") for arch in TINY_ARCHS] + [("qwen3", "lean"), ("qwen3_mo
 def test_an_interrupted_and_resumed_greedy_generation_equals_an_uninterrupted_one(arch, engine, models, tok) -> None:
     model = models[arch]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, max_new_tokens=8, do_sample=False)["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))["responses"]
     rollout = _rollout(engine, model, tok, eos=int(free[0, 2]))  # row 0 ends at step 2, the others run on
-    kwargs = dict(max_new_tokens=8, do_sample=False, capture_routing=True)
-    whole = rollout.generate(ids, mask, **kwargs)
+    params = SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True)
+    whole = rollout.generate(ids, mask, params)
     calls = []
 
     def interrupt(sampled: int) -> bool:
         calls.append(sampled)
         return sampled in (1, 3, 4)  # resume from a prefix three times, once right after row 0 finished
 
-    resumed = rollout.generate(ids, mask, interrupt=interrupt, **kwargs)
+    resumed = rollout.generate(ids, mask, params, interrupt=interrupt)
     r = whole["responses"].shape[1]
     assert r == 8 and calls == list(range(1, r))
     assert torch.equal(resumed["responses"], whole["responses"])
@@ -450,8 +436,7 @@ def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follo
             return True
         return False
 
-    out = rollout.generate(ids, mask, max_new_tokens=7, do_sample=True, generator=torch.Generator().manual_seed(0),
-                           capture_routing=True, interrupt=interrupt)
+    out = rollout.generate(ids, mask, SamplingParams(max_new_tokens=7, do_sample=True, capture_routing=True), generator=torch.Generator().manual_seed(0), interrupt=interrupt)
     # Each token's log-prob is that of the weights that sampled it: the old ones before the switch, the
     # new ones after, each as a teacher-forced forward over the final sequence computes it.
     before, _ = _teacher_forced_log_probs(old, ids, mask, out, 1.0)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor.rollout.base import SamplingParams
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.rollout.hf import HFRollout
@@ -68,8 +69,7 @@ def test_engine_greedy_after_a_lora_update_equals_the_trainer(tmp_path) -> None:
         after = engine_greedy("after")
         assert worker.rollout.weights_version == worker.optim_steps == 2
         ours = HFRollout(worker.model, pad_token_id=worker.tokenizer.pad_token_id,
-                         eos_token_id=worker.tokenizer.eos_token_id).generate(
-            prompts, torch.ones_like(prompts), max_new_tokens=8, do_sample=False)
+                         eos_token_id=worker.tokenizer.eos_token_id).generate(prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=8, do_sample=False))
         width = ours["responses"].shape[1]
         mask = after["response_mask"][:, :width]
         assert torch.equal(mask, ours["response_mask"].bool())

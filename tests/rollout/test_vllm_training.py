@@ -7,6 +7,8 @@ import json
 import pytest
 
 from conveyor.config import ConfigError, load_config
+from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.tools import CallFormat, ToolCall, register_call_format
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 
@@ -17,7 +19,6 @@ VLLM_MODEL = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.ti
 
 @pytest.mark.parametrize("overrides, key", [
     (["actor_rollout_ref.rollout.name=vllm"], "actor_rollout_ref.model.tiny.num_heads"),  # head_dim 16
-    (VLLM_MODEL + ["actor_rollout_ref.rollout.multi_turn.enable=true"], "actor_rollout_ref.rollout.multi_turn.enable"),
     (VLLM_MODEL + ["actor_rollout_ref.rollout.max_model_len=32"], "actor_rollout_ref.rollout.max_model_len"),
     (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name"),
     (VLLM_MODEL + ["trainer.num_cpu_workers=2"], "actor_rollout_ref.rollout.name"),
@@ -81,3 +82,30 @@ def test_a_vllm_run_syncs_every_step_and_measures_the_gap(tiny_run, tmp_path) ->
         assert r["rollout/moe/routing_from_trainer_forward"] == 1.0 and r["rollout/moe/routed_experts_found"] == 1.0
     # The policy moved on every step (so a stale engine would have shown above).
     assert all(r["actor/grad_norm"] > 0.1 for r in steps)
+
+
+# An untrained model ends turns at these often: a turn that ends at "3" or at the two tokens "12" calls the
+# calculator. "12" is no single stop token for vLLM: the engine stops at "2" and goes on where "1" is missing.
+register_call_format(CallFormat(
+    "test_vllm_calls", stop_texts=("3", "12"),
+    parser=lambda turn: ToolCall("calc", text=turn[-2:]) if turn.endswith(("3", "12")) else None,
+), overwrite=True)
+
+
+def test_multi_turn_with_tools_trains_on_vllm(tiny_run, tmp_path) -> None:
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - name: calc\n    path: conveyor.tools.calculator:calculate\n")
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config(None, tiny_run + VLLM_MODEL + [
+        "data.synthetic.task=arithmetic_tool", "data.synthetic.ops=['*']", "data.synthetic.max_operand=99",
+        "data.max_response_length=24", f"{mt}.enable=true", f"{mt}.format=test_vllm_calls",
+        f"{mt}.tool_config_path={tools}", f"{mt}.max_user_turns=3", "trainer.total_training_steps=3",
+    ])
+    run_training(cfg)
+    rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]
+    assert len(rows) == 3
+    assert sum(r["rollout/multi_turn/tool_calls"] for r in rows) > 0
+    for r in rows:
+        assert 0 < r["rollout/multi_turn/model_token_frac"] <= 1 and "rollout/multi_turn/assistant_turns" in r
+        # The engine scored the model's tokens as the trainer does: the tool tokens are out of the comparison.
+        assert r["rollout_corr/log_prob_abs_diff/max"] < 1e-3
