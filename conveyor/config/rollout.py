@@ -15,9 +15,11 @@ from typing import Optional
 from conveyor.config.fields import F, S, check, registry
 from conveyor.config.model import DTYPES
 
-__all__ = ["TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "RolloutConfig"]
+__all__ = ["PLACEMENTS", "TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "RolloutConfig"]
 
 TRUNCATE_SIDES = ("left", "middle", "right")
+# Where the rollout engines run (actor_rollout_ref.rollout.placement).
+PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass
@@ -103,5 +105,16 @@ class RolloutConfig:
                                       "collective); a larger one decodes over its shards, each layer gathered for "
                                       "every token's forward, all ranks stepping together (0 = always over the "
                                       "shards; docs/distributed.md)", ge=0, resume_neutral=True)
+    placement: str = F("colocated", "where the engines run: colocated (an engine in every actor rank's process, on "
+                       "its device; the engine sleeps while the actor trains) or separate (a rollout worker group of "
+                       "its own, `replicas` engines on their own devices or CPUs, given the weights over "
+                       "torch.distributed; docs/rollout.md)", choices=PLACEMENTS,
+                       resume_neutral=True)
+    replicas: int = F(1, "placement=separate: engine replicas in the rollout worker group (each on "
+                      "tensor_model_parallel_size GPUs, or a CPU share)", gt=0, resume_neutral=True)
+    update_weights_bucket_megabytes: int = F(512, "weight sync: the trainer's tensors travel to an engine in buckets "
+                                             "of at most this many MB (one tensor larger than a bucket travels "
+                                             "alone): what the sync holds at once beyond the engine's weights",
+                                             gt=0, resume_neutral=True)
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")

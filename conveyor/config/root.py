@@ -129,6 +129,8 @@ class Config:
         """What the asynchronous trainer does not (yet) combine with: each an error naming the key."""
         mode = f"trainer.v1.trainer_mode={self.trainer.v1.trainer_mode}"
         arr, algo = self.actor_rollout_ref, self.algorithm
+        check(arr.rollout.placement == "colocated", "actor_rollout_ref.rollout.placement",
+              f"{mode} runs its own rollout process; set placement=colocated")
         check(not arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
               f"multi-turn rollouts are not supported with {mode}")
         check(not algo.filter_groups.enable, "algorithm.filter_groups.enable",

@@ -198,9 +198,24 @@ class HFRollout(RolloutEngine):
             model.train(was_training)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
-        """Nothing to load: the engine samples from the trainer's own modules, which the update changed in place."""
+        """Copy the given tensors into the model's own (by Hugging Face name); returns the seconds taken.
+
+        Colocated with the actor the engine samples from the trainer's own modules and is never given any; a
+        separate replica (`conveyor.workers.rollout`) holds a copy, which this keeps in step.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        own = {**dict(self.model.named_parameters(remove_duplicate=False)),
+               **dict(self.model.named_buffers(remove_duplicate=False))}
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = own.get(name)
+                if target is None:
+                    raise KeyError(f"HFRollout.update_weights: the model has no tensor {name!r}")
+                target.copy_(tensor)
         self.weights_version = version
-        return 0.0
+        return time.perf_counter() - t0
 
     def _decode(
         self,

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conveyor.rollout.weight_sync import reload_vllm
 from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
@@ -170,12 +171,6 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
     return n
 
 
-def _reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> int:
-    """Runs in each vLLM worker (collective_rpc): load `weights` into the live model in place."""
-    worker.reload_weights(weights_iterator=iter(weights))
-    return _repack_cpu_experts(worker.model_runner.model)
-
-
 def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -> Tensor:
     """vLLM's captured routing (tokens, decoder layers, K) at conveyor's sparse layers (tokens, L, K).
 
@@ -285,8 +280,8 @@ class VLLMRollout(RolloutEngine):
         """Load the trainer's weights (HF parameter names) into the live engine in place; returns the seconds taken."""
         t0 = time.perf_counter()
         self.wake(["weights"])  # the KV cache stays released until generation
-        weights = [(name, t.detach()) for name, t in named_tensors]
-        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        # One reload over the lazy stream: vLLM loads it layer by layer as the tensors are gathered or received.
+        reload_vllm(self.llm, ((name, t.detach()) for name, t in named_tensors))
         self.weights_version = version
         return time.perf_counter() - t0
 
@@ -466,11 +461,12 @@ def validate_config(cfg: Any) -> None:
 
     ro, t, data = cfg.actor_rollout_ref.rollout, cfg.trainer, cfg.data
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    # Each rank's engine would have to share the trainer's process group (vLLM's external_launcher
-    # backend); until that is built and tested, the vllm rollout serves a single actor rank.
-    check(world == 1, "actor_rollout_ref.rollout.name",
-          f"the vllm rollout runs with one actor rank so far, got {world} (trainer.nnodes x "
-          "n_gpus_per_node or num_cpu_workers): use one rank, or rollout.name=hf")
+    # Colocated, each rank's engine would have to share the trainer's process group (vLLM's external_launcher
+    # backend); until that is built and tested, a colocated vllm rollout serves a single actor rank.
+    check(world == 1 or ro.placement == "separate", "actor_rollout_ref.rollout.name",
+          f"a colocated vllm rollout runs with one actor rank so far, got {world} (trainer.nnodes x "
+          "n_gpus_per_node or num_cpu_workers): use one rank, actor_rollout_ref.rollout.placement=separate, or "
+          "rollout.name=hf")
     need = data.max_prompt_length + data.max_response_length
     check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
           f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}")

@@ -387,7 +387,7 @@ class PPOTrainer:
             capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,
             pad_to_max_new_tokens=pad,
         )
-        out = self.workers.actor.generate_sequences(meta.with_extra_info(**call.to_extra_info()))
+        out = self.workers.generate_sequences(meta.with_extra_info(**call.to_extra_info()))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
         gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})

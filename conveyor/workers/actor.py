@@ -27,11 +27,10 @@ Every endpoint measures its phase's peak memory (`perf/<phase>/max_memory_gb`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,11 +46,12 @@ from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
-from conveyor.rollout.base import EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec
-from conveyor.workers.balance import sequence_lengths, with_seq_lens
+from conveyor.rollout.base import EngineContext, RolloutEngine, engine_spec
+from conveyor.rollout.weight_sync import iter_weights
 from conveyor.workers.batching import plan_micro_batches, take
-from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
-from conveyor.workers.forward import PolicyForward, micro_batches, sequence_inputs
+from conveyor.workers.calls import LogProbCall, UpdateCall
+from conveyor.workers.generation import Generation
+from conveyor.workers.forward import PolicyForward, sequence_inputs
 from conveyor.workers.loading import load_role_model
 from conveyor.workers.settings import ActorSettings, role_strategy
 from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
@@ -119,11 +119,20 @@ class PolicyWorker(CheckpointEndpoints):
         )
         self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe,
                                      packed=setup_packing(self.model, m.use_remove_padding))
-        # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
-        # engine's tokens, True when it changed the weights mid-generation (interruptible engines only).
-        self.interrupt: Callable[[int], bool] | None = None
+        self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
+        self.rollout: RolloutEngine | None = None
+        self.agent_loop = None
+        self.generation: Generation | None = None
+        self.rollout_over_shards = False
+        if settings.rollout.placement == "colocated":  # separate: the rollout workers hold the engines
+            self._build_generation(model_path, strategy, data_plane)
+
+    def _build_generation(self, model_path: str, strategy: Any, data_plane: DataPlane) -> None:
+        """This rank's engine, from the registry, in this process (placement=colocated), and the rollout over it."""
+        settings, m, rank, world_size = self.settings, self.settings.model, self.rank, self.world_size
+        trust = m.trust_remote_code
         spec = engine_spec(settings.rollout.name)
-        self.rollout: RolloutEngine = spec.build(EngineContext(
+        self.rollout = spec.build(EngineContext(
             model_path=model_path, model=self.model, tokenizer=self.tokenizer, rollout=settings.rollout,
             model_dtype=m.dtype, trust_remote_code=trust, max_model_len=settings.max_model_len, seed=settings.seed,
             rank=rank, world_size=world_size, device=self.device, lean=self.lean, moe=self.moe,
@@ -158,30 +167,70 @@ class PolicyWorker(CheckpointEndpoints):
                             "rank%s", spec.name, full_gb, " (the multi-turn loop needs it whole)"
                             if self.agent_loop is not None else f" (at most rollout.hf_whole_gather_max_gb="
                                                                  f"{settings.rollout.hf_whole_gather_max_gb:g})")
+        self.generation = Generation(
+            self.rollout, agent_loop=self.agent_loop, tokenizer=self.tokenizer, moe=self.moe, rollout=settings.rollout,
+            engine_name=spec.name, strategy=strategy, passes=self.trained.passes, data_plane=data_plane, rank=rank,
+            world_size=world_size, device=self.device, over_shards=self.rollout_over_shards,
+        )
 
     def close(self) -> None:
-        """Release what the worker holds outside Python's reach: the vllm engine, if any."""
-        if self.rollout is not None and hasattr(self.rollout, "close"):
+        """Release what the worker holds outside Python's reach: the engine and the weight channel, if any."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.rollout is not None:
             self.rollout.close()
 
     def _sync_engine(self) -> dict[str, float]:
-        """Give an engine with its own weights the actor's current ones if it serves older ones; the sync's metrics."""
+        """Give a colocated engine with its own weights the actor's current ones if it serves older ones; metrics."""
         version = self.trained.optim_steps
         if self.rollout.capabilities.shares_trainer_modules or self.rollout.weights_version == version:
             return {}
-        from torch.distributed.tensor import DTensor
+        return {"rollout/weight_sync_s": self.rollout.update_weights(self.weight_stream(), version=version)}
 
+    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's weights one tensor at a time, under Hugging Face names, as an engine loads them.
+
+        Under fsdp2 each tensor is gathered in turn (a collective: every rank iterates the same stream).
+        LoRA: the adapters merged in, under the base model's names (the engine serves the base architecture).
+        """
         if self.peft is not None:
-            # LoRA: the engine serves the base model's architecture, so it gets the weights with the adapters
-            # merged in, under the base model's names (gathered whole first under fsdp2).
             from conveyor.models.lora import merged_state_dict
 
             with self.trained.strategy.full_params():
-                weights = list(merged_state_dict(self.model).items())
-            return {"rollout/weight_sync_s": self.rollout.update_weights(weights, version=version)}
-        # Every rank gathers every tensor (in the same order: full_tensor is a collective) for its own engine.
-        weights = [(k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in self.model.state_dict().items()]
-        return {"rollout/weight_sync_s": self.rollout.update_weights(weights, version=version)}
+                yield from merged_state_dict(self.model).items()
+            return
+        yield from iter_weights(self.model)
+
+    def weights_version(self) -> int:
+        """The optimizer-step count of the actor's weights (what a synced engine serves)."""
+        return self.trained.optim_steps
+
+    def channel_address(self) -> tuple[str, int] | None:
+        """Rank 0: (host, free port) for the weight channel's rendezvous; None elsewhere."""
+        from conveyor.workers.weight_channel import free_address
+
+        return free_address() if self.rank == 0 else None
+
+    def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
+        """Rank 0 joins the weight channel to separate engines as its sender (the other ranks have no part in it)."""
+        if self.rank == 0:
+            from conveyor.workers.weight_channel import WeightChannel
+
+            self.channel = WeightChannel(address, 0, size, device=self.device)
+
+    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
+        """Stream the weights over the channel (rank 0 sends; every rank takes part in the gathers); metrics."""
+        t0 = time.perf_counter()
+        stream = self.weight_stream()
+        if self.rank == 0:
+            sent, count = self.channel.send(stream, bucket_bytes)
+        else:
+            for _ in stream:  # the gathers are collectives: every rank walks the same tensors
+                pass
+            sent = count = 0
+        return {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": sent / 1e9,
+                "rollout/weight_send_buckets": float(count)}
 
     @property
     def optim_steps(self) -> int:
@@ -211,105 +260,20 @@ class PolicyWorker(CheckpointEndpoints):
     # ------------------------------------------------------------------ endpoints
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts: writes responses, response_mask, rollout_log_probs (+ routed_experts)."""
-        begin_phase(self.device)
-        call = GenerateCall.from_extra_info(meta.extra_info)
-        td = self._get(meta, ["prompts", "prompt_mask"])
-        generator = None
-        if call.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * self.rank)
-        sync = self._sync_engine()
-        t0 = time.perf_counter()
-        # The hf rollout runs the actor's own modules (vLLM has its copy): over the shards, every rank stepping
-        # until the last is done, or with the whole model gathered once when it is small (docs/distributed.md).
-        strategy = self.trained.strategy
-        if self.rollout_over_shards:
-            with strategy.sharded_no_grad():
-                out = self._generate_in_chunks(td, call, generator, synced=strategy.all_done)
-        else:
-            gather = self.rollout.capabilities.shares_trainer_modules
-            with strategy.full_params() if gather else contextlib.nullcontext():
-                out = self._generate_in_chunks(td, call, generator)
-        elapsed = time.perf_counter() - t0
-        fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
-        if call.capture_routing and self.moe is not None and "routed_experts" not in out:
-            # Noticed at the first rollout, not at the update that finds nothing to replay.
-            raise RuntimeError(
-                f"the {self.settings.rollout.name} rollout returned no routed_experts, which the run plan captures "
-                "(actor_rollout_ref.actor.router_replay.mode=R3, or rollout.moe_load_balance_metrics_interval > 0): "
-                "set router_replay.mode=R2 (the old-log-prob forward records the routing), or use an engine that "
-                "returns routing on this device")
-        if "routed_experts" in out:
-            from conveyor.models.moe_routing import routed_experts_dtype
+        if self.generation is None:
+            raise RuntimeError("actor_rollout_ref.rollout.placement=separate: the rollout workers generate, not the "
+                               "actor")
+        return self.generation(meta, self._sync_engine())
 
-            fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
-        if call.pad_to_max_new_tokens or (self.world_size > 1 and not strategy.distributed):
-            # Dynamic sampling's generation batches write into one partition, whose columns keep one width, at
-            # different times: all pad to the requested length.
-            fields = self._pad_responses(fields, int(call.max_new_tokens))
-        elif self.world_size > 1:
-            # The ranks write into one partition too, together: to the longest response of any rank, not to
-            # max_new_tokens (the forwards then drop what is padding in a whole micro-batch, or pack).
-            fields = self._pad_responses(fields, strategy.agree_count(int(fields["responses"].shape[1])))
-        if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
-            fields["tool_rewards"] = out["tool_rewards"]
-        self._put(meta, fields)
-        # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.
-        meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], out["response_mask"]))
-        n_tokens = float(out["response_mask"].sum())
-        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync}
-        metrics.update(out.get("metrics", {}))  # the agent loop's rollout/multi_turn/*
-        return self._result(meta, list(fields), metrics, "rollout")
+    @property
+    def interrupt(self) -> Callable[[int], bool] | None:
+        """A partial rollout's hook, called between the engine's tokens (`conveyor.workers.generation`)."""
+        return self.generation.interrupt if self.generation is not None else None
 
-    def _pad_responses(self, fields: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
-        """The rollout's fields right-padded to `width` response columns (pad token, no mask, log-prob 0, expert -1)."""
-        extra = width - fields["responses"].shape[1]
-        if extra <= 0:
-            return fields
-        pad = torch.nn.functional.pad
-        out = {
-            "responses": pad(fields["responses"], (0, extra), value=int(self.tokenizer.pad_token_id)),
-            "response_mask": pad(fields["response_mask"], (0, extra), value=False),
-            "rollout_log_probs": pad(fields["rollout_log_probs"], (0, extra), value=0.0),
-        }
-        if "routed_experts" in fields:  # (B, P+R, L, K): the new positions were never routed
-            out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
-        return out
-
-    def _generate_in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-                            synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
-        """An engine over the trainer's modules at most `rollout.max_num_seqs` sequences at a time (its KV cache is
-        bounded by them).
-
-        Decoding over the shards, every rank runs as many chunks as the busiest (a rank short of chunks
-        repeats its first and drops the result: the chunks' collectives must pair up). Engines with their own
-        scheduler (vLLM) and the multi-turn loop take the whole share.
-        """
-        size = self.settings.rollout.max_num_seqs
-        own = not self.rollout.capabilities.shares_trainer_modules
-        if self.agent_loop is not None or own or len(td) <= size and synced is None:
-            return self._generate(td, call, generator, synced)
-        slices = micro_batches(len(td), size)
-        passes = self.trained.passes(slices) if synced is not None else [(sl, True) for sl in slices]
-        outs = []
-        for sl, real in passes:
-            out = self._generate(td[sl], call, generator, synced)
-            if real:
-                outs.append(out)
-        if len(outs) == 1:
-            return outs[0]
-        width = max(o["responses"].shape[1] for o in outs)
-        padded = [self._pad_responses(dict(o), width) for o in outs]
-        return RolloutOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
-
-    def _generate(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-                  synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
-        params = SamplingParams(max_new_tokens=int(call.max_new_tokens), temperature=float(call.temperature),
-                                top_p=float(call.top_p), top_k=int(call.top_k), do_sample=bool(call.do_sample),
-                                capture_routing=bool(call.capture_routing))
-        if self.agent_loop is not None:
-            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator)
-        return self.rollout.generate(td["prompts"], td["prompt_mask"], params, generator=generator,
-                                     interrupt=self.interrupt, synced=synced)
+    @interrupt.setter
+    def interrupt(self, hook: Callable[[int], bool] | None) -> None:
+        assert self.generation is not None, "the actor generates under placement=colocated only"
+        self.generation.interrupt = hook
 
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:

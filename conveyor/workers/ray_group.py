@@ -44,7 +44,8 @@ from conveyor.protocol import BatchData, KVBatchMeta
 from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
                                     split_metrics, wrap_worker_error)
 
-__all__ = ["RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups", "ray_worker_device"]
+__all__ = ["Pending", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups", "gather_together",
+           "ray_worker_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,7 @@ class RayRanks:
         placement: RayPlacement | None = None,
         nnodes: int = 1,
         timeout_s: float = 60.0,
+        process_group: bool = True,
     ):
         self.roles = [s.role for s in specs]
         self.name = "+".join(self.roles)
@@ -269,7 +271,7 @@ class RayRanks:
                 for r in range(world_size)
             ]
             self.where = self.gather(first, "start", [a.where.remote() for a in self.actors])
-            if world_size > 1:
+            if world_size > 1 and process_group:
                 addr, port = self.gather(first, "init_process_group", [self.actors[0].master_address.remote()])[0]
                 backend = "nccl" if num_gpus > 0 else "gloo"
                 self.gather(first, "init_process_group",
@@ -390,6 +392,12 @@ class RayWorkerGroup(WorkerGroup):
         return self.ranks.gather(self.role, name, [a.call_args.remote(self.role, name, args_ref, kwargs_ref)
                                                    for a in self.ranks.actors])
 
+    def submit_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> Pending:
+        """Start `method` on every rank without waiting (two roles' halves of one exchange must run together)."""
+        name = method.__name__
+        self._check_open(name)
+        return Pending(self, name, [a.call_args.remote(self.role, name, args, kwargs) for a in self.ranks.actors])
+
     def rank_info(self) -> list[dict[str, Any]]:
         """Per rank: `pid`, `node_id`, `node_ip` of its process (shared by every role colocated there)."""
         return [dict(w) for w in self.ranks.where]
@@ -405,6 +413,34 @@ class RayWorkerGroup(WorkerGroup):
             return
         self._released = True
         self.ranks.release(self.role)
+
+
+class Pending:
+    """Calls started on every rank of a group (`RayWorkerGroup.submit_all`), waited for by `gather_together`."""
+
+    def __init__(self, group: RayWorkerGroup, method: str, refs: list[Any]):
+        self.group, self.method, self.refs = group, method, refs
+
+
+def gather_together(pending: Sequence[Pending]) -> list[list[Any]]:
+    """The results of calls that run together on several groups; the first failure stops every group in them.
+
+    A failed half of an exchange (a sender that died) leaves the other half waiting in a collective that
+    never completes: all of them are killed, and the failure is raised naming its role, rank and method.
+    """
+    owner = {ref: (p, rank) for p in pending for rank, ref in enumerate(p.refs)}
+    left = list(owner)
+    while left:
+        ready, left = ray.wait(left, num_returns=1)
+        for ref in ready:
+            p, rank = owner[ref]
+            try:
+                ray.get(ref)
+            except Exception as err:
+                for other in pending:
+                    other.group.ranks.kill()
+                raise wrap_worker_error(p.group.role, rank, p.method, _original(err)) from err
+    return [ray.get(p.refs) for p in pending]
 
 
 # --------------------------------------------------------------------------- a run's roles
@@ -442,6 +478,14 @@ def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: 
             groups[role] = ranks.group(role)
         groups["reward"] = RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
                                           timeout_s=cfg.ray.timeout_s)
+        if "rollout" in specs:
+            ro = cfg.actor_rollout_ref.rollout
+            # Replicas of their own: a bundle each (tensor_model_parallel_size GPUs, or a CPU share), no process
+            # group between them; the weights come over the channel from the actor's rank 0.
+            gpus = float(ro.tensor_model_parallel_size) if gpu else 0.0
+            groups["rollout"] = RayWorkerGroup._view(
+                RayRanks([specs["rollout"]], world_size=ro.replicas, num_cpus=cpus, num_gpus=gpus,
+                         nnodes=1, timeout_s=cfg.ray.timeout_s, process_group=False), "rollout")
     except BaseException:
         for group in groups.values():
             group.shutdown()

@@ -32,7 +32,8 @@ from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
-from conveyor.workers.settings import actor_settings, critic_settings, reference_settings
+from conveyor.workers.rollout import RolloutWorker
+from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
     from conveyor.trainer.plan import RunPlan
@@ -47,6 +48,7 @@ __all__ = [
     "RefGroup",
     "CriticGroup",
     "RewardGroup",
+    "RolloutGroup",
 ]
 
 
@@ -62,6 +64,9 @@ def worker_specs(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPl
     if plan.use_critic:
         specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where},
                                      plugins)
+    if cfg.actor_rollout_ref.rollout.placement == "separate":
+        specs["rollout"] = WorkerSpec("rollout", RolloutWorker, {"settings": rollout_settings(cfg, plan), **where},
+                                      plugins)
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec("reward", RewardWorker, {
         "tokenizer": tokenizer, "data_plane": data_plane,
@@ -129,6 +134,63 @@ class ActorGroup(_Role):
         return self.ranks.call_all(PolicyWorker.model_state_dict)[0]
 
 
+class RolloutGroup(_Role):
+    """The separate rollout engines (placement=separate): they generate, and take the actor's weights first.
+
+    Before a rollout the group asks the actor for its weights' version; when its replicas serve an older
+    one, the actor streams its weights to them: in this process straight into the engine, on Ray over the
+    weight channel from the actor's rank 0 (`conveyor.workers.weight_channel`), which is built on the
+    first sync.
+    """
+
+    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
+        super().__init__(ranks)
+        self.actor = actor
+        self.bucket_bytes = bucket_bytes
+        self.served: int | None = None  # the version every replica serves (None: not synced yet)
+        self._channel = False
+
+    def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 2 on the replicas, after a sync if the actor has moved on: the rollout's fields, as the actor writes them."""
+        sync = self.sync()
+        out = self.ranks.call(RolloutWorker.generate_sequences, meta)
+        if sync:
+            out.extra_info.update({k: [v] * len(out.extra_info.get("perf/rollout/max_memory_gb", [0]))
+                                   for k, v in sync.items()})
+        return out
+
+    def sync(self) -> dict[str, float]:
+        """Give every replica the actor's current weights if they serve older ones; the sync's metrics."""
+        version = self.actor.ranks.call_all(PolicyWorker.weights_version)[0]
+        if self.served == version:
+            return {}
+        if isinstance(self.ranks, LocalWorkerGroup) and isinstance(self.actor.ranks, LocalWorkerGroup):
+            # One process: the actor's stream goes straight into the engine, tensor by tensor.
+            seconds = self.ranks.worker.load_weights(self.actor.ranks.worker.weight_stream(), version)
+            metrics = {"rollout/weight_sync_s": seconds}
+        else:
+            metrics = self._sync_over_channel(version)
+        self.served = version
+        return metrics
+
+    def _sync_over_channel(self, version: int) -> dict[str, float]:
+        from conveyor.workers.ray_group import RayWorkerGroup, gather_together
+
+        assert isinstance(self.ranks, RayWorkerGroup) and isinstance(self.actor.ranks, RayWorkerGroup), (
+            "placement=separate over processes needs both roles on Ray")
+        size = 1 + self.ranks.world_size
+        if not self._channel:
+            address = self.actor.ranks.call_all(PolicyWorker.channel_address)[0]
+            gather_together([self.actor.ranks.submit_all(PolicyWorker.join_weight_channel, address, size),
+                             self.ranks.submit_all(RolloutWorker.join_weight_channel, address, size)])
+            self._channel = True
+        sent, received = gather_together([self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes),
+                                          self.ranks.submit_all(RolloutWorker.receive_weights, version)])
+        metrics = dict(sent[0])
+        metrics.update({k: max(r[k] for r in received) for k in received[0]})  # the slowest replica's
+        return metrics
+
+
 class RefGroup(_Role):
     """The frozen reference policy: its own worker, or (LoRA) the actor's ranks with their adapters disabled."""
 
@@ -184,10 +246,15 @@ class WorkerGroups:
     ref: RefGroup | None
     critic: CriticGroup | None
     reward: RewardGroup
+    rollout: RolloutGroup | None = None  # placement=separate; None: the actor's ranks generate
+
+    def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
+        return (self.rollout or self.actor).generate_sequences(meta)
 
     def shutdown(self) -> None:
         """Release every role's ranks."""
-        for role in (self.actor, self.ref, self.critic, self.reward):
+        for role in (self.rollout, self.actor, self.ref, self.critic, self.reward):
             if role is not None:
                 role.shutdown()
 
@@ -208,6 +275,8 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
             groups["reward"] = LocalWorkerGroup(specs["reward"])
+            if "rollout" in specs:  # its own engine and copy of the model, in this process
+                groups["rollout"] = LocalWorkerGroup(specs["rollout"])
         except BaseException:
             host.close()
             raise
@@ -216,9 +285,13 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         ref_group: RefGroup | None = RefGroup(groups["actor"], from_actor=True)
     else:
         ref_group = RefGroup(ref) if ref is not None else None
+    actor = ActorGroup(groups["actor"])
+    rollout = groups.get("rollout")
     return WorkerGroups(
-        actor=ActorGroup(groups["actor"]),
+        actor=actor,
         ref=ref_group,
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
+        rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
+                              << 20) if rollout is not None else None),
     )

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from conveyor.trainer.plan import RunPlan
     from conveyor.workers.strategy import TrainingStrategy
 
-__all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "actor_settings", "reference_settings",
-           "critic_settings", "role_strategy"]
+__all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "RolloutSettings", "actor_settings",
+           "reference_settings", "critic_settings", "rollout_settings", "role_strategy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,16 @@ class ActorSettings:
     serves_reference: bool = False  # LoRA: the actor also writes ref_log_prob, with its adapters disabled
     ref: Any = None  # actor_rollout_ref.ref when it serves the reference (its micro-batch size)
     ref_budget: TokenBudget | None = None  # and that reference forward's token budget
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """A rollout worker's (`RolloutWorker`, placement=separate): a forward-only engine with no optimizer."""
+
+    model: Any  # actor_rollout_ref.model
+    rollout: Any  # actor_rollout_ref.rollout
+    seed: int  # trainer.seed (the engine's, plus the replica)
+    max_model_len: int | None  # the plan's, for an engine with its own KV cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +125,13 @@ def _reference_budget(arr: Any) -> TokenBudget | None:
     """The reference forward's token budget (ref.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu)."""
     return token_budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", **_actor_defaults(arr))
+
+
+def rollout_settings(cfg: Config, plan: RunPlan) -> RolloutSettings:
+    """The rollout worker's settings of a run of `cfg` (placement=separate)."""
+    arr = cfg.actor_rollout_ref
+    return RolloutSettings(model=copy.deepcopy(arr.model), rollout=copy.deepcopy(arr.rollout), seed=cfg.trainer.seed,
+                           max_model_len=plan.vllm_max_model_len)
 
 
 def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:

@@ -1,0 +1,162 @@
+"""One rank's rollout: an engine, and the agent loop over it, turning a handle's prompts into the rollout's fields.
+
+`Generation` is what the actor worker (colocated placement) and the rollout
+worker (separate placement, `conveyor.workers.rollout`) both run for
+`generate_sequences`: it reads `prompts` and `prompt_mask` from the data
+plane, samples with the rank's engine (built from the registry,
+`conveyor.rollout.base`), and writes `responses`, `response_mask`,
+`rollout_log_probs` (+ `routed_experts`, + `tool_rewards`) back, with the
+handle's `seq_len` tags updated to prompt + response tokens.
+
+Widths. Ranks that write into one partition together agree on one response
+width: the longest of any rank when they share a process group (one max
+all-reduce), `max_new_tokens` when they do not (separate engine replicas),
+and `max_new_tokens` for dynamic sampling's batches, which fill one partition
+at different times.
+
+What it deliberately does not do: move weights into the engine (the worker
+does, before calling it) or decide what to capture (the run plan does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from conveyor.data_plane.base import DataPlane
+from conveyor.protocol import KVBatchMeta
+from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from conveyor.workers.balance import sequence_lengths, with_seq_lens
+from conveyor.workers.calls import GenerateCall
+from conveyor.workers.forward import micro_batches
+from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle
+
+__all__ = ["Generation", "pad_responses"]
+
+
+def pad_responses(fields: dict[str, torch.Tensor], width: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The rollout's fields right-padded to `width` response columns (pad token, no mask, log-prob 0, expert -1)."""
+    extra = width - fields["responses"].shape[1]
+    if extra <= 0:
+        return fields
+    pad = torch.nn.functional.pad
+    out = dict(fields)
+    out["responses"] = pad(fields["responses"], (0, extra), value=int(pad_token_id))
+    out["response_mask"] = pad(fields["response_mask"], (0, extra), value=False)
+    out["rollout_log_probs"] = pad(fields["rollout_log_probs"], (0, extra), value=0.0)
+    if fields.get("routed_experts") is not None:  # (B, P+R, L, K): the new positions were never routed
+        out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
+    return out
+
+
+class Generation:
+    """The `generate_sequences` of one rank: its engine (and agent loop) over the rank's share of a handle."""
+
+    def __init__(self, engine: RolloutEngine, *, agent_loop: Any, tokenizer: Any, moe: Any, rollout: Any,
+                 engine_name: str, strategy: Any, passes: Callable[[list[slice]], list[tuple[slice, bool]]],
+                 data_plane: DataPlane, rank: int, world_size: int, device: torch.device,
+                 over_shards: bool = False) -> None:
+        self.engine, self.agent_loop, self.tokenizer, self.moe = engine, agent_loop, tokenizer, moe
+        self.rollout, self.engine_name = rollout, engine_name
+        self.strategy, self.passes = strategy, passes  # the rank's strategy (its collectives) and pass pairing
+        self.data_plane = data_plane
+        self.rank, self.world_size, self.device = rank, world_size, device
+        # Decoding over FSDP2 shards: every rank steps until the last one is done (the actor only).
+        self.over_shards = over_shards
+        # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
+        # engine's tokens, True when it changed the weights mid-generation (interruptible engines only).
+        self.interrupt: Callable[[int], bool] | None = None
+
+    def __call__(self, meta: KVBatchMeta, sync_metrics: dict[str, float]) -> KVBatchMeta:
+        """Sample the handle's prompts; writes the rollout's fields and returns the handle with this rank's metrics."""
+        begin_phase(self.device)
+        call = GenerateCall.from_extra_info(meta.extra_info)
+        td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                          select_fields=["prompts", "prompt_mask"]).to(self.device)
+        generator = None
+        if call.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * self.rank)
+        t0 = time.perf_counter()
+        strategy = self.strategy
+        if self.over_shards:
+            with strategy.sharded_no_grad():
+                out = self._in_chunks(td, call, generator, synced=strategy.all_done)
+        else:
+            # An engine over the trainer's modules decodes with the whole model gathered once (docs/distributed.md).
+            gather = self.engine.capabilities.shares_trainer_modules
+            with strategy.full_params() if gather else contextlib.nullcontext():
+                out = self._in_chunks(td, call, generator)
+        elapsed = time.perf_counter() - t0
+        fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
+        if call.capture_routing and self.moe is not None and "routed_experts" not in out:
+            # Noticed at the first rollout, not at the update that finds nothing to replay.
+            raise RuntimeError(
+                f"the {self.engine_name} rollout returned no routed_experts, which the run plan captures "
+                "(actor_rollout_ref.actor.router_replay.mode=R3, or rollout.moe_load_balance_metrics_interval > 0): "
+                "set router_replay.mode=R2 (the old-log-prob forward records the routing), or use an engine that "
+                "returns routing on this device")
+        if "routed_experts" in out:
+            from conveyor.models.moe_routing import routed_experts_dtype
+
+            fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
+        pad_id = int(self.tokenizer.pad_token_id)
+        if call.pad_to_max_new_tokens or (self.world_size > 1 and not strategy.distributed):
+            # Dynamic sampling's generation batches write into one partition, whose columns keep one width, at
+            # different times; so do ranks that share no process group: all pad to the requested length.
+            fields = pad_responses(fields, int(call.max_new_tokens), pad_id)
+        elif self.world_size > 1:
+            # The ranks write into one partition too, together: to the longest response of any rank, not to
+            # max_new_tokens (the forwards then drop what is padding in a whole micro-batch, or pack).
+            fields = pad_responses(fields, strategy.agree_count(int(fields["responses"].shape[1])), pad_id)
+        if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
+            fields["tool_rewards"] = out["tool_rewards"]
+        cpu = {k: v.cpu() for k, v in fields.items()}
+        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
+        # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.
+        meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], out["response_mask"]))
+        n_tokens = float(out["response_mask"].sum())
+        metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync_metrics}
+        metrics.update(out.get("metrics") or {})  # the agent loop's rollout/multi_turn/*
+        metrics.update(phase_memory_metrics("rollout", self.device))
+        return result_handle(meta, list(fields), metrics, self.device)
+
+    def _in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
+                   synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+        """An engine over the trainer's modules at most `rollout.max_num_seqs` sequences at a time (its KV cache is
+        bounded by them).
+
+        Decoding over the shards, every rank runs as many chunks as the busiest (a rank short of chunks
+        repeats its first and drops the result: the chunks' collectives must pair up). Engines with their own
+        scheduler (vLLM) and the multi-turn loop take the whole share.
+        """
+        size = self.rollout.max_num_seqs
+        own = not self.engine.capabilities.shares_trainer_modules
+        if self.agent_loop is not None or own or len(td) <= size and synced is None:
+            return self._one(td, call, generator, synced)
+        slices = micro_batches(len(td), size)
+        passes = self.passes(slices) if synced is not None else [(sl, True) for sl in slices]
+        outs = []
+        for sl, real in passes:
+            out = self._one(td[sl], call, generator, synced)
+            if real:
+                outs.append(out)
+        if len(outs) == 1:
+            return outs[0]
+        width = max(o["responses"].shape[1] for o in outs)
+        padded = [pad_responses(dict(o), width, int(self.tokenizer.pad_token_id)) for o in outs]
+        return RolloutOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
+
+    def _one(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
+             synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+        params = SamplingParams(max_new_tokens=int(call.max_new_tokens), temperature=float(call.temperature),
+                                top_p=float(call.top_p), top_k=int(call.top_k), do_sample=bool(call.do_sample),
+                                capture_routing=bool(call.capture_routing))
+        if self.agent_loop is not None:
+            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator)
+        return self.engine.generate(td["prompts"], td["prompt_mask"], params, generator=generator,
+                                    interrupt=self.interrupt, synced=synced)

@@ -1,0 +1,139 @@
+"""The rollout worker: one engine replica of the separate placement (actor_rollout_ref.rollout.placement=separate).
+
+A `RolloutWorker` is a forward-only role: it holds an engine (built from the
+registry, `conveyor.rollout.base`, like the actor's colocated one) and no
+optimizer, no learning-rate schedule, no strategy. Its `generate_sequences`
+is the actor's (`conveyor.workers.generation.Generation`): it reads the
+prompts from the data plane and writes the rollout's fields back, so a step's
+stages do not know where the rollout ran.
+
+Weights. The engine starts from the checkpoint on disk and gets the actor's
+weights before every rollout that follows an update: in this process
+straight from the actor worker's stream (`load_weights`, a local run), or
+over the weight channel from the actor's rank 0 (`join_weight_channel`,
+`receive_weights`, on Ray; `conveyor.workers.weight_channel`).
+`weights_version` is the actor's optimizer-step count of what it serves.
+
+Replicas do not share a process group: each is its own engine, the group
+splits a handle across them, and they pad responses to `max_new_tokens` so
+their fields fit one partition.
+
+What it deliberately does not do: decide when to sync (the rollout group
+does) or train.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from conveyor.data_plane.base import DataPlane
+from conveyor.models.loading import load_tokenizer
+from conveyor.models.moe_routing import moe_info
+from conveyor.protocol import KVBatchMeta
+from conveyor.rollout.agent_loop import build_agent_loop
+from conveyor.rollout.base import EngineContext, engine_spec
+from conveyor.workers.generation import Generation
+from conveyor.workers.perf import set_allocator_defaults
+from conveyor.workers.settings import RolloutSettings
+from conveyor.workers.strategy import TrainingStrategy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutWorker"]
+
+
+def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
+                   trust_remote_code: bool) -> torch.nn.Module:
+    """The model an engine is built over: real weights for one that samples from it, a meta skeleton otherwise."""
+    if own_weights:
+        from conveyor.workers.loading import load_role_model
+
+        model = load_role_model(model_path, strategy_name="none", world_size=1, rank=0, device=device, dtype=dtype,
+                                trust_remote_code=trust_remote_code)
+    else:
+        # An engine with its own copy (vLLM) needs only the architecture: its config, its sparse layers.
+        from conveyor.models.loading import build_causal_lm_on_meta
+
+        model = build_causal_lm_on_meta(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+class RolloutWorker:
+    """One engine replica: generate_sequences, and new weights by stream or channel."""
+
+    def __init__(self, settings: RolloutSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
+                 world_size: int = 1, device: str = "cpu"):
+        set_allocator_defaults()
+        self.settings, self.rank, self.world_size = settings, rank, world_size
+        self.device = torch.device(device)
+        m, ro = settings.model, settings.rollout
+        spec = engine_spec(ro.name)
+        shares = spec.capabilities(self.device.type).shares_trainer_modules
+        self.model = _forward_model(model_path, own_weights=shares, device=self.device, dtype=m.dtype,
+                                    trust_remote_code=m.trust_remote_code)
+        self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=m.trust_remote_code)
+        self.moe = moe_info(self.model)
+        lean = None
+        if shares:
+            from conveyor.models.lean import resolve_forward_impl
+
+            lean = resolve_forward_impl(m.forward_impl, self.model)
+        self.engine = spec.build(EngineContext(
+            model_path=model_path, model=self.model, tokenizer=self.tokenizer, rollout=ro, model_dtype=m.dtype,
+            trust_remote_code=m.trust_remote_code, max_model_len=settings.max_model_len, seed=settings.seed,
+            rank=rank, world_size=world_size, device=self.device, lean=lean, moe=self.moe,
+        ))
+        agent_loop = build_agent_loop(ro.multi_turn, self.engine, self.tokenizer)
+        # One replica, one engine: no collectives, so a single-rank strategy (its collectives are no-ops).
+        strategy = TrainingStrategy("none", world_size=1, device=self.device)
+        self.generation = Generation(
+            self.engine, agent_loop=agent_loop, tokenizer=self.tokenizer, moe=self.moe, rollout=ro,
+            engine_name=spec.name, strategy=strategy, passes=lambda slices: [(s, True) for s in slices],
+            data_plane=data_plane, rank=rank, world_size=world_size, device=self.device,
+        )
+        self.channel: Any = None
+
+    @property
+    def weights_version(self) -> int | None:
+        """The actor's optimizer-step count of the weights the engine serves (None before the first sync)."""
+        return self.engine.weights_version
+
+    def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Sample responses for the handle's prompts: the actor's endpoint, on this replica's engine."""
+        return self.generation(meta, {})
+
+    def served_version(self) -> int | None:
+        """`weights_version`, as a call (Ray calls methods, not properties)."""
+        return self.weights_version
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """In this process: load the actor's streamed tensors into the engine; returns the seconds taken."""
+        return self.engine.update_weights(named_tensors, version=version)
+
+    def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
+        """Join the channel from the actor's rank 0 as channel rank 1 + this replica's rank."""
+        from conveyor.workers.weight_channel import WeightChannel
+
+        self.channel = WeightChannel(address, 1 + self.rank, size, device=self.device)
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Take one sync's buckets from the channel into the engine, bucket by bucket; its metrics."""
+        import time
+
+        t0 = time.perf_counter()
+        self.engine.update_weights(self.channel.received(), version=version)
+        got, count = self.channel.last
+        return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got / 1e9,
+                "rollout/weight_sync_buckets": float(count)}
+
+    def close(self) -> None:
+        """Shut the engine and the channel down."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.engine.close()
