@@ -247,17 +247,17 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
                  device: torch.device | str = "cpu") -> SyncStats:
     """Broadcast `named` from rank `src` of `group` in buckets: their metadata, then one flat buffer each.
 
-    `device` is where the group's collectives run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere
-    are copied there a bucket at a time. Every other rank of the group runs `receive_buckets` or
-    `iter_received` with the same `src`; an end marker closes the stream.
+    `group` is a torch.distributed group, or a standalone channel with `broadcast_tensor(tensor, src)` and
+    `broadcast_object(obj, src)` (conveyor.workers.weight_channel). `device` is where the group's collectives
+    run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere are copied there a bucket at a time. Every
+    other rank of the group runs `receive_buckets` or `iter_received` with the same `src`; an end marker
+    closes the stream.
     """
-    import torch.distributed as dist
-
     device = torch.device(device)
     stats, t0 = SyncStats(), time.perf_counter()
     for bucket in buckets(named, bucket_bytes):
         meta, total = _layout(bucket)
-        dist.broadcast_object_list([meta], src=src, group=group, device=device)
+        _broadcast_object(meta, src, group, device)
         only = bucket[0][1] if len(bucket) == 1 else None
         if only is not None and only.device == device and only.is_contiguous():
             buffer = _bytes_of(only)  # a lone tensor travels from its own memory
@@ -265,27 +265,44 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
             buffer = torch.empty(total, dtype=torch.uint8, device=device)
             for (_, tensor), (_, dtype, shape, offset) in zip(bucket, meta):
                 _view(buffer, dtype, shape, offset).copy_(tensor)
-        dist.broadcast(buffer, src=src, group=group)
+        _broadcast(buffer, src, group)
         stats.add(bucket)
         del buffer, bucket, only
-    dist.broadcast_object_list([None], src=src, group=group, device=device)
+    _broadcast_object(None, src, group, device)
     stats.seconds = time.perf_counter() - t0
     return stats
 
 
-def _receive_bucket(group: Any, src: int, device: torch.device) -> list[tuple[str, Tensor]] | None:
-    """The next bucket `send_buckets` broadcasts from `src`, as views of a new buffer; None at the end marker."""
+def _broadcast(tensor: Tensor, src: int, group: Any) -> None:
+    """`tensor` from `src` on every member: over a standalone channel (its own method), or a torch.distributed group."""
+    if hasattr(group, "broadcast_tensor"):
+        group.broadcast_tensor(tensor, src)
+        return
     import torch.distributed as dist
 
-    box: list[Any] = [None]
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def _broadcast_object(obj: Any, src: int, group: Any, device: torch.device) -> Any:
+    """A picklable `obj` from `src` on every member (what the other members pass is ignored)."""
+    if hasattr(group, "broadcast_object"):
+        return group.broadcast_object(obj, src)
+    import torch.distributed as dist
+
+    box = [obj]
     dist.broadcast_object_list(box, src=src, group=group, device=device)
-    meta = box[0]
+    return box[0]
+
+
+def _receive_bucket(group: Any, src: int, device: torch.device) -> list[tuple[str, Tensor]] | None:
+    """The next bucket `send_buckets` broadcasts from `src`, as views of a new buffer; None at the end marker."""
+    meta = _broadcast_object(None, src, group, device)
     if meta is None:
         return None
     total = max((offset + _nbytes_of(dtype, shape) for _, dtype, shape, offset in meta), default=0)
     # A new buffer per bucket, never a reused one: a consumer may still hold views of the previous bucket.
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=src, group=group)
+    _broadcast(buffer, src, group)
     return [(name, _view(buffer, dtype, shape, offset)) for name, dtype, shape, offset in meta]
 
 

@@ -223,12 +223,13 @@ class PolicyWorker(CheckpointEndpoints):
         """Stream the weights over the channel (rank 0 sends; every rank takes part in the gathers); metrics."""
         t0 = time.perf_counter()
         stream = self.weight_stream()
+        sent = count = 0
         if self.rank == 0:
-            sent, count = self.channel.send(stream, bucket_bytes)
+            stats = self.channel.send(stream, bucket_bytes)
+            sent, count = stats.bytes, stats.buckets
         else:
             for _ in stream:  # the gathers are collectives: every rank walks the same tensors
                 pass
-            sent = count = 0
         return {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": sent / 1e9,
                 "rollout/weight_send_buckets": float(count)}
 

@@ -127,9 +127,9 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         self.engine.update_weights(self.channel.received(), version=version)
-        got, count = self.channel.last
-        return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got / 1e9,
-                "rollout/weight_sync_buckets": float(count)}
+        got = self.channel.last
+        return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got.bytes / 1e9,
+                "rollout/weight_sync_buckets": float(got.buckets)}
 
     def close(self) -> None:
         """Shut the engine and the channel down."""

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 
-from conveyor.rollout.weight_sync import buckets
+from conveyor.rollout.weight_sync import SyncStats, iter_received, send_buckets
 
 __all__ = ["WeightChannel", "free_address"]
 
@@ -61,58 +61,35 @@ class WeightChannel:
         else:
             self.group = tdist.ProcessGroupGloo(store, rank, size, timeout)
         self._store = store  # the group keeps using it
-        self.last = (0, 0)  # (bytes, buckets) of the latest sync
+        self.last = SyncStats()  # what the latest sync received
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """`tensor` from channel rank `src` on every member."""
         opts = tdist.BroadcastOptions()
-        opts.rootRank = 0
+        opts.rootRank = src
         self.group.broadcast([tensor], opts).wait()
 
-    def _broadcast_object(self, obj: object = None) -> object:
-        """`obj` from rank 0 on every rank (a pickled header: a length, then the bytes)."""
-        data = pickle.dumps(obj) if self.rank == 0 else b""
+    def broadcast_object(self, obj: object, src: int) -> object:
+        """A picklable `obj` from `src` on every member (a length, then the pickled bytes)."""
+        mine = self.rank == src
+        data = pickle.dumps(obj) if mine else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._broadcast(size)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if self.rank == 0
+        self.broadcast_tensor(size, src)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if mine
                else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
-        self._broadcast(buf)
-        return obj if self.rank == 0 else pickle.loads(buf.cpu().numpy().tobytes())
+        self.broadcast_tensor(buf, src)
+        return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[int, int]:
-        """Rank 0: stream the tensors to every receiver, bucket by bucket; (bytes, buckets) sent."""
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
+        """Rank 0: stream the tensors to every receiver, bucket by bucket (`weight_sync.send_buckets`)."""
         assert self.rank == 0, "only the channel's rank 0 sends"
-        sent = count = 0
-        for bucket in buckets(named_tensors, bucket_bytes):
-            table = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
-            self._broadcast_object(table)
-            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
-                              for _, t in bucket])
-            self._broadcast(flat)
-            sent += flat.numel()
-            count += 1
-        self._broadcast_object(None)  # the end of this sync
-        return sent, count
+        return send_buckets(named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device)
 
     def received(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A receiver: one sync's tensors as they arrive, each a view of its bucket's buffer, valid until the next
-        bucket (an engine's loader copies each into its weights as it goes). `last` holds (bytes, buckets)."""
+        """A receiver: one sync's tensors as they arrive (`weight_sync.iter_received`); `last` then holds its stats."""
         assert self.rank != 0, "rank 0 sends"
-        got = count = 0
-        while True:
-            table = self._broadcast_object()
-            if table is None:
-                self.last = (got, count)
-                return
-            sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                     for _, dtype, shape in table]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            self._broadcast(flat)
-            offset = 0
-            for (name, dtype, shape), n in zip(table, sizes):
-                yield name, flat[offset:offset + n].view(dtype).view(shape)
-                offset += n
-            got += flat.numel()
-            count += 1
+        self.last = SyncStats()
+        yield from iter_received(group=self, src=0, device=self.device, stats=self.last)
 
     def close(self) -> None:
         """Leave the channel's group."""
