@@ -261,7 +261,7 @@ def _hf(device: str) -> EngineCapabilities:
 def _vllm(device: str) -> EngineCapabilities:
     # vLLM returns routed experts from its V2 model runner only, which runs on CUDA.
     return EngineCapabilities(returns_routing=torch.device(device).type == "cuda", stop_sequences=True,
-                              interruptible=False, shares_trainer_modules=False, multi_rank=False)
+                              interruptible=False, shares_trainer_modules=False, multi_rank=True)
 
 
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {

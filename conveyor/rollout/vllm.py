@@ -21,6 +21,19 @@ generation always syncs them first (`weights_version` is reset). vLLM's CPU
 build has no sleep mode, and its KV cache is sized to what `max_num_seqs`
 sequences of `max_model_len` tokens need.
 
+Ranks. Without a torch.distributed group (one trainer rank) vLLM makes a
+one-rank group for itself and `close` removes it. In a trainer's world (FSDP2
+ranks), every rank builds an engine at the same point, as TRL's colocate mode
+does: vLLM's `external_launcher` executor takes the world as it is and lays it
+out as (replicas, TP) with TP innermost, so each run of
+`tensor_model_parallel_size` consecutive ranks is one replica (`replica`,
+`replica_ranks`) that must be fed the same prompts and the same weights, and
+replicas are independent of each other (with TP 1, every rank is one). Each
+replica gets its own engine seed (`seed + replica`). vLLM's groups are its
+own (`new_group`s over the same ranks), so the trainer's collectives on its
+default group do not meet them; `close` removes them and leaves the trainer's
+group as it was (vLLM's own shutdown would destroy it).
+
 Weight sync. `update_weights` hands the trainer's tensors to every vLLM worker
 through `collective_rpc`, which calls the worker's in-place `reload_weights`:
 no restart, no checkpoint on disk, and in-process no copy beyond the one
@@ -45,11 +58,13 @@ trainer takes the routing from its old-log-prob forward instead.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +74,8 @@ from conveyor.rollout.weight_sync import reload_vllm
 from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
-__all__ = ["VLLMRollout", "build_engine", "check_servable", "import_vllm", "select_sparse_layers", "validate_config"]
+__all__ = ["VLLMRollout", "build_engine", "check_servable", "import_vllm", "replica_layout", "select_sparse_layers",
+           "validate_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +202,77 @@ def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -
     return experts[:, list(sparse_layers)]
 
 
+def _trainer_world() -> tuple[int, int] | None:
+    """(rank, world size) of the torch.distributed world the caller made, or None when there is none."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None
+
+
+def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, list[int]]:
+    """(replica index, that replica's trainer ranks) of `rank` when engines are colocated on `world_size` ranks.
+
+    vLLM lays an existing world out as (replicas, DP, PP, PCP, TP) with TP innermost
+    (vllm/distributed/parallel_state.py, initialize_model_parallel): here DP = PP = PCP = 1, so each run of
+    `tensor_parallel_size` consecutive ranks is one tensor-parallel group, i.e. one replica.
+    """
+    tp = int(tensor_parallel_size)
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"the vllm rollout's tensor_model_parallel_size {tp} must divide the trainer's "
+                         f"{world_size} ranks: each run of that many consecutive ranks serves one replica")
+    replica = rank // tp
+    return replica, list(range(replica * tp, (replica + 1) * tp))
+
+
+@contextlib.contextmanager
+def _launcher_env(rank: int, local_rank: int) -> Iterator[None]:
+    """RANK and LOCAL_RANK as vLLM's external launcher reads them while it builds; the caller's own afterwards."""
+    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK")}
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank)})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _keeping_trainer_world() -> Iterator[None]:
+    """While vLLM shuts its engine down: remove only vLLM's own groups, not the trainer's default group.
+
+    EngineCore.shutdown ends with cleanup_dist_env_and_memory (vllm/v1/engine/core.py), whose
+    destroy_distributed_environment (vllm/distributed/parallel_state.py) destroys vLLM's world group and then
+    calls torch.distributed.destroy_process_group() on the default group, the trainer's.
+    """
+    from vllm.distributed import parallel_state
+
+    def destroy_vllm_world() -> None:
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    original = parallel_state.destroy_distributed_environment
+    parallel_state.destroy_distributed_environment = destroy_vllm_world
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
+
+
+def _shutdown_keeping_trainer_world(engine_core: Any) -> None:
+    """Shut vLLM's in-process EngineCore down, removing its groups but not the trainer's default group."""
+    if not torch.distributed.is_initialized():
+        # The trainer destroyed its world, and vLLM's groups with it (an engine never closed, at exit):
+        # vLLM's shutdown would fail destroying them again.
+        return
+    with _keeping_trainer_world():
+        engine_core.shutdown()
+
+
 class VLLMRollout(RolloutEngine):
     """Batched sampling with a vLLM engine over the checkpoint at `model_path`, fed new weights by `update_weights`."""
 
@@ -248,27 +335,56 @@ class VLLMRollout(RolloutEngine):
             need = _kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
             kwargs["kv_cache_memory_bytes"] = max(2 * need, 64 << 20)
         # vLLM makes a one-rank torch.distributed group for its own use when none exists; close() removes it.
-        self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        world = _trainer_world()
+        self._owns_process_group = world is None
+        # In a trainer's world every rank builds an engine at the same time (vLLM's groups are made
+        # collectively over the default group): vLLM's external launcher takes the world as it is, and each
+        # run of tensor_model_parallel_size consecutive ranks is one replica, fed the same prompts.
+        self.replica, self.replica_ranks, self.num_replicas = 0, [0], 1
+        launch = contextlib.nullcontext()
+        if world is not None:
+            self.replica, self.replica_ranks = replica_layout(*world, tensor_model_parallel_size)
+            self.num_replicas = world[1] // int(tensor_model_parallel_size)
+            # One seed per replica (its TP ranks must sample alike); a one-rank engine keeps `seed`.
+            kwargs["seed"] = int(seed) + self.replica
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            local_rank = self.device.index
+            if local_rank is None:
+                local_rank = torch.cuda.current_device() if self.device.type == "cuda" else 0
+            launch = _launcher_env(world[0], local_rank)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**kwargs)
+        with launch:
+            self.llm = vllm.LLM(**kwargs)
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it has bound
         # its threads; the trainer shares the process and keeps control of its own thread count.
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
         self.start_time_s = time.perf_counter() - t0
+        # The in-process engine core shuts down when it is collected (vLLM's InprocClient registers a
+        # finalizer): in a trainer's world that shutdown, too, must keep the trainer's default group.
+        self._shutdown = self.llm.llm_engine.engine_core.shutdown
+        if world is not None:
+            client = self.llm.llm_engine.engine_core
+            client._finalizer.detach()
+            self._shutdown = weakref.finalize(self, _shutdown_keeping_trainer_world, client.engine_core)
         self._sampling_params = vllm.SamplingParams
         self.weights_version: int | None = None
         if self._sleeps:
             self.sleep()
 
     def close(self) -> None:
-        """Shut the engine down and remove the process group vLLM made, so that the process can host others."""
+        """Shut the engine down and remove the process groups vLLM made, so that the process can host others.
+
+        In a trainer's world only vLLM's own groups go; the trainer's default group stays usable. Every rank
+        closes its engine (nothing here is collective).
+        """
         if self.llm is None:
             return
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        self.llm.llm_engine.engine_core.shutdown()
+        shutdown, self._shutdown = self._shutdown, None
+        shutdown()
         self.llm = None
         destroy_model_parallel()
         if self._owns_process_group:
@@ -445,7 +561,10 @@ def build_engine(context: EngineContext) -> VLLMRollout:
     return VLLMRollout(
         context.model_path, hf_config=context.model.config, pad_token_id=context.tokenizer.pad_token_id,
         eos_token_id=context.tokenizer.eos_token_id, dtype=ro.dtype or context.model_dtype,
-        max_model_len=context.max_model_len, seed=context.seed + context.rank, device=context.device,
+        # In a trainer's world the engine adds its replica to the seed itself (TP ranks of a replica share one);
+        # a separate replica outside any world is told its own.
+        max_model_len=context.max_model_len,
+        seed=context.seed if _trainer_world() is not None else context.seed + context.rank, device=context.device,
         gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
         max_num_seqs=ro.max_num_seqs, free_cache_engine=ro.free_cache_engine,
         # null: CUDA graphs on a GPU (verl's default); eager on a CPU, where graphs mean compiling at start.
@@ -461,12 +580,12 @@ def validate_config(cfg: Any) -> None:
 
     ro, t, data = cfg.actor_rollout_ref.rollout, cfg.trainer, cfg.data
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    # Colocated, each rank's engine would have to share the trainer's process group (vLLM's external_launcher
-    # backend); until that is built and tested, a colocated vllm rollout serves a single actor rank.
-    check(world == 1 or ro.placement == "separate", "actor_rollout_ref.rollout.name",
-          f"a colocated vllm rollout runs with one actor rank so far, got {world} (trainer.nnodes x "
-          "n_gpus_per_node or num_cpu_workers): use one rank, actor_rollout_ref.rollout.placement=separate, or "
-          "rollout.name=hf")
+    # Colocated over several trainer ranks, a replica of tensor_model_parallel_size > 1 spans ranks that would all
+    # have to be fed the same prompts (gathered within the TP group): not built yet.
+    check(world == 1 or ro.placement == "separate" or ro.tensor_model_parallel_size == 1,
+          "actor_rollout_ref.rollout.tensor_model_parallel_size",
+          f"a colocated vllm rollout over {world} trainer ranks runs one engine per rank (1), got "
+          f"{ro.tensor_model_parallel_size}: set it to 1, or use actor_rollout_ref.rollout.placement=separate")
     need = data.max_prompt_length + data.max_response_length
     check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
           f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}")

@@ -59,13 +59,14 @@ def test_placement_errors_name_the_key(overrides, key) -> None:
         load_config(None, overrides)
 
 
-def test_vllm_separate_from_two_fsdp2_ranks_on_ray_gets_every_update(tiny_run, tmp_path) -> None:
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tiny_run, tmp_path) -> None:
     # A high learning rate moves the policy visibly each step: were the engine a step behind, the
     # trainer's recomputed log-probs would differ from the engine's by far more than kernel noise.
     reward = tmp_path / "ones.py"
     reward.write_text(ONES_REWARD)
-    cfg = load_config(None, tiny_run + VLLM + SEPARATE + [
-        "trainer.num_cpu_workers=2", "ray.num_cpus=4", "actor_rollout_ref.actor.strategy=fsdp2",
+    cfg = load_config(None, tiny_run + VLLM + [
+        f"actor_rollout_ref.rollout.placement={placement}", "trainer.num_cpu_workers=2", "ray.num_cpus=4", "actor_rollout_ref.actor.strategy=fsdp2",
         "trainer.total_training_steps=4", "actor_rollout_ref.actor.optim.lr=3e-2",
         f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
     ])
@@ -75,7 +76,11 @@ def test_vllm_separate_from_two_fsdp2_ranks_on_ray_gets_every_update(tiny_run, t
     for r in steps:
         assert r["rollout_corr/log_prob_abs_diff/max"] < 1e-3 and r["rollout_corr/extreme_frac"] == 0
     for r in steps[1:]:
-        # New weights before each rollout, over the channel from actor rank 0 (the tiny model fits one bucket;
-        # tests/rollout/test_weight_channel.py streams many).
-        assert r["rollout/weight_send_buckets"] >= 1 and r["rollout/weight_sync_gb"] == r["rollout/weight_send_gb"] > 0
+        if placement == "separate":
+            # New weights before each rollout, over the channel from actor rank 0 (the tiny model fits one
+            # bucket; tests/rollout/test_weight_channel.py streams many).
+            assert r["rollout/weight_send_buckets"] >= 1
+            assert r["rollout/weight_sync_gb"] == r["rollout/weight_send_gb"] > 0
+        else:  # every rank's own engine, in its process, from the rank's stream of gathered tensors
+            assert r["rollout/weight_sync_s"] > 0
     assert all(r["actor/grad_norm"] > 0.1 for r in steps)
