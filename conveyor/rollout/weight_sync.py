@@ -1,0 +1,354 @@
+"""Streaming the trainer's weights to a rollout engine: one tensor at a time, in buckets, never the whole model at once.
+
+A weight sync here is a pipeline of lazy iterators over `(name, tensor)`:
+
+    iter_weights(model)                     one full tensor at a time (an FSDP2 DTensor is gathered
+                                            when it is reached: `full_tensor` is a collective, so every
+                                            rank iterates in the same order)
+    -> engine_names(..., layout=...)        fused 3-D MoE experts (transformers 5) as the engine loads
+                                            them: fused, or per expert in the checkpoint's names (views)
+    -> buckets(..., bucket_bytes)           lists of at most `bucket_bytes`
+    -> stream_to(load) | send_buckets(...)  in this process, or over a torch.distributed group to
+                                            `receive_buckets(load)` / `iter_received()` on another rank
+
+What travels. Over a group, each bucket is one `broadcast_object_list` of its metadata (names,
+dtypes, shapes, offsets) and one `broadcast` of a flat byte buffer; a bucket of one tensor is
+broadcast from the tensor's own memory (no packing copy). The receiver rebuilds views into the
+buffer it received and hands them on, then drops the buffer: it holds one bucket at a time, plus
+whatever the engine keeps.
+
+vLLM (0.32). Its in-place `reload_weights` (vllm/model_executor/model_loader/reload/layerwise.py)
+moves every layer to the meta device at the start of a call and rebuilds, at the end of the call,
+any layer whose weights arrived only in part from uninitialised memory: a call per bucket corrupts
+a layer whose tensors straddle two buckets (q/k/v fuse into one qkv_proj; gate_up and down into one
+expert layer). So an engine of that kind takes one call per sync over a lazy iterator
+(`iter_received`, or `reload_vllm` in process), which vLLM consumes layer by layer, keeping a
+layer's tensors only until it is complete. Per-bucket `load` callbacks suit engines that copy each
+tensor into its parameter at once (the benchmark's model, `copy_into`).
+
+It deliberately does not decide when to sync, wake or sleep an engine, or track weight versions:
+the actor worker and the engine adapter (conveyor/rollout/vllm.py) do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ExpertNames", "Layout", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
+    "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into",
+    "reload_vllm",
+]
+
+#: How the engine takes MoE experts: "fused", as transformers 5 holds them (one 3-D tensor per projection and
+#: layer), or "per_expert", one 2-D tensor per expert under the checkpoint's names (what every engine's
+#: checkpoint loader reads, since transformers saves that way).
+Layout = Literal["fused", "per_expert"]
+
+# Wrappers that insert a name component into the state dict (activation checkpointing, torch.compile); the
+# engine knows the unwrapped names.
+_WRAPPER_PARTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+# Offsets into a bucket's flat buffer are aligned so that every tensor's view of it is aligned for its dtype.
+_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertNames:
+    """The checkpoint names of one model family's per-expert tensors, which transformers 5 fuses on load.
+
+    transformers holds `<block>.experts.gate_up_proj` (E, 2I, H), the gate rows then the up rows, and
+    `<block>.experts.down_proj` (E, H, I); a checkpoint holds `<ckpt_block>.experts.{e}.<gate|up|down>.weight`.
+    `block` is renamed to `ckpt_block` in every name under it (Mixtral's router too).
+    """
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    block: str = "mlp"
+    ckpt_block: str = "mlp"
+
+
+#: Per model_type, where transformers' conversion mapping (transformers/conversion_mapping.py, "mixtral" and
+#: "qwen2_moe") says the checkpoint differs from the default; families it maps to qwen2_moe use the default.
+EXPERT_NAMES: dict[str, ExpertNames] = {
+    "mixtral": ExpertNames(gate="w1", up="w3", down="w2", block="mlp", ckpt_block="block_sparse_moe"),
+    "minimax": ExpertNames(gate="w1", up="w3", down="w2", block="mlp", ckpt_block="block_sparse_moe"),
+}
+
+
+def expert_names_for(model_type: str | None) -> ExpertNames:
+    """The per-expert checkpoint names of `model_type` (the qwen2_moe family's gate_proj/up_proj/down_proj by default)."""
+    return EXPERT_NAMES.get(model_type or "", ExpertNames())
+
+
+@dataclasses.dataclass
+class SyncStats:
+    """What one sync moved: tensors, bytes, buckets, the largest bucket, and seconds."""
+
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    max_bucket_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, bucket: list[tuple[str, Tensor]]) -> None:
+        """Count one bucket."""
+        size = sum(_nbytes(t) for _, t in bucket)
+        self.tensors += len(bucket)
+        self.bytes += size
+        self.buckets += 1
+        self.max_bucket_bytes = max(self.max_bucket_bytes, size)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _full(t: Tensor) -> Tensor:
+    """`t` whole: an FSDP2 DTensor gathered (a collective), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def iter_weights(model: torch.nn.Module, *, device: torch.device | str | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(name, whole tensor) of each state-dict entry of `model`, in order, gathering one FSDP2 DTensor at a time.
+
+    Every rank must consume the iterator to the end in step: each DTensor's `full_tensor` is a collective.
+    The state dict holds references to the (sharded) parameters, so nothing is gathered before it is
+    reached, and a gathered tensor lives only while its consumer holds it. `device` moves each tensor
+    there (e.g. "cpu" for a gloo group); names lose wrapper components (`_orig_mod.`, checkpoint wrappers).
+    """
+    for name, value in model.state_dict(keep_vars=False).items():
+        tensor = _full(value).detach()
+        if device is not None:
+            tensor = tensor.to(device)
+        yield _WRAPPER_PARTS.sub(r"\1", name), tensor
+
+
+def split_experts(name: str, tensor: Tensor, names: ExpertNames) -> Iterator[tuple[str, Tensor]] | None:
+    """The per-expert tensors (views) of one fused expert tensor in checkpoint names; None if `name` is not one.
+
+    gate_up_proj (E, 2I, H) gives `experts.{e}.<gate>.weight` = rows [:I] and `<up>` = rows [I:] of expert e;
+    down_proj (E, H, I) gives `experts.{e}.<down>.weight` = expert e. Both are already (out, in), the
+    orientation of the checkpoint's linear layers, so no transpose is needed.
+    """
+    for fused, parts in (("gate_up_proj", (names.gate, names.up)), ("down_proj", (names.down,))):
+        suffix = f".experts.{fused}"
+        if not name.endswith(suffix) or tensor.dim() != 3:
+            continue
+        prefix = _rename_block(name[: -len(suffix)], names)
+        if tensor.shape[1] % len(parts):
+            raise ValueError(f"{name}: a fused gate/up tensor of shape {tuple(tensor.shape)} has an odd row count")
+        rows = tensor.shape[1] // len(parts)
+        return ((f"{prefix}.experts.{e}.{part}.weight", tensor[e, i * rows:(i + 1) * rows])
+                for e in range(tensor.shape[0]) for i, part in enumerate(parts))
+    return None
+
+
+def _rename_block(name: str, names: ExpertNames) -> str:
+    """`name` with its MoE block's module renamed to the checkpoint's (Mixtral: mlp -> block_sparse_moe)."""
+    if names.block == names.ckpt_block:
+        return name
+    return re.sub(rf"(\.layers\.\d+\.){re.escape(names.block)}(\.|$)", rf"\1{names.ckpt_block}\2", name)
+
+
+def engine_names(named: Iterable[tuple[str, Tensor]], *, layout: Layout = "per_expert",
+                 model_type: str | None = None, is_moe: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """`named` as the engine loads it: fused experts passed through ("fused") or split per expert in checkpoint names.
+
+    With "per_expert" the MoE block's other tensors are renamed too (Mixtral's `mlp.gate` is the checkpoint's
+    `block_sparse_moe.gate`); a dense model (`is_moe=False`) passes through unchanged either way.
+    """
+    if layout not in ("fused", "per_expert"):
+        raise ValueError(f"weight sync layout must be 'fused' or 'per_expert', got {layout!r}")
+    names = expert_names_for(model_type)
+    for name, tensor in named:
+        if layout == "fused" or not is_moe:
+            yield name, tensor
+            continue
+        split = split_experts(name, tensor, names)
+        if split is not None:
+            yield from split
+        else:
+            yield _rename_block(name, names), tensor
+
+
+def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Consecutive groups of `named` of at most `bucket_bytes` each; a tensor larger than that travels alone.
+
+    Lazy: a bucket is yielded as soon as the next tensor would overflow it, so at most one bucket's tensors
+    (and, under FSDP2, the gathered tensor that did not fit) are alive at once on the caller's side.
+    """
+    if int(bucket_bytes) <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        n = _nbytes(tensor)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def stream_to(named: Iterable[tuple[str, Tensor]], load: Callable[[list[tuple[str, Tensor]]], Any], *,
+              bucket_bytes: int) -> SyncStats:
+    """In-process sync: each bucket of `named` straight to `load` (no copy beyond what produced the tensors)."""
+    stats, t0 = SyncStats(), time.perf_counter()
+    for bucket in buckets(named, bucket_bytes):
+        stats.add(bucket)
+        load(bucket)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[list[tuple[str, str, tuple[int, ...], int]], int]:
+    """Each tensor's (name, dtype, shape, byte offset) in a bucket's flat buffer, and the buffer's size."""
+    meta, offset = [], 0
+    for name, tensor in bucket:
+        offset = -(-offset // _ALIGN) * _ALIGN
+        meta.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
+        offset += _nbytes(tensor)
+    return meta, offset
+
+
+def _bytes_of(tensor: Tensor) -> Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+
+
+def _nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of `dtype` (its name in torch) and `shape`."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _view(buffer: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Tensor:
+    """The tensor of `dtype` and `shape` that starts `offset` bytes into `buffer` (a view)."""
+    return buffer[offset:offset + _nbytes_of(dtype, shape)].view(getattr(torch, dtype)).view(shape)
+
+
+def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, group: Any = None, src: int = 0,
+                 device: torch.device | str = "cpu") -> SyncStats:
+    """Broadcast `named` from rank `src` of `group` in buckets: their metadata, then one flat buffer each.
+
+    `device` is where the group's collectives run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere
+    are copied there a bucket at a time. Every other rank of the group runs `receive_buckets` or
+    `iter_received` with the same `src`; an end marker closes the stream.
+    """
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    stats, t0 = SyncStats(), time.perf_counter()
+    for bucket in buckets(named, bucket_bytes):
+        meta, total = _layout(bucket)
+        dist.broadcast_object_list([meta], src=src, group=group, device=device)
+        only = bucket[0][1] if len(bucket) == 1 else None
+        if only is not None and only.device == device and only.is_contiguous():
+            buffer = _bytes_of(only)  # a lone tensor travels from its own memory
+        else:
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            for (_, tensor), (_, dtype, shape, offset) in zip(bucket, meta):
+                _view(buffer, dtype, shape, offset).copy_(tensor)
+        dist.broadcast(buffer, src=src, group=group)
+        stats.add(bucket)
+        del buffer, bucket, only
+    dist.broadcast_object_list([None], src=src, group=group, device=device)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _receive_bucket(group: Any, src: int, device: torch.device) -> list[tuple[str, Tensor]] | None:
+    """The next bucket `send_buckets` broadcasts from `src`, as views of a new buffer; None at the end marker."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    meta = box[0]
+    if meta is None:
+        return None
+    total = max((offset + _nbytes_of(dtype, shape) for _, dtype, shape, offset in meta), default=0)
+    # A new buffer per bucket, never a reused one: a consumer may still hold views of the previous bucket.
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src, group=group)
+    return [(name, _view(buffer, dtype, shape, offset)) for name, dtype, shape, offset in meta]
+
+
+def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str = "cpu",
+                  stats: SyncStats | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The (name, tensor) stream `send_buckets` broadcasts from `src`, lazily: one bucket is received at a time.
+
+    The yielded tensors are views of their bucket's buffer, so a consumer may keep them (vLLM's reload holds
+    a layer's tensors until the layer is complete); the buffer is freed once no view of it is alive. Consume
+    it to the end: the stream's collectives pair with the sender's.
+    """
+    device = torch.device(device)
+    while (bucket := _receive_bucket(group, src, device)) is not None:
+        if stats is not None:
+            stats.add(bucket)
+        while bucket:
+            yield bucket.pop(0)  # the stream keeps no reference to what it has handed on
+
+
+def receive_buckets(load: Callable[[list[tuple[str, Tensor]]], Any], *, group: Any = None, src: int = 0,
+                    device: torch.device | str = "cpu") -> SyncStats:
+    """Receive what `send_buckets` broadcasts from `src` and call `load(bucket)` once per bucket; returns the stats.
+
+    The receiver holds one bucket at a time: the next is received only after `load` has returned and the
+    previous bucket's views are dropped (unless `load` keeps them).
+    """
+    device = torch.device(device)
+    stats, t0 = SyncStats(), time.perf_counter()
+    while (bucket := _receive_bucket(group, src, device)) is not None:
+        stats.add(bucket)
+        load(bucket)
+        del bucket
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def copy_into(model: torch.nn.Module) -> Callable[[list[tuple[str, Tensor]]], None]:
+    """A `load` callback that copies each received tensor into `model`'s parameter or buffer of that name, in place."""
+    targets = dict(model.state_dict(keep_vars=True))
+
+    def load(bucket: list[tuple[str, Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in bucket:
+                if name not in targets:
+                    raise KeyError(f"weight sync: the receiving model has no tensor named {name!r}")
+                targets[name].copy_(tensor)
+
+    return load
+
+
+def _reload_stream(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
+    """Runs in a vLLM worker (collective_rpc): one in-place reload over the lazy stream, then the CPU repack."""
+    from conveyor.rollout.vllm import _repack_cpu_experts
+
+    worker.reload_weights(weights_iterator=iter(weights))
+    return _repack_cpu_experts(worker.model_runner.model)
+
+
+def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]]) -> None:
+    """Load `named` into an in-process vLLM engine (`vllm.LLM`) in place with ONE reload call consuming it lazily.
+
+    One call, not one per bucket: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
+    call from uninitialised memory. The in-process executor passes the iterator itself to its worker, so the
+    stream is drawn (gathered, received) while vLLM loads it, layer by layer.
+    """
+    llm.collective_rpc(_reload_stream, args=(named,))
