@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ExpertNames", "Layout", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
+    "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
     "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into",
     "reload_vllm",
 ]
@@ -108,6 +108,37 @@ class SyncStats:
         self.max_bucket_bytes = max(self.max_bucket_bytes, size)
 
 
+class Staging:
+    """One flat byte buffer kept between buckets and syncs, so its memory is allocated (and its pages touched) once.
+
+    Fresh memory is what makes a CPU transport slow: on the 2-core machine of docs/BENCHMARKS.md, writing
+    232 MB into new pages took 0.3-2 s, into touched ones 0.1 s. The buffer is reused only while no view of
+    it is alive (a consumer such as vLLM's reload may keep a bucket's tensors); otherwise a new one is made
+    and the old one is left to whoever holds it. It grows to the largest bucket seen, so it holds one bucket.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buffer: Tensor | None = None
+
+    def get(self, nbytes: int) -> Tensor:
+        """A uint8 tensor of `nbytes` on the device that nothing else references."""
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < nbytes or not self._unshared(buffer):
+            buffer = self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer[:nbytes]
+
+    def release(self) -> None:
+        """Free the buffer (between syncs, where memory matters more than the next sync's speed)."""
+        self._buffer = None
+
+    @staticmethod
+    def _unshared(buffer: Tensor) -> bool:
+        # The buffer's own reference and the temporary Python storage object are the only owners of its memory.
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        return use_count is not None and use_count(buffer.untyped_storage()._cdata) <= 2
+
+
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -162,17 +193,17 @@ def _rename_block(name: str, names: ExpertNames) -> str:
 
 
 def engine_names(named: Iterable[tuple[str, Tensor]], *, layout: Layout = "per_expert",
-                 model_type: str | None = None, is_moe: bool = True) -> Iterator[tuple[str, Tensor]]:
+                 model_type: str | None = None) -> Iterator[tuple[str, Tensor]]:
     """`named` as the engine loads it: fused experts passed through ("fused") or split per expert in checkpoint names.
 
     With "per_expert" the MoE block's other tensors are renamed too (Mixtral's `mlp.gate` is the checkpoint's
-    `block_sparse_moe.gate`); a dense model (`is_moe=False`) passes through unchanged either way.
+    `block_sparse_moe.gate`); a dense model's tensors pass through unchanged either way.
     """
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"weight sync layout must be 'fused' or 'per_expert', got {layout!r}")
     names = expert_names_for(model_type)
     for name, tensor in named:
-        if layout == "fused" or not is_moe:
+        if layout == "fused":
             yield name, tensor
             continue
         split = split_experts(name, tensor, names)
@@ -244,16 +275,18 @@ def _view(buffer: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Te
 
 
 def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, group: Any = None, src: int = 0,
-                 device: torch.device | str = "cpu") -> SyncStats:
+                 device: torch.device | str = "cpu", staging: Staging | None = None) -> SyncStats:
     """Broadcast `named` from rank `src` of `group` in buckets: their metadata, then one flat buffer each.
 
     `device` is where the group's collectives run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere
-    are copied there a bucket at a time. Every other rank of the group runs `receive_buckets` or
-    `iter_received` with the same `src`; an end marker closes the stream.
+    are copied there a bucket at a time, into `staging` (pass one that lives across syncs to pack into
+    memory already touched). Every other rank of the group runs `receive_buckets` or `iter_received`
+    with the same `src`; an end marker closes the stream.
     """
     import torch.distributed as dist
 
     device = torch.device(device)
+    staging = staging if staging is not None else Staging(device)
     stats, t0 = SyncStats(), time.perf_counter()
     for bucket in buckets(named, bucket_bytes):
         meta, total = _layout(bucket)
@@ -262,7 +295,7 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
         if only is not None and only.device == device and only.is_contiguous():
             buffer = _bytes_of(only)  # a lone tensor travels from its own memory
         else:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            buffer = staging.get(total)
             for (_, tensor), (_, dtype, shape, offset) in zip(bucket, meta):
                 _view(buffer, dtype, shape, offset).copy_(tensor)
         dist.broadcast(buffer, src=src, group=group)
@@ -273,32 +306,32 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
     return stats
 
 
-def _receive_bucket(group: Any, src: int, device: torch.device) -> list[tuple[str, Tensor]] | None:
-    """The next bucket `send_buckets` broadcasts from `src`, as views of a new buffer; None at the end marker."""
+def _receive_bucket(group: Any, src: int, staging: Staging) -> list[tuple[str, Tensor]] | None:
+    """The next bucket `send_buckets` broadcasts from `src`, as views of a staging buffer; None at the end marker."""
     import torch.distributed as dist
 
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    dist.broadcast_object_list(box, src=src, group=group, device=staging.device)
     meta = box[0]
     if meta is None:
         return None
     total = max((offset + _nbytes_of(dtype, shape) for _, dtype, shape, offset in meta), default=0)
-    # A new buffer per bucket, never a reused one: a consumer may still hold views of the previous bucket.
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    # Reused only if the consumer kept no view of the previous bucket (Staging.get checks).
+    buffer = staging.get(total)
     dist.broadcast(buffer, src=src, group=group)
     return [(name, _view(buffer, dtype, shape, offset)) for name, dtype, shape, offset in meta]
 
 
 def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str = "cpu",
-                  stats: SyncStats | None = None) -> Iterator[tuple[str, Tensor]]:
+                  stats: SyncStats | None = None, staging: Staging | None = None) -> Iterator[tuple[str, Tensor]]:
     """The (name, tensor) stream `send_buckets` broadcasts from `src`, lazily: one bucket is received at a time.
 
     The yielded tensors are views of their bucket's buffer, so a consumer may keep them (vLLM's reload holds
     a layer's tensors until the layer is complete); the buffer is freed once no view of it is alive. Consume
     it to the end: the stream's collectives pair with the sender's.
     """
-    device = torch.device(device)
-    while (bucket := _receive_bucket(group, src, device)) is not None:
+    staging = staging if staging is not None else Staging(device)
+    while (bucket := _receive_bucket(group, src, staging)) is not None:
         if stats is not None:
             stats.add(bucket)
         while bucket:
@@ -306,15 +339,16 @@ def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str
 
 
 def receive_buckets(load: Callable[[list[tuple[str, Tensor]]], Any], *, group: Any = None, src: int = 0,
-                    device: torch.device | str = "cpu") -> SyncStats:
+                    device: torch.device | str = "cpu", staging: Staging | None = None) -> SyncStats:
     """Receive what `send_buckets` broadcasts from `src` and call `load(bucket)` once per bucket; returns the stats.
 
     The receiver holds one bucket at a time: the next is received only after `load` has returned and the
-    previous bucket's views are dropped (unless `load` keeps them).
+    previous bucket's views are dropped (unless `load` keeps them, when the next bucket gets new memory).
+    `staging` kept across syncs receives into memory already touched.
     """
-    device = torch.device(device)
+    staging = staging if staging is not None else Staging(device)
     stats, t0 = SyncStats(), time.perf_counter()
-    while (bucket := _receive_bucket(group, src, device)) is not None:
+    while (bucket := _receive_bucket(group, src, staging)) is not None:
         stats.add(bucket)
         load(bucket)
         del bucket

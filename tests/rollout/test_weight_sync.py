@@ -66,6 +66,21 @@ def test_buckets_are_lazy_and_the_in_process_path_passes_the_tensors_themselves(
     assert (stats.buckets, stats.tensors, stats.bytes, stats.max_bucket_bytes) == (3, 5, 40, 16)
 
 
+def test_staging_reuses_its_buffer_only_when_no_view_of_it_is_alive() -> None:
+    staging = ws.Staging("cpu")
+    first = staging.get(64)
+    ptr = first.data_ptr()
+    del first
+    again = staging.get(32)
+    assert again.data_ptr() == ptr  # reused: nothing else held it
+    kept = again[:8].view(torch.int32)  # a consumer keeps a view (vLLM's reload keeps a layer's tensors)
+    del again
+    fresh = staging.get(64)
+    assert fresh.data_ptr() != ptr and kept.data_ptr() == ptr  # new memory; the kept view is untouched
+    del fresh
+    assert staging.get(128).numel() == 128  # grows to a larger bucket
+
+
 # ------------------------------------------------------------------ expert names
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
 def test_per_expert_layout_is_the_checkpoint_transformers_saves_as_views(arch, tok, tmp_path) -> None:
@@ -220,3 +235,4 @@ def test_vllm_mixtral_refuses_fused_expert_names_and_serves_per_expert(tok, tmp_
         assert same, (theirs["responses"], ours["responses"])
     finally:
         engine.close()
+
