@@ -14,17 +14,24 @@ A weight sync here is a pipeline of lazy iterators over `(name, tensor)`:
 What travels. Over a group, each bucket is one `broadcast_object_list` of its metadata (names,
 dtypes, shapes, offsets) and one `broadcast` of a flat byte buffer; a bucket of one tensor is
 broadcast from the tensor's own memory (no packing copy). The receiver rebuilds views into the
-buffer it received and hands them on, then drops the buffer: it holds one bucket at a time, plus
-whatever the engine keeps.
+buffer it received and hands them on before it receives the next bucket: it holds one bucket at a
+time, plus whatever the engine keeps.
 
 vLLM (0.32). Its in-place `reload_weights` (vllm/model_executor/model_loader/reload/layerwise.py)
-moves every layer to the meta device at the start of a call and rebuilds, at the end of the call,
-any layer whose weights arrived only in part from uninitialised memory: a call per bucket corrupts
-a layer whose tensors straddle two buckets (q/k/v fuse into one qkv_proj; gate_up and down into one
-expert layer). So an engine of that kind takes one call per sync over a lazy iterator
-(`iter_received`, or `reload_vllm` in process), which vLLM consumes layer by layer, keeping a
-layer's tensors only until it is complete. Per-bucket `load` callbacks suit engines that copy each
-tensor into its parameter at once (the benchmark's model, `copy_into`).
+moves every layer to the meta device at the start of a call and, at its end, rebuilds any layer
+whose weights arrived only in part from uninitialised memory (meta.py, `torch.empty_strided`). A call
+per bucket therefore breaks every layer that straddles two buckets (q/k/v fuse into one qkv_proj,
+gate_up and down into one expert layer): measured on the tiny Qwen3-MoE with 16 KiB buckets, the
+engine's greedy tokens then differ from the trainer's (and, in that run, stayed wrong after a later
+one-call reload).
+So such an engine takes ONE call per sync over a lazy iterator (`iter_received` from another
+process, `reload_vllm` in process), which vLLM consumes layer by layer, keeping a layer's tensors
+only until that layer is complete. Per-bucket `load` callbacks suit engines that copy each tensor
+into its parameter at once (the benchmark's model: `copy_into`).
+
+Memory. `Staging` keeps one bucket-sized buffer per side between buckets and syncs (new pages are
+what makes a CPU transport slow); it is reused only while no view of it is alive, so a consumer that
+keeps tensors (vLLM, until a layer is complete) gets new memory instead of overwritten tensors.
 
 It deliberately does not decide when to sync, wake or sleep an engine, or track weight versions:
 the actor worker and the engine adapter (conveyor/rollout/vllm.py) do.
