@@ -12,6 +12,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
   forward, in training and in the rollout;
 - `sharding.py`: per-rank bytes of FSDP2 against DDP replicas on two gloo ranks;
+- `weight_sync.py`: the streamed weight sync against a plain broadcast of the same bytes (2 gloo processes);
 - `loading.py`: rank 1's loading peak under fsdp2 against the model's bytes;
 - `memory.py`: each phase's peak memory per rank on 1 and 2 fsdp2 ranks (340M MoE);
 - `default_run.py`: the default run over 6 seed pairs, one at a time, each from an
@@ -50,6 +51,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rollout", ("--threads", "1")),
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),
+    ("weight_sync", ()),
     ("loading", ()),
     ("memory", ()),
     ("default_run", ()),

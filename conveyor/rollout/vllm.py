@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conveyor.rollout.weight_sync import reload_vllm
+from conveyor.rollout.weight_sync import engine_names, reload_vllm
 from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
@@ -306,6 +306,7 @@ class VLLMRollout(RolloutEngine):
         # vLLM refuses it as a stop token, and nothing is lost by not passing it.
         self._stop_ids = [self.eos_token_id] if self.eos_token_id < int(hf_config.vocab_size) else []
         self.device = torch.device(device)
+        self.model_type = getattr(hf_config, "model_type", None)  # the checkpoint names of its experts
         # What the engine declares it can do on this device (conveyor.rollout.base): routing needs CUDA.
         self.capabilities = engine_spec("vllm").capabilities(self.device.type)
         self.returns_routing = bool(capture_routing) and self.capabilities.returns_routing
@@ -397,7 +398,11 @@ class VLLMRollout(RolloutEngine):
         t0 = time.perf_counter()
         self.wake(["weights"])  # the KV cache stays released until generation
         # One reload over the lazy stream: vLLM loads it layer by layer as the tensors are gathered or received.
-        reload_vllm(self.llm, ((name, t.detach()) for name, t in named_tensors))
+        # Experts per expert, under the checkpoint's names: what vLLM's loader reads for every MoE family
+        # (fused 3-D names load for Qwen3-MoE but not Mixtral, whose vLLM module has another name).
+        named = engine_names(((name, t.detach()) for name, t in named_tensors), layout="per_expert",
+                             model_type=self.model_type)
+        reload_vllm(self.llm, named)
         self.weights_version = version
         return time.perf_counter() - t0
 

@@ -14,17 +14,24 @@ A weight sync here is a pipeline of lazy iterators over `(name, tensor)`:
 What travels. Over a group, each bucket is one `broadcast_object_list` of its metadata (names,
 dtypes, shapes, offsets) and one `broadcast` of a flat byte buffer; a bucket of one tensor is
 broadcast from the tensor's own memory (no packing copy). The receiver rebuilds views into the
-buffer it received and hands them on, then drops the buffer: it holds one bucket at a time, plus
-whatever the engine keeps.
+buffer it received and hands them on before it receives the next bucket: it holds one bucket at a
+time, plus whatever the engine keeps.
 
 vLLM (0.32). Its in-place `reload_weights` (vllm/model_executor/model_loader/reload/layerwise.py)
-moves every layer to the meta device at the start of a call and rebuilds, at the end of the call,
-any layer whose weights arrived only in part from uninitialised memory: a call per bucket corrupts
-a layer whose tensors straddle two buckets (q/k/v fuse into one qkv_proj; gate_up and down into one
-expert layer). So an engine of that kind takes one call per sync over a lazy iterator
-(`iter_received`, or `reload_vllm` in process), which vLLM consumes layer by layer, keeping a
-layer's tensors only until it is complete. Per-bucket `load` callbacks suit engines that copy each
-tensor into its parameter at once (the benchmark's model, `copy_into`).
+moves every layer to the meta device at the start of a call and, at its end, rebuilds any layer
+whose weights arrived only in part from uninitialised memory (meta.py, `torch.empty_strided`). A call
+per bucket therefore breaks every layer that straddles two buckets (q/k/v fuse into one qkv_proj,
+gate_up and down into one expert layer): measured on the tiny Qwen3-MoE with 16 KiB buckets, the
+engine's greedy tokens then differ from the trainer's (and, in that run, stayed wrong after a later
+one-call reload).
+So such an engine takes ONE call per sync over a lazy iterator (`iter_received` from another
+process, `reload_vllm` in process), which vLLM consumes layer by layer, keeping a layer's tensors
+only until that layer is complete. Per-bucket `load` callbacks suit engines that copy each tensor
+into its parameter at once (the benchmark's model: `copy_into`).
+
+Memory. `Staging` keeps one bucket-sized buffer per side between buckets and syncs (new pages are
+what makes a CPU transport slow); it is reused only while no view of it is alive, so a consumer that
+keeps tensors (vLLM, until a layer is complete) gets new memory instead of overwritten tensors.
 
 It deliberately does not decide when to sync, wake or sleep an engine, or track weight versions:
 the actor worker and the engine adapter (conveyor/rollout/vllm.py) do.
@@ -42,7 +49,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ExpertNames", "Layout", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
+    "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
     "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into",
     "reload_vllm",
 ]
@@ -108,6 +115,37 @@ class SyncStats:
         self.max_bucket_bytes = max(self.max_bucket_bytes, size)
 
 
+class Staging:
+    """One flat byte buffer kept between buckets and syncs, so its memory is allocated (and its pages touched) once.
+
+    Fresh memory is what makes a CPU transport slow: on the 2-core machine of docs/BENCHMARKS.md, writing
+    232 MB into new pages took 0.3-2 s, into touched ones 0.1 s. The buffer is reused only while no view of
+    it is alive (a consumer such as vLLM's reload may keep a bucket's tensors); otherwise a new one is made
+    and the old one is left to whoever holds it. It grows to the largest bucket seen, so it holds one bucket.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buffer: Tensor | None = None
+
+    def get(self, nbytes: int) -> Tensor:
+        """A uint8 tensor of `nbytes` on the device that nothing else references."""
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < nbytes or not self._unshared(buffer):
+            buffer = self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer[:nbytes]
+
+    def release(self) -> None:
+        """Free the buffer (between syncs, where memory matters more than the next sync's speed)."""
+        self._buffer = None
+
+    @staticmethod
+    def _unshared(buffer: Tensor) -> bool:
+        # The buffer's own reference and the temporary Python storage object are the only owners of its memory.
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        return use_count is not None and use_count(buffer.untyped_storage()._cdata) <= 2
+
+
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -162,17 +200,17 @@ def _rename_block(name: str, names: ExpertNames) -> str:
 
 
 def engine_names(named: Iterable[tuple[str, Tensor]], *, layout: Layout = "per_expert",
-                 model_type: str | None = None, is_moe: bool = True) -> Iterator[tuple[str, Tensor]]:
+                 model_type: str | None = None) -> Iterator[tuple[str, Tensor]]:
     """`named` as the engine loads it: fused experts passed through ("fused") or split per expert in checkpoint names.
 
     With "per_expert" the MoE block's other tensors are renamed too (Mixtral's `mlp.gate` is the checkpoint's
-    `block_sparse_moe.gate`); a dense model (`is_moe=False`) passes through unchanged either way.
+    `block_sparse_moe.gate`); a dense model's tensors pass through unchanged either way.
     """
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"weight sync layout must be 'fused' or 'per_expert', got {layout!r}")
     names = expert_names_for(model_type)
     for name, tensor in named:
-        if layout == "fused" or not is_moe:
+        if layout == "fused":
             yield name, tensor
             continue
         split = split_experts(name, tensor, names)
@@ -244,16 +282,19 @@ def _view(buffer: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Te
 
 
 def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, group: Any = None, src: int = 0,
-                 device: torch.device | str = "cpu") -> SyncStats:
+                 device: torch.device | str = "cpu", staging: Staging | None = None) -> SyncStats:
     """Broadcast `named` from rank `src` of `group` in buckets: their metadata, then one flat buffer each.
 
     `group` is a torch.distributed group, or a standalone channel with `broadcast_tensor(tensor, src)` and
-    `broadcast_object(obj, src)` (conveyor.workers.weight_channel). `device` is where the group's collectives
-    run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere are copied there a bucket at a time. Every
-    other rank of the group runs `receive_buckets` or `iter_received` with the same `src`; an end marker
-    closes the stream.
+    `broadcast_object(obj, src)` (conveyor.workers.weight_channel).
+
+    `device` is where the group's collectives run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere
+    are copied there a bucket at a time, into `staging` (pass one that lives across syncs to pack into
+    memory already touched). Every other rank of the group runs `receive_buckets` or `iter_received`
+    with the same `src`; an end marker closes the stream.
     """
     device = torch.device(device)
+    staging = staging if staging is not None else Staging(device)
     stats, t0 = SyncStats(), time.perf_counter()
     for bucket in buckets(named, bucket_bytes):
         meta, total = _layout(bucket)
@@ -262,7 +303,7 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
         if only is not None and only.device == device and only.is_contiguous():
             buffer = _bytes_of(only)  # a lone tensor travels from its own memory
         else:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            buffer = staging.get(total)
             for (_, tensor), (_, dtype, shape, offset) in zip(bucket, meta):
                 _view(buffer, dtype, shape, offset).copy_(tensor)
         _broadcast(buffer, src, group)
@@ -294,28 +335,28 @@ def _broadcast_object(obj: Any, src: int, group: Any, device: torch.device) -> A
     return box[0]
 
 
-def _receive_bucket(group: Any, src: int, device: torch.device) -> list[tuple[str, Tensor]] | None:
-    """The next bucket `send_buckets` broadcasts from `src`, as views of a new buffer; None at the end marker."""
-    meta = _broadcast_object(None, src, group, device)
+def _receive_bucket(group: Any, src: int, staging: Staging) -> list[tuple[str, Tensor]] | None:
+    """The next bucket `send_buckets` broadcasts from `src`, as views of a staging buffer; None at the end marker."""
+    meta = _broadcast_object(None, src, group, staging.device)
     if meta is None:
         return None
     total = max((offset + _nbytes_of(dtype, shape) for _, dtype, shape, offset in meta), default=0)
-    # A new buffer per bucket, never a reused one: a consumer may still hold views of the previous bucket.
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    # Reused only if the consumer kept no view of the previous bucket (Staging.get checks).
+    buffer = staging.get(total)
     _broadcast(buffer, src, group)
     return [(name, _view(buffer, dtype, shape, offset)) for name, dtype, shape, offset in meta]
 
 
 def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str = "cpu",
-                  stats: SyncStats | None = None) -> Iterator[tuple[str, Tensor]]:
+                  stats: SyncStats | None = None, staging: Staging | None = None) -> Iterator[tuple[str, Tensor]]:
     """The (name, tensor) stream `send_buckets` broadcasts from `src`, lazily: one bucket is received at a time.
 
     The yielded tensors are views of their bucket's buffer, so a consumer may keep them (vLLM's reload holds
     a layer's tensors until the layer is complete); the buffer is freed once no view of it is alive. Consume
     it to the end: the stream's collectives pair with the sender's.
     """
-    device = torch.device(device)
-    while (bucket := _receive_bucket(group, src, device)) is not None:
+    staging = staging if staging is not None else Staging(device)
+    while (bucket := _receive_bucket(group, src, staging)) is not None:
         if stats is not None:
             stats.add(bucket)
         while bucket:
@@ -323,15 +364,16 @@ def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str
 
 
 def receive_buckets(load: Callable[[list[tuple[str, Tensor]]], Any], *, group: Any = None, src: int = 0,
-                    device: torch.device | str = "cpu") -> SyncStats:
+                    device: torch.device | str = "cpu", staging: Staging | None = None) -> SyncStats:
     """Receive what `send_buckets` broadcasts from `src` and call `load(bucket)` once per bucket; returns the stats.
 
     The receiver holds one bucket at a time: the next is received only after `load` has returned and the
-    previous bucket's views are dropped (unless `load` keeps them).
+    previous bucket's views are dropped (unless `load` keeps them, when the next bucket gets new memory).
+    `staging` kept across syncs receives into memory already touched.
     """
-    device = torch.device(device)
+    staging = staging if staging is not None else Staging(device)
     stats, t0 = SyncStats(), time.perf_counter()
-    while (bucket := _receive_bucket(group, src, device)) is not None:
+    while (bucket := _receive_bucket(group, src, staging)) is not None:
         stats.add(bucket)
         load(bucket)
         del bucket

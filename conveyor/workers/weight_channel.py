@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 
-from conveyor.rollout.weight_sync import SyncStats, iter_received, send_buckets
+from conveyor.rollout.weight_sync import Staging, SyncStats, iter_received, send_buckets
 
 __all__ = ["WeightChannel", "free_address"]
 
@@ -62,6 +62,7 @@ class WeightChannel:
             self.group = tdist.ProcessGroupGloo(store, rank, size, timeout)
         self._store = store  # the group keeps using it
         self.last = SyncStats()  # what the latest sync received
+        self.staging = Staging(self.device)  # one bucket's buffer, reused across buckets and syncs
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """`tensor` from channel rank `src` on every member."""
@@ -83,13 +84,14 @@ class WeightChannel:
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
         """Rank 0: stream the tensors to every receiver, bucket by bucket (`weight_sync.send_buckets`)."""
         assert self.rank == 0, "only the channel's rank 0 sends"
-        return send_buckets(named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device)
+        return send_buckets(named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device,
+                            staging=self.staging)
 
     def received(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A receiver: one sync's tensors as they arrive (`weight_sync.iter_received`); `last` then holds its stats."""
         assert self.rank != 0, "rank 0 sends"
         self.last = SyncStats()
-        yield from iter_received(group=self, src=0, device=self.device, stats=self.last)
+        yield from iter_received(group=self, src=0, device=self.device, stats=self.last, staging=self.staging)
 
     def close(self) -> None:
         """Leave the channel's group."""

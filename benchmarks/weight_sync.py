@@ -1,0 +1,210 @@
+"""Streamed weight sync against a plain broadcast of the same bytes: two gloo processes, dense Qwen3 models.
+
+For each size, rank 0 (the trainer) and rank 1 (the engine) each build the same dense Qwen3 from
+config (float32, random weights; the receiver's copy starts zeroed). Two ways to move rank 0's
+weights into rank 1's model over the same gloo link:
+
+  plain     one `torch.distributed.broadcast` per tensor, straight from the sender's parameter into
+            the receiver's (no buckets, no packing, no metadata: the link's own speed for these bytes)
+  streamed  conveyor.rollout.weight_sync: the sender iterates the model (`iter_weights`), groups the
+            tensors into `--bucket-mb` buckets and broadcasts each bucket's metadata and one flat
+            buffer (`send_buckets`); the receiver rebuilds the tensors and copies them into its own
+            model in place (`receive_buckets` + `copy_into`)
+
+Each runs once cold (the first sync of a size, which allocates the staging buffers) and then
+`--repeats` times warm, as every later training step would (the fastest is kept: the host is shared);
+after each, the receiver's weights are checked bit for bit against the sender's (a checksum). Each rank's peak extra memory during a sync is its resident
+set's high-water mark (VmHWM, reset through /proc/self/clear_refs) over its resident set before the
+sync: a sync that materialised the whole model would show the model's size there. The bar: streamed
+within 2x of plain.
+
+    python benchmarks/weight_sync.py                         # ~50M and ~500M parameters, 512 MB buckets
+    python benchmarks/weight_sync.py --sizes tiny --bucket-mb 1   # a few seconds
+
+The default bucket is 512 MB, verl's default for actor_rollout_ref.rollout.update_weights_bucket_megabytes
+(verl/trainer/config/rollout/rollout.yaml): large enough that per-bucket overhead (two collectives
+and a pickle of the metadata) is negligible, small enough to be a fraction of a GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+#: Dense Qwen3 shapes by name: (hidden, layers, intermediate, heads, kv heads, vocab); untied embeddings.
+SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (64, 2, 128, 2, 1, 512),
+    "50m": (512, 8, 1536, 8, 4, 32000),
+    "500m": (1024, 24, 3072, 16, 8, 100000),
+}
+
+
+def build(size: str, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
+    """A dense Qwen3 of `size` in `dtype`: random (seeded) weights, or zeros when `seed` is None."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    hidden, layers, inter, heads, kv, vocab = SIZES[size]
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
+                         tie_word_embeddings=False, max_position_embeddings=512)
+    # Built on the meta device and filled directly: transformers' own init of 500M parameters takes minutes here.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(seed if seed is not None else 0)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if seed is None:
+                t.zero_()
+            elif t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(0.02))
+    return model
+
+
+def _status(key: str) -> int:
+    """A field of /proc/self/status in bytes (0 where the file is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak() -> int:
+    """Reset this process's resident high-water mark to its current resident set; returns that resident set.
+
+    The C heap's free memory is returned to the system first (malloc_trim): glibc keeps what earlier
+    temporaries freed resident, which both inflates the baseline and hides later allocations.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def _plain(model: torch.nn.Module, rank: int) -> None:
+    for t in model.state_dict().values():
+        tdist.broadcast(t, src=0)
+
+
+def _streamed(model: torch.nn.Module, rank: int, bucket_bytes: int, staging) -> None:
+    from conveyor.rollout import weight_sync as ws
+
+    if rank == 0:
+        ws.send_buckets(ws.iter_weights(model), bucket_bytes=bucket_bytes, staging=staging)
+    else:
+        ws.receive_buckets(ws.copy_into(model), staging=staging)
+
+
+def _same_as_sender(model: torch.nn.Module) -> bool:
+    """Whether every tensor of this rank's model equals rank 0's bit for bit (a checksum broadcast)."""
+    sums = torch.stack([t.reshape(-1).view(torch.int32 if t.element_size() == 4 else torch.int16).double().sum()
+                        for t in model.state_dict().values()])
+    theirs = sums.clone()
+    tdist.broadcast(theirs, src=0)
+    return bool(torch.equal(sums, theirs))
+
+
+def _rank(rank: int, port: int, sizes: list[str], bucket_bytes: int, dtype: str, repeats: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=20))
+    from conveyor.rollout.weight_sync import Staging
+
+    dt = getattr(torch, dtype)
+    rows = []
+    staging = Staging("cpu")  # one per process, kept across syncs as a trainer and an engine would keep it
+    warm = build(min(sizes, key=lambda s: SIZES[s][0]), dt, seed=1 if rank == 0 else None)
+    _plain(warm, rank)
+    _streamed(warm, rank, bucket_bytes, staging)
+    del warm
+    for size in sizes:
+        model = build(size, dt, seed=1 if rank == 0 else None)
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        row = {"size": size, "params": sum(p.numel() for p in model.parameters()), "bytes": nbytes}
+        staging.release()  # the first sync of a size allocates its bucket memory, and its peak shows it
+        runs = {"plain": lambda: _plain(model, rank), "streamed": lambda: _streamed(model, rank, bucket_bytes, staging)}
+        for name, run in runs.items():
+            # The first sync, then `repeats` like every later training step's (the fastest is kept: the host is shared).
+            for trial in ["cold"] + ["warm"] * repeats:
+                if rank == 1:
+                    with torch.no_grad():
+                        for t in model.state_dict().values():
+                            t.zero_()
+                tdist.barrier()
+                before = _reset_peak()
+                t0 = time.perf_counter()
+                run()
+                tdist.barrier()
+                seconds = time.perf_counter() - t0
+                row[f"{name}_{trial}_s"] = min(seconds, row.get(f"{name}_{trial}_s", seconds))
+                row[f"{name}_{trial}_extra"] = max(_status("VmHWM") - before, row.get(f"{name}_{trial}_extra", 0))
+                row[f"{name}_{trial}_ok"] = _same_as_sender(model) and row.get(f"{name}_{trial}_ok", True)
+        rows.append(row)
+        del model
+    torch.save(rows, Path(out) / f"rank{rank}.pt")
+    tdist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both syncs for each size and print the table; 0 if every streamed sync is within 2x and bit-exact."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="50m,500m", help=f"comma-separated, of {list(SIZES)}")
+    parser.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size in MiB (verl's default: 512)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind after the first; the fastest is kept")
+    args = parser.parse_args(argv)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or not sizes:
+        parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank, args=(port, sizes, bucket_bytes, args.dtype, args.repeats, out), nprocs=2, join=True)
+        sender, receiver = (torch.load(Path(out) / f"rank{r}.pt") for r in (0, 1))
+    print(f"dense Qwen3 from config, {args.dtype}, 2 gloo processes on one host ({os.cpu_count()} CPUs); "
+          f"bucket {args.bucket_mb:g} MiB")
+    print(f"{'size':<6}{'params':>9}{'GB':>7}{'plain s':>9}{'GB/s':>6}{'streamed s':>12}{'GB/s':>6}{'ratio':>7}"
+          f"{'cold streamed s':>17}{'send extra MiB':>16}{'recv extra MiB':>16}{'plain extra':>13}  exact")
+    ok = True
+    for s_row, r_row in zip(sender, receiver):
+        gb = s_row["bytes"] / 1e9
+        plain, streamed = r_row["plain_warm_s"], r_row["streamed_warm_s"]
+        ratio = streamed / plain
+        exact = all(r_row[f"{n}_{t}_ok"] for n in ("plain", "streamed") for t in ("cold", "warm"))
+        ok &= exact and ratio <= 2.0
+        plain_extra = max(row[f"plain_{t}_extra"] for row in (s_row, r_row) for t in ("cold", "warm"))
+        print(f"{s_row['size']:<6}{s_row['params'] / 1e6:>8.1f}M{gb:>7.3f}{plain:>9.3f}{gb / plain:>6.2f}"
+              f"{streamed:>12.3f}{gb / streamed:>6.2f}{ratio:>6.2f}x{r_row['streamed_cold_s']:>17.3f}"
+              f"{s_row['streamed_cold_extra'] / 2**20:>16.1f}{r_row['streamed_cold_extra'] / 2**20:>16.1f}"
+              f"{plain_extra / 2**20:>13.1f}  {exact}")
+    print(f"times: the fastest of {args.repeats} syncs of each kind after the first (steady state); cold: the first, "
+          "allocating its staging buffer. extra: peak resident set over the resident set before a sync, per process")
+    print(f"model bytes vs peak extra: the whole model is {max(r['bytes'] for r in sender) / 2**20:.1f} MiB at the "
+          f"largest size; a bucket is {bucket_bytes / 2**20:.4g} MiB")
+    print(f"streamed / plain: {'all within 2x' if ok else 'NOT all within 2x (or not exact)'} (bar <= 2x)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

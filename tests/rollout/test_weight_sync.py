@@ -1,0 +1,244 @@
+"""conveyor.rollout.weight_sync: bucketing, expert naming, the gloo transport, the FSDP2 gather, and a real vLLM engine.
+
+The two-rank cases run tests/rollout/weight_sync_ranks.py (two spawned gloo processes). The vLLM cases
+start vLLM's CPU build over tiny saved MoE models (~20-30 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conveyor.rollout.base import SamplingParams
+from conveyor.models.tiny import build_tiny_model
+from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout import weight_sync as ws
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _t(nbytes: int) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------ buckets
+def test_buckets_group_in_order_and_never_exceed_the_size_except_a_lone_big_tensor() -> None:
+    named = [(str(i), _t(n)) for i, n in enumerate([10, 20, 70, 1, 100, 250, 30, 30, 40])]
+    out = list(ws.buckets(iter(named), 100))
+    assert [[n for n, _ in b] for b in out] == [["0", "1", "2"], ["3"], ["4"], ["5"], ["6", "7", "8"]]
+    assert [n for b in out for n, _ in b] == [n for n, _ in named]  # nothing dropped, order kept
+    for b in out:
+        assert sum(t.numel() for _, t in b) <= 100 or len(b) == 1
+    assert list(ws.buckets(iter([]), 100)) == []
+    assert [len(b) for b in ws.buckets(iter([("a", _t(100)), ("b", _t(100))]), 100)] == [1, 1]  # exact fit
+    assert [len(b) for b in ws.buckets(iter([("a", _t(0)), ("b", _t(0))]), 1)] == [2]  # empty tensors
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            list(ws.buckets(iter(named), bad))
+
+
+def test_buckets_are_lazy_and_the_in_process_path_passes_the_tensors_themselves() -> None:
+    pulled = []
+
+    def stream():
+        for i in range(6):
+            pulled.append(i)
+            yield str(i), _t(40)
+
+    it = ws.buckets(stream(), 100)
+    assert [n for n, _ in next(it)] == ["0", "1"] and pulled == [0, 1, 2]  # one tensor ahead, no more
+    tensors = [(str(i), _t(8)) for i in range(5)]
+    seen = []
+    stats = ws.stream_to(iter(tensors), lambda b: seen.extend(b), bucket_bytes=16)
+    assert all(a is b for (_, a), (_, b) in zip(seen, tensors))  # no copy
+    assert (stats.buckets, stats.tensors, stats.bytes, stats.max_bucket_bytes) == (3, 5, 40, 16)
+
+
+def test_staging_reuses_its_buffer_only_when_no_view_of_it_is_alive() -> None:
+    staging = ws.Staging("cpu")
+    first = staging.get(64)
+    ptr = first.data_ptr()
+    del first
+    again = staging.get(32)
+    assert again.data_ptr() == ptr  # reused: nothing else held it
+    kept = again[:8].view(torch.int32)  # a consumer keeps a view (vLLM's reload keeps a layer's tensors)
+    del again
+    fresh = staging.get(64)
+    assert fresh.data_ptr() != ptr and kept.data_ptr() == ptr  # new memory; the kept view is untouched
+    del fresh
+    assert staging.get(128).numel() == 128  # grows to a larger bucket
+
+
+# ------------------------------------------------------------------ expert names
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_per_expert_layout_is_the_checkpoint_transformers_saves_as_views(arch, tok, tmp_path) -> None:
+    model = build_tiny_model(arch, tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2, num_experts=4)
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    fused = dict(model.state_dict())
+    ours = list(ws.engine_names(ws.iter_weights(model), layout="per_expert", model_type=model.config.model_type))
+    assert sorted(n for n, _ in ours) == sorted(saved)
+    for name, tensor in ours:
+        assert torch.equal(tensor, saved[name]), name
+    # The split tensors are views of the fused parameters (no copy of a layer), contiguous for the transport.
+    bases = {t.untyped_storage().data_ptr() for n, t in fused.items() if ".experts." in n}
+    experts = [t for n, t in ours if ".experts." in n]
+    assert experts and all(t.untyped_storage().data_ptr() in bases and t.is_contiguous() for t in experts)
+    # "fused" hands the trainer's tensors over as they are; a dense model passes through either way.
+    assert [n for n, _ in ws.engine_names(fused.items(), layout="fused", model_type=arch)] == list(fused)
+    dense = build_tiny_model("qwen3", tok, hidden_size=64, num_heads=2, num_kv_heads=2)
+    assert [n for n, _ in ws.engine_names(ws.iter_weights(dense), model_type="qwen3")] == list(dense.state_dict())
+    with pytest.raises(ValueError, match="layout"):
+        list(ws.engine_names(fused.items(), layout="stacked"))
+
+
+def test_iter_weights_strips_wrapper_names_and_moves_to_a_device(tok) -> None:
+    model = build_tiny_model("qwen3", tok, hidden_size=64, num_heads=2, num_kv_heads=2)
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = model  # what torch.compile's wrapper inserts
+    names = [n for n, _ in ws.iter_weights(wrapped, device="cpu")]
+    assert names == list(model.state_dict())
+
+
+# ------------------------------------------------------------------ two ranks
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Path:
+    """Both two-rank cases, run once in one pair of spawned gloo processes; the folder of what each rank wrote."""
+    out = tmp_path_factory.mktemp("ranks")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "weight_sync_ranks.py"), "transport,fsdp2", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_gloo_transport_is_bit_exact_and_holds_one_bucket_at_a_time(ranks) -> None:
+    sys.path.insert(0, str(HERE))
+    from weight_sync_ranks import BUCKET, transport_tensors
+
+    sent = dict(transport_tensors())
+    got = torch.load(ranks / "transport_1.pt")
+    for received in (got["received"], got["lazy"]):
+        assert list(received) == list(sent)
+        for name, tensor in sent.items():
+            r = received[name]
+            assert r.dtype == tensor.dtype and r.shape == tensor.shape, name
+            assert torch.equal(_bits(r), _bits(tensor)), name  # bit for bit
+    assert got["buckets"] == torch.load(ranks / "transport_0.pt")["buckets"] > 2
+    # What the receiver had alive: one bucket (at most BUCKET, or one tensor over it), none of the earlier ones.
+    big = max(t.numel() * t.element_size() for t in sent.values())
+    assert all(size <= BUCKET or size == big for size in got["sizes"]) and max(got["sizes"]) == big
+    assert got["alive_before"] == [0] * got["buckets"]
+    assert got["lazy_alive"] == [0] * len(sent)
+
+
+def test_fsdp2_two_ranks_stream_the_whole_state_dict_one_tensor_at_a_time(ranks, tok) -> None:
+    whole = build_tiny_model("qwen3_moe", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2)
+    want = dict(ws.engine_names(whole.state_dict().items(), layout="per_expert", model_type="qwen3_moe"))
+    total = sum(p.numel() for p in whole.parameters())
+    for rank in (0, 1):
+        got = torch.load(ranks / f"fsdp2_{rank}.pt")
+        assert list(got["tensors"]) == list(want)
+        assert all(torch.equal(got["tensors"][n], t) for n, t in want.items())
+        assert got["local_numel"] <= total // 2 + 64  # each rank held its shard only
+        # Gathered tensors alive at once while streaming: the one handed on and the generator's current one.
+        assert got["peak_alive"] <= 2 < len(want)
+
+
+# ------------------------------------------------------------------ vLLM
+def _prompts(tok):
+    enc = tok(["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="], padding=True, padding_side="left",
+              return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _engine(model, tok, path):
+    from conveyor.rollout.vllm import VLLMRollout
+
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return VLLMRollout(str(path), hf_config=model.config, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, max_model_len=64, max_num_seqs=8, seed=0)
+
+
+def _perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.5 if ".experts." in name else 0.05))
+
+
+def _greedy_pair(engine, model, tok):
+    from conveyor.rollout.hf import HFRollout
+
+    ids, mask = _prompts(tok)
+    greedy = SamplingParams(max_new_tokens=8, do_sample=False)
+    theirs = engine.generate(ids, mask, greedy)
+    ours = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, greedy)
+    same = torch.equal(theirs["response_mask"], ours["response_mask"]) and torch.equal(
+        theirs["responses"] * theirs["response_mask"], ours["responses"] * ours["response_mask"])
+    return same, theirs, ours
+
+
+def _stream_into(engine, model, layout: str, bucket_bytes: int = 1 << 14) -> None:
+    """The streamed sync an in-process engine gets: gathered, renamed and bucketed lazily, one reload call."""
+    named = ws.engine_names(ws.iter_weights(model), layout=layout, model_type=model.config.model_type)
+    ws.reload_vllm(engine.llm, (item for bucket in ws.buckets(named, bucket_bytes) for item in bucket))
+
+
+def test_vllm_qwen3_moe_serves_the_streamed_per_expert_weights(tok, tmp_path) -> None:
+    pytest.importorskip("vllm")
+    model = build_tiny_model("qwen3_moe", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2,
+                             initializer_range=0.3)
+    engine = _engine(model, tok, tmp_path)
+    try:
+        before = _greedy_pair(engine, model, tok)[1]
+        for step, layout in enumerate(["per_expert", "fused", "per_expert"]):
+            _perturb(model, seed=step + 1)
+            _stream_into(engine, model, layout)
+            same, theirs, ours = _greedy_pair(engine, model, tok)
+            assert same, (layout, theirs["responses"], ours["responses"])
+            assert not torch.equal(theirs["responses"], before["responses"])  # the sync changed what it serves
+            before = theirs
+    finally:
+        engine.close()
+
+
+def test_vllm_mixtral_refuses_fused_expert_names_and_serves_per_expert(tok, tmp_path) -> None:
+    """The trainer's state-dict names (experts fused) fail on Mixtral, vLLM's module being block_sparse_moe; the
+    engine's own update_weights sends them per expert and serves the trainer's policy."""
+    pytest.importorskip("vllm")
+    model = build_tiny_model("mixtral", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2,
+                             initializer_range=0.3)
+    engine = _engine(model, tok, tmp_path)
+    try:
+        _perturb(model, seed=5)
+        with pytest.raises(ValueError, match="layers.0.mlp"):
+            _stream_into(engine, model, "fused")  # the trainer's own names
+        _stream_into(engine, model, "per_expert")
+        same, theirs, ours = _greedy_pair(engine, model, tok)
+        assert same, (theirs["responses"], ours["responses"])
+        _perturb(model, seed=6)
+        engine.update_weights(ws.iter_weights(model), version=2)  # what the actor worker calls
+        same, theirs, ours = _greedy_pair(engine, model, tok)
+        assert same, (theirs["responses"], ours["responses"])
+    finally:
+        engine.close()
+

@@ -1,0 +1,125 @@
+"""Two gloo ranks exercising conveyor.rollout.weight_sync, for tests/rollout/test_weight_sync.py.
+
+    python weight_sync_ranks.py CASE[,CASE...] OUT_DIR
+
+The cases run in turn in the same two processes (starting them is most of the cost). A CASE is `transport` (rank 0 streams mixed tensors in small buckets to rank 1, which records what it
+received and how many buckets' views were alive at once) or `fsdp2` (a tiny Qwen3-MoE sharded with
+FSDP2 over both ranks; each rank streams its whole state dict with `iter_weights`). Each rank writes
+OUT_DIR/<case>_<rank>.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+BUCKET = 4096
+
+
+def transport_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Tensors of several dtypes and shapes (0-dim, empty, non-contiguous, larger than a bucket)."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(16, 48, generator=g)
+    return [
+        ("a.weight", torch.randn(7, 5, generator=g)),
+        ("b.bf16", torch.randn(33, generator=g).to(torch.bfloat16)),
+        ("c.scalar", torch.tensor(3.25, dtype=torch.float64)),
+        ("d.ids", torch.arange(11, dtype=torch.int64)),
+        ("e.mask", torch.rand(13, generator=g) > 0.5),
+        ("f.empty", torch.empty(0, 4)),
+        ("g.transposed", wide.t()),  # non-contiguous: packed into the buffer
+        ("h.big", torch.randn(3000, generator=g)),  # 12000 bytes, over a bucket: travels alone
+        ("i.half", torch.randn(9, 3, generator=g).half()),
+    ]
+
+
+def _transport(rank: int, out: Path) -> None:
+    from conveyor.rollout import weight_sync as ws
+
+    if rank == 0:
+        stats = ws.send_buckets(iter(transport_tensors()), bucket_bytes=BUCKET)
+        torch.save({"buckets": stats.buckets, "bytes": stats.bytes}, out / "transport_0.pt")
+        # The lazy receiver, fed a second time.
+        ws.send_buckets(iter(transport_tensors()), bucket_bytes=BUCKET)
+        return
+    received: dict[str, torch.Tensor] = {}
+    alive_before: list[int] = []  # views of earlier buckets still alive when a bucket arrives
+    sizes: list[int] = []
+    refs: list[weakref.ref] = []
+
+    def load(bucket: list[tuple[str, torch.Tensor]]) -> None:
+        alive_before.append(sum(r() is not None for r in refs))
+        refs.clear()
+        sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        for name, tensor in bucket:
+            received[name] = tensor.clone()
+            refs.append(weakref.ref(tensor))
+
+    stats = ws.receive_buckets(load)
+    lazy, lazy_alive = {}, []
+    lazy_refs: list[weakref.ref] = []
+    for name, tensor in ws.iter_received():
+        lazy_alive.append(sum(r() is not None for r in lazy_refs))
+        lazy_refs.append(weakref.ref(tensor))
+        lazy[name] = tensor.clone()
+        del tensor
+    torch.save({"received": received, "alive_before": alive_before, "sizes": sizes, "buckets": stats.buckets,
+                "lazy": lazy, "lazy_alive": lazy_alive}, out / "transport_1.pt")
+
+
+def _fsdp2(rank: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from conveyor.models.tiny import build_tiny_model
+    from conveyor.models.tokenizer import build_char_tokenizer
+    from conveyor.rollout import weight_sync as ws
+
+    model = build_tiny_model("qwen3_moe", build_char_tokenizer(), seed=0, hidden_size=64, num_heads=2,
+                             num_kv_heads=2)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    names, tensors, peak, alive = [], {}, 0, []
+    for name, tensor in ws.engine_names(ws.iter_weights(model), layout="per_expert", model_type="qwen3_moe"):
+        names.append(name)
+        tensors[name] = tensor.clone()
+        alive.append(weakref.ref(tensor))
+        peak = max(peak, sum(r() is not None for r in alive))
+        del tensor
+    torch.save({"tensors": tensors, "local_numel": local, "peak_alive": peak}, out / f"fsdp2_{rank}.pt")
+
+
+def _rank_main(rank: int, case: str, out: str, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=3))
+    try:
+        for name in case.split(","):
+            {"transport": _transport, "fsdp2": _fsdp2}[name](rank, Path(out))
+            tdist.barrier()
+    finally:
+        tdist.destroy_process_group()
+
+
+def main() -> None:
+    """Spawn the two ranks of the case named on the command line."""
+    case, out = sys.argv[1], sys.argv[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(case, out, port), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
