@@ -4,7 +4,8 @@
 # memory and tokens/s; R3 with and without gradient checkpointing (their first gradient norms); one
 # update and log-prob pass over 4k-token responses of a ~1B model; packed forwards (torch's varlen kernel) against
 # padded ones on a ~1B model with responses of 64..4096 tokens; then the rollout
-# benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model (when vllm is installed).
+# benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model, and the vLLM engine's contract on the GPU
+# (routing shape, syncs after real updates, the sync time of a ~0.5B model) (when vllm is installed).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
 #
@@ -151,6 +152,74 @@ if "$PY" -c "import vllm" 2>/dev/null; then
     actor_rollout_ref.actor.router_replay.mode=R3 actor_rollout_ref.rollout.free_cache_engine=true \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.3
   report "$OUT/vllm"
+else
+  echo "vllm is not installed in $PY's environment: pip install 'conveyor[vllm]' there, then rerun"
+fi
+
+echo "== vLLM engine contract on the GPU: routing shape, two syncs after real updates, sync time of a ~0.5B model"
+if "$PY" -c "import vllm" 2>/dev/null; then
+  "$PY" - "$OUT/engine" <<'PY'
+import sys, time, torch
+from pathlib import Path
+from conveyor.models.tiny import build_tiny_model
+from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout.base import SamplingParams
+from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.vllm import VLLMRollout
+from conveyor.rollout.weight_sync import iter_weights
+
+root = Path(sys.argv[1]); tok = build_char_tokenizer()
+enc = tok(["1+2=", "12+345=", "7*8=", "100-1="], padding=True, padding_side="left", return_tensors="pt")
+ids, mask = enc["input_ids"].cuda(), enc["attention_mask"].cuda()
+greedy = SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True)
+
+def same(a, b):
+    return bool(torch.equal(a["responses"].cpu() * a["response_mask"].cpu(), b["responses"].cpu() * b["response_mask"].cpu()))
+
+# A small Qwen3-MoE with one dense layer (mlp_only_layers): routing by sparse layer, R3's shape.
+model = build_tiny_model("qwen3_moe", tok, seed=0, hidden_size=256, num_heads=4, num_kv_heads=4, num_layers=3,
+                         initializer_range=0.3, mlp_only_layers=[1]).cuda()
+model.save_pretrained(root / "moe"); tok.save_pretrained(root / "moe")
+from conveyor.models.moe_routing import moe_info, sparse_decoder_layers
+info = moe_info(model)
+engine = VLLMRollout(str(root / "moe"), hf_config=model.config, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                     max_model_len=64, max_num_seqs=16, device="cuda", gpu_memory_utilization=0.2, enforce_eager=False,
+                     capture_routing=True, sparse_layers=sparse_decoder_layers(model))
+engine.update_weights(iter_weights(model), version=0)
+out = engine.generate(ids, mask, greedy)
+r = out.get("routed_experts")
+print("routing:", None if r is None else tuple(r.shape), "want (B, P+R, L, K) =",
+      (ids.shape[0], ids.shape[1] + out["responses"].shape[1], info.num_layers, info.top_k))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+for version in (1, 2):  # two real updates, each followed by a sync
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    for _ in range(10):
+        loss = torch.nn.functional.cross_entropy(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1],
+                                                 torch.full((len(ids),), 7 + version, device="cuda"))
+        opt.zero_grad(); loss.backward(); opt.step()
+    t0 = time.perf_counter(); engine.update_weights(iter_weights(model), version=version); torch.cuda.synchronize()
+    ours = HFRollout(model.eval(), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
+        ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))
+    model.train()
+    print(f"sync {version}: {time.perf_counter() - t0:.3f} s; greedy tokens equal the updated policy's: "
+          f"{same(engine.generate(ids, mask, greedy), ours)}")
+engine.close()
+
+# The sync time of a ~0.5B dense Qwen3 (bf16 engine over float32 masters), asleep between rollouts.
+from transformers import Qwen3Config, AutoModelForCausalLM
+cfg = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=2048)
+big = AutoModelForCausalLM.from_config(cfg).cuda()
+big.save_pretrained(root / "dense"); tok.save_pretrained(root / "dense")
+n = sum(p.numel() for p in big.parameters())
+engine = VLLMRollout(str(root / "dense"), hf_config=big.config, pad_token_id=0, eos_token_id=1, dtype="bfloat16",
+                     max_model_len=1024, max_num_seqs=64, device="cuda", gpu_memory_utilization=0.3)
+for i in range(3):
+    t0 = time.perf_counter(); engine.update_weights(iter_weights(big), version=i); torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    print(f"sync of {n / 1e9:.2f}B params ({n * 4 / 1e9:.2f} GB float32): {dt:.3f} s, {n * 4 / 1e9 / dt:.1f} GB/s")
+engine.close()
+PY
 else
   echo "vllm is not installed in $PY's environment: pip install 'conveyor[vllm]' there, then rerun"
 fi

@@ -75,6 +75,13 @@ def _masked(out):
     return out["responses"] * out["response_mask"]
 
 
+def _assert_same_greedy(a, b, *, log_probs: bool = True) -> None:
+    """The same tokens and masks (and, with `log_probs`, the same scores within the kernels' tolerance)."""
+    assert torch.equal(a["response_mask"], b["response_mask"]) and torch.equal(_masked(a), _masked(b))
+    if log_probs:
+        assert torch.allclose(a["rollout_log_probs"], b["rollout_log_probs"], atol=LOGP_TOL, rtol=0)
+
+
 @pytest.mark.parametrize("name", ENGINES)
 def test_every_engine_returns_the_same_fields_and_conventions(built, tok, name) -> None:
     model, engines = built
@@ -116,10 +123,7 @@ def test_greedy_tokens_are_equal_across_engines_on_the_same_weights(built, tok, 
     model, engines = built
     ids, mask = _prompts(tok)
     ours = _greedy(engines["hf"], ids, mask)
-    theirs = _greedy(engines[name], ids, mask)
-    assert torch.equal(theirs["response_mask"], ours["response_mask"])
-    assert torch.equal(_masked(theirs), _masked(ours))
-    assert torch.allclose(theirs["rollout_log_probs"], ours["rollout_log_probs"], atol=LOGP_TOL, rtol=0)
+    _assert_same_greedy(_greedy(engines[name], ids, mask), ours)
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -162,7 +166,7 @@ def test_stop_sequences_end_a_row_where_it_first_writes_one(built, tok, name) ->
         assert int(rmask.sum()) == n and row[:n] == full[:n]
     # Every engine agrees, token for token.
     want = _greedy(engines["hf"], ids, mask, n=12, stop_sequences=[pair, single])
-    assert torch.equal(_masked(out), _masked(want)) and torch.equal(out["response_mask"], want["response_mask"])
+    _assert_same_greedy(out, want, log_probs=False)
 
 
 @pytest.mark.parametrize("name", [n for n in ENGINES if not engine_spec(n).capabilities("cpu").shares_trainer_modules])
@@ -192,7 +196,7 @@ def test_an_engine_with_its_own_weights_serves_the_updated_policy_after_a_sync(b
     # The engine's greedy decode is the updated trainer's, token for token, with the trainer's log-probs ...
     ours = HFRollout(trained, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
         ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))
-    assert torch.equal(_masked(after), _masked(ours)) and torch.equal(after["response_mask"], ours["response_mask"])
+    _assert_same_greedy(after, ours, log_probs=False)
     assert bool((after["responses"][:, 0] == seven).all())
     recomputed = _teacher_forced_log_probs(trained, ids, mask, after, 1.0)[0] * after["response_mask"]
     assert float((after["rollout_log_probs"] - recomputed).abs().max()) < LOGP_TOL
@@ -200,9 +204,7 @@ def test_an_engine_with_its_own_weights_serves_the_updated_policy_after_a_sync(b
     assert not torch.equal(before["responses"], after["responses"])
     # Syncing the old weights back restores the old outputs exactly: the sync replaces, it does not accumulate.
     engine.update_weights(model.state_dict().items(), version=0)
-    again = _greedy(engine, ids, mask)
-    assert torch.equal(_masked(again), _masked(before))
-    assert torch.allclose(again["rollout_log_probs"], before["rollout_log_probs"], atol=LOGP_TOL, rtol=0)
+    _assert_same_greedy(_greedy(engine, ids, mask), before)
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -59,8 +59,21 @@ def test_placement_errors_name_the_key(overrides, key) -> None:
         load_config(None, overrides)
 
 
+@pytest.fixture(scope="module")
+def hf_step0_validation(tiny_run_base, tmp_path_factory) -> dict:
+    """Greedy validation of the untrained vllm-shaped tiny model by the hf rollout on one rank (what vLLM must match)."""
+    root = tmp_path_factory.mktemp("hf")
+    (root / "ones.py").write_text(ONES_REWARD)
+    cfg = load_config(None, tiny_run_base + VLLM[1:] + [
+        f"trainer.default_local_dir={root}", "trainer.total_training_steps=1", "actor_rollout_ref.rollout.n=4",
+        f"reward.custom_reward_function.path={root / 'ones.py'}"])
+    run_training(cfg)
+    return next(r for r in _rows(cfg) if r["step"] == 0)
+
+
 @pytest.mark.parametrize("placement", ["separate", "colocated"])
-def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tiny_run, tmp_path) -> None:
+def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tiny_run, tmp_path,
+                                                           hf_step0_validation) -> None:
     # A high learning rate moves the policy visibly each step: were the engine a step behind, the
     # trainer's recomputed log-probs would differ from the engine's by far more than kernel noise.
     reward = tmp_path / "ones.py"
@@ -71,6 +84,11 @@ def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tiny_run,
         f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
     ])
     run_training(cfg)
+    # Greedy on the same (untrained) weights, the engines on two ranks write the hf rollout's tokens: the
+    # held-out rewards (one point per "1") and response lengths of step 0 are the same.
+    step0 = next(r for r in _rows(cfg) if r["step"] == 0)
+    for key in ("val/reward", "val/response_length"):
+        assert step0[key] == pytest.approx(hf_step0_validation[key], abs=1e-9), key
     steps = _train_rows(cfg)
     assert len(steps) == 4
     for r in steps:
