@@ -70,12 +70,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conveyor.rollout.weight_sync import engine_names, reload_vllm
+from conveyor.rollout.weight_sync import engine_names
 from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
-__all__ = ["VLLMRollout", "build_engine", "check_servable", "import_vllm", "replica_layout", "select_sparse_layers",
-           "validate_config"]
+__all__ = ["VLLMRollout", "build_engine", "check_servable", "import_vllm", "reload_vllm", "replica_layout",
+           "select_sparse_layers", "validate_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,22 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
             experts.process_weights_after_loading(module)
             n += 1
     return n
+
+
+def _reload_stream(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
+    """Runs in a vLLM worker (collective_rpc): one in-place reload over the lazy stream, then the CPU repack."""
+    worker.reload_weights(weights_iterator=iter(weights))
+    return _repack_cpu_experts(worker.model_runner.model)
+
+
+def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]]) -> None:
+    """Load `named` into an in-process vLLM engine (`vllm.LLM`) in place with ONE reload call consuming it lazily.
+
+    One call, not one per bucket: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
+    call from uninitialised memory. The in-process executor passes the iterator itself to its worker, so the
+    stream is drawn (gathered, received) while vLLM loads it, layer by layer.
+    """
+    llm.collective_rpc(_reload_stream, args=(named,))
 
 
 def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -> Tensor:

@@ -25,7 +25,7 @@ gate_up and down into one expert layer): measured on the tiny Qwen3-MoE with 16 
 engine's greedy tokens then differ from the trainer's (and, in that run, stayed wrong after a later
 one-call reload).
 So such an engine takes ONE call per sync over a lazy iterator (`iter_received` from another
-process, `reload_vllm` in process), which vLLM consumes layer by layer, keeping a layer's tensors
+process, `conveyor.rollout.vllm.reload_vllm` in process), which vLLM consumes layer by layer, keeping a layer's tensors
 only until that layer is complete. Per-bucket `load` callbacks suit engines that copy each tensor
 into its parameter at once (the benchmark's model: `copy_into`).
 
@@ -51,7 +51,6 @@ from torch import Tensor
 __all__ = [
     "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
     "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into",
-    "reload_vllm",
 ]
 
 #: How the engine takes MoE experts: "fused", as transformers 5 holds them (one 3-D tensor per projection and
@@ -393,21 +392,3 @@ def copy_into(model: torch.nn.Module) -> Callable[[list[tuple[str, Tensor]]], No
                 targets[name].copy_(tensor)
 
     return load
-
-
-def _reload_stream(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
-    """Runs in a vLLM worker (collective_rpc): one in-place reload over the lazy stream, then the CPU repack."""
-    from conveyor.rollout.vllm import _repack_cpu_experts
-
-    worker.reload_weights(weights_iterator=iter(weights))
-    return _repack_cpu_experts(worker.model_runner.model)
-
-
-def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]]) -> None:
-    """Load `named` into an in-process vLLM engine (`vllm.LLM`) in place with ONE reload call consuming it lazily.
-
-    One call, not one per bucket: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
-    call from uninitialised memory. The in-process executor passes the iterator itself to its worker, so the
-    stream is drawn (gathered, received) while vLLM loads it, layer by layer.
-    """
-    llm.collective_rpc(_reload_stream, args=(named,))

@@ -1,10 +1,9 @@
 """The vllm rollout in every rank of a trainer's torch.distributed world (two gloo ranks, vLLM's CPU build).
 
-One spawn of two ranks runs every case; each rank builds, in turn, a VLLMRollout over the tiny Qwen3-MoE
-(tensor parallel 1: each rank its own replica), and over the MoE again with tensor parallel 2 (one replica
-over both ranks; prepared for GPUs, the config refuses it colocated for now), closing each before the next. The ranks write what their
+One spawn of two ranks runs every case; each rank builds a VLLMRollout over the tiny Qwen3-MoE (tensor
+parallel 1: each rank its own replica), as the actor's ranks do under placement=colocated. The ranks write what their
 engines returned; the tests compare it here with the hf rollout on the same weights. An engine starts in
-~5-30 s on 2 cores (the first pays for vLLM's imports); the module takes ~1.5 minutes.
+~5-30 s on 2 cores (the first pays for vLLM's imports); the module takes about a minute.
 """
 
 from __future__ import annotations
@@ -28,7 +27,9 @@ from conveyor.rollout.vllm import replica_layout
 WORLD = 2
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
 # (name, architecture, tensor parallel size)
-CASES = [("moe", "qwen3_moe", 1), ("moe_tp2", "qwen3_moe", 2)]
+# Tensor parallel 2 over both ranks (one replica) ran too when this was written: the config refuses it colocated
+# for now (a TP group's prompts are not gathered), so the suite keeps the case the trainer uses.
+CASES = [("moe", "qwen3_moe", 1)]
 NEW_TOKENS = 8
 
 

@@ -200,7 +200,9 @@ def _greedy_pair(engine, model, tok):
 def _stream_into(engine, model, layout: str, bucket_bytes: int = 1 << 14) -> None:
     """The streamed sync an in-process engine gets: gathered, renamed and bucketed lazily, one reload call."""
     named = ws.engine_names(ws.iter_weights(model), layout=layout, model_type=model.config.model_type)
-    ws.reload_vllm(engine.llm, (item for bucket in ws.buckets(named, bucket_bytes) for item in bucket))
+    from conveyor.rollout.vllm import reload_vllm
+
+    reload_vllm(engine.llm, (item for bucket in ws.buckets(named, bucket_bytes) for item in bucket))
 
 
 def test_vllm_qwen3_moe_serves_the_streamed_per_expert_weights(tok, tmp_path) -> None:
