@@ -660,9 +660,13 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu"}
+    # Where the engines run (placement, replicas) and the weight sync's bucket size move what the sync carries
+    # and where the rollout runs, not the weights a step starts from (the checkpoint's, synced first).
+    placement = {"actor_rollout_ref.rollout.placement", "actor_rollout_ref.rollout.replicas",
+                 "actor_rollout_ref.rollout.update_weights_bucket_megabytes"}
     later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload",
              "actor_rollout_ref.rollout.hf_whole_gather_max_gb", "actor_rollout_ref.model.use_remove_padding",
-             "actor_rollout_ref.rollout.enforce_eager"} | budgets | {
+             "actor_rollout_ref.rollout.enforce_eager"} | budgets | placement | {
         f"{role}.fsdp_config.defer_grad_sync" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")}
     assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | later
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))
