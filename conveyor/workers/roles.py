@@ -154,9 +154,8 @@ class RolloutGroup(_Role):
         """Stage 2 on the replicas, after a sync if the actor has moved on: the rollout's fields, as the actor writes them."""
         sync = self.sync()
         out = self.ranks.call(RolloutWorker.generate_sequences, meta)
-        if sync:
-            out.extra_info.update({k: [v] * len(out.extra_info.get("perf/rollout/max_memory_gb", [0]))
-                                   for k, v in sync.items()})
+        if sync:  # one entry per rank, as every per-rank metric arrives
+            out.extra_info.update({k: [v] * self.ranks.world_size for k, v in sync.items()})
         return out
 
     def sync(self) -> dict[str, float]:
