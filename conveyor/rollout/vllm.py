@@ -601,12 +601,12 @@ def validate_config(cfg: Any) -> None:
 
     ro, t, data = cfg.actor_rollout_ref.rollout, cfg.trainer, cfg.data
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    # Colocated over several trainer ranks, a replica of tensor_model_parallel_size > 1 spans ranks that would all
-    # have to be fed the same prompts (gathered within the TP group): not built yet.
-    check(world == 1 or ro.placement == "separate" or ro.tensor_model_parallel_size == 1,
+    # Colocated over several trainer ranks, each run of tensor_model_parallel_size consecutive ranks is one replica.
+    tp = ro.tensor_model_parallel_size
+    check(world == 1 or ro.placement == "separate" or world % tp == 0,
           "actor_rollout_ref.rollout.tensor_model_parallel_size",
-          f"a colocated vllm rollout over {world} trainer ranks runs one engine per rank (1), got "
-          f"{ro.tensor_model_parallel_size}: set it to 1, or use actor_rollout_ref.rollout.placement=separate")
+          f"a colocated vllm rollout over {world} trainer ranks makes replicas of tensor_model_parallel_size "
+          f"consecutive ranks, so it must divide {world}, got {tp}")
     need = data.max_prompt_length + data.max_response_length
     check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
           f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}")

@@ -54,6 +54,19 @@ def pad_responses(fields: dict[str, torch.Tensor], width: int, pad_token_id: int
     return out
 
 
+def _replica_groups(replica_ranks: list[int], world_size: int) -> Any:
+    """This rank's tensor-parallel replica as a process group (every rank makes every replica's: a collective)."""
+    import torch.distributed as tdist
+
+    tp = len(replica_ranks)
+    mine = None
+    for first in range(0, world_size, tp):
+        group = tdist.new_group(list(range(first, first + tp)), backend="gloo")
+        if first == replica_ranks[0]:
+            mine = group
+    return mine
+
+
 class Generation:
     """The `generate_sequences` of one rank: its engine (and agent loop) over the rank's share of a handle."""
 
@@ -71,6 +84,10 @@ class Generation:
         # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
         # engine's tokens, True when it changed the weights mid-generation (interruptible engines only).
         self.interrupt: Callable[[int], bool] | None = None
+        # A replica over several trainer ranks (colocated vLLM with tensor_model_parallel_size > 1): its ranks
+        # gather their prompts, run one generation together and keep their own rows.
+        self.replica_ranks = list(getattr(engine, "replica_ranks", [rank]))
+        self.replica_group = _replica_groups(self.replica_ranks, world_size) if len(self.replica_ranks) > 1 else None
 
     def __call__(self, meta: KVBatchMeta, sync_metrics: dict[str, float]) -> KVBatchMeta:
         """Sample the handle's prompts; writes the rollout's fields and returns the handle with this rank's metrics."""
@@ -80,12 +97,16 @@ class Generation:
                                           select_fields=["prompts", "prompt_mask"]).to(self.device)
         generator = None
         if call.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * self.rank)
+            # One stream per replica: the ranks of a tensor-parallel replica sample as one.
+            first = self.replica_ranks[0]
+            generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * first)
         t0 = time.perf_counter()
         strategy = self.strategy
         if self.over_shards:
             with strategy.sharded_no_grad():
                 out = self._in_chunks(td, call, generator, synced=strategy.all_done)
+        elif self.replica_group is not None:
+            out = self._as_replica(td, call, generator)
         else:
             # An engine over the trainer's modules decodes with the whole model gathered once (docs/distributed.md).
             gather = self.engine.capabilities.shares_trainer_modules
@@ -124,6 +145,31 @@ class Generation:
         metrics.update(out.get("metrics") or {})  # the agent loop's rollout/multi_turn/*
         metrics.update(phase_memory_metrics("rollout", self.device))
         return result_handle(meta, list(fields), metrics, self.device)
+
+    def _as_replica(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> RolloutOutput:
+        """One generation over the prompts of every rank of this tensor-parallel replica; this rank's rows of it."""
+        import torch.distributed as tdist
+
+        mine = (td["prompts"].cpu(), td["prompt_mask"].cpu())
+        shares: list[Any] = [None] * len(self.replica_ranks)
+        tdist.all_gather_object(shares, mine, group=self.replica_group)
+        width = max(p.shape[1] for p, _ in shares)
+        pad_id = int(self.tokenizer.pad_token_id)
+        # Left padding to the widest share: every rank of the replica feeds the engine the same batch.
+        prompts = torch.cat([torch.nn.functional.pad(p, (width - p.shape[1], 0), value=pad_id) for p, _ in shares])
+        masks = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0), value=0) for _, m in shares])
+        out = self._one(TensorDict({"prompts": prompts, "prompt_mask": masks}, batch_size=[len(prompts)]), call,
+                        generator)
+        index = self.replica_ranks.index(self.rank)
+        start = sum(len(p) for p, _ in shares[:index])
+        rows = slice(start, start + len(mine[0]))
+        cut = width - mine[0].shape[1]  # the routing's extra left-pad columns of this rank's rows
+        fields = {k: v[rows] for k, v in out.items() if isinstance(v, torch.Tensor) and k != "routed_experts"}
+        if out.routed_experts is not None:
+            fields["routed_experts"] = out.routed_experts[rows, cut:]
+        # The agent loop's metrics describe the whole replica's batch on each of its ranks: a mean over ranks
+        # is the replica's (sums and counts grow alike).
+        return RolloutOutput(**fields, metrics=out.metrics)
 
     def _in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
                    synced: Callable[[bool], bool] | None = None) -> RolloutOutput:

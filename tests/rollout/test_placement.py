@@ -71,15 +71,17 @@ def hf_step0_validation(tiny_run_base, tmp_path_factory) -> dict:
     return next(r for r in _rows(cfg) if r["step"] == 0)
 
 
-@pytest.mark.parametrize("placement", ["separate", "colocated"])
-def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tiny_run, tmp_path,
+@pytest.mark.parametrize("placement, tp", [("separate", 1), ("colocated", 1), ("colocated", 2)])
+def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tp, tiny_run, tmp_path,
                                                            hf_step0_validation) -> None:
+    """colocated with tp 2: one replica over both ranks, which gather their prompts and generate together."""
     # A high learning rate moves the policy visibly each step: were the engine a step behind, the
     # trainer's recomputed log-probs would differ from the engine's by far more than kernel noise.
     reward = tmp_path / "ones.py"
     reward.write_text(ONES_REWARD)
     cfg = load_config(None, tiny_run + VLLM + [
-        f"actor_rollout_ref.rollout.placement={placement}", "trainer.num_cpu_workers=2", "ray.num_cpus=4", "actor_rollout_ref.actor.strategy=fsdp2",
+        f"actor_rollout_ref.rollout.placement={placement}", "trainer.num_cpu_workers=2",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}", "ray.num_cpus=4", "actor_rollout_ref.actor.strategy=fsdp2",
         "trainer.total_training_steps=4", "actor_rollout_ref.actor.optim.lr=3e-2",
         f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
     ])

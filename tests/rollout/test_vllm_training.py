@@ -21,7 +21,7 @@ VLLM_MODEL = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.ti
     (["actor_rollout_ref.rollout.name=vllm"], "actor_rollout_ref.model.tiny.num_heads"),  # head_dim 16
     (VLLM_MODEL + ["actor_rollout_ref.rollout.max_model_len=32"], "actor_rollout_ref.rollout.max_model_len"),
     (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name"),
-    (VLLM_MODEL + ["trainer.num_cpu_workers=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+    (VLLM_MODEL + ["trainer.num_cpu_workers=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
      "actor_rollout_ref.rollout.tensor_model_parallel_size"),
     (VLLM_MODEL + ["actor_rollout_ref.rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
 ])
