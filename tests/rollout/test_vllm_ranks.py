@@ -27,8 +27,8 @@ from conveyor.rollout.vllm import replica_layout
 WORLD = 2
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
 # (name, architecture, tensor parallel size)
-# Tensor parallel 2 over both ranks (one replica) ran too when this was written: the config refuses it colocated
-# for now (a TP group's prompts are not gathered), so the suite keeps the case the trainer uses.
+# Tensor parallel 2 over both ranks (one replica) trains in tests/rollout/test_placement.py; here the engine
+# alone, one per rank.
 CASES = [("moe", "qwen3_moe", 1)]
 NEW_TOKENS = 8
 
