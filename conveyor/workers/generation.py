@@ -97,8 +97,8 @@ class Generation:
                                           select_fields=["prompts", "prompt_mask"]).to(self.device)
         generator = None
         if call.seed is not None:
-            # One stream per replica: the ranks of a tensor-parallel replica sample as one.
-            first = self.replica_ranks[0]
+            # One stream per rank, or per replica when a tensor-parallel replica spans ranks (they sample as one).
+            first = self.replica_ranks[0] if self.replica_group is not None else self.rank
             generator = torch.Generator(device=self.device).manual_seed(int(call.seed) + 7919 * first)
         t0 = time.perf_counter()
         strategy = self.strategy
