@@ -275,6 +275,11 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         try:
             groups["reward"] = LocalWorkerGroup(specs["reward"])
             if "rollout" in specs:  # its own engine and copy of the model, in this process
+                replicas = cfg.actor_rollout_ref.rollout.replicas
+                if replicas > 1:
+                    raise ValueError(f"actor_rollout_ref.rollout.replicas={replicas}: a run in one process holds one "
+                                     "replica; run on Ray (trainer.num_cpu_workers or n_gpus_per_node > 1, or "
+                                     "ray.address) or set replicas=1")
                 groups["rollout"] = LocalWorkerGroup(specs["rollout"])
         except BaseException:
             host.close()

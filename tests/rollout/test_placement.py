@@ -71,6 +71,12 @@ def hf_step0_validation(tiny_run_base, tmp_path_factory) -> dict:
     return next(r for r in _rows(cfg) if r["step"] == 0)
 
 
+def test_several_replicas_in_one_process_are_refused_with_what_to_change(tiny_run) -> None:
+    cfg = load_config(None, tiny_run + SEPARATE + ["actor_rollout_ref.rollout.replicas=2"])
+    with pytest.raises(ValueError, match="rollout.replicas=2: a run in one process holds one replica"):
+        run_training(cfg)
+
+
 @pytest.mark.parametrize("placement, tp", [("separate", 1), ("colocated", 1), ("colocated", 2)])
 def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tp, tiny_run, tmp_path,
                                                            hf_step0_validation) -> None:
