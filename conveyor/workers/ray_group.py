@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -73,10 +72,9 @@ class _RankActor:
 
     def master_address(self) -> tuple[str, int]:
         """(this node's IP, a free TCP port) for the process group's rendezvous (called on rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        from conveyor.workers.weight_channel import free_address
+
+        return free_address()
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
         """Join the ranks' process group (all ranks call this at once)."""

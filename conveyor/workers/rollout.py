@@ -12,7 +12,7 @@ weights before every rollout that follows an update: in this process
 straight from the actor worker's stream (`load_weights`, a local run), or
 over the weight channel from the actor's rank 0 (`join_weight_channel`,
 `receive_weights`, on Ray; `conveyor.workers.weight_channel`).
-`weights_version` is the actor's optimizer-step count of what it serves.
+The rollout group keeps the actor's optimizer-step count of what the replicas serve.
 
 Replicas do not share a process group: each is its own engine, the group
 splits a handle across them, and they pad responses to `max_new_tokens` so
@@ -98,18 +98,9 @@ class RolloutWorker:
         )
         self.channel: Any = None
 
-    @property
-    def weights_version(self) -> int | None:
-        """The actor's optimizer-step count of the weights the engine serves (None before the first sync)."""
-        return self.engine.weights_version
-
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts: the actor's endpoint, on this replica's engine."""
         return self.generation(meta, {})
-
-    def served_version(self) -> int | None:
-        """`weights_version`, as a call (Ray calls methods, not properties)."""
-        return self.weights_version
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """In this process: load the actor's streamed tensors into the engine; returns the seconds taken."""
