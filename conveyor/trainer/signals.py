@@ -121,7 +121,9 @@ def die_with_parent(parent_pid: int, interval: float = 0.5) -> None:
 
 # The watcher `Reaper` runs (python -c): every half second it notes the trainer's descendants started after it
 # (another process's children are never its business); when the trainer's pipe ends without "done", or the
-# trainer is gone, it kills the last ones noted that are still the same processes (same start time).
+# trainer is gone, it kills every one it ever noted that is still the same process (same start time). The notes
+# add up rather than being replaced: a look taken as the trainer dies sees its children already reparented (Ray's
+# raylet dies with the driver at once and leaves its agents orphaned), and would find nothing to kill.
 _REAPER = r"""
 import os, select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,7 +134,7 @@ def stat(pid):
         fields = f.read().rsplit(")", 1)[1].split()
     return int(fields[1]), int(fields[19])
 born = stat(me)[1]
-def family():
+def descendants(roots):
     children = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -141,14 +143,14 @@ def family():
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append((int(name), start))
-    found, todo = [], [trainer]
+    found, todo = [], list(roots)
     while todo:
         for pid, start in children.get(todo.pop(), []):
             if pid != me and start >= born:
                 found.append((pid, start))
                 todo.append(pid)
     return found
-noted, said = [], b""
+noted, said = set(), b""
 while os.getppid() == trainer:
     ready, _, _ = select.select([0], [], [], 0.5)
     if ready:
@@ -156,8 +158,17 @@ while os.getppid() == trainer:
         said += got
         if not got:
             break
-    noted = family()
+    noted.update(descendants([trainer]))
 if b"done" not in said:
+    # Children started since the last look, of processes already noted (the trainer is gone: its own are orphans).
+    alive = []
+    for pid, start in noted:
+        try:
+            if stat(pid)[1] == start:
+                alive.append(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    noted.update(descendants(alive))
     for pid, start in noted:
         try:
             if stat(pid)[1] == start:

@@ -21,7 +21,7 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _member(rank: int, address: tuple[str, int], world_port: int, results) -> None:
+def _member(rank: int, address: tuple[str, int], world_port: int, results, done) -> None:
     import torch.distributed as tdist
 
     if rank == 0:  # the actor's own world (of one rank here) beside the channel
@@ -40,17 +40,20 @@ def _member(rank: int, address: tuple[str, int], world_port: int, results) -> No
         results.put(("world", float(t)))
         tdist.destroy_process_group()
     channel.close()
+    # The tensors put on the queue travel as file descriptors this process shares: it stays until they are read.
+    done.wait(120)
 
 
 def test_a_channel_streams_buckets_bit_for_bit_to_every_receiver() -> None:
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, done = ctx.Queue(), ctx.Event()
     address = free_address()
     world_port = free_address()[1]
-    procs = [ctx.Process(target=_member, args=(r, address, world_port, results)) for r in range(3)]
+    procs = [ctx.Process(target=_member, args=(r, address, world_port, results, done)) for r in range(3)]
     for p in procs:
         p.start()
     out = [results.get(timeout=120) for _ in range(2 * 3 + 1)]
+    done.set()
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
