@@ -126,21 +126,16 @@ class Config:
                   f"a mini-batch of {cmb} prompts x {n} samples is fewer sequences than the {world} ranks")
 
     def _check_async(self) -> None:
-        """What the asynchronous trainer does not (yet) combine with: each an error naming the key."""
-        mode = f"trainer.v1.trainer_mode={self.trainer.v1.trainer_mode}"
-        arr, algo = self.actor_rollout_ref, self.algorithm
-        check(arr.rollout.placement == "colocated", "actor_rollout_ref.rollout.placement",
-              f"{mode} runs its own rollout process; set placement=colocated")
-        check(not arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
-              f"multi-turn rollouts are not supported with {mode}")
-        check(not algo.filter_groups.enable, "algorithm.filter_groups.enable",
-              f"dynamic sampling is not supported with {mode}")
-        check(not _estimator_needs(algo.adv_estimator).greedy_baseline, "algorithm.adv_estimator",
-              f"{algo.adv_estimator}'s greedy baseline rollout is not supported with {mode}")
+        """What the asynchronous trainer cannot combine with: each an error naming the key."""
         k = self.trainer.v1.sampler.max_off_policy_threshold
-        check(not (k > 0 and algo.rollout_correction.bypass_mode is True), "algorithm.rollout_correction.bypass_mode",
+        check(not (k > 0 and self.algorithm.rollout_correction.bypass_mode is True),
+              "algorithm.rollout_correction.bypass_mode",
               f"with trainer.v1.sampler.max_off_policy_threshold={k} the rollout's log-probs come from an older "
               "policy and cannot stand in for the proximal policy's: set bypass_mode to null or false")
+        check(not (self.trainer.v1.separate_async.partial_rollout and self.actor_rollout_ref.rollout.multi_turn.enable),
+              "trainer.v1.separate_async.partial_rollout",
+              "weights that arrive between two tokens are counted within one engine call, and a multi-turn rollout "
+              "makes one per turn: set partial_rollout=false with multi_turn.enable")
 
     @property
     def run_dir(self) -> Path:

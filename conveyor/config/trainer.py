@@ -16,8 +16,9 @@ from conveyor.config.fields import F, S, check, registry
 __all__ = ["TRAINER_MODES", "OFF_POLICY_STRATEGIES", "RESUME_MODES", "DEVICES", "MetricsEndpointConfig",
            "SamplerConfig", "SeparateAsyncConfig", "TrainerV1Config", "TrainerConfig"]
 
-# Values of trainer.v1.trainer_mode (verl's V1 trainer keys): today's synchronous loop, or rollout in its own
-# process concurrently with training (`conveyor.trainer.async_loop`). verl's colocate_async is not implemented.
+# Values of trainer.v1.trainer_mode (verl's V1 trainer keys): the synchronous loop, or the rollout worker group
+# generating concurrently with training (`conveyor.trainer.sources.AsyncSource`). verl's colocate_async is not
+# implemented.
 TRAINER_MODES: tuple[str, ...] = ("sync", "separate_async")
 OFF_POLICY_STRATEGIES: tuple[str, ...] = ("drop", "wait")
 RESUME_MODES: tuple[str, ...] = ("auto", "disable", "resume_path")
@@ -53,7 +54,7 @@ class SamplerConfig:
 
 @dataclass
 class SeparateAsyncConfig:
-    """The rollout process of trainer.v1.trainer_mode=separate_async."""
+    """The rollout of trainer.v1.trainer_mode=separate_async (the rollout worker group, generating ahead)."""
 
     parameter_sync_step: int = F(1, "the trainer sends its weights to the rollout every N updates (at most "
                                     "max_off_policy_threshold + 1, else the bound could never hold)", ge=1)
@@ -67,10 +68,10 @@ class SeparateAsyncConfig:
 class TrainerV1Config:
     """verl's V1 trainer keys: synchronous or asynchronous training with bounded staleness."""
 
-    trainer_mode: str = F("sync", "sync (rollout, then update, every step) or separate_async (rollout in its own "
-                                  "process while the trainer updates; docs/async.md)", choices=TRAINER_MODES)
+    trainer_mode: str = F("sync", "sync (rollout, then update, every step) or separate_async (the rollout worker "
+                                  "group generates while the trainer updates; docs/async.md)", choices=TRAINER_MODES)
     sampler: SamplerConfig = S(SamplerConfig, "the staleness bound")
-    separate_async: SeparateAsyncConfig = S(SeparateAsyncConfig, "weight shipping to the rollout process")
+    separate_async: SeparateAsyncConfig = S(SeparateAsyncConfig, "weight shipping to the asynchronous rollout")
 
     def validate(self, prefix: str) -> None:
         """Weights reach the rollout often enough for the staleness bound to hold."""

@@ -2,8 +2,9 @@
 
 `run.py` is the composition root (it builds everything from the config and the
 run plan, trains and tears down); `plan.py` makes the run's decisions once;
-`ppo.py` is the stage pipeline of one step; `state.py`, `signals.py` and
-`validation.py` hold the checkpoint contents, the stop signals and held-out
-evaluation; `setup.py` prepares the model checkpoint, the prompts and the data
-plane; `async_loop.py` is the asynchronous trainer.
+`ppo.py` is the stage pipeline of one step; `sources.py` is where a step's
+samples come from (synchronous, asynchronous with bounded staleness, dynamic
+sampling); `state.py`, `signals.py` and `validation.py` hold the checkpoint
+contents, the stop signals and held-out evaluation; `setup.py` prepares the
+model checkpoint, the prompts and the data plane.
 """

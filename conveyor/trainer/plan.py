@@ -79,6 +79,7 @@ class RunPlan:
     rollout_is_level: str | None  # importance weights: None, token or sequence
     rollout_rs: bool  # rejection sampling is on
     off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
+    rollout_placement: str  # where the engines run: colocated (the actor's ranks) or separate (the rollout group)
     use_critic: bool
     use_reference: bool
     reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
@@ -142,11 +143,16 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable: the {ro.name} rollout does not stop at token "
                           "sequences, which ends a turn at a tool call; use an engine that does: "
                           + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).stop_sequences))
-    if v1.is_async and not caps.interruptible:
-        raise ConfigError(f"actor_rollout_ref.rollout.name: trainer.v1.trainer_mode={v1.trainer_mode} runs its "
-                          f"rollout process on an engine that can be interrupted between tokens; the {ro.name} "
-                          "rollout cannot: use "
+    if v1.is_async and v1.separate_async.partial_rollout and not caps.interruptible:
+        raise ConfigError(f"trainer.v1.separate_async.partial_rollout: weights that reach the rollout mid-generation "
+                          f"need an engine that can be interrupted between tokens; the {ro.name} rollout cannot: set "
+                          "partial_rollout=false or use "
                           + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).interruptible))
+    # The asynchronous source generates while the actor trains: on engines of their own, the rollout worker group.
+    placement = "separate" if v1.is_async else ro.placement
+    if placement == "separate":
+        why.append("rollout: the rollout worker group" + (f" (trainer.v1.trainer_mode={v1.trainer_mode} generates "
+                                                          "while the actor trains)" if v1.is_async else ""))
 
     off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
     if off_policy:
@@ -256,7 +262,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         rollout_captures_routing=capture, forward_records_routing=record,
         forward_replays_routing=moe and replay == "R3", update_replays_routing=moe and replay in ("R2", "R3"),
         load_balance_from_forward=from_forward, rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None,
-        off_policy=off_policy, use_critic=use_critic, use_reference=use_reference,
+        off_policy=off_policy, rollout_placement=placement, use_critic=use_critic, use_reference=use_reference,
         reference_from_actor=reference_from_actor, actor_loss_scale=actor_scale,
         critic_loss_scale=critic_scale, vllm_max_model_len=max_model_len, decisions=tuple(why),
     )

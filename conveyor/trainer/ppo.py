@@ -25,9 +25,10 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -48,6 +49,7 @@ from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_pr
 from conveyor.trainer import state
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
+from conveyor.trainer.sources import build_source, timer
 from conveyor.trainer.validation import Validation
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.roles import WorkerGroups
@@ -62,15 +64,6 @@ StageResult = tuple[KVBatchMeta, dict[str, float]]
 
 class NonFiniteError(ValueError):
     """A reward, advantage or loss became NaN or infinite; the message names the step and the field."""
-
-
-@contextlib.contextmanager
-def _timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _timing_metrics(timings: dict[str, float]) -> dict[str, float]:
@@ -134,12 +127,27 @@ class PPOTrainer:
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
         self._prompt_ids: dict[str, list[int]] = {}
         self._train_width: int | None = None
+        self._tokenizer_lock = threading.Lock()
+        # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
+        self.source = build_source(self)
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
         """Run (or continue) training to trainer.total_training_steps; returns the last step's metrics."""
         t = self.cfg.trainer
         self._maybe_resume()
+        self.source.start()
+        failed = True
+        try:
+            result = self._fit()
+            failed = False
+            return result
+        finally:
+            # A stop or a failure: what the source has in flight will never be trained.
+            self.source.close(failed=failed)
+
+    def _fit(self) -> dict[str, float]:
+        t = self.cfg.trainer
         if self.global_step == 0 and t.val_before_train and self.validation:
             self._log(self.validation.run(self), step=0)
         last: dict[str, float] = {}
@@ -194,7 +202,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
 
         def run(name: str | None, stage: Callable[[KVBatchMeta], StageResult], meta: KVBatchMeta) -> KVBatchMeta:
-            with _timer(name, timings) if name else contextlib.nullcontext():
+            with timer(name, timings) if name else contextlib.nullcontext():
                 meta, stage_metrics = stage(meta)
             metrics.update(stage_metrics)
             return meta
@@ -217,6 +225,7 @@ class PPOTrainer:
                 self._dump_generations(meta)
         finally:
             self.data_plane.kv_clear(part)
+            self.source.release()
         timings["step"] = time.perf_counter() - t_start
         metrics.update(_timing_metrics(timings))
         n_tokens = metrics.pop("_tokens", 0.0)
@@ -228,74 +237,13 @@ class PPOTrainer:
 
     # ================================================================ stages
     def _sample(self, meta: KVBatchMeta) -> StageResult:
-        """Stages 1-3 (prompts, generation, rewards) of one batch; under dynamic sampling, of as many as it takes.
+        """Stages 1-3 (prompts, generation, rewards): the step's batch from the run's sample source.
 
-        `meta` is the step's (empty) partition; the samples are written into it.
-
-        With `algorithm.filter_groups.enable`, groups whose samples all score
-        the same are dropped (they carry no gradient under a group baseline)
-        and new prompts are generated until `data.train_batch_size` varied
-        groups are in hand; the surplus of the last batch is dropped too.
+        `meta` is the step's (empty) partition; a synchronous source writes the samples into it, an
+        asynchronous one hands out samples its rollout wrote ahead (`conveyor.trainer.sources`).
         """
-        part = meta.partition_id
-        timings: dict[str, float] = {}
-        metrics: dict[str, float] = {}
-        fg = self.cfg.algorithm.filter_groups
-        want, n = self.cfg.data.train_batch_size, self.cfg.actor_rollout_ref.rollout.n
-        kept: list[KVBatchMeta] = []
-        n_kept = n_seen = 0
-        gen_calls, reward_calls = [], []
-        batch = 0
-        while True:
-            # The first batch keeps the keys and seed it has without filtering: turning the
-            # filter on changes nothing in a step whose groups all vary.
-            prefix, salt = (part, "gen") if batch == 0 else (f"{part}/b{batch}", f"gen{batch}")
-            batch += 1
-            records = self.train_data.next_batch(want)
-            with _timer("prompts", timings):
-                # Batches that share a partition share its column widths: pad to the maximum.
-                meta = self._put_prompts(records, part, n=n, key_prefix=prefix,
-                                         width=self._train_prompt_width() if fg.enable else None)
-            with _timer("gen", timings):
-                meta, gen_metrics = self._generate(meta, seed=self._seed(salt), pad=fg.enable)
-            gen_calls.append(gen_metrics)
-            with _timer("reward", timings):
-                meta, reward_metrics = self._compute_reward(meta)
-            reward_calls.append(reward_metrics)
-            if self.estimator.greedy_baseline:
-                with _timer("gen_baseline", timings):
-                    meta = self._greedy_baselines(meta, records, salt)
-            if not fg.enable:
-                break
-            varied = self._varied_groups(meta, fg.metric)
-            n_seen += len(meta) // n
-            n_kept += len(varied) // n
-            kept.append(varied)
-            if n_kept >= want:
-                meta = KVBatchMeta.concat(kept).select(list(range(want * n)))
-                break
-            if fg.max_num_gen_batches and batch >= fg.max_num_gen_batches:
-                raise ValueError(
-                    f"step {self.global_step}: after {batch} generation batches only {n_kept} of the "
-                    f"{want} prompt groups needed had rewards that differ (algorithm.filter_groups."
-                    f"max_num_gen_batches={fg.max_num_gen_batches}); the data may be too hard or too easy for the "
-                    "model. Raise max_num_gen_batches (0 = no limit), or set algorithm.filter_groups.enable=false"
-                )
-            if not fg.max_num_gen_batches and n_seen >= len(self.train_data) + want:
-                # "No limit" must not mean "forever": a model that solves (or fails) every prompt
-                # would otherwise generate without end in this step.
-                raise ValueError(
-                    f"step {self.global_step}: a whole epoch of prompts ({n_seen} groups) yielded only {n_kept} of "
-                    f"the {want} groups needed with rewards that differ; the model solves or fails nearly every "
-                    "prompt. Use harder or easier data, or set algorithm.filter_groups.enable=false"
-                )
-        metrics.update(mean_over_calls(gen_calls))
-        metrics.update(mean_over_calls(reward_calls))
-        if fg.enable:
-            metrics["train/num_gen_batches"] = float(batch)
-            metrics["train/filter_groups/kept_frac"] = n_kept / n_seen if n_seen else 0.0
-        metrics.update(_timing_metrics(timings))
-        return meta, metrics
+        batch = self.source.next(meta)
+        return batch.meta, {**batch.metrics, **_timing_metrics(batch.timings)}
 
     def _train_prompt_width(self) -> int:
         """The longest training prompt in tokens (computed once): a common width for every generation batch."""
@@ -305,36 +253,16 @@ class PPOTrainer:
             self._train_width = min(max(len(x) for x in ids), self.cfg.data.max_prompt_length)
         return self._train_width
 
-    def _varied_groups(self, meta: KVBatchMeta, metric: str) -> KVBatchMeta:
-        """The samples of `meta` whose group's `metric` is not the same for all of its samples, in order."""
-        field = "acc" if metric == "acc" else "rm_scores"
-        td = self.data_plane.get(meta, [field, "uid"])
-        # float64 sums and an exact comparison: a group of equal fractional scores
-        # must count as constant, which a float32 std > 0 test gets wrong.
-        values = td[field].double()
-        scores = values if values.dim() == 1 else values.sum(-1)
-        lo: dict[str, float] = {}
-        hi: dict[str, float] = {}
-        for uid, v in zip(td["uid"], scores.tolist()):
-            lo[uid], hi[uid] = min(lo.get(uid, v), v), max(hi.get(uid, v), v)
-        return meta.select([i for i, uid in enumerate(td["uid"]) if hi[uid] > lo[uid]])
-
-    def _greedy_baselines(self, meta: KVBatchMeta, records: list[dict], salt: str) -> KVBatchMeta:
-        """Greedy-decode each prompt once, score it, and store that score as every sample's `reward_baselines` (ReMax)."""
-        part = f"{meta.partition_id}-greedy"  # its own partition: its responses have their own width
-        try:
-            base = self._put_prompts(records, part, n=1)
-            base, _ = self._generate(base, seed=self._seed(salt), greedy=True)
-            base, _ = self._compute_reward(base)
-            scores = self.data_plane.get(base, ["rm_scores"])["rm_scores"].sum(-1)
-        finally:
-            self.data_plane.kv_clear(part)
-        n = len(meta) // len(records)
-        return self.data_plane.put(meta, {"reward_baselines": scores.repeat_interleave(n)})
-
     def _put_prompts(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
                      width: int | None = None) -> KVBatchMeta:
         """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them (left-padded to `width`)."""
+        # An asynchronous source's rollout thread puts ReMax's greedy prompts while the trainer puts a batch's:
+        # a fast tokenizer refuses to be used by two threads at once.
+        with self._tokenizer_lock:
+            return self._put_prompts_locked(records, partition_id, n, key_prefix, width)
+
+    def _put_prompts_locked(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None,
+                            width: int | None) -> KVBatchMeta:
         d = self.cfg.data
         texts = [render_prompt(rec, self.tokenizer) for rec in records]
         # Prompts recur every epoch: tokenize each distinct text once per run, in one batched call.
@@ -372,8 +300,12 @@ class PPOTrainer:
         return self.data_plane.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
 
     def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False, greedy: bool = False,
-                  pad: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
-        """Stage 2: the rollout writes responses, response_mask, rollout_log_probs (and routed_experts)."""
+                  pad: bool = False, generate: Callable[[KVBatchMeta], KVBatchMeta] | None = None,
+                  ) -> tuple[KVBatchMeta, dict[str, float]]:
+        """Stage 2: the rollout writes responses, response_mask, rollout_log_probs (and routed_experts).
+
+        `generate` runs it (default: the source's, with the trainer's current weights).
+        """
         r = self.cfg.actor_rollout_ref.rollout
         kw = r.val_kwargs if validate else r
         greedy = greedy or (validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0))
@@ -387,7 +319,7 @@ class PPOTrainer:
             capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,
             pad_to_max_new_tokens=pad,
         )
-        out = self.workers.generate_sequences(meta.with_extra_info(**call.to_extra_info()))
+        out = (generate or self.source.generate)(meta.with_extra_info(**call.to_extra_info()))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
         gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
@@ -520,7 +452,7 @@ class PPOTrainer:
             _, rs = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
                                            correction.rejection())
             metrics.update({f"rollout_corr/{k}": v for k, v in rs.items()})
-        with _timer("moe_metrics", timings):
+        with timer("moe_metrics", timings):
             moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
         if moe:
             metrics.update(moe)
@@ -529,7 +461,7 @@ class PPOTrainer:
                 metrics["rollout/moe/routing_from_trainer_forward"] = float(self.plan.load_balance_from_forward)
             self._save_expert_load()
             if moe.get("rollout/moe/routed_experts_found"):
-                with _timer("moe_agreement", timings):
+                with timer("moe_agreement", timings):
                     out = self.workers.actor.compute_routing_agreement(meta)
                 reduced = reduce_rank_metrics(out.extra_info)
                 metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/moe/")})
@@ -583,10 +515,14 @@ class PPOTrainer:
 
         return tqdm(total=t.total_training_steps, initial=self.global_step, desc="train", unit="step", file=sys.stderr)
 
-    def _seed(self, salt: str) -> int:
-        """A seed that depends only on (trainer.seed, step, purpose): resumed runs sample the same."""
+    def _seed(self, salt: str, step: int | None = None) -> int:
+        """A seed that depends only on (trainer.seed, step, purpose): resumed runs sample the same.
+
+        `step` defaults to the current one (an asynchronous source draws step b's batch earlier).
+        """
+        step = self.global_step if step is None else step
         code = sum(ord(c) * 31**i for i, c in enumerate(salt)) % 1_000_003
-        return (self.cfg.trainer.seed * 1_000_003 + self.global_step * 7_919 + code) % (2**62)
+        return (self.cfg.trainer.seed * 1_000_003 + step * 7_919 + code) % (2**62)
 
     # ================================================================ checkpoints
     @property

@@ -7,13 +7,13 @@ resume against the saved config and the checkpoints already in the run
 directory before anything is built, writes the resolved config, checks that
 the rollout engine can serve the model, loads the tokenizer and prompts, and
 builds, in order, the Prometheus endpoint (when enabled), Ray (when the run
-needs it), the data plane, the worker groups and the trackers; it picks the
-trainer (the synchronous `PPOTrainer`, or `AsyncPPOTrainer` for `trainer.v1`
-async mode), runs it, and closes what it built in reverse order whatever
-happens.
+needs it), the data plane, the worker groups and the trackers; it runs the
+one trainer, `PPOTrainer` (which takes its samples from the source the config
+names, `conveyor.trainer.sources`), and closes what it built in reverse order
+whatever happens.
 
-This is the one place that knows every part; the trainers get their parts
-injected. What it deliberately does not do: train (the trainers do) or decide
+This is the one place that knows every part; the trainer gets its parts
+injected. What it deliberately does not do: train (the trainer does) or decide
 how each part is built (`trainer/setup.py`, `workers/roles.py`).
 """
 
@@ -33,7 +33,6 @@ from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.rollout.base import engine_spec
 from conveyor.trainer import checkpoint as ckpt
-from conveyor.trainer.async_loop import AsyncPPOTrainer
 from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
 from conveyor.trainer.run_dir import check_no_newer_checkpoints, check_resume, open_run_dir, write_config
@@ -146,14 +145,10 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
                             experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
-        trainer_cls: Any = PPOTrainer
-        extra: dict[str, Any] = {}
-        if cfg.trainer.v1.is_async:  # rollout in its own process, concurrently with the updates
-            trainer_cls, extra = AsyncPPOTrainer, {"model_path": model_path}
-        trainer = trainer_cls(
+        trainer = PPOTrainer(
             cfg, plan=plan, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
             val_records=val_records, tracking=tracking, run_dir=run_dir,
-            model_config=model_config, prometheus=gauges, **extra,
+            model_config=model_config, prometheus=gauges,
         )
         result = trainer.fit()
         failed = False

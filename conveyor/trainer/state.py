@@ -36,7 +36,8 @@ def trainer_state(trainer: PPOTrainer, roles: dict[str, Any]) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "config": config_to_dict(trainer.cfg),  # what a resume is checked against
         "roles": roles,
-        "dataset": trainer.train_data.state_dict(),
+        # The sample source's prompt order (an asynchronous one's: before the oldest batch not yet trained).
+        "dataset": trainer.source.state_dict()["dataset"],
         "rng": ckpt.rng_state(),
         "kl_coef": float(trainer.kl_ctrl.value),
         "moe_counts": trainer.moe_acc.counts,
@@ -86,7 +87,7 @@ def maybe_resume(trainer: PPOTrainer) -> None:
         raise ValueError(f"checkpoint file {path / 'trainer_state.pt'} {what}; it was edited or not written by "
                          "conveyor: resume from another checkpoint (trainer.resume_mode=resume_path)") from err
     try:
-        trainer.train_data.load_state_dict(dataset)  # before the workers load too: its errors say what differs
+        trainer.source.load_state_dict({"dataset": dataset})  # before the workers load too: its errors say what differs
     except ValueError as err:
         raise ValueError(f"checkpoint file {path / 'trainer_state.pt'}: {err}") from err
     trainer.workers.actor.load_checkpoint(str(parts["actor"]), roles.get("actor", {}))

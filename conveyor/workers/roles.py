@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
@@ -49,6 +53,7 @@ __all__ = [
     "CriticGroup",
     "RewardGroup",
     "RolloutGroup",
+    "WeightInbox",
 ]
 
 
@@ -64,7 +69,7 @@ def worker_specs(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPl
     if plan.use_critic:
         specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where},
                                      plugins)
-    if cfg.actor_rollout_ref.rollout.placement == "separate":
+    if plan.rollout_placement == "separate":
         specs["rollout"] = WorkerSpec("rollout", RolloutWorker, {"settings": rollout_settings(cfg, plan), **where},
                                       plugins)
     custom = cfg.reward.custom_reward_function
@@ -135,12 +140,18 @@ class ActorGroup(_Role):
 
 
 class RolloutGroup(_Role):
-    """The separate rollout engines (placement=separate): they generate, and take the actor's weights first.
+    """The rollout worker group's engines: they generate, and take the actor's weights first.
 
-    Before a rollout the group asks the actor for its weights' version; when its replicas serve an older
-    one, the actor streams its weights to them: in this process straight into the engine, on Ray over the
-    weight channel from the actor's rank 0 (`conveyor.workers.weight_channel`), which is built on the
-    first sync.
+    Synchronous runs: before a rollout the group asks the actor for its weights' version; when its
+    replicas serve an older one, the actor streams its weights to them: in this process straight into
+    the engine, on Ray over the weight channel from the actor's rank 0 (`conveyor.workers.weight_channel`),
+    which is built on the first sync.
+
+    Asynchronous runs generate on another thread while the actor trains (`conveyor.trainer.sources`), and
+    label each sync with the policy version the scheduler counts: `stage_weights` takes the weights as they
+    are now and returns what loads them on the rollout's thread. In this process that is a copy, left in an
+    inbox that a partial rollout may also take between two tokens; on Ray the channel sync runs at once (the
+    replicas take it after the generation in progress, as a Ray actor runs its calls in order).
     """
 
     def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
@@ -149,13 +160,19 @@ class RolloutGroup(_Role):
         self.bucket_bytes = bucket_bytes
         self.served: int | None = None  # the version every replica serves (None: not synced yet)
         self._channel = False
+        self._inbox = WeightInbox()
 
-    def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Stage 2 on the replicas, after a sync if the actor has moved on: the rollout's fields, as the actor writes them."""
-        sync = self.sync()
+    @property
+    def in_process(self) -> bool:
+        """Whether the replicas and the actor run in this process (one local replica)."""
+        return isinstance(self.ranks, LocalWorkerGroup) and isinstance(self.actor.ranks, LocalWorkerGroup)
+
+    def generate_sequences(self, meta: KVBatchMeta, *, sync: bool = True) -> KVBatchMeta:
+        """Stage 2 on the replicas, after a sync if the actor has moved on (unless `sync` is False): the rollout's fields."""
+        metrics = self.sync() if sync else {}
         out = self.ranks.call(RolloutWorker.generate_sequences, meta)
-        if sync:  # one entry per rank, as every per-rank metric arrives
-            out.extra_info.update({k: [v] * self.ranks.world_size for k, v in sync.items()})
+        if metrics:  # one entry per rank, as every per-rank metric arrives
+            out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
 
     def sync(self) -> dict[str, float]:
@@ -163,7 +180,7 @@ class RolloutGroup(_Role):
         version = self.actor.ranks.call_all(PolicyWorker.weights_version)[0]
         if self.served == version:
             return {}
-        if isinstance(self.ranks, LocalWorkerGroup) and isinstance(self.actor.ranks, LocalWorkerGroup):
+        if self.in_process:
             # One process: the actor's stream goes straight into the engine, tensor by tensor.
             seconds = self.ranks.worker.load_weights(self.actor.ranks.worker.weight_stream(), version)
             metrics = {"rollout/weight_sync_s": seconds}
@@ -171,6 +188,34 @@ class RolloutGroup(_Role):
             metrics = self._sync_over_channel(version)
         self.served = version
         return metrics
+
+    def stage_weights(self, label: int) -> Callable[[], dict[str, float]]:
+        """The actor's weights as they are now, labelled `label`; returns what gives them to the replicas (run it on
+        the thread that generates)."""
+        if not self.in_process:
+            metrics = self._sync_over_channel(label)
+            self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
+            return lambda: metrics
+        # A copy: the actor goes on training while the rollout finishes the batch it is generating.
+        self._inbox.offer(label, [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()])
+        self.served = None
+        worker = self.ranks.worker
+
+        def load() -> dict[str, float]:
+            staged = self._inbox.take()
+            if staged is None:  # a partial rollout took these (or newer) between two tokens
+                return {}
+            version, tensors = staged
+            return {"rollout/weight_sync_s": worker.load_weights(iter(tensors), version)}
+
+        return load
+
+    def take_weights_between_tokens(self) -> None:
+        """Partial rollouts: staged weights reach the replica between two tokens of a generation (in this process)."""
+        if not self.in_process:
+            raise ValueError("trainer.v1.separate_async.partial_rollout: weights reach a rollout between two tokens "
+                             "only when it runs in the trainer's process; set partial_rollout=false for a run on Ray")
+        self.ranks.worker.take_weights_between_tokens(self._inbox)
 
     def _sync_over_channel(self, version: int) -> dict[str, float]:
         from conveyor.workers.ray_group import RayWorkerGroup, gather_together
@@ -188,6 +233,26 @@ class RolloutGroup(_Role):
         metrics = dict(sent[0])
         metrics.update({k: max(r[k] for r in received) for k in received[0]})  # the slowest replica's
         return metrics
+
+
+class WeightInbox:
+    """The newest staged weights, (label, tensors), for the rollout's thread to take; a newer offer replaces an older
+    one (weights only get newer, so a batch that starts with them is fresher than scheduled, never staler)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+
+    def offer(self, label: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Stage `tensors` as version `label`."""
+        with self._lock:
+            self._staged = (label, tensors)
+
+    def take(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The staged weights, once (None when nothing new is staged)."""
+        with self._lock:
+            staged, self._staged = self._staged, None
+        return staged
 
 
 class RefGroup(_Role):

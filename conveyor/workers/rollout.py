@@ -14,6 +14,13 @@ over the weight channel from the actor's rank 0 (`join_weight_channel`,
 `receive_weights`, on Ray; `conveyor.workers.weight_channel`).
 The rollout group keeps the actor's optimizer-step count of what the replicas serve.
 
+Versions. Every sample it writes is tagged with the version of the weights
+that generated it (`policy_version`, the label the last sync carried) and
+every response token with its own (`token_policy_version`): they differ only
+when weights arrived between two tokens (`take_weights_between_tokens`, the
+partial rollouts of asynchronous training), and a sample's version is its
+oldest token's.
+
 Replicas do not share a process group: each is its own engine, the group
 splits a handle across them, and they pad responses to `max_new_tokens` so
 their fields fit one partition.
@@ -97,14 +104,45 @@ class RolloutWorker:
             data_plane=data_plane, rank=rank, world_size=world_size, device=self.device,
         )
         self.channel: Any = None
+        self.data_plane = data_plane
+        self.version = -1  # the label of the weights the engine serves (-1: the checkpoint it was built from)
+        self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Sample responses for the handle's prompts: the actor's endpoint, on this replica's engine."""
-        return self.generation(meta, {})
+        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
+        start, self.switches = self.version, []
+        out = self.generation(meta, {})
+        mask = self.data_plane.get(out, ["response_mask"])["response_mask"]
+        tokens = torch.full(mask.shape, start, dtype=torch.long)
+        for sampled, version in self.switches:
+            tokens[:, sampled:] = version
+        fields = {"policy_version": torch.full((mask.shape[0],), start, dtype=torch.long),
+                  "token_policy_version": tokens}
+        out = self.data_plane.put(out, fields)
+        if self.generation.interrupt is not None:  # partial rollouts: how often weights changed mid-generation
+            out.extra_info["rollout/weight_switches"] = float(len(self.switches))
+        return out
+
+    def take_weights_between_tokens(self, inbox: Any) -> None:
+        """Partial rollouts: between two sampled tokens, load the newest weights `inbox.take()` holds, if any."""
+
+        def hook(sampled: int) -> bool:
+            staged = inbox.take()
+            if staged is None:
+                return False
+            version, tensors = staged
+            self.engine.update_weights(iter(tensors), version=version)
+            self.version = version
+            self.switches.append((sampled, version))
+            return True
+
+        self.generation.interrupt = hook
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """In this process: load the actor's streamed tensors into the engine; returns the seconds taken."""
-        return self.engine.update_weights(named_tensors, version=version)
+        seconds = self.engine.update_weights(named_tensors, version=version)
+        self.version = version
+        return seconds
 
     def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
         """Join the channel from the actor's rank 0 as channel rank 1 + this replica's rank."""
@@ -118,6 +156,7 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         self.engine.update_weights(self.channel.received(), version=version)
+        self.version = version
         got = self.channel.last
         return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got.bytes / 1e9,
                 "rollout/weight_sync_buckets": float(got.buckets)}

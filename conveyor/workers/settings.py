@@ -98,7 +98,7 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
     correction = cfg.algorithm.rollout_correction
     upper, lower = correction.is_thresholds()
     return ActorSettings(
-        model=copy.deepcopy(arr.model), actor=copy.deepcopy(arr.actor), rollout=copy.deepcopy(arr.rollout),
+        model=copy.deepcopy(arr.model), actor=copy.deepcopy(arr.actor), rollout=_placed(arr.rollout, plan),
         seed=cfg.trainer.seed,
         total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
                                             arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs),
@@ -121,6 +121,13 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
     )
 
 
+def _placed(rollout: Any, plan: RunPlan) -> Any:
+    """A copy of the rollout config with the placement the plan decided (asynchronous runs generate apart)."""
+    out = copy.deepcopy(rollout)
+    out.placement = plan.rollout_placement
+    return out
+
+
 def _reference_budget(arr: Any) -> TokenBudget | None:
     """The reference forward's token budget (ref.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu)."""
     return token_budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
@@ -130,7 +137,7 @@ def _reference_budget(arr: Any) -> TokenBudget | None:
 def rollout_settings(cfg: Config, plan: RunPlan) -> RolloutSettings:
     """The rollout worker's settings of a run of `cfg` (placement=separate)."""
     arr = cfg.actor_rollout_ref
-    return RolloutSettings(model=copy.deepcopy(arr.model), rollout=copy.deepcopy(arr.rollout), seed=cfg.trainer.seed,
+    return RolloutSettings(model=copy.deepcopy(arr.model), rollout=_placed(arr.rollout, plan), seed=cfg.trainer.seed,
                            max_model_len=plan.vllm_max_model_len)
 
 

@@ -50,7 +50,6 @@ def test_a_separate_hf_rollout_trains_exactly_as_a_colocated_one(tiny_run, tmp_p
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (SEPARATE + ["trainer.v1.trainer_mode=separate_async"], "actor_rollout_ref.rollout.placement"),
     (["actor_rollout_ref.rollout.placement=apart"], "actor_rollout_ref.rollout.placement"),
     (SEPARATE + ["actor_rollout_ref.rollout.replicas=0"], "actor_rollout_ref.rollout.replicas"),
 ])

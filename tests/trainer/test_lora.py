@@ -137,7 +137,9 @@ def test_lora_export_loads_back(tiny_run, tmp_path, adapter_only):
 
 
 def test_asynchronous_lora_at_k0_is_the_synchronous_run(tmp_path, tiny_run):
-    """The rollout process gets the adapters alone after each update; at k=0 the run is the synchronous one exactly."""
+    """At k=0 the asynchronous run is the synchronous one with the same placement, exactly: the rollout worker's
+    engine serves the base architecture, so both take the merged weights after every update (a colocated engine
+    samples through the adapters instead, which rounds differently)."""
     import json
 
     from conveyor.trainer.export import export_hf
@@ -147,7 +149,8 @@ def test_asynchronous_lora_at_k0_is_the_synchronous_run(tmp_path, tiny_run):
     base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")] + LORA + [
         "trainer.total_training_steps=3", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
     rows, weights = {}, {}
-    for name, extra in (("sync", []), ("async", ["trainer.v1.trainer_mode=separate_async",
+    for name, extra in (("sync", ["actor_rollout_ref.rollout.placement=separate"]),
+                        ("async", ["trainer.v1.trainer_mode=separate_async",
                                                  "trainer.v1.sampler.max_off_policy_threshold=0"])):
         run_dir = tmp_path / name
         run_training(load_config(None, base + extra + [f"trainer.default_local_dir={run_dir}"]))

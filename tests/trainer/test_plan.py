@@ -100,6 +100,8 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "load_balance_from_forward": metrics and (runs == "R2" or not engine_routing),
         "rollout_is_level": "token" if correction == "rollout_is" or off_policy else None,
         "rollout_rs": correction == "rollout_rs", "off_policy": off_policy,
+        # The asynchronous source generates on the rollout worker group while the actor trains.
+        "rollout_placement": "colocated" if mode == "sync" else "separate",
         "use_critic": role == "critic", "use_reference": role in ("kl_loss", "kl_reward"),
         "reference_from_actor": False,  # no LoRA in the table (tests/trainer/test_lora.py)
         "actor_loss_scale": 6.0, "critic_loss_scale": 6.0,  # data.max_response_length
@@ -118,11 +120,6 @@ def test_truth_table(engine, device, replay, bypass) -> None:
                 make_config(engine, replay, bypass, mode, correction, role, interval)
             continue
         cfg = make_config(engine, replay, bypass, mode, correction, role, interval)
-        if mode != "sync" and engine != "hf":
-            # The plan reads the capability: the asynchronous trainer's rollout needs an interruptible engine.
-            with pytest.raises(ConfigError, match="interrupted between tokens"):
-                build_run_plan(cfg, device)
-            continue
         engine_routing = engine == "hf" or device == "cuda"
         if replay == "R3" and not engine_routing and bypass is True:
             with pytest.raises(ConfigError) as info:
@@ -227,3 +224,14 @@ def test_lora_makes_the_reference_the_actors_base(kl) -> None:
     assert plan.use_reference == plan.reference_from_actor == (kl is not None)
     assert any(d.startswith("LoRA: rank 8") for d in plan.decisions)
     assert any("adapters disabled" in d for d in plan.decisions) == (kl is not None)
+
+
+def test_partial_rollouts_need_an_interruptible_engine() -> None:
+    # The plan reads the capability: weights between two tokens need an engine that can stop between them.
+    cfg = load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
+                             "actor_rollout_ref.model.tiny.num_kv_heads=2", "trainer.v1.trainer_mode=separate_async",
+                             "trainer.v1.separate_async.partial_rollout=true"])
+    with pytest.raises(ConfigError, match="interrupted between tokens.*partial_rollout=false"):
+        build_run_plan(cfg, "cpu")
+    assert build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async",
+                                             "trainer.v1.separate_async.partial_rollout=true"]), "cpu")

@@ -1,0 +1,562 @@
+"""Where a step's samples come from: sample sources over the data plane.
+
+`PPOTrainer.step` takes its batch from one source (`build_source`); everything
+after stage 3 is the same whatever the source is. A source hands out handles
+(`KVBatchMeta`) to samples already in the data plane, scored; it never passes
+sample tensors to the trainer.
+
+- `SyncSource`: today's sampling, every step: prompts, then the rollout and
+  the rewards, with the weights of the step before.
+- `AsyncSource`: the rollout worker group generates up to k policy versions
+  ahead, on a thread of its own, while the trainer updates (bounded
+  staleness; docs/async.md). With k = 0 it is the synchronous source, bit for
+  bit.
+- `DynamicSampling` wraps either: it draws batches until enough prompt
+  groups with varied rewards are in hand (`algorithm.filter_groups`).
+- `GreedyBaseline` (ReMax) wraps the batch pipeline both sources run: each
+  batch's greedy rollout is generated with the weights that sampled it, on
+  the thread that sampled it.
+
+A source's `state_dict` is part of the checkpoint: the prompt order from
+which a resumed run draws again (for `AsyncSource`, the order before the
+oldest batch not yet trained: batches in flight are generated again).
+
+What it deliberately does not do: compute anything after the rewards, or know
+where the engines run (the rollout group does).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from conveyor.metrics.reduce import mean_over_calls
+from conveyor.protocol import KVBatchMeta
+from conveyor.workers.balance import sequence_lengths, with_seq_lens
+
+if TYPE_CHECKING:
+    from conveyor.trainer.ppo import PPOTrainer
+
+__all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
+           "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
+
+# The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
+ROLLOUT_THREAD = "conveyor-rollout"
+
+Generate = Callable[[KVBatchMeta], KVBatchMeta]
+
+
+@contextlib.contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """Add the block's wall time to `timings[name]`."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class Batch:
+    """Scored samples in the data plane: their handle, the metrics of the stages that made them, their timings."""
+
+    meta: KVBatchMeta
+    metrics: dict[str, float]
+    timings: dict[str, float]
+
+
+# --------------------------------------------------------------------------- the batch pipeline
+class Pipeline:
+    """Prompts already in the data plane -> a scored batch: what both sources run on every batch they draw."""
+
+    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate) -> Batch:
+        """The batch of `meta`'s prompts (drawn from `records`), sampled with `seed` by `generate`."""
+        raise NotImplementedError
+
+
+class Rollout(Pipeline):
+    """Stage 2 (the rollout) and stage 3 (the rewards)."""
+
+    def __init__(self, trainer: PPOTrainer):
+        self.trainer = trainer
+
+    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate) -> Batch:
+        """Responses by `generate`, then rule-based scores."""
+        timings: dict[str, float] = {}
+        with timer("gen", timings):
+            meta, gen = self.trainer._generate(meta, seed=seed, pad=pad, generate=generate)
+        with timer("reward", timings):
+            meta, reward = self.trainer._compute_reward(meta)
+        return Batch(meta, {**gen, **reward}, timings)
+
+
+class GreedyBaseline(Pipeline):
+    """ReMax: after `inner`, greedy-decode each prompt once with the same engine and weights, score it, and store the
+    score as every sample's `reward_baselines`."""
+
+    def __init__(self, inner: Pipeline, trainer: PPOTrainer):
+        self.inner, self.trainer = inner, trainer
+
+    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate) -> Batch:
+        """`inner`'s batch with `reward_baselines` written."""
+        batch = self.inner(meta, records, seed, pad=pad, generate=generate)
+        t, dp = self.trainer, self.trainer.data_plane
+        with timer("gen_baseline", batch.timings):
+            part = f"{batch.meta.partition_id}-greedy/{batch.meta.keys[0]}"  # its own: its responses have their width
+            try:
+                base = t._put_prompts(records, part, n=1)
+                base, _ = t._generate(base, seed=seed, greedy=True, generate=generate)
+                base, _ = t._compute_reward(base)
+                scores = dp.get(base, ["rm_scores"])["rm_scores"].sum(-1)
+            finally:
+                dp.kv_clear(part)
+            n = len(batch.meta) // len(records)
+            batch.meta = dp.put(batch.meta, {"reward_baselines": scores.repeat_interleave(n)})
+        return batch
+
+
+# --------------------------------------------------------------------------- sources
+class SampleSource:
+    """Scored batches for training steps, from the data plane."""
+
+    def start(self) -> None:
+        """Before the first step of `fit`."""
+
+    def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
+        """The `draw`-th batch of this step (`step_meta`: the step's own, empty partition)."""
+        raise NotImplementedError
+
+    def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 2 outside training (validation), with the trainer's current weights."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The step is over: free what the source wrote outside the step's partition."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the prompt order a resumed run draws from."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's `state_dict`."""
+        raise NotImplementedError
+
+    def close(self, failed: bool) -> None:
+        """After `fit` (also on a stop or a failure)."""
+
+
+class SyncSource(SampleSource):
+    """Every step: draw prompts, then the rollout and rewards with the weights of the step before."""
+
+    def __init__(self, trainer: PPOTrainer, pipeline: Pipeline, *, pad: bool = False):
+        self.trainer, self.pipeline, self.pad = trainer, pipeline, pad
+
+    def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
+        """One batch into the step's partition: the first with the step's keys and seed, later ones under a prefix."""
+        t = self.trainer
+        part = step_meta.partition_id
+        prefix, salt = (part, "gen") if draw == 0 else (f"{part}/b{draw}", f"gen{draw}")
+        records = t.train_data.next_batch(t.cfg.data.train_batch_size)
+        timings: dict[str, float] = {}
+        with timer("prompts", timings):
+            # Batches that share a partition share its column widths: pad to the maximum.
+            meta = t._put_prompts(records, part, n=t.cfg.actor_rollout_ref.rollout.n, key_prefix=prefix,
+                                  width=t._train_prompt_width() if self.pad else None)
+        batch = self.pipeline(meta, records, t._seed(salt), pad=self.pad, generate=t.workers.generate_sequences)
+        batch.timings = {**timings, **batch.timings}
+        return batch
+
+    def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Where the step's rollout runs (the rollout group syncs first when the actor has moved on)."""
+        return self.trainer.workers.generate_sequences(meta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt order now."""
+        return {"dataset": self.trainer.train_data.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the prompt order of a checkpoint."""
+        self.trainer.train_data.load_state_dict(state["dataset"])
+
+
+class DynamicSampling(SampleSource):
+    """DAPO's dynamic sampling over any source: batches until `data.train_batch_size` prompt groups whose rewards
+    differ are in hand (groups that all score the same carry no gradient under a group baseline); the surplus of the
+    last batch is dropped too."""
+
+    def __init__(self, inner: SampleSource, trainer: PPOTrainer):
+        self.inner, self.trainer = inner, trainer
+
+    def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
+        """As many of `inner`'s batches as it takes, their varied groups as one handle."""
+        t = self.trainer
+        fg = t.cfg.algorithm.filter_groups
+        want, n = t.cfg.data.train_batch_size, t.cfg.actor_rollout_ref.rollout.n
+        kept: list[KVBatchMeta] = []
+        n_kept = n_seen = 0
+        calls: list[dict[str, float]] = []
+        timings: dict[str, float] = {}
+        draws = 0
+        while True:
+            batch = self.inner.next(step_meta, draws)
+            draws += 1
+            calls.append(batch.metrics)
+            for k, v in batch.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
+            varied = self._varied_groups(batch.meta, fg.metric)
+            n_seen += len(batch.meta) // n
+            n_kept += len(varied) // n
+            kept.append(varied)
+            if n_kept >= want:
+                meta = KVBatchMeta.concat(kept).select(list(range(want * n)))
+                break
+            if fg.max_num_gen_batches and draws >= fg.max_num_gen_batches:
+                raise ValueError(
+                    f"step {t.global_step}: after {draws} generation batches only {n_kept} of the "
+                    f"{want} prompt groups needed had rewards that differ (algorithm.filter_groups."
+                    f"max_num_gen_batches={fg.max_num_gen_batches}); the data may be too hard or too easy for the "
+                    "model. Raise max_num_gen_batches (0 = no limit), or set algorithm.filter_groups.enable=false"
+                )
+            if not fg.max_num_gen_batches and n_seen >= len(t.train_data) + want:
+                # "No limit" must not mean "forever": a model that solves (or fails) every prompt
+                # would otherwise generate without end in this step.
+                raise ValueError(
+                    f"step {t.global_step}: a whole epoch of prompts ({n_seen} groups) yielded only {n_kept} of "
+                    f"the {want} groups needed with rewards that differ; the model solves or fails nearly every "
+                    "prompt. Use harder or easier data, or set algorithm.filter_groups.enable=false"
+                )
+        metrics = mean_over_calls(calls)
+        metrics["train/num_gen_batches"] = float(draws)
+        metrics["train/filter_groups/kept_frac"] = n_kept / n_seen if n_seen else 0.0
+        return Batch(meta, metrics, timings)
+
+    def _varied_groups(self, meta: KVBatchMeta, metric: str) -> KVBatchMeta:
+        """The samples of `meta` whose group's `metric` is not the same for all of its samples, in order."""
+        field = "acc" if metric == "acc" else "rm_scores"
+        td = self.trainer.data_plane.get(meta, [field, "uid"])
+        # float64 sums and an exact comparison: a group of equal fractional scores
+        # must count as constant, which a float32 std > 0 test gets wrong.
+        values = td[field].double()
+        scores = values if values.dim() == 1 else values.sum(-1)
+        lo: dict[str, float] = {}
+        hi: dict[str, float] = {}
+        for uid, v in zip(td["uid"], scores.tolist()):
+            lo[uid], hi[uid] = min(lo.get(uid, v), v), max(hi.get(uid, v), v)
+        return meta.select([i for i, uid in enumerate(td["uid"]) if hi[uid] > lo[uid]])
+
+    def start(self) -> None:
+        """`inner`'s."""
+        self.inner.start()
+
+    def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """`inner`'s."""
+        return self.inner.generate(meta)
+
+    def release(self) -> None:
+        """`inner`'s."""
+        self.inner.release()
+
+    def state_dict(self) -> dict[str, Any]:
+        """`inner`'s."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`inner`'s."""
+        self.inner.load_state_dict(state)
+
+    def close(self, failed: bool) -> None:
+        """`inner`'s."""
+        self.inner.close(failed)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A batch handed to the rollout and not yet trained or dropped."""
+
+    batch_id: int
+    meta: KVBatchMeta  # its prompts in the data plane (its samples, once generated)
+    version: int  # the weights it was scheduled with (the ones that generated it, once it is done)
+    data_state: dict[str, int]  # the prompt order before this batch was drawn (what a checkpoint keeps)
+    future: concurrent.futures.Future
+    batch: Batch | None = None
+
+
+class AsyncSource(SampleSource):
+    """Batches the rollout worker group generates up to k policy versions ahead, while the trainer updates.
+
+    The trainer is the only scheduler: the rollout thread runs weight loads and batches in the order it
+    is given them, so the version of a batch is known when it is handed out. A batch handed out while
+    `o` batches are outstanding is trained at version `v + o` at the latest (v = updates so far); under
+    `wait` it is handed out only once the weights last sent are at least `v + o - k`, under `drop` at
+    once, and a batch that would be trained more than k versions after its weights is discarded. At
+    most k + 1 batches are outstanding; weights go out every `parameter_sync_step` updates.
+    """
+
+    def __init__(self, trainer: PPOTrainer, pipeline: Pipeline, *, pad: bool = False):
+        v1 = trainer.cfg.trainer.v1
+        self.trainer, self.pipeline, self.pad = trainer, pipeline, pad
+        self.rollout = trainer.workers.rollout
+        assert self.rollout is not None, "the plan places the rollout in its own group under asynchronous training"
+        self.k = v1.sampler.max_off_policy_threshold
+        self.strategy = v1.sampler.max_off_policy_strategy
+        self.sync_every = v1.separate_async.parameter_sync_step
+        self.partial = v1.separate_async.partial_rollout
+        # Batches that share a partition share its column widths, which dynamic sampling needs to join them.
+        self.shared = "rollout-samples" if pad else None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._threads: int | None = None
+        self._pending: list[_Pending] = []
+        self._taken: list[KVBatchMeta] = []  # handed to this step: cleared when it is over
+        self._syncs: list[concurrent.futures.Future] = []
+        self._next_batch = 0
+        self._sent_version: int | None = None
+        self._dropped = 0
+        self._busy_s = 0.0  # the rollout thread's wall time on batches so far
+        self._clock: float | None = None
+        self._cpu_clock = 0.0
+        self._busy_at_clock = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the rollout thread; in one process the two threads share the cores' torch threads."""
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=ROLLOUT_THREAD)
+        if self.partial:
+            self.rollout.take_weights_between_tokens()
+        if self.k > 0 and self.rollout.in_process:
+            # Both threads compute at once: each op on one thread keeps them from spinning against each other.
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads // 2))
+
+    def close(self, failed: bool) -> None:
+        """Stop handing out batches, wait for the one being generated (a thread cannot be stopped), free them all."""
+        for p in self._pending:
+            p.future.cancel()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
+        for p in self._pending:
+            self._clear(p.meta)
+        self._pending = []
+        self.release()
+
+    # ------------------------------------------------------------------ batches
+    def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
+        """The next batch the rollout generated within the staleness bound, with its rewards."""
+        t = self.trainer
+        timings: dict[str, float] = {}
+        version = t.global_step - 1  # updates so far: the version this step trains
+        if self._next_batch == 0:  # first step of this run (or of a resumed one): batch b is step b's draw
+            self._next_batch = t.global_step
+        if draw == 0:
+            with timer("async/dispatch", timings):
+                self._dispatch(version, in_training=0)
+        dropped_before = self._dropped
+        with timer("async/wait", timings):
+            pending = self._take(version)
+        # Hand out the next batches before this step's update: the rollout generates them meanwhile.
+        with timer("async/dispatch", timings):
+            self._dispatch(version, in_training=1)
+        batch = pending.batch
+        assert batch is not None
+        self._taken.append(batch.meta)
+        metrics = dict(batch.metrics)
+        switches = metrics.pop("rollout/weight_switches", None)
+        if switches is not None:
+            metrics["off_policy/weight_switches"] = switches
+        staleness = version - pending.version
+        dropped = (self._dropped - dropped_before) * len(batch.meta)
+        metrics["off_policy/staleness_mean"] = float(staleness)
+        metrics["off_policy/staleness_max"] = float(staleness)
+        metrics["off_policy/dropped_frac"] = dropped / (dropped + len(batch.meta))
+        metrics["off_policy/policy_version"] = float(pending.version)
+        metrics.update(self._sync_metrics())
+        if draw == 0:
+            metrics.update(self._idle_fractions(timings))
+        metrics.update(self._log_versions(batch.meta, version, pending))
+        # The batch's own stages ran on the rollout thread, beside the trainer's: apart from the step's timings.
+        timings.update({f"async/rollout_{k}": v for k, v in batch.timings.items()})
+        return Batch(batch.meta, metrics, timings)
+
+    def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Validation: the trainer's current weights go to the rollout, which generates after the batches before it."""
+        label = self.trainer.global_step  # updates so far
+        load = self.rollout.stage_weights(label)
+        self._sent_version = label
+
+        def run() -> KVBatchMeta:
+            load()
+            return self.rollout.generate_sequences(meta, sync=False)
+
+        return self._submit(run).result()
+
+    def release(self) -> None:
+        """Free the batches this step trained."""
+        for meta in self._taken:
+            self._clear(meta)
+        self._taken = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt order before the oldest batch not yet trained: a resumed run draws it again and regenerates it
+        with the resumed weights, so every prompt of the order is trained once."""
+        if self._pending:
+            return {"dataset": dict(self._pending[0].data_state)}
+        return {"dataset": self.trainer.train_data.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the prompt order of a checkpoint."""
+        self.trainer.train_data.load_state_dict(state["dataset"])
+
+    # ------------------------------------------------------------------ the scheduler
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if self._executor is None:
+            raise RuntimeError("the asynchronous source is not started (PPOTrainer.fit starts it)")
+        return self._executor.submit(fn)
+
+    def _dispatch(self, version: int, in_training: int) -> None:
+        """Send weights when due, then hand out batches while the bound and the buffer (k + 1 batches) allow.
+
+        `in_training`: 1 once this step has taken its batch (it is trained at `version`, the next at
+        `version + 1`), else 0.
+        """
+        if self._sent_version is None or version - self._sent_version >= self.sync_every:
+            self._syncs.append(self._submit(self.rollout.stage_weights(version)))
+            self._sent_version = version
+        total = self.trainer.cfg.trainer.total_training_steps
+        while len(self._pending) + in_training < self.k + 1:
+            # Trained, if nothing is dropped, at version + (batches ahead of it), or sooner.
+            trained_at = version + in_training + len(self._pending)
+            # A batch no step of this run would train is never handed out: a bound far beyond the run's
+            # length would otherwise draw batches without end before the first step.
+            if trained_at >= total:
+                break
+            if self.strategy == "wait" and self._sent_version < trained_at - self.k:
+                break
+            self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Draw the next prompts into the data plane and queue their batch on the rollout thread."""
+        t = self.trainer
+        batch_id = self._next_batch
+        self._next_batch += 1
+        data_state = t.train_data.state_dict()
+        records = t.train_data.next_batch(t.cfg.data.train_batch_size)
+        n = t.cfg.actor_rollout_ref.rollout.n
+        if self.shared:
+            meta = t._put_prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
+                                  width=t._train_prompt_width())
+        else:
+            meta = t._put_prompts(records, f"batch-{batch_id}", n=n)
+        seed = t._seed("gen", step=batch_id)  # batch b samples with step b's seed, as the synchronous source
+        future = self._submit(lambda: self._generate_batch(meta, records, seed))
+        self._pending.append(_Pending(batch_id, meta, self._sent_version, data_state, future))
+
+    def _generate_batch(self, meta: KVBatchMeta, records: list[dict], seed: int) -> tuple[Batch, float, float]:
+        """On the rollout thread: the pipeline over the rollout group, with the weights loaded last; its seconds."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        batch = self.pipeline(meta, records, seed, pad=self.pad,
+                              generate=lambda m: self.rollout.generate_sequences(m, sync=False))
+        # As the generation endpoint does: later splits over ranks balance prompt + response tokens.
+        td = self.trainer.data_plane.get(batch.meta, ["prompt_mask", "response_mask"])
+        batch.meta = with_seq_lens(batch.meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))
+        return batch, time.perf_counter() - t0, time.thread_time() - c0
+
+    def _take(self, version: int) -> _Pending:
+        """Wait for the oldest outstanding batch; drop it (and hand out another) when it is too old to train now."""
+        while True:
+            if not self._pending:
+                self._dispatch(version, in_training=0)
+            head = self._pending.pop(0)
+            batch, seconds, cpu = head.future.result()  # a failure on the rollout thread is raised here
+            self._busy_s += seconds
+            versions = self.trainer.data_plane.get(batch.meta, ["policy_version"])["policy_version"]
+            # A partial rollout may have started the batch with weights sent after it was handed out: never older.
+            generated = int(versions.min())
+            assert generated >= head.version, (generated, head.version)
+            head.version, head.batch = generated, batch
+            batch.metrics["off_policy/rollout_cpu_s"] = cpu
+            if version - head.version <= self.k:
+                return head
+            # Only `drop` hands out batches that can end up too old.
+            assert self.strategy == "drop", (head.version, version, self.k)
+            self._dropped += 1
+            self._clear(batch.meta)
+            self._dispatch(version, in_training=0)
+
+    def _clear(self, meta: KVBatchMeta) -> None:
+        if self.shared:
+            self.trainer.data_plane.kv_clear(meta.partition_id, meta.keys)
+        else:
+            self.trainer.data_plane.kv_clear(meta.partition_id)
+
+    # ------------------------------------------------------------------ what it reports
+    def _sync_metrics(self) -> dict[str, float]:
+        """The weight loads finished since the last step's: their mean seconds."""
+        done = [f for f in self._syncs if f.done()]
+        self._syncs = [f for f in self._syncs if not f.done()]
+        seconds = [f.result().get("rollout/weight_sync_s") for f in done]
+        seconds = [s for s in seconds if s is not None]
+        return {"rollout/weight_sync_s": sum(seconds) / len(seconds)} if seconds else {}
+
+    def _idle_fractions(self, timings: dict[str, float]) -> dict[str, float]:
+        """The trainer's and the rollout's idle fractions since the previous step's draw."""
+        out: dict[str, float] = {}
+        if self._clock is not None:
+            wall = max(time.perf_counter() - self._clock, 1e-9)
+            out["off_policy/trainer_idle_frac"] = min(1.0, timings.get("async/wait", 0.0) / wall)
+            out["off_policy/rollout_idle_frac"] = max(0.0, 1.0 - (self._busy_s - self._busy_at_clock) / wall)
+            # CPU seconds of the trainer's thread over the same span: on a busy machine, the wall time the
+            # trainer's share of a step would take on an idle one.
+            out["off_policy/trainer_cpu_s"] = time.thread_time() - self._cpu_clock
+        self._clock = time.perf_counter()
+        self._cpu_clock = time.thread_time()
+        self._busy_at_clock = self._busy_s
+        return out
+
+    def _log_versions(self, meta: KVBatchMeta, version: int, pending: _Pending) -> dict[str, float]:
+        """One line per draw in async_versions.jsonl (the version trained, every sample's and token's generating
+        versions); returns the token-level staleness metrics."""
+        t = self.trainer
+        td = t.data_plane.get(meta, ["policy_version", "token_policy_version", "response_mask"])
+        mask = td["response_mask"].bool()
+        tokens = td["token_policy_version"]
+        # Per sample, the oldest and newest version among its response tokens (they differ when a partial
+        # rollout continued it): versions only grow along a response, so the two bound every token's.
+        oldest = tokens.masked_fill(~mask, version + 1).min(dim=-1).values
+        newest = tokens.masked_fill(~mask, -1).max(dim=-1).values
+        record = {"step": t.global_step, "trained_at": version, "batch": pending.batch_id,
+                  "sample_versions": td["policy_version"].tolist(),
+                  "token_version_range": torch.stack([oldest, newest], dim=-1).tolist(),
+                  "dropped_batches": self._dropped}
+        with open(t.run_dir / "async_versions.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        stale = (version - tokens)[mask].float()
+        return {"off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
+                "off_policy/partial_frac": float((newest > oldest).float().mean())}
+
+
+def build_source(trainer: PPOTrainer) -> SampleSource:
+    """The run's source: synchronous or asynchronous, its pipeline with ReMax's baseline, dynamic sampling around it."""
+    cfg = trainer.cfg
+    pipeline: Pipeline = Rollout(trainer)
+    if trainer.estimator.greedy_baseline:
+        pipeline = GreedyBaseline(pipeline, trainer)
+    pad = cfg.algorithm.filter_groups.enable
+    source: SampleSource
+    if cfg.trainer.v1.is_async:
+        source = AsyncSource(trainer, pipeline, pad=pad)
+    else:
+        source = SyncSource(trainer, pipeline, pad=pad)
+    if cfg.algorithm.filter_groups.enable:
+        source = DynamicSampling(source, trainer)
+    return source
+
