@@ -11,15 +11,15 @@ Threads: the synchronous run gets `--sync-threads` torch threads (default 1:
 on the tiny model the ops are dominated by Python overhead, and on a 2-core
 machine a second intra-op thread only adds spinning, which makes one thread
 the faster baseline; pass 2 to compare against that too). The asynchronous
-run starts with all the cores' threads and splits them between the trainer
-and the rollout process (`conveyor.trainer.async_loop`).
+run starts with all the cores' threads and gives each of its two threads,
+the trainer's and the rollout's, half of them (`conveyor.trainer.sources`).
 
 Per run it prints steps/s (training steps over the summed `timing_s/step`:
 validation, start-up and the warm start are left out, the same for both
-modes), for the asynchronous run also the steps/s its two processes' CPU time
+modes), for the asynchronous run also the steps/s its two threads' CPU time
 per step implies (the longer of the trainer's and the rollout's each step:
-what an otherwise idle machine would give, since on a shared machine a
-second busy process slows both), and the held-out accuracy of every validation with the training time
+what two free cores and no interpreter lock between them would give; waits
+for the lock count in neither), and the held-out accuracy of every validation with the training time
 at which it was reached. Then, per mode, the median steps/s, the speed-up,
 the final accuracy (equal steps) and the accuracy each mode had reached when
 the slower one's training time ran out (equal wall-clock time).
@@ -60,8 +60,8 @@ def read_run(run_dir: Path) -> dict:
         if "timing_s/step" in r:
             elapsed += float(r["timing_s/step"])
             steps += 1
-            # The async run's per-step CPU seconds of its two processes: on an idle machine a step
-            # takes the longer of the two (plus the trainer's waits, which these leave out).
+            # The async run's per-step CPU seconds of its two threads: with a core each and no lock
+            # between them a step takes the longer of the two (plus the trainer's waits, left out).
             if "off_policy/trainer_cpu_s" in r:
                 cpu_bound += max(float(r["off_policy/trainer_cpu_s"]), float(r["off_policy/rollout_cpu_s"]))
             else:
@@ -70,6 +70,24 @@ def read_run(run_dir: Path) -> dict:
             curve.append((step, elapsed, float(r["val/accuracy"])))
     return {"steps": steps, "train_s": elapsed, "steps_per_s": steps / elapsed if elapsed else 0.0, "curve": curve,
             "cpu_steps_per_s": steps / cpu_bound if cpu_bound else 0.0}
+
+
+# The stages a step's time goes to (timing_s/*), and each side's CPU seconds (off_policy/*), in the breakdown.
+STAGES = ("step", "gen", "reward", "prompts", "old_log_prob", "adv", "update_actor", "metrics", "async/wait",
+          "async/dispatch", "async/rollout_gen", "async/rollout_reward")
+CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s")
+
+
+def stage_medians(run_dir: Path, skip: int = 5) -> dict[str, float]:
+    """Median milliseconds per step of each stage in STAGES and each CPU figure in CPU (steps after `skip`)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "timing_s/step" in r and int(r["step"]) > skip]
+    out = {}
+    for key in [f"timing_s/{s}" for s in STAGES] + list(CPU):
+        values = [float(r[key]) for r in rows if key in r]
+        if values:
+            out[key] = 1e3 * statistics.median(values)
+    return out
 
 
 def accuracy_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
@@ -93,7 +111,7 @@ def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: i
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = read_run(run_dir)
-    result.update(mode=mode, wall_s=wall)
+    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir))
     return result
 
 
@@ -127,13 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmedian steps/s: sync {med['sync']:.2f}, async k=1 {med['async_k1']:.2f} -> "
           f"{med['async_k1'] / med['sync']:.2f}x")
     est = statistics.median(r["cpu_steps_per_s"] for r in asy)
-    print(f"async k=1 from its processes' CPU time per step (what an otherwise idle machine would give): "
+    print(f"async k=1 from its threads' CPU time per step (a core each, no interpreter lock between them): "
           f"{est:.2f} steps/s -> {est / med['sync']:.2f}x the synchronous wall-clock figure")
     for i, (s, a) in enumerate(zip(sync, asy)):
         budget = min(s["train_s"], a["train_s"])
         print(f"round {i + 1}: final accuracy (equal steps) sync {s['curve'][-1][2]:.3f}, async {a['curve'][-1][2]:.3f}; "
               f"at equal training time {budget:.0f} s: sync {accuracy_at(s['curve'], budget):.3f}, "
               f"async {accuracy_at(a['curve'], budget):.3f}")
+    print("\nwhere a step's time goes (median ms per step over the run's steps after the 5th, last round):")
+    for mode, rs in results.items():
+        stages = rs[-1]["stages"]
+        print(f"  {mode:8s} " + ", ".join(f"{k.split('/', 1)[1]} {v:.1f}" for k, v in stages.items()))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"mean final accuracy: sync {mean([r['curve'][-1][2] for r in sync]):.3f}, "
           f"async k=1 {mean([r['curve'][-1][2] for r in asy]):.3f}")

@@ -109,7 +109,7 @@ class GreedyBaseline(Pipeline):
         batch = self.inner(meta, records, seed, pad=pad, generate=generate)
         t, dp = self.trainer, self.trainer.data_plane
         with timer("gen_baseline", batch.timings):
-            part = f"{batch.meta.partition_id}-greedy/{batch.meta.keys[0]}"  # its own: its responses have their width
+            part = f"{batch.meta.partition_id}-greedy"  # its own: its responses have their own width
             try:
                 base = t._put_prompts(records, part, n=1)
                 base, _ = t._generate(base, seed=seed, greedy=True, generate=generate)

@@ -28,3 +28,7 @@ def test_steps_per_second_and_accuracy_at_equal_training_time(tmp_path):
     assert bench.accuracy_at(r["curve"], 2.0) == 0.75
     assert bench.accuracy_at(r["curve"], 0.0) == 0.25
     assert set(bench.MODES) == {"sync", "async_k1"}
+    # The breakdown: median ms per step of each stage and each side's CPU, after the first `skip` steps.
+    stages = bench.stage_medians(run, skip=1)
+    assert stages["timing_s/step"] == 750.0 and stages["off_policy/rollout_cpu_s"] == 200.0
+    assert "timing_s/gen" not in stages  # a stage a run does not log is left out

@@ -45,6 +45,25 @@ def _kill_all(procs: list[psutil.Process]) -> None:
             pass
 
 
+@pytest.mark.parametrize("signum, status, last", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "stopped by SIGTERM")])
+def test_a_stop_during_start_up_ends_the_run(rel, base_model, tmp_path: Path, processes, signum: int, status: int,
+                                             last: str) -> None:
+    # Before the first step: the workers, the rollout worker group and the data plane are being built.
+    proc = rel.TrainProcess(tmp_path / "run", "trainer.total_training_steps=2", *ASYNC)
+    processes.append(proc)
+    rel.wait_until(lambda: "run plan:" in proc.stderr, proc, interval=0.01)
+    children = _descendants(proc.proc.pid)
+    proc.proc.send_signal(signum)
+    try:
+        assert proc.wait(timeout=60) == status, proc.stderr[-3000:]
+    finally:
+        _kill_all(children)
+    err = proc.stderr
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == last, err[-3000:]
+    _assert_all_gone(children, within=5)
+
+
 def _after_step_1(rel, processes, tmp_path: Path):
     """An async run that has logged step 1, with far more batches queued ahead than the rollout can finish soon."""
     run_dir = tmp_path / "run"
