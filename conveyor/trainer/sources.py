@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,10 @@ __all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSamplin
 ROLLOUT_THREAD = "conveyor-rollout"
 
 Generate = Callable[[KVBatchMeta], KVBatchMeta]
+
+# How often a thread holding the interpreter lock hands it over while both threads of an asynchronous run in one
+# process compute (Python's default is 5 ms; measured on the default run, docs/async.md).
+SWITCH_INTERVAL_S = 0.0002
 
 
 @contextlib.contextmanager
@@ -312,6 +317,7 @@ class AsyncSource(SampleSource):
         self.shared = "rollout-samples" if pad else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._threads: int | None = None
+        self._switch = 0.005
         self._pending: list[_Pending] = []
         self._taken: list[KVBatchMeta] = []  # handed to this step: cleared when it is over
         self._syncs: list[concurrent.futures.Future] = []
@@ -333,6 +339,10 @@ class AsyncSource(SampleSource):
             # Both threads compute at once: each op on one thread keeps them from spinning against each other.
             self._threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self._threads // 2))
+            # A thread leaving a torch op waits for the interpreter lock until the other thread's Python gives it up,
+            # by default up to 5 ms: with ops of tens of microseconds (a tiny model) that wait would dominate.
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def close(self, failed: bool) -> None:
         """Stop handing out batches, wait for the one being generated (a thread cannot be stopped), free them all."""
@@ -343,6 +353,7 @@ class AsyncSource(SampleSource):
             self._executor = None
         if self._threads is not None:
             torch.set_num_threads(self._threads)
+            sys.setswitchinterval(self._switch)
             self._threads = None
         for p in self._pending:
             self._clear(p.meta)
