@@ -25,6 +25,8 @@ groups' own `split_for_ranks`, and runs the jobs:
 
 - `logits`: the training model's logits (no grad, over the shards) on the rank's rows of `batch`'s prompts;
   each rank writes them to `out/logits_<rank>.pt`.
+- `iter_weights`: the weights as the vllm weight sync streams them (`iter_weights`, whole tensors);
+  rank 0 writes them to `out/streamed.pt`.
 - `layout`: after an update, each rank writes the local shape, mesh dimension names and placements of every
   parameter and of its AdamW moment to `out/layout_<rank>.pt`.
 
@@ -183,6 +185,12 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             with torch.no_grad(), worker.trained.strategy.sharded_no_grad():
                 logits = worker.model(input_ids=prompts.long()).logits
             torch.save(logits, out / f"logits_{rank}.pt")
+        elif job == "iter_weights":
+            from conveyor.rollout.weight_sync import iter_weights
+
+            streamed = {name: t.clone() for name, t in iter_weights(worker.model, device="cpu")}
+            if rank == 0:
+                torch.save(streamed, out / "streamed.pt")
         elif job == "layout":
             torch.save(_layout(worker), out / f"layout_{rank}.pt")
         elif job.startswith("save:"):

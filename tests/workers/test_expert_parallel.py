@@ -62,7 +62,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, on
     runs = {  # name -> overrides, with routing, jobs
         "ep": (EP2, False, ["logits", "log_prob", "update", "layout", f"save:{root / 'ep-ckpt'}"]),
         "ep-R3": (EP2 + [R3], True, ["grads"]),
-        "ep-gen": (EP2, False, ["generate"]),
+        "ep-gen": (EP2, False, ["generate", "iter_weights"]),
         "ep-load-one": (EP2, False, [f"load:{one_rank_checkpoint['dir']}"]),
         "fsdp2-save": (FSDP2, False, ["update", f"save:{root / 'fsdp2-ckpt'}"]),
         "fsdp2-load-ep": (FSDP2, False, [f"load:{root / 'ep-ckpt'}"]),
@@ -171,6 +171,17 @@ def test_routing_capture_and_load_balance_under_ep_equal_one_rank(model_path: st
     assert torch.equal(ep_counts, one_counts)
     ep_metrics = load_balance_metrics_from_counts(ep_counts)
     assert ep_metrics == load_balance_metrics_from_counts(one_counts) and ep_metrics
+
+
+def test_weight_sync_streams_whole_experts_under_ep(model_path: str, ranks) -> None:
+    """The vllm weight sync's `iter_weights` gathers each split expert tensor whole (one DTensor gather each)."""
+    worker = _actor(load_config(None, BASE), model_path=model_path, data_plane=make_data_plane("memory"))
+    streamed = torch.load(ranks["ep-gen"] / "streamed.pt", weights_only=True)
+    want = worker.model.state_dict()
+    assert streamed.keys() == want.keys()
+    for k in want:
+        assert torch.equal(streamed[k], want[k]), k
+    assert streamed["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
 
 
 def test_checkpoints_move_between_ep_and_plain_bitwise(model_path: str, ranks, one_rank_checkpoint) -> None:
