@@ -1,7 +1,12 @@
 """Training strategies: how the ranks of one role hold a model and combine their gradients.
 
-Three strategies behind one small interface, chosen by `actor_rollout_ref.actor.strategy`
-(and `critic.strategy`, `actor_rollout_ref.ref.strategy`):
+Three strategies behind one small interface, one class each (`STRATEGY_CLASSES`; the base class
+`TrainingStrategy` is `none`, and calling it with a name builds the named one), chosen by
+`actor_rollout_ref.actor.strategy` (and `critic.strategy`, `actor_rollout_ref.ref.strategy`).
+Each distributed strategy runs on the role's named device meshes, built once when it wraps the model
+(`conveyor.workers.expert_parallel.build_meshes`, transformers' dimension names): `("fsdp",)` over
+every rank, and `("efsdp", "ep")` for the experts under expert parallelism. Its own collectives
+(counts, sums, DDP's all-reduce) run on the `fsdp` dimension's group:
 
 - `none`: one rank, the model as it is.
 - `dp`: every rank holds a full replica; PyTorch's `DistributedDataParallel`
@@ -14,6 +19,10 @@ Three strategies behind one small interface, chosen by `actor_rollout_ref.actor.
   `fsdp_config.defer_grad_sync` defers the communication to the last
   micro-batch instead (fewer collectives, but a full unsharded gradient per
   rank in between).
+  With `fsdp_config.expert_parallel_size` = ep > 1, each MoE layer's experts are split whole
+  over the `ep` dimension (transformers' expert plan; tokens travel to them by all-to-all)
+  and FSDP2-sharded over `efsdp` = world / ep; a layer's forward then gathers only this
+  rank's experts. Gradient clipping sums the squared norms of both meshes' shards.
 
 Losses are normalised by the *global* token or sequence count (see
 `conveyor.algos.losses`), so the ranks' gradients must be summed; DDP and FSDP2
