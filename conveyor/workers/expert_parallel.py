@@ -54,15 +54,18 @@ class Meshes:
         return self.dense.get_group("fsdp")
 
 
-def build_meshes(world_size: int, ep_size: int, device_type: str) -> Meshes:
-    """The role's meshes over `world_size` ranks (every rank must call it, in the same order for every role)."""
+def build_meshes(world_size: int, ep_size: int, device_type: str, *, expert: bool | None = None) -> Meshes:
+    """The role's meshes over `world_size` ranks (every rank must call it, in the same order for every role).
+
+    The expert mesh is built when `ep_size` > 1, or when `expert` asks for it at size 1.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     if ep_size < 1 or world_size % ep_size:
         raise ValueError(f"fsdp_config.expert_parallel_size={ep_size} must divide the role's {world_size} ranks; "
                          f"set it to a divisor of {world_size}")
     dense = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
-    if ep_size == 1:
+    if not (ep_size > 1 if expert is None else expert):
         return Meshes(dense)
     # Row-major: the ep groups are runs of consecutive ranks (one node's GPUs), so the all-to-all stays in a node.
     expert = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("efsdp", "ep"))

@@ -158,6 +158,7 @@ class TrainingStrategy:
         optimizer_offload: bool = False,
         defer_grad_sync: bool = False,
         expert_parallel_size: int = 1,
+        expert_mesh: bool = False,
     ):
         self.world_size = world_size
         self.device = device
@@ -173,11 +174,13 @@ class TrainingStrategy:
         if (param_dtype or reduce_dtype) and self.name != "fsdp2":
             logger.warning("fsdp_config.param_dtype/reduce_dtype apply under strategy=fsdp2 only; this role runs %s",
                            self.name)
-        if expert_parallel_size != 1 and self.name != "fsdp2":
+        if (expert_parallel_size != 1 or expert_mesh) and self.name != "fsdp2":
             raise ValueError(f"fsdp_config.expert_parallel_size={expert_parallel_size} needs strategy=fsdp2 (this "
                              f"role runs {self.name} on {world_size} rank(s)); set the role's strategy to fsdp2 or "
                              "expert_parallel_size to 1")
         self.expert_parallel_size = expert_parallel_size
+        # The expert mesh and the all-to-all even at size 1: the one-GPU check runs the EP code path this way.
+        self.expert_mesh = expert_mesh or expert_parallel_size > 1
         # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
         self.defer_grad_sync = defer_grad_sync
         self._meshes: Any = None
@@ -209,7 +212,8 @@ class TrainingStrategy:
             from conveyor.workers.expert_parallel import build_meshes
 
             ensure_process_group(self.device)
-            self._meshes = build_meshes(self.world_size, self.expert_parallel_size, self.device.type)
+            self._meshes = build_meshes(self.world_size, self.expert_parallel_size, self.device.type,
+                                        expert=self.expert_parallel)
         return self._meshes
 
     # ------------------------------------------------------------------ wrapping
@@ -375,8 +379,8 @@ class FSDP2(TrainingStrategy):
 
     @property
     def expert_parallel(self) -> bool:
-        """Whether the experts are split whole over ranks (fsdp2 with expert_parallel_size > 1)."""
-        return self.expert_parallel_size > 1
+        """Whether the experts are split whole over the `ep` ranks (fsdp2 with expert_parallel_size > 1, or forced)."""
+        return self.expert_mesh
 
     def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
         """Shard each decoder layer and the root (experts first, on their own mesh, under EP) in place."""
