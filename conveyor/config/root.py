@@ -127,12 +127,22 @@ class Config:
                   f"a mini-batch of {cmb} prompts x {n} samples is fewer sequences than the {world} ranks")
 
     def _check_expert_parallel(self, world: int) -> None:
-        """Each role's fsdp_config.expert_parallel_size fits its strategy, its ranks and (for the tiny model) its experts."""
+        """Each role's fsdp_config.fsdp_size and expert_parallel_size fit its strategy, its ranks and its experts."""
         arr = self.actor_rollout_ref
         tiny = arr.model.tiny if arr.model.path is None else None
         for prefix, role in (("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref),
                              ("critic", self.critic)):
-            ep = role.fsdp_config.expert_parallel_size
+            ep, fsdp_size = role.fsdp_config.expert_parallel_size, role.fsdp_config.fsdp_size
+            if fsdp_size is not None:
+                size_key = f"{prefix}.fsdp_config.fsdp_size"
+                check(world % fsdp_size == 0, size_key,
+                      f"must divide the {world} ranks, or be null (all of them), got {fsdp_size}")
+                check(fsdp_size == world or role.strategy in (None, "fsdp2"), size_key,
+                      f"shards within groups under strategy fsdp2 only, not {role.strategy}: set "
+                      f"{prefix}.strategy=fsdp2 or {size_key}=null")
+                check(ep == 1 or fsdp_size == world, size_key, f"HSDP (groups of {fsdp_size}) with "
+                      f"{prefix}.fsdp_config.expert_parallel_size={ep} is not supported yet: set one of them back "
+                      "(fsdp_size=null or expert_parallel_size=1)")
             if ep == 1:
                 continue
             key = f"{prefix}.fsdp_config.expert_parallel_size"

@@ -1,7 +1,6 @@
-"""Expert parallelism for the fsdp2 strategy: the device meshes, the expert sharding and its token counts.
+"""Expert parallelism for the fsdp2 strategy: the expert sharding, its checks and its token counts.
 
-A role's ranks are laid out on two views of the same world, with the dimension
-names transformers uses (`transformers.distributed.utils.TransformersDeviceMesh`):
+A role's ranks are laid out on two views of the same world (`conveyor.workers.mesh`):
 
 - dense  `("fsdp",)`: attention, norms, routers, embeddings and the LM head are
   FSDP2-sharded over every rank, as under plain fsdp2;
@@ -17,13 +16,13 @@ holds instead of loading through `from_pretrained(distributed_config=...)`,
 because its roles load on rank 0 and broadcast (`conveyor.workers.loading`),
 wrap the layers themselves (activation checkpointing, LoRA, the value model)
 and need the meshes for their own collectives. What transformers does not do,
-and this module does: build the meshes from conveyor's config, check the EP
+and this module does: check the EP
 size against the model, count the tokens each EP rank receives per layer
 (`CountingAllToAll`, registered as `ep_implementation="conveyor_all_to_all"`),
 and tell expert parameters apart for the memory figures.
 
-It deliberately does not cover HSDP (a `dp_replicate` dimension), tensor
-parallelism, or models whose sparse blocks have no `ep_plan` in transformers.
+It deliberately does not combine with HSDP (a `dp_replicate` dimension), and
+does not cover tensor parallelism or experts not kept as fused parameters.
 """
 
 from __future__ import annotations
@@ -35,41 +34,12 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-__all__ = ["Meshes", "build_meshes", "check_expert_parallel", "expert_modules", "apply_expert_parallel",
+from conveyor.workers.mesh import Meshes
+
+__all__ = ["check_expert_parallel", "expert_modules", "apply_expert_parallel",
            "CountingAllToAll", "tokens_received_metrics"]
 
 IMPLEMENTATION = "conveyor_all_to_all"
-
-
-@dataclass
-class Meshes:
-    """A role's named device meshes: `dense` ("fsdp",) always, `expert` ("efsdp", "ep") under EP."""
-
-    dense: Any
-    expert: Any = None
-    ep_size: int = 1
-
-    def dense_group(self) -> Any:
-        """The process group of the dense dimension (every rank of the role): where counts and sums are reduced."""
-        return self.dense.get_group("fsdp")
-
-
-def build_meshes(world_size: int, ep_size: int, device_type: str, *, expert: bool | None = None) -> Meshes:
-    """The role's meshes over `world_size` ranks (every rank must call it, in the same order for every role).
-
-    The expert mesh is built when `ep_size` > 1, or when `expert` asks for it at size 1.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if ep_size < 1 or world_size % ep_size:
-        raise ValueError(f"fsdp_config.expert_parallel_size={ep_size} must divide the role's {world_size} ranks; "
-                         f"set it to a divisor of {world_size}")
-    dense = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
-    if not (ep_size > 1 if expert is None else expert):
-        return Meshes(dense)
-    # Row-major: the ep groups are runs of consecutive ranks (one node's GPUs), so the all-to-all stays in a node.
-    expert = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("efsdp", "ep"))
-    return Meshes(dense, expert, ep_size)
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -4,9 +4,11 @@ Three strategies behind one small interface, one class each (`STRATEGY_CLASSES`;
 `TrainingStrategy` is `none`, and calling it with a name builds the named one), chosen by
 `actor_rollout_ref.actor.strategy` (and `critic.strategy`, `actor_rollout_ref.ref.strategy`).
 Each distributed strategy runs on the role's named device meshes, built once when it wraps the model
-(`conveyor.workers.expert_parallel.build_meshes`, transformers' dimension names): `("fsdp",)` over
-every rank, and `("efsdp", "ep")` for the experts under expert parallelism. Its own collectives
-(counts, sums, DDP's all-reduce) run on the `fsdp` dimension's group:
+(`conveyor.workers.mesh.build_meshes`, transformers' dimension names): `("fsdp",)` over every
+rank, `("dp_replicate", "fsdp")` under HSDP (`fsdp_config.fsdp_size`: shard within groups of that
+many ranks, replicate across them) and for `dp` (groups of one), and `("efsdp", "ep")` for the
+experts under expert parallelism. Its own collectives (counts and sums over every rank, one dimension
+at a time; DDP's all-reduce on `dp_replicate`) run on named dimensions:
 
 - `none`: one rank, the model as it is.
 - `dp`: every rank holds a full replica; PyTorch's `DistributedDataParallel`
@@ -159,6 +161,7 @@ class TrainingStrategy:
         defer_grad_sync: bool = False,
         expert_parallel_size: int = 1,
         expert_mesh: bool = False,
+        fsdp_size: int | None = None,
     ):
         self.world_size = world_size
         self.device = device
@@ -179,6 +182,18 @@ class TrainingStrategy:
                              f"role runs {self.name} on {world_size} rank(s)); set the role's strategy to fsdp2 or "
                              "expert_parallel_size to 1")
         self.expert_parallel_size = expert_parallel_size
+        if fsdp_size not in (None, world_size) and self.name != "fsdp2":
+            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} shards within groups under strategy=fsdp2 only "
+                             f"(this role runs {self.name}); set the role's strategy to fsdp2 or fsdp_size to null")
+        if fsdp_size is not None and (fsdp_size < 1 or world_size % fsdp_size):
+            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} must divide the role's {world_size} ranks, or be "
+                             "null (all of them)")
+        # fsdp2 shards within groups of fsdp_size ranks and replicates across the groups (HSDP).
+        self.replicate = 1 if fsdp_size is None else world_size // fsdp_size
+        if self.replicate > 1 and (expert_parallel_size > 1 or expert_mesh):
+            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} (HSDP) with expert_parallel_size="
+                             f"{expert_parallel_size} is not supported yet; set fsdp_size to null or "
+                             "expert_parallel_size to 1")
         # The expert mesh and the all-to-all even at size 1: the one-GPU check runs the EP code path this way.
         self.expert_mesh = expert_mesh or expert_parallel_size > 1
         # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
@@ -207,13 +222,15 @@ class TrainingStrategy:
 
     @property
     def meshes(self) -> Any:
-        """The role's named device meshes (`conveyor.workers.expert_parallel.Meshes`), built on first use, once."""
+        """The role's named device meshes (`conveyor.workers.mesh.Meshes`), built on first use, once."""
         if self._meshes is None:
-            from conveyor.workers.expert_parallel import build_meshes
+            from conveyor.workers.mesh import build_meshes
 
             ensure_process_group(self.device)
-            self._meshes = build_meshes(self.world_size, self.expert_parallel_size, self.device.type,
-                                        expert=self.expert_parallel)
+            # dp is all replicas: its one dimension is `dp_replicate` (with `fsdp` groups of one).
+            replicate = self.world_size if self.name == "dp" else self.replicate
+            self._meshes = build_meshes(self.world_size, self.device.type, replicate=replicate,
+                                        ep_size=self.expert_parallel_size, expert=self.expert_parallel)
         return self._meshes
 
     # ------------------------------------------------------------------ wrapping
@@ -222,16 +239,12 @@ class TrainingStrategy:
         return model
 
     # ------------------------------------------------------------------ running
-    def _group(self) -> Any:
-        """The process group the role's own collectives (counts, sums) run on: the dense dimension of its mesh."""
-        return self.meshes.dense_group()
-
     def agree_count(self, count: int) -> int:
         """The largest of every rank's `count` (every rank must run as many collective passes as the busiest)."""
         if not self.distributed or self.world_size == 1:
             return count
         t = torch.tensor([count], dtype=torch.int64, device=self._collective_device())
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self._group())
+        self.meshes.all_reduce(t, tdist.ReduceOp.MAX)
         return int(t.item())
 
     def all_done(self, done: bool) -> bool:
@@ -242,7 +255,7 @@ class TrainingStrategy:
         """Sum `tensor` over the ranks in place (a no-op on one rank)."""
         if self.distributed and self.world_size > 1:
             out = tensor.to(self._collective_device())
-            tdist.all_reduce(out, op=tdist.ReduceOp.SUM, group=self._group())
+            self.meshes.all_reduce(out, tdist.ReduceOp.SUM)
             tensor.copy_(out.to(tensor.device))
         return tensor
 
@@ -332,7 +345,7 @@ class TrainingStrategy:
 
 
 class DataParallel(TrainingStrategy):
-    """`dp`: a full replica per rank; DDP all-reduces the gradients over the mesh's one dimension."""
+    """`dp`: a full replica per rank; DDP all-reduces the gradients over the mesh's `dp_replicate` dimension."""
 
     name = "dp"
 
@@ -353,7 +366,7 @@ class DataParallel(TrainingStrategy):
         # cost a collective.
         self._ddp = DistributedDataParallel(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=False, forward_sync_buffers=False, process_group=meshes.dense_group(),
+            find_unused_parameters=False, forward_sync_buffers=False, process_group=meshes.dim_group("dp_replicate"),
         )
         return self._ddp
 
@@ -368,7 +381,8 @@ class DataParallel(TrainingStrategy):
 
 
 class FSDP2(TrainingStrategy):
-    """`fsdp2`: every layer FSDP2-sharded over the mesh's `fsdp` dimension; with EP, experts split over `ep`."""
+    """`fsdp2`: every layer FSDP2-sharded over the mesh's `fsdp` dimension (replicated over `dp_replicate`
+    under HSDP); with EP, the experts split over `ep`."""
 
     name = "fsdp2"
 

@@ -1,5 +1,7 @@
 """Expert parallelism on two gloo ranks (fsdp2, expert_parallel_size=2) against the one-rank run.
 
+(The spawn also runs the other dimension of the role's mesh, HSDP's `dp_replicate`, at the end.)
+
 The tiny Qwen3-MoE has 8 experts per layer: under EP=2 each rank holds 4 of them whole, with their AdamW
 state, and tokens reach them by all-to-all. One spawn of two ranks (`strategy_ranks.py`) runs every case;
 the one-rank references run in this process on the same batches.
@@ -29,6 +31,8 @@ from test_strategies import (BASE, B, R3, RANKS_SCRIPT, UPDATE, _actor, _assert_
 EP2 = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2",
        "trainer.num_cpu_workers=2"]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
+# HSDP in groups of one: each rank a replica (the `fsdp` dimension of size 1, `dp_replicate` of 2).
+HSDP = FSDP2 + ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.num_cpu_workers=2"]
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -67,6 +71,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, on
         "fsdp2-save": (FSDP2, False, ["update", f"save:{root / 'fsdp2-ckpt'}"]),
         "fsdp2-load-ep": (FSDP2, False, [f"load:{root / 'ep-ckpt'}"]),
         "ep-load-fsdp2": (EP2, False, [f"load:{root / 'fsdp2-ckpt'}"]),
+        "hsdp": (HSDP, False, ["update", "layout", f"save:{root / 'hsdp-ckpt'}"]),
     }
     for with_routing, fields in batches.items():
         torch.save(fields, root / f"batch-{int(with_routing)}.pt")
@@ -205,12 +210,31 @@ def test_checkpoints_move_between_ep_and_plain_bitwise(model_path: str, ranks, o
     _assert_same_params(torch.load(ranks["ep-load-fsdp2"] / "loaded.pt", weights_only=True), fsdp2_trained, atol=0)
 
 
+def test_hsdp_replicates_over_dp_replicate_and_takes_the_one_rank_step(model_path: str, batches, ranks,
+                                                                       one_rank_checkpoint) -> None:
+    want, one = _one_rank("actor", model_path, batches[False], [])
+    out = ranks["hsdp"]
+    _assert_same_params(torch.load(out / "params.pt", weights_only=True), want, one_rank_checkpoint["initial"])
+    for rank, m in enumerate(_metrics(out)):
+        assert m["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-5)
+        # Shards of one rank: every rank holds the whole model, as a replica.
+        assert m["perf/param_bytes_local"] == one["perf/param_bytes_local"]
+        layout = torch.load(out / f"layout_{rank}.pt", weights_only=False)
+        assert {v["dims"] for v in layout.values()} == {("dp_replicate", "fsdp")}
+    # Its checkpoint (replicas written once) loads into one plain rank bitwise.
+    worker = _actor(load_config(None, BASE), model_path=model_path, data_plane=make_data_plane("memory"))
+    worker.load_checkpoint(str(ranks["root"] / "hsdp-ckpt"), torch.load(out / "extra.pt", weights_only=True))
+    _assert_same_params(worker.model_state_dict(), torch.load(out / "params.pt", weights_only=True), atol=0)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "must divide the 1 ranks"),
     (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=3", "trainer.num_cpu_workers=3"],
      "must divide actor_rollout_ref.model.tiny.num_experts=8"),
     (EP2[1:] + ["actor_rollout_ref.actor.strategy=dp"], "set actor_rollout_ref.actor.strategy=fsdp2"),
     (EP2 + ["actor_rollout_ref.model.tiny.arch=qwen3"], "needs a Mixture-of-Experts model"),
+    (HSDP + ["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "HSDP .* is not supported yet"),
+    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3", "trainer.num_cpu_workers=2"], "must divide the 2 ranks"),
 ])
 def test_expert_parallel_size_errors_say_what_to_change(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
