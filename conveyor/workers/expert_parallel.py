@@ -16,10 +16,11 @@ holds instead of loading through `from_pretrained(distributed_config=...)`,
 because its roles load on rank 0 and broadcast (`conveyor.workers.loading`),
 wrap the layers themselves (activation checkpointing, LoRA, the value model)
 and need the meshes for their own collectives. What transformers does not do,
-and this module does: check the EP
-size against the model, count the tokens each EP rank receives per layer
-(`CountingAllToAll`, registered as `ep_implementation="conveyor_all_to_all"`),
-and tell expert parameters apart for the memory figures.
+and this module does: check the EP size against the model, count the tokens
+each EP rank receives per layer (`CountingAllToAll`, registered as
+`ep_implementation="conveyor_all_to_all"`), and tell expert parameters apart
+for the memory figures. The experts' FSDP2 unit and the clipping over both
+meshes are the strategy's (`conveyor.workers.strategy.FSDP2`).
 
 It deliberately does not combine with HSDP (a `dp_replicate` dimension), and
 does not cover tensor parallelism or experts not kept as fused parameters.
