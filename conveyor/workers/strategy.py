@@ -478,8 +478,8 @@ class FSDP2(TrainingStrategy):
         """Clip the global gradient norm (over every rank's shards, experts included) to `max_norm`; the norm before."""
         if not self.expert_parallel:
             return super().clip_grad_norm(params, max_norm)
-        # torch's clip cannot stack the norms of DTensors on two meshes (dense and expert): sum each mesh's
-        # squares over the dimensions its gradients are sharded on, then add.
+        # torch's clip cannot stack the norms of DTensors on two meshes (dense and expert): sum the squares per
+        # mesh and layout, reduce each, then add.
         grads = [p.grad for p in params if p.grad is not None]
         total = _global_sq_norm(grads, self._collective_device()).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -502,27 +502,26 @@ assert tuple(STRATEGY_CLASSES) == STRATEGIES
 
 
 def _global_sq_norm(grads: list[torch.Tensor], via: torch.device) -> torch.Tensor:
-    """The squared norm of the whole gradient, every shard counted once (a collective per sharded mesh dimension)."""
+    """The squared norm of the whole gradient, every shard counted once (one reduction per mesh and layout)."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
-        if isinstance(g, DTensor):
-            # Sum over the mesh dimensions the tensor is split on; a replicated dimension holds copies.
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
-            groups.setdefault((id(g.device_mesh), dims), []).append(g)
-        else:
-            groups.setdefault((None, ()), []).append(g)
+        key = (g.device_mesh.mesh_dim_names, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
     total = torch.zeros((), dtype=torch.float64, device=via)
-    for (_, dims), members in groups.items():
-        sq = torch.zeros((), dtype=torch.float64, device=via)
+    for key, members in groups.items():
+        if key is None:
+            for g in members:
+                total += g.detach().to(via, torch.float64).pow(2).sum()
+            continue
+        # DTensor arithmetic: the local sums form a partial sum, which `full_tensor` reduces over exactly the
+        # mesh dimensions the gradients are split on (strided expert shards included).
+        sq = None
         for g in members:
-            sq += _local(g).detach().to(via, torch.float64).pow(2).sum()
-        if dims:
-            mesh = members[0].device_mesh
-            for d in dims:
-                tdist.all_reduce(sq, op=tdist.ReduceOp.SUM, group=mesh.get_group(d))
-        total += sq
+            part = g.detach().to(torch.float64).pow(2).sum()
+            sq = part if sq is None else sq + part
+        total += sq.full_tensor().to(via)
     return total.to(torch.float32)
 
 

@@ -227,6 +227,29 @@ def test_hsdp_replicates_over_dp_replicate_and_takes_the_one_rank_step(model_pat
     _assert_same_params(worker.model_state_dict(), torch.load(out / "params.pt", weights_only=True), atol=0)
 
 
+def test_four_ranks_with_experts_also_fsdp_sharded_take_the_one_rank_step(tmp_path) -> None:
+    """ep=2 over 4 ranks: efsdp=2 shards each rank's experts again (the sum-then-divide reduction on gloo and the
+    strided expert shards in the clipping norm), against one rank's forward, gradients, clipped norm and step."""
+    import ep_ranks  # tests/workers on sys.path
+
+    done = subprocess.run([sys.executable, str(Path(ep_ranks.__file__)), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = torch.load(tmp_path / "four_ranks.pt", weights_only=True)
+    assert got["expert_mesh"] == ("efsdp", "ep") and got["expert_local_shape"][0] == 2  # 8 experts / (2 x 2)
+    model = ep_ranks.build_model()
+    logits = model(input_ids=ep_ranks.batch()).logits
+    ep_ranks.loss_of(logits).backward()
+    torch.testing.assert_close(got["logits"], logits.detach(), atol=1e-5, rtol=0)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][k], p.grad, atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    assert norm > 0.05 and got["norm"] == pytest.approx(norm, rel=1e-5)  # clipping was active
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got["params"][k], p.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "must divide the 1 ranks"),
     (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=3", "trainer.num_cpu_workers=3"],
