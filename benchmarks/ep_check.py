@@ -9,9 +9,9 @@ experts go through transformers' expert plan, conveyor's counting all-to-all
 (an all-to-all over a group of one) and their own FSDP2 unit, and clipping
 through the two-mesh norm. It prints, and checks against the plain copy, the
 forward logits, the gradients, the gradient norm and one AdamW step's
-parameters (float32, TF32 off; differences relative to the largest reference value), then the expert memory and token figures the
-update logs. The 2-rank case (experts really split) is the CPU test
-tests/workers/test_expert_parallel.py. Exit status 1 when a check fails.
+parameters (float32, TF32 off; differences relative to the largest reference
+value), then the expert memory and token figures the update logs. The 2-rank
+case (experts really split) is the CPU test tests/workers/test_expert_parallel.py. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel", "FSDP2", "TrainedModel", "CheckpointEndpoints", "resolve_strategy",
+__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel", "FSDP2", "TrainedModel",
+           "CheckpointEndpoints", "resolve_strategy",
            "decoder_layers", "ensure_process_group", "mixed_precision"]
 
 STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
@@ -460,9 +461,10 @@ class FSDP2(TrainingStrategy):
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
-        """The hf rollout of a small model only: under fsdp2 gather the whole model once (no collective inside), re-shard after.
+        """The hf rollout of a small model only: under fsdp2 gather the whole model once, re-shard after.
 
-        Under EP a rank gathers only its own experts: the forward still exchanges tokens (`forward_communicates`).
+        No collective runs inside, except under EP (a rank gathers only its own experts; the forward still
+        exchanges tokens: `forward_communicates`).
         """
         for unit in self._fsdp_units:
             unit.set_reshard_after_forward(False)
