@@ -5,7 +5,8 @@
 # update and log-prob pass over 4k-token responses of a ~1B model; packed forwards (torch's varlen kernel) against
 # padded ones on a ~1B model with responses of 64..4096 tokens; then the rollout
 # benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model, and the vLLM engine's contract on the GPU
-# (routing shape, syncs after real updates, the sync time of a ~0.5B model) (when vllm is installed).
+# (routing shape, syncs after real updates, the sync time of a ~0.5B model) (when vllm is installed); last,
+# expert parallelism of size 1 through the EP code path against the plain model (benchmarks/ep_check.py).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
 #
@@ -231,4 +232,9 @@ if "$PY" -c "import vllm" 2>/dev/null; then
 else
   echo "vllm is not installed in $PY's environment: pip install 'conveyor[vllm]' there, then rerun"
 fi
+echo "== expert parallelism of size 1 on one GPU (nccl), through the EP path: logits, gradients, norm, step vs plain"
+# The experts through transformers' expert plan, conveyor's counting all-to-all over a group of one and their
+# own FSDP2 unit, float32 with TF32 off (1e-5 bars); the 2-rank split is the CPU test test_expert_parallel.py.
+"$PY" benchmarks/ep_check.py --device cuda --hidden 1024 --layers 4 --experts 16 --top-k 4 --vocab 4096 \
+  --batch 8 --seq 512
 echo "== done: $OUT"

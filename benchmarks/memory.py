@@ -64,6 +64,8 @@ class Layout:
     vocab: int
     kv_dim: int  # key/value heads x head dim
     ffn_tokens_dim: int  # per-token width of the MLP's intermediate (top_k x moe_intermediate for MoE)
+    layer_expert_params: int = 0  # the experts of the largest decoder layer (what expert parallelism splits)
+    top_k: int = 1  # experts per token (rows each token sends through the all-to-all)
 
 
 def layout_of(config) -> Layout:
@@ -80,8 +82,10 @@ def layout_of(config) -> Layout:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     top_k = getattr(config, "num_experts_per_tok", None)
     ffn = top_k * config.moe_intermediate_size if top_k else config.intermediate_size
+    biggest = layers[per_layer.index(max(per_layer))]
+    experts = sum(p.numel() for n, p in biggest.named_parameters() if ".experts." in f".{n}")
     return Layout(total, max(per_layer), total - sum(per_layer), config.hidden_size, len(layers), config.vocab_size,
-                  config.num_key_value_heads * head_dim, ffn)
+                  config.num_key_value_heads * head_dim, ffn, experts, top_k or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Setup:
     micro_seqs: int = MICRO  # sequences per forward (log-prob and update micro-batches)
     checkpointing: bool = False
     kv_bytes: int = 4
+    ep: int = 1  # fsdp_config.expert_parallel_size: a layer's forward gathers 1/ep of its experts
 
 
 def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
@@ -124,7 +129,9 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
         state["optimizer state"] = optim
     if s.reference and not s.ref_offload:
         state["reference parameters"] = shard * s.master_bytes
-    gathered = (lay.root_params + 2 * lay.layer_params) * s.compute_bytes if w > 1 else 0.0
+    # Under EP a layer gathers its dense part and its own experts (1/ep of them): the rest stay on their ranks.
+    layer = lay.layer_params - lay.layer_expert_params * (1 - 1 / s.ep)
+    gathered = (lay.root_params + 2 * layer) * s.compute_bytes if w > 1 else 0.0
     tokens = s.micro_seqs * s.seq_len
     logits = tokens * lay.vocab * s.compute_bytes
     per_layer_act = tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim) * s.compute_bytes
@@ -136,7 +143,10 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     update = {"gathered weights": gathered, "gradients": grads, "activations kept": kept + per_layer_act,
               "logits and their gradient": 2 * logits}
     if w > 1:  # a layer's unsharded gradient and the buffer it is reduce-scattered from (float32)
-        update["a layer's gradient in flight"] = 2 * lay.layer_params * 4
+        update["a layer's gradient in flight"] = 2 * layer * 4
+    if s.ep > 1:  # the rows a layer sends and receives (about top_k per token each way), and their outputs
+        exchange = 2 * tokens * lay.top_k * lay.hidden * s.compute_bytes
+        no_grad["all-to-all buffers"] = update["all-to-all buffers"] = exchange
     if s.optimizer_offload and optim + grads > total(update):
         update = {"gradients": grads, "optimizer state (in its step)": optim}  # the step outgrows the backward
     phases = {
@@ -347,17 +357,23 @@ def _qwen3_30b_a3b():
 REAL_MODELS = {"Qwen3-8B": _qwen3_8b, "Qwen3-30B-A3B": _qwen3_30b_a3b}
 
 
-def gpu_table(gpus: int, gpu_gb: float, response_len: int) -> None:
-    """Per-GPU bytes of each phase for examples/gpu_moe_gsm8k.yaml's settings on one node of `gpus` GPUs."""
+def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
+    """Per-GPU bytes of each phase for examples/gpu_moe_gsm8k.yaml's settings on one node of `gpus` GPUs.
+
+    With `ep` > 1 the MoE models split their experts over `ep` ranks (dense models are unchanged).
+    """
     # The recipe: 256 prompts x 8 samples per step, micro-batches of 4, prompts of 512, fp32 masters with bf16
     # compute, a reference for the KL loss (its shards offloaded, verl's default), gradient checkpointing; the hf
     # rollout decodes at most rollout.max_num_seqs (256) of the rank's sequences at once.
     seqs = min(256, 256 * 8 // gpus)
     for name, make in REAL_MODELS.items():
         lay = layout_of(make())
+        if ep > 1 and not lay.layer_expert_params:
+            continue
         base = Setup(world=gpus, master_bytes=4, compute_bytes=2, kv_bytes=2, reference=True, ref_offload=True,
-                     rollout_seqs=seqs, seq_len=512 + response_len, micro_seqs=4, checkpointing=True)
-        print(f"\n{name}: {lay.params / 1e9:.2f}B parameters, {gpus} x {gpu_gb:g} GB, responses of {response_len}")
+                     rollout_seqs=seqs, seq_len=512 + response_len, micro_seqs=4, checkpointing=True, ep=ep)
+        print(f"\n{name}: {lay.params / 1e9:.2f}B parameters, {gpus} x {gpu_gb:g} GB, responses of {response_len}"
+              + (f", expert_parallel_size={ep}" if ep > 1 else ""))
         lean = dataclasses.replace(base, rollout_seqs=32, micro_seqs=1)
         rows = (("recipe", base), ("+ rollout.max_num_seqs=32", dataclasses.replace(base, rollout_seqs=32)),
                 ("+ micro-batches of 1", lean),
@@ -382,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--account", action="store_true", help="per-GPU figures of Qwen3-8B and Qwen3-30B-A3B")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu-gb", type=float, default=80.0)
+    parser.add_argument("--ep", type=int, default=1, help="with --account: expert_parallel_size of the MoE rows")
     parser.add_argument("--response-len", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--json", help="also write the measurement here")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
@@ -389,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.account:
         for n in args.response_len:
-            gpu_table(args.gpus, args.gpu_gb, n)
+            gpu_table(args.gpus, args.gpu_gb, n, args.ep)
         return 0
     if args.smoke:
         args.hidden, args.layers, args.experts = 64, 2, 4

@@ -8,7 +8,11 @@ over their half of a random batch, and report what the worker logs:
 The printed ratio is fsdp2 over dp, per rank; the bar is <= 0.6x, and two
 ranks that split everything evenly give 0.5x. A third row trains LoRA adapters
 (`--lora-rank`, on attention and every expert) under fsdp2: its trainable
-(gradient) and optimizer bytes are printed against full fine-tuning's.
+(gradient) and optimizer bytes are printed against full fine-tuning's. A fourth
+row splits the experts whole over the ranks (`fsdp_config.expert_parallel_size`
+= the world size): its experts' bytes at rest equal fsdp2's (both hold 1/N),
+while one layer's forward gathers 1/N of its experts instead of all of them;
+the row prints the rows sent through the all-to-all per step.
 
     python benchmarks/sharding.py                      # ~10.6M parameters
     python benchmarks/sharding.py --hidden 64 --layers 2   # a quick check
@@ -30,6 +34,8 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 KEYS = ("perf/param_bytes_local", "perf/grad_bytes_local", "perf/optim_bytes_local")
+EXPERT_KEYS = ("perf/expert_param_bytes_local", "perf/expert_optim_bytes_local", "perf/expert_param_bytes_gathered",
+               "perf/ep_tokens_received_local", "moe/ep_tokens_received_max_over_mean")
 B, P, R = 8, 6, 4
 
 
@@ -42,8 +48,14 @@ def _overrides(args: argparse.Namespace, strategy: str) -> list[str]:
         f"actor_rollout_ref.model.tiny.num_layers={args.layers}",
         f"actor_rollout_ref.model.tiny.intermediate_size={args.hidden * 2}",
         f"actor_rollout_ref.model.tiny.num_experts={args.experts}",
-        f"actor_rollout_ref.actor.strategy={strategy.removesuffix('+lora')}",
-    ] + (LORA(args) if strategy.endswith("+lora") else [])
+        f"actor_rollout_ref.actor.strategy={strategy.split('+')[0]}",
+    ] + (LORA(args) if strategy.endswith("+lora") else []) + (EP(args) if strategy.endswith("+ep") else [])
+
+
+def EP(args: argparse.Namespace) -> list[str]:  # noqa: N802 - reads as the constant it nearly is
+    """The EP row's overrides: the experts split whole over every rank."""
+    return [f"actor_rollout_ref.actor.fsdp_config.expert_parallel_size={args.world}",
+            f"trainer.num_cpu_workers={args.world}"]
 
 
 def LORA(args: argparse.Namespace) -> list[str]:  # noqa: N802 - reads as the constant it nearly is
@@ -79,7 +91,8 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: st
                           rank=rank, world_size=world)
     result = worker.update_actor(split_for_ranks(meta, world)[rank].with_extra_info(
         **UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({k: result.extra_info[k] for k in KEYS}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({k: result.extra_info[k] for k in KEYS + EXPERT_KEYS
+                                                          if k in result.extra_info}))
     tdist.destroy_process_group()
 
 
@@ -91,6 +104,27 @@ def measure(args: argparse.Namespace, strategy: str, model_path: str) -> list[di
         s.close()
         mp.spawn(_rank, args=(args.world, port, _overrides(args, strategy), model_path, out), nprocs=args.world)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world)]
+
+
+def _print_ep(args: argparse.Namespace, fsdp2: list[dict], ep: list[dict]) -> None:
+    """The EP row against fsdp2: expert bytes at rest and gathered per layer, and the all-to-all traffic."""
+    for r, (f, e) in enumerate(zip(fsdp2, ep)):
+        print(f"rank {r}: experts at rest (params + AdamW) ep {(e['perf/expert_param_bytes_local'] + e['perf/expert_optim_bytes_local']) / 2**20:.2f} MiB"
+              f" vs fsdp2 {(f['perf/expert_param_bytes_local'] + f['perf/expert_optim_bytes_local']) / 2**20:.2f} MiB; "
+              f"one layer's experts gathered for its forward: ep {e['perf/expert_param_bytes_gathered'] / 2**20:.2f} MiB "
+              f"vs fsdp2 {f['perf/expert_param_bytes_gathered'] / 2**20:.2f} MiB "
+              f"({e['perf/expert_param_bytes_gathered'] / f['perf/expert_param_bytes_gathered']:.3f}x)")
+        # Each received row is a hidden-size float32 vector; the combine sends as many back, and the backward
+        # repeats both exchanges with the gradients: 4 transfers of each row.
+        rows = e["perf/ep_tokens_received_local"]
+        print(f"rank {r}: all-to-all rows received (forward dispatch, own rows included) {rows:.0f}, about "
+              f"{4 * rows * args.hidden * 4 / 2**20:.2f} MiB through the all-to-all per step (dispatch + combine, "
+              f"forward + backward); tokens received max/mean over EP ranks, worst layer "
+              f"{e['moe/ep_tokens_received_max_over_mean']:.3f}")
+    layer_experts = fsdp2[0]["perf/expert_param_bytes_gathered"] * (args.world - 1) / args.world
+    print(f"fsdp2 instead all-gathers each layer's experts in every forward and backward: "
+          f"{2 * args.layers * layer_experts / 2**20:.2f} MiB received per rank per micro-batch (and reduce-scatters "
+          f"their gradients)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in load_causal_lm(model_path).parameters())
     print(f"model: tiny qwen3_moe, hidden {args.hidden}, {args.layers} layers, {args.experts} experts: "
           f"{n_params / 1e6:.1f}M parameters; {args.world} gloo ranks, one actor update each")
-    results = {s: measure(args, s, model_path) for s in ("dp", "fsdp2", "fsdp2+lora")}
+    results = {s: measure(args, s, model_path) for s in ("dp", "fsdp2", "fsdp2+lora", "fsdp2+ep")}
     print(f"{'per rank (MiB)':<16}" + "".join(f"{k.split('/')[1].replace('_bytes_local', ''):>10}" for k in KEYS)
           + f"{'total':>10}")
     totals = {}
@@ -130,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     # The gradients are the trainable parameters' (one per trainable parameter), so their ratio is the trainable one.
     print(f"LoRA rank {args.lora_rank} / full fine-tuning (both fsdp2), per rank: trainable (gradient) bytes "
           f"{grads:.4f}x, optimizer state {optim:.4f}x; parameters {max(lo['perf/param_bytes_local'] / f['perf/param_bytes_local'] for lo, f in zip(lora, full)):.3f}x (the frozen base plus the adapters)")
+    _print_ep(args, results["fsdp2"], results["fsdp2+ep"])
     ratio = max(f / d for f, d in zip(totals["fsdp2"], totals["dp"]))
     print(f"fsdp2 / dp, parameters + gradients + optimizer state per rank: {ratio:.3f}x (bar <= 0.6x, goal ~0.5x)")
     return 0 if ratio <= 0.6 else 1

@@ -59,6 +59,12 @@ class FSDPConfig:
     defer_grad_sync: bool = F(False, "communicate gradients only in an update's last micro-batch instead of every "
                                      "one: fewer collectives, but each rank holds a full unsharded gradient of the "
                                      "model until then (dp and fsdp2; the trained roles only)", resume_neutral=True)
+    fsdp_size: Optional[int] = F(None, "fsdp2 shards within groups of this many ranks and replicates across the "
+                                 "groups (HSDP: the sharding traffic stays in a group, one node's GPUs); null = all "
+                                 "ranks, one group (verl's key, whose -1 is null here)", gt=0)
+    expert_parallel_size: int = F(1, "ranks each MoE layer's experts are split over, whole experts per rank, "
+                                     "tokens sent to them by all-to-all (fsdp2 only; must divide the role's ranks "
+                                     "and the experts per layer; 1 = off)", ge=1)
 
 
 @dataclass

@@ -80,6 +80,7 @@ class Config:
         t = self.trainer
         world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
         n = self.actor_rollout_ref.rollout.n
+        self._check_expert_parallel(world)
         # Every rank needs at least one sequence of each mini-batch: a sharded update is a collective.
         check(mb * n >= world, "actor_rollout_ref.actor.ppo_mini_batch_size",
               f"a mini-batch of {mb} prompts x {n} samples is fewer sequences than the {world} ranks; raise it "
@@ -124,6 +125,36 @@ class Config:
                   f"data.train_batch_size={bs} must be divisible by it (got {cmb})")
             check(cmb * n >= world, "critic.ppo_mini_batch_size",
                   f"a mini-batch of {cmb} prompts x {n} samples is fewer sequences than the {world} ranks")
+
+    def _check_expert_parallel(self, world: int) -> None:
+        """Each role's fsdp_config.fsdp_size and expert_parallel_size fit its strategy, its ranks and its experts."""
+        arr = self.actor_rollout_ref
+        tiny = arr.model.tiny if arr.model.path is None else None
+        for prefix, role in (("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref),
+                             ("critic", self.critic)):
+            ep, fsdp_size = role.fsdp_config.expert_parallel_size, role.fsdp_config.fsdp_size
+            if fsdp_size is not None:
+                size_key = f"{prefix}.fsdp_config.fsdp_size"
+                check(world % fsdp_size == 0, size_key,
+                      f"must divide the {world} ranks, or be null (all of them), got {fsdp_size}")
+                check(fsdp_size == world or role.strategy in (None, "fsdp2"), size_key,
+                      f"shards within groups under strategy fsdp2 only, not {role.strategy}: set "
+                      f"{prefix}.strategy=fsdp2 or {size_key}=null")
+                check(ep == 1 or fsdp_size == world, size_key, f"HSDP (groups of {fsdp_size}) with "
+                      f"{prefix}.fsdp_config.expert_parallel_size={ep} is not supported yet: set one of them back "
+                      "(fsdp_size=null or expert_parallel_size=1)")
+            if ep == 1:
+                continue
+            key = f"{prefix}.fsdp_config.expert_parallel_size"
+            check(role.strategy in (None, "fsdp2"), key, f"expert parallelism runs under strategy fsdp2, not "
+                  f"{role.strategy}: set {prefix}.strategy=fsdp2 or {key}=1")
+            check(world % ep == 0, key, f"must divide the {world} ranks (trainer.nnodes x trainer.n_gpus_per_node "
+                  f"or trainer.num_cpu_workers), got {ep}")
+            if tiny is not None:
+                check(tiny.arch != "qwen3", key, f"needs a Mixture-of-Experts model; the tiny {tiny.arch} is dense: "
+                      f"set {key}=1 or actor_rollout_ref.model.tiny.arch=qwen3_moe")
+                check(tiny.num_experts % ep == 0, key, f"must divide actor_rollout_ref.model.tiny.num_experts="
+                      f"{tiny.num_experts}, got {ep}")
 
     def _check_async(self) -> None:
         """What the asynchronous trainer cannot combine with: each an error naming the key."""

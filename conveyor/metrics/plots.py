@@ -10,6 +10,8 @@ Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
 - `kl_entropy.png`: the KL metrics and the policy entropy;
 - `response_length.png`: mean length with its min/max band; clip ratio;
 - `throughput.png`: tokens/s; time per stage stacked, with the step time;
+- `moe_ep_tokens.png` (under expert parallelism): per MoE layer, the most
+  tokens an EP rank received over the mean across the EP group;
 - `moe_expert_load.png`: layers x experts heatmap of the latest record;
 - `moe_expert_load_over_time.png`: experts x steps for the most imbalanced layer.
 
@@ -315,6 +317,22 @@ def _throughput_panels(records) -> list[Panel]:
     return panels
 
 
+def _ep_tokens_panel(records, role: str) -> Panel | None:
+    """Under expert parallelism: per MoE layer, the most tokens an EP rank received over the mean (1 = even)."""
+    prefix = f"{role}/moe/ep_tokens_received_max_over_mean/layer_"
+    layers = sorted((k for k in _all_keys(records) if k.startswith(prefix)), key=lambda k: int(k[len(prefix):]))
+    panel = _lines_panel(records, layers, f"{role}: tokens received per EP rank, max / mean, by layer",
+                         "max / mean")
+    if panel is None:
+        return None
+
+    def draw(ax) -> None:
+        panel(ax)
+        ax.axhline(1.0, color="0.6", linewidth=0.8, linestyle="--", zorder=1)  # an even split
+
+    return draw
+
+
 def _num_or_zero(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
@@ -456,6 +474,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         )
     )
     figures.append(("throughput.png", "Throughput and step time", list(_throughput_panels(records))))
+    figures.append(("moe_ep_tokens.png", "All-to-all straggler: tokens received per EP rank, max / mean",
+                    [_ep_tokens_panel(records, role) for role in ("actor", "critic")]))
 
     written: list[Path] = []
     for name, title, panels in figures:

@@ -146,8 +146,16 @@ class PolicyWorker(CheckpointEndpoints):
         # decodes over the shards; an engine with its own copy of the weights needs neither.
         shares = caps.shares_trainer_modules
         full_gb = _full_model_bytes(self.model) / 1e9
+        # Under expert parallelism a gathered model still exchanges tokens in every forward, so the ranks must
+        # decode in step: over the shards, whatever the size.
         self.rollout_over_shards = (strategy.sharded and shares and self.agent_loop is None
-                                    and full_gb > settings.rollout.hf_whole_gather_max_gb)
+                                    and (full_gb > settings.rollout.hf_whole_gather_max_gb
+                                         or strategy.forward_communicates))
+        if strategy.forward_communicates and shares and self.agent_loop is not None:
+            raise ValueError("actor_rollout_ref.rollout.multi_turn.enable: the multi-turn loop decodes each rank on "
+                             "its own, which expert parallelism (every forward an all-to-all) cannot do; set "
+                             "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=1 or use an engine with its "
+                             "own weights")
         if self.lean is not None and strategy.sharded and rank == 0:
             logger.info("strategy fsdp2: the update and the no-grad forwards (old log-probs, routing agreement) run the "
                         "Hugging Face forward over the shards, one layer gathered at a time (the lean forward needs "

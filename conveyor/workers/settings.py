@@ -183,5 +183,6 @@ def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> 
     return TrainingStrategy(
         name, world_size=world_size, device=device, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,
         param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-        defer_grad_sync=fsdp.defer_grad_sync,
+        defer_grad_sync=fsdp.defer_grad_sync, expert_parallel_size=fsdp.expert_parallel_size,
+        fsdp_size=fsdp.fsdp_size,
     )

@@ -1,7 +1,14 @@
 """Training strategies: how the ranks of one role hold a model and combine their gradients.
 
-Three strategies behind one small interface, chosen by `actor_rollout_ref.actor.strategy`
-(and `critic.strategy`, `actor_rollout_ref.ref.strategy`):
+Three strategies behind one small interface, one class each (`STRATEGY_CLASSES`; the base class
+`TrainingStrategy` is `none`, and calling it with a name builds the named one), chosen by
+`actor_rollout_ref.actor.strategy` (and `critic.strategy`, `actor_rollout_ref.ref.strategy`).
+Each distributed strategy runs on the role's named device meshes, built once when it wraps the model
+(`conveyor.workers.mesh.build_meshes`, transformers' dimension names): `("fsdp",)` over every
+rank, `("dp_replicate", "fsdp")` under HSDP (`fsdp_config.fsdp_size`: shard within groups of that
+many ranks, replicate across them) and for `dp` (groups of one), and `("efsdp", "ep")` for the
+experts under expert parallelism. Its own collectives (counts and sums over every rank, one dimension
+at a time; DDP's all-reduce on `dp_replicate`) run on named dimensions:
 
 - `none`: one rank, the model as it is.
 - `dp`: every rank holds a full replica; PyTorch's `DistributedDataParallel`
@@ -14,6 +21,10 @@ Three strategies behind one small interface, chosen by `actor_rollout_ref.actor.
   `fsdp_config.defer_grad_sync` defers the communication to the last
   micro-batch instead (fewer collectives, but a full unsharded gradient per
   rank in between).
+  With `fsdp_config.expert_parallel_size` = ep > 1, each MoE layer's experts are split whole
+  over the `ep` dimension (transformers' expert plan; tokens travel to them by all-to-all)
+  and FSDP2-sharded over `efsdp` = world / ep; a layer's forward then gathers only this
+  rank's experts. Gradient clipping sums the squared norms of both meshes' shards.
 
 Losses are normalised by the *global* token or sequence count (see
 `conveyor.algos.losses`), so the ranks' gradients must be summed; DDP and FSDP2
@@ -57,7 +68,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STRATEGIES", "TrainingStrategy", "TrainedModel", "CheckpointEndpoints", "resolve_strategy",
+__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel", "FSDP2", "TrainedModel",
+           "CheckpointEndpoints", "resolve_strategy",
            "decoder_layers", "ensure_process_group", "mixed_precision"]
 
 STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
@@ -122,11 +134,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TrainingStrategy:
-    """One role's strategy on one rank: wrap the model, run micro-batches, clip, and report local bytes."""
+    """One role's strategy on one rank: wrap the model, run micro-batches, clip, and report local bytes.
+
+    The base class is the `none` strategy (one rank, nothing to exchange); `DataParallel` and `FSDP2` override
+    what they do differently. Calling `TrainingStrategy(name, ...)` builds the class `STRATEGY_CLASSES` names
+    (after `resolve_strategy`), so callers need not know the classes.
+    """
+
+    name = "none"
+
+    def __new__(cls, name: str | None = None, *, world_size: int = 1, **kwargs: Any) -> "TrainingStrategy":
+        """The class of the strategy `name` resolves to, when called on the base."""
+        if cls is TrainingStrategy:
+            cls = STRATEGY_CLASSES[resolve_strategy(name, world_size)]
+        return super().__new__(cls)
 
     def __init__(
         self,
-        name: str | None,
+        name: str | None = None,
         *,
         world_size: int,
         device: torch.device,
@@ -135,8 +160,10 @@ class TrainingStrategy:
         param_offload: bool = False,
         optimizer_offload: bool = False,
         defer_grad_sync: bool = False,
+        expert_parallel_size: int = 1,
+        expert_mesh: bool = False,
+        fsdp_size: int | None = None,
     ):
-        self.name = resolve_strategy(name, world_size)
         self.world_size = world_size
         self.device = device
         self.param_dtype, self.reduce_dtype = (
@@ -151,10 +178,28 @@ class TrainingStrategy:
         if (param_dtype or reduce_dtype) and self.name != "fsdp2":
             logger.warning("fsdp_config.param_dtype/reduce_dtype apply under strategy=fsdp2 only; this role runs %s",
                            self.name)
+        if (expert_parallel_size != 1 or expert_mesh) and self.name != "fsdp2":
+            raise ValueError(f"fsdp_config.expert_parallel_size={expert_parallel_size} needs strategy=fsdp2 (this "
+                             f"role runs {self.name} on {world_size} rank(s)); set the role's strategy to fsdp2 or "
+                             "expert_parallel_size to 1")
+        self.expert_parallel_size = expert_parallel_size
+        if fsdp_size not in (None, world_size) and self.name != "fsdp2":
+            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} shards within groups under strategy=fsdp2 only "
+                             f"(this role runs {self.name}); set the role's strategy to fsdp2 or fsdp_size to null")
+        if fsdp_size is not None and (fsdp_size < 1 or world_size % fsdp_size):
+            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} must divide the role's {world_size} ranks, or be "
+                             "null (all of them)")
+        # fsdp2 shards within groups of fsdp_size ranks and replicates across the groups (HSDP).
+        self.replicate = 1 if fsdp_size is None else world_size // fsdp_size
+        if self.replicate > 1 and (expert_parallel_size > 1 or expert_mesh):
+            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} (HSDP) with expert_parallel_size="
+                             f"{expert_parallel_size} is not supported yet; set fsdp_size to null or "
+                             "expert_parallel_size to 1")
+        # The expert mesh and the all-to-all even at size 1: the one-GPU check runs the EP code path this way.
+        self.expert_mesh = expert_mesh or expert_parallel_size > 1
         # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
         self.defer_grad_sync = defer_grad_sync
-        self._ddp: nn.Module | None = None
-        self._fsdp_units: list[nn.Module] = []
+        self._meshes: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -166,36 +211,32 @@ class TrainingStrategy:
         """What each rank multiplies its (globally normalised) loss by: DDP and FSDP2 average, the losses need a sum."""
         return float(self.world_size) if self.distributed else 1.0
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the experts are split whole over ranks (fsdp2 with expert_parallel_size > 1)."""
+        return False
+
+    @property
+    def forward_communicates(self) -> bool:
+        """Whether a forward exchanges data between ranks even with every parameter gathered (EP's all-to-all)."""
+        return self.expert_parallel
+
+    @property
+    def meshes(self) -> Any:
+        """The role's named device meshes (`conveyor.workers.mesh.Meshes`), built on first use, once."""
+        if self._meshes is None:
+            from conveyor.workers.mesh import build_meshes
+
+            ensure_process_group(self.device)
+            # dp is all replicas: its one dimension is `dp_replicate` (with `fsdp` groups of one).
+            replicate = self.world_size if self.name == "dp" else self.replicate
+            self._meshes = build_meshes(self.world_size, self.device.type, replicate=replicate,
+                                        ep_size=self.expert_parallel_size, expert=self.expert_parallel)
+        return self._meshes
+
     # ------------------------------------------------------------------ wrapping
     def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
         """Prepare `model` in place for this strategy; returns the module a training forward must go through."""
-        if self.name == "fsdp2":
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-            ensure_process_group(self.device)
-            kwargs: dict[str, Any] = {}
-            if self.param_dtype is not None or self.reduce_dtype is not None:
-                kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
-            if self.param_offload:
-                kwargs["offload_policy"] = CPUOffloadPolicy()
-            for layer in decoder_layers(model):
-                fully_shard(layer, **kwargs)
-                self._fsdp_units.append(layer)
-            fully_shard(model, **kwargs)
-            self._fsdp_units.append(model)
-            return model
-        if self.name == "dp" and trainable:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Every parameter takes part in every forward (transformers keeps a layer's experts in fused
-            # parameters, so an expert no token reached still gets a zero gradient): no unused-parameter search.
-            # Buffers (rotary tables) are built identically on every rank: syncing them each forward would only
-            # cost a collective.
-            self._ddp = DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=False, forward_sync_buffers=False,
-            )
-            return self._ddp
         return model
 
     # ------------------------------------------------------------------ running
@@ -204,7 +245,7 @@ class TrainingStrategy:
         if not self.distributed or self.world_size == 1:
             return count
         t = torch.tensor([count], dtype=torch.int64, device=self._collective_device())
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        self.meshes.all_reduce(t, tdist.ReduceOp.MAX)
         return int(t.item())
 
     def all_done(self, done: bool) -> bool:
@@ -215,7 +256,7 @@ class TrainingStrategy:
         """Sum `tensor` over the ranks in place (a no-op on one rank)."""
         if self.distributed and self.world_size > 1:
             out = tensor.to(self._collective_device())
-            tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+            self.meshes.all_reduce(out, tdist.ReduceOp.SUM)
             tensor.copy_(out.to(tensor.device))
         return tensor
 
@@ -225,19 +266,12 @@ class TrainingStrategy:
     @contextlib.contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
         """Accumulate gradients locally unless `sync` (the backward inside communicates only when it is True)."""
-        if self._ddp is not None and not sync:
-            with self._ddp.no_sync():
-                yield
-            return
-        if self._fsdp_units:
-            for unit in self._fsdp_units:
-                unit.set_requires_gradient_sync(sync)
         yield
 
     @property
     def sharded(self) -> bool:
         """Whether the model is held as FSDP2 shards (its forward gathers each layer in turn)."""
-        return bool(self._fsdp_units)
+        return False
 
     @contextlib.contextmanager
     def sharded_no_grad(self) -> Iterator[None]:
@@ -246,34 +280,12 @@ class TrainingStrategy:
         Every rank must run the same number of forwards inside (each one all-gathers); nothing is left
         gathered on exit.
         """
-        if not self._fsdp_units:
-            yield
-            return
-        for unit in self._fsdp_units:
-            # The root keeps its parameters after forward by default (for the backward that follows a
-            # training forward); a no-grad pass has none.
-            unit.set_reshard_after_forward(True, recurse=False)
-        try:
-            yield
-        finally:
-            for unit in self._fsdp_units:
-                unit.reshard()
+        yield
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
         """The hf rollout of a small model only: under fsdp2 gather the whole model once (no collective inside), re-shard after."""
-        if not self._fsdp_units:
-            yield
-            return
-        for unit in self._fsdp_units:
-            unit.set_reshard_after_forward(False)
-            unit.unshard()
-        try:
-            yield
-        finally:
-            for unit in self._fsdp_units:
-                unit.reshard()
-                unit.set_reshard_after_forward(True)
+        yield
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shards) to `max_norm`; returns the norm before clipping."""
@@ -294,24 +306,225 @@ class TrainingStrategy:
             _move_optimizer_state(optimizer, torch.device("cpu"))
 
     # ------------------------------------------------------------------ memory
-    @staticmethod
-    def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
-        """Bytes of parameters, gradients and optimizer state this rank holds (its shards under fsdp2)."""
-        params = grads = optim = 0
+    def local_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (its shards under fsdp2).
+
+        `perf/expert_*_bytes_local` count the experts of the MoE layers alone, and
+        `perf/expert_param_bytes_gathered` what one MoE layer's forward materialises of its experts' weights
+        (all of them under fsdp2, this rank's under EP): what expert parallelism divides by its size.
+        """
+        from conveyor.workers.expert_parallel import expert_modules
+
+        experts = expert_modules(model).values()
+        expert_ids = {id(p) for m in experts for p in m.parameters()}
+        # A DTensor's numel is the whole tensor's: one layer's experts, all of them.
+        layer_bytes = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in experts), default=0)
+        gathered = layer_bytes // (self.expert_parallel_size if self.expert_parallel else 1)
+        params = grads = optim = expert_params = expert_optim = 0
+        state = optimizer.state if optimizer is not None else {}
         for p in model.parameters():
             local = _local(p)
-            params += local.numel() * local.element_size()
+            n = local.numel() * local.element_size()
+            params += n
             if p.grad is not None:
                 g = _local(p.grad)
                 grads += g.numel() * g.element_size()
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        local = _local(v)
-                        optim += local.numel() * local.element_size()
+            moments = sum(_local(v).numel() * _local(v).element_size()
+                          for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
+            optim += moments
+            if id(p) in expert_ids:
+                expert_params += n
+                expert_optim += moments
         return {"perf/param_bytes_local": float(params), "perf/grad_bytes_local": float(grads),
-                "perf/optim_bytes_local": float(optim)}
+                "perf/optim_bytes_local": float(optim), "perf/expert_param_bytes_local": float(expert_params),
+                "perf/expert_optim_bytes_local": float(expert_optim),
+                "perf/expert_param_bytes_gathered": float(gathered)}
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics the strategy gathered over an update (EP's tokens per rank); every rank calls it once per step."""
+        return {}
+
+
+class DataParallel(TrainingStrategy):
+    """`dp`: a full replica per rank; DDP all-reduces the gradients over the mesh's `dp_replicate` dimension."""
+
+    name = "dp"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._ddp: nn.Module | None = None
+
+    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+        """Wrap a trained model in DDP over the role's ranks (a frozen one is used as it is)."""
+        meshes = self.meshes  # built here, at the same point on every rank (creating its groups is a collective)
+        if not trainable:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Every parameter takes part in every forward (transformers keeps a layer's experts in fused
+        # parameters, so an expert no token reached still gets a zero gradient): no unused-parameter search.
+        # Buffers (rotary tables) are built identically on every rank: syncing them each forward would only
+        # cost a collective.
+        self._ddp = DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=False, forward_sync_buffers=False, process_group=meshes.dim_group("dp_replicate"),
+        )
+        return self._ddp
+
+    @contextlib.contextmanager
+    def grad_sync(self, sync: bool) -> Iterator[None]:
+        """Accumulate gradients locally unless `sync` (the backward inside communicates only when it is True)."""
+        if self._ddp is not None and not sync:
+            with self._ddp.no_sync():
+                yield
+            return
+        yield
+
+
+class FSDP2(TrainingStrategy):
+    """`fsdp2`: every layer FSDP2-sharded over the mesh's `fsdp` dimension (replicated over `dp_replicate`
+    under HSDP); with EP, the experts split over `ep`."""
+
+    name = "fsdp2"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._fsdp_units: list[nn.Module] = []
+        self._ep: Any = None  # conveyor.workers.expert_parallel.ExpertParallelState under EP
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the experts are split whole over the `ep` ranks (fsdp2 with expert_parallel_size > 1, or forced)."""
+        return self.expert_mesh
+
+    def wrap(self, model: nn.Module, *, trainable: bool = True) -> nn.Module:
+        """Shard each decoder layer and the root (experts first, on their own mesh, under EP) in place."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        meshes = self.meshes
+        kwargs: dict[str, Any] = {}
+        if self.param_dtype is not None or self.reduce_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        if self.param_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        if self.expert_parallel:
+            from conveyor.workers.expert_parallel import apply_expert_parallel
+
+            self._ep = apply_expert_parallel(model, meshes)
+            efsdp = meshes.expert["efsdp"]
+            for experts in self._ep.experts.values():
+                # Its own unit, so that the layer's unit does not take the expert parameters onto the dense mesh.
+                fully_shard(experts, mesh=efsdp, **kwargs)
+                # An expert's gradient already sums every rank's tokens (the all-to-all's backward brings them);
+                # each rank's loss is scaled by the world size, so divide by it, as the dense units do.
+                experts.set_gradient_divide_factor(float(self.world_size))
+                if efsdp.size() > 1:
+                    # A divide factor other than the group size goes through PREMUL_SUM, which gloo rejects:
+                    # sum, then divide locally.
+                    experts.set_force_sum_reduction_for_comms(True)
+                self._fsdp_units.append(experts)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=meshes.dense, **kwargs)
+            self._fsdp_units.append(layer)
+        fully_shard(model, mesh=meshes.dense, **kwargs)
+        self._fsdp_units.append(model)
+        return model
+
+    @contextlib.contextmanager
+    def grad_sync(self, sync: bool) -> Iterator[None]:
+        """Accumulate gradients locally unless `sync` (the backward inside communicates only when it is True)."""
+        for unit in self._fsdp_units:
+            unit.set_requires_gradient_sync(sync)
+        yield
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is held as FSDP2 shards (its forward gathers each layer in turn)."""
+        return bool(self._fsdp_units)
+
+    @contextlib.contextmanager
+    def sharded_no_grad(self) -> Iterator[None]:
+        """No-grad forwards over the shards: each layer (the root too) is gathered for its forward and freed after.
+
+        Every rank must run the same number of forwards inside (each one all-gathers); nothing is left
+        gathered on exit.
+        """
+        for unit in self._fsdp_units:
+            # The root keeps its parameters after forward by default (for the backward that follows a
+            # training forward); a no-grad pass has none.
+            unit.set_reshard_after_forward(True, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in self._fsdp_units:
+                unit.reshard()
+
+    @contextlib.contextmanager
+    def full_params(self) -> Iterator[None]:
+        """The hf rollout of a small model only: under fsdp2 gather the whole model once, re-shard after.
+
+        No collective runs inside, except under EP (a rank gathers only its own experts; the forward still
+        exchanges tokens: `forward_communicates`).
+        """
+        for unit in self._fsdp_units:
+            unit.set_reshard_after_forward(False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self._fsdp_units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's shards, experts included) to `max_norm`; the norm before."""
+        if not self.expert_parallel:
+            return super().clip_grad_norm(params, max_norm)
+        # torch's clip cannot stack the norms of DTensors on two meshes (dense and expert): sum the squares per
+        # mesh and layout, reduce each, then add.
+        grads = [p.grad for p in params if p.grad is not None]
+        total = _global_sq_norm(grads, self._collective_device()).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            _local(g).mul_(coef.to(_local(g).device, _local(g).dtype))
+        return total
+
+    def step_metrics(self) -> dict[str, float]:
+        """Under EP: the tokens each EP rank received per layer over the update, as max/mean across the EP group."""
+        if self._ep is None:
+            return {}
+        from conveyor.workers.expert_parallel import tokens_received_metrics
+
+        return tokens_received_metrics(self._ep, self.meshes, self.device)
+
+
+STRATEGY_CLASSES: dict[str, type[TrainingStrategy]] = {"none": TrainingStrategy, "dp": DataParallel,
+                                                       "fsdp2": FSDP2}
+assert tuple(STRATEGY_CLASSES) == STRATEGIES
+
+
+def _global_sq_norm(grads: list[torch.Tensor], via: torch.device) -> torch.Tensor:
+    """The squared norm of the whole gradient, every shard counted once (one reduction per mesh and layout)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh.mesh_dim_names, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    total = torch.zeros((), dtype=torch.float64, device=via)
+    for key, members in groups.items():
+        if key is None:
+            for g in members:
+                total += g.detach().to(via, torch.float64).pow(2).sum()
+            continue
+        # DTensor arithmetic: the local sums form a partial sum, which `full_tensor` reduces over exactly the
+        # mesh dimensions the gradients are split on (strided expert shards included).
+        sq = None
+        for g in members:
+            part = g.detach().to(torch.float64).pow(2).sum()
+            sq = part if sq is None else sq + part
+        total += sq.full_tensor().to(via)
+    return total.to(torch.float32)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -406,6 +619,7 @@ class TrainedModel:
             with self.strategy.optimizer_on_device(self.optimizer):
                 self.optimizer.step()
         memory = self.strategy.local_bytes(self.model, self.optimizer)  # gradients still held: the peak
+        memory.update(self.strategy.step_metrics())
         self.optimizer.zero_grad(set_to_none=True)
         # A skipped step still advances the schedule: its position counts update calls, as the run plans them.
         self.scheduler.step()

@@ -18,3 +18,7 @@ def test_sharding_benchmark_small(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert match, out
     assert 0.45 <= float(match.group(1)) <= 0.6
     assert out.count("dp rank") == 2 and out.count("fsdp2 rank") == 2
+    # The EP row: the experts at rest as fsdp2's, one layer's gathered experts halved, rows through the all-to-all.
+    gathered = re.findall(r"one layer's experts gathered for its forward: .*\(([0-9.]+)x\)", out)
+    assert [float(g) for g in gathered] == [0.5, 0.5], out
+    assert out.count("fsdp2+ep rank") == 2 and "through the all-to-all per step" in out

@@ -105,6 +105,18 @@ def test_missing_metrics_drop_their_panels_and_figures(tmp_path):
     _check_png(out / "losses.png", panels=1)
 
 
+def test_ep_straggler_figure_draws_each_layer_when_logged(tmp_path):
+    tracker = JsonlTracker(tmp_path / "metrics.jsonl")
+    for s in range(1, 6):
+        tracker.log({"actor/pg_loss": -0.1 * s, "actor/moe/ep_tokens_received_max_over_mean": 1.3,
+                     **{f"actor/moe/ep_tokens_received_max_over_mean/layer_{i}": 1.0 + 0.1 * i + 0.01 * s
+                        for i in range(3)}}, s)
+    tracker.close()
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["losses.png", "moe_ep_tokens.png"]
+    _check_png(tmp_path / "plots" / "moe_ep_tokens.png", panels=1)  # the actor's; no critic panel
+
+
 def test_relative_load_and_most_imbalanced_layer_by_hand():
     counts = np.array([[2, 2, 2, 2], [8, 0, 0, 0], [0, 0, 0, 0], [3, 1, 2, 2]])
     rel = relative_expert_load(counts)

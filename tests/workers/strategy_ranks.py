@@ -23,9 +23,16 @@ groups' own `split_for_ranks`, and runs the jobs:
   each rank writes the rollout's fields to `out/gen_<rank>.pt`.
 - `grads`: one update whose gradients (gathered, before the step) rank 0 writes to `out/grads.pt`.
 
+- `logits`: the training model's logits (no grad, over the shards) on the rank's rows of `batch`'s prompts;
+  each rank writes them to `out/logits_<rank>.pt`.
+- `iter_weights`: the weights as the vllm weight sync streams them (`iter_weights`, whole tensors);
+  rank 0 writes them to `out/streamed.pt`.
+- `layout`: after an update, each rank writes the local shape, mesh dimension names and placements of every
+  parameter and of its AdamW moment to `out/layout_<rank>.pt`.
+
 A run may name its own `model_path` (a dense model beside the default MoE one).
 - `save:DIR` / `load:DIR`: a sharded checkpoint written or read by all ranks
-  (`load` reads the schedule state from `out/extra.pt`; after it, rank 0 writes
+  (`load` reads the schedule state from `out/extra.pt`, else from `DIR.extra.pt`, which `save` writes; after it, rank 0 writes
   the parameters to `out/loaded.pt`).
 """
 
@@ -88,6 +95,21 @@ def _both_no_grad(worker, role: str, plane, share) -> dict:
     mask = td["response_mask"].bool()
     return {"sharded": sharded, "full": {"log_probs": torch.cat(lps) * mask, "entropy": torch.cat(ents) * mask},
             "replayed": bool(replay)}
+
+
+def _layout(worker) -> dict:
+    """name -> (local shape, mesh dimension names, placements) of each parameter and of its first AdamW moment."""
+    out: dict = {}
+    state = worker.trained.optimizer.state
+    for name, p in worker.model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        moment = state.get(p, {}).get("exp_avg")
+        moment_local = moment.to_local() if hasattr(moment, "to_local") else moment
+        out[name] = {"shape": tuple(local.shape),
+                     "dims": tuple(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else (),
+                     "placements": [str(pl) for pl in getattr(p, "placements", ())],
+                     "moment_shape": tuple(moment_local.shape) if moment_local is not None else None}
+    return out
 
 
 def _run(rank: int, world: int, model_path: str, run: dict) -> None:
@@ -158,12 +180,27 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
             if rank == 0:
                 torch.save(grads, out / "grads.pt")
+        elif job == "logits":
+            prompts = plane.kv_batch_get(share.keys, "p", ["prompts"])["prompts"]
+            with torch.no_grad(), worker.trained.strategy.sharded_no_grad():
+                logits = worker.model(input_ids=prompts.long()).logits
+            torch.save(logits, out / f"logits_{rank}.pt")
+        elif job == "iter_weights":
+            from conveyor.rollout.weight_sync import iter_weights
+
+            streamed = {name: t.clone() for name, t in iter_weights(worker.model, device="cpu")}
+            if rank == 0:
+                torch.save(streamed, out / "streamed.pt")
+        elif job == "layout":
+            torch.save(_layout(worker), out / f"layout_{rank}.pt")
         elif job.startswith("save:"):
             extra = worker.save_checkpoint(job[5:])
             if rank == 0:
                 torch.save(extra, out / "extra.pt")
+                torch.save(extra, f"{job[5:]}.extra.pt")  # for a later run that loads this checkpoint
         elif job.startswith("load:"):
-            worker.load_checkpoint(job[5:], torch.load(out / "extra.pt", weights_only=True))
+            extra_path = out / "extra.pt" if (out / "extra.pt").exists() else Path(f"{job[5:]}.extra.pt")
+            worker.load_checkpoint(job[5:], torch.load(extra_path, weights_only=True))
             params = worker.model_state_dict()
             if rank == 0:
                 torch.save(params, out / "loaded.pt")
