@@ -232,19 +232,23 @@ def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(con
 
 
 def _stub_trainer(ckpt_path: Path) -> Any:
-    """Just what `maybe_resume` touches: the real dataset, validation and RNG code, no model."""
+    """Just what `maybe_resume` touches: the real dataset, source, validation and RNG code, no model."""
     from conveyor.tasks.dataset import PromptDataset
     from conveyor.trainer.validation import Validation
 
+    from conveyor.trainer.sources import SyncSource
+
     loaded: list[str] = []
     worker = SimpleNamespace(load_checkpoint=lambda path, state: loaded.append(path))
-    return SimpleNamespace(
+    trainer = SimpleNamespace(
         cfg=SimpleNamespace(trainer=SimpleNamespace(resume_mode="resume_path", resume_from_path=str(ckpt_path))),
         ckpt_root=ckpt_path.parent, workers=SimpleNamespace(actor=worker, critic=None), loaded=loaded,
         train_data=PromptDataset([{"p": i} for i in range(8)], seed=1), validation=Validation([]),
         kl_ctrl=SimpleNamespace(value=0.0), moe_acc=SimpleNamespace(counts=None, routed_experts_retry_step=0),
         global_step=0,
     )
+    trainer.source = SyncSource(trainer, pipeline=None)  # the checkpoint's prompt order is the source's
+    return trainer
 
 
 def _good_state() -> dict[str, Any]:

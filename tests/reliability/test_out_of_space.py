@@ -45,12 +45,14 @@ def tmpfs(tmp_path: Path) -> Callable[..., Path]:
 def fill(fs: Path, leave: int = 0) -> Path:
     """Fill the filesystem `fs` up, leaving about `leave` bytes free; the filler file (delete it to free the space)."""
     filler = fs / "filler"
-    with open(filler, "wb") as f:
+    # A filler left by an earlier fill is removed first: truncating it in place can itself fail on a full filesystem.
+    filler.unlink(missing_ok=True)
+    # Unbuffered: a buffered writer would keep the bytes a full disk refused and fail again when closed.
+    with open(filler, "wb", buffering=0) as f:
         chunk = b"\0" * (1 << 16)
         try:
             while True:
-                f.write(chunk)
-                f.flush()
+                f.write(chunk)  # a partial write returns short; the next one raises ENOSPC
         except OSError as err:
             assert err.errno == errno.ENOSPC, err
     size = filler.stat().st_size
