@@ -346,8 +346,6 @@ class AsyncSource(SampleSource):
 
     def close(self, failed: bool) -> None:
         """Stop handing out batches, wait for the one being generated (a thread cannot be stopped), free them all."""
-        for p in self._pending:
-            p.future.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
