@@ -279,6 +279,14 @@ def _keeping_trainer_world() -> Iterator[None]:
         parallel_state.destroy_distributed_environment = original
 
 
+def _cpu_shm_segments() -> set[str]:
+    """The shared-memory segments of vLLM's CPU all-reduce on this machine (paths under /dev/shm)."""
+    try:
+        return {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if "cpushm" in n}
+    except OSError:  # no /dev/shm (not Linux)
+        return set()
+
+
 def _shutdown_keeping_trainer_world(engine_core: Any) -> None:
     """Shut vLLM's in-process EngineCore down, removing its groups but not the trainer's default group."""
     if not torch.distributed.is_initialized():
@@ -371,8 +379,13 @@ class VLLMRollout(RolloutEngine):
             launch = _launcher_env(world[0], local_rank)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
+        shm_before = _cpu_shm_segments()
         with launch:
             self.llm = vllm.LLM(**kwargs)
+        # vLLM's CPU all-reduce leaves its shared-memory segments behind, under names that do not change between
+        # runs (the external launcher's): removed at close, or the next tensor-parallel engine on the machine
+        # fails to create them (EEXIST).
+        self._shm = _cpu_shm_segments() - shm_before
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it has bound
         # its threads; the trainer shares the process and keeps control of its own thread count.
         torch.set_num_threads = set_num_threads
@@ -407,6 +420,10 @@ class VLLMRollout(RolloutEngine):
         if self._owns_process_group:
             destroy_distributed_environment()
         gc.collect()
+        for path in self._shm:  # every rank of the group removes what appeared; a name goes once
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._shm = set()
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None) -> float:
