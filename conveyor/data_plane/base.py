@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import warnings
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from tensordict import NonTensorStack, TensorDict
@@ -20,7 +22,7 @@ from tensordict import NonTensorStack, TensorDict
 from conveyor.data_plane.schema import DENSE, LIST, NESTED, dtype_of, record_of
 from conveyor.protocol import KVBatchMeta
 
-__all__ = ["DataPlane", "FieldNotFoundError", "Fields"]
+__all__ = ["DataPlane", "FieldNotFoundError", "Fields", "tensor_to_numpy", "tensor_from_numpy"]
 
 # What `kv_batch_put` accepts: a TensorDict, or a mapping of field name to a
 # (B, ...) tensor, a jagged nested tensor, a list of per-sample tensors of
@@ -269,3 +271,31 @@ def _batch_nbytes(td: TensorDict) -> int:
         else:  # a list column
             total += _values_nbytes(value.tolist())
     return total
+
+
+# --------------------------------------------------------------------------- tensors as numpy buffers
+# How the backends that move tensors between processes carry them (`ray`, the served plane): numpy buffers, which
+# pickle and map without torch's own serialisation. numpy has no bfloat16 or float8: such tensors travel as an
+# integer view of the same bytes.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy array over `t`'s bytes (no copy when `t` is a contiguous CPU tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    try:
+        return t.numpy()
+    except TypeError:
+        return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+
+
+def tensor_from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor view of `a` as `dtype` (possibly over read-only memory: callers copy before handing it out)."""
+    with warnings.catch_warnings():
+        # Buffers mapped from the object store or unpickled from bytes are read-only; every caller copies.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(a)
+    return t if t.dtype == dtype else t.view(dtype)

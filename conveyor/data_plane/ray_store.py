@@ -38,7 +38,8 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from conveyor.data_plane import schema
-from conveyor.data_plane.base import DENSE, NESTED, Column, DataPlane, FieldNotFoundError, empty_column
+from conveyor.data_plane.base import (DENSE, NESTED, Column, DataPlane, FieldNotFoundError, empty_column,
+                                      tensor_from_numpy, tensor_to_numpy)
 from conveyor.data_plane.prometheus import DataPlaneMetrics
 from conveyor.data_plane.schema import dtype_name, dtype_of, incompatibility
 
@@ -46,34 +47,9 @@ __all__ = ["RayDataPlane", "shard_of"]
 
 logger = logging.getLogger(__name__)
 
-# numpy has no bfloat16 or float8: such columns travel as an integer view of the same bytes.
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def shard_of(key: str, num_shards: int) -> int:
     """The storage actor that holds `key` (a stable hash: the same in every process and run)."""
     return zlib.crc32(key.encode("utf-8")) % num_shards
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy array over `t`'s bytes (no copy when `t` is a contiguous CPU tensor)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    try:
-        return t.numpy()
-    except TypeError:
-        return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
-
-
-def _from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor view of `a` (possibly read-only object-store memory: callers copy before handing it out)."""
-    with warnings.catch_warnings():
-        # Buffers mapped from the object store are read-only; every caller copies out of them.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        t = torch.from_numpy(a)
-    return t if t.dtype == dtype else t.view(dtype)
 
 
 @dataclass
@@ -84,11 +60,11 @@ class _TensorValue:
     dtype: str
 
     def to_tensor(self) -> torch.Tensor:
-        return _from_numpy(self.array, dtype_of(self.dtype)).clone()
+        return tensor_from_numpy(self.array, dtype_of(self.dtype)).clone()
 
 
 def _encode_list_value(v: Any) -> Any:
-    return _TensorValue(_to_numpy(v), dtype_name(v.dtype)) if isinstance(v, torch.Tensor) else v
+    return _TensorValue(tensor_to_numpy(v), dtype_name(v.dtype)) if isinstance(v, torch.Tensor) else v
 
 
 def _decode_list_value(v: Any) -> Any:
@@ -239,7 +215,7 @@ def _remote_shard_class() -> Any:
 def _encode_column(kind: str, rows: Any) -> Any:
     """The payload to ray.put of one shard's rows of a column."""
     if kind == DENSE:
-        return _to_numpy(rows)
+        return tensor_to_numpy(rows)
     if kind == NESTED:
         if not rows:
             return np.zeros((0,)), np.zeros(1, dtype=np.int64)
@@ -247,7 +223,7 @@ def _encode_column(kind: str, rows: Any) -> Any:
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         values = torch.cat(rows) if len(rows) > 1 else rows[0]
-        return _to_numpy(values), offsets
+        return tensor_to_numpy(values), offsets
     return [_encode_list_value(v) for v in rows]
 
 
@@ -454,7 +430,7 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
         for positions, col in parts:
             if not positions:
                 continue
-            blocks = [_from_numpy(payloads[ref_pos[r]], dtype) for r in col["refs"]]
+            blocks = [tensor_from_numpy(payloads[ref_pos[r]], dtype) for r in col["refs"]]
             if len(blocks) == 1 and len(positions) == n:
                 if col["rows"] == list(range(blocks[0].shape[0])):
                     return blocks[0].clone()  # the whole block in put order
@@ -474,7 +450,7 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
         for pos, b, r in zip(positions, col["blocks"], col["rows"]):
             if kind == NESTED:
                 values, offsets = blocks[b]
-                slots[pos] = _from_numpy(values[offsets[r]:offsets[r + 1]], dtype)
+                slots[pos] = tensor_from_numpy(values[offsets[r]:offsets[r + 1]], dtype)
             else:
                 slots[pos] = _decode_list_value(blocks[b][r])
     if kind == NESTED:

@@ -6,7 +6,8 @@ keys only, puts that change a field's dtype, row shape or kind (refused, see
 and puts of no keys, and clearing keys and partitions. Every step's outcome
 (the handle, the batch, the listing, or the exception with its message) is
 recorded on `memory`, the reference, and compared on `ray` and `transferqueue`
-(each skipped without its package). A few reference outcomes are pinned too,
+(each skipped without its package) and on `memory` served over its socket to
+another process's client (`conveyor.data_plane.served`). A few reference outcomes are pinned too,
 so the backends cannot agree on the wrong rule.
 """
 
@@ -229,6 +230,23 @@ def test_backend_agrees_with_memory(backend: str, reference: list, request: pyte
     assert [label for label, _ in got] == [label for label, _ in reference]
     differences = [d for (label, g), (_, w) in zip(got, reference) if (d := difference(g, w, label))]
     assert not differences, f"{backend} disagrees with memory:\n" + "\n".join(differences)
+
+
+def test_the_memory_plane_served_over_its_socket_agrees_with_itself(reference: list) -> None:
+    """What a worker in another process sees (`ServedDataPlane`): the same handles, batches and errors."""
+    from conveyor.data_plane.served import DataPlaneServer
+
+    with make_data_plane("memory") as plane:
+        server = DataPlaneServer(plane)
+        try:
+            client = server.client()
+            got = scenario(client, "agree", "other")
+            client.close()
+        finally:
+            server.close()
+    assert [label for label, _ in got] == [label for label, _ in reference]
+    differences = [d for (label, g), (_, w) in zip(got, reference) if (d := difference(g, w, label))]
+    assert not differences, "served disagrees with memory:\n" + "\n".join(differences)
 
 
 def test_reference_outcomes(reference: list) -> None:

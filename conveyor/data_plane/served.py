@@ -1,0 +1,236 @@
+"""A data plane served to workers in other processes of the same machine.
+
+The embedded `memory` store lives in the trainer's process. When a run puts
+one role in a process of its own on the same machine (the asynchronous
+rollout worker group, `trainer.v1.separate_async.rollout_process=own`), that
+role still reads and writes the one store: `DataPlaneServer(plane)` serves
+the plane on a Unix socket, and `server.client()` is a `ServedDataPlane`,
+a picklable `DataPlane` whose operations run on the served plane. The trainer
+keeps using the plane itself, at in-process cost; only the other processes'
+reads and writes cross the socket.
+
+Transport: `multiprocessing.connection` from the standard library (a Unix
+socket, connections authenticated with a random key, so another user's process
+cannot read samples), one connection per client thread, served by one thread
+each on the trainer's side. A request and its answer are one pickle (protocol
+5): tensors as numpy buffers (as the `ray` backend carries them; torch's own
+reduction costs ten times more for the small tensors of a batch), list
+columns as lists; the answer of a read is rebuilt as the TensorDict the plane
+returned. An error on the served side
+(`FieldNotFoundError`, a refused put) is raised in the caller as itself.
+
+What it deliberately does not do: cross machines (a Unix socket; multi-node
+runs use the `ray` backend), serve any backend but a thread-safe one (the
+memory store is), or outlive the server: a client whose server is gone fails
+with a message saying so.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Iterable, Sequence
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from conveyor.data_plane.base import DataPlane, tensor_from_numpy, tensor_to_numpy
+from conveyor.data_plane.schema import dtype_name, dtype_of
+from conveyor.protocol import KVBatchMeta
+
+__all__ = ["DataPlaneServer", "ServedDataPlane"]
+
+logger = logging.getLogger(__name__)
+
+
+def _rebuild_tensor(array: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return tensor_from_numpy(array, dtype_of(dtype)).reshape(shape).clone()
+
+
+def _reduce_tensor(t: torch.Tensor) -> Any:
+    """A CPU tensor as a numpy buffer (an order of magnitude cheaper to pickle than torch's own reduction)."""
+    if t.is_nested or t.layout != torch.strided or t.requires_grad:
+        return t.__reduce_ex__(5)
+    return _rebuild_tensor, (tensor_to_numpy(t), dtype_name(t.dtype), tuple(t.shape))
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=5)
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def _encode_columns(td: TensorDict) -> tuple[int, dict[str, Any], list[str]]:
+    """A read's TensorDict as (rows, {field: tensor or list}, list fields): a TensorDict pickles several times slower."""
+    columns, lists = {}, []
+    for name in td.keys():
+        value = td.get(name)
+        if isinstance(value, torch.Tensor):
+            columns[name] = value
+        else:
+            columns[name] = value.tolist()
+            lists.append(name)
+    return int(td.batch_size[0]), columns, lists
+
+
+def _decode_columns(rows: int, columns: dict[str, Any], lists: list[str]) -> TensorDict:
+    out = TensorDict(batch_size=[rows])
+    for name, value in columns.items():
+        out.set(name, NonTensorStack.from_list(value) if name in lists else value)
+    return out
+
+
+class DataPlaneServer:
+    """Serves `plane` to other processes on this machine until `close()`; `client()` reaches it."""
+
+    def __init__(self, plane: DataPlane):
+        self.plane = plane
+        self._dir = tempfile.mkdtemp(prefix="conveyor-dp-")
+        self.address = os.path.join(self._dir, "socket")
+        self._authkey = os.urandom(32)
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self._authkey)
+        self._conns: list[Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="conveyor-data-plane-server", daemon=True).start()
+
+    def client(self) -> ServedDataPlane:
+        """A data plane for another process (picklable: a Ray actor receives it as an argument)."""
+        return ServedDataPlane(self.address, self._authkey)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except Exception:  # closed, or a client that failed authentication: stop, or keep serving the others
+                if self._closed:
+                    return
+                logger.warning("data-plane server: a connection was refused", exc_info=True)
+                continue
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="conveyor-data-plane-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        """Answer one client thread's requests in order until it disconnects."""
+        while True:
+            try:
+                op, args = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            try:
+                answer = ("ok", self._run(op, args))
+            except BaseException as err:  # the caller's error, raised there
+                answer = ("err", err)
+            try:
+                try:
+                    data = _dumps(answer)
+                except Exception as err:  # an error that does not pickle still reaches the caller, as text
+                    data = _dumps(("err", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} "
+                                                       f"(in the served data plane; {err})")))
+                conn.send_bytes(data)
+            except (EOFError, OSError):
+                return
+
+    def _run(self, op: str, args: tuple) -> Any:
+        if op == "put":
+            keys, partition_id, fields, tags = args
+            return self.plane.kv_batch_put(keys, partition_id, fields, tags)
+        if op == "get":
+            return _encode_columns(self.plane.kv_batch_get(*args))
+        if op == "list":
+            return self.plane.kv_list(*args)
+        if op == "clear":
+            return self.plane.kv_clear(*args)
+        raise ValueError(f"the served data plane has no operation {op!r}")
+
+    def close(self) -> None:
+        """Stop serving (the plane itself stays open: its owner closes it); safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns, self._conns = self._conns, []
+        self._listener.close()
+        for conn in conns:
+            conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ServedDataPlane(DataPlane):
+    """A data plane served by a `DataPlaneServer` in another process of this machine: every operation runs there."""
+
+    backend = "served"
+
+    def __init__(self, address: str, authkey: bytes):
+        self.address, self._authkey = address, authkey
+        self._local = threading.local()
+        self._closed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "_authkey": self._authkey}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["address"], state["_authkey"])
+
+    def _call(self, op: str, *args: Any) -> Any:
+        self._check_open()
+        conn = getattr(self._local, "conn", None)
+        try:
+            if conn is None:
+                conn = self._local.conn = Client(self.address, family="AF_UNIX", authkey=self._authkey)
+            conn.send_bytes(_dumps((op, args)))
+            status, value = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError) as err:
+            self._local.conn = None
+            raise RuntimeError(f"the data plane served at {self.address} is gone (the trainer's process ended or "
+                               f"closed it): {err}") from err
+        if status == "err":
+            raise value
+        return value
+
+    # The served plane checks and times every operation; this side only forwards them.
+    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any,
+                     tags: Sequence[dict] | None = None) -> KVBatchMeta:
+        """`kv_batch_put` on the served plane."""
+        if isinstance(fields, TensorDict) or hasattr(fields, "batch_size"):
+            rows, columns, lists = _encode_columns(fields)
+            fields = {name: (value if name not in lists else list(value)) for name, value in columns.items()}
+        return self._call("put", list(keys), partition_id, fields, None if tags is None else list(tags))
+
+    def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """`kv_batch_get` on the served plane."""
+        return _decode_columns(*self._call("get", list(keys), partition_id, list(select_fields)))
+
+    def _put(self, keys, partition_id, columns, tags):  # pragma: no cover - kv_batch_put forwards before this
+        raise AssertionError("ServedDataPlane forwards kv_batch_put whole")
+
+    def _get(self, keys, partition_id, select_fields):  # pragma: no cover - kv_batch_get forwards before this
+        raise AssertionError("ServedDataPlane forwards kv_batch_get whole")
+
+    def kv_list(self, partition_id: str) -> list[str]:
+        """`kv_list` on the served plane."""
+        return self._call("list", partition_id)
+
+    def kv_clear(self, partition_id: str, keys: Iterable[str] | None = None) -> None:
+        """`kv_clear` on the served plane."""
+        self._call("clear", partition_id, None if keys is None else list(keys))
+
+    def _release(self) -> None:
+        """Disconnect this thread (the served plane is its owner's to close)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
