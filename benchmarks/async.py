@@ -2,27 +2,28 @@
 
 Runs `conveyor train --config examples/tiny_cpu.yaml` alternately with
 `trainer.v1.trainer_mode=sync` and with `separate_async` and
-`max_off_policy_threshold=1` (`--rounds` pairs, sync first in each), one run
-at a time so that each has the whole machine. Every run is a separate process;
-they share one model cache, so the warm start is built once, before the first
-timed run.
+`max_off_policy_threshold=1`, the rollout in processes of its own
+(`rollout_process=own`, what `auto` picks here) and, as a third mode, on a
+thread of the trainer's process (`rollout_process=trainer`); `--rounds`
+rounds, sync first in each, one run at a time so that each has the whole
+machine. Every run is a separate process; they share one model cache, so the
+warm start is built once, before the first timed run.
 
-Threads: the synchronous run gets `--sync-threads` torch threads (default 1:
-on the tiny model the ops are dominated by Python overhead, and on a 2-core
-machine a second intra-op thread only adds spinning, which makes one thread
-the faster baseline; pass 2 to compare against that too). The asynchronous
-run starts with all the cores' threads and gives each of its two threads,
-the trainer's and the rollout's, half of them (`conveyor.trainer.sources`).
+Threads: every process gets `--threads` torch threads (default 1: on the tiny
+model the ops are dominated by Python overhead, and on a 2-core machine a
+second intra-op thread only adds spinning, which makes one thread the
+fastest synchronous baseline).
 
 Per run it prints steps/s (training steps over the summed `timing_s/step`:
-validation, start-up and the warm start are left out, the same for both
-modes), for the asynchronous run also the steps/s its two threads' CPU time
-per step implies (the longer of the trainer's and the rollout's each step:
-what two free cores and no interpreter lock between them would give; waits
-for the lock count in neither), and the held-out accuracy of every validation with the training time
-at which it was reached. Then, per mode, the median steps/s, the speed-up,
-the final accuracy (equal steps) and the accuracy each mode had reached when
-the slower one's training time ran out (equal wall-clock time).
+validation, start-up and the warm start are left out, the same for every
+mode), for the thread mode also the steps/s its two threads' CPU time per
+step implies (the longer of the trainer's and the rollout's each step: what
+two free cores and no interpreter lock between them would give), and the
+held-out accuracy of every validation with the training time at which it was
+reached. Then, per mode, the median steps/s, the speed-up over sync (median,
+and per round), the final accuracy (equal steps) and the accuracy each mode
+had reached when the slower one's training time ran out (equal wall-clock
+time), and where a step's time goes.
 
     python benchmarks/async.py                                  # 2 rounds of the full default run
     python benchmarks/async.py --rounds 1 --set trainer.total_training_steps=100 trainer.test_freq=50
@@ -42,40 +43,58 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUN = ROOT / "examples" / "tiny_cpu.yaml"
+_K1 = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1"]
 MODES = {
     "sync": ["trainer.v1.trainer_mode=sync"],
-    "async_k1": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1"],
+    "async_k1": _K1 + ["trainer.v1.separate_async.rollout_process=own"],
+    "async_k1_thread": _K1 + ["trainer.v1.separate_async.rollout_process=trainer"],
 }
 
 
 def read_run(run_dir: Path) -> dict:
-    """steps, training seconds, steps/s and [(step, training seconds so far, val accuracy)] of a finished run."""
+    """steps, training seconds, steps/s, [(step, training seconds so far, val accuracy)] and the CPU-time estimates
+    of a finished run.
+
+    The estimates, per step, from each side's CPU seconds (waits for a lock or a core count in none):
+    - `cpu_steps_per_s` (rollout on a thread): the longer of the trainer's thread and the rollout's, what a core
+      each and no interpreter lock between them would give;
+    - `cores_steps_per_s` (rollout in processes of its own): the longer of the trainer's process and the rollout
+      replica's plus the reward worker's (they run one after the other on a batch), what a core per process
+      would give (on this machine: 4);
+    - `two_cores_steps_per_s`: the three summed over two cores, the most two cores could give.
+    """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step: dict[int, dict] = {}
     for r in rows:  # a step may have several records (metrics, then validation): merge them
         by_step.setdefault(int(r["step"]), {}).update(r)
-    elapsed, cpu_bound, curve, steps = 0.0, 0.0, [], 0
+    elapsed, cpu_bound, cores_bound, two_bound, curve, steps = 0.0, 0.0, 0.0, 0.0, [], 0
     for step in sorted(by_step):
         r = by_step[step]
         if "timing_s/step" in r:
-            elapsed += float(r["timing_s/step"])
+            wall = float(r["timing_s/step"])
+            elapsed += wall
             steps += 1
-            # The async run's per-step CPU seconds of its two threads: with a core each and no lock
-            # between them a step takes the longer of the two (plus the trainer's waits, left out).
             if "off_policy/trainer_cpu_s" in r:
                 cpu_bound += max(float(r["off_policy/trainer_cpu_s"]), float(r["off_policy/rollout_cpu_s"]))
             else:
-                cpu_bound += float(r["timing_s/step"])
+                cpu_bound += wall
+            trainer = float(r.get("off_policy/trainer_process_cpu_s", wall))
+            rollout = float(r.get("rollout/perf/cpu_s", 0.0)) + float(r.get("reward/perf/cpu_s", 0.0))
+            cores_bound += max(trainer, rollout)
+            two_bound += (trainer + rollout) / 2
         if "val/accuracy" in r:
             curve.append((step, elapsed, float(r["val/accuracy"])))
-    return {"steps": steps, "train_s": elapsed, "steps_per_s": steps / elapsed if elapsed else 0.0, "curve": curve,
-            "cpu_steps_per_s": steps / cpu_bound if cpu_bound else 0.0}
+    rate = lambda total: steps / total if total else 0.0  # noqa: E731
+    return {"steps": steps, "train_s": elapsed, "steps_per_s": rate(elapsed), "curve": curve,
+            "cpu_steps_per_s": rate(cpu_bound), "cores_steps_per_s": rate(cores_bound),
+            "two_cores_steps_per_s": rate(two_bound)}
 
 
 # The stages a step's time goes to (timing_s/*), and each side's CPU seconds (off_policy/*), in the breakdown.
 STAGES = ("step", "gen", "reward", "prompts", "old_log_prob", "adv", "update_actor", "metrics", "async/wait",
           "async/dispatch", "async/rollout_gen", "async/rollout_reward")
-CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s")
+CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s", "off_policy/trainer_process_cpu_s",
+       "rollout/perf/cpu_s", "reward/perf/cpu_s")
 
 
 def stage_medians(run_dir: Path, skip: int = 5) -> dict[str, float]:
@@ -117,48 +136,71 @@ def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternating")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every mode, alternating")
     p.add_argument("--config", type=Path, default=DEFAULT_RUN)
-    p.add_argument("--sync-threads", type=int, default=1, help="torch threads of the synchronous runs")
-    p.add_argument("--set", nargs="*", default=[], help="config overrides for both modes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
+                   help="the modes to run (sync is always run: the others are compared with it)")
+    p.add_argument("--set", nargs="*", default=[], help="config overrides for every mode")
     p.add_argument("--out", type=Path, default=None, help="where runs are written (default: a temporary folder)")
     args = p.parse_args(argv)
+    modes = ["sync"] + [m for m in args.modes if m != "sync"]
     out = args.out or Path(tempfile.mkdtemp(prefix="conveyor-async-bench-"))
     env = dict(os.environ)
     env.setdefault("CONVEYOR_CACHE", str(out / "cache"))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     print(f"load average before: {os.getloadavg()[0]:.2f}  cores: {os.cpu_count()}", flush=True)
     # The warm start is built (and cached) once, outside the timed runs.
-    run_one("sync", out, args.config, args.set + ["trainer.total_training_steps=1"], args.sync_threads, env)
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    run_one("sync", out, args.config, args.set + ["trainer.total_training_steps=1"], args.threads, env)
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     for rnd in range(args.rounds):
-        for mode in MODES:
-            r = run_one(mode, out, args.config, args.set, args.sync_threads if mode == "sync" else None, env)
+        for mode in modes:
+            r = run_one(mode, out, args.config, args.set, args.threads, env)
             results[mode].append(r)
             curve = "  ".join(f"{s}:{acc:.3f}@{t:.0f}s" for s, t, acc in r["curve"])
-            cpu = f"  (idle-machine estimate {r['cpu_steps_per_s']:6.2f} steps/s)" if mode != "sync" else ""
-            print(f"round {rnd + 1} {mode:8s} {r['steps_per_s']:6.2f} steps/s{cpu}  train {r['train_s']:6.1f} s  "
+            cpu = (f"  (two free cores, no lock: {r['cpu_steps_per_s']:6.2f} steps/s)" if mode == "async_k1_thread"
+                   else f"  (a core per process: {r['cores_steps_per_s']:6.2f}, two cores at best: "
+                        f"{r['two_cores_steps_per_s']:6.2f} steps/s)" if mode == "async_k1" else "")
+            print(f"round {rnd + 1} {mode:15s} {r['steps_per_s']:6.2f} steps/s{cpu}  train {r['train_s']:6.1f} s  "
                   f"process {r['wall_s']:6.1f} s  val acc (step:acc@train time) {curve}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    sync, asy = results["sync"], results["async_k1"]
+    sync = results["sync"]
     med = {m: statistics.median(r["steps_per_s"] for r in rs) for m, rs in results.items()}
-    print(f"\nmedian steps/s: sync {med['sync']:.2f}, async k=1 {med['async_k1']:.2f} -> "
-          f"{med['async_k1'] / med['sync']:.2f}x")
-    est = statistics.median(r["cpu_steps_per_s"] for r in asy)
-    print(f"async k=1 from its threads' CPU time per step (a core each, no interpreter lock between them): "
-          f"{est:.2f} steps/s -> {est / med['sync']:.2f}x the synchronous wall-clock figure")
-    for i, (s, a) in enumerate(zip(sync, asy)):
-        budget = min(s["train_s"], a["train_s"])
-        print(f"round {i + 1}: final accuracy (equal steps) sync {s['curve'][-1][2]:.3f}, async {a['curve'][-1][2]:.3f}; "
-              f"at equal training time {budget:.0f} s: sync {accuracy_at(s['curve'], budget):.3f}, "
-              f"async {accuracy_at(a['curve'], budget):.3f}")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"\nmedian steps/s: sync {med['sync']:.2f}")
+    for mode in modes[1:]:
+        rs = results[mode]
+        pairs = ", ".join(f"{a['steps_per_s'] / s['steps_per_s']:.2f}" for s, a in zip(sync, rs))
+        print(f"  {mode:15s} {med[mode]:.2f} -> {med[mode] / med['sync']:.2f}x (per round: {pairs})")
+        if mode == "async_k1_thread":
+            est = statistics.median(r["cpu_steps_per_s"] for r in rs)
+            print(f"  {mode:15s} from its threads' CPU time per step (a core each, no interpreter lock between "
+                  f"them): {est:.2f} steps/s -> {est / med['sync']:.2f}x")
+        if mode == "async_k1":
+            cores = statistics.median(r["cores_steps_per_s"] for r in rs)
+            two = statistics.median(r["two_cores_steps_per_s"] for r in rs)
+            print(f"  {mode:15s} from its processes' CPU time per step: a core each (trainer, rollout, reward) "
+                  f"{cores:.2f} steps/s -> {cores / med['sync']:.2f}x; the most two cores could give "
+                  f"{two:.2f} -> {two / med['sync']:.2f}x")
+        for i, (s, a) in enumerate(zip(sync, rs)):
+            budget = min(s["train_s"], a["train_s"])
+            print(f"  round {i + 1}: final accuracy (equal steps) sync {s['curve'][-1][2]:.3f}, {mode} "
+                  f"{a['curve'][-1][2]:.3f}; at equal training time {budget:.0f} s: sync "
+                  f"{accuracy_at(s['curve'], budget):.3f}, {mode} {accuracy_at(a['curve'], budget):.3f}")
     print("\nwhere a step's time goes (median ms per step over the run's steps after the 5th, last round):")
     for mode, rs in results.items():
         stages = rs[-1]["stages"]
-        print(f"  {mode:8s} " + ", ".join(f"{k.split('/', 1)[1]} {v:.1f}" for k, v in stages.items()))
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    print(f"mean final accuracy: sync {mean([r['curve'][-1][2] for r in sync]):.3f}, "
-          f"async k=1 {mean([r['curve'][-1][2] for r in asy]):.3f}")
+        print(f"  {mode:15s} " + ", ".join(f"{k.split('/', 1)[1]} {v:.1f}" for k, v in stages.items()))
+    st = results["sync"][-1]["stages"]
+    rollout_side = sum(st.get(f"timing_s/{k}", 0.0) for k in ("gen", "reward", "prompts"))
+    if rollout_side:
+        print(f"\nthe overlap's ceiling from the synchronous step (last round): {st['timing_s/step']:.1f} ms against "
+              f"the longer of its rollout side (prompts, gen, reward: {rollout_side:.1f} ms) and the rest "
+              f"({st['timing_s/step'] - rollout_side:.1f} ms): "
+              f"{st['timing_s/step'] / max(rollout_side, st['timing_s/step'] - rollout_side):.2f}x, what a machine "
+              "with a device (or cores) per side and free transfers would give")
+    print("mean final accuracy: " + ", ".join(f"{m} {mean([r['curve'][-1][2] for r in rs]):.3f}"
+                                              for m, rs in results.items()))
     return 0
 
 

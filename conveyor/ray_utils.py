@@ -21,9 +21,10 @@ __all__ = ["ensure_ray", "shutdown_ray", "needs_ray", "data_plane_backend"]
 logger = logging.getLogger(__name__)
 
 
-def needs_ray(cfg: Any) -> bool:
-    """Whether this run uses Ray: workers as Ray actors, or the `ray` data-plane backend."""
-    return use_ray(cfg) or cfg.transfer_queue.backend == "ray"
+def needs_ray(cfg: Any, plan: Any = None) -> bool:
+    """Whether this run uses Ray: workers as Ray actors (all, or the rollout's under `plan`), or the `ray` data plane."""
+    own = plan is not None and plan.rollout_process == "own"
+    return use_ray(cfg) or own or cfg.transfer_queue.backend == "ray"
 
 
 def data_plane_backend(cfg: Any) -> str:

@@ -660,10 +660,12 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu"}
-    # Where the engines run (placement, replicas) and the weight sync's bucket size move what the sync carries
-    # and where the rollout runs, not the weights a step starts from (the checkpoint's, synced first).
+    # Where the engines run (placement, replicas, the asynchronous rollout's process) and the weight sync's bucket
+    # size move what the sync carries and where the rollout runs, not the weights a step starts from (the
+    # checkpoint's, synced first) nor any number (tests/trainer/test_async_process.py).
     placement = {"actor_rollout_ref.rollout.placement", "actor_rollout_ref.rollout.replicas",
-                 "actor_rollout_ref.rollout.update_weights_bucket_megabytes"}
+                 "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+                 "trainer.v1.separate_async.rollout_process"}
     later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload",
              "actor_rollout_ref.rollout.hf_whole_gather_max_gb", "actor_rollout_ref.model.use_remove_padding",
              "actor_rollout_ref.rollout.enforce_eager"} | budgets | placement | {

@@ -13,7 +13,7 @@ from typing import Optional
 
 from conveyor.config.fields import F, S, check, registry
 
-__all__ = ["TRAINER_MODES", "OFF_POLICY_STRATEGIES", "RESUME_MODES", "DEVICES", "MetricsEndpointConfig",
+__all__ = ["TRAINER_MODES", "OFF_POLICY_STRATEGIES", "ROLLOUT_PROCESSES", "RESUME_MODES", "DEVICES", "MetricsEndpointConfig",
            "SamplerConfig", "SeparateAsyncConfig", "TrainerV1Config", "TrainerConfig"]
 
 # Values of trainer.v1.trainer_mode (verl's V1 trainer keys): the synchronous loop, or the rollout worker group
@@ -21,6 +21,8 @@ __all__ = ["TRAINER_MODES", "OFF_POLICY_STRATEGIES", "RESUME_MODES", "DEVICES", 
 # implemented.
 TRAINER_MODES: tuple[str, ...] = ("sync", "separate_async")
 OFF_POLICY_STRATEGIES: tuple[str, ...] = ("drop", "wait")
+# Where the asynchronous rollout worker group runs on one machine (trainer.v1.separate_async.rollout_process).
+ROLLOUT_PROCESSES: tuple[str, ...] = ("auto", "own", "trainer")
 RESUME_MODES: tuple[str, ...] = ("auto", "disable", "resume_path")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 
@@ -62,6 +64,13 @@ class SeparateAsyncConfig:
                                      "samples continue with them (cache recomputed) and each token records "
                                      "the version that sampled it; false: a batch finishes with the weights "
                                      "it started with")
+    rollout_process: str = F("auto", "where the rollout and reward workers run when the run is not on Ray already: "
+                                     "own (Ray actors beside the trainer's process, on the trainer's data plane "
+                                     "over a socket), trainer (a thread of the trainer's process, which partial "
+                                     "rollouts need), auto (own when max_off_policy_threshold > 0, the device is a "
+                                     "CPU with at least 4 cores, Ray is installed and partial_rollout is off; "
+                                     "else trainer)",
+                             choices=ROLLOUT_PROCESSES, resume_neutral=True)
 
 
 @dataclass

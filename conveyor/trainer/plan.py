@@ -44,7 +44,9 @@ build anything, or change the config.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import os
 from typing import Any
 
 from conveyor.config import Config, ConfigError
@@ -80,6 +82,7 @@ class RunPlan:
     rollout_rs: bool  # rejection sampling is on
     off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
     rollout_placement: str  # where the engines run: colocated (the actor's ranks) or separate (the rollout group)
+    rollout_process: str  # where the rollout group and the reward worker run: "trainer" (this process) or "own" (Ray)
     use_critic: bool
     use_reference: bool
     reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
@@ -125,6 +128,66 @@ def model_is_moe(cfg: Config) -> bool:
     return bool(experts) and experts > 0
 
 
+def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]:
+    """Where the rollout group (and the reward worker) run: ("trainer" | "own", why in words).
+
+    "own": Ray actors of their own (every role of a run on Ray is; an asynchronous run in one process puts these two
+    there when `trainer.v1.separate_async.rollout_process` asks for it or `auto` finds it pays). "trainer": this
+    process, the rollout on the asynchronous source's thread.
+    """
+    from conveyor.workers.group import use_ray
+
+    if use_ray(cfg):
+        return "own", "rollout process: Ray actors (the run is on Ray)"
+    v1 = cfg.trainer.v1
+    asked = v1.separate_async.rollout_process
+    if placement != "separate" or not v1.is_async:
+        return "trainer", "rollout process: the trainer's"
+    key = "trainer.v1.separate_async.rollout_process"
+    ray_missing = importlib.util.find_spec("ray") is None
+    if asked == "own":
+        if v1.separate_async.partial_rollout:
+            raise ConfigError(f"{key}=own: partial rollouts take weights between two tokens, which reach a rollout "
+                              "only in the trainer's process; set rollout_process=trainer (or auto), or "
+                              "trainer.v1.separate_async.partial_rollout=false")
+        if device != "cpu":
+            raise ConfigError(f"{key}=own on {device}: a rollout process of its own needs a device of its own, which "
+                              "a run on Ray gives it (trainer.n_gpus_per_node >= 2, or ray.address); set "
+                              "rollout_process=trainer (or auto) for one device")
+        if ray_missing:
+            raise ConfigError(f"{key}=own puts the rollout in Ray actors, and Ray is not installed: "
+                              "pip install 'conveyor[ray]', or set rollout_process=trainer")
+        return "own", f"rollout process: Ray actors of their own, beside the trainer's ({key}=own)"
+    if asked == "trainer":
+        return "trainer", f"rollout process: a thread of the trainer's ({key}=trainer)"
+    k = v1.sampler.max_off_policy_threshold
+    cores = cpu_cores()
+    why = ("max_off_policy_threshold=0: nothing overlaps" if k == 0
+           else "partial_rollout needs the rollout in the trainer's process" if v1.separate_async.partial_rollout
+           else f"on {device} the thread waits on the device" if device != "cpu"
+           else "Ray is not installed (pip install 'conveyor[ray]' for a process of its own)" if ray_missing
+           else (f"{cores} CPU cores: the trainer, the rollout and the reward worker in processes of their own need "
+                 f"{OWN_PROCESS_CORES}, and on fewer the thread is faster (docs/async.md)")
+           if cores < OWN_PROCESS_CORES else None)
+    if why is None:
+        return "own", (f"rollout process: Ray actors of their own, beside the trainer's ({key}=auto: {cores} CPU "
+                       "cores, and two threads of one process would share the interpreter lock)")
+    return "trainer", f"rollout process: a thread of the trainer's ({key}=auto: {why})"
+
+
+# The fewest CPU cores on which `rollout_process=auto` puts the asynchronous rollout in processes of its own: the
+# trainer's, the rollout replica's and the reward worker's each keep one busy (measured in docs/async.md).
+OWN_PROCESS_CORES = 4
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
     """The plan of a run of `cfg` on `device` ("cpu" or "cuda"); a ConfigError for a contradictory combination.
 
@@ -153,6 +216,10 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     if placement == "separate":
         why.append("rollout: the rollout worker group" + (f" (trainer.v1.trainer_mode={v1.trainer_mode} generates "
                                                           "while the actor trains)" if v1.is_async else ""))
+
+    process, process_why = rollout_process(cfg, device, placement)
+    if placement == "separate":
+        why.append(process_why)
 
     off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
     if off_policy:
@@ -262,7 +329,8 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         rollout_captures_routing=capture, forward_records_routing=record,
         forward_replays_routing=moe and replay == "R3", update_replays_routing=moe and replay in ("R2", "R3"),
         load_balance_from_forward=from_forward, rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None,
-        off_policy=off_policy, rollout_placement=placement, use_critic=use_critic, use_reference=use_reference,
+        off_policy=off_policy, rollout_placement=placement, rollout_process=process, use_critic=use_critic,
+        use_reference=use_reference,
         reference_from_actor=reference_from_actor, actor_loss_scale=actor_scale,
         critic_loss_scale=critic_scale, vllm_max_model_len=max_model_len, decisions=tuple(why),
     )

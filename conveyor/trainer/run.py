@@ -137,10 +137,10 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     ray_started = False
     reaper = None
     try:
-        if needs_ray(cfg) and not cfg.ray.address:
+        if needs_ray(cfg, plan) and not cfg.ray.address:
             # A local Ray is this run's own: its processes must not outlive a trainer killed outright.
             reaper = Reaper()
-        ray_started = ensure_ray(cfg) if needs_ray(cfg) else False
+        ray_started = ensure_ray(cfg) if needs_ray(cfg, plan) else False
         data_plane = build_data_plane(cfg, registry=registry)
         workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
         tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,

@@ -327,6 +327,7 @@ class AsyncSource(SampleSource):
         self._busy_s = 0.0  # the rollout thread's wall time on batches so far
         self._clock: float | None = None
         self._cpu_clock = 0.0
+        self._process_clock = 0.0
         self._busy_at_clock = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -526,8 +527,11 @@ class AsyncSource(SampleSource):
             # CPU seconds of the trainer's thread over the same span: on a busy machine, the wall time the
             # trainer's share of a step would take on an idle one.
             out["off_policy/trainer_cpu_s"] = time.thread_time() - self._cpu_clock
+            # The whole process's: with the rollout elsewhere, what serving it costs here (data plane, weights).
+            out["off_policy/trainer_process_cpu_s"] = time.process_time() - self._process_clock
         self._clock = time.perf_counter()
         self._cpu_clock = time.thread_time()
+        self._process_clock = time.process_time()
         self._busy_at_clock = self._busy_s
         return out
 

@@ -227,10 +227,14 @@ class PolicyWorker(CheckpointEndpoints):
 
             self.channel = WeightChannel(address, 0, size, device=self.device)
 
-    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
-        """Stream the weights over the channel (rank 0 sends; every rank takes part in the gathers); metrics."""
+    def send_weights(self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
+        """Stream the weights over the channel (rank 0 sends; every rank takes part in the gathers); metrics.
+
+        `staged`: a copy of the weights taken earlier, sent instead of the current ones (one rank, in the caller's
+        process: the asynchronous source copies them while the actor trains on).
+        """
         t0 = time.perf_counter()
-        stream = self.weight_stream()
+        stream = iter(staged) if staged is not None else self.weight_stream()
         sent = count = 0
         if self.rank == 0:
             stats = self.channel.send(stream, bucket_bytes)

@@ -89,8 +89,13 @@ class Generation:
         self.replica_ranks = list(getattr(engine, "replica_ranks", [rank]))
         self.replica_group = _replica_groups(self.replica_ranks, world_size) if len(self.replica_ranks) > 1 else None
 
-    def __call__(self, meta: KVBatchMeta, sync_metrics: dict[str, float]) -> KVBatchMeta:
-        """Sample the handle's prompts; writes the rollout's fields and returns the handle with this rank's metrics."""
+    def __call__(self, meta: KVBatchMeta, sync_metrics: dict[str, float],
+                 extra_fields: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                 ) -> KVBatchMeta:
+        """Sample the handle's prompts; writes the rollout's fields and returns the handle with this rank's metrics.
+
+        `extra_fields(fields)`: more fields, derived from the rollout's, written in the same put.
+        """
         begin_phase(self.device)
         call = GenerateCall.from_extra_info(meta.extra_info)
         td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
@@ -136,6 +141,8 @@ class Generation:
             fields = pad_responses(fields, strategy.agree_count(int(fields["responses"].shape[1])), pad_id)
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
+        if extra_fields is not None:
+            fields.update(extra_fields(fields))
         cpu = {k: v.cpu() for k, v in fields.items()}
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
         # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.

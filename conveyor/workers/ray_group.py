@@ -32,7 +32,7 @@ import logging
 import math
 import os
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import torch
@@ -43,8 +43,8 @@ from conveyor.protocol import BatchData, KVBatchMeta
 from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
                                     split_metrics, wrap_worker_error)
 
-__all__ = ["Pending", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups", "gather_together",
-           "ray_worker_device"]
+__all__ = ["Pending", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
+           "build_ray_rollout_groups", "gather_together", "gather_with_local", "ray_worker_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,8 @@ class RayRanks:
 
     Each role's `RayWorkerGroup` is a view of these ranks (`group(role)`). A
     failure of any rank stops all of them: every role's ranks share the
-    processes, and the others may be waiting in a collective.
+    processes, and the others may be waiting in a collective. `concurrency`: calls a rank runs at once (the
+    rollout replicas take 2: a weight sync beside a generation; their caller keeps everything else in order).
     """
 
     def __init__(
@@ -231,6 +232,7 @@ class RayRanks:
         nnodes: int = 1,
         timeout_s: float = 60.0,
         process_group: bool = True,
+        concurrency: int = 1,
     ):
         self.roles = [s.role for s in specs]
         self.name = "+".join(self.roles)
@@ -264,7 +266,7 @@ class RayRanks:
                     extra["runtime_env"] = {"env_vars": env}
             self.actors = [
                 remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r),
-                               **extra)
+                               max_concurrency=concurrency, **extra)
                 .remote(self.name, r, world_size, int(round(num_cpus)))
                 for r in range(world_size)
             ]
@@ -441,6 +443,36 @@ def gather_together(pending: Sequence[Pending]) -> list[list[Any]]:
     return [ray.get(p.refs) for p in pending]
 
 
+def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: str, local_method: str,
+                      ) -> tuple[Any, list[Any]]:
+    """`local()` here while `pending` runs on Ray (the two halves of one exchange); (its result, the Ray results).
+
+    The local half runs on a thread of its own so that a failed Ray half is seen at once: its ranks are killed,
+    which ends the local half's collective too, and the failure is raised naming its role, rank and method.
+    """
+    import concurrent.futures
+
+    owner = {ref: rank for rank, ref in enumerate(pending.refs)}
+    left = list(owner)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-exchange") as pool:
+        mine = pool.submit(local)
+        while left or not mine.done():
+            if mine.done() and mine.exception() is not None:
+                pending.group.ranks.kill()
+                raise wrap_worker_error(local_role, 0, local_method, mine.exception()) from mine.exception()
+            if not left:
+                concurrent.futures.wait([mine])
+                continue
+            ready, left = ray.wait(left, num_returns=1, timeout=0.05)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as err:
+                    pending.group.ranks.kill()
+                    raise wrap_worker_error(pending.group.role, owner[ref], pending.method, _original(err)) from err
+        return mine.result(), ray.get(pending.refs)
+
+
 # --------------------------------------------------------------------------- a run's roles
 def ray_worker_device(cfg: Any, device: str) -> str:
     """The device of Ray worker ranks: cuda when the run asks for GPUs per node, else cpu (with a warning if cuda was meant)."""
@@ -453,6 +485,26 @@ def ray_worker_device(cfg: Any, device: str) -> str:
         logger.warning("trainer.n_gpus_per_node=0: the Ray workers get no GPU and run on CPU; "
                        "set trainer.n_gpus_per_node to train on GPUs")
     return "cuda" if gpu else "cpu"
+
+
+def build_ray_rollout_groups(cfg: Any, specs: dict[str, WorkerSpec], *, gpu: bool) -> dict[str, RayWorkerGroup]:
+    """The reward worker (one rank) and, when `specs` has one, the rollout group's replicas, as Ray worker groups."""
+    cpus = cfg.ray.worker_cpus
+    groups = {"reward": RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
+                                       timeout_s=cfg.ray.timeout_s)}
+    if "rollout" in specs:
+        ro = cfg.actor_rollout_ref.rollout
+        # Replicas of their own: a bundle each (tensor_model_parallel_size GPUs, or a CPU share), no process
+        # group between them; the weights come over the channel from the actor's rank 0.
+        gpus = float(ro.tensor_model_parallel_size) if gpu else 0.0
+        try:
+            groups["rollout"] = RayWorkerGroup._view(
+                RayRanks([specs["rollout"]], world_size=ro.replicas, num_cpus=cpus, num_gpus=gpus,
+                         nnodes=1, timeout_s=cfg.ray.timeout_s, process_group=False, concurrency=2), "rollout")
+        except BaseException:
+            groups["reward"].shutdown()
+            raise
+    return groups
 
 
 def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: Any) -> dict[str, RayWorkerGroup]:
@@ -474,16 +526,7 @@ def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: 
                          num_gpus=1.0 if gpu else 0.0, placement=placement, timeout_s=cfg.ray.timeout_s)
         for role in model_roles:
             groups[role] = ranks.group(role)
-        groups["reward"] = RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
-                                          timeout_s=cfg.ray.timeout_s)
-        if "rollout" in specs:
-            ro = cfg.actor_rollout_ref.rollout
-            # Replicas of their own: a bundle each (tensor_model_parallel_size GPUs, or a CPU share), no process
-            # group between them; the weights come over the channel from the actor's rank 0.
-            gpus = float(ro.tensor_model_parallel_size) if gpu else 0.0
-            groups["rollout"] = RayWorkerGroup._view(
-                RayRanks([specs["rollout"]], world_size=ro.replicas, num_cpus=cpus, num_gpus=gpus,
-                         nnodes=1, timeout_s=cfg.ray.timeout_s, process_group=False), "rollout")
+        groups.update(build_ray_rollout_groups(cfg, specs, gpu=gpu))
     except BaseException:
         for group in groups.values():
             group.shutdown()

@@ -21,6 +21,7 @@ call is abandoned (in a daemon thread), not stopped: the run ends instead.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -108,7 +109,8 @@ class RewardWorker:
         except ValueError:
             return f"the reward function for data_source {source!r}"
 
-    def _score_all(self, keys: list[str], samples: list[tuple[str, str, str]]) -> list[float]:
+    def _score_all(self, keys: list[str], samples: list[tuple[str, str, str]],
+                   cpu: list[float] | None = None) -> list[float]:
         """Every sample's score; a failed or hung call stops the run with a SampleRewardError naming the sample.
 
         The calls run in a daemon thread so that one that hangs past
@@ -120,7 +122,7 @@ class RewardWorker:
             return map_with_deadline(lambda i: self._score_one(keys[i], *samples[i]), range(len(samples)),
                                      timeout_s=self.timeout_s, key="reward.timeout_s",
                                      what=lambda i: self._function_label(samples[i][0]),
-                                     thread_name=f"reward-rank{self.rank}")
+                                     thread_name=f"reward-rank{self.rank}", cpu=cpu)
         except DeadlineExceeded as err:
             raise SampleRewardError(f"sample {keys[err.index]!r}: {err}; the run stops. "
                                     "Fix the function, or raise reward.timeout_s if it is just slow") from err
@@ -134,6 +136,7 @@ class RewardWorker:
 
     def compute_reward(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Writes `rm_scores` (B, R) and `acc` (B,) (the raw score) for the handle's samples."""
+        cpu0 = time.thread_time()
         td = self.data_plane.kv_batch_get(
             keys=meta.keys, partition_id=meta.partition_id,
             select_fields=["responses", "response_mask", "data_source", "ground_truth"],
@@ -145,7 +148,9 @@ class RewardWorker:
         texts = self.tokenizer.batch_decode(
             [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
         )
-        values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])))
+        scoring_cpu: list[float] = []  # the calls run on a thread of their own: its CPU counts too
+        values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])),
+                                 scoring_cpu)
         acc = torch.tensor(values, dtype=torch.float32)
         metrics: dict[str, float] = {}
         scores = acc
@@ -167,6 +172,8 @@ class RewardWorker:
         rm_scores[has_tokens, last[has_tokens]] = scores[has_tokens]
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
                                      fields={"rm_scores": rm_scores, "acc": acc})
+        # Where a step's CPU goes (benchmarks/async.py): this thread's and the scoring thread's.
+        metrics["reward/perf/cpu_s"] = time.thread_time() - cpu0 + sum(scoring_cpu)
         return result_handle(meta, ["rm_scores", "acc"], metrics)
 
 

@@ -20,9 +20,9 @@ What it deliberately does not do: decide where ranks run (`group.py`,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
-from conveyor.workers.rollout import RolloutWorker
+from conveyor.workers.rollout import RolloutWorker, WeightInbox
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -150,8 +150,10 @@ class RolloutGroup(_Role):
     Asynchronous runs generate on another thread while the actor trains (`conveyor.trainer.sources`), and
     label each sync with the policy version the scheduler counts: `stage_weights` takes the weights as they
     are now and returns what loads them on the rollout's thread. In this process that is a copy, left in an
-    inbox that a partial rollout may also take between two tokens; on Ray the channel sync runs at once (the
-    replicas take it after the generation in progress, as a Ray actor runs its calls in order).
+    inbox that a partial rollout may also take between two tokens. Replicas on Ray (a Ray actor's, or this
+    process's actor under rollout_process=own, which sends a copy from a thread of its own) receive the sync
+    at once, beside the generation in progress (a replica runs two calls at a time), into a copy that their
+    next generation loads first; the rollout's thread waits for the exchange before it hands them a batch.
     """
 
     def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
@@ -161,6 +163,7 @@ class RolloutGroup(_Role):
         self.served: int | None = None  # the version every replica serves (None: not synced yet)
         self._channel = False
         self._inbox = WeightInbox()
+        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def in_process(self) -> bool:
@@ -191,14 +194,16 @@ class RolloutGroup(_Role):
 
     def stage_weights(self, label: int) -> Callable[[], dict[str, float]]:
         """The actor's weights as they are now, labelled `label`; returns what gives them to the replicas (run it on
-        the thread that generates)."""
+        the thread that generates, before the batches that are to use them)."""
+        self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
+        local = isinstance(self.actor.ranks, LocalWorkerGroup)
+        # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
+        staged = [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
         if not self.in_process:
-            metrics = self._sync_over_channel(label)
-            self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
-            return lambda: metrics
-        # A copy: the actor goes on training while the rollout finishes the batch it is generating.
-        self._inbox.offer(label, [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()])
-        self.served = None
+            # Replicas on Ray take the weights beside the generation in progress, into a copy their next
+            # generation loads; the exchange starts now and is waited for on the rollout's thread.
+            return self._exchange(label, staged)
+        self._inbox.offer(label, staged)
         worker = self.ranks.worker
 
         def load() -> dict[str, float]:
@@ -217,42 +222,78 @@ class RolloutGroup(_Role):
                              "only when it runs in the trainer's process; set partial_rollout=false for a run on Ray")
         self.ranks.worker.take_weights_between_tokens(self._inbox)
 
-    def _sync_over_channel(self, version: int) -> dict[str, float]:
-        from conveyor.workers.ray_group import RayWorkerGroup, gather_together
+    def _join_channel(self) -> None:
+        """Build the weight channel from the actor's rank 0 to every replica (once)."""
+        from conveyor.workers.ray_group import gather_together, gather_with_local
 
-        assert isinstance(self.ranks, RayWorkerGroup) and isinstance(self.actor.ranks, RayWorkerGroup), (
-            "placement=separate over processes needs both roles on Ray")
+        if self._channel:
+            return
         size = 1 + self.ranks.world_size
-        if not self._channel:
-            address = self.actor.ranks.call_all(PolicyWorker.channel_address)[0]
-            gather_together([self.actor.ranks.submit_all(PolicyWorker.join_weight_channel, address, size),
-                             self.ranks.submit_all(RolloutWorker.join_weight_channel, address, size)])
-            self._channel = True
+        address = self.actor.ranks.call_all(PolicyWorker.channel_address)[0]
+        joins = self.ranks.submit_all(RolloutWorker.join_weight_channel, address, size)
+        if isinstance(self.actor.ranks, LocalWorkerGroup):
+            gather_with_local(joins, lambda: self.actor.ranks.worker.join_weight_channel(address, size),
+                              "actor", "join_weight_channel")
+        else:
+            gather_together([self.actor.ranks.submit_all(PolicyWorker.join_weight_channel, address, size), joins])
+        self._channel = True
+
+    def _sync_over_channel(self, version: int) -> dict[str, float]:
+        """The actor's rank 0 streams its current weights into every Ray replica's engine."""
+        from conveyor.workers.ray_group import RayWorkerGroup, gather_together, gather_with_local
+
+        assert isinstance(self.ranks, RayWorkerGroup), "replicas in processes of their own are on Ray"
+        self._join_channel()
+        receives = self.ranks.submit_all(RolloutWorker.receive_weights, version)
+        if isinstance(self.actor.ranks, LocalWorkerGroup):  # the actor in this process (rollout_process=own)
+            mine, received = gather_with_local(
+                receives, lambda: self.actor.ranks.worker.send_weights(self.bucket_bytes), "actor", "send_weights")
+            return _sync_metrics(mine, received)
         sent, received = gather_together([self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes),
-                                          self.ranks.submit_all(RolloutWorker.receive_weights, version)])
-        metrics = dict(sent[0])
-        metrics.update({k: max(r[k] for r in received) for k in received[0]})  # the slowest replica's
-        return metrics
+                                          receives])
+        return _sync_metrics(sent[0], received)
+
+    def _exchange(self, version: int, staged: list[tuple[str, torch.Tensor]] | None) -> Callable[[], dict[str, float]]:
+        """Start sending the weights (`staged`, a copy taken here, or the Ray actor's current ones) into every
+        replica's staging copy; returns what waits for it and gives its metrics."""
+        from conveyor.workers.ray_group import gather_together, gather_with_local
+
+        self._join_channel()
+        if self._sender is None:
+            self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="conveyor-weight-send")
+        sends = None
+        if staged is None:  # submitted from the trainer's thread: the actor sends before the update submitted next
+            sends = self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes)
+        worker = self.actor.ranks.worker if staged is not None else None
+
+        def run() -> dict[str, float]:
+            # One exchange at a time, in order (this thread runs them): a replica runs two calls at once, and two
+            # receives side by side would share the channel.
+            receives = self.ranks.submit_all(RolloutWorker.receive_weights, version, stage=True)
+            if sends is not None:
+                sent, received = gather_together([sends, receives])
+                return _sync_metrics(sent[0], received)
+            mine, received = gather_with_local(receives, lambda: worker.send_weights(self.bucket_bytes, staged),
+                                               "actor", "send_weights")
+            return _sync_metrics(mine, received)
+
+        done = self._sender.submit(run)
+        return done.result
+
+    def shutdown(self) -> None:
+        """Release the role's ranks (and the thread that sends staged weights)."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=False, cancel_futures=True)
+            self._sender = None
+        super().shutdown()
 
 
-class WeightInbox:
-    """The newest staged weights, (label, tensors), for the rollout's thread to take; a newer offer replaces an older
-    one (weights only get newer, so a batch that starts with them is fresher than scheduled, never staler)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
-
-    def offer(self, label: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Stage `tensors` as version `label`."""
-        with self._lock:
-            self._staged = (label, tensors)
-
-    def take(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The staged weights, once (None when nothing new is staged)."""
-        with self._lock:
-            staged, self._staged = self._staged, None
-        return staged
+def _sync_metrics(sent: dict[str, float], received: list[dict[str, float]]) -> dict[str, float]:
+    """One sync's metrics: the sender's, and the slowest replica's."""
+    metrics = dict(sent)
+    metrics.update({k: max(r[k] for r in received) for k in received[0]})
+    return metrics
 
 
 class RefGroup(_Role):
@@ -311,6 +352,7 @@ class WorkerGroups:
     critic: CriticGroup | None
     reward: RewardGroup
     rollout: RolloutGroup | None = None  # placement=separate; None: the actor's ranks generate
+    served: Any = None  # the DataPlaneServer of workers in processes of their own beside this one (rollout_process)
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
@@ -318,14 +360,19 @@ class WorkerGroups:
 
     def shutdown(self) -> None:
         """Release every role's ranks."""
-        for role in (self.rollout, self.actor, self.ref, self.critic, self.reward):
-            if role is not None:
-                role.shutdown()
+        try:
+            for role in (self.rollout, self.actor, self.ref, self.critic, self.reward):
+                if role is not None:
+                    role.shutdown()
+        finally:
+            if self.served is not None:
+                self.served.close()
 
 
 def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any,
                         device: str = "cpu") -> WorkerGroups:
     """Every role of the run from `worker_specs`: in this process, or as Ray actors for a multi-rank run."""
+    server = None
     if use_ray(cfg):
         from conveyor.workers.ray_group import build_ray_worker_groups, ray_worker_device
 
@@ -338,8 +385,12 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         host = ColocatedWorker(0, 1, [spec for role, spec in specs.items() if role in MODEL_ROLES])
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
-            groups["reward"] = LocalWorkerGroup(specs["reward"])
-            if "rollout" in specs:  # its own engine and copy of the model, in this process
+            if plan.rollout_process == "own":
+                groups.update(_own_process_groups(cfg, specs, data_plane))
+                server = groups.pop("served")
+            else:
+                groups["reward"] = LocalWorkerGroup(specs["reward"])
+            if "rollout" in specs and "rollout" not in groups:  # its own engine and copy of the model, here
                 replicas = cfg.actor_rollout_ref.rollout.replicas
                 if replicas > 1:
                     raise ValueError(f"actor_rollout_ref.rollout.replicas={replicas}: a run in one process holds one "
@@ -363,4 +414,26 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         reward=RewardGroup(groups["reward"]),
         rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
                               << 20) if rollout is not None else None),
+        served=server,
     )
+
+
+def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: DataPlane) -> dict[str, Any]:
+    """The reward worker and the rollout group as Ray actors beside this process, on `data_plane` served to them.
+
+    Returns their groups, and the server under "served" (the run closes it after the workers).
+    """
+    from conveyor.data_plane.served import DataPlaneServer
+    from conveyor.workers.ray_group import build_ray_rollout_groups
+
+    server = DataPlaneServer(data_plane)
+    try:
+        client = server.client()
+        remote = {role: dataclasses.replace(spec, kwargs={**spec.kwargs, "data_plane": client})
+                  for role, spec in specs.items() if role in ("reward", "rollout")}
+        groups: dict[str, Any] = build_ray_rollout_groups(cfg, remote, gpu=False)
+    except BaseException:
+        server.close()
+        raise
+    groups["served"] = server
+    return groups

@@ -32,6 +32,8 @@ does) or train.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +52,7 @@ from conveyor.workers.strategy import TrainingStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutWorker"]
+__all__ = ["RolloutWorker", "WeightInbox"]
 
 
 def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
@@ -68,6 +70,26 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
         model = build_causal_lm_on_meta(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
     return model.eval()
+
+
+class WeightInbox:
+    """The newest staged weights, (label, tensors), for the rollout's thread to take; a newer offer replaces an older
+    one (weights only get newer, so a batch that starts with them is fresher than scheduled, never staler)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+
+    def offer(self, label: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Stage `tensors` as version `label`."""
+        with self._lock:
+            self._staged = (label, tensors)
+
+    def take(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The staged weights, once (None when nothing new is staged)."""
+        with self._lock:
+            staged, self._staged = self._staged, None
+        return staged
 
 
 class RolloutWorker:
@@ -107,20 +129,32 @@ class RolloutWorker:
         self.data_plane = data_plane
         self.version = -1  # the label of the weights the engine serves (-1: the checkpoint it was built from)
         self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
+        self.staged = WeightInbox()  # weights received while a generation ran (`receive_weights(stage=True)`)
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
+        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged.
+
+        Weights staged since the last generation are loaded first.
+        """
+        cpu0 = time.thread_time()
+        loaded = {}
+        staged = self.staged.take()
+        if staged is not None:
+            loaded["rollout/weight_load_s"] = self.load_weights(iter(staged[1]), staged[0])
         start, self.switches = self.version, []
-        out = self.generation(meta, {})
-        mask = self.data_plane.get(out, ["response_mask"])["response_mask"]
-        tokens = torch.full(mask.shape, start, dtype=torch.long)
-        for sampled, version in self.switches:
-            tokens[:, sampled:] = version
-        fields = {"policy_version": torch.full((mask.shape[0],), start, dtype=torch.long),
-                  "token_policy_version": tokens}
-        out = self.data_plane.put(out, fields)
+
+        def versions(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            # Written with the rollout's own fields, in the same put.
+            shape = fields["response_mask"].shape
+            tokens = torch.full(shape, start, dtype=torch.long)
+            for sampled, version in self.switches:
+                tokens[:, sampled:] = version
+            return {"policy_version": torch.full((shape[0],), start, dtype=torch.long), "token_policy_version": tokens}
+
+        out = self.generation(meta, loaded, extra_fields=versions)
         if self.generation.interrupt is not None:  # partial rollouts: how often weights changed mid-generation
             out.extra_info["rollout/weight_switches"] = float(len(self.switches))
+        out.extra_info["rollout/perf/cpu_s"] = time.thread_time() - cpu0  # where a step's CPU goes
         return out
 
     def take_weights_between_tokens(self, inbox: Any) -> None:
@@ -150,13 +184,18 @@ class RolloutWorker:
 
         self.channel = WeightChannel(address, 1 + self.rank, size, device=self.device)
 
-    def receive_weights(self, version: int) -> dict[str, float]:
-        """Take one sync's buckets from the channel into the engine, bucket by bucket; its metrics."""
-        import time
+    def receive_weights(self, version: int, stage: bool = False) -> dict[str, float]:
+        """Take one sync's buckets from the channel into the engine, bucket by bucket; its metrics.
 
+        `stage`: keep a copy for the next generation to load instead (asynchronous runs: the replica runs this
+        beside the generation in progress, whose weights must not change under it).
+        """
         t0 = time.perf_counter()
-        self.engine.update_weights(self.channel.received(), version=version)
-        self.version = version
+        if stage:
+            self.staged.offer(version, [(name, t.clone()) for name, t in self.channel.received()])
+        else:
+            self.engine.update_weights(self.channel.received(), version=version)
+            self.version = version
         got = self.channel.last
         return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got.bytes / 1e9,
                 "rollout/weight_sync_buckets": float(got.buckets)}

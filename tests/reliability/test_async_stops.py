@@ -2,9 +2,10 @@
 
 Each case runs `conveyor train` in async mode as a user would (stdin closed),
 and checks the exit status, the last stderr line and that no process of the
-run is left behind. The rollout runs in the trainer's process here (a thread
-of the rollout worker group): a SIGKILL takes it down with the trainer, and
-the Ray case is the synchronous one's (test_stops_and_resume_checks.py).
+run is left behind. The rollout runs on a thread of the trainer's process
+(`rollout_process=trainer`: a SIGKILL takes it down with the trainer) and,
+in the last cases, in Ray actors of its own, which a SIGKILL of the trainer
+must not leave behind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import psutil
 import pytest
 
 # A staleness bound far beyond the run's length: the trainer still hands out only batches some step will train.
-ASYNC = ("trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1000")
+ASYNC = ("trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1000",
+         "trainer.v1.separate_async.rollout_process=trainer")
+OWN = ASYNC[:2] + ("trainer.v1.separate_async.rollout_process=own", "ray.num_cpus=4")
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -64,22 +67,25 @@ def test_a_stop_during_start_up_ends_the_run(rel, base_model, tmp_path: Path, pr
     _assert_all_gone(children, within=5)
 
 
-def _after_step_1(rel, processes, tmp_path: Path):
+def _after_step_1(rel, processes, tmp_path: Path, mode: tuple[str, ...] = ASYNC):
     """An async run that has logged step 1, with far more batches queued ahead than the rollout can finish soon."""
     run_dir = tmp_path / "run"
-    proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=200", *ASYNC)
+    proc = rel.TrainProcess(run_dir, "trainer.total_training_steps=200", *mode)
     processes.append(proc)
     # Step 1 ends although the bound (1000) is far beyond the run: only batches a step will train are handed out.
     rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), proc)
     return proc
 
 
-@pytest.mark.parametrize("signum, status, last", [(signal.SIGINT, 130, "interrupted"),
-                                                  (signal.SIGTERM, 143, "stopped by SIGTERM")])
+@pytest.mark.parametrize("signum, status, last, mode", [
+    (signal.SIGINT, 130, "interrupted", ASYNC), (signal.SIGTERM, 143, "stopped by SIGTERM", ASYNC),
+    (signal.SIGTERM, 143, "stopped by SIGTERM", OWN)], ids=["sigint", "sigterm", "sigterm-own-process"])
 def test_a_stop_with_batches_queued_ends_the_run_without_generating_them(
-    rel, base_model, tmp_path: Path, processes, signum: int, status: int, last: str
+    rel, base_model, tmp_path: Path, processes, signum: int, status: int, last: str, mode: tuple[str, ...]
 ) -> None:
-    proc = _after_step_1(rel, processes, tmp_path)
+    if mode is OWN:
+        pytest.importorskip("ray")
+    proc = _after_step_1(rel, processes, tmp_path, mode)
     children = _descendants(proc.proc.pid)
     proc.proc.send_signal(signum)
     t0 = time.monotonic()
@@ -104,3 +110,18 @@ def test_a_reward_function_that_raises_in_async_mode_is_one_error(rel, base_mode
     rel.assert_usage_error(done.returncode, done.stderr, ("compute_reward", "raises.py",
                                                           "RuntimeError: grader crashed"))
 
+
+
+def test_sigkill_of_the_trainer_leaves_no_process_of_a_rollout_in_processes_of_its_own(
+    rel, base_model, tmp_path: Path, processes
+) -> None:
+    pytest.importorskip("ray")
+    proc = _after_step_1(rel, processes, tmp_path, OWN)
+    family = _descendants(proc.proc.pid)  # Ray's raylet and agents, the rollout replica, the reward worker
+    assert any("RankActor" in " ".join(p.cmdline()) for p in family if p.is_running()), [p.cmdline() for p in family]
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    try:
+        _assert_all_gone(family, within=10)
+    finally:
+        _kill_all(family)

@@ -1,0 +1,104 @@
+"""The asynchronous rollout in processes of its own (trainer.v1.separate_async.rollout_process=own).
+
+The rollout worker group and the reward worker are Ray actors beside the
+trainer's process, on the trainer's data plane served to them; the weights go
+over the weight channel into a copy the replica loads before its next batch.
+None of that may change what is trained: these runs equal the same runs with
+the rollout on a thread of the trainer's process, and k = 0 equals the
+synchronous trainer, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conveyor.config import load_config
+from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.trainer.export import export_hf
+from conveyor.trainer.run import run_training
+from conveyor.workers.group import WorkerError
+
+pytest.importorskip("ray")
+
+# Wall-clock and memory readings differ from run to run by nature, and the sides' CPU and idle figures with them.
+_MEASURED = ("timing_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_", "weight_sync_s",
+             "weight_load_s", "weight_send", "weight_sync_gb", "weight_sync_buckets")
+ASYNC = "trainer.v1.trainer_mode=separate_async"
+OWN, THREAD = "trainer.v1.separate_async.rollout_process=own", "trainer.v1.separate_async.rollout_process=trainer"
+
+
+def _run(tmp_path, tiny_run_base: list[str], name: str, extra: list[str]) -> tuple[list[dict], object]:
+    run_dir = tmp_path / name
+    run_training(load_config(None, tiny_run_base + [f"trainer.default_local_dir={run_dir}", "ray.num_cpus=4",
+                                                    *extra]))
+    return read_metrics_jsonl(run_dir / "metrics.jsonl"), run_dir
+
+
+def _strip(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(m in k for m in _MEASURED)} for r in rows]
+
+
+def _weights(run_dir, out) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(export_hf(run_dir, out).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _same_weights(a_dir, b_dir, tmp_path) -> None:
+    a, b = _weights(a_dir, tmp_path / f"hf-{a_dir.name}"), _weights(b_dir, tmp_path / f"hf-{b_dir.name}")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+COMMON = ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+          "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+
+
+def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_path, tiny_run_base):
+    # k = 1 and R3: samples one version old, their routing replayed; generated, scored, versioned and synced
+    # across processes, then trained here.
+    thread, thread_dir = _run(tmp_path, tiny_run_base, "thread", COMMON + [ASYNC, THREAD])
+    own, own_dir = _run(tmp_path, tiny_run_base, "own", COMMON + [ASYNC, OWN])
+    plan = json.loads((own_dir / "plan.json").read_text())
+    assert plan["rollout_process"] == "own"
+    assert json.loads((thread_dir / "plan.json").read_text())["rollout_process"] == "trainer"
+    assert _strip(own) == _strip(thread)
+    assert own[-1]["off_policy/staleness_max"] == 1.0 and own[-1]["rollout/moe/routed_experts_found"] == 1.0
+    versions = [(r["trained_at"], r["sample_versions"], r["token_version_range"])
+                for r in map(json.loads, (own_dir / "async_versions.jsonl").read_text().splitlines())]
+    assert versions == [(r["trained_at"], r["sample_versions"], r["token_version_range"])
+                        for r in map(json.loads, (thread_dir / "async_versions.jsonl").read_text().splitlines())]
+    assert [v for _, v, _ in versions] == [[0] * 8, [0] * 8, [1] * 8]  # v0, v0, then the weights of update 1
+    assert any(k == "rollout/weight_sync_s" for r in own for k in r)  # the syncs crossed the channel
+    _same_weights(own_dir, thread_dir, tmp_path)
+
+
+def test_k0_with_the_rollout_in_its_own_process_is_the_synchronous_trainer(tmp_path, tiny_run_base):
+    sync, sync_dir = _run(tmp_path, tiny_run_base, "sync", COMMON)
+    own, own_dir = _run(tmp_path, tiny_run_base, "own", COMMON + [ASYNC, OWN,
+                                                                  "trainer.v1.sampler.max_off_policy_threshold=0"])
+    assert [r["step"] for r in sync] == [0, 1, 2, 3]
+    strip_async = [{k: v for k, v in r.items() if not k.startswith("off_policy/")} for r in _strip(own)]
+    assert _strip(sync) == strip_async
+    assert all(own[i]["off_policy/staleness_max"] == 0.0 for i in (1, 2, 3))
+    _same_weights(sync_dir, own_dir, tmp_path)
+
+
+def test_a_crashing_rollout_in_its_own_process_is_one_error_naming_the_stage(tmp_path, tiny_run_base):
+    # A plugin is imported in every process of the run; this one breaks the rollout in the replica's only.
+    plugin = tmp_path / "explode.py"
+    plugin.write_text(
+        "import os\n"
+        "from conveyor.workers.rollout import RolloutWorker\n"
+        f"if os.getpid() != {os.getpid()}:\n"
+        "    def generate_sequences(self, meta):\n"
+        "        raise RuntimeError('rollout exploded')\n"
+        "    RolloutWorker.generate_sequences = generate_sequences\n")
+    with pytest.raises(WorkerError, match="rollout rank 0 failed in generate_sequences.*rollout exploded"):
+        _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"trainer.plugins=[{plugin}]"])
