@@ -109,6 +109,15 @@ def stage_medians(run_dir: Path, skip: int = 5) -> dict[str, float]:
     return out
 
 
+def _label(key: str) -> str:
+    """A breakdown entry's name: the stage, or the CPU figure's side."""
+    if key.startswith("timing_s/"):
+        return key.removeprefix("timing_s/")
+    return {"off_policy/trainer_cpu_s": "trainer thread CPU", "off_policy/rollout_cpu_s": "rollout thread CPU",
+            "off_policy/trainer_process_cpu_s": "trainer process CPU", "rollout/perf/cpu_s": "rollout worker CPU",
+            "reward/perf/cpu_s": "reward worker CPU"}.get(key, key)
+
+
 def accuracy_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
     """The accuracy of the last validation reached within `seconds` of training (the step-0 one at least)."""
     reached = [acc for _, t, acc in curve if t <= seconds + 1e-9]
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwhere a step's time goes (median ms per step over the run's steps after the 5th, last round):")
     for mode, rs in results.items():
         stages = rs[-1]["stages"]
-        print(f"  {mode:15s} " + ", ".join(f"{k.split('/', 1)[1]} {v:.1f}" for k, v in stages.items()))
+        print(f"  {mode:15s} " + ", ".join(f"{_label(k)} {v:.1f}" for k, v in stages.items()))
     st = results["sync"][-1]["stages"]
     rollout_side = sum(st.get(f"timing_s/{k}", 0.0) for k in ("gen", "reward", "prompts"))
     if rollout_side:

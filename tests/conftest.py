@@ -35,9 +35,6 @@ TINY_RUN = [
     "trainer.logger=[jsonl]",
     "trainer.progress_bar=false",
     "trainer.dump_freq=0",
-    # Asynchronous runs keep the rollout on a thread of the trainer's process (what `auto` picks on fewer than 4
-    # cores) whatever the machine: a run with it in processes of its own starts Ray (tests/trainer/test_async_process.py).
-    "trainer.v1.separate_async.rollout_process=trainer",
 ]
 
 

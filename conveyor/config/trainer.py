@@ -67,9 +67,7 @@ class SeparateAsyncConfig:
     rollout_process: str = F("auto", "where the rollout and reward workers run when the run is not on Ray already: "
                                      "own (Ray actors beside the trainer's process, on the trainer's data plane "
                                      "over a socket), trainer (a thread of the trainer's process, which partial "
-                                     "rollouts need), auto (own when max_off_policy_threshold > 0, the device is a "
-                                     "CPU with at least 4 cores, Ray is installed and partial_rollout is off; "
-                                     "else trainer)",
+                                     "rollouts need); auto = trainer, the faster on one machine (docs/async.md)",
                              choices=ROLLOUT_PROCESSES, resume_neutral=True)
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import os
 from typing import Any
 
 from conveyor.config import Config, ConfigError
@@ -132,8 +131,8 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     """Where the rollout group (and the reward worker) run: ("trainer" | "own", why in words).
 
     "own": Ray actors of their own (every role of a run on Ray is; an asynchronous run in one process puts these two
-    there when `trainer.v1.separate_async.rollout_process` asks for it or `auto` finds it pays). "trainer": this
-    process, the rollout on the asynchronous source's thread.
+    there when `trainer.v1.separate_async.rollout_process=own` asks for it). "trainer": this process, the rollout
+    on the asynchronous source's thread (what `auto` picks outside Ray).
     """
     from conveyor.workers.group import use_ray
 
@@ -144,8 +143,8 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     if placement != "separate" or not v1.is_async:
         return "trainer", "rollout process: the trainer's"
     key = "trainer.v1.separate_async.rollout_process"
-    ray_missing = importlib.util.find_spec("ray") is None
     if asked == "own":
+        ray_missing = importlib.util.find_spec("ray") is None
         if v1.separate_async.partial_rollout:
             raise ConfigError(f"{key}=own: partial rollouts take weights between two tokens, which reach a rollout "
                               "only in the trainer's process; set rollout_process=trainer (or auto), or "
@@ -160,32 +159,11 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
         return "own", f"rollout process: Ray actors of their own, beside the trainer's ({key}=own)"
     if asked == "trainer":
         return "trainer", f"rollout process: a thread of the trainer's ({key}=trainer)"
-    k = v1.sampler.max_off_policy_threshold
-    cores = cpu_cores()
-    why = ("max_off_policy_threshold=0: nothing overlaps" if k == 0
-           else "partial_rollout needs the rollout in the trainer's process" if v1.separate_async.partial_rollout
-           else f"on {device} the thread waits on the device" if device != "cpu"
-           else "Ray is not installed (pip install 'conveyor[ray]' for a process of its own)" if ray_missing
-           else (f"{cores} CPU cores: the trainer, the rollout and the reward worker in processes of their own need "
-                 f"{OWN_PROCESS_CORES}, and on fewer the thread is faster (docs/async.md)")
-           if cores < OWN_PROCESS_CORES else None)
-    if why is None:
-        return "own", (f"rollout process: Ray actors of their own, beside the trainer's ({key}=auto: {cores} CPU "
-                       "cores, and two threads of one process would share the interpreter lock)")
-    return "trainer", f"rollout process: a thread of the trainer's ({key}=auto: {why})"
-
-
-# The fewest CPU cores on which `rollout_process=auto` puts the asynchronous rollout in processes of its own: the
-# trainer's, the rollout replica's and the reward worker's each keep one busy (measured in docs/async.md).
-OWN_PROCESS_CORES = 4
-
-
-def cpu_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    # auto: the thread. Measured on the default run and on a larger model (docs/async.md), the thread is the
+    # faster placement on one machine: running the rollout elsewhere costs the trainer's process more (serving its
+    # data-plane reads and writes, the Ray calls, the weight stream) than the interpreter lock does.
+    return "trainer", (f"rollout process: a thread of the trainer's ({key}=auto; {key}=own puts the rollout and "
+                       "reward workers in Ray actors of their own)")
 
 
 def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:

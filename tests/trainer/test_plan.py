@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.config import ConfigError, load_config
-from conveyor.trainer import plan as plan_module
-from conveyor.trainer.plan import RunPlan, build_run_plan, cpu_cores
+from conveyor.trainer.plan import RunPlan, build_run_plan
 
 ENGINES = ("hf", "vllm")
 DEVICES = ("cpu", "cuda")
@@ -103,8 +102,8 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "rollout_rs": correction == "rollout_rs", "off_policy": off_policy,
         # The asynchronous source generates on the rollout worker group while the actor trains.
         "rollout_placement": "colocated" if mode == "sync" else "separate",
-        # auto: processes of their own on a CPU of 4 or more cores with Ray installed (the tests have it), when k > 0.
-        "rollout_process": "own" if off_policy and device == "cpu" and cpu_cores() >= 4 else "trainer",
+        # auto: the rollout on a thread of the trainer's process (own is asked for; tests below).
+        "rollout_process": "trainer",
         "use_critic": role == "critic", "use_reference": role in ("kl_loss", "kl_reward"),
         "reference_from_actor": False,  # no LoRA in the table (tests/trainer/test_lora.py)
         "actor_loss_scale": 6.0, "critic_loss_scale": 6.0,  # data.max_response_length
@@ -241,15 +240,15 @@ def test_partial_rollouts_need_an_interruptible_engine() -> None:
 
 
 @pytest.mark.parametrize("overrides, process, why", [
-    ([], "own", "rollout_process=auto: 8 CPU cores"),
-    (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer", "max_off_policy_threshold=0"),
-    (["trainer.v1.separate_async.partial_rollout=true"], "trainer", "partial_rollout needs"),
+    ([], "trainer", "rollout_process=auto"),
+    (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer", "rollout_process=auto"),
+    (["trainer.v1.separate_async.partial_rollout=true"], "trainer", "rollout_process=auto"),
     (["trainer.v1.separate_async.rollout_process=trainer"], "trainer", "rollout_process=trainer"),
+    (["trainer.v1.separate_async.rollout_process=own"], "own", "rollout_process=own"),
     (["trainer.v1.separate_async.rollout_process=own", "trainer.v1.sampler.max_off_policy_threshold=0"], "own",
      "rollout_process=own"),
 ])
-def test_where_the_asynchronous_rollout_runs(overrides, process, why, monkeypatch) -> None:
-    monkeypatch.setattr(plan_module, "cpu_cores", lambda: 8)
+def test_where_the_asynchronous_rollout_runs(overrides, process, why) -> None:
     plan = build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async", *overrides]), "cpu")
     assert plan.rollout_process == process
     assert any(d.startswith("rollout process:") and why in d for d in plan.decisions), plan.decisions
@@ -267,19 +266,5 @@ def test_the_rollout_in_its_own_process_is_refused_where_it_cannot_work(monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'conveyor\[ray\]'"):
         build_run_plan(load_config(None, own), "cpu")
-    monkeypatch.setattr(plan_module, "cpu_cores", lambda: 8)
-    auto = build_run_plan(load_config(None, own[:1]), "cpu")  # auto falls back to the thread, and says why
-    assert auto.rollout_process == "trainer"
-    assert any("Ray is not installed" in d for d in auto.decisions)
     # Synchronous runs keep the rollout in the trainer's process whatever the key says.
     assert build_run_plan(load_config(None, own[1:]), "cpu").rollout_process == "trainer"
-
-
-def test_on_fewer_than_four_cores_auto_keeps_the_rollout_on_a_thread(monkeypatch) -> None:
-    monkeypatch.setattr(plan_module, "cpu_cores", lambda: 2)
-    plan = build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async"]), "cpu")
-    assert plan.rollout_process == "trainer"
-    assert any("auto: 2 CPU cores" in d and "need 4" in d for d in plan.decisions), plan.decisions
-    own = build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async",
-                                            "trainer.v1.separate_async.rollout_process=own"]), "cpu")
-    assert own.rollout_process == "own"  # asked for, it is what runs
