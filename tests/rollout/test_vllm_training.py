@@ -112,11 +112,14 @@ def test_multi_turn_with_tools_trains_on_vllm(tiny_run, tmp_path) -> None:
         assert r["rollout_corr/log_prob_abs_diff/max"] < 1e-3
 
 
-def test_vllm_in_async_mode_generates_a_version_ahead(tiny_run, tmp_path) -> None:
-    # The rollout worker group's vllm engine generates on the rollout's thread while the actor trains.
+@pytest.mark.parametrize("process", ["trainer", "own"])
+def test_vllm_in_async_mode_generates_a_version_ahead(tiny_run, tmp_path, process) -> None:
+    # The rollout worker group's vllm engine generates while the actor trains: on the rollout's thread, or in a Ray
+    # actor of its own that takes the weights over the channel beside its generation.
     cfg = load_config(None, tiny_run + VLLM_MODEL + [
         "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1",
         "trainer.total_training_steps=4", "actor_rollout_ref.rollout.n=4",
+        f"trainer.v1.separate_async.rollout_process={process}", "ray.num_cpus=4",
     ])
     run_training(cfg)
     rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]

@@ -102,3 +102,22 @@ def test_a_crashing_rollout_in_its_own_process_is_one_error_naming_the_stage(tmp
         "    RolloutWorker.generate_sequences = generate_sequences\n")
     with pytest.raises(WorkerError, match="rollout rank 0 failed in generate_sequences.*rollout exploded"):
         _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"trainer.plugins=[{plugin}]"])
+
+
+def test_remax_and_dynamic_sampling_compose_the_same_in_a_process_of_its_own(tmp_path, tiny_run_base):
+    # Several generation batches a step into one shared partition (padded), each with its greedy baseline decoded
+    # by the same replica right after its samples: the replica in its own process trains what the thread does.
+    from test_async_compose import HALF_CONSTANT
+
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_CONSTANT)
+    extra = [ASYNC, "algorithm.adv_estimator=remax", "algorithm.filter_groups.enable=true",
+             f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
+             "trainer.total_training_steps=3"]
+    thread, thread_dir = _run(tmp_path, tiny_run_base, "thread", extra + [THREAD])
+    own, own_dir = _run(tmp_path, tiny_run_base, "own", extra + [OWN])
+    assert _strip(own) == _strip(thread)
+    rows = [r for r in own if "actor/pg_loss" in r]
+    assert sum(r["train/num_gen_batches"] for r in rows) > 3  # constant groups were dropped and drawn again
+    assert all("timing_s/async/rollout_gen_baseline" in r for r in rows)
+    _same_weights(own_dir, thread_dir, tmp_path)
