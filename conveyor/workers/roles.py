@@ -152,8 +152,8 @@ class RolloutGroup(_Role):
     are now and returns what loads them on the rollout's thread. In this process that is a copy, left in an
     inbox that a partial rollout may also take between two tokens. Replicas on Ray (a Ray actor's, or this
     process's actor under rollout_process=own, which sends a copy from a thread of its own) receive the sync
-    at once, beside the generation in progress (a replica runs two calls at a time), into a copy that their
-    next generation loads first; the rollout's thread waits for the exchange before it hands them a batch.
+    at once, beside the generation in progress (a replica runs two calls at a time), into a staged copy; the
+    rollout's thread waits for the exchange and has them load that copy, in order with the batches.
     """
 
     def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
@@ -279,7 +279,16 @@ class RolloutGroup(_Role):
             return _sync_metrics(mine, received)
 
         done = self._sender.submit(run)
-        return done.result
+
+        def load() -> dict[str, float]:
+            # On the rollout's thread, in order with the batches: these weights, not a later sync's that may already
+            # have arrived beside the generation.
+            metrics = done.result()
+            loaded = self.ranks.call_all(RolloutWorker.load_staged_weights, version)
+            metrics.update({k: max(r[k] for r in loaded) for k in loaded[0]})
+            return metrics
+
+        return load
 
     def shutdown(self) -> None:
         """Release the role's ranks (and the thread that sends staged weights)."""

@@ -129,18 +129,15 @@ class RolloutWorker:
         self.data_plane = data_plane
         self.version = -1  # the label of the weights the engine serves (-1: the checkpoint it was built from)
         self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
-        self.staged = WeightInbox()  # weights received while a generation ran (`receive_weights(stage=True)`)
+        # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded.
+        self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._staged_lock = threading.Lock()
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged.
 
-        Weights staged since the last generation are loaded first.
         """
         cpu0 = time.thread_time()
-        loaded = {}
-        staged = self.staged.take()
-        if staged is not None:
-            loaded["rollout/weight_load_s"] = self.load_weights(iter(staged[1]), staged[0])
         start, self.switches = self.version, []
 
         def versions(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -151,7 +148,7 @@ class RolloutWorker:
                 tokens[:, sampled:] = version
             return {"policy_version": torch.full((shape[0],), start, dtype=torch.long), "token_policy_version": tokens}
 
-        out = self.generation(meta, loaded, extra_fields=versions)
+        out = self.generation(meta, {}, extra_fields=versions)
         if self.generation.interrupt is not None:  # partial rollouts: how often weights changed mid-generation
             out.extra_info["rollout/weight_switches"] = float(len(self.switches))
         out.extra_info["rollout/perf/cpu_s"] = time.thread_time() - cpu0  # where a step's CPU goes
@@ -192,13 +189,27 @@ class RolloutWorker:
         """
         t0 = time.perf_counter()
         if stage:
-            self.staged.offer(version, [(name, t.clone()) for name, t in self.channel.received()])
+            tensors = [(name, t.clone()) for name, t in self.channel.received()]
+            with self._staged_lock:
+                self._staged[version] = tensors
         else:
             self.engine.update_weights(self.channel.received(), version=version)
             self.version = version
         got = self.channel.last
         return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got.bytes / 1e9,
                 "rollout/weight_sync_buckets": float(got.buckets)}
+
+    def load_staged_weights(self, version: int) -> dict[str, float]:
+        """Load the weights a staged `receive_weights` took as `version` (older staged ones are dropped); metrics.
+
+        Called in order with the generations (by the rollout's thread), so a batch gets the version it was scheduled
+        with even when a later sync has already arrived beside it.
+        """
+        with self._staged_lock:
+            tensors = self._staged.pop(version)
+            for older in [v for v in self._staged if v < version]:
+                del self._staged[older]
+        return {"rollout/weight_load_s": self.load_weights(iter(tensors), version)}
 
     def close(self) -> None:
         """Shut the engine and the channel down."""
