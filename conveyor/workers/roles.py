@@ -200,8 +200,8 @@ class RolloutGroup(_Role):
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
         staged = [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
         if not self.in_process:
-            # Replicas on Ray take the weights beside the generation in progress, into a copy their next
-            # generation loads; the exchange starts now and is waited for on the rollout's thread.
+            # Replicas on Ray take the weights beside the generation in progress, into a staged copy; the exchange
+            # starts now, and the rollout's thread waits for it and has them load it, in order with the batches.
             return self._exchange(label, staged)
         self._inbox.offer(label, staged)
         worker = self.ranks.worker
@@ -239,18 +239,17 @@ class RolloutGroup(_Role):
         self._channel = True
 
     def _sync_over_channel(self, version: int) -> dict[str, float]:
-        """The actor's rank 0 streams its current weights into every Ray replica's engine."""
-        from conveyor.workers.ray_group import RayWorkerGroup, gather_together, gather_with_local
+        """A synchronous run on Ray: the actor's rank 0 streams its current weights into every replica's engine.
 
-        assert isinstance(self.ranks, RayWorkerGroup), "replicas in processes of their own are on Ray"
+        (An actor in this process with replicas on Ray is only asynchronous, rollout_process=own: `_exchange`.)
+        """
+        from conveyor.workers.ray_group import RayWorkerGroup, gather_together
+
+        assert isinstance(self.ranks, RayWorkerGroup) and isinstance(self.actor.ranks, RayWorkerGroup), (
+            "a synchronous sync over the channel needs both roles on Ray")
         self._join_channel()
-        receives = self.ranks.submit_all(RolloutWorker.receive_weights, version)
-        if isinstance(self.actor.ranks, LocalWorkerGroup):  # the actor in this process (rollout_process=own)
-            mine, received = gather_with_local(
-                receives, lambda: self.actor.ranks.worker.send_weights(self.bucket_bytes), "actor", "send_weights")
-            return _sync_metrics(mine, received)
         sent, received = gather_together([self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes),
-                                          receives])
+                                          self.ranks.submit_all(RolloutWorker.receive_weights, version)])
         return _sync_metrics(sent[0], received)
 
     def _exchange(self, version: int, staged: list[tuple[str, torch.Tensor]] | None) -> Callable[[], dict[str, float]]:
@@ -361,7 +360,7 @@ class WorkerGroups:
     critic: CriticGroup | None
     reward: RewardGroup
     rollout: RolloutGroup | None = None  # placement=separate; None: the actor's ranks generate
-    served: Any = None  # the DataPlaneServer of workers in processes of their own beside this one (rollout_process)
+    data_plane_server: Any = None  # serves the data plane to workers in processes of their own (rollout_process=own)
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
@@ -374,8 +373,8 @@ class WorkerGroups:
                 if role is not None:
                     role.shutdown()
         finally:
-            if self.served is not None:
-                self.served.close()
+            if self.data_plane_server is not None:
+                self.data_plane_server.close()
 
 
 def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any,
@@ -395,8 +394,8 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
             if plan.rollout_process == "own":
-                groups.update(_own_process_groups(cfg, specs, data_plane))
-                server = groups.pop("served")
+                server, remote = _own_process_groups(cfg, specs, data_plane)
+                groups.update(remote)
             else:
                 groups["reward"] = LocalWorkerGroup(specs["reward"])
             if "rollout" in specs and "rollout" not in groups:  # its own engine and copy of the model, here
@@ -423,15 +422,14 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         reward=RewardGroup(groups["reward"]),
         rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
                               << 20) if rollout is not None else None),
-        served=server,
+        data_plane_server=server,
     )
 
 
-def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: DataPlane) -> dict[str, Any]:
-    """The reward worker and the rollout group as Ray actors beside this process, on `data_plane` served to them.
-
-    Returns their groups, and the server under "served" (the run closes it after the workers).
-    """
+def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: DataPlane,
+                        ) -> tuple[Any, dict[str, Any]]:
+    """The reward worker and the rollout group as Ray actors beside this process, on `data_plane` served to them:
+    (the server, which the run closes after the workers, their groups)."""
     from conveyor.data_plane.served import DataPlaneServer
     from conveyor.workers.ray_group import build_ray_rollout_groups
 
@@ -440,9 +438,8 @@ def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: D
         client = server.client()
         remote = {role: dataclasses.replace(spec, kwargs={**spec.kwargs, "data_plane": client})
                   for role, spec in specs.items() if role in ("reward", "rollout")}
-        groups: dict[str, Any] = build_ray_rollout_groups(cfg, remote, gpu=False)
+        groups = build_ray_rollout_groups(cfg, remote, gpu=False)
     except BaseException:
         server.close()
         raise
-    groups["served"] = server
-    return groups
+    return server, groups

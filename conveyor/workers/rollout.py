@@ -134,9 +134,7 @@ class RolloutWorker:
         self._staged_lock = threading.Lock()
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged.
-
-        """
+        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
         cpu0 = time.thread_time()
         start, self.switches = self.version, []
 
@@ -184,8 +182,8 @@ class RolloutWorker:
     def receive_weights(self, version: int, stage: bool = False) -> dict[str, float]:
         """Take one sync's buckets from the channel into the engine, bucket by bucket; its metrics.
 
-        `stage`: keep a copy for the next generation to load instead (asynchronous runs: the replica runs this
-        beside the generation in progress, whose weights must not change under it).
+        `stage`: keep a copy under `version` for `load_staged_weights` instead (asynchronous runs: the replica runs
+        this beside the generation in progress, whose weights must not change under it).
         """
         t0 = time.perf_counter()
         if stage:
