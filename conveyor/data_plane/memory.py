@@ -124,6 +124,14 @@ class MemoryDataPlane(DataPlane):
 
     # -- reads ----------------------------------------------------------
     def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
+        out = TensorDict(batch_size=[len(keys)])
+        for name, value in self._get_columns(keys, partition_id, select_fields).items():
+            if not isinstance(value, torch.Tensor):
+                value = NonTensorStack.from_list(value) if value else NonTensorStack(batch_size=[0])
+            out.set(name, value)
+        return out
+
+    def _get_columns(self, keys: list[str], partition_id: str, select_fields: list[str]) -> dict[str, Any]:
         with self._lock:
             part = self._partitions.get(partition_id)
             if part is None:
@@ -146,18 +154,18 @@ class MemoryDataPlane(DataPlane):
                     plan.append((name, col.kind, list(map(col.values.__getitem__, keys)), None, col))
         # Indexing happens outside the lock: the references taken above stay
         # valid even if another thread clears the partition meanwhile.
-        out = TensorDict(batch_size=[len(keys)])
+        out: dict[str, Any] = {}
         for name, kind, rows, blocks, col in plan:
             if not rows:
-                value = empty_column(col.record)
+                value = empty_column(col.record) if kind in (DENSE, NESTED) else []
             elif kind == DENSE:
                 value = _gather_dense(rows, blocks, col)
             elif kind == NESTED:
                 # as_nested_tensor copies the rows into one new buffer: that is the only copy.
                 value = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
             else:
-                value = NonTensorStack.from_list(rows)
-            out.set(name, value)
+                value = rows  # a list column: the TensorDict form is built by `_get` only
+            out[name] = value
         return out
 
     def kv_list(self, partition_id: str) -> list[str]:

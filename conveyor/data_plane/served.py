@@ -130,6 +130,10 @@ class DataPlaneServer:
                 op, args = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return
+            except Exception:
+                if self._closed:  # `close()` shut the connection under the read
+                    return
+                raise
             try:
                 answer = ("ok", self._run(op, args))
             except BaseException as err:  # the caller's error, raised there
@@ -149,7 +153,9 @@ class DataPlaneServer:
             keys, partition_id, fields, tags = args
             return self.plane.kv_batch_put(keys, partition_id, fields, tags)
         if op == "get":
-            return _encode_columns(self.plane.kv_batch_get(*args))
+            columns = self.plane.kv_batch_get_columns(*args)
+            lists = [name for name, value in columns.items() if not isinstance(value, torch.Tensor)]
+            return len(args[0]), columns, lists
         if op == "list":
             return self.plane.kv_list(*args)
         if op == "clear":

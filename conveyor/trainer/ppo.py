@@ -325,9 +325,13 @@ class PPOTrainer:
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
         return out, gen
 
-    def _compute_reward(self, meta: KVBatchMeta) -> tuple[KVBatchMeta, dict[str, float]]:
-        """Stage 3: rule-based scores by data_source into rm_scores (and acc); returns the reward metrics too."""
-        out = self.workers.reward.compute_reward(meta)
+    def _compute_reward(self, meta: KVBatchMeta, scored: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
+        """Stage 3: rule-based scores by data_source into rm_scores (and acc); returns the reward metrics too.
+
+        `scored`: the generation call already scored the batch (the reward worker in the rollout's processes);
+        `meta` is its handle, with the reward's metrics.
+        """
+        out = meta if scored else self.workers.reward.compute_reward(meta)
         return out, {k: v for k, v in reduce_rank_metrics(out.extra_info).items() if k.startswith("reward/")}
 
     def _compute_old_log_prob(self, meta: KVBatchMeta) -> StageResult:

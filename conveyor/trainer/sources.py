@@ -81,8 +81,10 @@ class Batch:
 class Pipeline:
     """Prompts already in the data plane -> a scored batch: what both sources run on every batch they draw."""
 
-    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate) -> Batch:
-        """The batch of `meta`'s prompts (drawn from `records`), sampled with `seed` by `generate`."""
+    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
+                 scored: bool = False) -> Batch:
+        """The batch of `meta`'s prompts (drawn from `records`), sampled with `seed` by `generate` (which also scores
+        them when `scored`: the reward worker in the rollout's processes, in the same call)."""
         raise NotImplementedError
 
 
@@ -92,13 +94,14 @@ class Rollout(Pipeline):
     def __init__(self, trainer: PPOTrainer):
         self.trainer = trainer
 
-    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate) -> Batch:
+    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
+                 scored: bool = False) -> Batch:
         """Responses by `generate`, then rule-based scores."""
         timings: dict[str, float] = {}
         with timer("gen", timings):
             meta, gen = self.trainer._generate(meta, seed=seed, pad=pad, generate=generate)
         with timer("reward", timings):
-            meta, reward = self.trainer._compute_reward(meta)
+            meta, reward = self.trainer._compute_reward(meta, scored=scored)
         return Batch(meta, {**gen, **reward}, timings)
 
 
@@ -109,16 +112,17 @@ class GreedyBaseline(Pipeline):
     def __init__(self, inner: Pipeline, trainer: PPOTrainer):
         self.inner, self.trainer = inner, trainer
 
-    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate) -> Batch:
+    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
+                 scored: bool = False) -> Batch:
         """`inner`'s batch with `reward_baselines` written."""
-        batch = self.inner(meta, records, seed, pad=pad, generate=generate)
+        batch = self.inner(meta, records, seed, pad=pad, generate=generate, scored=scored)
         t, dp = self.trainer, self.trainer.data_plane
         with timer("gen_baseline", batch.timings):
             part = f"{batch.meta.partition_id}-greedy"  # its own: its responses have their own width
             try:
                 base = t._put_prompts(records, part, n=1)
                 base, _ = t._generate(base, seed=seed, greedy=True, generate=generate)
-                base, _ = t._compute_reward(base)
+                base, _ = t._compute_reward(base, scored=scored)
                 scores = dp.get(base, ["rm_scores"])["rm_scores"].sum(-1)
             finally:
                 dp.kv_clear(part)
@@ -473,8 +477,10 @@ class AsyncSource(SampleSource):
     def _generate_batch(self, meta: KVBatchMeta, records: list[dict], seed: int) -> tuple[Batch, float, float]:
         """On the rollout thread: the pipeline over the rollout group, with the weights loaded last; its seconds."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        batch = self.pipeline(meta, records, seed, pad=self.pad,
-                              generate=lambda m: self.rollout.generate_sequences(m, sync=False))
+        # Replicas in processes of their own score what they generate in the same call (one round trip a batch).
+        scored = self.rollout.colocated_reward
+        batch = self.pipeline(meta, records, seed, pad=self.pad, scored=scored,
+                              generate=lambda m: self.rollout.generate_sequences(m, sync=False, score=scored))
         # As the generation endpoint does: later splits over ranks balance prompt + response tokens.
         td = self.trainer.data_plane.get(batch.meta, ["prompt_mask", "response_mask"])
         batch.meta = with_seq_lens(batch.meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))

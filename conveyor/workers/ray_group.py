@@ -95,6 +95,19 @@ class _RankActor:
         """Run one endpoint of `role`'s worker over this rank's share of a handle."""
         return getattr(self.host.worker(role), method)(meta)
 
+    def call_chain(self, steps: list[tuple[str, str]], meta: KVBatchMeta) -> KVBatchMeta:
+        """Run endpoints of roles hosted here one after another over this rank's share, each on the handle the one
+        before returned; the last handle, with every step's `extra_info` (a later step's key wins)."""
+        info: dict[str, Any] = {}
+        for role, method in steps:
+            try:
+                meta = getattr(self.host.worker(role), method)(meta)
+            except Exception as err:
+                err.conveyor_step = (role, method)  # which step failed: the caller's error names it
+                raise
+            info.update(meta.extra_info)
+        return meta.with_extra_info(**info)
+
     def call_args(self, role: str, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run `method(*args, **kwargs)` on `role`'s worker."""
         return getattr(self.host.worker(role), method)(*args, **kwargs)
@@ -304,6 +317,8 @@ class RayRanks:
                     if self.world_size > 1:
                         # The other ranks may be blocked in a collective with the failed one: stop them all.
                         self.kill()
+                    # A chained call names the step that failed (`_RankActor.call_chain`).
+                    role, method = getattr(cause, "conveyor_step", (role, method))
                     raise wrap_worker_error(role, rank, method, cause) from err
         return ray.get(list(refs))
 
@@ -380,6 +395,21 @@ class RayWorkerGroup(WorkerGroup):
         self.ranks.gather(self.role, method, refs)
         merged = BatchData(refs).concat()
         merged.extra_info.update(split_metrics(chunks, method))
+        return merged
+
+    def call_chain(self, steps: Sequence[tuple[str, Endpoint]], meta: KVBatchMeta) -> KVBatchMeta:
+        """`call` of several endpoints of roles colocated on these ranks, one after another on every rank's share of
+        `meta` in one call per rank (`(role, endpoint)` pairs, the first this group's): the merged handle."""
+        names = [(role, endpoint.__name__) for role, endpoint in steps]
+        for role, name in names:
+            if role not in self.ranks.roles:
+                raise ValueError(f"{role} is not hosted on the {self.ranks.name} ranks: cannot chain {name}")
+        self._check_open(names[0][1])
+        chunks = split_for_ranks(meta, self.world_size)
+        refs = [a.call_chain.remote(names, c) for a, c in zip(self.ranks.actors, chunks)]
+        self.ranks.gather(self.role, names[0][1], refs)
+        merged = BatchData(refs).concat()
+        merged.extra_info.update(split_metrics(chunks, names[0][1]))
         return merged
 
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:
@@ -488,23 +518,22 @@ def ray_worker_device(cfg: Any, device: str) -> str:
 
 
 def build_ray_rollout_groups(cfg: Any, specs: dict[str, WorkerSpec], *, gpu: bool) -> dict[str, RayWorkerGroup]:
-    """The reward worker (one rank) and, when `specs` has one, the rollout group's replicas, as Ray worker groups."""
+    """The reward worker and, when `specs` has one, the rollout group's replicas, as Ray worker groups.
+
+    With replicas, the reward worker is colocated with them (rank i of both in replica i's process): a batch is
+    scored where it was generated, and no process of its own waits for a core beside them.
+    """
     cpus = cfg.ray.worker_cpus
-    groups = {"reward": RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
-                                       timeout_s=cfg.ray.timeout_s)}
-    if "rollout" in specs:
-        ro = cfg.actor_rollout_ref.rollout
-        # Replicas of their own: a bundle each (tensor_model_parallel_size GPUs, or a CPU share), no process
-        # group between them; the weights come over the channel from the actor's rank 0.
-        gpus = float(ro.tensor_model_parallel_size) if gpu else 0.0
-        try:
-            groups["rollout"] = RayWorkerGroup._view(
-                RayRanks([specs["rollout"]], world_size=ro.replicas, num_cpus=cpus, num_gpus=gpus,
-                         nnodes=1, timeout_s=cfg.ray.timeout_s, process_group=False, concurrency=2), "rollout")
-        except BaseException:
-            groups["reward"].shutdown()
-            raise
-    return groups
+    if "rollout" not in specs:
+        return {"reward": RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
+                                         timeout_s=cfg.ray.timeout_s)}
+    ro = cfg.actor_rollout_ref.rollout
+    # Replicas of their own: a bundle each (tensor_model_parallel_size GPUs, or a CPU share), no process
+    # group between them; the weights come over the channel from the actor's rank 0.
+    gpus = float(ro.tensor_model_parallel_size) if gpu else 0.0
+    ranks = RayRanks([specs["rollout"], specs["reward"]], world_size=ro.replicas, num_cpus=cpus, num_gpus=gpus,
+                     nnodes=1, timeout_s=cfg.ray.timeout_s, process_group=False, concurrency=2)
+    return {"rollout": ranks.group("rollout"), "reward": ranks.group("reward")}
 
 
 def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: Any) -> dict[str, RayWorkerGroup]:

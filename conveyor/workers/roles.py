@@ -36,7 +36,7 @@ from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
-from conveyor.workers.rollout import RolloutWorker, WeightInbox
+from conveyor.workers.rollout import LOAD_STAGED, RolloutWorker, WeightInbox
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class RolloutGroup(_Role):
     rollout's thread waits for the exchange and has them load that copy, in order with the batches.
     """
 
-    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
+    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int, reward: WorkerGroup | None = None):
         super().__init__(ranks)
         self.actor = actor
         self.bucket_bytes = bucket_bytes
@@ -164,16 +164,35 @@ class RolloutGroup(_Role):
         self._channel = False
         self._inbox = WeightInbox()
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
+        # The reward worker when it lives in the replicas' processes (Ray): a batch can be scored in the call that
+        # generates it, where its responses are.
+        from conveyor.workers.ray_group import RayWorkerGroup
+
+        self.colocated_reward = (isinstance(ranks, RayWorkerGroup) and isinstance(reward, RayWorkerGroup)
+                                 and reward.ranks is ranks.ranks)
+        self._load_next: int | None = None  # staged weights the next generation loads first (replicas on Ray)
 
     @property
     def in_process(self) -> bool:
         """Whether the replicas and the actor run in this process (one local replica)."""
         return isinstance(self.ranks, LocalWorkerGroup) and isinstance(self.actor.ranks, LocalWorkerGroup)
 
-    def generate_sequences(self, meta: KVBatchMeta, *, sync: bool = True) -> KVBatchMeta:
-        """Stage 2 on the replicas, after a sync if the actor has moved on (unless `sync` is False): the rollout's fields."""
+    def generate_sequences(self, meta: KVBatchMeta, *, sync: bool = True, score: bool = False) -> KVBatchMeta:
+        """Stage 2 on the replicas, after a sync if the actor has moved on (unless `sync` is False): the rollout's fields.
+
+        `score` (needs `colocated_reward`): stage 3 too, by the reward worker in each replica's process, in the same
+        call: one round trip per batch instead of two, and the reward's metrics in the same `extra_info`.
+        """
         metrics = self.sync() if sync else {}
-        out = self.ranks.call(RolloutWorker.generate_sequences, meta)
+        if self._load_next is not None:  # the weights staged last, loaded by the replicas before they generate
+            meta = meta.with_extra_info(**{LOAD_STAGED: self._load_next})
+            self._load_next = None
+        if score:
+            assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
+            out = self.ranks.call_chain([("rollout", RolloutWorker.generate_sequences),
+                                         ("reward", RewardWorker.compute_reward)], meta)
+        else:
+            out = self.ranks.call(RolloutWorker.generate_sequences, meta)
         if metrics:  # one entry per rank, as every per-rank metric arrives
             out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
@@ -281,10 +300,10 @@ class RolloutGroup(_Role):
 
         def load() -> dict[str, float]:
             # On the rollout's thread, in order with the batches: these weights, not a later sync's that may already
-            # have arrived beside the generation.
+            # have arrived beside the generation. The replicas load them at the start of the next generation call
+            # (no round trip of its own).
             metrics = done.result()
-            loaded = self.ranks.call_all(RolloutWorker.load_staged_weights, version)
-            metrics.update({k: max(r[k] for r in loaded) for k in loaded[0]})
+            self._load_next = version
             return metrics
 
         return load
@@ -421,7 +440,7 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
         rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
-                              << 20) if rollout is not None else None),
+                              << 20, reward=groups["reward"]) if rollout is not None else None),
         data_plane_server=server,
     )
 

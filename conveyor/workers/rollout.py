@@ -31,6 +31,7 @@ does) or train.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -52,7 +53,10 @@ from conveyor.workers.strategy import TrainingStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutWorker", "WeightInbox"]
+__all__ = ["RolloutWorker", "WeightInbox", "LOAD_STAGED"]
+
+# The call parameter that has a replica load the weights staged as that version before it generates.
+LOAD_STAGED = "load_staged_weights"
 
 
 def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
@@ -136,6 +140,11 @@ class RolloutWorker:
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
         cpu0 = time.thread_time()
+        loaded = {}
+        if LOAD_STAGED in meta.extra_info:  # the replica's own parameter, not the generation's
+            version = meta.extra_info[LOAD_STAGED]
+            meta = dataclasses.replace(meta, extra_info={k: v for k, v in meta.extra_info.items() if k != LOAD_STAGED})
+            loaded = self.load_staged_weights(int(version))  # a sync staged beside the last generation
         start, self.switches = self.version, []
 
         def versions(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -149,6 +158,7 @@ class RolloutWorker:
         out = self.generation(meta, {}, extra_fields=versions)
         if self.generation.interrupt is not None:  # partial rollouts: how often weights changed mid-generation
             out.extra_info["rollout/weight_switches"] = float(len(self.switches))
+        out.extra_info.update(loaded)
         out.extra_info["rollout/perf/cpu_s"] = time.thread_time() - cpu0  # where a step's CPU goes
         return out
 

@@ -451,3 +451,25 @@ def test_concurrent_writers_and_readers_lose_nothing(plane: DataPlane) -> None:
     got = plane.kv_batch_get(all_keys, "p", ["x", "name"])
     assert torch.equal(got["x"], torch.stack([expected_row(k) for k in all_keys]))
     assert list(got["name"]) == all_keys
+
+
+def test_plain_columns_are_the_get_taken_apart():
+    # What the served plane sends another process: the same rows as kv_batch_get, a list column as a list
+    # (built without the TensorDict form, and the base class's default from that form agrees).
+    dp = make_data_plane("memory")
+    keys = [f"k{i}" for i in range(5)]
+    dp.kv_batch_put(keys, "p", {"x": torch.arange(10).reshape(5, 2), "uid": list("aabbc"),
+                                "ragged": [torch.arange(i + 1) for i in range(5)]})
+    order = keys[::-1]
+    td = dp.kv_batch_get(order, "p", ["x", "uid", "ragged"])
+    for columns in (dp.kv_batch_get_columns(order, "p", ["x", "uid", "ragged"]),
+                    DataPlane._get_columns(dp, order, "p", ["x", "uid", "ragged"])):
+        assert list(columns) == ["x", "uid", "ragged"]
+        assert torch.equal(columns["x"], td["x"])
+        assert columns["uid"] == list("cbbaa") == td["uid"].tolist()
+        assert [t.tolist() for t in columns["ragged"]] == [list(range(n)) for n in (5, 4, 3, 2, 1)]
+    empty = dp.kv_batch_get_columns([], "p", ["uid", "x"])
+    assert empty["uid"] == [] and empty["x"].shape == (0, 2)
+    assert len(dp.kv_batch_get([], "p", ["uid"])["uid"]) == 0
+    with pytest.raises(FieldNotFoundError, match="nope"):
+        dp.kv_batch_get_columns(keys, "p", ["nope"])
