@@ -121,3 +121,16 @@ def test_remax_and_dynamic_sampling_compose_the_same_in_a_process_of_its_own(tmp
     assert sum(r["train/num_gen_batches"] for r in rows) > 3  # constant groups were dropped and drawn again
     assert all("timing_s/async/rollout_gen_baseline" in r for r in rows)
     _same_weights(own_dir, thread_dir, tmp_path)
+
+
+def test_a_reward_that_fails_in_the_replicas_process_is_the_users_error_naming_the_reward(tmp_path, tiny_run_base):
+    # The reward worker scores in the replica's call, after the generation: its failure still names its own role
+    # and stage, and a user's failure (a reward function that raises) stays the user's (exit status 2 at the CLI).
+    from conveyor.workers.group import WorkerUserError
+
+    reward = tmp_path / "broken.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise ValueError('no score for ' + ground_truth)\n")
+    with pytest.raises(WorkerUserError, match=r"reward rank 0 failed in compute_reward.*no score for"):
+        _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"reward.custom_reward_function.path={reward}",
+                                               "trainer.total_training_steps=2"])
