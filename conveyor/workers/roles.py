@@ -153,7 +153,9 @@ class RolloutGroup(_Role):
     inbox that a partial rollout may also take between two tokens. Replicas on Ray (a Ray actor's, or this
     process's actor under rollout_process=own, which sends a copy from a thread of its own) receive the sync
     at once, beside the generation in progress (a replica runs two calls at a time), into a staged copy; the
-    rollout's thread waits for the exchange and has them load that copy, in order with the batches.
+    rollout's thread waits for the exchange and the replicas load that copy at the start of their next call, in order
+    with the batches. When the reward worker lives in the replicas' processes (`colocated_reward`), the asynchronous
+    source has a replica generate and score a batch in that one call.
     """
 
     def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int, reward: WorkerGroup | None = None):

@@ -11,7 +11,9 @@ Weights. The engine starts from the checkpoint on disk and gets the actor's
 weights before every rollout that follows an update: in this process
 straight from the actor worker's stream (`load_weights`, a local run), or
 over the weight channel from the actor's rank 0 (`join_weight_channel`,
-`receive_weights`, on Ray; `conveyor.workers.weight_channel`).
+`receive_weights`, on Ray; `conveyor.workers.weight_channel`). A receive
+beside a generation in progress keeps a staged copy, which the next
+`generate_sequences` loads first when its handle names it (`LOAD_STAGED`).
 The rollout group keeps the actor's optimizer-step count of what the replicas serve.
 
 Versions. Every sample it writes is tagged with the version of the weights
