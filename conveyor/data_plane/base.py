@@ -129,16 +129,12 @@ class DataPlane(abc.ABC):
         another process carries (a list column costs a fraction of its TensorDict form to build and to pickle)."""
         columns = self._read(self._get_columns, keys, partition_id, select_fields)
         if self.metrics:
-            self.metrics.record_get(len(keys), sum(
-                _nbytes(v.values() if v.is_nested else v) if isinstance(v, torch.Tensor) else _values_nbytes(v)
-                for v in columns.values()))
+            self.metrics.record_get(len(keys), sum(map(_read_nbytes, columns.values())))
         return columns
 
     def _get_columns(self, keys: list[str], partition_id: str, select_fields: list[str]) -> dict[str, Any]:
         """The backend's part of kv_batch_get_columns (by default, `_get`'s TensorDict taken apart)."""
-        td = self._get(keys, partition_id, select_fields)
-        return {name: value if isinstance(value := td.get(name), torch.Tensor) else value.tolist()
-                for name in td.keys()}
+        return plain_columns(self._get(keys, partition_id, select_fields))
 
     @abc.abstractmethod
     def kv_list(self, partition_id: str) -> list[str]:
@@ -281,15 +277,31 @@ def _column_nbytes(column: Column) -> int:
     return _nbytes(column.rows) if column.kind == DENSE else _values_nbytes(column.rows)
 
 
+def _read_nbytes(value: Any) -> int:
+    """A read column's bytes: a tensor (dense or jagged), or a list column (a list or its NonTensorStack)."""
+    if isinstance(value, torch.Tensor):
+        return _nbytes(value.values() if value.is_nested else value)
+    return _values_nbytes(value if isinstance(value, list) else value.tolist())
+
+
 def _batch_nbytes(td: TensorDict) -> int:
-    total = 0
-    for name in td.keys():
-        value = td.get(name)
-        if isinstance(value, torch.Tensor):
-            total += _nbytes(value.values() if value.is_nested else value)
-        else:  # a list column
-            total += _values_nbytes(value.tolist())
-    return total
+    return sum(_read_nbytes(td.get(name)) for name in td.keys())
+
+
+# --------------------------------------------------------------------------- a read's two forms
+def plain_columns(td: TensorDict) -> dict[str, Any]:
+    """A read's TensorDict as `{field: tensor, or list of per-sample values}` (what crosses a process boundary)."""
+    return {name: value if isinstance(value := td.get(name), torch.Tensor) else value.tolist() for name in td.keys()}
+
+
+def columns_tensordict(rows: int, columns: dict[str, Any]) -> TensorDict:
+    """`plain_columns`' inverse: a list column becomes the `NonTensorStack` every read returns (empty ones too)."""
+    out = TensorDict(batch_size=[rows])
+    for name, value in columns.items():
+        if not isinstance(value, torch.Tensor):
+            value = NonTensorStack.from_list(value) if value else NonTensorStack(batch_size=[0])
+        out.set(name, value)
+    return out
 
 
 # --------------------------------------------------------------------------- tensors as numpy buffers

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
-from conveyor.data_plane.base import DENSE, NESTED, Column, DataPlane, FieldNotFoundError, empty_column
+from conveyor.data_plane.base import (DENSE, NESTED, Column, DataPlane, FieldNotFoundError, columns_tensordict,
+                                     empty_column)
 from conveyor.data_plane.prometheus import DataPlaneMetrics
 from conveyor.data_plane.schema import dtype_of, incompatibility
 
@@ -124,12 +125,7 @@ class MemoryDataPlane(DataPlane):
 
     # -- reads ----------------------------------------------------------
     def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
-        out = TensorDict(batch_size=[len(keys)])
-        for name, value in self._get_columns(keys, partition_id, select_fields).items():
-            if not isinstance(value, torch.Tensor):
-                value = NonTensorStack.from_list(value) if value else NonTensorStack(batch_size=[0])
-            out.set(name, value)
-        return out
+        return columns_tensordict(len(keys), self._get_columns(keys, partition_id, select_fields))
 
     def _get_columns(self, keys: list[str], partition_id: str, select_fields: list[str]) -> dict[str, Any]:
         with self._lock:

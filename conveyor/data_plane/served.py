@@ -39,9 +39,10 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Iterable, Sequence
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
-from conveyor.data_plane.base import DataPlane, tensor_from_numpy, tensor_to_numpy
+from conveyor.data_plane.base import (DataPlane, columns_tensordict, plain_columns, tensor_from_numpy,
+                                     tensor_to_numpy)
 from conveyor.data_plane.schema import dtype_name, dtype_of
 from conveyor.protocol import KVBatchMeta
 
@@ -67,26 +68,6 @@ def _dumps(obj: Any) -> bytes:
     pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
     pickler.dump(obj)
     return buf.getvalue()
-
-
-def _encode_columns(td: TensorDict) -> tuple[int, dict[str, Any], list[str]]:
-    """A read's TensorDict as (rows, {field: tensor or list}, list fields): a TensorDict pickles several times slower."""
-    columns, lists = {}, []
-    for name in td.keys():
-        value = td.get(name)
-        if isinstance(value, torch.Tensor):
-            columns[name] = value
-        else:
-            columns[name] = value.tolist()
-            lists.append(name)
-    return int(td.batch_size[0]), columns, lists
-
-
-def _decode_columns(rows: int, columns: dict[str, Any], lists: list[str]) -> TensorDict:
-    out = TensorDict(batch_size=[rows])
-    for name, value in columns.items():
-        out.set(name, NonTensorStack.from_list(value) if name in lists else value)
-    return out
 
 
 class DataPlaneServer:
@@ -127,7 +108,7 @@ class DataPlaneServer:
         """Answer one client thread's requests in order until it disconnects."""
         while True:
             try:
-                op, args = pickle.loads(conn.recv_bytes())
+                request = conn.recv_bytes()
             except (EOFError, OSError):
                 return
             except Exception:
@@ -135,27 +116,29 @@ class DataPlaneServer:
                     return
                 raise
             try:
-                answer = ("ok", self._run(op, args))
-            except BaseException as err:  # the caller's error, raised there
-                answer = ("err", err)
-            try:
-                try:
-                    data = _dumps(answer)
-                except Exception as err:  # an error that does not pickle still reaches the caller, as text
-                    data = _dumps(("err", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} "
-                                                       f"(in the served data plane; {err})")))
-                conn.send_bytes(data)
+                conn.send_bytes(self.answer(request))
             except (EOFError, OSError):
                 return
+
+    def answer(self, request: bytes) -> bytes:
+        """One request's answer, as the serving thread computes it (what it holds the interpreter lock for)."""
+        try:
+            op, args = pickle.loads(request)
+            answer = ("ok", self._run(op, args))
+        except BaseException as err:  # the caller's error, raised there
+            answer = ("err", err)
+        try:
+            return _dumps(answer)
+        except Exception as err:  # an error that does not pickle still reaches the caller, as text
+            return _dumps(("err", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} "
+                                               f"(in the served data plane; {err})")))
 
     def _run(self, op: str, args: tuple) -> Any:
         if op == "put":
             keys, partition_id, fields, tags = args
             return self.plane.kv_batch_put(keys, partition_id, fields, tags)
-        if op == "get":
-            columns = self.plane.kv_batch_get_columns(*args)
-            lists = [name for name, value in columns.items() if not isinstance(value, torch.Tensor)]
-            return len(args[0]), columns, lists
+        if op == "get":  # plain columns: a list column's TensorDict form costs ten times more to build
+            return len(args[0]), self.plane.kv_batch_get_columns(*args)
         if op == "list":
             return self.plane.kv_list(*args)
         if op == "clear":
@@ -212,12 +195,12 @@ class ServedDataPlane(DataPlane):
                      tags: Sequence[dict] | None = None) -> KVBatchMeta:
         """`kv_batch_put` on the served plane."""
         if isinstance(fields, TensorDict) or hasattr(fields, "batch_size"):
-            fields = _encode_columns(fields)[1]  # plain columns: a TensorDict pickles several times slower
+            fields = plain_columns(fields)  # a TensorDict pickles several times slower
         return self._call("put", list(keys), partition_id, fields, None if tags is None else list(tags))
 
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """`kv_batch_get` on the served plane."""
-        return _decode_columns(*self._call("get", list(keys), partition_id, list(select_fields)))
+        return columns_tensordict(*self._call("get", list(keys), partition_id, list(select_fields)))
 
     def _put(self, keys, partition_id, columns, tags):  # pragma: no cover - kv_batch_put forwards before this
         raise AssertionError("ServedDataPlane forwards kv_batch_put whole")

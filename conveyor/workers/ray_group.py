@@ -389,13 +389,7 @@ class RayWorkerGroup(WorkerGroup):
     def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
         """Run `endpoint` on every rank over its share of `meta`; the merged handle (extra_info: lists per rank)."""
         method = endpoint.__name__  # the rank actor looks the method up on its own worker
-        self._check_open(method)
-        chunks = split_for_ranks(meta, self.world_size)
-        refs = [a.call.remote(self.role, method, c) for a, c in zip(self.ranks.actors, chunks)]
-        self.ranks.gather(self.role, method, refs)
-        merged = BatchData(refs).concat()
-        merged.extra_info.update(split_metrics(chunks, method))
-        return merged
+        return self._scatter(method, meta, lambda actor, chunk: actor.call.remote(self.role, method, chunk))
 
     def call_chain(self, steps: Sequence[tuple[str, Endpoint]], meta: KVBatchMeta) -> KVBatchMeta:
         """`call` of several endpoints of roles colocated on these ranks, one after another on every rank's share of
@@ -404,12 +398,16 @@ class RayWorkerGroup(WorkerGroup):
         for role, name in names:
             if role not in self.ranks.roles:
                 raise ValueError(f"{role} is not hosted on the {self.ranks.name} ranks: cannot chain {name}")
-        self._check_open(names[0][1])
+        return self._scatter(names[0][1], meta, lambda actor, chunk: actor.call_chain.remote(names, chunk))
+
+    def _scatter(self, method: str, meta: KVBatchMeta, submit: Callable[[Any, KVBatchMeta], Any]) -> KVBatchMeta:
+        """`submit(rank actor, its share of meta)` on every rank; the merged handle (a failure named `method`)."""
+        self._check_open(method)
         chunks = split_for_ranks(meta, self.world_size)
-        refs = [a.call_chain.remote(names, c) for a, c in zip(self.ranks.actors, chunks)]
-        self.ranks.gather(self.role, names[0][1], refs)
+        refs = [submit(a, c) for a, c in zip(self.ranks.actors, chunks)]
+        self.ranks.gather(self.role, method, refs)
         merged = BatchData(refs).concat()
-        merged.extra_info.update(split_metrics(chunks, names[0][1]))
+        merged.extra_info.update(split_metrics(chunks, method))
         return merged
 
     def call_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> list[Any]:

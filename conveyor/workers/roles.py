@@ -158,7 +158,7 @@ class RolloutGroup(_Role):
     source has a replica generate and score a batch in that one call.
     """
 
-    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int, reward: WorkerGroup | None = None):
+    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
         super().__init__(ranks)
         self.actor = actor
         self.bucket_bytes = bucket_bytes
@@ -166,13 +166,13 @@ class RolloutGroup(_Role):
         self._channel = False
         self._inbox = WeightInbox()
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
-        # The reward worker when it lives in the replicas' processes (Ray): a batch can be scored in the call that
-        # generates it, where its responses are.
-        from conveyor.workers.ray_group import RayWorkerGroup
-
-        self.colocated_reward = (isinstance(ranks, RayWorkerGroup) and isinstance(reward, RayWorkerGroup)
-                                 and reward.ranks is ranks.ranks)
         self._load_next: int | None = None  # staged weights the next generation loads first (replicas on Ray)
+
+    @property
+    def colocated_reward(self) -> bool:
+        """Whether the reward worker lives in the replicas' processes (Ray): a batch can then be scored in the call
+        that generates it."""
+        return "reward" in getattr(getattr(self.ranks, "ranks", None), "roles", ())
 
     @property
     def in_process(self) -> bool:
@@ -442,7 +442,7 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
         rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
-                              << 20, reward=groups["reward"]) if rollout is not None else None),
+                              << 20) if rollout is not None else None),
         data_plane_server=server,
     )
 

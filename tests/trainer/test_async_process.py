@@ -132,5 +132,6 @@ def test_a_reward_that_fails_in_the_replicas_process_is_the_users_error_naming_t
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    raise ValueError('no score for ' + ground_truth)\n")
     with pytest.raises(WorkerUserError, match=r"reward rank 0 failed in compute_reward.*no score for"):
+        # No validation first: its reward call is not chained, and the first failure must be the chained one's.
         _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"reward.custom_reward_function.path={reward}",
-                                               "trainer.total_training_steps=2"])
+                                               "trainer.total_training_steps=2", "trainer.val_before_train=false"])
