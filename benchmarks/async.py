@@ -94,6 +94,7 @@ def read_run(run_dir: Path) -> dict:
 STAGES = ("step", "gen", "reward", "prompts", "old_log_prob", "adv", "update_actor", "metrics", "async/wait",
           "async/dispatch", "async/rollout_gen", "async/rollout_reward")
 CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s", "off_policy/trainer_process_cpu_s",
+       "off_policy/helper_cpu_s/rollout", "off_policy/helper_cpu_s/data_plane", "off_policy/helper_cpu_s/weights",
        "rollout/perf/cpu_s", "reward/perf/cpu_s")
 
 
@@ -114,7 +115,10 @@ def _label(key: str) -> str:
     if key.startswith("timing_s/"):
         return key.removeprefix("timing_s/")
     return {"off_policy/trainer_cpu_s": "trainer thread CPU", "off_policy/rollout_cpu_s": "rollout thread CPU",
-            "off_policy/trainer_process_cpu_s": "trainer process CPU", "rollout/perf/cpu_s": "rollout worker CPU",
+            "off_policy/trainer_process_cpu_s": "trainer process CPU",
+            "off_policy/helper_cpu_s/rollout": "of it: rollout thread",
+            "off_policy/helper_cpu_s/data_plane": "data-plane server threads",
+            "off_policy/helper_cpu_s/weights": "weight-sending threads", "rollout/perf/cpu_s": "rollout worker CPU",
             "reward/perf/cpu_s": "reward worker CPU"}.get(key, key)
 
 

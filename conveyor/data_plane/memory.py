@@ -52,6 +52,9 @@ class _Column:
     def trailing(self) -> tuple | None:
         return self.record["trailing"]
 
+    def __len__(self) -> int:
+        return len(self.loc if self.kind == DENSE else self.values)
+
     def __contains__(self, key: str) -> bool:
         return key in (self.loc if self.kind == DENSE else self.values)
 
@@ -119,7 +122,9 @@ class MemoryDataPlane(DataPlane):
                     col.loc.update(zip(keys, range(b << _ROW_BITS, (b << _ROW_BITS) + n)))
                 else:
                     col.values.update(zip(keys, rows))
-            present = [f for f, c in part.columns.items() if c.has_all(keys)]
+            # A column holds a subset of the partition's keys: one as long as the partition holds all of them,
+            # the keys just put included, without a look-up per key (the common case: a stage's fields).
+            present = [f for f, c in part.columns.items() if len(c) == len(part.keys) or c.has_all(keys)]
             out_tags = [dict(part.tags.get(k, {})) for k in keys]
             return present, out_tags, len(part.keys)
 

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -40,9 +41,11 @@ import torch
 
 from conveyor.metrics.reduce import mean_over_calls
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.balance import sequence_lengths, with_seq_lens
+from conveyor.workers.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     from conveyor.trainer.ppo import PPOTrainer
 
 __all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
@@ -52,6 +55,9 @@ __all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSamplin
 ROLLOUT_THREAD = "conveyor-rollout"
 
 Generate = Callable[[KVBatchMeta], KVBatchMeta]
+
+# What the asynchronous source reads of a generated batch: the versions that generated it, and which tokens count.
+_VERSION_FIELDS = ("policy_version", "token_policy_version", "response_mask")
 
 # How often a thread holding the interpreter lock hands it over while both threads of an asynchronous run in one
 # process compute (Python's default is 5 ms; measured on the default run, docs/async.md).
@@ -295,6 +301,7 @@ class _Pending:
     data_state: dict[str, int]  # the prompt order before this batch was drawn (what a checkpoint keeps)
     future: concurrent.futures.Future
     batch: Batch | None = None
+    versions: TensorDict | None = None  # its _VERSION_FIELDS, once generated
 
 
 class AsyncSource(SampleSource):
@@ -333,6 +340,7 @@ class AsyncSource(SampleSource):
         self._cpu_clock = 0.0
         self._process_clock = 0.0
         self._busy_at_clock = 0.0
+        self._helper_clock: dict[str, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -481,9 +489,11 @@ class AsyncSource(SampleSource):
         scored = self.rollout.colocated_reward
         batch = self.pipeline(meta, records, seed, pad=self.pad, scored=scored,
                               generate=lambda m: self.rollout.generate_sequences(m, sync=False, score=scored))
-        # As the generation endpoint does: later splits over ranks balance prompt + response tokens.
-        td = self.trainer.data_plane.get(batch.meta, ["prompt_mask", "response_mask"])
-        batch.meta = with_seq_lens(batch.meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))
+        if any(SEQ_LEN_TAG not in tag for tag in batch.meta.tags):
+            # The generation endpoint tags prompt + response tokens (later splits over ranks balance them); a
+            # pipeline whose last stage dropped the tags gets them from the masks.
+            td = self.trainer.data_plane.get(batch.meta, ["prompt_mask", "response_mask"])
+            batch.meta = with_seq_lens(batch.meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))
         return batch, time.perf_counter() - t0, time.thread_time() - c0
 
     def _take(self, version: int) -> _Pending:
@@ -494,9 +504,10 @@ class AsyncSource(SampleSource):
             head = self._pending.pop(0)
             batch, seconds, cpu = head.future.result()  # a failure on the rollout thread is raised here
             self._busy_s += seconds
-            versions = self.trainer.data_plane.get(batch.meta, ["policy_version"])["policy_version"]
+            # The versions it was generated with, read once: the staleness check here, the log when it is trained.
+            head.versions = self.trainer.data_plane.get(batch.meta, list(_VERSION_FIELDS))
             # A partial rollout may have started the batch with weights sent after it was handed out: never older.
-            generated = int(versions.min())
+            generated = int(head.versions["policy_version"].min())
             assert generated >= head.version, (generated, head.version)
             head.version, head.batch = generated, batch
             batch.metrics["off_policy/rollout_cpu_s"] = cpu
@@ -535,6 +546,12 @@ class AsyncSource(SampleSource):
             out["off_policy/trainer_cpu_s"] = time.thread_time() - self._cpu_clock
             # The whole process's: with the rollout elsewhere, what serving it costs here (data plane, weights).
             out["off_policy/trainer_process_cpu_s"] = time.process_time() - self._process_clock
+        threads = helper_threads_cpu()
+        if self._clock is not None:
+            # ...and which of the process's helper threads spent it (the rest: Ray's and torch's own threads).
+            out.update({f"off_policy/helper_cpu_s/{k}": max(0.0, v - self._helper_clock.get(k, 0.0))
+                        for k, v in threads.items()})
+        self._helper_clock = threads
         self._clock = time.perf_counter()
         self._cpu_clock = time.thread_time()
         self._process_clock = time.process_time()
@@ -545,7 +562,8 @@ class AsyncSource(SampleSource):
         """One line per draw in async_versions.jsonl (the version trained, every sample's and token's generating
         versions); returns the token-level staleness metrics."""
         t = self.trainer
-        td = t.data_plane.get(meta, ["policy_version", "token_policy_version", "response_mask"])
+        td = pending.versions
+        assert td is not None, "a batch is logged once it is taken"
         mask = td["response_mask"].bool()
         tokens = td["token_policy_version"]
         # Per sample, the oldest and newest version among its response tokens (they differ when a partial
@@ -561,6 +579,31 @@ class AsyncSource(SampleSource):
         stale = (version - tokens)[mask].float()
         return {"off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
                 "off_policy/partial_frac": float((newest > oldest).float().mean())}
+
+
+# conveyor's helper threads in the trainer's process, by what they do (name prefixes -> metric names).
+_HELPERS = (("conveyor-rollout", "rollout"), ("conveyor-data-plane", "data_plane"), ("conveyor-weight", "weights"),
+            ("conveyor-exchange", "weights"))
+
+
+def helper_threads_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's helper threads, summed by what they do (rollout, data_plane, weights).
+
+    Read from /proc/self/task/<id>/schedstat (nanoseconds on CPU); empty where there is no such file (not Linux).
+    A thread that has ended takes its seconds with it: the helpers live as long as the run.
+    """
+    out: dict[str, float] = {}
+    for thread in threading.enumerate():
+        group = next((g for prefix, g in _HELPERS if thread.name.startswith(prefix)), None)
+        if group is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        out[group] = out.get(group, 0.0) + ns / 1e9
+    return out
 
 
 def build_source(trainer: PPOTrainer) -> SampleSource:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -482,8 +483,8 @@ def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: st
 
     owner = {ref: rank for rank, ref in enumerate(pending.refs)}
     left = list(owner)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-exchange") as pool:
-        mine = pool.submit(local)
+    mine = _local_halves().submit(local)
+    try:
         while left or not mine.done():
             if mine.done() and mine.exception() is not None:
                 pending.group.ranks.kill()
@@ -499,6 +500,25 @@ def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: st
                     pending.group.ranks.kill()
                     raise wrap_worker_error(pending.group.role, owner[ref], pending.method, _original(err)) from err
         return mine.result(), ray.get(pending.refs)
+    finally:
+        # Raising, the local half is let finish first (the killed ranks end its collective), as it always was.
+        concurrent.futures.wait([mine])
+
+
+_LOCAL_POOL: list[Any] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _local_halves() -> Any:
+    """The threads that run the local halves of exchanges, kept for the process: an asynchronous run has an exchange
+    every step, which started and joined a thread of its own each time."""
+    import concurrent.futures
+
+    with _POOL_LOCK:
+        if not _LOCAL_POOL:
+            _LOCAL_POOL.append(concurrent.futures.ThreadPoolExecutor(max_workers=4,
+                                                                     thread_name_prefix="conveyor-exchange"))
+        return _LOCAL_POOL[0]
 
 
 # --------------------------------------------------------------------------- a run's roles

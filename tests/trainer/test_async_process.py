@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ from conveyor.workers.group import WorkerError
 pytest.importorskip("ray")
 
 # Wall-clock and memory readings differ from run to run by nature, and the sides' CPU and idle figures with them.
-_MEASURED = ("timing_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_", "weight_sync_s",
+_MEASURED = ("timing_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_",
+             "off_policy/helper_", "weight_sync_s",
              "weight_load_s", "weight_send", "weight_sync_gb", "weight_sync_buckets")
 ASYNC = "trainer.v1.trainer_mode=separate_async"
 OWN, THREAD = "trainer.v1.separate_async.rollout_process=own", "trainer.v1.separate_async.rollout_process=trainer"
@@ -37,6 +39,17 @@ def _run(tmp_path, tiny_run_base: list[str], name: str, extra: list[str]) -> tup
     run_training(load_config(None, tiny_run_base + [f"trainer.default_local_dir={run_dir}", "ray.num_cpus=4",
                                                     *extra]))
     return read_metrics_jsonl(run_dir / "metrics.jsonl"), run_dir
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every op on one torch thread in both runs a test compares, as the replicas have (half a CPU each) and the
+    thread mode's trainer (it halves its threads between its two threads): an op split over another number of
+    threads may sum in another order, a last-bit difference with some CPUs' kernels (AVX-512 MKL)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _strip(rows: list[dict]) -> list[dict]:
@@ -76,6 +89,12 @@ def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_pa
                         for r in map(json.loads, (thread_dir / "async_versions.jsonl").read_text().splitlines())]
     assert [v for _, v, _ in versions] == [[0] * 8, [0] * 8, [1] * 8]  # v0, v0, then the weights of update 1
     assert any(k == "rollout/weight_sync_s" for r in own for k in r)  # the syncs crossed the channel
+    if sys.platform.startswith("linux"):  # which helper threads of the trainer's process spent CPU (from /proc)
+        later = [r for r in own if r["step"] >= 2 and "off_policy/helper_cpu_s/data_plane" in r]
+        assert later and all(r["off_policy/helper_cpu_s/data_plane"] > 0 and r["off_policy/helper_cpu_s/weights"] > 0
+                             for r in later)  # the replica's reads and writes, the weights it was sent
+        assert not any("off_policy/helper_cpu_s/data_plane" in r for r in thread)  # no one to serve
+        assert all(r["off_policy/helper_cpu_s/rollout"] > 0 for r in thread if "off_policy/helper_cpu_s/rollout" in r)
     _same_weights(own_dir, thread_dir, tmp_path)
 
 

@@ -99,7 +99,9 @@ def test_forward_through_the_shards_matches_a_plain_load(checkpoints, ranks, cas
             want = plain(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
     for rank in range(WORLD):
         got = torch.load(ranks[case] / f"forward_{rank}.pt", weights_only=True)
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        # The weights are equal bit for bit (above); a forward through the shards on other threads may sum in
+        # another order, which some CPUs' kernels (AVX-512 MKL) show in the last bits.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_meta_build_matches_the_loaded_model(checkpoints) -> None:
