@@ -46,7 +46,10 @@ from conveyor.data_plane.base import (DataPlane, columns_tensordict, plain_colum
 from conveyor.data_plane.schema import dtype_name, dtype_of
 from conveyor.protocol import KVBatchMeta
 
-__all__ = ["DataPlaneServer", "ServedDataPlane"]
+__all__ = ["DataPlaneServer", "ServedDataPlane", "THREAD_PREFIX"]
+
+# The names of the server's threads start with it (what the asynchronous source's CPU metrics group them by).
+THREAD_PREFIX = "conveyor-data-plane"
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class DataPlaneServer:
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=self._accept, name="conveyor-data-plane-server", daemon=True).start()
+        threading.Thread(target=self._accept, name=f"{THREAD_PREFIX}-server", daemon=True).start()
 
     def client(self) -> ServedDataPlane:
         """A data plane for another process (picklable: a Ray actor receives it as an argument)."""
@@ -102,7 +105,7 @@ class DataPlaneServer:
                     conn.close()
                     return
                 self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="conveyor-data-plane-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name=f"{THREAD_PREFIX}-conn", daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
         """Answer one client thread's requests in order until it disconnects."""

@@ -41,7 +41,9 @@ import torch
 
 from conveyor.metrics.reduce import mean_over_calls
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
+from conveyor.data_plane.served import THREAD_PREFIX as DATA_PLANE_THREADS
+from conveyor.workers.balance import SEQ_LEN_TAG
+from conveyor.workers.weight_channel import THREAD_PREFIX as WEIGHT_THREADS
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -404,7 +406,7 @@ class AsyncSource(SampleSource):
         metrics.update(self._sync_metrics())
         if draw == 0:
             metrics.update(self._idle_fractions(timings))
-        metrics.update(self._log_versions(batch.meta, version, pending))
+        metrics.update(self._log_versions(version, pending))
         # The batch's own stages ran on the rollout thread, beside the trainer's: apart from the step's timings.
         timings.update({f"async/rollout_{k}": v for k, v in batch.timings.items()})
         return Batch(batch.meta, metrics, timings)
@@ -489,11 +491,9 @@ class AsyncSource(SampleSource):
         scored = self.rollout.colocated_reward
         batch = self.pipeline(meta, records, seed, pad=self.pad, scored=scored,
                               generate=lambda m: self.rollout.generate_sequences(m, sync=False, score=scored))
-        if any(SEQ_LEN_TAG not in tag for tag in batch.meta.tags):
-            # The generation endpoint tags prompt + response tokens (later splits over ranks balance them); a
-            # pipeline whose last stage dropped the tags gets them from the masks.
-            td = self.trainer.data_plane.get(batch.meta, ["prompt_mask", "response_mask"])
-            batch.meta = with_seq_lens(batch.meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))
+        # The generation endpoint tagged prompt + response tokens (later splits over ranks balance them), and every
+        # later stage's handle keeps the tags.
+        assert all(SEQ_LEN_TAG in tag for tag in batch.meta.tags), "a generated batch's handle lost its seq_len tags"
         return batch, time.perf_counter() - t0, time.thread_time() - c0
 
     def _take(self, version: int) -> _Pending:
@@ -558,7 +558,7 @@ class AsyncSource(SampleSource):
         self._busy_at_clock = self._busy_s
         return out
 
-    def _log_versions(self, meta: KVBatchMeta, version: int, pending: _Pending) -> dict[str, float]:
+    def _log_versions(self, version: int, pending: _Pending) -> dict[str, float]:
         """One line per draw in async_versions.jsonl (the version trained, every sample's and token's generating
         versions); returns the token-level staleness metrics."""
         t = self.trainer
@@ -582,8 +582,7 @@ class AsyncSource(SampleSource):
 
 
 # conveyor's helper threads in the trainer's process, by what they do (name prefixes -> metric names).
-_HELPERS = (("conveyor-rollout", "rollout"), ("conveyor-data-plane", "data_plane"), ("conveyor-weight", "weights"),
-            ("conveyor-exchange", "weights"))
+_HELPERS = ((ROLLOUT_THREAD, "rollout"), (DATA_PLANE_THREADS, "data_plane"), (WEIGHT_THREADS, "weights"))
 
 
 def helper_threads_cpu() -> dict[str, float]:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
+import functools
 import os
-import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -505,20 +505,15 @@ def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: st
         concurrent.futures.wait([mine])
 
 
-_LOCAL_POOL: list[Any] = []
-_POOL_LOCK = threading.Lock()
-
-
+@functools.cache
 def _local_halves() -> Any:
-    """The threads that run the local halves of exchanges, kept for the process: an asynchronous run has an exchange
-    every step, which started and joined a thread of its own each time."""
+    """The threads that run the local halves of exchanges (weight-channel sends and joins), kept for the process: an
+    asynchronous run has an exchange every step, which started and joined a thread of its own each time."""
     import concurrent.futures
 
-    with _POOL_LOCK:
-        if not _LOCAL_POOL:
-            _LOCAL_POOL.append(concurrent.futures.ThreadPoolExecutor(max_workers=4,
-                                                                     thread_name_prefix="conveyor-exchange"))
-        return _LOCAL_POOL[0]
+    from conveyor.workers.weight_channel import THREAD_PREFIX
+
+    return concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{THREAD_PREFIX}-exchange")
 
 
 # --------------------------------------------------------------------------- a run's roles

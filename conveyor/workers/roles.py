@@ -37,6 +37,7 @@ from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGrou
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
 from conveyor.workers.rollout import LOAD_STAGED, RolloutWorker, WeightInbox
+from conveyor.workers.weight_channel import THREAD_PREFIX as WEIGHT_THREADS
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class RolloutGroup(_Role):
         self._join_channel()
         if self._sender is None:
             self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix="conveyor-weight-send")
+                                                                 thread_name_prefix=f"{WEIGHT_THREADS}-send")
         sends = None
         if staged is None:  # submitted from the trainer's thread: the actor sends before the update submitted next
             sends = self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes)

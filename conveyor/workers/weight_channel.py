@@ -32,7 +32,11 @@ import torch.distributed as tdist
 
 from conveyor.rollout.weight_sync import Staging, SyncStats, iter_received, send_buckets
 
-__all__ = ["WeightChannel", "free_address"]
+__all__ = ["WeightChannel", "free_address", "THREAD_PREFIX"]
+
+# The names of the threads that send weights over a channel start with it (the asynchronous source's CPU
+# metrics group them by it).
+THREAD_PREFIX = "conveyor-weight"
 
 
 def free_address() -> tuple[str, int]:
