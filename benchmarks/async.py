@@ -3,8 +3,8 @@
 Runs `conveyor train --config examples/tiny_cpu.yaml` alternately with
 `trainer.v1.trainer_mode=sync` and with `separate_async` and
 `max_off_policy_threshold=1`, the rollout in processes of its own
-(`rollout_process=own`, what `auto` picks here) and, as a third mode, on a
-thread of the trainer's process (`rollout_process=trainer`); `--rounds`
+(`rollout_process=own`) and, as a third mode, on a thread of the trainer's
+process (`rollout_process=trainer`, what `auto` picks); `--rounds`
 rounds, sync first in each, one run at a time so that each has the whole
 machine. Every run is a separate process; they share one model cache, so the
 warm start is built once, before the first timed run.
@@ -23,7 +23,10 @@ held-out accuracy of every validation with the training time at which it was
 reached. Then, per mode, the median steps/s, the speed-up over sync (median,
 and per round), the final accuracy (equal steps) and the accuracy each mode
 had reached when the slower one's training time ran out (equal wall-clock
-time), and where a step's time goes.
+time), and where a step's time goes: each stage's wall and CPU milliseconds, the CPU of each side (the
+synchronous step's rollout side and the rest; the trainer's process and the rollout's workers), what the
+composition adds to the trainer's side item by item, and what a core per process, free transfers, or a device per
+side with a 1 s synchronous step would give (`projections`).
 
     python benchmarks/async.py                                  # 2 rounds of the full default run
     python benchmarks/async.py --rounds 1 --set trainer.total_training_steps=100 trainer.test_freq=50
@@ -103,17 +106,92 @@ def stage_medians(run_dir: Path, skip: int = 5) -> dict[str, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "timing_s/step" in r and int(r["step"]) > skip]
     out = {}
-    for key in [f"timing_s/{s}" for s in STAGES] + list(CPU):
+    for key in [f"timing_s/{s}" for s in STAGES] + [f"timing_cpu_s/{s}" for s in STAGES] + list(CPU):
         values = [float(r[key]) for r in rows if key in r]
         if values:
             out[key] = 1e3 * statistics.median(values)
     return out
 
 
+# The stages of a synchronous step that an asynchronous run moves to the rollout's side.
+ROLLOUT_SIDE = ("prompts", "gen", "reward")
+
+
+def cpu_sides(run_dir: Path, skip: int = 5) -> dict[str, float]:
+    """Median CPU milliseconds per step of a run's two sides (steps after `skip`).
+
+    A synchronous run (one thread does everything): `rollout` is its ROLLOUT_SIDE stages' CPU, `trainer` the rest of
+    its step's. An asynchronous one with the rollout in processes of its own: `trainer` is the trainer's whole
+    process (its thread and the helpers serving the rollout), `rollout` the replica's and the reward worker's.
+    Not for the rollout on a thread of the trainer's process: its process's CPU holds the rollout's too.
+    """
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "timing_s/step" in r and int(r["step"]) > skip]
+    trainer, rollout = [], []
+    for r in rows:
+        if "off_policy/trainer_process_cpu_s" in r:
+            trainer.append(float(r["off_policy/trainer_process_cpu_s"]))
+            rollout.append(float(r.get("rollout/perf/cpu_s", 0.0)) + float(r.get("reward/perf/cpu_s", 0.0)))
+        elif "timing_cpu_s/step" in r and "timing_cpu_s/gen" in r:
+            side = sum(float(r.get(f"timing_cpu_s/{k}", 0.0)) for k in ROLLOUT_SIDE)
+            trainer.append(float(r["timing_cpu_s/step"]) - side)
+            rollout.append(side)
+    if not trainer:
+        return {}
+    return {"trainer": 1e3 * statistics.median(trainer), "rollout": 1e3 * statistics.median(rollout)}
+
+
+def projections(sync: dict[str, float], own: dict[str, float], sync_step_ms: float,
+                gpu_step_ms: float = 1000.0) -> dict[str, float]:
+    """What other machines would give the own-process placement, from the CPU sides (`cpu_sides`) of a synchronous
+    run and an asynchronous one and the synchronous step's wall milliseconds.
+
+    - `overhead_ms`: what the composition adds to the trainer's side (the trainer's process against the synchronous
+      step's trainer side: serving the data plane, sending weights, drawing prompts, the rollout's calls);
+    - `cores`: a core per process (4 cores here). The trainer's process is one interpreter: its CPU stays serial;
+    - `ceiling`: both sides as the synchronous step has them, free transfers (what the overlap alone can give);
+    - `gpu`: a device per side and a synchronous step of `gpu_step_ms` split between the sides as this one is, the
+      overhead (per batch, not per parameter) added to the trainer's side.
+    """
+    overhead = own["trainer"] - sync["trainer"]
+    total = sync["trainer"] + sync["rollout"]
+    share_trainer, share_rollout = sync["trainer"] / total, sync["rollout"] / total
+    return {
+        "overhead_ms": overhead,
+        "cores": sync_step_ms / max(own["trainer"], own["rollout"]),
+        "ceiling": total / max(sync["trainer"], sync["rollout"]),
+        "gpu": gpu_step_ms / max(share_trainer * gpu_step_ms + overhead, share_rollout * gpu_step_ms),
+    }
+
+
+def overhead_items(sync: dict[str, float], own: dict[str, float]) -> dict[str, float]:
+    """Where the composition's extra CPU goes: per item, the own-process run's CPU milliseconds per step (medians, from
+    `stage_medians`) beyond the synchronous run's trainer side.
+
+    The trainer's thread: the stages both runs have, each against its synchronous self (the same work, slower beside
+    the helpers), the source's hand-out (prompts, the weight copy) and its wait; then the process's helper threads by
+    group, and its other threads (Ray's, gloo's, torch's: the process's CPU less the thread's and the helpers').
+    """
+    items: dict[str, float] = {}
+    for stage in STAGES:
+        key = f"timing_cpu_s/{stage}"
+        if key in own and stage != "step" and not stage.startswith("async/rollout_"):
+            items[stage] = own[key] - sync.get(key, 0.0)
+    helpers = {k.removeprefix("off_policy/helper_cpu_s/"): v for k, v in own.items()
+               if k.startswith("off_policy/helper_cpu_s/")}
+    items.update({f"{k} threads": v for k, v in helpers.items()})
+    if "off_policy/trainer_process_cpu_s" in own and "off_policy/trainer_cpu_s" in own:
+        items["other threads"] = (own["off_policy/trainer_process_cpu_s"] - own["off_policy/trainer_cpu_s"]
+                                  - sum(helpers.values()))
+    return items
+
+
 def _label(key: str) -> str:
     """A breakdown entry's name: the stage, or the CPU figure's side."""
     if key.startswith("timing_s/"):
         return key.removeprefix("timing_s/")
+    if key.startswith("timing_cpu_s/"):
+        return key.removeprefix("timing_cpu_s/") + " CPU"
     return {"off_policy/trainer_cpu_s": "trainer thread CPU", "off_policy/rollout_cpu_s": "rollout thread CPU",
             "off_policy/trainer_process_cpu_s": "trainer process CPU",
             "off_policy/helper_cpu_s/rollout": "of it: rollout thread",
@@ -143,7 +221,7 @@ def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: i
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = read_run(run_dir)
-    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir))
+    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir), sides=cpu_sides(run_dir) if mode != "async_k1_thread" else {})
     return result
 
 
@@ -203,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwhere a step's time goes (median ms per step over the run's steps after the 5th, last round):")
     for mode, rs in results.items():
         stages = rs[-1]["stages"]
-        print(f"  {mode:15s} " + ", ".join(f"{_label(k)} {v:.1f}" for k, v in stages.items()))
+        # A stage's wall time, with its thread's CPU time beside it.
+        shown = [f"{_label(k)} {v:.1f}" + (f" (CPU {stages[c]:.1f})" if (c := "timing_cpu_s/" + k.removeprefix(
+                 "timing_s/")) in stages and k.startswith("timing_s/") else "")
+                 for k, v in stages.items() if not k.startswith("timing_cpu_s/")]
+        print(f"  {mode:15s} " + ", ".join(shown))
     st = results["sync"][-1]["stages"]
     rollout_side = sum(st.get(f"timing_s/{k}", 0.0) for k in ("gen", "reward", "prompts"))
     if rollout_side:
@@ -212,6 +294,20 @@ def main(argv: list[str] | None = None) -> int:
               f"({st['timing_s/step'] - rollout_side:.1f} ms): "
               f"{st['timing_s/step'] / max(rollout_side, st['timing_s/step'] - rollout_side):.2f}x, what a machine "
               "with a device (or cores) per side and free transfers would give")
+    own = results.get("async_k1", [])
+    if own and results["sync"][-1]["sides"] and own[-1]["sides"]:
+        sync_sides, own_sides = results["sync"][-1]["sides"], own[-1]["sides"]
+        pr = projections(sync_sides, own_sides, st["timing_s/step"])
+        print(f"\nCPU ms per step by side (last round): sync trainer side {sync_sides['trainer']:.1f}, rollout side "
+              f"{sync_sides['rollout']:.1f}; rollout in processes of its own: the trainer's process "
+              f"{own_sides['trainer']:.1f} (the composition adds {pr['overhead_ms']:.1f}), rollout and reward workers "
+              f"{own_sides['rollout']:.1f}")
+        items = overhead_items(st, own[-1]["stages"])
+        print("  of what it adds (CPU ms per step, medians): " + ", ".join(f"{k} {v:+.1f}" for k, v in items.items()))
+        print(f"  a core per process (its interpreter keeps the trainer's process serial): {pr['cores']:.2f}x; "
+              f"both sides as the synchronous step has them: {pr['ceiling']:.2f}x; a device per side and a 1 s "
+              f"synchronous step split the same way, {pr['overhead_ms']:.1f} ms added to the trainer's side: "
+              f"{pr['gpu']:.2f}x")
     print("mean final accuracy: " + ", ".join(f"{m} {mean([r['curve'][-1][2] for r in rs]):.3f}"
                                               for m, rs in results.items()))
     return 0

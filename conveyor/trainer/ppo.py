@@ -49,7 +49,7 @@ from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_pr
 from conveyor.trainer import state
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
-from conveyor.trainer.sources import build_source, timer
+from conveyor.trainer.sources import CPU, build_source, timer, timing_metrics
 from conveyor.trainer.validation import Validation
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.roles import WorkerGroups
@@ -64,11 +64,6 @@ StageResult = tuple[KVBatchMeta, dict[str, float]]
 
 class NonFiniteError(ValueError):
     """A reward, advantage or loss became NaN or infinite; the message names the step and the field."""
-
-
-def _timing_metrics(timings: dict[str, float]) -> dict[str, float]:
-    """A stage's own sub-timings as metrics (`step` adds the stages' timings the same way)."""
-    return {f"timing_s/{k}": v for k, v in timings.items()}
 
 
 def _phase_memory(extra_info: dict, role: str) -> dict[str, float]:
@@ -126,6 +121,7 @@ class PPOTrainer:
         # What the estimator needs beyond rewards: a greedy baseline rollout (ReMax), values.
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
         self._prompt_ids: dict[str, list[int]] = {}
+        self._prompt_texts: dict[str, str] = {}  # a record's messages (their repr) -> its rendered prompt
         self._train_width: int | None = None
         self._tokenizer_lock = threading.Lock()
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
@@ -207,7 +203,7 @@ class PPOTrainer:
             metrics.update(stage_metrics)
             return meta
 
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), time.thread_time()
         try:
             meta = KVBatchMeta(keys=[], partition_id=part)  # the step's partition, empty
             meta = run(None, self._sample, meta)  # stages 1-3 (timed inside), repeated under dynamic sampling
@@ -227,7 +223,8 @@ class PPOTrainer:
             self.data_plane.kv_clear(part)
             self.source.release()
         timings["step"] = time.perf_counter() - t_start
-        metrics.update(_timing_metrics(timings))
+        timings[CPU + "step"] = time.thread_time() - c_start
+        metrics.update(timing_metrics(timings))
         n_tokens = metrics.pop("_tokens", 0.0)
         metrics["perf/total_num_tokens"] = n_tokens
         metrics["perf/throughput"] = n_tokens / timings["step"] if timings["step"] > 0 else 0.0
@@ -243,7 +240,7 @@ class PPOTrainer:
         asynchronous one hands out samples its rollout wrote ahead (`conveyor.trainer.sources`).
         """
         batch = self.source.next(meta)
-        return batch.meta, {**batch.metrics, **_timing_metrics(batch.timings)}
+        return batch.meta, {**batch.metrics, **timing_metrics(batch.timings)}
 
     def _train_prompt_width(self) -> int:
         """The longest training prompt in tokens (computed once): a common width for every generation batch."""
@@ -264,8 +261,16 @@ class PPOTrainer:
     def _put_prompts_locked(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None,
                             width: int | None) -> KVBatchMeta:
         d = self.cfg.data
-        texts = [render_prompt(rec, self.tokenizer) for rec in records]
-        # Prompts recur every epoch: tokenize each distinct text once per run, in one batched call.
+        # Prompts recur every epoch: render each distinct message list once per run (a chat template is a Jinja
+        # rendering, about 20 us a prompt; the repr of its messages under 2 us).
+        texts = []
+        for rec in records:
+            key = repr(rec.get("prompt"))
+            text = self._prompt_texts.get(key)
+            if text is None:
+                text = self._prompt_texts[key] = render_prompt(rec, self.tokenizer)
+            texts.append(text)
+        # ...and tokenize each distinct text once per run, in one batched call.
         new = [t for t in dict.fromkeys(texts) if t not in self._prompt_ids]
         if new:
             for text, ids in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]):
@@ -470,7 +475,7 @@ class PPOTrainer:
                 reduced = reduce_rank_metrics(out.extra_info)
                 metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/moe/")})
                 metrics.update(_phase_memory(out.extra_info, "actor"))
-        metrics.update(_timing_metrics(timings))
+        metrics.update(timing_metrics(timings))
         return meta, metrics
 
     # ================================================================ outputs

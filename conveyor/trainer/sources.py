@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from conveyor.trainer.ppo import PPOTrainer
 
-__all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
+__all__ = ["CPU", "timer", "timing_metrics", "Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
            "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
@@ -66,14 +66,26 @@ _VERSION_FIELDS = ("policy_version", "token_policy_version", "response_mask")
 SWITCH_INTERVAL_S = 0.0002
 
 
+# A timings entry under this prefix holds the CPU seconds of the thread that ran the stage (logged as
+# `timing_cpu_s/<stage>`); beside a stage's wall seconds it tells computing from waiting (for a lock, a core, a call).
+CPU = "cpu:"
+
+
 @contextlib.contextmanager
 def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Add the block's wall time to `timings[name]`."""
-    t0 = time.perf_counter()
+    """Add the block's wall time to `timings[name]` and its thread's CPU time to `timings[CPU + name]`."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        timings[CPU + name] = timings.get(CPU + name, 0.0) + time.thread_time() - c0
+
+
+def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
+    """`timer`'s entries as metrics: `timing_s/<stage>` (wall) and `timing_cpu_s/<stage>` (the thread's CPU)."""
+    return {f"timing_cpu_s/{k.removeprefix(CPU)}" if k.startswith(CPU) else f"timing_s/{k}": v
+            for k, v in timings.items()}
 
 
 @dataclasses.dataclass
@@ -408,7 +420,8 @@ class AsyncSource(SampleSource):
             metrics.update(self._idle_fractions(timings))
         metrics.update(self._log_versions(version, pending))
         # The batch's own stages ran on the rollout thread, beside the trainer's: apart from the step's timings.
-        timings.update({f"async/rollout_{k}": v for k, v in batch.timings.items()})
+        timings.update({f"{CPU}async/rollout_{k.removeprefix(CPU)}" if k.startswith(CPU) else f"async/rollout_{k}": v
+                        for k, v in batch.timings.items()})
         return Batch(batch.meta, metrics, timings)
 
     def generate(self, meta: KVBatchMeta) -> KVBatchMeta:

@@ -51,7 +51,7 @@ TOTAL_STEPS = 6
 """Length of the reference run every crash test is compared with."""
 
 # Metrics that depend on wall time or on the process's memory, not on the math.
-_VOLATILE = re.compile(r"^(timing_s/|rollout/gen_time_s$|perf/throughput$|val/)|/perf/")
+_VOLATILE = re.compile(r"^(timing_s/|timing_cpu_s/|rollout/gen_time_s$|perf/throughput$|val/)|/perf/")
 
 # The keys an exactness check must at least cover.
 CORE_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")

@@ -16,7 +16,7 @@ from conveyor.trainer.run import run_training
 from conveyor.workers.group import WorkerError
 
 # Wall-clock and memory readings differ from run to run by nature; the async loop's own counters are extra.
-_MEASURED = ("timing_s/", "perf/", "gen_time_s", "off_policy/", "weight_sync_s")
+_MEASURED = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "off_policy/", "weight_sync_s")
 
 ASYNC = "trainer.v1.trainer_mode=separate_async"
 

@@ -27,7 +27,7 @@ from conveyor.workers.group import WorkerError
 pytest.importorskip("ray")
 
 # Wall-clock and memory readings differ from run to run by nature, and the sides' CPU and idle figures with them.
-_MEASURED = ("timing_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_",
+_MEASURED = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_",
              "off_policy/helper_", "weight_sync_s",
              "weight_load_s", "weight_send", "weight_sync_gb", "weight_sync_buckets")
 ASYNC = "trainer.v1.trainer_mode=separate_async"

@@ -9,7 +9,7 @@ from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.run import run_training
 
 # Wall-clock and memory readings differ from run to run by nature; every other metric must not.
-_MEASURED = ("timing_s/", "perf/", "gen_time_s")
+_MEASURED = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s")
 
 
 def _run(tmp_path, monkeypatch, name: str, tiny_run: list[str], extra: list[str],

@@ -133,6 +133,11 @@ def run_step(trainer, dp):
     assert {"timing_s/step", "timing_s/prompts", "timing_s/gen", "timing_s/reward", "timing_s/adv",
             "timing_s/update_actor", "timing_s/metrics", "perf/throughput", "perf/total_num_tokens"} <= set(metrics)
     assert metrics["perf/total_num_tokens"] > 0
+    # Every timed stage also has its thread's CPU seconds: never more than the thread could spend in its wall time.
+    cpu = {k.removeprefix("timing_cpu_s/"): v for k, v in metrics.items() if k.startswith("timing_cpu_s/")}
+    wall = {k.removeprefix("timing_s/"): v for k, v in metrics.items() if k.startswith("timing_s/")}
+    assert set(cpu) == set(wall) and cpu["step"] > 0
+    assert all(0.0 <= cpu[k] <= wall[k] + 1e-3 for k in cpu), {k: (cpu[k], wall[k]) for k in cpu}
     assert all(isinstance(v, float) for v in metrics.values()), {k: type(v) for k, v in metrics.items()}
     return metrics
 
@@ -263,3 +268,30 @@ def test_bypass_run_reports_entropy_from_the_update(tiny_run, tmp_path):
     (row,) = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if r["step"] == 1]
     assert row["actor/entropy"] > 0
     assert "timing_s/old_log_prob" in row
+
+
+def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
+    import conveyor.trainer.ppo as ppo_module
+    from conveyor.tasks.dataset import render_prompt
+
+    trainer, dp = make_trainer(tiny_run)
+    rendered: list[str] = []
+
+    def counting(rec, tokenizer=None):
+        rendered.append(rec["prompt"][-1]["content"])
+        return render_prompt(rec, tokenizer)
+
+    monkeypatch.setattr(ppo_module, "render_prompt", counting)
+    records = [{"prompt": [{"role": "user", "content": c}], "data_source": "arith", "reward_model": {"ground_truth": "1"}}
+               for c in ("1+1=", "2+2=", "1+1=")]
+    first = trainer._put_prompts(records, "a", n=2)
+    again = trainer._put_prompts([dict(r) for r in records], "b", n=1)
+    assert rendered == ["1+1=", "2+2="]  # a message list seen before is not rendered again
+    raw = dp.kv_batch_get(keys=first.keys, partition_id="a", select_fields=["raw_prompt"])["raw_prompt"]
+    assert list(raw) == [render_prompt(r, trainer.tokenizer) for r in records for _ in range(2)]
+    raw = dp.kv_batch_get(keys=again.keys, partition_id="b", select_fields=["raw_prompt"])["raw_prompt"]
+    assert list(raw) == [render_prompt(r, trainer.tokenizer) for r in records]
+    # A different message list under the same content is a different prompt.
+    trainer._put_prompts([{**records[0], "prompt": [{"role": "system", "content": "x"}, *records[0]["prompt"]]}],
+                         "c", n=1)
+    assert rendered == ["1+1=", "2+2=", "1+1="]
