@@ -169,14 +169,19 @@ def overhead_items(sync: dict[str, float], own: dict[str, float]) -> dict[str, f
     `stage_medians`) beyond the synchronous run's trainer side.
 
     The trainer's thread: the stages both runs have, each against its synchronous self (the same work, slower beside
-    the helpers), the source's hand-out (prompts, the weight copy) and its wait; then the process's helper threads by
-    group, and its other threads (Ray's, gloo's, torch's: the process's CPU less the thread's and the helpers').
+    the helpers), the source's hand-out (prompts, the weight copy) and its wait, the rest of its step; then the
+    process's helper threads by group, and its other threads (Ray's, gloo's, torch's: the process's CPU less the thread's and the helpers').
     """
     items: dict[str, float] = {}
     for stage in STAGES:
         key = f"timing_cpu_s/{stage}"
         if key in own and stage != "step" and not stage.startswith("async/rollout_"):
             items[stage] = own[key] - sync.get(key, 0.0)
+    if "timing_cpu_s/step" in own and "timing_cpu_s/step" in sync:
+        # The step's own code outside its stages (the source's bookkeeping: versions, logs), against sync's.
+        untimed = lambda st: st["timing_cpu_s/step"] - sum(  # noqa: E731
+            st.get(f"timing_cpu_s/{k}", 0.0) for k in STAGES if k != "step" and not k.startswith("async/rollout_"))
+        items["rest of the step"] = untimed(own) - untimed(sync)
     helpers = {k.removeprefix("off_policy/helper_cpu_s/"): v for k, v in own.items()
                if k.startswith("off_policy/helper_cpu_s/")}
     items.update({f"{k} threads": v for k, v in helpers.items()})
@@ -184,6 +189,32 @@ def overhead_items(sync: dict[str, float], own: dict[str, float]) -> dict[str, f
         items["other threads"] = (own["off_policy/trainer_process_cpu_s"] - own["off_policy/trainer_cpu_s"]
                                   - sum(helpers.values()))
     return items
+
+
+def over_rounds(figures: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over rounds (the figures every round has): per-op speed drifts between runs minutes apart
+    on a shared machine, so one round's two runs can differ in a stage that does the same work in both."""
+    keys = set.intersection(*(set(f) for f in figures)) if figures else set()
+    return {k: statistics.median(f[k] for f in figures) for k in figures[0] if k in keys} if figures else {}
+
+
+def print_ledger(sync_runs: list[dict], own_runs: list[dict]) -> None:
+    """Both sides' CPU per step, what the composition adds item by item, and `projections`, over all rounds."""
+    sync_sides, own_sides = over_rounds([r["sides"] for r in sync_runs]), over_rounds([r["sides"] for r in own_runs])
+    if not sync_sides or not own_sides:
+        return
+    st, ot = over_rounds([r["stages"] for r in sync_runs]), over_rounds([r["stages"] for r in own_runs])
+    pr = projections(sync_sides, own_sides, st["timing_s/step"])
+    print(f"\nCPU ms per step by side (medians over {len(own_runs)} rounds): sync trainer side "
+          f"{sync_sides['trainer']:.1f}, rollout side {sync_sides['rollout']:.1f}; rollout in processes of its own: "
+          f"the trainer's process {own_sides['trainer']:.1f} (the composition adds {pr['overhead_ms']:.1f}), rollout "
+          f"and reward workers {own_sides['rollout']:.1f}")
+    items = overhead_items(st, ot)
+    print("  of what it adds: " + ", ".join(f"{k} {v:+.1f}" for k, v in items.items()))
+    print(f"  a core per process (its interpreter keeps the trainer's process serial): {pr['cores']:.2f}x; "
+          f"both sides as the synchronous step has them: {pr['ceiling']:.2f}x; a device per side and a 1 s "
+          f"synchronous step split the same way, {pr['overhead_ms']:.1f} ms added to the trainer's side: "
+          f"{pr['gpu']:.2f}x")
 
 
 def _label(key: str) -> str:
@@ -294,20 +325,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({st['timing_s/step'] - rollout_side:.1f} ms): "
               f"{st['timing_s/step'] / max(rollout_side, st['timing_s/step'] - rollout_side):.2f}x, what a machine "
               "with a device (or cores) per side and free transfers would give")
-    own = results.get("async_k1", [])
-    if own and results["sync"][-1]["sides"] and own[-1]["sides"]:
-        sync_sides, own_sides = results["sync"][-1]["sides"], own[-1]["sides"]
-        pr = projections(sync_sides, own_sides, st["timing_s/step"])
-        print(f"\nCPU ms per step by side (last round): sync trainer side {sync_sides['trainer']:.1f}, rollout side "
-              f"{sync_sides['rollout']:.1f}; rollout in processes of its own: the trainer's process "
-              f"{own_sides['trainer']:.1f} (the composition adds {pr['overhead_ms']:.1f}), rollout and reward workers "
-              f"{own_sides['rollout']:.1f}")
-        items = overhead_items(st, own[-1]["stages"])
-        print("  of what it adds (CPU ms per step, medians): " + ", ".join(f"{k} {v:+.1f}" for k, v in items.items()))
-        print(f"  a core per process (its interpreter keeps the trainer's process serial): {pr['cores']:.2f}x; "
-              f"both sides as the synchronous step has them: {pr['ceiling']:.2f}x; a device per side and a 1 s "
-              f"synchronous step split the same way, {pr['overhead_ms']:.1f} ms added to the trainer's side: "
-              f"{pr['gpu']:.2f}x")
+    if results.get("async_k1"):
+        print_ledger(results["sync"], results["async_k1"])
     print("mean final accuracy: " + ", ".join(f"{m} {mean([r['curve'][-1][2] for r in rs]):.3f}"
                                               for m, rs in results.items()))
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmark_scripts import load_script
 
 
@@ -92,5 +94,14 @@ def test_where_the_compositions_cpu_goes():
            "off_policy/helper_cpu_s/data_plane": 3.0, "off_policy/helper_cpu_s/weights": 2.5,
            "off_policy/helper_cpu_s/rollout": 1.5}
     items = bench.overhead_items(sync, own)
+    # The rest of the step: own 41 - (30 + 2 + 0.5 + 3) = 5.5 against sync 53 - (26 + 1.5 + 1.8 + 16) = 7.7.
+    assert items.pop("rest of the step") == pytest.approx(5.5 - 7.7)
     assert items == {"adv": 0.5, "update_actor": 4.0, "async/wait": 0.5, "async/dispatch": 3.0,
                      "rollout threads": 1.5, "data_plane threads": 3.0, "weights threads": 2.5, "other threads": 3.0}
+
+
+def test_figures_over_rounds_are_medians_of_those_every_round_has():
+    bench = load_script("async")
+    rounds = [{"a": 1.0, "b": 5.0}, {"a": 3.0, "b": 7.0, "c": 1.0}, {"a": 2.0, "b": 6.0}]
+    assert bench.over_rounds(rounds) == {"a": 2.0, "b": 6.0}
+    assert bench.over_rounds([]) == {}
