@@ -170,7 +170,8 @@ def overhead_items(sync: dict[str, float], own: dict[str, float]) -> dict[str, f
 
     The trainer's thread: the stages both runs have, each against its synchronous self (the same work, slower beside
     the helpers), the source's hand-out (prompts, the weight copy) and its wait, the rest of its step; then the
-    process's helper threads by group, and its other threads (Ray's, gloo's, torch's: the process's CPU less the thread's and the helpers').
+    process's helper threads by group, and its other threads (Ray's, gloo's, torch's: the process's CPU less the
+    thread's and the helpers').
     """
     items: dict[str, float] = {}
     for stage in STAGES:
@@ -252,7 +253,8 @@ def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: i
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = read_run(run_dir)
-    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir), sides=cpu_sides(run_dir) if mode != "async_k1_thread" else {})
+    sides = cpu_sides(run_dir) if mode != "async_k1_thread" else {}
+    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir), sides=sides)
     return result
 
 

@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
     from conveyor.trainer.ppo import PPOTrainer
 
-__all__ = ["CPU", "timer", "timing_metrics", "Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
-           "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
+__all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
+           "GreedyBaseline", "build_source", "ROLLOUT_THREAD", "CPU", "timer", "timing_metrics"]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
 ROLLOUT_THREAD = "conveyor-rollout"

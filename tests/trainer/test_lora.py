@@ -155,7 +155,8 @@ def test_asynchronous_lora_at_k0_is_the_synchronous_run(tmp_path, tiny_run):
         run_dir = tmp_path / name
         run_training(load_config(None, base + extra + [f"trainer.default_local_dir={run_dir}"]))
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        measured = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "weight_sync_s", "off_policy/")  # clocks and memory
+        # clocks and memory
+        measured = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "weight_sync_s", "off_policy/")
         rows[name] = [{k: v for k, v in json.loads(x).items() if not any(m in k for m in measured)} for x in lines]
         out = export_hf(run_dir, tmp_path / f"hf-{name}")
         weights[name] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}

@@ -282,8 +282,8 @@ def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
         return render_prompt(rec, tokenizer)
 
     monkeypatch.setattr(ppo_module, "render_prompt", counting)
-    records = [{"prompt": [{"role": "user", "content": c}], "data_source": "arith", "reward_model": {"ground_truth": "1"}}
-               for c in ("1+1=", "2+2=", "1+1=")]
+    records = [{"prompt": [{"role": "user", "content": c}], "data_source": "arith",
+                "reward_model": {"ground_truth": "1"}} for c in ("1+1=", "2+2=", "1+1=")]
     first = trainer._put_prompts(records, "a", n=2)
     again = trainer._put_prompts([dict(r) for r in records], "b", n=1)
     assert rendered == ["1+1=", "2+2="]  # a message list seen before is not rendered again
