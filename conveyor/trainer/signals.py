@@ -6,11 +6,9 @@ Ctrl-C or SIGTERM only records the request, the loop finishes the running step,
 saves it and raises `StopRequested`; a second one stops at once. Without
 `save_on_interrupt` the first one stops at once.
 
-`die_with_parent(pid)` is for a process the run starts (the asynchronous
-rollout process): it ends as soon as the trainer that started it ends, however
-the trainer ends, SIGKILL included. `Reaper` is for processes the run does not
-start itself (a local Ray's raylet, agents and actors): a small watcher
-process that kills them if the trainer ends without saying it is done.
+`Reaper` is for the processes a run does not start itself (a local Ray's
+raylet, agents and actors): a small watcher process that kills them if the
+trainer ends without saying it is done, SIGKILL included.
 
 What it deliberately does not do: save anything, or decide the exit status
 (the command maps `StopRequested.signum` to 128 + signum).
@@ -18,19 +16,16 @@ What it deliberately does not do: save anything, or decide the exit status
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS", "die_with_parent", "Reaper"]
+__all__ = ["StopRequested", "StopSignals", "STOP_SIGNALS", "Reaper"]
 
 # What a scheduler (Slurm, Kubernetes, `timeout`) or a person sends to stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -87,36 +82,6 @@ class StopSignals:
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         logger.warning("%s: finishing step %d, then saving a checkpoint and stopping (send it again to stop at "
                        "once, without saving)", name, self._step())
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent_pid: int, interval: float = 0.5) -> None:
-    """End this process (SIGKILL) when process `parent_pid`, which started it, ends; call it first thing in the child.
-
-    On Linux the kernel does it (`prctl(PR_SET_PDEATHSIG)`); a watchdog thread that polls the parent
-    pid covers the other systems, a parent that died before the call, and a `prctl` that fails.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl here: the watchdog alone
-            pass
-
-    def orphaned() -> bool:
-        return os.getppid() != parent_pid
-
-    if orphaned():  # the parent ended before the kernel was asked to tell us
-        os._exit(1)
-
-    def watch() -> None:
-        while not orphaned():
-            time.sleep(interval)
-        os._exit(1)  # no clean-up to run: everything this process holds dies with it
-
-    threading.Thread(target=watch, name="conveyor-parent-watchdog", daemon=True).start()
 
 
 # The watcher `Reaper` runs (python -c): every half second it notes the trainer's descendants started after it

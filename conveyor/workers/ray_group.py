@@ -44,7 +44,7 @@ from conveyor.protocol import BatchData, KVBatchMeta
 from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
                                     split_metrics, wrap_worker_error)
 
-__all__ = ["Pending", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
+__all__ = ["Pending", "RankDied", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
            "build_ray_rollout_groups", "gather_together", "gather_with_local", "ray_worker_device"]
 
 logger = logging.getLogger(__name__)
@@ -128,13 +128,38 @@ def _remote_rank_class() -> Any:
     return _REMOTE_RANK
 
 
-def _original(err: BaseException) -> BaseException:
-    """The exception a rank raised, out of Ray's wrapper (a dead actor reports itself)."""
+class RankDied(RuntimeError):
+    """A rank's process ended in a call (a crash, the kernel's OOM killer, a signal): Ray's report and its last words."""
+
+
+def _original(err: BaseException, ranks: RayRanks | None = None, rank: int = 0) -> BaseException:
+    """The exception a rank raised, out of Ray's wrapper; a dead rank's process adds the end of its stderr."""
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = getattr(err, "cause", None)
         if isinstance(cause, BaseException):
             return cause
+    if isinstance(err, ray.exceptions.ActorDiedError) and ranks is not None:
+        tail = _stderr_tail(ranks, rank)
+        if tail:
+            return RankDied(f"{type(err).__name__}: {err}\n{tail}")
     return err
+
+
+def _stderr_tail(ranks: RayRanks, rank: int, lines: int = 40) -> str:
+    """The last `lines` lines of rank `rank`'s Ray worker stderr file (where a native crash's traceback lands:
+    Ray's workers enable `faulthandler`), with its path; empty when it cannot be read (another node, no file)."""
+    try:
+        pid = ranks.where[rank]["pid"]
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+        paths = [os.path.join(logs, f) for f in os.listdir(logs)
+                 if f.startswith("worker-") and f.endswith(f"-{pid}.err")]
+        if not paths:
+            return ""
+        with open(paths[0], errors="replace") as f:  # faulthandler's list of loaded extension modules says nothing
+            text = [line for line in f.readlines() if not line.startswith("Extension modules:")][-lines:]
+    except Exception:  # a diagnosis only: never hide the failure it comes with
+        return ""
+    return f"the end of its stderr ({paths[0]}):\n" + "".join(text).rstrip()
 
 
 # --------------------------------------------------------------------------- placement
@@ -314,7 +339,7 @@ class RayRanks:
                 try:
                     ray.get(ref)
                 except Exception as err:
-                    cause = _original(err)
+                    cause = _original(err, self, rank)
                     if self.world_size > 1:
                         # The other ranks may be blocked in a collective with the failed one: stop them all.
                         self.kill()
@@ -468,7 +493,7 @@ def gather_together(pending: Sequence[Pending]) -> list[list[Any]]:
             except Exception as err:
                 for other in pending:
                     other.group.ranks.kill()
-                raise wrap_worker_error(p.group.role, rank, p.method, _original(err)) from err
+                raise wrap_worker_error(p.group.role, rank, p.method, _original(err, p.group.ranks, rank)) from err
     return [ray.get(p.refs) for p in pending]
 
 
@@ -498,7 +523,8 @@ def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: st
                     ray.get(ref)
                 except Exception as err:
                     pending.group.ranks.kill()
-                    raise wrap_worker_error(pending.group.role, owner[ref], pending.method, _original(err)) from err
+                    raise wrap_worker_error(pending.group.role, owner[ref], pending.method,
+                                            _original(err, pending.group.ranks, owner[ref])) from err
         return mine.result(), ray.get(pending.refs)
     finally:
         # Raising, the local half is let finish first (the killed ranks end its collective), as it always was.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -19,7 +21,7 @@ from conveyor.protocol import KVBatchMeta  # noqa: E402
 from conveyor.trainer.setup import prepare_default_model  # noqa: E402
 from conveyor.workers.actor import PolicyWorker  # noqa: E402
 from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
-from conveyor.workers.ray_group import RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
+from conveyor.workers.ray_group import RankDied, RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
 from conveyor.workers.reference import ReferenceWorker  # noqa: E402
 from conveyor.workers.roles import worker_specs  # noqa: E402
 from conveyor.trainer.plan import build_run_plan  # noqa: E402
@@ -175,6 +177,27 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
     assert two_ranks.placement is None
     with pytest.raises(RuntimeError, match="shut down"):
         two_ranks.call(PolicyWorker.update_actor, meta)
+
+
+def test_a_crashed_rank_reports_the_end_of_its_stderr(env) -> None:
+    # A rank whose process dies (here a segfault, as a native crash would) has no exception to send back: the error
+    # says so and carries the Python stack `faulthandler` wrote to the process's stderr before it died.
+    cfg, model_path, dp = env
+    group = RayWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
+                           world_size=1, num_cpus=0.5, timeout_s=60)
+    try:
+        pid = group.rank_info()[0]["pid"]
+        os.kill(pid, signal.SIGSEGV)
+        assert _wait_gone([pid]) == []
+        with pytest.raises(WorkerError) as info:
+            group.call_all(PolicyWorker.weights_version)
+        err = info.value
+        assert (err.role, err.rank, err.stage) == ("actor", 0, "weights_version")
+        assert isinstance(err.cause, RankDied)
+        assert "ActorDiedError" in str(err) and f"-{pid}.err" in str(err)
+        assert "Segmentation fault" in str(err)  # faulthandler's report, from the rank's own stderr
+    finally:
+        group.shutdown()
 
 
 def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
