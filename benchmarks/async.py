@@ -95,7 +95,7 @@ def read_run(run_dir: Path) -> dict:
 
 # The stages a step's time goes to (timing_s/*), and each side's CPU seconds (off_policy/*), in the breakdown.
 STAGES = ("step", "gen", "reward", "prompts", "old_log_prob", "adv", "update_actor", "metrics", "async/wait",
-          "async/dispatch", "async/rollout_gen", "async/rollout_reward")
+          "async/dispatch", "async/stage_weights", "async/rollout_gen", "async/rollout_reward")
 CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s", "off_policy/trainer_process_cpu_s",
        "off_policy/helper_cpu_s/rollout", "off_policy/helper_cpu_s/data_plane", "off_policy/helper_cpu_s/weights",
        "rollout/perf/cpu_s", "reward/perf/cpu_s")
@@ -169,9 +169,9 @@ def overhead_items(sync: dict[str, float], own: dict[str, float]) -> dict[str, f
     `stage_medians`) beyond the synchronous run's trainer side.
 
     The trainer's thread: the stages both runs have, each against its synchronous self (the same work, slower beside
-    the helpers), the source's hand-out (prompts, the weight copy) and its wait, the rest of its step; then the
-    process's helper threads by group, and its other threads (Ray's, gloo's, torch's: the process's CPU less the
-    thread's and the helpers').
+    the helpers), the source's hand-out (prompts), weight copy (`async/stage_weights`) and wait, the rest of its
+    step; then the process's helper threads by group, and its other threads (Ray's, gloo's, torch's: the process's
+    CPU less the thread's and the helpers').
     """
     items: dict[str, float] = {}
     for stage in STAGES:

@@ -50,7 +50,8 @@ from torch import Tensor
 
 __all__ = [
     "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
-    "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into",
+    "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into", "pack",
+    "unpack", "Table",
 ]
 
 #: How the engine takes MoE experts: "fused", as transformers 5 holds them (one 3-D tensor per projection and
@@ -259,6 +260,26 @@ def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[list[tuple[str, str, tupl
         meta.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset += _nbytes(tensor)
     return meta, offset
+
+
+Table = list[tuple[str, str, tuple[int, ...], int]]
+
+
+def pack(named: Iterable[tuple[str, Tensor]]) -> tuple[Tensor, Table]:
+    """Copies of `named` in one flat CPU byte buffer, and its table of (name, dtype, shape, byte offset): the
+    weights as one object another process takes whole (Ray's object store); `unpack` reads them back."""
+    named = list(named)
+    table, total = _layout(named)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for (_, tensor), (_, dtype, shape, offset) in zip(named, table):
+        _view(buffer, dtype, shape, offset).copy_(tensor)
+    return buffer, table
+
+
+def unpack(buffer: Tensor, table: Table) -> Iterator[tuple[str, Tensor]]:
+    """`pack`'s (name, tensor) pairs, in order, as views of `buffer`."""
+    for name, dtype, shape, offset in table:
+        yield name, _view(buffer, dtype, shape, offset)
 
 
 def _bytes_of(tensor: Tensor) -> Tensor:

@@ -216,6 +216,7 @@ class PPOTrainer:
             if self.plan.use_critic:
                 meta = run("update_critic", self._update_critic, meta)
             meta = run("update_actor", self._update_actor, meta)
+            timings.update(self.source.updated())
             meta = run("metrics", self._compute_metrics, meta)
             if self.cfg.trainer.dump_freq and step % self.cfg.trainer.dump_freq == 0:
                 self._dump_generations(meta)

@@ -166,6 +166,10 @@ class SampleSource:
         """Stage 2 outside training (validation), with the trainer's current weights."""
         raise NotImplementedError
 
+    def updated(self) -> dict[str, float]:
+        """The step's actor update just ended (its weights are the next version); returns timings to log."""
+        return {}
+
     def release(self) -> None:
         """The step is over: free what the source wrote outside the step's partition."""
 
@@ -287,6 +291,10 @@ class DynamicSampling(SampleSource):
     def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
         """`inner`'s."""
         return self.inner.generate(meta)
+
+    def updated(self) -> dict[str, float]:
+        """`inner`'s."""
+        return self.inner.updated()
 
     def release(self) -> None:
         """`inner`'s."""
@@ -427,14 +435,26 @@ class AsyncSource(SampleSource):
     def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Validation: the trainer's current weights go to the rollout, which generates after the batches before it."""
         label = self.trainer.global_step  # updates so far
-        load = self.rollout.stage_weights(label)
+        # Sent already when the step's update ended (`updated`): the rollout thread loads them before this call.
+        load = self.rollout.stage_weights(label) if self._sent_version != label else None
         self._sent_version = label
 
         def run() -> KVBatchMeta:
-            load()
+            if load is not None:
+                load()
             return self.rollout.generate_sequences(meta, sync=False)
 
         return self._submit(run).result()
+
+    def updated(self) -> dict[str, float]:
+        """The weights the update just made leave for the rollout now, when a sync is due and a later step trains
+        what they generate: the rollout gets them while the step computes its metrics and logs, not after."""
+        timings: dict[str, float] = {}
+        version = self.trainer.global_step  # updates so far, this step's included
+        if version < self.trainer.cfg.trainer.total_training_steps:
+            with timer("async/stage_weights", timings):
+                self._stage_if_due(version)
+        return timings
 
     def release(self) -> None:
         """Free the batches this step trained."""
@@ -465,9 +485,7 @@ class AsyncSource(SampleSource):
         `in_training`: 1 once this step has taken its batch (it is trained at `version`, the next at
         `version + 1`), else 0.
         """
-        if self._sent_version is None or version - self._sent_version >= self.sync_every:
-            self._syncs.append(self._submit(self.rollout.stage_weights(version)))
-            self._sent_version = version
+        self._stage_if_due(version)
         total = self.trainer.cfg.trainer.total_training_steps
         while len(self._pending) + in_training < self.k + 1:
             # Trained, if nothing is dropped, at version + (batches ahead of it), or sooner.
@@ -479,6 +497,13 @@ class AsyncSource(SampleSource):
             if self.strategy == "wait" and self._sent_version < trained_at - self.k:
                 break
             self._hand_out()
+
+    def _stage_if_due(self, version: int) -> None:
+        """Send the weights of `version` (updates so far) to the rollout if `parameter_sync_step` updates have
+        passed since the last ones sent; the rollout thread loads them after the batches handed out before."""
+        if self._sent_version is None or version - self._sent_version >= self.sync_every:
+            self._syncs.append(self._submit(self.rollout.stage_weights(version)))
+            self._sent_version = version
 
     def _hand_out(self) -> None:
         """Draw the next prompts into the data plane and queue their batch on the rollout thread."""

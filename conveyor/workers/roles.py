@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ import torch
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
+from conveyor.rollout.weight_sync import Table, pack
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
@@ -219,6 +221,10 @@ class RolloutGroup(_Role):
         the thread that generates, before the batches that are to use them)."""
         self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
         local = isinstance(self.actor.ranks, LocalWorkerGroup)
+        if local and not self.in_process and self.actor.ranks.worker.device.type == "cpu":
+            # Replicas on Ray, the actor here on CPUs: one packed copy into Ray's object store, which replicas on
+            # this node read in place from shared memory (no channel, no sending thread streaming buckets).
+            return self._put_weights(label, *pack(self.actor.ranks.worker.weight_stream()))
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
         staged = [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
         if not self.in_process:
@@ -280,9 +286,6 @@ class RolloutGroup(_Role):
         from conveyor.workers.ray_group import gather_together, gather_with_local
 
         self._join_channel()
-        if self._sender is None:
-            self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix=f"{WEIGHT_THREADS}-send")
         sends = None
         if staged is None:  # submitted from the trainer's thread: the actor sends before the update submitted next
             sends = self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes)
@@ -299,6 +302,31 @@ class RolloutGroup(_Role):
                                                "actor", "send_weights")
             return _sync_metrics(mine, received)
 
+        return self._in_order(version, run)
+
+    def _put_weights(self, version: int, buffer: torch.Tensor, table: Table) -> Callable[[], dict[str, float]]:
+        """Start handing the packed weights to every replica through Ray's object store, into its staging copy;
+        returns what waits for it and gives its metrics."""
+        import ray
+
+        from conveyor.workers.ray_group import gather_together
+
+        def run() -> dict[str, float]:
+            t0 = time.perf_counter()
+            refs = [ray.put(buffer.numpy())]  # freed when the last reference, this one, goes
+            sent = {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": buffer.numel() / 1e9,
+                    "rollout/weight_send_buckets": 1.0}
+            received = gather_together([self.ranks.submit_all(RolloutWorker.take_weights, version, refs, table)])[0]
+            return _sync_metrics(sent, received)
+
+        return self._in_order(version, run)
+
+    def _in_order(self, version: int, run: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
+        """Run one exchange (`run`) on the sending thread, after the ones started before; returns what waits for it
+        on the rollout's thread and has the replicas load `version` before they next generate."""
+        if self._sender is None:
+            self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix=f"{WEIGHT_THREADS}-send")
         done = self._sender.submit(run)
 
         def load() -> dict[str, float]:

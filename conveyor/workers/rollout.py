@@ -48,6 +48,7 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
+from conveyor.rollout.weight_sync import Table, unpack
 from conveyor.workers.generation import Generation
 from conveyor.workers.perf import set_allocator_defaults
 from conveyor.workers.settings import RolloutSettings
@@ -208,6 +209,27 @@ class RolloutWorker:
         got = self.channel.last
         return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got.bytes / 1e9,
                 "rollout/weight_sync_buckets": float(got.buckets)}
+
+    def take_weights(self, version: int, refs: list[Any], table: Table) -> dict[str, float]:
+        """Stage a sync that came through Ray's object store as `version` (`refs[0]`: the packed weights, a byte
+        array `weight_sync.pack` made; a list, so that Ray hands over the reference, not its value); metrics.
+
+        On one node the array is read from shared memory in place; the staged copy is this process's own.
+        """
+        import warnings
+
+        import ray
+
+        t0 = time.perf_counter()
+        array = ray.get(refs[0])
+        with warnings.catch_warnings():  # read-only shared memory: only read here, into the copies below
+            warnings.simplefilter("ignore", UserWarning)
+            buffer = torch.from_numpy(array)
+        tensors = [(name, t.clone()) for name, t in unpack(buffer, table)]
+        with self._staged_lock:
+            self._staged[version] = tensors
+        return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": buffer.numel() / 1e9,
+                "rollout/weight_sync_buckets": 1.0}
 
     def load_staged_weights(self, version: int) -> dict[str, float]:
         """Load the weights a staged `receive_weights` took as `version` (older staged ones are dropped); metrics.

@@ -67,6 +67,23 @@ def test_buckets_are_lazy_and_the_in_process_path_passes_the_tensors_themselves(
     assert (stats.buckets, stats.tensors, stats.bytes, stats.max_bucket_bytes) == (3, 5, 40, 16)
 
 
+def test_pack_is_one_aligned_copy_that_unpacks_bit_for_bit_as_views() -> None:
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
+             ("scalar", torch.tensor(2.5)), ("empty", torch.empty(0, 3)), ("t", torch.randn(4, 6).t())]
+    buffer, table = ws.pack(named)
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.device.type == "cpu"
+    assert [name for name, *_ in table] == [name for name, _ in named]
+    assert all(offset % 64 == 0 for *_, offset in table)  # every tensor starts aligned
+    out = list(ws.unpack(buffer, table))
+    for (name, want), (got_name, got) in zip(named, out, strict=True):
+        assert got_name == name and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), name
+        if got.numel():  # views of the buffer, not copies...
+            assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    named[0][1].add_(1.0)  # ...of copies: the source may change after packing
+    assert not torch.equal(out[0][1], named[0][1])
+
+
 def test_staging_reuses_its_buffer_only_when_no_view_of_it_is_alive() -> None:
     staging = ws.Staging("cpu")
     first = staging.get(64)

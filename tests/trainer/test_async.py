@@ -117,6 +117,36 @@ def test_one_optimizer_step_per_batch_takes_the_proximal_policy_from_the_update(
     assert old(["actor_rollout_ref.actor.ppo_mini_batch_size=32"]) == "rollout"
 
 
+def test_weights_leave_when_the_update_ends(tmp_path, tiny_run, monkeypatch):
+    # Each update's weights are staged right after it (before the step's metrics), so the next step's start finds
+    # them sent; the last update's are not staged, as no later step would train what they generate.
+    from conveyor.trainer.sources import AsyncSource
+
+    staged: list[tuple[str, int, int]] = []
+    where = {"updated": False}
+    original_updated, original_stage = AsyncSource.updated, AsyncSource._stage_if_due
+
+    def updated(self):
+        where["updated"] = True
+        try:
+            return original_updated(self)
+        finally:
+            where["updated"] = False
+
+    def stage(self, version):
+        before = self._sent_version
+        original_stage(self, version)
+        if self._sent_version != before:
+            staged.append(("updated" if where["updated"] else "step start", self.trainer.global_step, version))
+
+    monkeypatch.setattr(AsyncSource, "updated", updated)
+    monkeypatch.setattr(AsyncSource, "_stage_if_due", stage)
+    metrics, _ = _run(tmp_path, tiny_run, "run", [ASYNC, "trainer.total_training_steps=4"])
+    # (Version 0 went out with the step-0 validation's generation.)
+    assert staged == [("updated", 1, 1), ("updated", 2, 2), ("updated", 3, 3)]
+    assert all("timing_s/async/stage_weights" in r for r in metrics if r["step"] in (1, 2, 3))
+
+
 def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run, monkeypatch):
     from conveyor.workers.rollout import RolloutWorker
 

@@ -88,7 +88,7 @@ def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_pa
     assert versions == [(r["trained_at"], r["sample_versions"], r["token_version_range"])
                         for r in map(json.loads, (thread_dir / "async_versions.jsonl").read_text().splitlines())]
     assert [v for _, v, _ in versions] == [[0] * 8, [0] * 8, [1] * 8]  # v0, v0, then the weights of update 1
-    assert any(k == "rollout/weight_sync_s" for r in own for k in r)  # the syncs crossed the channel
+    assert any(k == "rollout/weight_sync_s" for r in own for k in r)  # the syncs reached the replica (object store)
     if sys.platform.startswith("linux"):  # which helper threads of the trainer's process spent CPU (from /proc)
         later = [r for r in own if r["step"] >= 2 and "off_policy/helper_cpu_s/data_plane" in r]
         assert later and all(r["off_policy/helper_cpu_s/data_plane"] > 0 and r["off_policy/helper_cpu_s/weights"] > 0
