@@ -252,7 +252,11 @@ def stream_to(named: Iterable[tuple[str, Tensor]], load: Callable[[list[tuple[st
     return stats
 
 
-def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[list[tuple[str, str, tuple[int, ...], int]], int]:
+# A flat buffer's table: each tensor's (name, dtype, shape, byte offset).
+Table = list[tuple[str, str, tuple[int, ...], int]]
+
+
+def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[Table, int]:
     """Each tensor's (name, dtype, shape, byte offset) in a bucket's flat buffer, and the buffer's size."""
     meta, offset = [], 0
     for name, tensor in bucket:
@@ -262,22 +266,24 @@ def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[list[tuple[str, str, tupl
     return meta, offset
 
 
-Table = list[tuple[str, str, tuple[int, ...], int]]
-
-
 def pack(named: Iterable[tuple[str, Tensor]]) -> tuple[Tensor, Table]:
     """Copies of `named` in one flat CPU byte buffer, and its table of (name, dtype, shape, byte offset): the
     weights as one object another process takes whole (Ray's object store); `unpack` reads them back."""
     named = list(named)
     table, total = _layout(named)
     buffer = torch.empty(total, dtype=torch.uint8)
-    for (_, tensor), (_, dtype, shape, offset) in zip(named, table):
-        _view(buffer, dtype, shape, offset).copy_(tensor)
+    _pack_into(buffer, named, table)
     return buffer, table
 
 
+def _pack_into(buffer: Tensor, named: list[tuple[str, Tensor]], table: Table) -> None:
+    """Copy each tensor of `named` to its place in `buffer` (its `_layout` entry)."""
+    for (_, tensor), (_, dtype, shape, offset) in zip(named, table):
+        _view(buffer, dtype, shape, offset).copy_(tensor)
+
+
 def unpack(buffer: Tensor, table: Table) -> Iterator[tuple[str, Tensor]]:
-    """`pack`'s (name, tensor) pairs, in order, as views of `buffer`."""
+    """The (name, tensor) pairs of a flat buffer and its table (`pack`'s, a received bucket's), as views of it."""
     for name, dtype, shape, offset in table:
         yield name, _view(buffer, dtype, shape, offset)
 
@@ -324,8 +330,7 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
             buffer = _bytes_of(only)  # a lone tensor travels from its own memory
         else:
             buffer = staging.get(total)
-            for (_, tensor), (_, dtype, shape, offset) in zip(bucket, meta):
-                _view(buffer, dtype, shape, offset).copy_(tensor)
+            _pack_into(buffer, bucket, meta)
         _broadcast(buffer, src, group)
         stats.add(bucket)
         del buffer, bucket, only
@@ -364,7 +369,7 @@ def _receive_bucket(group: Any, src: int, staging: Staging) -> list[tuple[str, T
     # Reused only if the consumer kept no view of the previous bucket (Staging.get checks).
     buffer = staging.get(total)
     _broadcast(buffer, src, group)
-    return [(name, _view(buffer, dtype, shape, offset)) for name, dtype, shape, offset in meta]
+    return list(unpack(buffer, meta))
 
 
 def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str = "cpu",

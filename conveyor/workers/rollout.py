@@ -200,9 +200,7 @@ class RolloutWorker:
         """
         t0 = time.perf_counter()
         if stage:
-            tensors = [(name, t.clone()) for name, t in self.channel.received()]
-            with self._staged_lock:
-                self._staged[version] = tensors
+            self._stage(version, self.channel.received())
         else:
             self.engine.update_weights(self.channel.received(), version=version)
             self.version = version
@@ -225,11 +223,15 @@ class RolloutWorker:
         with warnings.catch_warnings():  # read-only shared memory: only read here, into the copies below
             warnings.simplefilter("ignore", UserWarning)
             buffer = torch.from_numpy(array)
-        tensors = [(name, t.clone()) for name, t in unpack(buffer, table)]
-        with self._staged_lock:
-            self._staged[version] = tensors
+        self._stage(version, unpack(buffer, table))
         return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": buffer.numel() / 1e9,
                 "rollout/weight_sync_buckets": 1.0}
+
+    def _stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Keep copies of a sync's tensors (views of a buffer that is reused or shared) as `version`."""
+        tensors = [(name, t.clone()) for name, t in named]
+        with self._staged_lock:
+            self._staged[version] = tensors
 
     def load_staged_weights(self, version: int) -> dict[str, float]:
         """Load the weights a staged `receive_weights` took as `version` (older staged ones are dropped); metrics.
