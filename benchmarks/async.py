@@ -30,6 +30,9 @@ side with a 1 s synchronous step would give (`projections`).
 
     python benchmarks/async.py                                  # 2 rounds of the full default run
     python benchmarks/async.py --rounds 1 --set trainer.total_training_steps=100 trainer.test_freq=50
+
+On one GPU (benchmarks/gpu_check.sh runs this with a larger model) only the thread placement applies: a rollout
+process of its own needs a device of its own. `--skip` leaves each run's warm-up steps out of its steps/s.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ MODES = {
 }
 
 
-def read_run(run_dir: Path) -> dict:
+def read_run(run_dir: Path, skip: int = 0) -> dict:
     """steps, training seconds, steps/s, [(step, training seconds so far, val accuracy)] and the CPU-time estimates
-    of a finished run.
+    of a finished run; steps/s and the estimates leave out the first `skip` steps (a GPU's warm-up: kernels chosen,
+    memory reserved), the curve's training time counts every step.
 
     The estimates, per step, from each side's CPU seconds (waits for a lock or a core count in none):
     - `cpu_steps_per_s` (rollout on a thread): the longer of the trainer's thread and the rollout's, what a core
@@ -70,25 +74,27 @@ def read_run(run_dir: Path) -> dict:
     by_step: dict[int, dict] = {}
     for r in rows:  # a step may have several records (metrics, then validation): merge them
         by_step.setdefault(int(r["step"]), {}).update(r)
-    elapsed, cpu_bound, cores_bound, two_bound, curve, steps = 0.0, 0.0, 0.0, 0.0, [], 0
+    elapsed, measured, cpu_bound, cores_bound, two_bound, curve, steps = 0.0, 0.0, 0.0, 0.0, 0.0, [], 0
     for step in sorted(by_step):
         r = by_step[step]
-        if "timing_s/step" in r:
-            wall = float(r["timing_s/step"])
-            elapsed += wall
-            steps += 1
-            if "off_policy/trainer_cpu_s" in r:
-                cpu_bound += max(float(r["off_policy/trainer_cpu_s"]), float(r["off_policy/rollout_cpu_s"]))
-            else:
-                cpu_bound += wall
-            trainer = float(r.get("off_policy/trainer_process_cpu_s", wall))
-            rollout = float(r.get("rollout/perf/cpu_s", 0.0)) + float(r.get("reward/perf/cpu_s", 0.0))
-            cores_bound += max(trainer, rollout)
-            two_bound += (trainer + rollout) / 2
+        wall = float(r.get("timing_s/step", 0.0))
+        elapsed += wall
         if "val/accuracy" in r:
             curve.append((step, elapsed, float(r["val/accuracy"])))
+        if "timing_s/step" not in r or step <= skip:
+            continue
+        measured += wall
+        steps += 1
+        if "off_policy/trainer_cpu_s" in r:
+            cpu_bound += max(float(r["off_policy/trainer_cpu_s"]), float(r["off_policy/rollout_cpu_s"]))
+        else:
+            cpu_bound += wall
+        trainer = float(r.get("off_policy/trainer_process_cpu_s", wall))
+        rollout = float(r.get("rollout/perf/cpu_s", 0.0)) + float(r.get("reward/perf/cpu_s", 0.0))
+        cores_bound += max(trainer, rollout)
+        two_bound += (trainer + rollout) / 2
     rate = lambda total: steps / total if total else 0.0  # noqa: E731
-    return {"steps": steps, "train_s": elapsed, "steps_per_s": rate(elapsed), "curve": curve,
+    return {"steps": steps, "train_s": elapsed, "steps_per_s": rate(measured), "curve": curve,
             "cpu_steps_per_s": rate(cpu_bound), "cores_steps_per_s": rate(cores_bound),
             "two_cores_steps_per_s": rate(two_bound)}
 
@@ -238,7 +244,8 @@ def accuracy_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
     return reached[-1] if reached else curve[0][2]
 
 
-def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: int | None, env_base: dict) -> dict:
+def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: int | None, env_base: dict,
+            skip: int | None = None) -> dict:
     run_dir = out / f"{mode}-{int(time.time() * 1000)}"
     cmd = [sys.executable, "-m", "conveyor.cli", "train", "--config", str(config), *MODES[mode], *overrides,
            f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", "trainer.logger=[jsonl]"]
@@ -252,9 +259,11 @@ def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: i
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = read_run(run_dir)
-    sides = cpu_sides(run_dir) if mode != "async_k1_thread" else {}
-    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir), sides=sides)
+    # Steps/s over every step unless told to leave the first out; the breakdowns after the 5th by default.
+    result = read_run(run_dir, skip=skip or 0)
+    after = 5 if skip is None else skip
+    sides = cpu_sides(run_dir, skip=after) if mode != "async_k1_thread" else {}
+    result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir, skip=after), sides=sides)
     return result
 
 
@@ -265,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of every process")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
                    help="the modes to run (sync is always run: the others are compared with it)")
+    p.add_argument("--skip", type=int, default=None,
+                   help="leave a run's first SKIP steps out of its steps/s and its breakdowns (a GPU's warm-up; "
+                        "default: every step counts in steps/s, the breakdowns start after the 5th)")
     p.add_argument("--set", nargs="*", default=[], help="config overrides for every mode")
     p.add_argument("--out", type=Path, default=None, help="where runs are written (default: a temporary folder)")
     args = p.parse_args(argv)
@@ -279,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for rnd in range(args.rounds):
         for mode in modes:
-            r = run_one(mode, out, args.config, args.set, args.threads, env)
+            r = run_one(mode, out, args.config, args.set, args.threads, env, args.skip)
             results[mode].append(r)
             curve = "  ".join(f"{s}:{acc:.3f}@{t:.0f}s" for s, t, acc in r["curve"])
             cpu = (f"  (two free cores, no lock: {r['cpu_steps_per_s']:6.2f} steps/s)" if mode == "async_k1_thread"
@@ -311,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {i + 1}: final accuracy (equal steps) sync {s['curve'][-1][2]:.3f}, {mode} "
                   f"{a['curve'][-1][2]:.3f}; at equal training time {budget:.0f} s: sync "
                   f"{accuracy_at(s['curve'], budget):.3f}, {mode} {accuracy_at(a['curve'], budget):.3f}")
-    print("\nwhere a step's time goes (median ms per step over the run's steps after the 5th, last round):")
+    print(f"\nwhere a step's time goes (median ms per step over the run's steps after step "
+          f"{5 if args.skip is None else args.skip}, last round):")
     for mode, rs in results.items():
         stages = rs[-1]["stages"]
         # A stage's wall time, with its thread's CPU time beside it.

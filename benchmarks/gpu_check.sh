@@ -6,7 +6,8 @@
 # padded ones on a ~1B model with responses of 64..4096 tokens; then the rollout
 # benchmark's GPU goal, vLLM against the hf rollout on a ~0.44B model, and the vLLM engine's contract on the GPU
 # (routing shape, syncs after real updates, the sync time of a ~0.5B model) (when vllm is installed); last,
-# expert parallelism of size 1 through the EP code path against the plain model (benchmarks/ep_check.py).
+# expert parallelism of size 1 through the EP code path against the plain model (benchmarks/ep_check.py);
+# asynchronous training (k = 1, the rollout on a thread) against synchronous on one GPU (benchmarks/async.py).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the venv's python on PATH or PY=...
 #
@@ -237,4 +238,12 @@ echo "== expert parallelism of size 1 on one GPU (nccl), through the EP path: lo
 # own FSDP2 unit, float32 with TF32 off (1e-5 bars); the 2-rank split is the CPU test test_expert_parallel.py.
 "$PY" benchmarks/ep_check.py --device cuda --hidden 1024 --layers 4 --experts 16 --top-k 4 --vocab 4096 \
   --batch 8 --seq 512
+echo "== asynchronous training on one GPU: k = 1, the rollout on a thread of the trainer's process, against sync"
+# The async speed bar on a device (docs/async.md projects it from CPU figures): a ~0.33B Qwen3-MoE, 128-token
+# responses, 8 steps each, the first 2 left out of steps/s as warm-up; the run folders (checkpoints) removed after.
+"$PY" benchmarks/async.py --rounds 1 --modes async_k1_thread --skip 2 --out "$OUT/async" \
+  --set trainer.device=cuda "${MODEL[@]}" actor_rollout_ref.model.tiny.num_layers=6 trainer.total_training_steps=8 \
+  trainer.test_freq=0 trainer.save_freq=0 data.max_response_length=128 actor_rollout_ref.actor.strategy=fsdp2 \
+  actor_rollout_ref.ref.strategy=fsdp2 || echo "the asynchronous check failed (above)"
+rm -rf "$OUT/async"
 echo "== done: $OUT"

@@ -29,6 +29,11 @@ def test_steps_per_second_and_accuracy_at_equal_training_time(tmp_path):
     # No process CPU figures (a synchronous run, or a thread): the step's wall time stands for the trainer's.
     assert abs(r["cores_steps_per_s"] - 1.5) < 1e-12 and abs(r["two_cores_steps_per_s"] - 3.0) < 1e-12
 
+    # A GPU's warm-up left out: steps/s and the estimates from steps 2-3, the curve's times still from step 1.
+    w = bench.read_run(run, skip=1)
+    assert w["steps"] == 2 and w["train_s"] == 2.0 and w["steps_per_s"] == 2 / 1.5 and w["curve"] == r["curve"]
+    assert abs(w["cpu_steps_per_s"] - 2 / (0.3 + 0.4)) < 1e-12
+
     assert bench.accuracy_at(r["curve"], 1.5) == 0.5
     assert bench.accuracy_at(r["curve"], 2.0) == 0.75
     assert bench.accuracy_at(r["curve"], 0.0) == 0.25
