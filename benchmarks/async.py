@@ -99,6 +99,15 @@ def read_run(run_dir: Path, skip: int = 0) -> dict:
             "two_cores_steps_per_s": rate(two_bound)}
 
 
+# The breakdowns' first steps left out by default (start-up: the first batches, caches filling).
+BREAKDOWN_SKIP = 5
+
+
+def breakdown_skip(skip: int | None) -> int:
+    """The steps the breakdowns leave out: `--skip` when given, else BREAKDOWN_SKIP."""
+    return BREAKDOWN_SKIP if skip is None else skip
+
+
 # The stages a step's time goes to (timing_s/*), and each side's CPU seconds (off_policy/*), in the breakdown.
 STAGES = ("step", "gen", "reward", "prompts", "old_log_prob", "adv", "update_actor", "metrics", "async/wait",
           "async/dispatch", "async/stage_weights", "async/rollout_gen", "async/rollout_reward")
@@ -107,7 +116,7 @@ CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s", "off_policy/train
        "rollout/perf/cpu_s", "reward/perf/cpu_s")
 
 
-def stage_medians(run_dir: Path, skip: int = 5) -> dict[str, float]:
+def stage_medians(run_dir: Path, skip: int = BREAKDOWN_SKIP) -> dict[str, float]:
     """Median milliseconds per step of each stage in STAGES and each CPU figure in CPU (steps after `skip`)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "timing_s/step" in r and int(r["step"]) > skip]
@@ -123,7 +132,7 @@ def stage_medians(run_dir: Path, skip: int = 5) -> dict[str, float]:
 ROLLOUT_SIDE = ("prompts", "gen", "reward")
 
 
-def cpu_sides(run_dir: Path, skip: int = 5) -> dict[str, float]:
+def cpu_sides(run_dir: Path, skip: int = BREAKDOWN_SKIP) -> dict[str, float]:
     """Median CPU milliseconds per step of a run's two sides (steps after `skip`).
 
     A synchronous run (one thread does everything): `rollout` is its ROLLOUT_SIDE stages' CPU, `trainer` the rest of
@@ -261,7 +270,7 @@ def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: i
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     # Steps/s over every step unless told to leave the first out; the breakdowns after the 5th by default.
     result = read_run(run_dir, skip=skip or 0)
-    after = 5 if skip is None else skip
+    after = breakdown_skip(skip)
     sides = cpu_sides(run_dir, skip=after) if mode != "async_k1_thread" else {}
     result.update(mode=mode, wall_s=wall, stages=stage_medians(run_dir, skip=after), sides=sides)
     return result
@@ -324,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{a['curve'][-1][2]:.3f}; at equal training time {budget:.0f} s: sync "
                   f"{accuracy_at(s['curve'], budget):.3f}, {mode} {accuracy_at(a['curve'], budget):.3f}")
     print(f"\nwhere a step's time goes (median ms per step over the run's steps after step "
-          f"{5 if args.skip is None else args.skip}, last round):")
+          f"{breakdown_skip(args.skip)}, last round):")
     for mode, rs in results.items():
         stages = rs[-1]["stages"]
         # A stage's wall time, with its thread's CPU time beside it.
