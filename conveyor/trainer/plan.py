@@ -145,10 +145,6 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     key = "trainer.v1.separate_async.rollout_process"
     if asked == "own":
         ray_missing = importlib.util.find_spec("ray") is None
-        if v1.separate_async.partial_rollout:
-            raise ConfigError(f"{key}=own: partial rollouts take weights between two tokens, which reach a rollout "
-                              "only in the trainer's process; set rollout_process=trainer (or auto), or "
-                              "trainer.v1.separate_async.partial_rollout=false")
         if device != "cpu":
             raise ConfigError(f"{key}=own on {device}: a rollout process of its own needs a device of its own, which "
                               "a run on Ray gives it (trainer.n_gpus_per_node >= 2, or ray.address); set "

@@ -244,11 +244,12 @@ class RolloutGroup(_Role):
         return load
 
     def take_weights_between_tokens(self) -> None:
-        """Partial rollouts: staged weights reach the replica between two tokens of a generation (in this process)."""
-        if not self.in_process:
-            raise ValueError("trainer.v1.separate_async.partial_rollout: weights reach a rollout between two tokens "
-                             "only when it runs in the trainer's process; set partial_rollout=false for a run on Ray")
-        self.ranks.worker.take_weights_between_tokens(self._inbox)
+        """Partial rollouts: weights reach the replicas between two tokens of a generation: in this process from the
+        inbox, on Ray from the staged copy a sync leaves beside the generation in progress."""
+        if self.in_process:
+            self.ranks.worker.take_weights_between_tokens(self._inbox)
+        else:
+            self.ranks.call_all(RolloutWorker.take_weights_between_tokens)
 
     def _join_channel(self) -> None:
         """Build the weight channel from the actor's rank 0 to every replica (once)."""

@@ -165,11 +165,20 @@ class RolloutWorker:
         out.extra_info["rollout/perf/cpu_s"] = time.thread_time() - cpu0  # where a step's CPU goes
         return out
 
-    def take_weights_between_tokens(self, inbox: Any) -> None:
-        """Partial rollouts: between two sampled tokens, load the newest weights `inbox.take()` holds, if any."""
+    def take_weights_between_tokens(self, inbox: Any = None) -> None:
+        """Partial rollouts: between two sampled tokens, load the newest weights that have arrived, if any.
+
+        `inbox` (this worker in the trainer's process): what `inbox.take()` holds. Without one (a replica of its
+        own): the newest sync staged beside the generation (`take_weights`, `receive_weights(stage=True)`), which
+        the next call's `load_staged_weights` then finds loaded already.
+        """
+        if self.generation.replica_group is not None:
+            raise ValueError("trainer.v1.separate_async.partial_rollout: a replica spanning several ranks would "
+                             "switch weights on each rank at a different token; set partial_rollout=false")
+        take = inbox.take if inbox is not None else self._take_newest_staged
 
         def hook(sampled: int) -> bool:
-            staged = inbox.take()
+            staged = take()
             if staged is None:
                 return False
             version, tensors = staged
@@ -179,6 +188,18 @@ class RolloutWorker:
             return True
 
         self.generation.interrupt = hook
+
+    def _take_newest_staged(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The newest staged sync newer than the weights served, dropping the older ones; None if there is none."""
+        with self._staged_lock:
+            newer = [v for v in self._staged if v > self.version]
+            if not newer:
+                return None
+            version = max(newer)
+            tensors = self._staged.pop(version)
+            for older in [v for v in self._staged if v < version]:
+                del self._staged[older]
+        return version, tensors
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """In this process: load the actor's streamed tensors into the engine; returns the seconds taken."""
@@ -240,9 +261,13 @@ class RolloutWorker:
         with even when a later sync has already arrived beside it.
         """
         with self._staged_lock:
-            tensors = self._staged.pop(version)
+            tensors = self._staged.pop(version, None)
             for older in [v for v in self._staged if v < version]:
                 del self._staged[older]
+        if tensors is None:
+            # A partial rollout loaded these (or newer ones) between two tokens of the generation before.
+            assert self.generation.interrupt is not None and self.version >= version, (version, self.version)
+            return {}
         return {"rollout/weight_load_s": self.load_weights(iter(tensors), version)}
 
     def close(self) -> None:

@@ -238,6 +238,12 @@ def test_partial_rollouts_continue_unfinished_samples_with_the_new_weights(tmp_p
         ASYNC, "trainer.v1.separate_async.partial_rollout=true", "trainer.total_training_steps=4",
         "data.max_response_length=24", "actor_rollout_ref.actor.router_replay.mode=R3",
         "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    check_partial_rollouts(metrics, run_dir)
+
+
+def check_partial_rollouts(metrics: list[dict], run_dir) -> None:
+    """Samples continued with newer weights, every token's version within the bound, the switches counted, and the
+    routing R3 replays still on its tokens."""
     log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
     continued = 0
     for r in log:

@@ -123,6 +123,31 @@ def test_a_crashing_rollout_in_its_own_process_is_one_error_naming_the_stage(tmp
         _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"trainer.plugins=[{plugin}]"])
 
 
+def test_partial_rollouts_in_a_process_of_its_own_continue_samples_with_the_weights_staged_beside_them(
+        tmp_path, tiny_run_base):
+    # The replica samples slower than the trainer updates (10 ms per token, in the replica's process only), so a sync
+    # staged beside a generation is loaded between two of its tokens; R3 replays the routing across the switch.
+    from test_async import check_partial_rollouts
+
+    plugin = tmp_path / "slow.py"
+    plugin.write_text(
+        "import os, time\n"
+        "from conveyor.rollout import hf\n"
+        f"if os.getpid() != {os.getpid()}:\n"
+        "    sample = hf._Sampler.__call__\n"
+        "    def slow(self, logits):\n"
+        "        time.sleep(0.01)\n"
+        "        return sample(self, logits)\n"
+        "    hf._Sampler.__call__ = slow\n")
+    metrics, run_dir = _run(tmp_path, tiny_run_base, "run", [
+        ASYNC, OWN, "trainer.v1.separate_async.partial_rollout=true", f"trainer.plugins=[{plugin}]",
+        "trainer.total_training_steps=4", "data.max_response_length=24",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    assert json.loads((run_dir / "plan.json").read_text())["rollout_process"] == "own"
+    check_partial_rollouts(metrics, run_dir)
+
+
 def test_remax_and_dynamic_sampling_compose_the_same_in_a_process_of_its_own(tmp_path, tiny_run_base):
     # Several generation batches a step into one shared partition (padded), each with its greedy baseline decoded
     # by the same replica right after its samples: the replica in its own process trains what the thread does.
