@@ -196,10 +196,15 @@ class RolloutWorker:
             if not newer:
                 return None
             version = max(newer)
-            tensors = self._staged.pop(version)
-            for older in [v for v in self._staged if v < version]:
-                del self._staged[older]
-        return version, tensors
+            return version, self._pop_staged(version)
+
+    def _pop_staged(self, version: int) -> list[tuple[str, torch.Tensor]] | None:
+        """Remove and return the staged copy of `version` (None if it is not there) and drop the older ones; the
+        caller holds `_staged_lock`."""
+        tensors = self._staged.pop(version, None)
+        for older in [v for v in self._staged if v < version]:
+            del self._staged[older]
+        return tensors
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """In this process: load the actor's streamed tensors into the engine; returns the seconds taken."""
@@ -261,9 +266,7 @@ class RolloutWorker:
         with even when a later sync has already arrived beside it.
         """
         with self._staged_lock:
-            tensors = self._staged.pop(version, None)
-            for older in [v for v in self._staged if v < version]:
-                del self._staged[older]
+            tensors = self._pop_staged(version)
         if tensors is None:
             # A partial rollout loaded these (or newer ones) between two tokens of the generation before.
             assert self.generation.interrupt is not None and self.version >= version, (version, self.version)
