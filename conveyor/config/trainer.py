@@ -67,7 +67,7 @@ class SeparateAsyncConfig:
     rollout_process: str = F("auto", "where the rollout and reward workers run when the run is not on Ray already: "
                                      "own (Ray actors beside the trainer's process, on the trainer's data plane "
                                      "over a socket), trainer (a thread of the trainer's process); auto = trainer, "
-                                     "the faster on one machine (docs/async.md)",
+                                     "as fast on one machine and without Ray (docs/async.md)",
                              choices=ROLLOUT_PROCESSES, resume_neutral=True)
 
 

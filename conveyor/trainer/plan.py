@@ -155,9 +155,10 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
         return "own", f"rollout process: Ray actors of their own, beside the trainer's ({key}=own)"
     if asked == "trainer":
         return "trainer", f"rollout process: a thread of the trainer's ({key}=trainer)"
-    # auto: the thread. Measured on the default run and on a larger model (docs/async.md), the thread is the
-    # faster placement on one machine: running the rollout elsewhere costs the trainer's process more (serving its
-    # data-plane reads and writes, the Ray calls, the weight stream) than the interpreter lock does.
+    # auto: the thread. Measured on the default run (docs/async.md), the two placements are within each other's
+    # spread on one machine: running the rollout elsewhere costs the trainer's process about what the interpreter
+    # lock costs the thread (serving its data-plane reads and writes, the Ray calls, the weight stream), and the
+    # thread needs no Ray.
     return "trainer", (f"rollout process: a thread of the trainer's ({key}=auto; {key}=own puts the rollout and "
                        "reward workers in Ray actors of their own)")
 
