@@ -20,7 +20,8 @@ __all__ = ["TransferQueueConfig"]
 class TransferQueueConfig:
     """The data plane."""
 
-    backend: str = F("memory", "data-plane backend (memory is embedded in the trainer's process)",
+    backend: str = F("memory", "data-plane backend (memory is embedded in the trainer's process and served to "
+                                "Ray workers on this machine; ray instead for Ray workers on GPUs or several machines)",
                      choices=registry("conveyor.data_plane", "BACKENDS"))
     num_storage_actors: int = F(1, "ray backend: storage actors", gt=0)
     storage_actor_cpus: float = F(0.05, "ray backend: logical CPUs each storage actor reserves", ge=0)

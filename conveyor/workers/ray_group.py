@@ -578,8 +578,8 @@ def build_ray_rollout_groups(cfg: Any, specs: dict[str, WorkerSpec], *, gpu: boo
 def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: Any) -> dict[str, RayWorkerGroup]:
     """Each role of `specs` as a Ray worker group: model roles with one rank per GPU or CPU worker, reward with one."""
     if getattr(data_plane, "backend", None) == "memory":
-        raise ValueError("workers on Ray cannot reach the memory data plane (it lives in the trainer's process); "
-                         "use transfer_queue.backend=ray")
+        raise ValueError("workers on Ray cannot reach the memory data plane itself (it lives in the trainer's "
+                         "process): pass them its DataPlaneServer's client, or use transfer_queue.backend=ray")
     t = cfg.trainer
     gpu = t.n_gpus_per_node > 0
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)

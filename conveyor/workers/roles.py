@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -436,8 +436,15 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         from conveyor.workers.ray_group import build_ray_worker_groups, ray_worker_device
 
         device = ray_worker_device(cfg, device)
-        groups = build_ray_worker_groups(cfg, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device),
-                                         data_plane)
+        specs = worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
+        if getattr(data_plane, "backend", None) == "memory":  # a Ray on this machine (`serves_memory_plane`)
+            server, specs = _served(specs, data_plane)
+        try:
+            groups = build_ray_worker_groups(cfg, specs, server.client() if server is not None else data_plane)
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
     else:
         specs = worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
         # The model roles share one process as they share a Ray rank's (`ColocatedWorker`, built in order).
@@ -477,18 +484,26 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
     )
 
 
+def _served(specs: dict[str, WorkerSpec], data_plane: DataPlane, roles: Iterable[str] | None = None,
+            ) -> tuple[Any, dict[str, WorkerSpec]]:
+    """`data_plane` served to the workers of `roles` (all by default) in processes of their own: (the server, which
+    the run closes after the workers, their specs with a client in place of the plane)."""
+    from conveyor.data_plane.served import DataPlaneServer
+
+    server = DataPlaneServer(data_plane)
+    client = server.client()
+    return server, {role: dataclasses.replace(spec, kwargs={**spec.kwargs, "data_plane": client})
+                    for role, spec in specs.items() if roles is None or role in roles}
+
+
 def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: DataPlane,
                         ) -> tuple[Any, dict[str, Any]]:
     """The reward worker and the rollout group as Ray actors beside this process, on `data_plane` served to them:
     (the server, which the run closes after the workers, their groups)."""
-    from conveyor.data_plane.served import DataPlaneServer
     from conveyor.workers.ray_group import build_ray_rollout_groups
 
-    server = DataPlaneServer(data_plane)
+    server, remote = _served(specs, data_plane, ("reward", "rollout"))
     try:
-        client = server.client()
-        remote = {role: dataclasses.replace(spec, kwargs={**spec.kwargs, "data_plane": client})
-                  for role, spec in specs.items() if role in ("reward", "rollout")}
         groups = build_ray_rollout_groups(cfg, remote, gpu=False)
     except BaseException:
         server.close()

@@ -104,7 +104,7 @@ def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run,
             assert row["actor/perf/cpu_memory_used_gb"] > 0
             assert "actor/pg_loss" in row and "actor/grad_norm" in row
         messages = [r.getMessage() for r in caplog.records]
-        assert any("using the ray data plane instead of transfer_queue.backend=memory" in m for m in messages)
+        assert any("the trainer's process serves them the memory data plane" in m for m in messages)
         assert any(m.startswith("actor: 2 rank(s)") for m in messages)
         # run_training started Ray, so it stopped it: nothing is left running.
         assert not ray.is_initialized()

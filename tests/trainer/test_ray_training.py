@@ -58,6 +58,25 @@ def test_an_address_where_no_ray_listens_fails_fast() -> None:
     assert time.monotonic() - t0 < 10 and not ray.is_initialized()
 
 
+@pytest.mark.parametrize("overrides,backend,why", [
+    (["trainer.num_cpu_workers=2"], "memory", "on this machine"),
+    (["trainer.nnodes=2"], "ray", "other machines"),
+    (["trainer.num_cpu_workers=2", "ray.address=auto"], "ray", "other machines"),
+    (["trainer.n_gpus_per_node=2"], "ray", "GPU workers"),
+    (["trainer.num_cpu_workers=2", "transfer_queue.backend=ray"], "ray", None),
+    ([], "memory", None),
+])
+def test_which_data_plane_workers_on_ray_reach(overrides, backend, why, caplog) -> None:
+    from conveyor.ray_utils import data_plane_backend, serves_memory_plane
+
+    cfg = load_config(None, overrides)
+    with caplog.at_level(logging.INFO, logger="conveyor"):
+        assert data_plane_backend(cfg) == backend
+    assert serves_memory_plane(cfg) == (why == "on this machine")
+    said = [r.getMessage() for r in caplog.records]
+    assert (why is None and not said) or any(why in m for m in said), said
+
+
 # Two CPU ranks on this machine, started and stopped by run_training itself: the Ray case of
 # test_one_construction_path.py checks that run (its logs, its metrics, nothing left running), so that
 # one Ray run serves both.
@@ -95,12 +114,12 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_unt
         assert type(err.cause) is RuntimeError
         assert str(err) == "actor rank 1 failed in update_actor: RuntimeError: injected failure in rank 1"
         assert ray.is_initialized()  # not ours to stop
-        # The data plane's storage actors and every worker actor are dead; no placement group is left.
+        # Every worker actor is dead; no placement group is left.
         from ray._private.state import actors as actor_table
         from ray.util.placement_group import placement_group_table
 
         assert wait_until(lambda: all(a["State"] == "DEAD" for a in actor_table().values()))
-        assert len(actor_table()) >= 4  # 1 storage + 2 actor ranks + 1 reward at least
+        assert len(actor_table()) >= 3  # 2 actor ranks + 1 reward at least (the data plane is the trainer's)
         assert not [p for p in placement_group_table().values() if p["state"] in ("PENDING", "CREATED")]
         pids = [int(p.read_text()) for p in pid_dir.iterdir()]
         assert len(pids) == 2
