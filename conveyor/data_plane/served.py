@@ -10,7 +10,8 @@ keeps using the plane itself, at in-process cost; only the other processes'
 reads and writes cross the socket.
 
 Transport: `multiprocessing.connection` from the standard library (a Unix
-socket, connections authenticated with a random key, so another user's process
+socket, in Linux's abstract namespace so that a killed trainer leaves no file
+behind; connections authenticated with a random key, so another user's process
 cannot read samples), one connection per client thread, served by one thread
 each on the trainer's side. A request and its answer are one pickle (protocol
 5): tensors as numpy buffers (as the `ray` backend carries them; torch's own
@@ -32,7 +33,9 @@ import io
 import logging
 import os
 import pickle
+import secrets
 import shutil
+import sys
 import tempfile
 import threading
 from multiprocessing.connection import Client, Connection, Listener
@@ -78,8 +81,13 @@ class DataPlaneServer:
 
     def __init__(self, plane: DataPlane):
         self.plane = plane
-        self._dir = tempfile.mkdtemp(prefix="conveyor-dp-")
-        self.address = os.path.join(self._dir, "socket")
+        self._dir: str | None = None
+        if sys.platform.startswith("linux"):
+            # An abstract socket: no file to leave behind when the trainer's process is killed.
+            self.address = f"\0conveyor-dp-{os.getpid()}-{secrets.token_hex(8)}"
+        else:
+            self._dir = tempfile.mkdtemp(prefix="conveyor-dp-")
+            self.address = os.path.join(self._dir, "socket")
         self._authkey = os.urandom(32)
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._authkey)
         self._conns: list[Connection] = []
@@ -158,7 +166,8 @@ class DataPlaneServer:
         self._listener.close()
         for conn in conns:
             conn.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class ServedDataPlane(DataPlane):
@@ -187,8 +196,9 @@ class ServedDataPlane(DataPlane):
             status, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError) as err:
             self._local.conn = None
-            raise RuntimeError(f"the data plane served at {self.address} is gone (the trainer's process ended or "
-                               f"closed it): {err}") from err
+            where = self.address.lstrip("\0")  # an abstract socket's name starts with a NUL byte
+            raise RuntimeError(f"the data plane served at {where} is gone (the trainer's process ended or closed "
+                               f"it): {err}") from err
         if status == "err":
             raise value
         return value

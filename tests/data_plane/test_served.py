@@ -6,8 +6,12 @@ backend-agreement test's; these are what only a second process shows.
 
 from __future__ import annotations
 
+import ast
 import multiprocessing as mp
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -96,3 +100,25 @@ def test_a_client_whose_server_is_gone_says_so(served):
     server.close()
     with pytest.raises(RuntimeError, match="served at .* is gone"):
         client.kv_list("p")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
+def test_a_killed_server_leaves_no_file_behind(tmp_path):
+    # What SIGKILL does to a trainer serving its plane: no clean-up runs, so the socket must not be a file.
+    script = ("import sys\nfrom conveyor.data_plane import make_data_plane\n"
+              "from conveyor.data_plane.served import DataPlaneServer\n"
+              "s = DataPlaneServer(make_data_plane('memory'))\n"
+              "c = s.client(); c.kv_list('p')\n"  # a client connected: the socket is live
+              "print(repr(s.address), flush=True)\nsys.stdin.read()\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where a file-backed socket would go
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            text=True)
+    try:
+        address = ast.literal_eval(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert address.startswith("\0conveyor-dp-")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="is gone"):
+        ServedDataPlane(address, b"any key").kv_list("p")
