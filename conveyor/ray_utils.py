@@ -27,12 +27,16 @@ def needs_ray(cfg: Any, plan: Any = None) -> bool:
     return use_ray(cfg) or own or cfg.transfer_queue.backend == "ray"
 
 
+def _may_span_machines(cfg: Any) -> bool:
+    # Several nodes, or a cluster someone else started: actors may land where this machine's socket cannot reach.
+    return cfg.trainer.nnodes > 1 or cfg.ray.address is not None
+
+
 def serves_memory_plane(cfg: Any) -> bool:
     """Whether workers on Ray reach the embedded `memory` data plane (`transfer_queue.backend=memory`), served to them
     over a Unix socket: a Ray the run starts itself on this machine (one node, no `ray.address`), CPU workers."""
-    t = cfg.trainer
-    return (cfg.transfer_queue.backend == "memory" and use_ray(cfg) and t.nnodes == 1 and cfg.ray.address is None
-            and t.n_gpus_per_node == 0)
+    return (cfg.transfer_queue.backend == "memory" and use_ray(cfg) and not _may_span_machines(cfg)
+            and cfg.trainer.n_gpus_per_node == 0)
 
 
 def data_plane_backend(cfg: Any) -> str:
@@ -50,7 +54,7 @@ def data_plane_backend(cfg: Any) -> str:
     # The embedded store lives in the trainer's process; actors on other machines cannot reach its socket, and
     # GPU batches, unmeasured through the socket, keep the object store's zero-copy reads.
     logger.info("workers run on Ray: using the ray data plane instead of transfer_queue.backend=memory (%s)",
-                "workers may run on other machines" if cfg.trainer.nnodes > 1 or cfg.ray.address is not None
+                "workers may run on other machines" if _may_span_machines(cfg)
                 else "GPU workers read their batches from Ray's object store")
     return "ray"
 
