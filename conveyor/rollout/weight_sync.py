@@ -39,8 +39,12 @@ the actor worker and the engine adapter (conveyor/rollout/vllm.py) do.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
@@ -51,7 +55,7 @@ from torch import Tensor
 __all__ = [
     "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
     "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into", "pack",
-    "unpack", "Table",
+    "unpack", "layout", "Table", "SharedSlots", "map_shared",
 ]
 
 #: How the engine takes MoE experts: "fused", as transformers 5 holds them (one 3-D tensor per projection and
@@ -266,6 +270,11 @@ def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[Table, int]:
     return meta, offset
 
 
+def layout(named: list[tuple[str, Tensor]]) -> tuple[Table, int]:
+    """`named`'s table in a packed buffer (each tensor's name, dtype, shape, byte offset) and the buffer's bytes."""
+    return _layout(named)
+
+
 def pack(named: Iterable[tuple[str, Tensor]]) -> tuple[Tensor, Table]:
     """Copies of `named` in one flat CPU byte buffer, and its table of (name, dtype, shape, byte offset): the
     weights as one object another process takes whole (Ray's object store); `unpack` reads them back."""
@@ -288,6 +297,64 @@ def unpack(buffer: Tensor, table: Table) -> Iterator[tuple[str, Tensor]]:
         yield name, _view(buffer, dtype, shape, offset)
 
 
+class SharedSlots:
+    """Packed copies of the weights in a file in shared memory that processes on this machine map (`map_shared`).
+
+    `slots` copies: the trainer packs a sync into a free one (`write`, one copy, no message of its own: the version and
+    `handle` ride on the call that loads it) and frees it once every replica has loaded it (`release`). When no slot is
+    free, `write` says so and the caller sends the weights another way: it never waits. The file is removed once
+    the replicas have mapped it (`unlink`), so a killed trainer leaves nothing behind in /dev/shm after the first
+    sync; the mappings stay valid until every process lets go of them.
+    """
+
+    def __init__(self, table: Table, nbytes: int, slots: int = 2):
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="conveyor-weights-", dir=directory)
+        try:
+            os.ftruncate(fd, nbytes * slots)
+        finally:
+            os.close(fd)
+        self.table, self.nbytes, self.size = table, nbytes, nbytes * slots
+        self.memory = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+        self._linked = True
+
+    def write(self, named: list[tuple[str, Tensor]], table: Table) -> int | None:
+        """Copy `named` (laid out as `table`) into a free slot and return its index; None when every slot is taken
+        or the layout is not this file's."""
+        if table != self.table:
+            return None
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop(0)
+        _pack_into(self.memory[slot * self.nbytes:(slot + 1) * self.nbytes], named, table)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Slot `slot` may be written again (its weights were loaded, or will never be)."""
+        with self._lock:
+            if slot not in self._free:
+                self._free.append(slot)
+
+    def handle(self, slot: int) -> tuple[str, int, int, int, Table]:
+        """What a replica needs to read slot `slot`: (path, file size, byte offset, bytes, table)."""
+        return self.path, self.size, slot * self.nbytes, self.nbytes, self.table
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay valid); safe to call twice."""
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def map_shared(path: str, size: int) -> Tensor:
+    """The whole of a `SharedSlots` file, mapped (shared, so the trainer's later writes show) as uint8."""
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
 def _bytes_of(tensor: Tensor) -> Tensor:
     """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
     flat = tensor.reshape(-1)
@@ -299,7 +366,7 @@ def _nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
     numel = 1
     for size in shape:
         numel *= size
-    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return numel * getattr(torch, dtype).itemsize
 
 
 def _view(buffer: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Tensor:

@@ -32,13 +32,13 @@ import torch
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.weight_sync import Table, pack
+from conveyor.rollout.weight_sync import SharedSlots, Table, layout, pack
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
-from conveyor.workers.rollout import LOAD_STAGED, RolloutWorker, WeightInbox
+from conveyor.workers.rollout import LOAD_SHARED, LOAD_STAGED, RolloutWorker, WeightInbox
 from conveyor.workers.weight_channel import THREAD_PREFIX as WEIGHT_THREADS
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
@@ -170,6 +170,11 @@ class RolloutGroup(_Role):
         self._inbox = WeightInbox()
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
         self._load_next: int | None = None  # staged weights the next generation loads first (replicas on Ray)
+        # Replicas on Ray on this machine, the actor here on CPUs: syncs packed into shared memory (`SharedSlots`);
+        # the slot of `_load_next` when it is there, freed once the call that loads it returns.
+        self._slots: SharedSlots | None = None
+        self._load_slot: int | None = None
+        self._between_tokens = False  # partial rollouts: weights must reach a replica mid-generation
 
     @property
     def colocated_reward(self) -> bool:
@@ -189,15 +194,27 @@ class RolloutGroup(_Role):
         call: one round trip per batch instead of two, and the reward's metrics in the same `extra_info`.
         """
         metrics = self.sync() if sync else {}
+        slot = self._load_slot
         if self._load_next is not None:  # the weights staged last, loaded by the replicas before they generate
-            meta = meta.with_extra_info(**{LOAD_STAGED: self._load_next})
-            self._load_next = None
-        if score:
-            assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
-            out = self.ranks.call_chain([("rollout", RolloutWorker.generate_sequences),
-                                         ("reward", RewardWorker.compute_reward)], meta)
-        else:
-            out = self.ranks.call(RolloutWorker.generate_sequences, meta)
+            info: dict[str, Any] = {LOAD_STAGED: self._load_next}
+            if slot is not None:  # ...from shared memory: where they are rides on this call
+                assert self._slots is not None
+                info[LOAD_SHARED] = self._slots.handle(slot)
+            meta = meta.with_extra_info(**info)
+            self._load_next = self._load_slot = None
+        try:
+            if score:
+                assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
+                out = self.ranks.call_chain([("rollout", RolloutWorker.generate_sequences),
+                                             ("reward", RewardWorker.compute_reward)], meta)
+            else:
+                out = self.ranks.call(RolloutWorker.generate_sequences, meta)
+        finally:
+            if slot is not None:
+                assert self._slots is not None
+                self._slots.release(slot)  # loaded by every replica (or never to be: the call failed)
+        if slot is not None:
+            self._slots.unlink()  # every replica has mapped the file: nothing to leave behind in /dev/shm
         if metrics:  # one entry per rank, as every per-rank metric arrives
             out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
@@ -222,9 +239,16 @@ class RolloutGroup(_Role):
         self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
         local = isinstance(self.actor.ranks, LocalWorkerGroup)
         if local and not self.in_process and self.actor.ranks.worker.device.type == "cpu":
-            # Replicas on Ray, the actor here on CPUs: one packed copy into Ray's object store, which replicas on
-            # this node read in place from shared memory (no channel, no sending thread streaming buckets).
-            return self._put_weights(label, *pack(self.actor.ranks.worker.weight_stream()))
+            named = list(self.actor.ranks.worker.weight_stream())
+            if not self._between_tokens and self._same_machine():
+                # Replicas on this machine: one copy into a shared-memory slot, loaded by the next generation call
+                # (no object store, no call of its own); when both slots still wait for their loads, as below.
+                load = self._into_slot(label, named)
+                if load is not None:
+                    return load
+            # One packed copy into Ray's object store, which replicas on this node read in place from shared memory
+            # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation.
+            return self._put_weights(label, *pack(named))
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
         staged = [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
         if not self.in_process:
@@ -243,9 +267,41 @@ class RolloutGroup(_Role):
 
         return load
 
+    def _same_machine(self) -> bool:
+        """Whether every replica runs on this process's machine (Ray node)."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        return all(w["node_id"] == here for w in self.ranks.rank_info())
+
+    def _into_slot(self, label: int, named: list[tuple[str, torch.Tensor]]) -> Callable[[], dict[str, float]] | None:
+        """Pack `named` into a free shared-memory slot; returns what has the next generation load it, or None when
+        no slot is free (both hold syncs whose loading calls have not returned)."""
+        t0 = time.perf_counter()
+        table, nbytes = layout(named)
+        if self._slots is None:
+            self._slots = SharedSlots(table, nbytes)
+        slot = self._slots.write(named, table)
+        if slot is None:
+            return None
+        sent = {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_send_gb": nbytes / 1e9,
+                "rollout/weight_send_buckets": 1.0}
+
+        def load() -> dict[str, float]:
+            # On the rollout's thread, in order with the batches: a sync staged before and not yet loaded never
+            # will be now (the replicas load the newest): its slot is free again.
+            if self._load_slot is not None:
+                assert self._slots is not None
+                self._slots.release(self._load_slot)
+            self._load_next, self._load_slot = label, slot
+            return sent
+
+        return load
+
     def take_weights_between_tokens(self) -> None:
         """Partial rollouts: weights reach the replicas between two tokens of a generation: in this process from the
         inbox, on Ray from the staged copy a sync leaves beside the generation in progress."""
+        self._between_tokens = True
         if self.in_process:
             self.ranks.worker.take_weights_between_tokens(self._inbox)
         else:
@@ -335,7 +391,10 @@ class RolloutGroup(_Role):
             # have arrived beside the generation. The replicas load them at the start of the next generation call
             # (no round trip of its own).
             metrics = done.result()
-            self._load_next = version
+            if self._load_slot is not None:  # an earlier sync in shared memory, superseded before it was loaded
+                assert self._slots is not None
+                self._slots.release(self._load_slot)
+            self._load_next, self._load_slot = version, None
             return metrics
 
         return load
@@ -345,6 +404,9 @@ class RolloutGroup(_Role):
         if self._sender is not None:
             self._sender.shutdown(wait=False, cancel_futures=True)
             self._sender = None
+        if self._slots is not None:
+            self._slots.unlink()
+            self._slots = None
         super().shutdown()
 
 

@@ -48,7 +48,7 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
-from conveyor.rollout.weight_sync import Table, unpack
+from conveyor.rollout.weight_sync import Table, map_shared, unpack
 from conveyor.workers.generation import Generation
 from conveyor.workers.perf import set_allocator_defaults
 from conveyor.workers.settings import RolloutSettings
@@ -56,10 +56,12 @@ from conveyor.workers.strategy import TrainingStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutWorker", "WeightInbox", "LOAD_STAGED"]
+__all__ = ["RolloutWorker", "WeightInbox", "LOAD_STAGED", "LOAD_SHARED"]
 
 # The call parameter that has a replica load the weights staged as that version before it generates.
 LOAD_STAGED = "load_staged_weights"
+# ...and, beside it, where in shared memory they are (`SharedSlots.handle`) when they were not staged by a call.
+LOAD_SHARED = "load_shared_weights"
 
 
 def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
@@ -139,15 +141,20 @@ class RolloutWorker:
         # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded.
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._staged_lock = threading.Lock()
+        self._shared: tuple[str, torch.Tensor] | None = None  # the trainer's `SharedSlots` file, mapped
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
         cpu0 = time.thread_time()
         loaded = {}
-        if LOAD_STAGED in meta.extra_info:  # the replica's own parameter, not the generation's
-            version = meta.extra_info[LOAD_STAGED]
-            meta = dataclasses.replace(meta, extra_info={k: v for k, v in meta.extra_info.items() if k != LOAD_STAGED})
-            loaded = self.load_staged_weights(int(version))  # a sync staged beside the last generation
+        if LOAD_STAGED in meta.extra_info:  # the replica's own parameters, not the generation's
+            version, shared = meta.extra_info[LOAD_STAGED], meta.extra_info.get(LOAD_SHARED)
+            meta = dataclasses.replace(meta, extra_info={k: v for k, v in meta.extra_info.items()
+                                                         if k not in (LOAD_STAGED, LOAD_SHARED)})
+            if shared is not None:
+                loaded = self.load_shared_weights(int(version), *shared)  # a sync packed into shared memory
+            else:
+                loaded = self.load_staged_weights(int(version))  # a sync staged beside the last generation
         start, self.switches = self.version, []
 
         def versions(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -258,6 +265,19 @@ class RolloutWorker:
         tensors = [(name, t.clone()) for name, t in named]
         with self._staged_lock:
             self._staged[version] = tensors
+
+    def load_shared_weights(self, version: int, path: str, size: int, offset: int, nbytes: int,
+                            table: Table) -> dict[str, float]:
+        """Load the weights the trainer packed into a shared-memory slot (`SharedSlots`) as `version`, straight into
+        the engine (the trainer writes that slot again only once this call has returned); metrics."""
+        t0 = time.perf_counter()
+        if self._shared is None or self._shared[0] != path:
+            self._shared = (path, map_shared(path, size))  # mapped once: the file is removed after the first load
+        buffer = self._shared[1][offset:offset + nbytes]
+        with self._staged_lock:  # staged copies of older syncs are never loaded now
+            self._pop_staged(version)
+        self.load_weights(unpack(buffer, table), version)
+        return {"rollout/weight_load_s": time.perf_counter() - t0}
 
     def load_staged_weights(self, version: int) -> dict[str, float]:
         """Load the weights a staged `receive_weights` took as `version` (older staged ones are dropped); metrics.

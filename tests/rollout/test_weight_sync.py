@@ -84,6 +84,36 @@ def test_pack_is_one_aligned_copy_that_unpacks_bit_for_bit_as_views() -> None:
     assert not torch.equal(out[0][1], named[0][1])
 
 
+
+def test_shared_slots_hand_weights_to_another_mapping_and_never_overwrite_a_slot_in_use() -> None:
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4))]
+    table, nbytes = ws.layout(named)
+    slots = ws.SharedSlots(table, nbytes)
+    try:
+        path, size, offset, n, got_table = slots.handle(0)
+        assert os.path.exists(path) and size == 2 * nbytes and n == nbytes and got_table == table
+        mapped = ws.map_shared(path, size)  # what a replica maps: the same memory, not a copy of the file
+        first = slots.write(named, table)
+        second = slots.write([(k, v + 1) for k, v in named], table)
+        assert {first, second} == {0, 1}
+        assert slots.write(named, table) is None  # both in use: the caller sends another way, it never waits
+        for slot, add in ((first, 0), (second, 1)):
+            _, _, offset, n, _ = slots.handle(slot)
+            for (name, want), (got_name, got) in zip(named, ws.unpack(mapped[offset:offset + n], table), strict=True):
+                assert got_name == name and torch.equal(got, want + add)
+        slots.release(first)
+        assert slots.write([(k, v * 0) for k, v in named], table) == first
+        _, _, offset, n, _ = slots.handle(first)
+        assert all(not got.any() for _, got in ws.unpack(mapped[offset:offset + n], table))
+        slots.release(second)
+        assert slots.write(named[:1], ws.layout(named[:1])[0]) is None  # another layout is not this file's
+        slots.unlink()
+        slots.unlink()
+        assert not os.path.exists(path)
+        assert torch.equal(next(ws.unpack(mapped[offset:offset + n], table))[1], named[0][1] * 0)  # still mapped
+    finally:
+        slots.unlink()
+
 def test_staging_reuses_its_buffer_only_when_no_view_of_it_is_alive() -> None:
     staging = ws.Staging("cpu")
     first = staging.get(64)
