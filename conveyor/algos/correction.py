@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def compute_rollout_is_weights(
     level: str = "token",
     threshold: float = 2.0,
     lower: float | None = None,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated IS weights (B, T) = min(exp(old - rollout), threshold), detached and 0 off the mask.
 
@@ -87,7 +89,7 @@ def compute_rollout_is_weights(
     ``rollout_corr/clipped_frac`` (share of tokens or sequences truncated, or
     with ``lower`` zeroed), and
     ``rollout_corr/probs_diff_max`` / ``rollout_corr/probs_diff_mean`` of
-    ``|p_old - p_rollout|`` per token.
+    ``|p_old - p_rollout|`` per token; none with ``with_metrics=False``.
     """
     if level not in IS_LEVELS:
         raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(IS_LEVELS)}")
@@ -99,6 +101,36 @@ def compute_rollout_is_weights(
             f"{tuple(rollout_log_prob.shape)} and response_mask {tuple(response_mask.shape)} "
             "must have the same shape"
         )
+    weights, raw, clipped, unit_mask, mask, old, rollout = _is_weights(old_log_prob, rollout_log_prob, response_mask,
+                                                                       level, threshold, lower)
+    metrics: dict[str, float] = {}
+    if not with_metrics:
+        return weights, metrics
+    if bool(unit_mask.any()):
+        metrics["rollout_corr/is_mean"] = raw[unit_mask].mean().item()
+        metrics["rollout_corr/is_max"] = raw[unit_mask].max().item()
+        metrics["rollout_corr/clipped_frac"] = clipped[unit_mask].float().mean().item()
+        metrics["rollout_corr/is_truncated_mean"] = weights[mask].mean().item()
+        probs_diff = (torch.exp(old) - torch.exp(rollout)).abs()[mask]
+        metrics["rollout_corr/probs_diff_max"] = probs_diff.max().item()
+        metrics["rollout_corr/probs_diff_mean"] = probs_diff.mean().item()
+    else:
+        for key in (
+            "is_mean",
+            "is_max",
+            "clipped_frac",
+            "is_truncated_mean",
+            "probs_diff_max",
+            "probs_diff_mean",
+        ):
+            metrics[f"rollout_corr/{key}"] = 0.0
+    return weights, metrics
+
+
+def _is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, level: str,
+                threshold: float, lower: float | None) -> tuple[torch.Tensor, ...]:
+    """`compute_rollout_is_weights`' weights, with the raw ratios, which units were clipped, the units' mask, the
+    token mask and the float32 log-probs its metrics read."""
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     old = old_log_prob.detach().float()
     rollout = rollout_log_prob.detach().float()
@@ -126,27 +158,7 @@ def compute_rollout_is_weights(
     if level == "sequence":
         truncated = truncated.unsqueeze(-1).expand_as(log_ratio)
     weights = torch.where(mask, truncated, zero)
-
-    metrics: dict[str, float] = {}
-    if bool(unit_mask.any()):
-        metrics["rollout_corr/is_mean"] = raw[unit_mask].mean().item()
-        metrics["rollout_corr/is_max"] = raw[unit_mask].max().item()
-        metrics["rollout_corr/clipped_frac"] = clipped[unit_mask].float().mean().item()
-        metrics["rollout_corr/is_truncated_mean"] = weights[mask].mean().item()
-        probs_diff = (torch.exp(old) - torch.exp(rollout)).abs()[mask]
-        metrics["rollout_corr/probs_diff_max"] = probs_diff.max().item()
-        metrics["rollout_corr/probs_diff_mean"] = probs_diff.mean().item()
-    else:
-        for key in (
-            "is_mean",
-            "is_max",
-            "clipped_frac",
-            "is_truncated_mean",
-            "probs_diff_max",
-            "probs_diff_mean",
-        ):
-            metrics[f"rollout_corr/{key}"] = 0.0
-    return weights, metrics
+    return weights, raw, clipped, unit_mask, mask, old, rollout
 
 
 def compute_is_metrics(
@@ -177,44 +189,54 @@ def compute_is_metrics(
     if not bool(has_tokens.any()):
         return {}
     mask = mask[has_tokens]
-    weights, _ = compute_rollout_is_weights(old_log_prob[has_tokens], rollout_log_prob[has_tokens], mask,
-                                            level=level, threshold=threshold, lower=lower)
-    zero = torch.zeros((), dtype=torch.float64, device=weights.device)
-    log_ratio = torch.where(mask, old_log_prob[has_tokens].detach().double() - rollout_log_prob[has_tokens].detach()
-                            .double(), zero)
-    w = weights.double()[mask]
+    old, rollout = old_log_prob[has_tokens].detach(), rollout_log_prob[has_tokens].detach()
+    weights = compute_rollout_is_weights(old, rollout, mask, level=level, threshold=threshold, lower=lower,
+                                         with_metrics=False)[0]
+    # The statistics in float64 numpy: a few dozen reductions over one batch, each several times cheaper than
+    # torch's per-op dispatch (this runs every step of an asynchronous run, on the trainer's thread).
+    m = mask.cpu().numpy()
+    log_ratio = np.where(m, _f64(old) - _f64(rollout), 0.0)
+    w_all = _f64(weights)
+    w = w_all[m]
     low = 1.0 / threshold if lower is None else lower
-    out: dict[str, torch.Tensor | float] = {"rollout_is_mean": w.mean()}
+    out: dict[str, float] = {"rollout_is_mean": w.mean()}
     if level == "sequence":
         seq_log = log_ratio.sum(-1)
-        out["rollout_is_max"] = torch.exp(seq_log.max().clamp(max=_LOG_RATIO_BOUND))
-        out["rollout_is_min"] = torch.exp(seq_log.min())
-        out["rollout_is_ratio_fraction_high"] = (seq_log > math.log(threshold)).double().mean()
-        out["rollout_is_ratio_fraction_low"] = (seq_log < math.log(low)).double().mean()
-        raw = torch.exp(seq_log.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)).unsqueeze(-1).expand_as(log_ratio)
+        out["rollout_is_max"] = math.exp(min(seq_log.max(), _LOG_RATIO_BOUND))
+        out["rollout_is_min"] = math.exp(seq_log.min())
+        out["rollout_is_ratio_fraction_high"] = (seq_log > math.log(threshold)).mean()
+        out["rollout_is_ratio_fraction_low"] = (seq_log < math.log(low)).mean()
+        raw = np.broadcast_to(np.exp(np.clip(seq_log, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))[:, None], log_ratio.shape)
     else:
-        raw = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+        raw = np.exp(np.clip(log_ratio, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
         out["rollout_is_max"] = w.max()
         out["rollout_is_min"] = w.min()
-        out["rollout_is_ratio_fraction_high"] = (raw[mask] > threshold).double().mean()
-        out["rollout_is_ratio_fraction_low"] = (raw[mask] < low).double().mean()
-    capped = w.clamp(0.0, threshold)
-    out["rollout_is_std"] = (capped.square().mean() - capped.mean().square()).clamp_min(0).sqrt() if w.numel() > 1 \
-        else 0.0
-    out["rollout_is_eff_sample_size"] = 1.0 / (capped / (capped.mean() + 1e-8)).square().mean()
-    n_tok = mask.sum(-1).double()
-    seq_mean = torch.where(mask, weights.double(), zero).sum(-1) / n_tok
-    raw_seq_mean = torch.where(mask, raw, zero).sum(-1) / n_tok
+        raw_tokens = raw[m]
+        out["rollout_is_ratio_fraction_high"] = (raw_tokens > threshold).mean()
+        out["rollout_is_ratio_fraction_low"] = (raw_tokens < low).mean()
+    capped = np.clip(w, 0.0, threshold)
+    out["rollout_is_std"] = math.sqrt(max(np.square(capped).mean() - capped.mean() ** 2, 0.0)) if w.size > 1 else 0.0
+    with np.errstate(divide="ignore"):  # every weight 0 (IcePop): infinite, as torch gives it, without a warning
+        out["rollout_is_eff_sample_size"] = 1.0 / np.square(capped / (capped.mean() + 1e-8)).mean()
+    n_tok = m.sum(-1)
+    seq_mean = np.where(m, w_all, 0.0).sum(-1) / n_tok
+    raw_seq_mean = np.where(m, raw, 0.0).sum(-1) / n_tok
     out["rollout_is_seq_mean"] = seq_mean.mean()
-    out["rollout_is_seq_std"] = seq_mean.std() if seq_mean.numel() > 1 else 0.0
+    out["rollout_is_seq_std"] = seq_mean.std(ddof=1) if seq_mean.size > 1 else 0.0
     out["rollout_is_seq_max"] = seq_mean.max()
     out["rollout_is_seq_min"] = seq_mean.min()
-    out["rollout_is_seq_max_deviation"] = (seq_mean - 1).abs().max()
-    out["rollout_is_seq_fraction_high"] = (raw_seq_mean > threshold).double().mean()
-    out["rollout_is_seq_fraction_low"] = (raw_seq_mean < low).double().mean()
+    out["rollout_is_seq_max_deviation"] = np.abs(seq_mean - 1).max()
+    out["rollout_is_seq_fraction_high"] = (raw_seq_mean > threshold).mean()
+    out["rollout_is_seq_fraction_low"] = (raw_seq_mean < low).mean()
     if lower is not None:
-        out["rollout_is_oob_ratio"] = ((raw[mask] < lower) | (raw[mask] > threshold)).double().mean()
+        raw_tokens = raw[m]
+        out["rollout_is_oob_ratio"] = ((raw_tokens < lower) | (raw_tokens > threshold)).mean()
     return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    """A detached tensor's values as a float64 numpy array (on the CPU)."""
+    return t.detach().cpu().numpy().astype(np.float64)
 
 
 # verl's rejection-sampling statistics: a KL estimator per token (k1 = -log r, k2 = (log r)^2 / 2,
@@ -370,30 +392,30 @@ def compute_mismatch_metrics(
     has_tokens = mask.sum(-1) > 0
     if not bool(has_tokens.any()):
         return {}
-    mask, old, rollout = mask[has_tokens], old_log_prob[has_tokens].detach().double(), \
-        rollout_log_prob[has_tokens].detach().double()
-    zero = torch.zeros((), dtype=torch.float64, device=old.device)
-    old, rollout = torch.where(mask, old, zero), torch.where(mask, rollout, zero)
-    n_tok = mask.sum(-1).to(torch.float64)
+    # float64 numpy, as `compute_is_metrics`: every step, on the trainer's thread.
+    m = mask[has_tokens].cpu().numpy()
+    old = np.where(m, _f64(old_log_prob[has_tokens]), 0.0)
+    rollout = np.where(m, _f64(rollout_log_prob[has_tokens]), 0.0)
+    n_tok = m.sum(-1)
     mean_old, mean_rollout = old.sum(-1) / n_tok, rollout.sum(-1) / n_tok
     log_ratio = old - rollout
-    tokens = log_ratio[mask]
+    tokens = log_ratio[m]
     ppl_diff = mean_rollout - mean_old
-    seq_sum = log_ratio.sum(-1).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    seq_sum = np.clip(log_ratio.sum(-1), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
     out = {
-        "training_ppl": torch.exp(-mean_old).mean(),
+        "training_ppl": np.exp(-mean_old).mean(),
         "training_log_ppl": (-mean_old).mean(),
-        "rollout_ppl": torch.exp(-mean_rollout).mean(),
+        "rollout_ppl": np.exp(-mean_rollout).mean(),
         "rollout_log_ppl": (-mean_rollout).mean(),
         "kl": (-tokens).mean(),
-        "k3_kl": (torch.exp(tokens) - tokens - 1).mean(),
+        "k3_kl": (np.exp(tokens) - tokens - 1).mean(),
         "log_ppl_diff": ppl_diff.mean(),
-        "log_ppl_abs_diff": ppl_diff.abs().mean(),
+        "log_ppl_abs_diff": np.abs(ppl_diff).mean(),
         "log_ppl_diff_max": ppl_diff.max(),
         "log_ppl_diff_min": ppl_diff.min(),
-        "ppl_ratio": torch.exp(ppl_diff).mean(),
-        "chi2_token": torch.exp(2 * tokens.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)).mean() - 1,
-        "chi2_seq": torch.exp(2 * seq_sum).mean() - 1,
-        "extreme_frac": (tokens.abs() > math.log(2)).double().mean(),
+        "ppl_ratio": np.exp(ppl_diff).mean(),
+        "chi2_token": np.exp(2 * np.clip(tokens, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)).mean() - 1,
+        "chi2_seq": np.exp(2 * seq_sum).mean() - 1,
+        "extreme_frac": (np.abs(tokens) > math.log(2)).mean(),
     }
     return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
