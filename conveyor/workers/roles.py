@@ -175,6 +175,7 @@ class RolloutGroup(_Role):
         self._slots: SharedSlots | None = None
         self._load_slot: int | None = None
         self._between_tokens = False  # partial rollouts: weights must reach a replica mid-generation
+        self._on_this_machine: bool | None = None
 
     @property
     def colocated_reward(self) -> bool:
@@ -268,11 +269,13 @@ class RolloutGroup(_Role):
         return load
 
     def _same_machine(self) -> bool:
-        """Whether every replica runs on this process's machine (Ray node)."""
-        import ray
+        """Whether every replica runs on this process's machine (Ray node); asked once."""
+        if self._on_this_machine is None:
+            import ray
 
-        here = ray.get_runtime_context().get_node_id()
-        return all(w["node_id"] == here for w in self.ranks.rank_info())
+            here = ray.get_runtime_context().get_node_id()
+            self._on_this_machine = all(w["node_id"] == here for w in self.ranks.rank_info())
+        return self._on_this_machine
 
     def _into_slot(self, label: int, named: list[tuple[str, torch.Tensor]]) -> Callable[[], dict[str, float]] | None:
         """Pack `named` into a free shared-memory slot; returns what has the next generation load it, or None when
