@@ -319,6 +319,9 @@ class SharedSlots:
         self._free = list(range(slots))
         self._lock = threading.Lock()
         self._linked = True
+        # Each slot's tensors as views of the file, made once: a sync is then one batched copy into them.
+        self._views = [[view for _, view in unpack(self.memory[i * nbytes:(i + 1) * nbytes], table)]
+                       for i in range(slots)]
 
     def write(self, named: list[tuple[str, Tensor]], table: Table) -> int | None:
         """Copy `named` (laid out as `table`) into a free slot and return its index; None when every slot is taken
@@ -329,7 +332,7 @@ class SharedSlots:
             if not self._free:
                 return None
             slot = self._free.pop(0)
-        _pack_into(self.memory[slot * self.nbytes:(slot + 1) * self.nbytes], named, table)
+        torch._foreach_copy_(self._views[slot], [tensor for _, tensor in named])
         return slot
 
     def release(self, slot: int) -> None:

@@ -86,7 +86,8 @@ def test_pack_is_one_aligned_copy_that_unpacks_bit_for_bit_as_views() -> None:
 
 
 def test_shared_slots_hand_weights_to_another_mapping_and_never_overwrite_a_slot_in_use() -> None:
-    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4))]
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
+             ("empty", torch.empty(0, 3)), ("t", torch.randn(4, 6).t())]
     table, nbytes = ws.layout(named)
     slots = ws.SharedSlots(table, nbytes)
     try:
