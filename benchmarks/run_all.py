@@ -8,6 +8,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
   with a note by the script itself);
 - `served_plane.py`: what one asynchronous batch's data-plane requests cost the trainer's process
   when the rollout runs in a process of its own;
+- `rollout_call.py`: one batch's call to such a replica, a Ray task against the replica's link;
 - `moe_metrics.py --threads 1`: the MoE load-balance metrics;
 - `token_balance.py`: the ranks' token balance and the token-budget micro-batches (synthetic lengths);
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
@@ -49,6 +50,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("e2e_vs_trl", ()),
     ("data_plane", ("--backends", "memory", "ray", "transferqueue", "--threads", "1", "--create-reps", "3")),
     ("served_plane", ()),
+    ("rollout_call", ()),
     ("moe_metrics", ("--threads", "1")),
     ("token_balance", ()),
     ("rollout", ("--threads", "1")),

@@ -49,7 +49,7 @@ from conveyor.data_plane.base import (DataPlane, columns_tensordict, plain_colum
 from conveyor.data_plane.schema import dtype_name, dtype_of
 from conveyor.protocol import KVBatchMeta
 
-__all__ = ["DataPlaneServer", "ServedDataPlane", "THREAD_PREFIX"]
+__all__ = ["DataPlaneServer", "ServedDataPlane", "THREAD_PREFIX", "local_socket_address"]
 
 # The names of the server's threads start with it (what the asynchronous source's CPU metrics group them by).
 THREAD_PREFIX = "conveyor-data-plane"
@@ -76,18 +76,21 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def local_socket_address(prefix: str) -> tuple[str, str | None]:
+    """A fresh Unix socket address named after `prefix`: abstract on Linux (no file to leave behind when the process
+    is killed), else a file in a new temporary folder; (the address, that folder or None)."""
+    if sys.platform.startswith("linux"):
+        return f"\0{prefix}-{os.getpid()}-{secrets.token_hex(8)}", None
+    folder = tempfile.mkdtemp(prefix=f"{prefix}-")
+    return os.path.join(folder, "socket"), folder
+
+
 class DataPlaneServer:
     """Serves `plane` to other processes on this machine until `close()`; `client()` reaches it."""
 
     def __init__(self, plane: DataPlane):
         self.plane = plane
-        self._dir: str | None = None
-        if sys.platform.startswith("linux"):
-            # An abstract socket: no file to leave behind when the trainer's process is killed.
-            self.address = f"\0conveyor-dp-{os.getpid()}-{secrets.token_hex(8)}"
-        else:
-            self._dir = tempfile.mkdtemp(prefix="conveyor-dp-")
-            self.address = os.path.join(self._dir, "socket")
+        self.address, self._dir = local_socket_address("conveyor-dp")
         self._authkey = os.urandom(32)
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._authkey)
         self._conns: list[Connection] = []

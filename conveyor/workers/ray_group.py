@@ -10,6 +10,10 @@ arrive as lists, one entry per rank. A failure in any rank is reported at once
 as one `WorkerError` naming the role, the rank and the endpoint, with the
 original exception's type and message; the other ranks of that role are
 stopped (they may be waiting in a collective that will never complete).
+Ranks on this machine whose every batch is one call (the asynchronous
+rollout's replicas) can take those calls over a Unix socket each instead of
+a Ray task per call (`RayRanks.open_links`, `conveyor.workers.link`), with the
+same errors.
 
 Placement: the data-parallel roles (actor, and the reference and critic when
 used) share their ranks (`RayRanks`): rank i of every role is built in one Ray
@@ -32,6 +36,7 @@ import logging
 import math
 import functools
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -108,6 +113,18 @@ class _RankActor:
                 raise
             info.update(meta.extra_info)
         return meta.with_extra_info(**info)
+
+    def open_link(self) -> tuple[str, bytes]:
+        """Answer `call` and `call_chain` over a Unix socket too, on a thread of this process (`conveyor.workers.link`:
+        the hot path of a group whose every batch is one call); (address, key) to reach it."""
+        from conveyor.workers.link import serve
+
+        def handle(op: str, *args: Any) -> Any:
+            if op not in ("call", "call_chain"):
+                raise ValueError(f"a link carries call and call_chain, not {op!r}")
+            return getattr(self, op)(*args)
+
+        return serve(handle)
 
     def call_args(self, role: str, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run `method(*args, **kwargs)` on `role`'s worker."""
@@ -281,6 +298,8 @@ class RayRanks:
         self.actors: list[Any] = []
         self.where: list[dict[str, Any]] = []
         self.closed = False
+        self.links: list[Any] | None = None  # `open_links`: one per rank
+        self._link_lock = threading.Lock()
         self._users = set(self.roles)
         self.placement: RayPlacement | None = None
         if placement is None:
@@ -329,6 +348,50 @@ class RayRanks:
             raise KeyError(f"{role!r} is not hosted on the {self.name} ranks")
         return RayWorkerGroup._view(self, role)
 
+    def open_links(self) -> None:
+        """From now on `call` and `call_chain` reach the ranks over a Unix socket each (`conveyor.workers.link`), not a
+        Ray task per call: for ranks on this machine whose every batch is one call (the asynchronous rollout's
+        replicas in processes of their own). Other calls stay Ray's."""
+        from conveyor.workers.link import Link
+
+        if self.links is None:
+            ends = self.gather(self.roles[0], "open_link", [a.open_link.remote() for a in self.actors])
+            self.links = [Link(address, key) for address, key in ends]
+
+    def call_linked(self, role: str, method: str, requests: Sequence[tuple]) -> list[Any]:
+        """One request per rank over the links (in rank order; `method` names the call in an error), their answers;
+        the first rank to fail is raised as `gather` raises it, once every rank has answered."""
+        from conveyor.workers.link import LinkClosed
+
+        assert self.links is not None, "open_links first"
+        with self._link_lock:
+            for link, request in zip(self.links, requests):
+                link.request(*request)
+            answers: list[Any] = []
+            failure: tuple[int, BaseException, BaseException] | None = None
+            for rank, link in enumerate(self.links):
+                try:
+                    answers.append(link.answer())
+                except LinkClosed as err:  # the rank's process ended: Ray says why, as a task's failure would
+                    failure = failure or (rank, self._why_gone(rank, err), err)
+                except Exception as err:
+                    failure = failure or (rank, err, err)
+        if failure is not None:
+            rank, cause, err = failure
+            if self.world_size > 1:
+                self.kill()  # as `gather`: the others may wait in a collective with the failed one
+            role, method = getattr(cause, "conveyor_step", (role, method))
+            raise wrap_worker_error(role, rank, method, cause) from err
+        return answers
+
+    def _why_gone(self, rank: int, err: BaseException) -> BaseException:
+        """Why rank `rank`'s link closed: Ray's report of its death (with the end of its stderr), or `err`."""
+        try:
+            ray.get(self.actors[rank].where.remote(), timeout=30)
+        except Exception as death:
+            return _original(death, self, rank)
+        return err
+
     def gather(self, role: str, method: str, refs: Sequence[Any]) -> list[Any]:
         """Results of `refs` (one per rank, in rank order); the first rank to fail stops the ranks and is raised."""
         pending = {ref: rank for rank, ref in enumerate(refs)}
@@ -363,6 +426,8 @@ class RayRanks:
     def kill(self) -> None:
         """Kill the ranks' processes and give back their placement (safe to call twice)."""
         self.closed = True
+        for link in self.links or ():
+            link.close()
         if self.placement is None:
             return
         for a in self.actors:
@@ -415,7 +480,7 @@ class RayWorkerGroup(WorkerGroup):
     def call(self, endpoint: Endpoint, meta: KVBatchMeta) -> KVBatchMeta:
         """Run `endpoint` on every rank over its share of `meta`; the merged handle (extra_info: lists per rank)."""
         method = endpoint.__name__  # the rank actor looks the method up on its own worker
-        return self._scatter(method, meta, lambda actor, chunk: actor.call.remote(self.role, method, chunk))
+        return self._scatter(method, meta, lambda chunk: ("call", self.role, method, chunk))
 
     def call_chain(self, steps: Sequence[tuple[str, Endpoint]], meta: KVBatchMeta) -> KVBatchMeta:
         """`call` of several endpoints of roles colocated on these ranks, one after another on every rank's share of
@@ -424,15 +489,20 @@ class RayWorkerGroup(WorkerGroup):
         for role, name in names:
             if role not in self.ranks.roles:
                 raise ValueError(f"{role} is not hosted on the {self.ranks.name} ranks: cannot chain {name}")
-        return self._scatter(names[0][1], meta, lambda actor, chunk: actor.call_chain.remote(names, chunk))
+        return self._scatter(names[0][1], meta, lambda chunk: ("call_chain", names, chunk))
 
-    def _scatter(self, method: str, meta: KVBatchMeta, submit: Callable[[Any, KVBatchMeta], Any]) -> KVBatchMeta:
-        """`submit(rank actor, its share of meta)` on every rank; the merged handle (a failure named `method`)."""
+    def _scatter(self, method: str, meta: KVBatchMeta, request: Callable[[KVBatchMeta], tuple]) -> KVBatchMeta:
+        """`request(its share of meta)` (the rank actor's method and arguments) on every rank, over the links when the
+        ranks have them, else as Ray tasks; the merged handle (a failure named `method`)."""
         self._check_open(method)
         chunks = split_for_ranks(meta, self.world_size)
-        refs = [submit(a, c) for a, c in zip(self.ranks.actors, chunks)]
-        self.ranks.gather(self.role, method, refs)
-        merged = BatchData(refs).concat()
+        requests = [request(c) for c in chunks]
+        if self.ranks.links is not None:
+            merged = BatchData(self.ranks.call_linked(self.role, method, requests)).concat()
+        else:
+            refs = [getattr(a, op).remote(*args) for a, (op, *args) in zip(self.ranks.actors, requests)]
+            self.ranks.gather(self.role, method, refs)
+            merged = BatchData(refs).concat()
         merged.extra_info.update(split_metrics(chunks, method))
         return merged
 

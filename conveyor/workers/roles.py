@@ -573,4 +573,11 @@ def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: D
     except BaseException:
         server.close()
         raise
+    try:
+        # Every batch is one call to each replica: over a socket each, not a Ray task per batch (workers/link.py).
+        groups["reward"].ranks.open_links()
+    except BaseException:
+        groups["reward"].ranks.kill()
+        server.close()
+        raise
     return server, groups
