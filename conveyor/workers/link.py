@@ -2,10 +2,10 @@
 
 A worker group whose every batch is one call, the asynchronous rollout's
 replicas in processes of their own (`rollout_process=own`), pays Ray's task
-machinery on every batch: about 0.8 ms of CPU in the caller's process and
-1.5 ms of wall time for a handle of 256 samples on the default run's machine,
-against 0.1 ms and 0.2 ms for the same handle over a socket
-(docs/BENCHMARKS.md). The rank actor still lives, is placed and dies under
+machinery on every batch: 0.84 ms of CPU in the caller's process and 1.50 ms
+of wall time for a handle of 256 samples, against 0.15 ms and 0.28 ms for the
+same handle over a socket (`benchmarks/rollout_call.py`, docs/BENCHMARKS.md).
+The rank actor still lives, is placed and dies under
 Ray; only the hot calls (`call`, `call_chain`) take this way:
 
 - `serve(handler)` (in the actor): a listener on an abstract Unix socket
