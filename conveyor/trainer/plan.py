@@ -155,10 +155,9 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
         return "own", f"rollout process: Ray actors of their own, beside the trainer's ({key}=own)"
     if asked == "trainer":
         return "trainer", f"rollout process: a thread of the trainer's ({key}=trainer)"
-    # auto: the thread. Measured on the default run (docs/async.md), the two placements are within each other's
-    # spread on one machine: running the rollout elsewhere costs the trainer's process about what the interpreter
-    # lock costs the thread (serving its data-plane reads and writes, the Ray calls, the weight stream), and the
-    # thread needs no Ray.
+    # auto: the thread. Measured on the default run (docs/async.md), processes of their own train faster per step but
+    # start about 9 s later (Ray and its actors): the 600-step default run ends sooner on the thread, which also needs
+    # no Ray; they pay from about 900 steps on a 2-core machine, and `own` asks for them.
     return "trainer", (f"rollout process: a thread of the trainer's ({key}=auto; {key}=own puts the rollout and "
                        "reward workers in Ray actors of their own)")
 
