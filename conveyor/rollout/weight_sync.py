@@ -260,7 +260,7 @@ def stream_to(named: Iterable[tuple[str, Tensor]], load: Callable[[list[tuple[st
 Table = list[tuple[str, str, tuple[int, ...], int]]
 
 
-def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[Table, int]:
+def layout(bucket: list[tuple[str, Tensor]]) -> tuple[Table, int]:
     """Each tensor's (name, dtype, shape, byte offset) in a bucket's flat buffer, and the buffer's size."""
     meta, offset = [], 0
     for name, tensor in bucket:
@@ -270,23 +270,18 @@ def _layout(bucket: list[tuple[str, Tensor]]) -> tuple[Table, int]:
     return meta, offset
 
 
-def layout(named: list[tuple[str, Tensor]]) -> tuple[Table, int]:
-    """`named`'s table in a packed buffer (each tensor's name, dtype, shape, byte offset) and the buffer's bytes."""
-    return _layout(named)
-
-
 def pack(named: Iterable[tuple[str, Tensor]]) -> tuple[Tensor, Table]:
     """Copies of `named` in one flat CPU byte buffer, and its table of (name, dtype, shape, byte offset): the
     weights as one object another process takes whole (Ray's object store); `unpack` reads them back."""
     named = list(named)
-    table, total = _layout(named)
+    table, total = layout(named)
     buffer = torch.empty(total, dtype=torch.uint8)
     _pack_into(buffer, named, table)
     return buffer, table
 
 
 def _pack_into(buffer: Tensor, named: list[tuple[str, Tensor]], table: Table) -> None:
-    """Copy each tensor of `named` to its place in `buffer` (its `_layout` entry)."""
+    """Copy each tensor of `named` to its place in `buffer` (its `layout` entry)."""
     for (_, tensor), (_, dtype, shape, offset) in zip(named, table):
         _view(buffer, dtype, shape, offset).copy_(tensor)
 
@@ -303,8 +298,8 @@ class SharedSlots:
     `slots` copies: the trainer packs a sync into a free one (`write`, one copy, no message of its own: the version and
     `handle` ride on the call that loads it) and frees it once every replica has loaded it (`release`). When no slot is
     free, `write` says so and the caller sends the weights another way: it never waits. The file is removed once
-    the replicas have mapped it (`unlink`), so a killed trainer leaves nothing behind in /dev/shm after the first
-    sync; the mappings stay valid until every process lets go of them.
+    the replicas have mapped it (`unlink`, after the first load), so a trainer killed after that leaves nothing behind
+    in /dev/shm; the mappings stay valid until every process lets go of them.
     """
 
     def __init__(self, table: Table, nbytes: int, slots: int = 2):
@@ -315,7 +310,7 @@ class SharedSlots:
         finally:
             os.close(fd)
         self.table, self.nbytes, self.size = table, nbytes, nbytes * slots
-        self.memory = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+        self.memory = map_shared(self.path, self.size)
         self._free = list(range(slots))
         self._lock = threading.Lock()
         self._linked = True
@@ -393,7 +388,7 @@ def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, grou
     staging = staging if staging is not None else Staging(device)
     stats, t0 = SyncStats(), time.perf_counter()
     for bucket in buckets(named, bucket_bytes):
-        meta, total = _layout(bucket)
+        meta, total = layout(bucket)
         _broadcast_object(meta, src, group, device)
         only = bucket[0][1] if len(bucket) == 1 else None
         if only is not None and only.device == device and only.is_contiguous():
