@@ -291,15 +291,19 @@ class RolloutGroup(_Role):
                 "rollout/weight_send_buckets": 1.0}
 
         def load() -> dict[str, float]:
-            # On the rollout's thread, in order with the batches: a sync staged before and not yet loaded never
-            # will be now (the replicas load the newest): its slot is free again.
-            if self._load_slot is not None:
-                assert self._slots is not None
-                self._slots.release(self._load_slot)
-            self._load_next, self._load_slot = label, slot
+            self._load_first(label, slot)
             return sent
 
         return load
+
+    def _load_first(self, version: int, slot: int | None) -> None:
+        """On the rollout's thread, in order with the batches: the next generation call loads `version` first (from
+        shared-memory slot `slot`, or the replicas' staged copy). A sync queued before it and not yet loaded never
+        will be now (the replicas load the newest): its slot is free again."""
+        if self._load_slot is not None:
+            assert self._slots is not None
+            self._slots.release(self._load_slot)
+        self._load_next, self._load_slot = version, slot
 
     def take_weights_between_tokens(self) -> None:
         """Partial rollouts: weights reach the replicas between two tokens of a generation: in this process from the
@@ -394,10 +398,7 @@ class RolloutGroup(_Role):
             # have arrived beside the generation. The replicas load them at the start of the next generation call
             # (no round trip of its own).
             metrics = done.result()
-            if self._load_slot is not None:  # an earlier sync in shared memory, superseded before it was loaded
-                assert self._slots is not None
-                self._slots.release(self._load_slot)
-            self._load_next, self._load_slot = version, None
+            self._load_first(version, None)
             return metrics
 
         return load
