@@ -72,7 +72,6 @@ def compute_rollout_is_weights(
     level: str = "token",
     threshold: float = 2.0,
     lower: float | None = None,
-    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated IS weights (B, T) = min(exp(old - rollout), threshold), detached and 0 off the mask.
 
@@ -89,23 +88,11 @@ def compute_rollout_is_weights(
     ``rollout_corr/clipped_frac`` (share of tokens or sequences truncated, or
     with ``lower`` zeroed), and
     ``rollout_corr/probs_diff_max`` / ``rollout_corr/probs_diff_mean`` of
-    ``|p_old - p_rollout|`` per token; none with ``with_metrics=False``.
+    ``|p_old - p_rollout|`` per token.
     """
-    if level not in IS_LEVELS:
-        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(IS_LEVELS)}")
-    if not threshold > 0:
-        raise ValueError(f"threshold must be > 0, got {threshold}")
-    if old_log_prob.shape != response_mask.shape or rollout_log_prob.shape != response_mask.shape:
-        raise ValueError(
-            f"old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob "
-            f"{tuple(rollout_log_prob.shape)} and response_mask {tuple(response_mask.shape)} "
-            "must have the same shape"
-        )
     weights, raw, clipped, unit_mask, mask, old, rollout = _is_weights(old_log_prob, rollout_log_prob, response_mask,
                                                                        level, threshold, lower)
     metrics: dict[str, float] = {}
-    if not with_metrics:
-        return weights, metrics
     if bool(unit_mask.any()):
         metrics["rollout_corr/is_mean"] = raw[unit_mask].mean().item()
         metrics["rollout_corr/is_max"] = raw[unit_mask].max().item()
@@ -129,8 +116,18 @@ def compute_rollout_is_weights(
 
 def _is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, level: str,
                 threshold: float, lower: float | None) -> tuple[torch.Tensor, ...]:
-    """`compute_rollout_is_weights`' weights, with the raw ratios, which units were clipped, the units' mask, the
-    token mask and the float32 log-probs its metrics read."""
+    """`compute_rollout_is_weights`' weights (its arguments checked), with the raw ratios, which units were clipped,
+    the units' mask, the token mask and the float32 log-probs its metrics read."""
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(IS_LEVELS)}")
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    if old_log_prob.shape != response_mask.shape or rollout_log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob "
+            f"{tuple(rollout_log_prob.shape)} and response_mask {tuple(response_mask.shape)} "
+            "must have the same shape"
+        )
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     old = old_log_prob.detach().float()
     rollout = rollout_log_prob.detach().float()
@@ -190,8 +187,7 @@ def compute_is_metrics(
         return {}
     mask = mask[has_tokens]
     old, rollout = old_log_prob[has_tokens].detach(), rollout_log_prob[has_tokens].detach()
-    weights = compute_rollout_is_weights(old, rollout, mask, level=level, threshold=threshold, lower=lower,
-                                         with_metrics=False)[0]
+    weights = _is_weights(old, rollout, mask, level, threshold, lower)[0]  # its own metrics are not needed here
     # The statistics in float64 numpy: a few dozen reductions over one batch, each several times cheaper than
     # torch's per-op dispatch (this runs every step of an asynchronous run, on the trainer's thread).
     m = mask.cpu().numpy()
@@ -211,9 +207,8 @@ def compute_is_metrics(
         raw = np.exp(np.clip(log_ratio, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
         out["rollout_is_max"] = w.max()
         out["rollout_is_min"] = w.min()
-        raw_tokens = raw[m]
-        out["rollout_is_ratio_fraction_high"] = (raw_tokens > threshold).mean()
-        out["rollout_is_ratio_fraction_low"] = (raw_tokens < low).mean()
+        out["rollout_is_ratio_fraction_high"] = (raw[m] > threshold).mean()
+        out["rollout_is_ratio_fraction_low"] = (raw[m] < low).mean()
     capped = np.clip(w, 0.0, threshold)
     out["rollout_is_std"] = math.sqrt(max(np.square(capped).mean() - capped.mean() ** 2, 0.0)) if w.size > 1 else 0.0
     with np.errstate(divide="ignore"):  # every weight 0 (IcePop): infinite, as torch gives it, without a warning
@@ -229,8 +224,7 @@ def compute_is_metrics(
     out["rollout_is_seq_fraction_high"] = (raw_seq_mean > threshold).mean()
     out["rollout_is_seq_fraction_low"] = (raw_seq_mean < low).mean()
     if lower is not None:
-        raw_tokens = raw[m]
-        out["rollout_is_oob_ratio"] = ((raw_tokens < lower) | (raw_tokens > threshold)).mean()
+        out["rollout_is_oob_ratio"] = ((raw[m] < lower) | (raw[m] > threshold)).mean()
     return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
 
 
