@@ -364,14 +364,19 @@ class RayRanks:
         from conveyor.workers.link import LinkClosed
 
         assert self.links is not None, "open_links first"
+        answers: list[Any] = []
+        failure: tuple[int, BaseException, BaseException] | None = None
         with self._link_lock:
-            for link, request in zip(self.links, requests):
-                link.request(*request)
-            answers: list[Any] = []
-            failure: tuple[int, BaseException, BaseException] | None = None
-            for rank, link in enumerate(self.links):
+            sent = []
+            for rank, (link, request) in enumerate(zip(self.links, requests)):
                 try:
-                    answers.append(link.answer())
+                    link.request(*request)
+                    sent.append(rank)
+                except LinkClosed as err:  # gone before the call: no answer to wait for
+                    failure = failure or (rank, self._why_gone(rank, err), err)
+            for rank in sent:  # every answer read, so each link stays in step with its requests
+                try:
+                    answers.append(self.links[rank].answer())
                 except LinkClosed as err:  # the rank's process ended: Ray says why, as a task's failure would
                     failure = failure or (rank, self._why_gone(rank, err), err)
                 except Exception as err:

@@ -200,6 +200,30 @@ def test_a_crashed_rank_reports_the_end_of_its_stderr(env) -> None:
         group.shutdown()
 
 
+def test_a_rank_that_dies_behind_its_link_is_the_same_worker_error(env) -> None:
+    # Calls over the ranks' links (the asynchronous rollout's hot path) fail as Ray tasks do: Ray is asked why the
+    # rank is gone, and the error names the role, the rank and the call, with the end of the rank's stderr.
+    cfg, model_path, dp = env
+    group = RayWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
+                           world_size=1, num_cpus=0.5, timeout_s=60)
+    try:
+        group.ranks.open_links()
+        empty = KVBatchMeta(keys=[], partition_id="none")
+        with pytest.raises(WorkerError, match="actor rank 0 failed in compute_log_prob"):
+            group.call(PolicyWorker.compute_log_prob, empty)  # an error in the rank comes back over the link
+        pid = group.rank_info()[0]["pid"]
+        os.kill(pid, signal.SIGSEGV)
+        assert _wait_gone([pid]) == []
+        with pytest.raises(WorkerError) as info:
+            group.call(PolicyWorker.compute_log_prob, empty)
+        err = info.value
+        assert (err.role, err.rank, err.stage) == ("actor", 0, "compute_log_prob")
+        assert isinstance(err.cause, RankDied)
+        assert "ActorDiedError" in str(err) and "Segmentation fault" in str(err)
+    finally:
+        group.shutdown()
+
+
 def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
     cfg, model_path, dp = env
     # 4 prompts x 16 samples: a mini-batch has a sequence for each of the 64 ranks asked for.
