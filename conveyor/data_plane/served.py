@@ -20,6 +20,17 @@ columns as lists; the answer of a read is rebuilt as the TensorDict the plane
 returned. An error on the served side
 (`FieldNotFoundError`, a refused put) is raised in the caller as itself.
 
+Deferred writes. A chain of endpoints over one batch in a worker's process
+(a rollout replica generates, then its reward worker scores) would cross the
+socket four times: read the prompts, write the responses, read them back,
+write the scores. Inside `deferred_writes()` a thread's puts of one batch
+(the same partition and keys) are held and merged, reads of fields they hold
+are answered in the worker, and the merged put is sent once, at the end of
+the block: a replica that also renders its prompts writes a batch in a
+single request. A put that rewrites a held field, a put or read of other
+keys, and `kv_list` / `kv_clear` first send what is held, so every read sees
+every earlier write.
+
 What it deliberately does not do: cross machines (a Unix socket; multi-node
 runs use the `ray` backend), serve any backend but a thread-safe one (the
 memory store is), or outlive the server: a client whose server is gone fails
@@ -28,6 +39,7 @@ with a message saying so.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
 import logging
@@ -39,7 +51,7 @@ import sys
 import tempfile
 import threading
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -49,7 +61,7 @@ from conveyor.data_plane.base import (DataPlane, columns_tensordict, plain_colum
 from conveyor.data_plane.schema import dtype_name, dtype_of
 from conveyor.protocol import KVBatchMeta
 
-__all__ = ["DataPlaneServer", "ServedDataPlane", "THREAD_PREFIX", "local_socket_address"]
+__all__ = ["DataPlaneServer", "ServedDataPlane", "THREAD_PREFIX", "deferred_writes", "local_socket_address"]
 
 # The names of the server's threads start with it (what the asynchronous source's CPU metrics group them by).
 THREAD_PREFIX = "conveyor-data-plane"
@@ -173,6 +185,55 @@ class DataPlaneServer:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class _Held:
+    """The put a `deferred_writes` block holds back: one partition's keys and the fields written to them so far."""
+
+    def __init__(self, plane: ServedDataPlane, keys: list[str], partition_id: str):
+        self.plane, self.keys, self.partition_id = plane, keys, partition_id
+        self.fields: dict[str, Any] = {}
+        self.tags: list[dict] | None = None
+
+    def covers(self, plane: ServedDataPlane, keys: list[str], partition_id: str) -> bool:
+        """Whether `keys` of `partition_id` on `plane`'s server are exactly the held ones."""
+        return plane.address == self.plane.address and partition_id == self.partition_id and keys == self.keys
+
+
+class DeferredWrites:
+    """A thread's `deferred_writes` block: at most one held put, sent by `send()` (or at the end of the block)."""
+
+    def __init__(self) -> None:
+        self.held: _Held | None = None
+
+    def send(self) -> None:
+        """Send the held put now (the served plane checks it then: a refused put raises here)."""
+        held, self.held = self.held, None
+        if held is not None and held.fields:
+            held.plane._call("put", held.keys, held.partition_id, held.fields, held.tags)
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_writes() -> Iterator[DeferredWrites]:
+    """Within the block, this thread's puts of one batch to a served plane are merged and sent once, at its end (not
+    at all when the block raises), and reads of what they wrote are answered here (the module's docstring)."""
+    if getattr(_scope, "writes", None) is not None:  # nested: the outer block sends
+        yield _scope.writes
+        return
+    writes = _scope.writes = DeferredWrites()
+    try:
+        yield writes
+        writes.send()
+    finally:
+        _scope.writes = None
+
+
+def _held_copy(value: Any) -> Any:
+    # Held until the block ends: a caller changing its tensor or list after the put must not change what is written.
+    return value.clone() if isinstance(value, torch.Tensor) else list(value)
+
+
 class ServedDataPlane(DataPlane):
     """A data plane served by a `DataPlaneServer` in another process of this machine: every operation runs there."""
 
@@ -212,11 +273,43 @@ class ServedDataPlane(DataPlane):
         """`kv_batch_put` on the served plane."""
         if isinstance(fields, TensorDict) or hasattr(fields, "batch_size"):
             fields = plain_columns(fields)  # a TensorDict pickles several times slower
-        return self._call("put", list(keys), partition_id, fields, None if tags is None else list(tags))
+        keys, tags = [str(k) for k in keys], None if tags is None else list(tags)
+        writes = getattr(_scope, "writes", None)
+        if writes is None:
+            return self._call("put", keys, partition_id, fields, tags)
+        return self._hold(writes, keys, partition_id, dict(fields), tags)
+
+    def _hold(self, writes: DeferredWrites, keys: list[str], partition_id: str, fields: dict[str, Any],
+              tags: list[dict] | None) -> KVBatchMeta:
+        """A put inside `deferred_writes`: merged into the held one (sent first when it cannot be merged)."""
+        held = writes.held
+        if held is not None and (not held.covers(self, keys, partition_id) or not held.fields.keys().isdisjoint(fields)
+                                 or (tags is not None and held.tags is not None)):
+            writes.send()  # each rewrite is checked by the served plane, as it would be put by put
+            held = None
+        if held is None:
+            held = writes.held = _Held(self, keys, partition_id)
+        held.fields.update({name: _held_copy(value) for name, value in fields.items()})
+        if tags is not None:
+            held.tags = [dict(t) for t in tags]
+        # The fields this block wrote to the keys (the plane's other fields of them are not asked for).
+        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=list(held.fields),
+                           tags=[dict(t) for t in held.tags] if held.tags is not None else [])
 
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """`kv_batch_get` on the served plane."""
-        return columns_tensordict(*self._call("get", list(keys), partition_id, list(select_fields)))
+        """`kv_batch_get` on the served plane (inside `deferred_writes`, the fields held here are read here)."""
+        keys, select_fields = [str(k) for k in keys], list(select_fields)
+        writes = getattr(_scope, "writes", None)
+        held = writes.held if writes is not None else None
+        if held is None:
+            return columns_tensordict(*self._call("get", keys, partition_id, select_fields))
+        if not held.covers(self, keys, partition_id):
+            writes.send()
+            return columns_tensordict(*self._call("get", keys, partition_id, select_fields))
+        rest = [f for f in select_fields if f not in held.fields]
+        served = self._call("get", keys, partition_id, rest)[1] if rest else {}
+        columns = {f: served[f] if f in served else _held_copy(held.fields[f]) for f in select_fields}
+        return columns_tensordict(len(keys), columns)
 
     def _put(self, keys, partition_id, columns, tags):  # pragma: no cover - kv_batch_put forwards before this
         raise AssertionError("ServedDataPlane forwards kv_batch_put whole")
@@ -226,11 +319,19 @@ class ServedDataPlane(DataPlane):
 
     def kv_list(self, partition_id: str) -> list[str]:
         """`kv_list` on the served plane."""
+        self._send_held()
         return self._call("list", partition_id)
 
     def kv_clear(self, partition_id: str, keys: Iterable[str] | None = None) -> None:
         """`kv_clear` on the served plane."""
+        self._send_held()
         self._call("clear", partition_id, None if keys is None else list(keys))
+
+    @staticmethod
+    def _send_held() -> None:
+        writes = getattr(_scope, "writes", None)
+        if writes is not None:
+            writes.send()
 
     def _release(self) -> None:
         """Disconnect this thread (the served plane is its owner's to close)."""

@@ -104,14 +104,20 @@ class _RankActor:
     def call_chain(self, steps: list[tuple[str, str]], meta: KVBatchMeta) -> KVBatchMeta:
         """Run endpoints of roles hosted here one after another over this rank's share, each on the handle the one
         before returned; the last handle, with every step's `extra_info` (a later step's key wins)."""
+        from conveyor.data_plane.served import deferred_writes
+
         info: dict[str, Any] = {}
-        for role, method in steps:
-            try:
-                meta = getattr(self.host.worker(role), method)(meta)
-            except Exception as err:
-                err.conveyor_step = (role, method)  # which step failed: the caller's error names it
-                raise
-            info.update(meta.extra_info)
+        # The steps' writes to a served plane leave as one put, and a step reads what the one before wrote here.
+        with deferred_writes() as writes:
+            for i, (role, method) in enumerate(steps):
+                try:
+                    meta = getattr(self.host.worker(role), method)(meta)
+                    if i == len(steps) - 1:
+                        writes.send()  # a refused write is the last step's failure
+                except Exception as err:
+                    err.conveyor_step = (role, method)  # which step failed: the caller's error names it
+                    raise
+                info.update(meta.extra_info)
         return meta.with_extra_info(**info)
 
     def open_link(self) -> tuple[str, bytes]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conveyor.data_plane import FieldNotFoundError, make_data_plane
-from conveyor.data_plane.served import DataPlaneServer, ServedDataPlane
+from conveyor.data_plane.served import DataPlaneServer, ServedDataPlane, deferred_writes
 
 
 def _writer(client: ServedDataPlane, out: mp.Queue) -> None:
@@ -122,3 +122,66 @@ def test_a_killed_server_leaves_no_file_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(RuntimeError, match="is gone"):
         ServedDataPlane(address, b"any key").kv_list("p")
+
+
+def _counting(server: DataPlaneServer, monkeypatch) -> list[str]:
+    """The operations the server answers, in order."""
+    ops: list[str] = []
+    answer = server.answer
+
+    def counted(request: bytes) -> bytes:
+        ops.append(pickle.loads(request)[0])
+        return answer(request)
+
+    monkeypatch.setattr(server, "answer", counted)
+    return ops
+
+
+def test_deferred_writes_of_one_batch_leave_as_one_put_and_are_read_where_they_were_written(served, monkeypatch):
+    plane, server = served
+    client = server.client()
+    keys = ["s0", "s1", "s2"]
+    plane.kv_batch_put(keys, "p", {"prompts": torch.arange(6).reshape(3, 2), "data_source": ["a", "b", "c"]})
+    ops = _counting(server, monkeypatch)
+    with deferred_writes():
+        responses = torch.tensor([[1, 2], [3, 4], [5, 6]])
+        handle = client.kv_batch_put(keys, "p", {"responses": responses, "uid": ["u", "u", "v"]})
+        assert handle.fields == ["responses", "uid"] and handle.keys == keys
+        responses += 100  # after the put: what is written is what was put
+        assert plane.kv_list("p") == keys and "responses" not in plane.kv_batch_get(keys, "p", ["prompts"]).keys()
+        td = client.kv_batch_get(keys, "p", ["responses", "data_source", "uid"])  # held ones here, the rest served
+        assert td["responses"].tolist() == [[1, 2], [3, 4], [5, 6]]
+        assert list(td["data_source"]) == ["a", "b", "c"] and list(td["uid"]) == ["u", "u", "v"]
+        client.kv_batch_put(keys, "p", {"rm_scores": torch.ones(3, 2)}, tags=[{"seq_len": 4}] * 3)
+        assert ops == ["get"]  # only data_source crossed the socket so far
+    assert ops == ["get", "put"]
+    td = plane.kv_batch_get(keys, "p", ["responses", "uid", "rm_scores"])
+    assert td["responses"].tolist() == [[1, 2], [3, 4], [5, 6]] and td["rm_scores"].sum() == 6
+    assert plane.kv_batch_put(keys[:1], "p", {"x": torch.zeros(1)}).tags == [{"seq_len": 4}]
+
+
+def test_deferred_writes_are_sent_before_anything_that_could_see_them_and_dropped_when_the_block_fails(
+        served, monkeypatch):
+    plane, server = served
+    client = server.client()
+    ops = _counting(server, monkeypatch)
+    with deferred_writes():
+        client.kv_batch_put(["a"], "p", {"x": torch.zeros(1, 2)})
+        client.kv_batch_put(["b"], "p", {"x": torch.ones(1, 2)})  # other keys: the held put goes first
+        assert ops == ["put"] and plane.kv_list("p") == ["a"]
+        client.kv_batch_put(["b"], "p", {"x": torch.full((1, 2), 2.0)})  # a held field again: checked put by put
+        assert ops == ["put", "put"]
+        assert client.kv_list("p") == ["a", "b"]  # a listing sees every write before it
+        client.kv_batch_put(["c"], "p", {"x": torch.zeros(1, 3)})  # another row shape: refused when it is sent
+        with pytest.raises(ValueError, match="'x'"):
+            client.kv_clear("q")
+    assert plane.kv_batch_get(["b"], "p", ["x"])["x"].tolist() == [[2.0, 2.0]]
+    with pytest.raises(RuntimeError, match="boom"), deferred_writes():
+        client.kv_batch_put(["d"], "p", {"x": torch.zeros(1, 2)})
+        raise RuntimeError("boom")
+    assert plane.kv_list("p") == ["a", "b"]  # the failed block wrote nothing
+    with deferred_writes() as writes:  # nested blocks: the outer one sends
+        with deferred_writes():
+            client.kv_batch_put(["e"], "p", {"x": torch.zeros(1, 2)})
+        assert writes.held is not None and plane.kv_list("p") == ["a", "b"]
+    assert plane.kv_list("p") == ["a", "b", "e"]
