@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,12 +44,14 @@ from conveyor.metrics.moe_load_balance import (
 )
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
-from conveyor.tasks.dataset import PromptDataset, check_prompt_length, render_prompt
+from conveyor.tasks.dataset import PromptDataset
+from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder, sample_keys
 from conveyor.trainer import state
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.sources import CPU, build_source, timer, timing_metrics
 from conveyor.trainer.validation import Validation
+from conveyor.workers.balance import SEQ_LEN_TAG
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
 from conveyor.workers.roles import WorkerGroups
 
@@ -120,10 +121,8 @@ class PPOTrainer:
         self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
         # What the estimator needs beyond rewards: a greedy baseline rollout (ReMax), values.
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
-        self._prompt_ids: dict[str, list[int]] = {}
-        self._prompt_texts: dict[str, str] = {}  # a record's messages (their repr) -> its rendered prompt
+        self.prompts = PromptEncoder(tokenizer, cfg.data.max_prompt_length, cfg.data.truncation)
         self._train_width: int | None = None
-        self._tokenizer_lock = threading.Lock()
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
         self.source = build_source(self)
 
@@ -246,64 +245,35 @@ class PPOTrainer:
     def _train_prompt_width(self) -> int:
         """The longest training prompt in tokens (computed once): a common width for every generation batch."""
         if self._train_width is None:
-            texts = list(dict.fromkeys(render_prompt(rec, self.tokenizer) for rec in self._train_records))
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            self._train_width = min(max(len(x) for x in ids), self.cfg.data.max_prompt_length)
+            self._train_width = self.prompts.longest(self._train_records)
         return self._train_width
 
     def _put_prompts(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
                      width: int | None = None) -> KVBatchMeta:
         """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them (left-padded to `width`)."""
-        # An asynchronous source's rollout thread puts ReMax's greedy prompts while the trainer puts a batch's:
-        # a fast tokenizer refuses to be used by two threads at once.
-        with self._tokenizer_lock:
-            return self._put_prompts_locked(records, partition_id, n, key_prefix, width)
+        uids = self._uids(records, partition_id, key_prefix)
+        fields, lengths = self.prompts.fields(records, uids, [i for i in range(len(records)) for _ in range(n)], width)
+        return self.data_plane.kv_batch_put(keys=sample_keys(uids, n), partition_id=partition_id, fields=fields,
+                                            tags=[{SEQ_LEN_TAG: length} for length in lengths])
 
-    def _put_prompts_locked(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None,
-                            width: int | None) -> KVBatchMeta:
-        d = self.cfg.data
-        # Prompts recur every epoch: render each distinct message list once per run (a chat template is a Jinja
-        # rendering, about 20 us a prompt; the repr of its messages under 2 us).
-        texts = []
-        for rec in records:
-            key = repr(rec.get("prompt"))
-            text = self._prompt_texts.get(key)
-            if text is None:
-                text = self._prompt_texts[key] = render_prompt(rec, self.tokenizer)
-            texts.append(text)
-        # ...and tokenize each distinct text once per run, in one batched call.
-        new = [t for t in dict.fromkeys(texts) if t not in self._prompt_ids]
-        if new:
-            for text, ids in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]):
-                self._prompt_ids[text] = ids
-        token_lists = []
-        for rec, text in zip(records, texts):
-            try:
-                ids = check_prompt_length(self._prompt_ids[text], d.max_prompt_length, d.truncation)
-            except ValueError as err:
-                raise ValueError(f"prompt {text[:60]!r} (data_source {rec.get('data_source')!r}): {err}") from err
-            if not ids:
-                raise ValueError(f"prompt {text[:60]!r} is empty after tokenization")
-            token_lists.append(ids)
-        width = max([len(x) for x in token_lists] + [width or 0])
-        pad = self.tokenizer.pad_token_id
-        # Left padding, built as one tensor per batch and repeated n times (one group per prompt).
-        padded = torch.tensor([[pad] * (width - len(ids)) + ids for ids in token_lists], dtype=torch.long)
-        lengths = torch.tensor([len(ids) for ids in token_lists])
-        mask = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
-        prompts, mask = padded.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
-        uids = [f"{key_prefix or partition_id}/p{i}" for i in range(len(records))]
-        keys = [f"{uid}/s{j}" for uid in uids for j in range(n)]
-        fields = {
-            "prompts": prompts,
-            "prompt_mask": mask,
-            "uid": [uid for uid in uids for _ in range(n)],
-            "data_source": [rec["data_source"] for rec in records for _ in range(n)],
-            "ground_truth": [str(rec["reward_model"]["ground_truth"]) for rec in records for _ in range(n)],
-            "raw_prompt": [text for text in texts for _ in range(n)],
-        }
-        tags = [{"seq_len": len(ids)} for ids in token_lists for _ in range(n)]
-        return self.data_plane.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
+    def _prompts_to_render(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
+                           width: int | None = None, *, replicas: int = 1) -> KVBatchMeta:
+        """Stage 1 left to the `replicas` that generate the batch (`RENDER_PROMPTS`): the handle of the batch's samples,
+        their prompts not yet written; the call carries their records (and the width to pad them to)."""
+        uids = self._uids(records, partition_id, key_prefix)
+        meta = KVBatchMeta(keys=sample_keys(uids, n), partition_id=partition_id)
+        if replicas > 1:
+            # Several replicas write one partition: they pad to one width, and the split over them balances prompt
+            # tokens, as it does for prompts put here. Both need the lengths: rendered here too, once per prompt.
+            _, token_lists = self.prompts.encode(records)
+            width = max([len(ids) for ids in token_lists] + [width or 0])
+            meta = KVBatchMeta(keys=meta.keys, partition_id=partition_id,
+                               tags=[{SEQ_LEN_TAG: len(ids)} for ids in token_lists for _ in range(n)])
+        return meta.with_extra_info(**{RENDER_PROMPTS: {"records": dict(zip(uids, records)), "width": width}})
+
+    @staticmethod
+    def _uids(records: list[dict], partition_id: str, key_prefix: str | None) -> list[str]:
+        return [f"{key_prefix or partition_id}/p{i}" for i in range(len(records))]
 
     def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False, greedy: bool = False,
                   pad: bool = False, generate: Callable[[KVBatchMeta], KVBatchMeta] | None = None,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import threading
@@ -513,11 +514,15 @@ class AsyncSource(SampleSource):
         data_state = t.train_data.state_dict()
         records = t.train_data.next_batch(t.cfg.data.train_batch_size)
         n = t.cfg.actor_rollout_ref.rollout.n
+        # Replicas in processes of their own render the prompts themselves: the trainer's process neither tokenizes
+        # nor writes them (stage 1 rides on the generation call).
+        prompts = (functools.partial(t._prompts_to_render, replicas=self.rollout.world_size)
+                   if self.rollout.renders_prompts else t._put_prompts)
         if self.shared:
-            meta = t._put_prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
-                                  width=t._train_prompt_width())
+            meta = prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
+                           width=t._train_prompt_width())
         else:
-            meta = t._put_prompts(records, f"batch-{batch_id}", n=n)
+            meta = prompts(records, f"batch-{batch_id}", n=n)
         seed = t._seed("gen", step=batch_id)  # batch b samples with step b's seed, as the synchronous source
         future = self._submit(lambda: self._generate_batch(meta, records, seed))
         self._pending.append(_Pending(batch_id, meta, self._sent_version, data_state, future))

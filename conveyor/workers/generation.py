@@ -3,10 +3,11 @@
 `Generation` is what the actor worker (colocated placement) and the rollout
 worker (separate placement, `conveyor.workers.rollout`) both run for
 `generate_sequences`: it reads `prompts` and `prompt_mask` from the data
-plane, samples with the rank's engine (built from the registry,
-`conveyor.rollout.base`), and writes `responses`, `response_mask`,
-`rollout_log_probs` (+ `routed_experts`, + `tool_rewards`) back, with the
-handle's `seq_len` tags updated to prompt + response tokens.
+plane (or renders them from the records the call carries, `RENDER_PROMPTS`,
+and writes them with its own fields), samples with the rank's engine (built
+from the registry, `conveyor.rollout.base`), and writes `responses`,
+`response_mask`, `rollout_log_probs` (+ `routed_experts`, + `tool_rewards`)
+back, with the handle's `seq_len` tags updated to prompt + response tokens.
 
 Widths. Ranks that write into one partition together agree on one response
 width: the longest of any rank when they share a process group (one max
@@ -31,7 +32,8 @@ from tensordict import TensorDict
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-from conveyor.workers.balance import sequence_lengths, with_seq_lens
+from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder
+from conveyor.workers.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
 from conveyor.workers.calls import GenerateCall
 from conveyor.workers.forward import micro_batches
 from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle
@@ -73,12 +75,14 @@ class Generation:
     def __init__(self, engine: RolloutEngine, *, agent_loop: Any, tokenizer: Any, moe: Any, rollout: Any,
                  engine_name: str, strategy: Any, passes: Callable[[list[slice]], list[tuple[slice, bool]]],
                  data_plane: DataPlane, rank: int, world_size: int, device: torch.device,
-                 over_shards: bool = False) -> None:
+                 over_shards: bool = False, prompts: PromptEncoder | None = None) -> None:
         self.engine, self.agent_loop, self.tokenizer, self.moe = engine, agent_loop, tokenizer, moe
         self.rollout, self.engine_name = rollout, engine_name
         self.strategy, self.passes = strategy, passes  # the rank's strategy (its collectives) and pass pairing
         self.data_plane = data_plane
         self.rank, self.world_size, self.device = rank, world_size, device
+        # Renders the prompts of a call that carries their records (`RENDER_PROMPTS`) instead of reading them.
+        self.prompts = prompts
         # Decoding over FSDP2 shards: every rank steps until the last one is done (the actor only).
         self.over_shards = over_shards
         # A partial rollout's hook (the asynchronous trainer's rollout process sets it): called between the
@@ -97,9 +101,14 @@ class Generation:
         `extra_fields(fields)`: more fields, derived from the rollout's, written in the same put.
         """
         begin_phase(self.device)
-        call = GenerateCall.from_extra_info(meta.extra_info)
-        td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                          select_fields=["prompts", "prompt_mask"]).to(self.device)
+        prompt_fields = self._render(meta) if RENDER_PROMPTS in meta.extra_info else {}
+        call = GenerateCall.from_extra_info({k: v for k, v in meta.extra_info.items() if k != RENDER_PROMPTS})
+        if prompt_fields:
+            td = TensorDict({k: prompt_fields[k] for k in ("prompts", "prompt_mask")},
+                            batch_size=[len(meta)]).to(self.device)
+        else:
+            td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                              select_fields=["prompts", "prompt_mask"]).to(self.device)
         generator = None
         if call.seed is not None:
             # One stream per rank, or per replica when a tensor-parallel replica spans ranks (they sample as one).
@@ -144,14 +153,30 @@ class Generation:
         if extra_fields is not None:
             fields.update(extra_fields(fields))
         cpu = {k: v.cpu() for k, v in fields.items()}
-        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
+        # Rendered prompts go in the same put as the rollout's fields (one write a batch).
+        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={**prompt_fields, **cpu})
         # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.
         meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], out["response_mask"]))
         n_tokens = float(out["response_mask"].sum())
         metrics = {"rollout/generated_tokens@sum": n_tokens, "rollout/gen_time_s": elapsed, **sync_metrics}
         metrics.update(out.get("metrics") or {})  # the agent loop's rollout/multi_turn/*
         metrics.update(phase_memory_metrics("rollout", self.device))
-        return result_handle(meta, list(fields), metrics, self.device)
+        return result_handle(meta, list(prompt_fields) + list(fields), metrics, self.device)
+
+    def _render(self, meta: KVBatchMeta) -> dict[str, Any]:
+        """The prompt fields of the handle's samples, from the records its call carries (`RENDER_PROMPTS`); checked
+        against the prompt lengths the handle's tags say, when they say any (the trainer's rendering)."""
+        if self.prompts is None:
+            raise ValueError(f"this {self.engine_name} rollout renders no prompts: put them into the data plane "
+                             "before the generation call")
+        spec = meta.extra_info[RENDER_PROMPTS]
+        fields, lengths = self.prompts.for_keys(meta.keys, spec["records"], spec["width"])
+        said = [t.get(SEQ_LEN_TAG) for t in meta.tags]
+        # The trainer rendered them too when several replicas share the batch (tags and width); else there is one.
+        if any(v is not None for v in said) and (lengths != said or fields["prompts"].shape[1] != spec["width"]):
+            raise RuntimeError("the rollout replica renders the batch's prompts to other tokens than the trainer "
+                               "(another tokenizer or data.max_prompt_length): give both the same model.tokenizer_path")
+        return fields
 
     def _as_replica(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> RolloutOutput:
         """One generation over the prompts of every rank of this tensor-parallel replica; this rank's rows of it."""

@@ -184,6 +184,12 @@ class RolloutGroup(_Role):
         return "reward" in getattr(getattr(self.ranks, "ranks", None), "roles", ())
 
     @property
+    def renders_prompts(self) -> bool:
+        """Whether a batch's prompts are best rendered by the replicas that generate it (`RENDER_PROMPTS`): they run
+        in processes of their own, which then write the prompts with the rollout's fields, in one put."""
+        return not isinstance(self.ranks, LocalWorkerGroup)
+
+    @property
     def in_process(self) -> bool:
         """Whether the replicas and the actor run in this process (one local replica)."""
         return isinstance(self.ranks, LocalWorkerGroup) and isinstance(self.actor.ranks, LocalWorkerGroup)

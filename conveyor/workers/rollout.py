@@ -49,6 +49,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
 from conveyor.rollout.weight_sync import Table, map_shared, unpack
+from conveyor.tasks.prompts import PromptEncoder
 from conveyor.workers.generation import Generation
 from conveyor.workers.perf import set_allocator_defaults
 from conveyor.workers.settings import RolloutSettings
@@ -133,6 +134,7 @@ class RolloutWorker:
             self.engine, agent_loop=agent_loop, tokenizer=self.tokenizer, moe=self.moe, rollout=ro,
             engine_name=spec.name, strategy=strategy, passes=lambda slices: [(s, True) for s in slices],
             data_plane=data_plane, rank=rank, world_size=world_size, device=self.device,
+            prompts=PromptEncoder(self.tokenizer, settings.max_prompt_length, settings.truncation),
         )
         self.channel: Any = None
         self.data_plane = data_plane

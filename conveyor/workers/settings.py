@@ -69,6 +69,9 @@ class RolloutSettings:
     rollout: Any  # actor_rollout_ref.rollout
     seed: int  # trainer.seed (the engine's, plus the replica)
     max_model_len: int | None  # the plan's, for an engine with its own KV cache
+    # data.max_prompt_length and data.truncation: a replica that renders its batches' prompts applies them too.
+    max_prompt_length: int
+    truncation: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,8 @@ def rollout_settings(cfg: Config, plan: RunPlan) -> RolloutSettings:
     """The rollout worker's settings of a run of `cfg` (placement=separate)."""
     arr = cfg.actor_rollout_ref
     return RolloutSettings(model=copy.deepcopy(arr.model), rollout=_placed(arr.rollout, plan), seed=cfg.trainer.seed,
-                           max_model_len=plan.vllm_max_model_len)
+                           max_model_len=plan.vllm_max_model_len, max_prompt_length=cfg.data.max_prompt_length,
+                           truncation=cfg.data.truncation)
 
 
 def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:

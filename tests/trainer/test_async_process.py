@@ -183,3 +183,19 @@ def test_a_reward_that_fails_in_the_replicas_process_is_the_users_error_naming_t
         # No validation first: its reward call is not chained, and the first failure must be the chained one's.
         _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"reward.custom_reward_function.path={reward}",
                                                "trainer.total_training_steps=2", "trainer.val_before_train=false"])
+
+
+def test_replicas_render_the_prompts_the_trainer_would_have_put(tmp_path, tiny_run_base, monkeypatch):
+    # Two replicas share each batch: the trainer renders the lengths too (their common width, a balanced split), and
+    # each replica renders and writes its share's prompts with its fields. The same run with the prompts put by the
+    # trainer trains the same, bit for bit.
+    from conveyor.workers.roles import RolloutGroup
+
+    extra = [ASYNC, OWN, "actor_rollout_ref.rollout.replicas=2", "trainer.total_training_steps=2"]
+    rendered, rendered_dir = _run(tmp_path, tiny_run_base, "rendered", extra)
+    monkeypatch.setattr(RolloutGroup, "renders_prompts", property(lambda self: False))
+    put, put_dir = _run(tmp_path, tiny_run_base, "put", extra)
+    assert _strip(rendered) == _strip(put)
+    assert any("actor/perf/generate_sequences/rank_token_imbalance" in r or
+               "perf/generate_sequences/rank_token_imbalance" in r for r in rendered)
+    _same_weights(rendered_dir, put_dir, tmp_path)

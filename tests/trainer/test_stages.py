@@ -271,7 +271,7 @@ def test_bypass_run_reports_entropy_from_the_update(tiny_run, tmp_path):
 
 
 def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
-    import conveyor.trainer.ppo as ppo_module
+    import conveyor.tasks.prompts as prompts_module
     from conveyor.tasks.dataset import render_prompt
 
     trainer, dp = make_trainer(tiny_run)
@@ -281,7 +281,7 @@ def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
         rendered.append(rec["prompt"][-1]["content"])
         return render_prompt(rec, tokenizer)
 
-    monkeypatch.setattr(ppo_module, "render_prompt", counting)
+    monkeypatch.setattr(prompts_module, "render_prompt", counting)
     records = [{"prompt": [{"role": "user", "content": c}], "data_source": "arith",
                 "reward_model": {"ground_truth": "1"}} for c in ("1+1=", "2+2=", "1+1=")]
     first = trainer._put_prompts(records, "a", n=2)

@@ -1,0 +1,122 @@
+"""Stage 1, wherever it runs: prompt records -> the prompt fields of a generation batch.
+
+`PromptEncoder` renders each record's chat messages (`render_prompt`),
+tokenizes them, applies `data.truncation`, left-pads the batch into
+`prompts` / `prompt_mask` and fills the list fields later stages read
+(`uid`, `data_source`, `ground_truth`, `raw_prompt`). The trainer runs it to
+put a batch's prompts into the data plane; a rollout replica in a process
+of its own runs the same code on the records its generation call carries
+(`RENDER_PROMPTS`), and writes the prompts with the rollout's fields in one
+put: the trainer's process then neither tokenizes nor writes them.
+
+Keys: a prompt's group is its `uid`; its samples are `<uid>/s<j>`
+(`sample_keys`, `uid_of`), so any rank's share of a batch's keys names the
+records it samples.
+
+What it deliberately does not do: draw records (`PromptDataset` does) or
+decide where it runs (the asynchronous source does, by where the replicas are).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from conveyor.tasks.dataset import check_prompt_length, render_prompt
+
+__all__ = ["PromptEncoder", "RENDER_PROMPTS", "sample_keys", "uid_of"]
+
+# The `extra_info` entry of a generation call whose replica renders its prompts: {"records": {uid: record},
+# "width": the batch's prompt width}.
+RENDER_PROMPTS = "render_prompts"
+
+_SAMPLE = "/s"
+
+
+def sample_keys(uids: Sequence[str], n: int) -> list[str]:
+    """The keys of `n` samples of each prompt group, group by group."""
+    return [f"{uid}{_SAMPLE}{j}" for uid in uids for j in range(n)]
+
+
+def uid_of(key: str) -> str:
+    """The prompt group (`uid`) of a sample key made by `sample_keys`."""
+    return key.rsplit(_SAMPLE, 1)[0]
+
+
+class PromptEncoder:
+    """Token ids and the prompt fields of records; each distinct prompt is rendered and tokenized once per run."""
+
+    def __init__(self, tokenizer: Any, max_prompt_length: int, truncation: str):
+        self.tokenizer = tokenizer
+        self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self._texts: dict[str, str] = {}  # a record's messages (their repr) -> its rendered prompt
+        self._ids: dict[str, list[int]] = {}  # a rendered prompt -> its token ids
+        # An asynchronous source's rollout thread renders ReMax's greedy prompts while the trainer renders a batch's:
+        # a fast tokenizer refuses to be used by two threads at once.
+        self._lock = threading.Lock()
+
+    def longest(self, records: Sequence[dict]) -> int:
+        """The longest prompt of `records` in tokens, at most `max_prompt_length` (a width every batch of them fits)."""
+        with self._lock:
+            texts = list(dict.fromkeys(render_prompt(rec, self.tokenizer) for rec in records))
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return min(max(len(x) for x in ids), self.max_prompt_length)
+
+    def encode(self, records: Sequence[dict]) -> tuple[list[str], list[list[int]]]:
+        """The prompt texts of `records` and their token ids, truncated per `data.truncation` (errors name the prompt)."""
+        with self._lock:
+            # Prompts recur every epoch: a chat template is a Jinja rendering (about 20 us a prompt), the repr of its
+            # messages under 2 us.
+            texts = []
+            for rec in records:
+                key = repr(rec.get("prompt"))
+                text = self._texts.get(key)
+                if text is None:
+                    text = self._texts[key] = render_prompt(rec, self.tokenizer)
+                texts.append(text)
+            # ...and each distinct text is tokenized once, in one batched call.
+            new = [t for t in dict.fromkeys(texts) if t not in self._ids]
+            if new:
+                for text, ids in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]):
+                    self._ids[text] = ids
+        token_lists = []
+        for rec, text in zip(records, texts):
+            try:
+                ids = check_prompt_length(self._ids[text], self.max_prompt_length, self.truncation)
+            except ValueError as err:
+                raise ValueError(f"prompt {text[:60]!r} (data_source {rec.get('data_source')!r}): {err}") from err
+            if not ids:
+                raise ValueError(f"prompt {text[:60]!r} is empty after tokenization")
+            token_lists.append(ids)
+        return texts, token_lists
+
+    def fields(self, records: Sequence[dict], uids: Sequence[str], rows: Sequence[int], width: int | None = None,
+               ) -> tuple[dict[str, Any], list[int]]:
+        """The prompt fields of samples (`rows[i]`: the index in `records` / `uids` of sample i's prompt), left-padded
+        to the longest prompt or to `width` when wider; and each sample's prompt length in tokens."""
+        texts, token_lists = self.encode(records)
+        width = max([len(x) for x in token_lists] + [width or 0])
+        pad = self.tokenizer.pad_token_id
+        # Left padding, built once per prompt and indexed per sample (one group per prompt).
+        padded = torch.tensor([[pad] * (width - len(ids)) + ids for ids in token_lists], dtype=torch.long)
+        lengths = torch.tensor([len(ids) for ids in token_lists])
+        mask = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+        index = torch.tensor(list(rows), dtype=torch.long)
+        fields = {
+            "prompts": padded[index],
+            "prompt_mask": mask[index],
+            "uid": [uids[i] for i in rows],
+            "data_source": [records[i]["data_source"] for i in rows],
+            "ground_truth": [str(records[i]["reward_model"]["ground_truth"]) for i in rows],
+            "raw_prompt": [texts[i] for i in rows],
+        }
+        return fields, [len(token_lists[i]) for i in rows]
+
+    def for_keys(self, keys: Sequence[str], records: dict[str, dict], width: int | None = None,
+                 ) -> tuple[dict[str, Any], list[int]]:
+        """`fields` of the samples `keys` (made by `sample_keys`), their prompts' records by uid."""
+        uids = list(dict.fromkeys(uid_of(k) for k in keys))
+        at = {uid: i for i, uid in enumerate(uids)}
+        return self.fields([records[uid] for uid in uids], uids, [at[uid_of(k)] for k in keys], width)
