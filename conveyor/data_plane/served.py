@@ -160,9 +160,10 @@ class DataPlaneServer:
                                                f"(in the served data plane; {err})")))
 
     def _run(self, op: str, args: tuple) -> Any:
-        if op == "put":
+        if op in ("put", "write"):  # a write answers None: the caller wants no handle (256 keys and tags to pickle)
             keys, partition_id, fields, tags = args
-            return self.plane.kv_batch_put(keys, partition_id, fields, tags)
+            meta = self.plane.kv_batch_put(keys, partition_id, fields, tags)
+            return meta if op == "put" else None
         if op == "get":  # plain columns: a list column's TensorDict form costs ten times more to build
             return len(args[0]), self.plane.kv_batch_get_columns(*args)
         if op == "list":
@@ -208,7 +209,8 @@ class DeferredWrites:
         """Send the held put now (the served plane checks it then: a refused put raises here)."""
         held, self.held = self.held, None
         if held is not None and held.fields:
-            held.plane._call("put", held.keys, held.partition_id, held.fields, held.tags)
+            # A write, not a put: no handle comes back (the block's puts have returned theirs).
+            held.plane._call("write", held.keys, held.partition_id, held.fields, held.tags)
 
 
 _scope = threading.local()
