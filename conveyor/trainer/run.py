@@ -43,6 +43,7 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopSignals
+from conveyor.workers.perf import frozen_heap
 from conveyor.workers.roles import build_worker_groups
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
             val_records=val_records, tracking=tracking, run_dir=run_dir,
             model_config=model_config, prometheus=gauges,
         )
-        result = trainer.fit()
+        with frozen_heap():  # what is built now lives as long as the run: no garbage collection walks it again
+            result = trainer.fit()
         failed = False
         return result
     finally:

@@ -20,18 +20,26 @@ fragment far less when the phases' shapes alternate); it must run before the
 process's first CUDA allocation, so the workers call it first thing, and a
 process launcher can pass `allocator_env_defaults()` in the children's
 environment.
+
+`freeze_heap` is called once a process has built what it keeps for the run
+(a rank actor after each worker; the trainer's process around `fit`,
+`frozen_heap`): the interpreter's full garbage collections then skip the
+libraries' objects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import resource
 import sys
+from collections.abc import Iterator
 
 import torch
 
 __all__ = ["memory_metrics", "reset_peak_memory", "peak_memory_bytes", "phase_memory_metrics", "result_handle",
-           "begin_phase", "allocator_env_defaults", "set_allocator_defaults"]
+           "begin_phase", "allocator_env_defaults", "set_allocator_defaults", "freeze_heap", "frozen_heap"]
 
 # The environment a worker process gets unless the user set the variable already.
 _ALLOCATOR_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -114,6 +122,26 @@ def allocator_env_defaults(env: dict[str, str] | None = None) -> dict[str, str]:
 def set_allocator_defaults() -> None:
     """Set the allocator defaults in this process's environment (effective only before its first CUDA allocation)."""
     os.environ.update(allocator_env_defaults())
+
+
+def freeze_heap() -> None:
+    """Collect the garbage of start-up, then leave every object alive now out of later garbage collections."""
+    # torch, transformers and the model hold about a million objects that live as long as the process: a full
+    # collection walks them all (about 0.2 s on a 2-core Xeon, three times in the default run's 600 steps, in the
+    # trainer's process and in each replica's) and finds nothing to free. Reference counting still frees them.
+    gc.collect()
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """`freeze_heap` for the block; after it the frozen objects are collectable again (a process that runs training
+    more than once must not keep a finished run's cycles for good)."""
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def begin_phase(device: torch.device | str = "cpu") -> None:

@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from conveyor.protocol import BatchData, KVBatchMeta
 from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
                                     split_metrics, wrap_worker_error)
+from conveyor.workers.perf import freeze_heap
 
 __all__ = ["Pending", "RankDied", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
            "build_ray_rollout_groups", "gather_together", "gather_with_local", "ray_worker_device"]
@@ -96,6 +97,7 @@ class _RankActor:
     def build(self, spec: WorkerSpec) -> None:
         """Construct this rank's worker of `spec.role` in this process, next to the roles built before it."""
         self.host.add(spec)
+        freeze_heap()  # the worker lives as long as the actor: no garbage collection walks it again
 
     def call(self, role: str, method: str, meta: KVBatchMeta) -> KVBatchMeta:
         """Run one endpoint of `role`'s worker over this rank's share of a handle."""

@@ -295,3 +295,24 @@ def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
     trainer._put_prompts([{**records[0], "prompt": [{"role": "system", "content": "x"}, *records[0]["prompt"]]}],
                          "c", n=1)
     assert rendered == ["1+1=", "2+2=", "1+1="]
+
+
+def test_the_heap_is_frozen_while_the_run_trains_and_collectable_after(tiny_run, monkeypatch):
+    # Garbage collections skip what start-up built (torch's, transformers' and the model's objects) while the steps
+    # run; after the run they are collectable again, so a process that trains twice does not keep the first run.
+    import gc
+
+    from conveyor.trainer.run import run_training
+
+    frozen: list[int] = []
+    step = PPOTrainer.step
+
+    def counting(self):
+        frozen.append(gc.get_freeze_count())
+        return step(self)
+
+    monkeypatch.setattr(PPOTrainer, "step", counting)
+    assert gc.get_freeze_count() == 0
+    run_training(load_config(None, tiny_run + ["trainer.total_training_steps=2"]))
+    assert len(frozen) == 2 and min(frozen) > 10_000  # every module, class and the model's parameters
+    assert gc.get_freeze_count() == 0
