@@ -157,7 +157,7 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
         return "trainer", f"rollout process: a thread of the trainer's ({key}=trainer)"
     # auto: the thread. Measured on the default run (docs/async.md), processes of their own train faster per step but
     # start about 9 s later (Ray and its actors): the 600-step default run ends sooner on the thread, which also needs
-    # no Ray; they pay from about 900 steps on a 2-core machine, and `own` asks for them.
+    # no Ray; they pay from about 700 steps on a 2-core machine, and `own` asks for them.
     return "trainer", (f"rollout process: a thread of the trainer's ({key}=auto; {key}=own puts the rollout and "
                        "reward workers in Ray actors of their own)")
 

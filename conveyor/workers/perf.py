@@ -126,7 +126,7 @@ def set_allocator_defaults() -> None:
 
 def freeze_heap() -> None:
     """Collect the garbage of start-up, then leave every object alive now out of later garbage collections."""
-    # torch, transformers and the model hold about a million objects that live as long as the process: a full
+    # torch, transformers and the model hold about half a million objects that live as long as the process: a full
     # collection walks them all (about 0.2 s on a 2-core Xeon, three times in the default run's 600 steps, in the
     # trainer's process and in each replica's) and finds nothing to free. Reference counting still frees them.
     gc.collect()
