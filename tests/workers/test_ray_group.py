@@ -179,6 +179,15 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
         two_ranks.call(PolicyWorker.update_actor, meta)
 
 
+def test_a_rank_leaves_its_built_worker_out_of_garbage_collection(two_ranks) -> None:
+    # Full collections would walk the worker's, torch's and transformers' objects in every call's process for
+    # nothing; each rank froze them once its worker was built (`freeze_heap`).
+    import gc
+
+    for actor in two_ranks.ranks.actors:
+        assert ray.get(actor.__ray_call__.remote(lambda _: gc.get_freeze_count())) > 10_000
+
+
 def test_a_crashed_rank_reports_the_end_of_its_stderr(env) -> None:
     # A rank whose process dies (here a segfault, as a native crash would) has no exception to send back: the error
     # says so and carries the Python stack `faulthandler` wrote to the process's stderr before it died.
