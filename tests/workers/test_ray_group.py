@@ -92,6 +92,15 @@ def two_ranks(env):
     group.shutdown()
 
 
+def test_a_rank_leaves_its_built_worker_out_of_garbage_collection(two_ranks) -> None:
+    # Full collections would walk the worker's, torch's and transformers' objects in every call's process for
+    # nothing; each rank froze them once its worker was built (`freeze_heap`).
+    import gc
+
+    for actor in two_ranks.ranks.actors:
+        assert ray.get(actor.__ray_call__.remote(lambda _: gc.get_freeze_count())) > 10_000
+
+
 def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path) -> None:
     cfg, model_path, dp = env
     local = LocalWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"])
@@ -177,15 +186,6 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
     assert two_ranks.placement is None
     with pytest.raises(RuntimeError, match="shut down"):
         two_ranks.call(PolicyWorker.update_actor, meta)
-
-
-def test_a_rank_leaves_its_built_worker_out_of_garbage_collection(two_ranks) -> None:
-    # Full collections would walk the worker's, torch's and transformers' objects in every call's process for
-    # nothing; each rank froze them once its worker was built (`freeze_heap`).
-    import gc
-
-    for actor in two_ranks.ranks.actors:
-        assert ray.get(actor.__ray_call__.remote(lambda _: gc.get_freeze_count())) > 10_000
 
 
 def test_a_crashed_rank_reports_the_end_of_its_stderr(env) -> None:
