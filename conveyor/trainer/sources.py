@@ -507,7 +507,8 @@ class AsyncSource(SampleSource):
             self._sent_version = version
 
     def _hand_out(self) -> None:
-        """Draw the next prompts into the data plane and queue their batch on the rollout thread."""
+        """Draw the next prompts (into the data plane, or onto the call of replicas that render them) and queue their
+        batch on the rollout thread."""
         t = self.trainer
         batch_id = self._next_batch
         self._next_batch += 1
