@@ -261,15 +261,15 @@ class PPOTrainer:
         """Stage 1 left to the `replicas` that generate the batch (`RENDER_PROMPTS`): the handle of the batch's samples,
         their prompts not yet written; the call carries their records (and the width to pad them to)."""
         uids = self._uids(records, partition_id, key_prefix)
-        meta = KVBatchMeta(keys=sample_keys(uids, n), partition_id=partition_id)
+        tags: list[dict] = []  # one replica: no split to balance, and it pads to its own longest prompt
         if replicas > 1:
             # Several replicas write one partition: they pad to one width, and the split over them balances prompt
             # tokens, as it does for prompts put here. Both need the lengths: rendered here too, once per prompt.
             _, token_lists = self.prompts.encode(records)
             width = max([len(ids) for ids in token_lists] + [width or 0])
-            meta = KVBatchMeta(keys=meta.keys, partition_id=partition_id,
-                               tags=[{SEQ_LEN_TAG: len(ids)} for ids in token_lists for _ in range(n)])
-        return meta.with_extra_info(**{RENDER_PROMPTS: {"records": dict(zip(uids, records)), "width": width}})
+            tags = [{SEQ_LEN_TAG: len(ids)} for ids in token_lists for _ in range(n)]
+        return KVBatchMeta(keys=sample_keys(uids, n), partition_id=partition_id, tags=tags,
+                           extra_info={RENDER_PROMPTS: {"records": dict(zip(uids, records)), "width": width}})
 
     @staticmethod
     def _uids(records: list[dict], partition_id: str, key_prefix: str | None) -> list[str]:

@@ -349,6 +349,10 @@ class AsyncSource(SampleSource):
         self.partial = v1.separate_async.partial_rollout
         # Batches that share a partition share its column widths, which dynamic sampling needs to join them.
         self.shared = "rollout-samples" if pad else None
+        # Stage 1 of a batch: replicas in processes of their own render its prompts themselves (it rides on the
+        # generation call), so the trainer's process neither tokenizes nor writes them; else the trainer puts them.
+        self._prompts = (functools.partial(trainer._prompts_to_render, replicas=self.rollout.world_size)
+                         if self.rollout.renders_prompts else trainer._put_prompts)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._threads: int | None = None
         self._switch = 0.005
@@ -515,15 +519,11 @@ class AsyncSource(SampleSource):
         data_state = t.train_data.state_dict()
         records = t.train_data.next_batch(t.cfg.data.train_batch_size)
         n = t.cfg.actor_rollout_ref.rollout.n
-        # Replicas in processes of their own render the prompts themselves: the trainer's process neither tokenizes
-        # nor writes them (stage 1 rides on the generation call).
-        prompts = (functools.partial(t._prompts_to_render, replicas=self.rollout.world_size)
-                   if self.rollout.renders_prompts else t._put_prompts)
         if self.shared:
-            meta = prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
-                           width=t._train_prompt_width())
+            meta = self._prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
+                                 width=t._train_prompt_width())
         else:
-            meta = prompts(records, f"batch-{batch_id}", n=n)
+            meta = self._prompts(records, f"batch-{batch_id}", n=n)
         seed = t._seed("gen", step=batch_id)  # batch b samples with step b's seed, as the synchronous source
         future = self._submit(lambda: self._generate_batch(meta, records, seed))
         self._pending.append(_Pending(batch_id, meta, self._sent_version, data_state, future))
