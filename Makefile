@@ -11,7 +11,7 @@ BASE_STAMP := $(VENV)/.installed-base
 DEV_STAMP := $(VENV)/.installed-dev
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-dev train test bench clean
+.PHONY: install install-dev train test bench gpu-wheels clean
 
 install: $(BASE_STAMP)
 install-dev: $(DEV_STAMP)
@@ -51,6 +51,18 @@ test: install-dev
 bench: install-dev
 	$(PIP) -r benchmarks/requirements.txt
 	$(PY) benchmarks/run_all.py
+
+# The wheels benchmarks/gpu_check.sh installs on a GPU machine that has python3 with torch but no registry:
+# pure-Python packages (and regex's CPython 3.12 build) from benchmarks/requirements-gpu-check.txt, into
+# .whl/ (git-ignored; carried beside the tree). GPU_PYTHON is that machine's Python version.
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r benchmarks/requirements-gpu-check.txt
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
