@@ -16,7 +16,8 @@ model's layers hand to their attention function) runs:
 
 - on CUDA in half precision, PyTorch's own flash-attention varlen kernel
   (`torch.nn.attention.varlen.varlen_attn`): one call over all sequences,
-  causal, no mask tensor, nothing computed across sequences. Chosen over the
+  causal, no mask tensor, nothing computed across sequences, its keywords
+  built from the installed torch's signature (`VarlenCall`). Chosen over the
   `flash-attn` package (which transformers' `flash_attention_2` needs) because
   it ships with torch, so nothing has to be built for the GPU, and over flex
   attention because it needs no compilation and no block mask;
@@ -41,14 +42,17 @@ non-standard attention (`packing_unsupported_reason` says why).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["PACKED_ATTENTION", "PackedRows", "packing_unsupported_reason", "resolve_remove_padding",
-           "enable_packing", "setup_packing", "sdpa_compatible", "REMOVE_PADDING_KEY"]
+           "enable_packing", "setup_packing", "sdpa_compatible", "REMOVE_PADDING_KEY", "VarlenCall", "varlen_call"]
 
 #: The setting that turns packed forwards on (verl's name), for messages.
 REMOVE_PADDING_KEY = "actor_rollout_ref.model.use_remove_padding"
@@ -63,12 +67,72 @@ PACKED_ATTENTION = "conveyor_packed"
 _PLAN_ATTR = "_conveyor_packed_groups"
 
 
+@dataclass(frozen=True)
+class VarlenCall:
+    """One torch release's causal `varlen_attn` call over packed sequences, its keywords read from its signature.
+
+    The call moved between releases: torch 2.10 is made causal by `is_causal`, 2.11 and later by
+    `window_size=(-1, 0)`; only some releases take `enable_gqa` (2.13 refuses grouped key/value heads without
+    it, 2.11 has no such keyword and its flash kernel takes grouped heads as they are). A keyword the installed
+    release lacks is a TypeError at the first packed forward on a GPU, so nothing here is assumed from the
+    release this was written against.
+    """
+
+    fn: Callable[..., Tensor]
+    causal: tuple[tuple[str, Any], ...]
+    takes_gqa: bool
+
+    @classmethod
+    def of(cls, fn: Callable[..., Tensor], signature: inspect.Signature | None = None) -> VarlenCall | None:
+        """The call `signature` (by default `fn`'s own) allows; None when it cannot be made causal and scaled."""
+        params = (signature if signature is not None else inspect.signature(fn)).parameters
+        if "scale" not in params:  # torch 2.9: transformers' scaling could not be passed on
+            return None
+        if "window_size" in params:
+            causal: tuple[tuple[str, Any], ...] = (("window_size", (-1, 0)),)
+        elif "is_causal" in params:
+            causal = (("is_causal", True),)
+        else:
+            return None
+        return cls(fn, causal, "enable_gqa" in params)
+
+    def arguments(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len: int,
+                  scale: float | None) -> tuple[tuple, dict[str, Any]]:
+        """The (args, kwargs) over `query` (T, H, D), `key`/`value` (T, Hkv, D) and the boundaries `cu` (N+1,)."""
+        kwargs: dict[str, Any] = {"scale": scale, **dict(self.causal)}
+        if self.takes_gqa:
+            kwargs["enable_gqa"] = key.shape[1] != query.shape[1]
+        # Keys share the queries' boundaries (self-attention). Passing them, not None, is required: the flash
+        # forward takes both boundaries or neither, and the backward's schema has a Tensor for the key side.
+        return (query, key, value, cu, cu, max_len, max_len), kwargs
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scale: float | None) -> Tensor:
+        """Causal attention within each sequence of `cu` over (1, H, T, D) query/key/value; (1, T, H, D) out."""
+        longest = max(length for length, _ in _length_groups(cu))
+        args, kwargs = self.arguments(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                      cu.to(device=query.device, dtype=torch.int32), longest, scale)
+        return self.fn(*args, **kwargs)[None]
+
+
 def _varlen_attn():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch before 2.9
         return None
     return varlen_attn
+
+
+@functools.cache
+def varlen_call() -> VarlenCall | None:
+    """The installed torch's causal `VarlenCall`, read once; None where it has no usable `varlen_attn`."""
+    varlen_attn = _varlen_attn()
+    if varlen_attn is None:
+        return None
+    call = VarlenCall.of(varlen_attn)
+    if call is None:
+        logger.info("torch %s's varlen_attn takes no scale or causal keyword; packed forwards run SDPA per "
+                    "sequence", torch.__version__)
+    return call
 
 
 def _length_groups(cu: Tensor) -> list[tuple[int, list[int]]]:
@@ -98,15 +162,10 @@ def packed_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"a packed forward takes one row of packed tokens, got a batch of {query.shape[0]} rows")
-    varlen = _varlen_attn()
+    varlen = varlen_call()
     if (varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and not (module.training and dropout)):
-        groups = _length_groups(cu)
-        longest = max(length for length, _ in groups)
-        out = varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                     cu.to(device=query.device, dtype=torch.int32), None, longest, longest, scale=scaling,
-                     window_size=(-1, 0), enable_gqa=key.shape[1] != query.shape[1])
-        return out[None], None
+        return varlen(query, key, value, cu, scaling), None
     # (1, H, T, D) -> per length l: (n, H, l, D) for the n sequences of that length, one causal SDPA call each.
     total = query.shape[2]
     out = query.new_empty(1, total, query.shape[1], value.shape[-1])
