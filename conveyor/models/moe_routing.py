@@ -97,10 +97,12 @@ class MoELayer:
         A row of `recorded` holding any -1 (unknown routing) keeps the router's own choice. The router
         has no call that weighs given ids, so this is the one place that repeats its arithmetic: a
         float32 softmax of the logits, gathered at the ids, optionally renormalised, cast back. The
-        gather keeps the router trainable through its probabilities at the replayed ids.
+        gather keeps the router trainable through its probabilities at the replayed ids. `recorded` may
+        lie on another device: the router's output says where the forward computes.
         """
         logits, own_weights, own_ids = output
-        chosen = torch.where((recorded < 0).any(dim=-1, keepdim=True), own_ids, recorded.to(own_ids.dtype))
+        recorded = recorded.to(device=own_ids.device, dtype=own_ids.dtype)
+        chosen = torch.where((recorded < 0).any(dim=-1, keepdim=True), own_ids, recorded)
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
         # Read at each call, as the router reads its own flag.
         if self.arch.renormalize(self.router):
@@ -308,8 +310,9 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[N
     handles: list[RemovableHandle] = []
     try:
         for index, layer in enumerate(layers):
-            device = layer.router.weight.device
-            ids = routed_experts[:, :, index, :].reshape(batch * seq, top_k).to(device=device, dtype=torch.long)
+            # Not moved to the router's parameters' device: under FSDP2's CPU offload those live on the host
+            # between forwards while the router computes on the GPU. The hook moves them where it computes.
+            ids = routed_experts[:, :, index, :].reshape(batch * seq, top_k).long()
             handles.append(
                 layer.block.register_forward_pre_hook(
                     _make_shape_check(routed_experts.shape, index), with_kwargs=True
@@ -338,9 +341,13 @@ def _make_shape_check(shape: torch.Size, index: int) -> Callable[..., None]:
 
 
 def _make_replay_hook(layer: MoELayer, ids: torch.Tensor) -> Callable[..., tuple]:
+    placed = [ids]  # the ids on the device the router last computed on: one copy per context, not per call
+
     def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
         assert output[2].shape == ids.shape, "shape check on the sparse block must have caught this"
-        return layer.replay(output, ids)
+        if placed[0].device != output[2].device:
+            placed[0] = ids.to(output[2].device)
+        return layer.replay(output, placed[0])
 
     return hook
 

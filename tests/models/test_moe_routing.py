@@ -21,6 +21,7 @@ from conveyor.models.moe_routing import (
     RoutingRecorder,
     compute_routing_agreement,
     moe_info,
+    moe_layers,
     replay_routing,
     routed_experts_dtype,
 )
@@ -354,6 +355,52 @@ def test_replay_unknown_slots_fall_back_to_own_routing(model: nn.Module) -> None
         with replay_routing(model, torch.full_like(own, -1)):
             all_unknown = model(ids).logits
     torch.testing.assert_close(all_unknown, expected, atol=1e-5, rtol=0)
+
+
+def _hold_router_weights_apart(model: nn.Module) -> list:
+    """Each router's weight held on the meta device between forwards and on the CPU during its own forward.
+
+    What FSDP2's CPU offload does on a GPU (parameters on the host between forwards, gathered onto the GPU
+    for the forward), with meta standing in for the host and the CPU for the GPU.
+    """
+    handles = []
+    for block, _ in blocks_and_experts(model):
+        router = block.gate
+        computed = router.weight
+        held = nn.Parameter(torch.empty_like(computed, device="meta"))
+        router._parameters["weight"] = held
+        handles.append(router.register_forward_pre_hook(
+            lambda m, args, w=computed: m._parameters.__setitem__("weight", w)))
+        handles.append(router.register_forward_hook(
+            lambda m, args, out, w=held: m._parameters.__setitem__("weight", w)))
+    return handles
+
+
+def test_replay_follows_the_routers_compute_device_not_its_parameters(model: nn.Module) -> None:
+    """R3 with the actor's param_offload: routing replays where the router computes, whatever holds its weights."""
+    info = moe_info(model)
+    ids = input_ids()
+    forced = rotated(own_routing(model, ids), info.num_experts)
+    with torch.no_grad(), replay_routing(model, forced):
+        expected = model(ids).logits
+    _hold_router_weights_apart(model)
+    assert all(block.gate.weight.device.type == "meta" for block, _ in blocks_and_experts(model))
+    with torch.no_grad(), RoutingRecorder(model) as recorder, replay_routing(model, forced):
+        replayed = model(ids).logits
+    torch.testing.assert_close(replayed, expected, atol=1e-6, rtol=0)
+    assert torch.equal(recorder.pop(), forced.to(torch.int16))
+
+
+def test_replay_moves_recorded_ids_to_the_router_outputs_device(model: nn.Module) -> None:
+    """`MoELayer.replay` of a router output on one device and recorded ids on another: the output's device wins."""
+    layer = moe_layers(model)[0]
+    n, experts, top_k = 6, layer.router.num_experts, layer.router.top_k
+    output = (torch.randn(n, experts, device="meta"), torch.empty(n, top_k, device="meta"),
+              torch.empty(n, top_k, dtype=torch.long, device="meta"))
+    recorded = torch.arange(n * top_k).reshape(n, top_k) % experts  # on the CPU
+    logits, weights, chosen = layer.replay(output, recorded)
+    assert {t.device.type for t in (logits, weights, chosen)} == {"meta"}
+    assert chosen.shape == (n, top_k) and chosen.dtype == torch.long and weights.shape == (n, top_k)
 
 
 def test_replay_rejects_bad_routing(model: nn.Module) -> None:
