@@ -9,8 +9,9 @@ experts go through transformers' expert plan, conveyor's counting all-to-all
 (an all-to-all over a group of one) and their own FSDP2 unit, and clipping
 through the two-mesh norm. It prints, and checks against the plain copy, the
 forward logits, the gradients, the gradient norm and one AdamW step's
-parameters (float32, TF32 off; differences relative to the largest reference
-value), then the expert memory and token figures the update logs. The 2-rank
+parameters (float32 on any device, TF32 off: fsdp2 on a GPU otherwise computes
+in bfloat16, far off the 1e-5 bars; differences relative to the largest
+reference value), then the expert memory and token figures the update logs. The 2-rank
 case (experts really split) is the CPU test tests/workers/test_expert_parallel.py. Exit status 1 when a check fails.
 """
 
@@ -35,15 +36,22 @@ def _model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     return model.float().to(device)
 
 
-def run(args: argparse.Namespace) -> dict[str, float]:
-    """Both copies' logits, gradients and one step compared; returns the largest differences and the EP figures."""
+def ep_strategy(device: torch.device):
+    """The fsdp2 strategy with the expert mesh at size 1, computing and reducing in float32 on any device."""
     from conveyor.workers.strategy import TrainingStrategy
 
+    # Pinned: unset, fsdp2 on CUDA computes in bfloat16 (the run default), and the check compares exact paths.
+    return TrainingStrategy("fsdp2", world_size=1, device=device, expert_mesh=True, param_dtype="float32",
+                            reduce_dtype="float32")
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    """Both copies' logits, gradients and one step compared; returns the largest differences and the EP figures."""
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     plain, sharded = _model(args, device), _model(args, device)
-    strategy = TrainingStrategy("fsdp2", world_size=1, device=device, expert_mesh=True)
+    strategy = ep_strategy(device)
     strategy.wrap(sharded)
     assert strategy.expert_parallel and strategy.meshes.expert.mesh_dim_names == ("efsdp", "ep")
     gen = torch.Generator().manual_seed(1)
