@@ -17,8 +17,13 @@ as they do on a GPU at these settings. Loading is each role's peak while it
 is built, above what the process held just before, against the full model's
 bytes.
 
-The same accounting (`account`) that predicts the CPU figures (printed next
-to them) gives the per-GPU figures of real models on real hardware:
+The same accounting (`account`, conveyor.workers.memory_budget: the one a
+vllm run is checked against at start-up) that predicts the CPU figures
+(printed next to them) gives the per-GPU figures of real models on real
+hardware, for the hf rollout and for a colocated vLLM engine (its weights at
+the engine's dtype over tensor_model_parallel_size GPUs, its KV cache, what the
+trainer keeps beside it while it generates), the latter from the settings of
+examples/gpu_moe_gsm8k.yaml:
 
     python benchmarks/memory.py                    # the CPU measurement (~5 min on 2 cores)
     python benchmarks/memory.py --smoke            # a tiny model, seconds (the suite runs it)
@@ -46,121 +51,27 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-GB = 1e9
+from conveyor.workers.memory_budget import (  # noqa: F401 (layout_of, total: the tests' too)
+    GB,
+    Layout,
+    Setup,
+    account,
+    engine_terms,
+    kv_bytes_per_token,
+    layout_of,
+    misfits,
+    setup_of,
+    total,
+)
+
 PHASES = ("rollout", "old_log_prob", "ref", "update_actor")
 PROMPT_LEN, RESPONSE_LEN, BATCH, MICRO = 16, 8, 16, 4
 
 
-# --------------------------------------------------------------------------- accounting
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """What a model's memory depends on, counted from the model built on the meta device."""
-
-    params: int  # all parameters
-    layer_params: int  # the largest decoder layer (one FSDP2 unit)
-    root_params: int  # outside the decoder layers (embeddings, final norm, lm_head): the root unit
-    hidden: int
-    layers: int
-    vocab: int
-    kv_dim: int  # key/value heads x head dim
-    ffn_tokens_dim: int  # per-token width of the MLP's intermediate (top_k x moe_intermediate for MoE)
-    layer_expert_params: int = 0  # the experts of the largest decoder layer (what expert parallelism splits)
-    top_k: int = 1  # experts per token (rows each token sends through the all-to-all)
-
-
-def layout_of(config) -> Layout:
-    """The `Layout` of a transformers config (built on the meta device: no memory, exact counts)."""
-    from transformers import AutoModelForCausalLM
-
-    from conveyor.workers.strategy import decoder_layers
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    layers = decoder_layers(model)
-    total = sum(p.numel() for p in model.parameters())
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    top_k = getattr(config, "num_experts_per_tok", None)
-    ffn = top_k * config.moe_intermediate_size if top_k else config.intermediate_size
-    biggest = layers[per_layer.index(max(per_layer))]
-    experts = sum(p.numel() for n, p in biggest.named_parameters() if ".experts." in f".{n}")
-    return Layout(total, max(per_layer), total - sum(per_layer), config.hidden_size, len(layers), config.vocab_size,
-                  config.num_key_value_heads * head_dim, ffn, experts, top_k or 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """A run's settings as memory sees them, per rank."""
-
-    world: int
-    master_bytes: int = 4  # model.dtype: parameters, gradients, AdamW's two moments
-    compute_bytes: int = 4  # fsdp_config.param_dtype (what a gathered layer and the activations take)
-    reference: bool = True
-    ref_offload: bool = False  # ref.fsdp_config.param_offload: the reference's shards on the host
-    optimizer_offload: bool = False  # actor.fsdp_config.optimizer_offload: AdamW's state on the host but in its step
-    rollout_seqs: int = BATCH  # sequences this rank generates at once
-    seq_len: int = PROMPT_LEN + RESPONSE_LEN
-    micro_seqs: int = MICRO  # sequences per forward (log-prob and update micro-batches)
-    checkpointing: bool = False
-    kv_bytes: int = 4
-    ep: int = 1  # fsdp_config.expert_parallel_size: a layer's forward gathers 1/ep of its experts
-
-
-def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
-    """Bytes per rank by phase and term: resident state plus what the phase adds at its peak.
-
-    State: the actor's parameter shards and AdamW's two moments (master dtype),
-    the reference's shards unless offloaded. A phase adds what it gathers
-    (under fsdp2 over several ranks: the root unit, and one decoder layer in
-    flight plus the next one prefetched, in the compute dtype; with one rank
-    nothing is gathered) and its activations: the KV cache of the rollout; the
-    hidden states and one MLP's intermediate of a micro-batch for a no-grad
-    forward; for the update also its gradient shards, a layer's unsharded
-    gradient with the buffer it is reduce-scattered from (several ranks), and
-    the activations kept for the backward (every layer's, or the layer
-    boundaries only under gradient checkpointing). Logits are one micro-batch's, in the compute
-    dtype. It leaves out the allocator's own slack and the libraries' buffers.
-    """
-    w = s.world
-    shard = lay.params / w
-    optim = 2 * shard * s.master_bytes
-    state = {"actor parameters": shard * s.master_bytes}
-    if not s.optimizer_offload:
-        state["optimizer state"] = optim
-    if s.reference and not s.ref_offload:
-        state["reference parameters"] = shard * s.master_bytes
-    # Under EP a layer gathers its dense part and its own experts (1/ep of them): the rest stay on their ranks.
-    layer = lay.layer_params - lay.layer_expert_params * (1 - 1 / s.ep)
-    gathered = (lay.root_params + 2 * layer) * s.compute_bytes if w > 1 else 0.0
-    tokens = s.micro_seqs * s.seq_len
-    logits = tokens * lay.vocab * s.compute_bytes
-    per_layer_act = tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim) * s.compute_bytes
-    kv = s.rollout_seqs * s.seq_len * lay.layers * 2 * lay.kv_dim * s.kv_bytes
-    rollout_logits = s.rollout_seqs * lay.vocab * 4  # one position per sequence, float32 for sampling
-    no_grad = {"gathered weights": gathered, "activations": per_layer_act, "logits": logits}
-    kept = lay.layers * tokens * lay.hidden * s.compute_bytes if s.checkpointing else lay.layers * per_layer_act
-    grads = shard * s.master_bytes
-    update = {"gathered weights": gathered, "gradients": grads, "activations kept": kept + per_layer_act,
-              "logits and their gradient": 2 * logits}
-    if w > 1:  # a layer's unsharded gradient and the buffer it is reduce-scattered from (float32)
-        update["a layer's gradient in flight"] = 2 * layer * 4
-    if s.ep > 1:  # the rows a layer sends and receives (about top_k per token each way), and their outputs
-        exchange = 2 * tokens * lay.top_k * lay.hidden * s.compute_bytes
-        no_grad["all-to-all buffers"] = update["all-to-all buffers"] = exchange
-    if s.optimizer_offload and optim + grads > total(update):
-        update = {"gradients": grads, "optimizer state (in its step)": optim}  # the step outgrows the backward
-    phases = {
-        "rollout": {"gathered weights": gathered, "KV cache": kv, "logits": rollout_logits},
-        "old_log_prob": dict(no_grad),
-        "ref": dict(no_grad) if s.reference else {},
-        "update_actor": update,
-    }
-    return {p: {**state, **extra} for p, extra in phases.items() if extra or p != "ref"}
-
-
-def total(terms: dict[str, float]) -> float:
-    """The sum of a phase's terms."""
-    return float(sum(terms.values()))
+def cpu_setup(world: int, **changes) -> Setup:
+    """The CPU measurement's settings as memory sees them on `world` ranks (`changes` replace fields)."""
+    return Setup(**{"world": world, "rollout_seqs": BATCH, "seq_len": PROMPT_LEN + RESPONSE_LEN, "micro_seqs": MICRO,
+                    **changes})
 
 
 # --------------------------------------------------------------------------- CPU measurement
@@ -303,7 +214,7 @@ def report(res: dict, bars: bool) -> int:
           "reference + KL loss, R3")
     print(f"{'phase':<14}{'1 rank GB':>11}{'2 ranks GB':>12}{'ratio':>8}{'accounted 1':>13}{'accounted 2':>13}")
     worst = 0.0
-    acc = {w: account(lay, Setup(world=w, rollout_seqs=BATCH // w)) for w in (1, 2)}
+    acc = {w: account(lay, cpu_setup(w, rollout_seqs=BATCH // w)) for w in (1, 2)}
     for phase in PHASES:
         a = one[0]["phases"][phase]
         b = max(r["phases"][phase] for r in two)
@@ -360,10 +271,11 @@ REAL_MODELS = {"Qwen3-8B": _qwen3_8b, "Qwen3-30B-A3B": _qwen3_30b_a3b}
 def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
     """Per-GPU bytes of each phase for examples/gpu_moe_gsm8k.yaml's settings on one node of `gpus` GPUs.
 
-    With `ep` > 1 the MoE models split their experts over `ep` ranks (dense models are unchanged).
+    First with the hf rollout in place of the example's vllm (and AdamW's state on the GPU), then the vllm rows.
+    With `ep` > 1 the MoE models split their experts over `ep` ranks (dense models are unchanged; no vllm rows).
     """
     # The recipe: 256 prompts x 8 samples per step, micro-batches of 4, prompts of 512, fp32 masters with bf16
-    # compute, a reference for the KL loss (its shards offloaded, verl's default), gradient checkpointing; the hf
+    # compute, a reference for the KL loss (its shards offloaded), gradient checkpointing; the hf
     # rollout decodes at most rollout.max_num_seqs (256) of the rank's sequences at once.
     seqs = min(256, 256 * 8 // gpus)
     for name, make in REAL_MODELS.items():
@@ -385,6 +297,49 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
             print(f"  {label:<27} {cells}  {'fits' if fits else 'does not fit'}")
         acc = account(lay, base)
         print("  terms of the recipe's update: " + ", ".join(f"{k} {v / GB:.1f}" for k, v in acc["update_actor"].items()))
+        if ep == 1:
+            vllm_rows(name, lay, gpus, gpu_gb, response_len)
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpu_moe_gsm8k.yaml"
+
+
+def example_setup(gpus: int, gpu_gb: float, response_len: int, overrides: list[str] = (),
+                  is_moe: bool = True) -> Setup:
+    """The `Setup` of examples/gpu_moe_gsm8k.yaml (plus `overrides`) on one node of `gpus` GPUs of `gpu_gb` GB."""
+    from conveyor.config import load_config
+    from conveyor.trainer.plan import build_run_plan
+
+    cfg = load_config(EXAMPLE, ["trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}",
+                                f"data.max_response_length={response_len}", *overrides])
+    return setup_of(cfg, build_run_plan(cfg, "cuda", is_moe=is_moe), gpu_gb * GB)
+
+
+def vllm_rows(name: str, lay: Layout, gpus: int, gpu_gb: float, response_len: int) -> None:
+    """The vllm rollout's rows: the engine's share (weights, KV cache) beside the trainer, from the default to the example."""
+    ro, actor = "actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config"
+    plain = [f"{ro}.tensor_model_parallel_size=1", f"{ro}.gpu_memory_utilization=0.5",
+             f"{actor}.optimizer_offload=false"]
+    example = example_setup(gpus, gpu_gb, response_len, is_moe=bool(lay.layer_expert_params))
+    eng = example.engine
+    rows = (("rollout defaults: tp 1, utilization 0.5", plain),
+            ("tensor_model_parallel_size=4", plain[1:] + [f"{ro}.tensor_model_parallel_size=4"]),
+            ("+ optimizer_offload=true", [f"{ro}.tensor_model_parallel_size=4", f"{ro}.gpu_memory_utilization=0.5"]),
+            (f"the example: tp {eng.tp}, utilization {eng.gpu_memory_utilization:g}", []))
+    print(f"  vllm rollout (examples/gpu_moe_gsm8k.yaml: engine in {'bfloat16' if eng.weight_bytes == 2 else 'float32'},"
+          f" sleeping between rollouts; KV cache in sequences of max_model_len={eng.max_model_len}):")
+    for label, overrides in rows:
+        s = example_setup(gpus, gpu_gb, response_len, overrides, is_moe=bool(lay.layer_expert_params))
+        acc = account(lay, s)
+        terms = engine_terms(lay, s.engine)
+        kv = max(terms["KV cache"], 0.0)
+        seqs = int(kv // (kv_bytes_per_token(lay, s.engine) * s.engine.max_model_len))
+        state = total({k: v for k, v in acc["rollout"].items() if k not in terms})
+        cells = "  ".join(f"{p} {total(t) / GB:6.1f}" for p, t in acc.items())
+        found = [m.what for m in misfits(lay, s, gpu_gb * GB, ranks=gpus)]
+        found += [f"{p} over {gpu_gb:g} GB" for p, t in acc.items() if p != "rollout" and total(t) / GB > gpu_gb]
+        print(f"  {label:<41} weights {terms['engine weights'] / GB:5.1f}  KV {kv / GB:5.1f} ({seqs:>4} seqs)  "
+              f"trainer {state / GB:5.1f}  {cells}  {'fits' if not found else 'does not fit: ' + '; '.join(found)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopSignals
+from conveyor.workers.memory_budget import check_memory
 from conveyor.workers.perf import frozen_heap
 from conveyor.workers.roles import build_worker_groups
 
@@ -116,6 +117,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     trust = cfg.actor_rollout_ref.model.trust_remote_code
     model_config = load_model_config(model_path, trust_remote_code=trust)
     _check_engine_serves(cfg, plan, model_config, device)
+    check_memory(cfg, plan, model_config, device)  # before any worker claims GPU memory: no OOM at the first wake-up
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
     train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
 

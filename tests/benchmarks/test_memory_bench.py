@@ -31,12 +31,12 @@ def test_accounting_shrinks_with_the_ranks_and_counts_what_the_settings_move(ben
     from conveyor.models.tokenizer import build_char_tokenizer
 
     lay = bench.layout_of(tiny_config("qwen3_moe", vocab_size=len(build_char_tokenizer())))
-    one, two = (bench.account(lay, bench.Setup(world=w)) for w in (1, 2))
+    one, two = (bench.account(lay, bench.cpu_setup(w)) for w in (1, 2))
     for phase in PHASES:
         # The state halves; what two ranks add is only the gathered layers.
         assert two[phase]["actor parameters"] == one[phase]["actor parameters"] / 2
         assert "gathered weights" not in one[phase] or one[phase]["gathered weights"] == 0
-    offloaded = bench.account(lay, bench.Setup(world=2, ref_offload=True, optimizer_offload=True))
+    offloaded = bench.account(lay, bench.cpu_setup(2, ref_offload=True, optimizer_offload=True))
     assert "reference parameters" not in offloaded["ref"] and "optimizer state" not in offloaded["old_log_prob"]
     assert bench.total(offloaded["old_log_prob"]) < bench.total(two["old_log_prob"])
     # The meta-device count is the model's own.
@@ -48,6 +48,16 @@ def test_real_model_accounting_prints_both_models(bench, capsys: pytest.CaptureF
     assert bench.main(["--account", "--response-len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3-8B: 8.19B parameters" in out and "Qwen3-30B-A3B: 30.53B parameters" in out
+    moe = out[out.index("Qwen3-30B-A3B: 30.53B"):]
+    # The hf rollout's rows are docs/distributed.md's table as it was before the vllm rows came.
+    assert re.search(r"recipe\s+rollout\s+88.3\s+old_log_prob\s+51.7\s+ref\s+51.7\s+update_actor\s+75.1\s+does not", moe)
+    assert re.search(r"\+ optimizer_offload\s+rollout\s+23.9\s+old_log_prob\s+19.6\s+ref\s+19.6\s+update_actor\s+61.1\s+fits",
+                     moe)
+    # The vllm rows: the defaults' weights outgrow the engine's share; the example fits.
+    rows = moe[moe.index("vllm rollout"):].splitlines()
+    assert re.search(r"rollout defaults.* weights\s+61.1 .*does not fit: the vLLM engine's weights", rows[1]), rows[1]
+    assert re.search(r"tensor_model_parallel_size=4 .*trainer\s+45.8 .*rollout\s+85.8 .*does not fit", rows[2])
+    assert re.search(r"the example: tp 4, utilization 0.6 .*weights\s+15.3 .*rollout\s+63.3 .*fits$", rows[4]), rows[4]
 
 
 def test_memory_benchmark_lora_smoke(bench, capsys: pytest.CaptureFixture[str]) -> None:

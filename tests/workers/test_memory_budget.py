@@ -1,0 +1,148 @@
+"""The memory accounting of a vLLM rollout and the start-up check that refuses a layout that cannot fit a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from conveyor.config import ConfigError, load_config
+from conveyor.trainer.plan import build_run_plan
+from conveyor.workers.memory_budget import (
+    GB,
+    Engine,
+    account,
+    check_memory,
+    engine_terms,
+    kv_bytes_per_token,
+    layout_of,
+    misfits,
+    setup_of,
+    total,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpu_moe_gsm8k.yaml"
+RO = "actor_rollout_ref.rollout"
+H100 = 80 * GB  # the accounting's 80 GB GPU (benchmarks/memory.py --gpu-gb 80)
+
+
+@pytest.fixture(scope="module")
+def moe_config():
+    """Qwen3-30B-A3B's config (counted on the meta device, no weights)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                          tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def moe(moe_config):
+    return layout_of(moe_config)
+
+
+def _example(*overrides: str):
+    cfg = load_config(EXAMPLE, list(overrides))
+    return cfg, build_run_plan(cfg, "cuda", is_moe=True)
+
+
+def test_the_example_fits_eight_80gb_gpus_with_qwen3_30b_a3b(moe, moe_config) -> None:
+    cfg, plan = _example()
+    assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 8 and plan.engine == "vllm"
+    s = setup_of(cfg, plan, H100)
+    assert misfits(lay := moe, s, H100) == []
+    acc = account(lay, s)
+    assert all(total(terms) <= H100 for terms in acc.values()), {p: total(t) / GB for p, t in acc.items()}
+    # Awake: the actor's float32 shards beside the engine's whole share (0.6 x 80 GB); AdamW waits on the host.
+    assert acc["rollout"]["actor parameters"] == pytest.approx(moe.params / 8 * 4)
+    assert "optimizer state" not in acc["rollout"] and "reference parameters" not in acc["rollout"]
+    assert total(acc["rollout"]) == pytest.approx(moe.params / 8 * 4 + 0.6 * H100)
+    check_memory(cfg, plan, moe_config, "cuda", capacity=H100)  # no refusal
+
+
+def test_engine_terms_follow_dtype_tp_and_utilization(moe) -> None:
+    eng = Engine(capacity=H100, gpu_memory_utilization=0.5, tp=4, weight_bytes=2, max_model_len=1536)
+    terms = engine_terms(moe, eng)
+    assert terms["engine weights"] == pytest.approx(moe.params * 2 / 4)
+    assert total(terms) == pytest.approx(0.5 * H100)  # the KV cache is the rest of the engine's share
+    # Four key/value heads over tp 4: one per GPU; over tp 8 each GPU still holds one (vLLM replicates).
+    one_head = 2 * moe.layers * (moe.kv_dim // 4) * 2
+    assert kv_bytes_per_token(moe, eng) == one_head
+    assert kv_bytes_per_token(moe, dataclasses.replace(eng, tp=8)) == one_head
+    assert kv_bytes_per_token(moe, dataclasses.replace(eng, tp=1)) == 4 * one_head
+
+
+def test_the_default_engine_is_refused_naming_the_keys(moe_config) -> None:
+    # tp 1, utilization 0.5: 61 GB of bfloat16 weights in a 40 GB share.
+    cfg, plan = _example(f"{RO}.tensor_model_parallel_size=1", f"{RO}.gpu_memory_utilization=0.5")
+    with pytest.raises(ConfigError) as err:
+        check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
+    msg = str(err.value)
+    assert "weights do not fit its share" in msg
+    assert f"{RO}.gpu_memory_utilization (at least 0.78 for one sequence)" in msg
+    assert f"{RO}.tensor_model_parallel_size (at least 2)" in msg
+
+
+def test_the_engine_awake_beside_adamw_is_refused_naming_the_offloads(moe, moe_config) -> None:
+    # tp 4 fits the engine's share, but the trainer's float32 shards and AdamW (46 GB) stay beside its 40 GB.
+    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.5", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    found = misfits(moe, setup_of(cfg, plan, H100), H100)
+    assert [m.what for m in found] == ["the vLLM engine awake beside what the trainer keeps on the GPU"]
+    assert found[0].need / GB == pytest.approx(85.8, abs=0.05)
+    with pytest.raises(ConfigError) as err:
+        check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
+    msg = str(err.value)
+    for key in (f"{RO}.gpu_memory_utilization (at most 0.43", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                "actor_rollout_ref.actor.fsdp_config.param_offload=true", "trainer.n_gpus_per_node"):
+        assert key in msg, msg
+    assert "ref.fsdp_config.param_offload" not in msg  # the example's reference is on the host already
+
+
+def test_a_kv_cache_too_small_for_one_sequence_names_the_lengths(moe, moe_config) -> None:
+    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.2", "data.max_response_length=32000",
+                         "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    found = misfits(moe, setup_of(cfg, plan, H100), H100)
+    assert "cannot hold one sequence of max_model_len=32512" in found[0].what
+    assert any("max_model_len" in k for k in found[0].keys)
+
+
+def test_an_engine_that_does_not_sleep_keeps_its_share_through_training(moe) -> None:
+    cfg, plan = _example(f"{RO}.free_cache_engine=false")
+    s = setup_of(cfg, plan, H100)
+    acc, asleep = account(moe, s), account(moe, dataclasses.replace(s, engine=dataclasses.replace(s.engine, sleeps=True)))
+    assert total(acc["update_actor"]) == pytest.approx(total(asleep["update_actor"]) + 0.6 * H100)
+    found = misfits(moe, s, H100)
+    assert any("update_actor" in m.what and f"{RO}.free_cache_engine=true" in m.keys for m in found)
+
+
+def test_a_separate_engine_holds_nothing_of_the_trainers(moe) -> None:
+    cfg, plan = _example(f"{RO}.placement=separate")
+    s = setup_of(cfg, plan, H100)
+    assert set(account(moe, s)["rollout"]) == {"engine weights", "engine activations", "KV cache"}
+    assert misfits(moe, s, H100) == []
+
+
+def test_the_check_leaves_the_hf_rollout_and_cpu_runs_alone(moe_config) -> None:
+    cfg, plan = _example(f"{RO}.name=hf", f"{RO}.gpu_memory_utilization=0.01")
+    check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
+    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.01")
+    check_memory(cfg, plan, moe_config, "cpu", capacity=H100)
+    with pytest.raises(ConfigError):
+        check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
+
+
+def test_the_cli_refuses_a_layout_that_cannot_fit_with_exit_status_2(tiny_run, monkeypatch, capsys) -> None:
+    # A GPU run as the trainer makes it, up to the check: the device and its memory are the only things faked.
+    import conveyor.trainer.run as run
+    import conveyor.workers.memory_budget as budget
+    from conveyor.cli import main
+
+    monkeypatch.setattr(run, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(budget, "_gpu_capacity", lambda: H100)
+    status = main(["train", "--config", str(EXAMPLE.parent / "vllm_cpu.yaml"), *tiny_run,
+                   "actor_rollout_ref.model.tiny.warmstart_steps=0", f"{RO}.gpu_memory_utilization=0.0001"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "the vllm rollout does not fit a GPU of 80.0 GB" in err and f"{RO}.gpu_memory_utilization" in err
