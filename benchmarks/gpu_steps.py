@@ -51,7 +51,12 @@ def cmd_env(args: argparse.Namespace) -> int:
     try:
         from torch.nn.attention.varlen import varlen_attn
 
+        from conveyor.models.packing import varlen_call
+
+        call = varlen_call()
         print("varlen_attn:", inspect.signature(varlen_attn))
+        print("conveyor's call:", "per-sequence SDPA (no usable varlen_attn)" if call is None
+              else f"causal {dict(call.causal)}, enable_gqa passed: {call.takes_gqa}")
     except ImportError:
         print("varlen_attn: not in this torch (packed forwards use per-sequence SDPA)")
     if torch.cuda.is_available():
