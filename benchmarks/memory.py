@@ -316,7 +316,7 @@ def example_setup(gpus: int, gpu_gb: float, response_len: int, overrides: list[s
 
 
 def vllm_rows(name: str, lay: Layout, gpus: int, gpu_gb: float, response_len: int) -> None:
-    """The vllm rollout's rows: the engine's share (weights, KV cache) beside the trainer, from the default to the example."""
+    """The vllm rollout's rows: the engine's share (weights, KV cache) beside the trainer, defaults to the example."""
     ro, actor = "actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config"
     plain = [f"{ro}.tensor_model_parallel_size=1", f"{ro}.gpu_memory_utilization=0.5",
              f"{actor}.optimizer_offload=false"]
@@ -326,7 +326,8 @@ def vllm_rows(name: str, lay: Layout, gpus: int, gpu_gb: float, response_len: in
             ("tensor_model_parallel_size=4", plain[1:] + [f"{ro}.tensor_model_parallel_size=4"]),
             ("+ optimizer_offload=true", [f"{ro}.tensor_model_parallel_size=4", f"{ro}.gpu_memory_utilization=0.5"]),
             (f"the example: tp {eng.tp}, utilization {eng.gpu_memory_utilization:g}", []))
-    print(f"  vllm rollout (examples/gpu_moe_gsm8k.yaml: engine in {'bfloat16' if eng.weight_bytes == 2 else 'float32'},"
+    dtype = "bfloat16" if eng.weight_bytes == 2 else "float32"
+    print(f"  vllm rollout (examples/gpu_moe_gsm8k.yaml: engine in {dtype},"
           f" sleeping between rollouts; KV cache in sequences of max_model_len={eng.max_model_len}):")
     for label, overrides in rows:
         s = example_setup(gpus, gpu_gb, response_len, overrides, is_moe=bool(lay.layer_expert_params))

@@ -50,9 +50,9 @@ def test_real_model_accounting_prints_both_models(bench, capsys: pytest.CaptureF
     assert "Qwen3-8B: 8.19B parameters" in out and "Qwen3-30B-A3B: 30.53B parameters" in out
     moe = out[out.index("Qwen3-30B-A3B: 30.53B"):]
     # The hf rollout's rows are docs/distributed.md's table as it was before the vllm rows came.
-    assert re.search(r"recipe\s+rollout\s+88.3\s+old_log_prob\s+51.7\s+ref\s+51.7\s+update_actor\s+75.1\s+does not", moe)
-    assert re.search(r"\+ optimizer_offload\s+rollout\s+23.9\s+old_log_prob\s+19.6\s+ref\s+19.6\s+update_actor\s+61.1\s+fits",
-                     moe)
+    cells = r"rollout\s+{}\s+old_log_prob\s+{}\s+ref\s+{}\s+update_actor\s+{}\s+"
+    assert re.search(r"recipe\s+" + cells.format(88.3, 51.7, 51.7, 75.1) + "does not", moe)
+    assert re.search(r"\+ optimizer_offload\s+" + cells.format(23.9, 19.6, 19.6, 61.1) + "fits", moe)
     # The vllm rows: the defaults' weights outgrow the engine's share; the example fits.
     rows = moe[moe.index("vllm rollout"):].splitlines()
     assert re.search(r"rollout defaults.* weights\s+61.1 .*does not fit: the vLLM engine's weights", rows[1]), rows[1]

@@ -87,14 +87,16 @@ def test_the_default_engine_is_refused_naming_the_keys(moe_config) -> None:
 
 def test_the_engine_awake_beside_adamw_is_refused_naming_the_offloads(moe, moe_config) -> None:
     # tp 4 fits the engine's share, but the trainer's float32 shards and AdamW (46 GB) stay beside its 40 GB.
-    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.5", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.5",
+                         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
     found = misfits(moe, setup_of(cfg, plan, H100), H100)
     assert [m.what for m in found] == ["the vLLM engine awake beside what the trainer keeps on the GPU"]
     assert found[0].need / GB == pytest.approx(85.8, abs=0.05)
     with pytest.raises(ConfigError) as err:
         check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
     msg = str(err.value)
-    for key in (f"{RO}.gpu_memory_utilization (at most 0.43", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    for key in (f"{RO}.gpu_memory_utilization (at most 0.43",
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                 "actor_rollout_ref.actor.fsdp_config.param_offload=true", "trainer.n_gpus_per_node"):
         assert key in msg, msg
     assert "ref.fsdp_config.param_offload" not in msg  # the example's reference is on the host already
@@ -111,7 +113,8 @@ def test_a_kv_cache_too_small_for_one_sequence_names_the_lengths(moe, moe_config
 def test_an_engine_that_does_not_sleep_keeps_its_share_through_training(moe) -> None:
     cfg, plan = _example(f"{RO}.free_cache_engine=false")
     s = setup_of(cfg, plan, H100)
-    acc, asleep = account(moe, s), account(moe, dataclasses.replace(s, engine=dataclasses.replace(s.engine, sleeps=True)))
+    asleep = account(moe, dataclasses.replace(s, engine=dataclasses.replace(s.engine, sleeps=True)))
+    acc = account(moe, s)
     assert total(acc["update_actor"]) == pytest.approx(total(asleep["update_actor"]) + 0.6 * H100)
     found = misfits(moe, s, H100)
     assert any("update_actor" in m.what and f"{RO}.free_cache_engine=true" in m.keys for m in found)
