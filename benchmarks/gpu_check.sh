@@ -107,7 +107,7 @@ for ckpt in false true; do
 done
 step r3_same_grad_norm 20 "$PY" benchmarks/gpu_steps.py same-grad-norm "$R/r3_false" "$R/r3_true"
 
-step long_4096_vs_account 100 "$PY" benchmarks/memory.py --device cuda --response-len 4096
+step long_4096_vs_account 100 "$PY" benchmarks/memory.py --long 4096 --device cuda
 
 step ep_fp32 50 "$PY" benchmarks/ep_check.py --device cuda --hidden 512 --layers 2 --experts 8 --top-k 2 \
   --vocab 4096 --batch 4 --seq 256

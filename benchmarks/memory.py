@@ -29,6 +29,7 @@ examples/gpu_moe_gsm8k.yaml:
     python benchmarks/memory.py --smoke            # a tiny model, seconds (the suite runs it)
     python benchmarks/memory.py --account          # Qwen3-8B and Qwen3-30B-A3B on 8 x 80 GB (no model built)
     python benchmarks/memory.py --lora 16          # one rank: full fine-tuning against LoRA (one model held)
+    python benchmarks/memory.py --long 4096 --device cuda   # 4096-token responses on one GPU vs the accounting
 
 Bar (CPU measurement at the default size): every phase at most 0.6x, goal
 0.55x; rank 1's loading peak at most 0.6x of the full model's bytes. Exit
@@ -202,6 +203,95 @@ def measure(hidden: int, layers: int, experts: int, steps: int, lora: int = 0) -
     return {"layout": dataclasses.asdict(lay), "runs": {str(w): r for w, r in runs.items()}}
 
 
+def long_responses(device: str, response_len: int, hidden: int, layers: int, experts: int) -> int:
+    """Fixed-length responses through one rank's endpoints (old log-probs, reference, update) against `account`.
+
+    No generation: a random model samples its end-of-sequence token early, so the responses are written
+    whole (`response_len` tokens, every one real) and the phases see exactly that length. On a GPU the
+    peaks are the allocator's (bf16 compute over float32 masters, gradient checkpointing on); on the CPU
+    the resident set above the process's before the model was built. Exit status 1 when, on a GPU, a phase's
+    peak exceeds its accounted bytes by more than half (the accounting would let a run that cannot fit
+    through); on the CPU the resident set carries the allocator's and interpreter's own growth, so no bar.
+    """
+    import transformers
+
+    from conveyor.config import load_config
+    from conveyor.data_plane import make_data_plane
+    from conveyor.models.loading import load_tokenizer, save_pretrained_checkpoint
+    from conveyor.models.tiny import build_tiny_model
+    from conveyor.models.tokenizer import build_char_tokenizer
+    from conveyor.trainer.plan import build_run_plan
+    from conveyor.workers.calls import LogProbCall, UpdateCall
+    from conveyor.workers.group import ColocatedWorker
+    from conveyor.workers.perf import peak_memory_bytes, reset_peak_memory
+    from conveyor.workers.roles import worker_specs
+
+    transformers.utils.logging.disable_progress_bar()
+    dev = torch.device(device)
+    tok = build_char_tokenizer()
+    heads = max(4, hidden // 64)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model("qwen3_moe", tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                                 num_kv_heads=max(1, heads // 2), intermediate_size=hidden, num_experts=experts,
+                                 max_position_embeddings=PROMPT_LEN + response_len)
+        lay = layout_of(model.config)
+        path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
+        del model
+        cfg = load_config(None, [
+            "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.rollout_correction.bypass_mode=false",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true", f"trainer.device={device}",
+            "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
+            f"data.max_prompt_length={PROMPT_LEN}", f"data.max_response_length={response_len}",
+            "data.train_batch_size=2", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"])
+        plan = build_run_plan(cfg, dev.type)
+        plane = make_data_plane("memory")
+        specs = worker_specs(cfg, plan, str(path), plane, load_tokenizer(str(path)), dev.type)
+        baseline = 0 if dev.type == "cuda" else _rss()
+        host = ColocatedWorker(0, 1)
+        for role in ("actor", "ref"):
+            host.add(specs[role])
+        actor, ref = host.worker("actor"), host.worker("ref")
+        batch = 2
+        gen = torch.Generator().manual_seed(0)
+        low = max(tok.pad_token_id, tok.eos_token_id) + 1  # no pad or end-of-sequence token inside a response
+        keys = [f"s{i}" for i in range(batch)]
+        fields = {"prompts": torch.randint(low, lay.vocab, (batch, PROMPT_LEN), generator=gen),
+                  "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
+                  "responses": torch.randint(low, lay.vocab, (batch, response_len), generator=gen),
+                  "response_mask": torch.ones(batch, response_len, dtype=torch.bool),
+                  "rollout_log_probs": torch.zeros(batch, response_len),
+                  "advantages": torch.randn(batch, response_len, generator=gen)}
+        meta = plane.kv_batch_put(keys, "long", fields)
+        lp = LogProbCall(temperature=1.0, calculate_entropy=True).to_extra_info()
+        got: dict[str, float] = {}
+        reset_peak_memory(dev)
+        got.update(actor.compute_log_prob(meta.with_extra_info(**lp)).extra_info)
+        got.update(ref.compute_log_prob(meta.with_extra_info(**{**lp, "calculate_entropy": False})).extra_info)
+        got.update(actor.update_actor(meta.with_extra_info(**UpdateCall(temperature=1.0,
+                                                                         calculate_entropy=False).to_extra_info()))
+                   .extra_info)
+        host.close()
+    compute = 2 if dev.type == "cuda" else 4
+    acc = account(lay, Setup(world=1, rollout_seqs=batch, seq_len=PROMPT_LEN + response_len, micro_seqs=1,
+                             compute_bytes=compute, kv_bytes=compute, checkpointing=True))
+    print(f"model: qwen3_moe {lay.params / 1e9:.3f}B float32 parameters on {device}; {batch} responses of "
+          f"{response_len} tokens (+ {PROMPT_LEN} prompt), micro-batches of 1, checkpointing, reference + KL loss")
+    print(f"{'phase':<14}{'measured GB':>13}{'accounted GB':>14}{'ratio':>8}")
+    worst, cells = 0.0, []
+    for phase in PHASES[1:]:
+        measured = got[f"perf/{phase}/max_memory_gb"] * 1024**3 - baseline
+        accounted = total(acc[phase])
+        worst = max(worst, measured / accounted)
+        cells.append(f"{phase} {measured / GB:.2f}/{accounted / GB:.2f}")
+        print(f"{phase:<14}{measured / GB:>13.2f}{accounted / GB:>14.2f}{measured / accounted:>7.2f}x")
+    print(f"FIGURE: {response_len}-token responses, measured/accounted GB: {', '.join(cells)}; "
+          f"worst {worst:.2f}x" + (" (bar <= 1.5x)" if dev.type == "cuda" else ""))
+    return 0 if worst <= 1.5 or dev.type != "cuda" else 1
+
+
 def report(res: dict, bars: bool) -> int:
     """Print the phase table and loading; 1 when a bar is missed (only checked when `bars`)."""
     lay = Layout(**res["layout"])
@@ -357,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1, help="with --account: expert_parallel_size of the MoE rows")
     parser.add_argument("--response-len", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--json", help="also write the measurement here")
+    parser.add_argument("--long", type=int, metavar="TOKENS", default=0,
+                        help="one rank: fixed-length responses of TOKENS through the endpoints against the accounting")
+    parser.add_argument("--device", default="cpu", help="with --long: cpu or cuda")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="one rank in full fine-tuning against LoRA adapters of this rank (no bars)")
     args = parser.parse_args(argv)
@@ -366,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.hidden, args.layers, args.experts = 64, 2, 4
+    if args.long:
+        return long_responses(args.device, args.long, args.hidden, args.layers, args.experts)
     res = measure(args.hidden, args.layers, args.experts, args.steps, args.lora)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -67,3 +67,14 @@ def test_memory_benchmark_lora_smoke(bench, capsys: pytest.CaptureFixture[str]) 
     for phase in PHASES:
         assert re.search(rf"^{phase}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x", out, re.M), out
     assert "models loaded: full ['actor', 'ref'], LoRA ['actor']" in out
+
+
+def test_long_responses_run_through_the_endpoints_at_their_full_length(bench, capsys) -> None:
+    # The GPU check's 4096-token step, small: every response token is real, so each phase sees the whole length.
+    status = bench.main(["--smoke", "--long", "96"])
+    out = capsys.readouterr().out
+    assert status == 0, out[-2000:]
+    assert "2 responses of 96 tokens" in out
+    for phase in PHASES[1:]:
+        assert re.search(rf"^{phase}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x", out, re.M), out
+    assert out.splitlines()[-1].startswith("FIGURE: 96-token responses")
