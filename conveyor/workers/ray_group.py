@@ -83,16 +83,18 @@ class _RankActor:
 
         return free_address()
 
-    def init_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
-        """Join the ranks' process group (all ranks call this at once)."""
+    def init_process_group(self, master_addr: str, master_port: int, device_type: str) -> None:
+        """Join the ranks' process group on `device_type` ("cuda" or "cpu"; all ranks call this at once)."""
         import torch.distributed as tdist
+
+        from conveyor.workers.strategy import process_group_backend
 
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
                            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)})
-        if backend == "nccl":
+        if device_type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU
-        tdist.init_process_group(backend=backend, init_method="env://", rank=self.rank, world_size=self.world_size,
-                                 timeout=timedelta(minutes=30))
+        tdist.init_process_group(backend=process_group_backend(device_type), init_method="env://", rank=self.rank,
+                                 world_size=self.world_size, timeout=timedelta(minutes=30))
 
     def build(self, spec: WorkerSpec) -> None:
         """Construct this rank's worker of `spec.role` in this process, next to the roles built before it."""
@@ -339,9 +341,9 @@ class RayRanks:
             self.where = self.gather(first, "start", [a.where.remote() for a in self.actors])
             if world_size > 1 and process_group:
                 addr, port = self.gather(first, "init_process_group", [self.actors[0].master_address.remote()])[0]
-                backend = "nccl" if num_gpus > 0 else "gloo"
+                device_type = "cuda" if num_gpus > 0 else "cpu"
                 self.gather(first, "init_process_group",
-                            [a.init_process_group.remote(addr, port, backend) for a in self.actors])
+                            [a.init_process_group.remote(addr, port, device_type) for a in self.actors])
             for spec in specs:  # in order, each role's ranks together (a strategy's wrap is a collective)
                 self.gather(spec.role, "__init__", [a.build.remote(spec) for a in self.actors])
         except BaseException:

@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel", "FSDP2", "TrainedModel",
            "CheckpointEndpoints", "resolve_strategy",
-           "decoder_layers", "ensure_process_group", "mixed_precision"]
+           "decoder_layers", "ensure_process_group", "process_group_backend", "collective_device", "mixed_precision"]
 
 STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
 
@@ -101,6 +101,21 @@ def mixed_precision(strategy: str, param_dtype: str | None, reduce_dtype: str | 
     return param_dtype or "bfloat16", reduce_dtype or "float32"
 
 
+def process_group_backend(device_type: str) -> str:
+    """The backend a role's process group is created with on `device_type` ("cuda": nccl, with gloo for CPU tensors)."""
+    # Under param_offload the sharded parameters and gradients live in host memory, so FSDP2's gradient-norm
+    # clipping and the weight sync's `full_tensor` run collectives on CPU tensors, which nccl rejects: the group
+    # routes those to gloo by device (torchtitan's "cuda:nccl,cpu:gloo").
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def collective_device(device: torch.device, group: Any = None) -> torch.device:
+    """Where a small collective of `group` (the default one when None) runs: `device` if nccl serves it, else the CPU."""
+    config = tdist.get_backend_config(group)  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo", ...
+    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return device if backends.get(device.type) == "nccl" else torch.device("cpu")
+
+
 def ensure_process_group(device: torch.device) -> None:
     """A one-rank process group when none exists (FSDP2 needs one even on a single rank)."""
     if tdist.is_initialized():
@@ -110,8 +125,8 @@ def ensure_process_group(device: torch.device) -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    tdist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(minutes=30))
+    tdist.init_process_group(process_group_backend(device.type), rank=0, world_size=1,
+                             timeout=timedelta(minutes=30))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -261,7 +276,7 @@ class TrainingStrategy:
         return tensor
 
     def _collective_device(self) -> torch.device:
-        return self.device if tdist.get_backend() == "nccl" else torch.device("cpu")
+        return collective_device(self.device)
 
     @contextlib.contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
@@ -390,6 +405,7 @@ class FSDP2(TrainingStrategy):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._fsdp_units: list[nn.Module] = []
+        self._root_kept = False  # whether the root stays gathered between a training forward and its backward
         self._ep: Any = None  # conveyor.workers.expert_parallel.ExpertParallelState under EP
 
     @property
@@ -406,7 +422,8 @@ class FSDP2(TrainingStrategy):
         if self.param_dtype is not None or self.reduce_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         if self.param_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            # Pinned host memory serves the copies to and from an accelerator; there is none to pin for otherwise.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
         if self.expert_parallel:
             from conveyor.workers.expert_parallel import apply_expert_parallel
 
@@ -426,9 +443,20 @@ class FSDP2(TrainingStrategy):
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=meshes.dense, **kwargs)
             self._fsdp_units.append(layer)
-        fully_shard(model, mesh=meshes.dense, **kwargs)
+        # A trained root (embeddings, final norm, LM head) stays gathered from a training forward to its backward,
+        # which needs it first; said here rather than left to torch's lazy default for the root, which the no-grad
+        # passes below would otherwise switch off for good (`set_reshard_after_forward` clears it).
+        self._root_kept = trainable
+        fully_shard(model, mesh=meshes.dense, reshard_after_forward=not trainable, **kwargs)
         self._fsdp_units.append(model)
         return model
+
+    def _reshard_after_forward(self, *, no_grad: bool, gathered: bool = False) -> None:
+        """Set each unit's resharding after forward: the training setting, a no-grad pass's, or kept whole."""
+        root = self._fsdp_units[-1] if self._fsdp_units else None
+        for unit in self._fsdp_units:
+            keep = gathered or (unit is root and self._root_kept and not no_grad)
+            unit.set_reshard_after_forward(not keep, recurse=False)
 
     @contextlib.contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
@@ -449,15 +477,14 @@ class FSDP2(TrainingStrategy):
         Every rank must run the same number of forwards inside (each one all-gathers); nothing is left
         gathered on exit.
         """
-        for unit in self._fsdp_units:
-            # The root keeps its parameters after forward by default (for the backward that follows a
-            # training forward); a no-grad pass has none.
-            unit.set_reshard_after_forward(True, recurse=False)
+        # A no-grad pass has no backward to keep the root gathered for: every unit is freed after its forward.
+        self._reshard_after_forward(no_grad=True)
         try:
             yield
         finally:
             for unit in self._fsdp_units:
                 unit.reshard()
+            self._reshard_after_forward(no_grad=False)
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
@@ -466,15 +493,15 @@ class FSDP2(TrainingStrategy):
         No collective runs inside, except under EP (a rank gathers only its own experts; the forward still
         exchanges tokens: `forward_communicates`).
         """
+        self._reshard_after_forward(no_grad=True, gathered=True)
         for unit in self._fsdp_units:
-            unit.set_reshard_after_forward(False)
             unit.unshard()
         try:
             yield
         finally:
             for unit in self._fsdp_units:
                 unit.reshard()
-                unit.set_reshard_after_forward(True)
+            self._reshard_after_forward(no_grad=False)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shards, experts included) to `max_norm`; the norm before."""
