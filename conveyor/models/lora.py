@@ -15,8 +15,9 @@ modules, so `all-linear` leaves them out; naming `experts` in a list of
 target modules adds a LoRA per expert on each fused tensor (PEFT's
 `target_parameters`, its `ParamWrapper`).
 
-`merged_state_dict(model)` gives the weights with the adapters merged in,
-under the base model's own parameter names: what the vLLM engine is fed.
+`merged_weights(model)` streams the weights with the adapters merged in,
+under the base model's own parameter names, one tensor at a time: what the
+vLLM engine is fed.
 
 What it deliberately does not do: load, shard or save models (the workers
 and `conveyor.trainer.export` do), or decide whether LoRA is on (the config).
@@ -24,12 +25,12 @@ and `conveyor.trainer.export` do), or decide whether LoRA is on (the config).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ADAPTER", "apply_lora", "lora_config", "has_lora", "merged_state_dict", "base_key", "is_adapter_key",
+__all__ = ["ADAPTER", "apply_lora", "lora_config", "has_lora", "merged_weights", "base_key", "is_adapter_key",
            "expert_parameter_names"]
 
 ADAPTER = "default"  # PEFT's name of the one adapter a run trains
@@ -124,22 +125,32 @@ def base_key(key: str) -> str:
     return key.replace(".base_layer", "")
 
 
-@torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights with the adapters merged in (W + scale * B @ A), under the base model's names; no adapter tensors.
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model's name, whole tensor) of each weight with its adapter merged in (W + scale * B @ A), one at a time.
 
-    `model`'s parameters must be whole (under fsdp2: inside `TrainingStrategy.full_params`).
+    No adapter tensors. Under fsdp2 each tensor is gathered in turn from the shards (a collective: every rank walks
+    the stream to the end, in step) and merged with its adapter at the master weights' precision, so a rank holds
+    one whole tensor at a time, never the whole model.
     """
     from peft.tuners.lora import LoraLayer
 
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        full = getattr(t, "full_tensor", None)  # a DTensor's state-dict entry stays sharded: gather it
-        return full() if callable(full) else t.detach()
+    adapted = {base_key(f"{name}.{getattr(module, 'parameter_name', 'weight')}"): module
+               for name, module in model.named_modules()
+               if isinstance(module, LoraLayer) and ADAPTER in module.lora_A and not module.disable_adapters}
+    # The state dict references the (sharded) parameters: nothing is gathered before its turn.
+    for key, value in model.state_dict().items():
+        if is_adapter_key(key) or "lora_" in key:
+            continue
+        name = base_key(key)
+        with torch.no_grad():
+            tensor = _whole(value)
+            module = adapted.get(name)
+            if module is not None:
+                tensor = tensor + _whole(module.get_delta_weight(ADAPTER)).to(tensor.dtype)
+        yield name, tensor
 
-    out = {base_key(k): whole(v) for k, v in model.state_dict().items() if not is_adapter_key(k) and "lora_" not in k}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A and not module.disable_adapters:
-            key = base_key(f"{name}.{getattr(module, 'parameter_name', 'weight')}")
-            delta = whole(module.get_delta_weight(ADAPTER))
-            out[key] = out[key] + delta.to(out[key].dtype)
-    return out
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` gathered whole when it is a DTensor (a collective), else `t` itself, detached."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach()

@@ -200,13 +200,13 @@ class PolicyWorker(CheckpointEndpoints):
         """The actor's weights one tensor at a time, under Hugging Face names, as an engine loads them.
 
         Under fsdp2 each tensor is gathered in turn (a collective: every rank iterates the same stream).
-        LoRA: the adapters merged in, under the base model's names (the engine serves the base architecture).
+        LoRA: the adapters merged in tensor by tensor, under the base model's names (the engine serves the base
+        architecture).
         """
         if self.peft is not None:
-            from conveyor.models.lora import merged_state_dict
+            from conveyor.models.lora import merged_weights
 
-            with self.trained.strategy.full_params():
-                yield from merged_state_dict(self.model).items()
+            yield from merged_weights(self.model)
             return
         yield from iter_weights(self.model)
 
