@@ -81,8 +81,10 @@ def rng_state() -> dict[str, Any]:
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    # The current device's generator only, and only once this process uses CUDA: reading every visible GPU's
+    # (get_rng_state_all) would create a CUDA context on each of them in the driver.
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -93,8 +95,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
                          npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # written by get_rng_state_all (older checkpoints): one per device
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.is_initialized() else cuda[0]
+        # Deferred by torch until this process initialises CUDA itself; then on its current device only.
+        torch.cuda.set_rng_state(cuda)
 
 
 def save_checkpoint(
