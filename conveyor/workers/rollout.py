@@ -82,6 +82,11 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
     return model.eval()
 
 
+def _engine_dtype(shares_trainer_modules: bool, model_dtype: str, rollout_dtype: str | None) -> torch.dtype:
+    """The dtype a replica's engine holds its weights in: an hf replica its model's; vllm rollout.dtype, else the model's."""
+    return getattr(torch, model_dtype if shares_trainer_modules or rollout_dtype is None else rollout_dtype)
+
+
 class WeightInbox:
     """The newest staged weights, (label, tensors), for the rollout's thread to take; a newer offer replaces an older
     one (weights only get newer, so a batch that starts with them is fresher than scheduled, never staler)."""
@@ -143,6 +148,7 @@ class RolloutWorker:
         # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded.
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._staged_lock = threading.Lock()
+        self._engine_dtype = _engine_dtype(shares, m.dtype, ro.dtype)  # what staged copies are kept in
         self._shared: tuple[str, torch.Tensor] | None = None  # the trainer's `SharedSlots` file, mapped
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -263,8 +269,12 @@ class RolloutWorker:
                 "rollout/weight_sync_buckets": 1.0}
 
     def _stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Keep copies of a sync's tensors (views of a buffer that is reused or shared) as `version`."""
-        tensors = [(name, t.clone()) for name, t in named]
+        """Keep copies of a sync's tensors (views of a buffer that is reused or shared) as `version`, in host memory
+        at the engine's dtype."""
+        # Not on the replica's device: beside an engine that fills it (vLLM's KV cache), a whole model arriving in
+        # the trainer's float32 would not fit; the engine converts to its dtype on loading anyway.
+        tensors = [(name, t.to("cpu", self._engine_dtype if t.is_floating_point() else t.dtype, copy=True))
+                   for name, t in named]
         with self._staged_lock:
             self._staged[version] = tensors
 
