@@ -66,10 +66,12 @@ class RolloutConfig:
     name: str = F("hf", "rollout engine: hf (conveyor's decode loop over the Hugging Face model) or vllm (a vLLM "
                   "engine in the actor's process, fed the new weights after every update; docs/rollout.md)",
                   choices=registry("conveyor.rollout.base", "ROLLOUT_ENGINES"))
-    dtype: Optional[str] = F(None, "vllm: the dtype the engine holds the weights and computes in (e.g. bfloat16 "
-                             "over float32 master weights); null = actor_rollout_ref.model.dtype. The hf rollout "
-                             "decodes with the actor's own weights and ignores it: it computes in model.dtype, or "
-                             "in actor.fsdp_config.param_dtype under fsdp2", choices=DTYPES)
+    dtype: Optional[str] = F(None, "vllm: the dtype the engine holds the weights and computes in (the sync casts "
+                             "the trainer's tensors to it); null = bfloat16 on a GPU (vLLM's attention kernels and "
+                             "half the memory of float32 master weights, as verl rolls out) and "
+                             "actor_rollout_ref.model.dtype on a CPU. The hf rollout decodes with the actor's own "
+                             "weights and ignores it: it computes in model.dtype, or in "
+                             "actor.fsdp_config.param_dtype under fsdp2", choices=DTYPES)
     n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)", gt=0)
     temperature: float = F(1.0, "sampling temperature", gt=0, hint="use do_sample=false for greedy")
     top_p: float = F(1.0, "nucleus sampling (1 = off)", gt=0, le=1)
@@ -97,9 +99,10 @@ class RolloutConfig:
                                       "decoding); null = false on a GPU (CUDA graphs, verl's default: the weights "
                                       "are updated in place, so the graphs stay valid) and true on a CPU (where "
                                       "false compiles the model at every engine start)", resume_neutral=True)
-    free_cache_engine: bool = F(True, "vllm: release the engine's weights and KV cache between rollouts so the "
-                                "update can use the memory (vLLM's sleep mode, level 2: the weights are synced "
-                                "again before each generation; GPU only, ignored on a CPU)")
+    free_cache_engine: bool = F(True, "vllm, placement=colocated: release the engine's weights and KV cache "
+                                "between rollouts so the update can use the memory (vLLM's sleep mode, level 2: "
+                                "the weights are synced again before each generation; GPU only, ignored on a CPU; "
+                                "a separate replica has no trainer to give memory to and never sleeps)")
     hf_whole_gather_max_gb: float = F(1.0, "hf rollout under fsdp2: a model whose full parameters take at most "
                                       "this many GB is gathered whole once for generation (decoding then needs no "
                                       "collective); a larger one decodes over its shards, each layer gathered for "
@@ -118,3 +121,9 @@ class RolloutConfig:
                                              gt=0, resume_neutral=True)
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
+
+    def engine_dtype(self, model_dtype: str, device_type: str) -> str:
+        """The dtype an engine with its own weights holds on `device_type`: `dtype`, else bf16 on CUDA, else the model's."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" else model_dtype

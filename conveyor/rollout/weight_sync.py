@@ -5,6 +5,7 @@ A weight sync here is a pipeline of lazy iterators over `(name, tensor)`:
     iter_weights(model)                     one full tensor at a time (an FSDP2 DTensor is gathered
                                             when it is reached: `full_tensor` is a collective, so every
                                             rank iterates in the same order)
+    -> cast_weights(..., dtype)             each at the dtype the engine holds (bf16 from fp32 masters)
     -> engine_names(..., layout=...)        fused 3-D MoE experts (transformers 5) as the engine loads
                                             them: fused, or per expert in the checkpoint's names (views)
     -> buckets(..., bucket_bytes)           lists of at most `bucket_bytes`
@@ -53,7 +54,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "engine_names",
+    "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "cast_weights",
+    "engine_names",
     "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received", "copy_into", "pack",
     "unpack", "layout", "Table", "SharedSlots", "map_shared",
 ]
@@ -174,6 +176,20 @@ def iter_weights(model: torch.nn.Module, *, device: torch.device | str | None = 
         if device is not None:
             tensor = tensor.to(device)
         yield _WRAPPER_PARTS.sub(r"\1", name), tensor
+
+
+def cast_weights(named: Iterable[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+    """`named` with every floating-point tensor at `dtype` (None: as they are), one tensor at a time, lazily.
+
+    On the sending side of a sync: an engine that holds bf16 takes fp32 master weights at half the bytes on the
+    wire and in its staging, and the full-precision copy of a gathered tensor is dropped as soon as it is cast.
+    Integer tensors (counters, indices) keep their dtype; a tensor already at `dtype` is passed as it is (no copy).
+    """
+    for name, tensor in named:
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        yield name, tensor
 
 
 def split_experts(name: str, tensor: Tensor, names: ExpertNames) -> Iterator[tuple[str, Tensor]] | None:
