@@ -17,9 +17,13 @@ weights change at every update anyway). Waking is in two steps, as verl does:
 the weights' memory before a weight sync, then, after the allocator's cache
 is emptied, the KV cache before generating, so the two never peak together
 with what the trainer freed. A sleeping engine holds no weights, so the next
-generation always syncs them first (`weights_version` is reset). vLLM's CPU
-build has no sleep mode, and its KV cache is sized to what `max_num_seqs`
-sequences of `max_model_len` tokens need.
+generation always syncs them first (`weights_version` is reset). An engine
+of the separate placement never sleeps (`sleeps_between_rollouts`): it has
+no trainer to give memory to, and its group syncs only when the actor's
+weights change. vLLM's CPU build has no sleep mode, and its KV cache is sized
+to what `max_num_seqs` sequences of `max_model_len` tokens need. A worker's
+engine starts from dummy weights (`load_format="dummy"`, no checkpoint read):
+it is synced before its first generation, and refuses to generate before.
 
 Ranks. Without a torch.distributed group (one trainer rank) vLLM makes a
 one-rank group for itself and `close` removes it. In a trainer's world (FSDP2
@@ -40,7 +44,12 @@ no restart, no checkpoint on disk, and in-process no copy beyond the one
 into the engine's parameters. vLLM 0.32's CPU MoE kernel keeps its experts
 in a prepacked layout made once at load; a weight update refreshes only the
 raw tensors, so the sync repacks them (without it, an MoE model's outputs
-after a sync are wrong while a dense model's are right).
+after a sync are wrong while a dense model's are right). Each tensor is cast
+to the engine's dtype first, and after the reload the prefix cache is reset:
+its full blocks hold KV computed by the old weights, which vLLM would reuse
+for every prompt sharing them. Workers in other processes (vLLM's mp or ray
+executor: tensor parallelism outside a trainer's world) get the weights
+pickled instead, in buckets of whole layers (`layer_buckets`).
 
 Log-probs. The engine reports `processed_logprobs`: the log-softmax of the
 logits it samples from, i.e. after temperature and after top-k/top-p. With
@@ -62,6 +71,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -70,12 +80,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conveyor.rollout.weight_sync import engine_names
+from conveyor.rollout.weight_sync import cast_weights, engine_names
 from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
-__all__ = ["VLLMRollout", "build_engine", "check_servable", "import_vllm", "reload_vllm", "replica_layout",
-           "select_sparse_layers", "validate_config"]
+__all__ = ["VLLMRollout", "build_engine", "check_servable", "executor_in_process", "import_vllm", "layer_buckets",
+           "reload_vllm", "replica_layout", "select_sparse_layers", "sleeps_between_rollouts", "validate_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,14 +203,89 @@ def _reload_stream(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
     return _repack_cpu_experts(worker.model_runner.model)
 
 
-def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]]) -> None:
-    """Load `named` into an in-process vLLM engine (`vllm.LLM`) in place with ONE reload call consuming it lazily.
+class _DropUntouched(logging.Filter):
+    """Drops the layerwise reload's warning for a layer a call did not carry (a bucketed sync's other layers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+def _reload_bucket(worker: Any, bucket: list[tuple[str, Tensor]]) -> int:
+    """Runs in a vLLM worker process (collective_rpc): one in-place reload of a bucket of whole layers, then the repack."""
+    # Every call leaves the layers of the other buckets as they are, which vLLM reports as a failed load.
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropUntouched) for f in log.filters):
+        log.addFilter(_DropUntouched())
+    return _reload_stream(worker, bucket)
+
+
+# Executors that run the worker in this process: collective_rpc hands it the arguments as they are. Every other
+# one (mp, ray) pickles them to worker processes, and a generator does not pickle.
+_IN_PROCESS_EXECUTORS = ("uni", "external_launcher")
+
+
+def executor_in_process(llm: Any) -> bool:
+    """Whether `llm`'s workers run in this process (vLLM's uni or external_launcher executor)."""
+    return llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend in _IN_PROCESS_EXECUTORS
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """`named` as picklable lists of whole decoder layers on the CPU: at most `bucket_bytes` each, or one layer.
+
+    A layer never straddles two lists: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
+    call from uninitialised memory, and leaves a layer a call did not carry as it was. Tensors outside the decoder
+    layers (embeddings, final norm, head) are a group each. A group whose tensors do not come together is refused.
+    """
+    bucket: list[tuple[str, Tensor]] = []
+    group: list[tuple[str, Tensor]] = []
+    size = group_size = 0
+    current, done = None, set()
+
+    def close() -> Iterator[list[tuple[str, Tensor]]]:
+        nonlocal bucket, size
+        if bucket and size + group_size > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(group)
+        size += group_size
+
+    for name, tensor in named:
+        m = _LAYER.match(name)
+        key = m.group(1) if m else name.rsplit(".", 1)[0]
+        if key != current:
+            if key in done:
+                raise ValueError(f"layer_buckets: the tensors of {key} do not come together ({name})")
+            yield from close()
+            done.add(current)
+            group, group_size, current = [], 0, key
+        tensor = tensor.detach().to("cpu").contiguous()
+        group.append((name, tensor))
+        group_size += tensor.numel() * tensor.element_size()
+    yield from close()
+    if bucket:
+        yield bucket
+
+
+def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int = 512 << 20,
+                in_process: bool | None = None) -> None:
+    """Load `named` into a vLLM engine (`vllm.LLM`) in place: one reload call over the lazy stream in process.
 
     One call, not one per bucket: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
     call from uninitialised memory. The in-process executor passes the iterator itself to its worker, so the
-    stream is drawn (gathered, received) while vLLM loads it, layer by layer.
+    stream is drawn (gathered, received) while vLLM loads it, layer by layer. Workers in other processes
+    (`in_process` False; None: asked of the engine) take the tensors pickled instead: one call per bucket of
+    whole layers (`layer_buckets`), on the CPU, at most `bucket_bytes` each beyond one layer.
     """
-    llm.collective_rpc(_reload_stream, args=(named,))
+    if in_process is None:
+        in_process = executor_in_process(llm)
+    if in_process:
+        llm.collective_rpc(_reload_stream, args=(named,))
+        return
+    for bucket in layer_buckets(named, bucket_bytes):
+        llm.collective_rpc(_reload_bucket, args=(bucket,))
 
 
 def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -> Tensor:
@@ -216,6 +301,16 @@ def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -
         raise ValueError(f"vLLM returned routing for {experts.shape[1]} decoder layers, but the model's sparse MoE "
                          f"layers are {list(sparse_layers)}")
     return experts[:, list(sparse_layers)]
+
+
+def sleeps_between_rollouts(free_cache_engine: bool, *, colocated: bool, sleep_mode_available: bool) -> bool:
+    """Whether an engine sleeps at level 2 (weights and KV cache released) after every generation.
+
+    Only an engine colocated with the trainer does: the update then uses what it released, and the trainer syncs
+    its weights before every generation. A separate replica has no trainer to give memory to, and its group syncs
+    only when the actor's weights changed, so it keeps them; where vLLM has no sleep mode (its CPU build), none does.
+    """
+    return bool(free_cache_engine) and bool(colocated) and bool(sleep_mode_available)
 
 
 def _trainer_world() -> tuple[int, int] | None:
@@ -319,6 +414,9 @@ class VLLMRollout(RolloutEngine):
         capture_routing: bool = False,
         trust_remote_code: bool = False,
         sparse_layers: Sequence[int] | None = None,
+        colocated: bool = True,
+        load_format: str = "auto",
+        bucket_bytes: int = 512 << 20,
     ) -> None:
         if pad_token_id is None or eos_token_id is None:
             raise ValueError("VLLMRollout: the tokenizer needs a pad token and an EOS token")
@@ -336,8 +434,14 @@ class VLLMRollout(RolloutEngine):
         self.returns_routing = bool(capture_routing) and self.capabilities.returns_routing
         # vLLM numbers captured routing by decoder layer; conveyor's (.., L, K) counts the sparse layers only.
         self.sparse_layers = list(sparse_layers) if sparse_layers is not None else None
-        self._sleeps = bool(free_cache_engine) and current_platform.is_sleep_mode_available()
+        self.sleeps = sleeps_between_rollouts(free_cache_engine, colocated=colocated,
+                                              sleep_mode_available=current_platform.is_sleep_mode_available())
         self._asleep: set[str] = set()  # the memory a sleeping engine has released (vLLM's wake_up tags)
+        self.dtype: torch.dtype = getattr(torch, dtype)  # what the engine holds; a sync casts to it
+        # Random weights until the first sync (load_format="dummy"), none after a level-2 sleep: generating then
+        # would sample from noise, so it is refused instead.
+        self.holds_weights = load_format != "dummy"
+        self.bucket_bytes = int(bucket_bytes)
         kwargs: dict[str, Any] = dict(
             model=model_path,
             skip_tokenizer_init=True,  # prompts arrive as token ids and responses leave as token ids
@@ -350,7 +454,8 @@ class VLLMRollout(RolloutEngine):
             tensor_parallel_size=int(tensor_model_parallel_size),
             trust_remote_code=bool(trust_remote_code),
             logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self._sleeps,
+            enable_sleep_mode=self.sleeps,
+            load_format=load_format,
         )
         if self.returns_routing:
             kwargs["enable_return_routed_experts"] = True
@@ -373,6 +478,9 @@ class VLLMRollout(RolloutEngine):
             # One seed per replica (its TP ranks must sample alike); a one-rank engine keeps `seed`.
             kwargs["seed"] = int(seed) + self.replica
             kwargs["distributed_executor_backend"] = "external_launcher"
+            # Its custom all-reduce keeps IPC buffers of its own on every device, beside the trainer's (verl turns
+            # it off for the hybrid engine as well); NCCL's all-reduce on vLLM's own group serves.
+            kwargs["disable_custom_all_reduce"] = True
             local_rank = self.device.index
             if local_rank is None:
                 local_rank = torch.cuda.current_device() if self.device.type == "cuda" else 0
@@ -380,6 +488,7 @@ class VLLMRollout(RolloutEngine):
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
         shm_before = _cpu_shm_segments()
+        self.llm_kwargs = dict(kwargs)  # what vllm.LLM was given, for the record
         with launch:
             self.llm = vllm.LLM(**kwargs)
         # vLLM's CPU all-reduce leaves its shared-memory segments behind, under names that do not change between
@@ -400,7 +509,7 @@ class VLLMRollout(RolloutEngine):
             self._shutdown = weakref.finalize(self, _shutdown_keeping_trainer_world, client.engine_core)
         self._sampling_params = vllm.SamplingParams
         self.weights_version: int | None = None
-        if self._sleeps:
+        if self.sleeps:
             self.sleep()
 
     def close(self) -> None:
@@ -433,17 +542,24 @@ class VLLMRollout(RolloutEngine):
         # One reload over the lazy stream: vLLM loads it layer by layer as the tensors are gathered or received.
         # Experts per expert, under the checkpoint's names: what vLLM's loader reads for every MoE family
         # (fused 3-D names load for Qwen3-MoE but not Mixtral, whose vLLM module has another name).
-        named = engine_names(((name, t.detach()) for name, t in named_tensors), layout="per_expert",
-                             model_type=self.model_type)
-        reload_vllm(self.llm, named)
+        # Each tensor at the engine's dtype before it goes further: half the bytes where fp32 masters feed bf16.
+        named = engine_names(cast_weights(named_tensors, self.dtype), layout="per_expert", model_type=self.model_type)
+        reload_vllm(self.llm, named, bucket_bytes=self.bucket_bytes)
+        # Full KV blocks of prompts seen before (a system prompt, a chat template, the validation set) were
+        # computed by the old weights; vLLM would reuse them. A level-2 sleep clears them; nothing else does.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("VLLMRollout.update_weights: vLLM could not reset its prefix cache (requests still "
+                               "hold KV blocks); the engine would serve KV of the old weights")
+        self.holds_weights = True
         self.weights_version = version
         return time.perf_counter() - t0
 
     def sleep(self) -> None:
         """Level 2: weights and KV cache released; the next generation syncs the weights first (GPU only)."""
-        if self._sleeps and not self._asleep:
+        if self.sleeps and not self._asleep:
             self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
+            self.holds_weights = False
             self.weights_version = None
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
@@ -488,8 +604,9 @@ class VLLMRollout(RolloutEngine):
         prompts = [ids[i][mask[i]].tolist() for i in range(batch)]
         seeds = (torch.randint(0, 2**31 - 1, (batch,), generator=generator, device=generator.device).tolist()
                  if generator is not None else [None] * batch)
-        if "weights" in self._asleep:
-            raise RuntimeError("VLLMRollout.generate: the engine sleeps without weights; update_weights first")
+        if not self.holds_weights:
+            raise RuntimeError("VLLMRollout.generate: the engine holds no weights (a level-2 sleep released them, or "
+                               "it was built with load_format=dummy); update_weights first")
         routing = params.capture_routing and self.returns_routing
         rows = [_Row(prompt) for prompt in prompts]
         self.wake()
@@ -598,7 +715,7 @@ def build_engine(context: EngineContext) -> VLLMRollout:
     ro = context.rollout
     return VLLMRollout(
         context.model_path, hf_config=context.model.config, pad_token_id=context.tokenizer.pad_token_id,
-        eos_token_id=context.tokenizer.eos_token_id, dtype=ro.dtype or context.model_dtype,
+        eos_token_id=context.tokenizer.eos_token_id, dtype=ro.engine_dtype(context.model_dtype, context.device.type),
         # In a trainer's world the engine adds its replica to the seed itself (TP ranks of a replica share one);
         # a separate replica outside any world is told its own.
         max_model_len=context.max_model_len,
@@ -609,6 +726,11 @@ def build_engine(context: EngineContext) -> VLLMRollout:
         enforce_eager=ro.enforce_eager if ro.enforce_eager is not None else context.device.type != "cuda",
         capture_routing=context.moe is not None, trust_remote_code=context.trust_remote_code,
         sparse_layers=sparse_decoder_layers(context.model) if context.moe is not None else None,
+        colocated=ro.placement == "colocated", bucket_bytes=ro.update_weights_bucket_megabytes << 20,
+        # Every engine a worker builds gets the trainer's weights before its first generation (the actor's
+        # `weights_version` and the rollout group's `served` start unknown; the asynchronous source stages its first
+        # sync before any batch), and `generate` refuses to sample before one: reading the checkpoint would be wasted.
+        load_format="dummy",
     )
 
 

@@ -32,7 +32,7 @@ import torch
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.weight_sync import SharedSlots, Table, layout, pack
+from conveyor.rollout.weight_sync import SharedSlots, Table, cast_weights, layout, pack
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
@@ -161,10 +161,14 @@ class RolloutGroup(_Role):
     source has a replica generate and score a batch in that one call.
     """
 
-    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int):
+    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int, dtype: torch.dtype | None = None):
         super().__init__(ranks)
         self.actor = actor
         self.bucket_bytes = bucket_bytes
+        # The dtype the replicas' engines hold, where known (a replica in this process says its own): weights are cast
+        # to it before they leave, so bf16 engines fed by fp32 masters get half the bytes (None: sent as held).
+        local = getattr(getattr(ranks, "worker", None), "engine", None) if isinstance(ranks, LocalWorkerGroup) else None
+        self.dtype = getattr(local, "dtype", None) if local is not None else dtype
         self.served: int | None = None  # the version every replica serves (None: not synced yet)
         self._channel = False
         self._inbox = WeightInbox()
@@ -217,6 +221,7 @@ class RolloutGroup(_Role):
             else:
                 out = self.ranks.call(RolloutWorker.generate_sequences, meta)
         finally:
+            self._check_released()
             if slot is not None:
                 assert self._slots is not None
                 self._slots.release(slot)  # loaded by every replica (or never to be: the call failed)
@@ -226,6 +231,18 @@ class RolloutGroup(_Role):
             out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
 
+    def _check_released(self) -> None:
+        """Forget what the replicas serve when a generation ended with their weights released (a level-2 sleep), so
+        that the next one syncs even if the actor has not moved on.
+
+        vLLM's adapter never sleeps a separate replica (`conveyor.rollout.vllm.sleeps_between_rollouts`); an engine
+        that does anyway says so by its `weights_version` (None), which a replica in this process shows here.
+        """
+        worker = self.ranks.worker if isinstance(self.ranks, LocalWorkerGroup) else None
+        engine = getattr(worker, "engine", None)
+        if engine is not None and engine.weights_version is None:
+            self.served = None
+
     def sync(self) -> dict[str, float]:
         """Give every replica the actor's current weights if they serve older ones; the sync's metrics."""
         version = self.actor.ranks.call_all(PolicyWorker.weights_version)[0]
@@ -233,7 +250,8 @@ class RolloutGroup(_Role):
             return {}
         if self.in_process:
             # One process: the actor's stream goes straight into the engine, tensor by tensor.
-            seconds = self.ranks.worker.load_weights(self.actor.ranks.worker.weight_stream(), version)
+            stream = cast_weights(self.actor.ranks.worker.weight_stream(), self.dtype)
+            seconds = self.ranks.worker.load_weights(stream, version)
             metrics = {"rollout/weight_sync_s": seconds}
         else:
             metrics = self._sync_over_channel(version)
@@ -246,7 +264,7 @@ class RolloutGroup(_Role):
         self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
         local = isinstance(self.actor.ranks, LocalWorkerGroup)
         if local and not self.in_process and self.actor.ranks.worker.device.type == "cpu":
-            named = list(self.actor.ranks.worker.weight_stream())
+            named = list(cast_weights(self.actor.ranks.worker.weight_stream(), self.dtype))
             if not self._between_tokens and self._same_machine():
                 # Replicas on this machine: one copy into a shared-memory slot, loaded by the next generation call
                 # (no object store, no call of its own); when both slots still wait for their loads, as below.
@@ -257,7 +275,7 @@ class RolloutGroup(_Role):
             # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation.
             return self._put_weights(label, *pack(named))
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
-        staged = [(name, t.detach().clone()) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
+        staged = [(name, _copy(t, self.dtype)) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
         if not self.in_process:
             # Replicas on Ray take the weights beside the generation in progress, into a staged copy; the exchange
             # starts now, and the rollout's thread waits for it and has them load it, in order with the batches.
@@ -420,6 +438,14 @@ class RolloutGroup(_Role):
         super().shutdown()
 
 
+def _copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A copy of `tensor` that the actor's next update cannot change, at the engine's `dtype` where it is floating."""
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype)  # a new tensor already: no second copy
+    return tensor.clone()
+
+
 def _sync_metrics(sent: dict[str, float], received: list[dict[str, float]]) -> dict[str, float]:
     """One sync's metrics: the sender's, and the slowest replica's."""
     metrics = dict(sent)
@@ -551,9 +577,15 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
         rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
-                              << 20) if rollout is not None else None),
+                              << 20, dtype=_configured_engine_dtype(cfg)) if rollout is not None else None),
         data_plane_server=server,
     )
+
+
+def _configured_engine_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype separate vllm replicas hold whatever their device: `rollout.dtype` when set (None: not known here)."""
+    ro = cfg.actor_rollout_ref.rollout
+    return getattr(torch, ro.dtype) if ro.name == "vllm" and ro.dtype is not None else None
 
 
 def _served(specs: dict[str, WorkerSpec], data_plane: DataPlane, roles: Iterable[str] | None = None,

@@ -8,6 +8,7 @@ engines returned; the tests compare it here with the hf rollout on the same weig
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from datetime import timedelta
@@ -74,7 +75,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
                              tensor_model_parallel_size=tp)
         out = {"replica": engine.replica, "replica_ranks": engine.replica_ranks, "num_replicas": engine.num_replicas,
                "tp_ranks": parallel_state.get_tp_group().ranks, "start_s": engine.start_time_s,
-               "sum_after_start": _all_reduce_sum(rank)}
+               "sum_after_start": _all_reduce_sum(rank), "llm_kwargs": engine.llm_kwargs}
         greedy = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
         out["before"] = engine.generate(ids, mask, greedy)
         rows = (ids.repeat(2, 1), mask.repeat(2, 1))
@@ -155,6 +156,18 @@ def test_the_trainers_group_outlives_the_engine(ranks, name, arch, tp) -> None:
         assert out["sum_after_start"] == out["sum_after_close"] == 3.0
         assert out["trainer_world"] == WORLD
         assert out["vllm_groups_left"] == [False] * 4
+
+
+@pytest.mark.parametrize("name,arch,tp", CASES)
+def test_engines_in_a_trainers_world_turn_custom_all_reduce_off(ranks, name, arch, tp) -> None:
+    import vllm
+
+    for out in ranks[name]:
+        kwargs = out["llm_kwargs"]
+        assert kwargs["distributed_executor_backend"] == "external_launcher"
+        # vLLM's own IPC all-reduce buffers would sit beside the trainer's on every device (verl turns it off too).
+        assert kwargs["disable_custom_all_reduce"] is True
+        assert set(kwargs) <= {f.name for f in dataclasses.fields(vllm.EngineArgs)}
 
 
 def test_replicas_are_runs_of_tensor_parallel_ranks() -> None:
