@@ -244,7 +244,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         figure("no training step logged")
         return 1
     last = rows[-1]
-    peaks = {k.split("/")[-2]: v for k, v in last.items() if k.startswith("perf/") and k.endswith("max_memory_gb")}
+    # Each phase's peak is logged by its role: `actor/perf/update_actor/max_memory_gb`, `ref/perf/ref/...`.
+    peaks = {k.split("/")[-2]: v for k, v in last.items() if "/perf/" in k and k.endswith("/max_memory_gb")}
     for key in sorted(k for k in last if "max_memory" in k):
         print(f"  {key}: {last[key]:.3f}")
     for key in ("timing_s/step", "timing_s/gen", "perf/throughput", "actor/grad_norm", "critic/score/mean"):

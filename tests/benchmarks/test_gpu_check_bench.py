@@ -34,8 +34,9 @@ def test_each_device_check_passes_on_the_cpu(check: str) -> None:
 def _run_dir(root: Path, name: str, norm: float) -> Path:
     run = root / name
     run.mkdir()
-    rows = [{"step": 1, "actor/grad_norm": norm, "timing_s/step": 2.0, "perf/update_actor/max_memory_gb": 1.5},
-            {"step": 2, "actor/grad_norm": norm / 2, "timing_s/step": 1.0, "perf/update_actor/max_memory_gb": 1.25}]
+    rows = [{"step": 1, "actor/grad_norm": norm, "timing_s/step": 2.0, "actor/perf/update_actor/max_memory_gb": 1.5},
+            {"step": 2, "actor/grad_norm": norm / 2, "timing_s/step": 1.0, "actor/perf/update_actor/max_memory_gb": 1.25,
+             "actor/perf/max_memory_allocated_gb": 2.0}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
