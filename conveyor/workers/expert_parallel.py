@@ -35,7 +35,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from conveyor.workers.mesh import Meshes
+from conveyor.workers.mesh import Meshes, collective_device
 
 __all__ = ["check_expert_parallel", "expert_modules", "apply_expert_parallel",
            "CountingAllToAll", "tokens_received_metrics"]
@@ -176,7 +176,7 @@ def tokens_received_metrics(state: ExpertParallelState, meshes: Meshes, device: 
     local = torch.tensor([float(state.counts.per_layer.get(i, 0)) for i in range(n_layers)], dtype=torch.float64)
     state.counts.per_layer.clear()
     group = meshes.expert.get_group("ep")
-    via = device if tdist.get_backend(group) == "nccl" else torch.device("cpu")
+    via = collective_device(device, group)
     gathered = [torch.empty_like(local, device=via) for _ in range(meshes.ep_size)]
     tdist.all_gather(gathered, local.to(via), group=group)
     table = torch.stack(gathered).cpu()  # (ep, layers)

@@ -34,6 +34,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm, release_freed_host_memory
+from conveyor.workers.mesh import collective_device
 
 __all__ = ["HostWeights", "fill_shards", "load_role_model", "loads_from_rank0", "non_persistent_buffers",
            "take_host_weights"]
@@ -104,7 +105,7 @@ def fill_shards(model: nn.Module, weights: HostWeights, device: torch.device) ->
                                                                           broadcast_from_rank0=True))
     weights.state.clear()
     rank0 = tdist.get_rank() == 0
-    via = device if tdist.get_backend() == "nccl" else torch.device("cpu")
+    via = collective_device(device)  # the device nccl serves, else the CPU (gloo, or the mapped cpu:gloo)
     for name, buf in non_persistent_buffers(model).items():
         tmp = buf.to(via)
         if rank0:

@@ -11,6 +11,9 @@ expert plan is what conveyor applies under expert parallelism; verl's FSDP engin
 
 Ranks are laid out row-major, so the inner dimension (`fsdp`, `ep`) groups consecutive ranks: one
 node's GPUs, where the frequent collectives (all-gathers, all-to-alls) then stay.
+
+Below the meshes, the process group itself: the backend a role's group is created with on a device, and
+the device a small collective of a group runs on under that backend.
 """
 
 from __future__ import annotations
@@ -21,7 +24,22 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-__all__ = ["Meshes", "build_meshes"]
+__all__ = ["Meshes", "build_meshes", "process_group_backend", "collective_device"]
+
+
+def process_group_backend(device_type: str) -> str:
+    """The backend a role's process group is created with on `device_type` ("cuda": nccl, with gloo for CPU tensors)."""
+    # Under param_offload the sharded parameters and gradients live in host memory, so FSDP2's gradient-norm
+    # clipping and the weight sync's `full_tensor` run collectives on CPU tensors, which nccl rejects: the group
+    # routes those to gloo by device (torchtitan's "cuda:nccl,cpu:gloo").
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def collective_device(device: torch.device, group: Any = None) -> torch.device:
+    """Where a small collective of `group` (the default one when None) runs: `device` if nccl serves it, else the CPU."""
+    config = tdist.get_backend_config(group)  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo", ...
+    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return device if backends.get(device.type) == "nccl" else torch.device("cpu")
 
 
 @dataclass

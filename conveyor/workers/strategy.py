@@ -66,6 +66,8 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from conveyor.workers.mesh import collective_device, process_group_backend
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel", "FSDP2", "TrainedModel",
@@ -99,21 +101,6 @@ def mixed_precision(strategy: str, param_dtype: str | None, reduce_dtype: str | 
     if strategy != "fsdp2" or device_type != "cuda":
         return param_dtype, reduce_dtype
     return param_dtype or "bfloat16", reduce_dtype or "float32"
-
-
-def process_group_backend(device_type: str) -> str:
-    """The backend a role's process group is created with on `device_type` ("cuda": nccl, with gloo for CPU tensors)."""
-    # Under param_offload the sharded parameters and gradients live in host memory, so FSDP2's gradient-norm
-    # clipping and the weight sync's `full_tensor` run collectives on CPU tensors, which nccl rejects: the group
-    # routes those to gloo by device (torchtitan's "cuda:nccl,cpu:gloo").
-    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-
-
-def collective_device(device: torch.device, group: Any = None) -> torch.device:
-    """Where a small collective of `group` (the default one when None) runs: `device` if nccl serves it, else the CPU."""
-    config = tdist.get_backend_config(group)  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo", ...
-    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
-    return device if backends.get(device.type) == "nccl" else torch.device("cpu")
 
 
 def ensure_process_group(device: torch.device) -> None:
