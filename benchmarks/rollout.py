@@ -138,6 +138,10 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
     for name in ("generate", "vllm"):
         if base and name in medians:
             print(f"  tokens/s ratio {name} / hf: {base / medians[name]:.2f}x")
+    # One line for benchmarks/gpu_check.sh's summary: each engine's time per decode step (a step = one new token
+    # for every row).
+    print("FIGURE: " + ", ".join(f"{name} {med / args.new_tokens * 1e3:.1f} ms/decode step" for name, med
+                                 in medians.items()) + f" ({size}, batch {args.batch}, {args.dtype})")
     if "vllm" in args.engines:
         engine.close()
     tmp.cleanup()

@@ -47,7 +47,7 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, RolloutEngine, engine_spec
-from conveyor.rollout.weight_sync import iter_weights
+from conveyor.rollout.weight_sync import cast_weights, iter_weights
 from conveyor.workers.batching import plan_micro_batches, take
 from conveyor.workers.calls import LogProbCall, UpdateCall
 from conveyor.workers.generation import Generation
@@ -227,14 +227,16 @@ class PolicyWorker(CheckpointEndpoints):
 
             self.channel = WeightChannel(address, 0, size, device=self.device)
 
-    def send_weights(self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
+    def send_weights(self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None,
+                     dtype: torch.dtype | None = None) -> dict[str, float]:
         """Stream the weights over the channel (rank 0 sends; every rank takes part in the gathers); metrics.
 
         `staged`: a copy of the weights taken earlier, sent instead of the current ones (one rank, in the caller's
-        process: the asynchronous source copies them while the actor trains on).
+        process: the asynchronous source copies them while the actor trains on). `dtype`: the engine's, each
+        tensor cast to it before it is bucketed (a bf16 engine takes half the bytes of fp32 masters on the wire).
         """
         t0 = time.perf_counter()
-        stream = iter(staged) if staged is not None else self.weight_stream()
+        stream = cast_weights(iter(staged) if staged is not None else self.weight_stream(), dtype)
         sent = count = 0
         if self.rank == 0:
             stats = self.channel.send(stream, bucket_bytes)

@@ -364,7 +364,7 @@ class RolloutGroup(_Role):
         assert isinstance(self.ranks, RayWorkerGroup) and isinstance(self.actor.ranks, RayWorkerGroup), (
             "a synchronous sync over the channel needs both roles on Ray")
         self._join_channel()
-        sent, received = gather_together([self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes),
+        sent, received = gather_together([self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes, dtype=self.dtype),
                                           self.ranks.submit_all(RolloutWorker.receive_weights, version)])
         return _sync_metrics(sent[0], received)
 
@@ -376,7 +376,7 @@ class RolloutGroup(_Role):
         self._join_channel()
         sends = None
         if staged is None:  # submitted from the trainer's thread: the actor sends before the update submitted next
-            sends = self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes)
+            sends = self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes, dtype=self.dtype)
         worker = self.actor.ranks.worker if staged is not None else None
 
         def run() -> dict[str, float]:
@@ -386,7 +386,7 @@ class RolloutGroup(_Role):
             if sends is not None:
                 sent, received = gather_together([sends, receives])
                 return _sync_metrics(sent[0], received)
-            mine, received = gather_with_local(receives, lambda: worker.send_weights(self.bucket_bytes, staged),
+            mine, received = gather_with_local(receives, lambda: worker.send_weights(self.bucket_bytes, staged, dtype=self.dtype),
                                                "actor", "send_weights")
             return _sync_metrics(mine, received)
 
@@ -577,15 +577,17 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
         rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
-                              << 20, dtype=_configured_engine_dtype(cfg)) if rollout is not None else None),
+                              << 20, dtype=_configured_engine_dtype(cfg, plan.device)) if rollout is not None else None),
         data_plane_server=server,
     )
 
 
-def _configured_engine_dtype(cfg: Config) -> torch.dtype | None:
-    """The dtype separate vllm replicas hold whatever their device: `rollout.dtype` when set (None: not known here)."""
+def _configured_engine_dtype(cfg: Config, device_type: str) -> torch.dtype | None:
+    """The dtype vllm replicas hold on the run's device (`rollout.dtype`, else bf16 on CUDA); None for hf replicas."""
     ro = cfg.actor_rollout_ref.rollout
-    return getattr(torch, ro.dtype) if ro.name == "vllm" and ro.dtype is not None else None
+    if ro.name != "vllm":
+        return None  # an hf replica holds the model's own dtype: nothing to cast
+    return getattr(torch, ro.engine_dtype(cfg.actor_rollout_ref.model.dtype, device_type))
 
 
 def _served(specs: dict[str, WorkerSpec], data_plane: DataPlane, roles: Iterable[str] | None = None,
