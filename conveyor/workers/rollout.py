@@ -143,7 +143,9 @@ class RolloutWorker:
         )
         self.channel: Any = None
         self.data_plane = data_plane
-        self.version = -1  # the label of the weights the engine serves (-1: the checkpoint it was built from)
+        # The label of the weights the engine serves; -1: none synced yet (a vllm engine starts from dummy
+        # weights and refuses to generate before its first sync).
+        self.version = -1
         self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
         # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded.
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
