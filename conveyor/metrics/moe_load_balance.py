@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from conveyor.data_plane.base import FieldNotFoundError
+# Reading a model config is the models package's job; the name stays here too, as part of this module's API.
+from conveyor.models.moe_config import infer_moe_num_experts
 
 __all__ = [
     "ROUTED_EXPERTS_FIELD",
@@ -37,12 +39,6 @@ logger = logging.getLogger(__name__)
 
 ROUTED_EXPERTS_FIELD = "routed_experts"
 DEFAULT_PREFIX = "rollout/moe"
-
-# These model types call their routed-expert count `num_local_experts`; in other
-# models that name can mean something else (e.g. experts per rank), so it is
-# trusted only here.
-_NUM_LOCAL_EXPERTS_MODEL_TYPES = frozenset({"mixtral", "gpt_oss"})
-_NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts")
 
 
 # --------------------------------------------------------------------------- counting
@@ -195,61 +191,6 @@ def compute_rollout_moe_load_balance_metrics(
     """Load-balance metrics of one batch: routed_experts (B, S, L, K), response_mask (B, R); {} if nothing counts."""
     counts = count_expert_assignments(routed_experts, response_mask, num_experts)
     return load_balance_metrics_from_counts(counts, prefix)
-
-
-# --------------------------------------------------------------------------- config
-
-
-def _config_get(config: Any, key: str) -> Any:
-    """`config.get(key)` for mapping-like configs, else the attribute (None when absent)."""
-    if config is None:
-        return None
-    getter = getattr(config, "get", None)
-    if callable(getter):
-        return getter(key)
-    return getattr(config, key, None)
-
-
-def _as_expert_count(value: Any, key: str) -> int:
-    """An expert count read from a config, as an int; ValueError naming the key otherwise."""
-    if isinstance(value, bool):
-        raise ValueError(f"model config key {key!r} must be an integer expert count, got {value!r}")
-    try:
-        as_int = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"model config key {key!r} must be an integer expert count, got {value!r}") from None
-    if as_int != value and not isinstance(value, str):
-        raise ValueError(f"model config key {key!r} must be an integer expert count, got {value!r}")
-    return as_int
-
-
-def infer_moe_num_experts(model_config: Any) -> int | None:
-    """The number of routed experts named by a model config (dict, OmegaConf, dataclass or HF config), or None."""
-    if model_config is None:
-        return None
-    hf_config = _config_get(model_config, "hf_config")
-    override_config = _config_get(model_config, "override_config")
-    candidates = (
-        model_config,
-        hf_config,
-        _config_get(hf_config, "text_config"),
-        _config_get(model_config, "text_config"),
-        override_config,
-        _config_get(override_config, "model_config"),
-        _config_get(override_config, "text_config"),
-    )
-    for candidate in candidates:
-        if candidate is None:
-            continue
-        for key in _NUM_EXPERTS_KEYS:
-            value = _config_get(candidate, key)
-            if value is not None:
-                return _as_expert_count(value, key)
-        if _config_get(candidate, "model_type") in _NUM_LOCAL_EXPERTS_MODEL_TYPES:
-            value = _config_get(candidate, "num_local_experts")
-            if value is not None:
-                return _as_expert_count(value, "num_local_experts")
-    return None
 
 
 # --------------------------------------------------------------------------- accumulation

@@ -116,7 +116,7 @@ def model_is_moe(cfg: Config) -> bool:
     model = cfg.actor_rollout_ref.model
     if model.path is None:
         return model.tiny.arch != "qwen3"  # qwen3 is the tiny model's one dense architecture
-    from conveyor.metrics.moe_load_balance import infer_moe_num_experts
+    from conveyor.models.moe_config import infer_moe_num_experts
     from conveyor.models.loading import read_config_json
 
     try:
