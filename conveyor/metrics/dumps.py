@@ -94,7 +94,7 @@ def response_turns(tokenizer: Any, response_ids: Any, response_mask: Any) -> tup
     Each turn is `{"role": "model" | "tool", "text": ...}`: a run of model tokens (mask 1) or of tool
     tokens (mask 0) of a multi-turn trajectory.
     """
-    from conveyor.rollout.trajectory import segments
+    from conveyor.algos.trajectory import segments
 
     ids = response_ids.tolist() if hasattr(response_ids, "tolist") else list(response_ids)
     runs = segments(response_mask)

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
 from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, mask_unfed_routing
-from conveyor.rollout.trajectory import response_span
+from conveyor.algos.trajectory import response_span
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.trajectory import response_span
+from conveyor.algos.trajectory import response_span
 
 __all__ = ["balanced_partition", "imbalance", "sequence_lengths", "with_seq_lens", "SEQ_LEN_TAG"]
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tensordict import TensorDict
 
-from conveyor.rollout.trajectory import span_lengths
+from conveyor.algos.trajectory import span_lengths
 
 __all__ = ["TokenBudget", "Window", "token_budget", "token_micro_batches", "micro_batches", "plan_micro_batches",
            "take", "in_row_order"]

@@ -18,7 +18,7 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.workers.loading import load_role_model
 from conveyor.models.packing import PackedRows, setup_packing
 from conveyor.models.value_head import ValueModel
-from conveyor.rollout.trajectory import response_span
+from conveyor.algos.trajectory import response_span
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.batching import in_row_order, plan_micro_batches, take
 from conveyor.workers.forward import sequence_inputs

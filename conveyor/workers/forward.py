@@ -34,7 +34,7 @@ from tensordict import TensorDict
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.models.packing import PackedRows
 from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
-from conveyor.rollout.trajectory import response_span
+from conveyor.algos.trajectory import response_span
 from conveyor.workers.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.strategy import TrainedModel
 

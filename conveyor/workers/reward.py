@@ -36,7 +36,7 @@ from conveyor.tasks.rewards import (
     get_reward_fn,
     reward_fn_name,
 )
-from conveyor.rollout.trajectory import span_lengths
+from conveyor.algos.trajectory import span_lengths
 from conveyor.user_code import is_file_source, user_attribute
 from conveyor.workers.perf import result_handle
 

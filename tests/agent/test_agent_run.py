@@ -13,7 +13,7 @@ from conveyor.config import ConfigError, load_config
 from conveyor.metrics.dumps import format_generations, response_turns
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.rollout.trajectory import response_span, segments, span_lengths
+from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.tasks import SYNTHETIC_TASKS, get_reward_fn
 from conveyor.tasks.arithmetic_tool import (
     ARITHMETIC_TOOL_DATA_SOURCE,

@@ -17,7 +17,7 @@ from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, truncate_text
 from conveyor.rollout.hf import HFRollout
-from conveyor.rollout.trajectory import response_span, segments, span_lengths
+from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.tools.base import make_tool
 from conveyor.tools.formats import CallFormat, ToolCall
 

@@ -29,7 +29,7 @@ from conveyor.workers.critic import CriticWorker
 from conveyor.workers.settings import actor_settings, critic_settings
 from conveyor.workers.strategy import TrainingStrategy, resolve_strategy
 from conveyor.workers.shards import load_model_weights
-from conveyor.rollout.trajectory import span_lengths
+from conveyor.algos.trajectory import span_lengths
 from update_batches import ragged_update_fields
 
 RANKS_SCRIPT = Path(__file__).with_name("strategy_ranks.py")
@@ -325,7 +325,7 @@ def test_strategy_resolution() -> None:
     assert resolve_strategy(None, 1) == "none" and resolve_strategy(None, 2) == "fsdp2"
     assert resolve_strategy("dp", 1) == "none" and resolve_strategy("dp", 4) == "dp"
     assert resolve_strategy("fsdp2", 1) == "fsdp2"
-    with pytest.raises(ValueError, match="unknown strategy"):
+    with pytest.raises(ValueError, match="strategy: unknown .zero3.; valid names are dp, fsdp2, none"):
         resolve_strategy("zero3", 2)
 
 
