@@ -5,6 +5,7 @@ run plan, trains and tears down); `plan.py` makes the run's decisions once;
 `ppo.py` is the stage pipeline of one step; `sources.py` is where a step's
 samples come from (synchronous, asynchronous with bounded staleness, dynamic
 sampling); `state.py`, `signals.py` and `validation.py` hold the checkpoint
-contents, the stop signals and held-out evaluation; `setup.py` prepares the
-model checkpoint, the prompts and the data plane.
+contents, the stop signals and held-out evaluation; `timing.py` times a step's
+stages; `setup.py` prepares the model checkpoint, the prompts and the data
+plane.
 """

@@ -49,7 +49,8 @@ from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder, sample_keys
 from conveyor.trainer import state
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
-from conveyor.trainer.sources import CPU, build_source, timer, timing_metrics
+from conveyor.trainer.sources import build_source
+from conveyor.trainer.timing import CPU, timer, timing_metrics
 from conveyor.trainer.validation import Validation
 from conveyor.workers.balance import SEQ_LEN_TAG
 from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall

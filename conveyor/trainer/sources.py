@@ -28,23 +28,23 @@ where the engines run (the rollout group does).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from conveyor.data_plane.served import THREAD_PREFIX as DATA_PLANE_THREADS
 from conveyor.metrics.reduce import mean_over_calls
 from conveyor.protocol import KVBatchMeta
-from conveyor.data_plane.served import THREAD_PREFIX as DATA_PLANE_THREADS
+from conveyor.trainer.timing import CPU, timer
 from conveyor.workers.balance import SEQ_LEN_TAG
-from conveyor.workers.weight_channel import THREAD_PREFIX as WEIGHT_THREADS
+from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from conveyor.trainer.ppo import PPOTrainer
 
 __all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
-           "GreedyBaseline", "build_source", "ROLLOUT_THREAD", "CPU", "timer", "timing_metrics"]
+           "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
 ROLLOUT_THREAD = "conveyor-rollout"
@@ -65,28 +65,6 @@ _VERSION_FIELDS = ("policy_version", "token_policy_version", "response_mask")
 # How often a thread holding the interpreter lock hands it over while both threads of an asynchronous run in one
 # process compute (Python's default is 5 ms; measured on the default run, docs/async.md).
 SWITCH_INTERVAL_S = 0.0002
-
-
-# A timings entry under this prefix holds the CPU seconds of the thread that ran the stage (logged as
-# `timing_cpu_s/<stage>`); beside a stage's wall seconds it tells computing from waiting (for a lock, a core, a call).
-CPU = "cpu:"
-
-
-@contextlib.contextmanager
-def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Add the block's wall time to `timings[name]` and its thread's CPU time to `timings[CPU + name]`."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    try:
-        yield
-    finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
-        timings[CPU + name] = timings.get(CPU + name, 0.0) + time.thread_time() - c0
-
-
-def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
-    """`timer`'s entries as metrics: `timing_s/<stage>` (wall) and `timing_cpu_s/<stage>` (the thread's CPU)."""
-    return {f"timing_cpu_s/{k.removeprefix(CPU)}" if k.startswith(CPU) else f"timing_s/{k}": v
-            for k, v in timings.items()}
 
 
 @dataclasses.dataclass
