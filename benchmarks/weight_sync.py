@@ -6,7 +6,7 @@ weights into rank 1's model over the same gloo link:
 
   plain     one `torch.distributed.broadcast` per tensor, straight from the sender's parameter into
             the receiver's (no buckets, no packing, no metadata: the link's own speed for these bytes)
-  streamed  conveyor.rollout.weight_sync: the sender iterates the model (`iter_weights`), groups the
+  streamed  conveyor.weights: the sender iterates the model (`iter_weights`), groups the
             tensors into `--bucket-mb` buckets and broadcasts each bucket's metadata and one flat
             buffer (`send_buckets`); the receiver rebuilds the tensors and copies them into its own
             model in place (`receive_buckets` + `copy_into`)
@@ -105,7 +105,7 @@ def _plain(model: torch.nn.Module, rank: int) -> None:
 
 
 def _streamed(model: torch.nn.Module, rank: int, bucket_bytes: int, staging) -> None:
-    from conveyor.rollout import weight_sync as ws
+    from conveyor import weights as ws
 
     if rank == 0:
         ws.send_buckets(ws.iter_weights(model), bucket_bytes=bucket_bytes, staging=staging)
@@ -126,7 +126,7 @@ def _rank(rank: int, port: int, sizes: list[str], bucket_bytes: int, dtype: str,
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=20))
-    from conveyor.rollout.weight_sync import Staging
+    from conveyor.weights import Staging
 
     dt = getattr(torch, dtype)
     rows = []

@@ -7,7 +7,8 @@ declares what it can do on a device (`EngineCapabilities`). The agent loop,
 the actor worker and the run plan talk to engines through this module only;
 none of them tests an engine's name.
 
-`ROLLOUT_ENGINES` maps `actor_rollout_ref.rollout.name` to an `EngineSpec`:
+`ROLLOUT_ENGINES` maps `actor_rollout_ref.rollout.name` to an `EngineSpec`
+(`register_rollout_engine` adds one, from a `trainer.plugins` file too):
 the module that implements the engine (imported only when the engine is
 checked or built, so choosing among engines imports none of them), its
 declared capabilities on a device, and the module's own hooks:
@@ -16,7 +17,7 @@ model it cannot serve, and `build_engine(context)` to build one in a worker
 from an `EngineContext`.
 
 It deliberately does not place engines (the worker group does) or move
-weights between processes (`conveyor.rollout.weight_sync`).
+weights between processes (`conveyor.weights`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conveyor.registry import lookup, registrar
+
 __all__ = ["EngineCapabilities", "EngineContext", "EngineSpec", "ROLLOUT_ENGINES", "RolloutEngine", "RolloutOutput",
-           "SamplingParams", "engine_spec", "mask_unfed_routing"]
+           "SamplingParams", "engine_spec", "mask_unfed_routing", "register_rollout_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,16 +267,21 @@ def _vllm(device: str) -> EngineCapabilities:
                               interruptible=False, shares_trainer_modules=False, multi_rank=True)
 
 
-ROLLOUT_ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec("hf", "conveyor.rollout.hf", _hf),
-    "vllm": EngineSpec("vllm", "conveyor.rollout.vllm", _vllm),
-}
+ROLLOUT_ENGINES: dict[str, EngineSpec] = {}
+"""`actor_rollout_ref.rollout.name` -> the engine's `EngineSpec`; the config's choices and the conformance suite's."""
+
+
+def register_rollout_engine(spec: EngineSpec, *, overwrite: bool = False) -> EngineSpec:
+    """Make `spec` selectable as actor_rollout_ref.rollout.name=<its name> (e.g. from a `trainer.plugins` file)."""
+    if not isinstance(spec, EngineSpec):
+        raise ValueError(f"register_rollout_engine takes an EngineSpec, got {type(spec).__name__}")
+    return registrar(ROLLOUT_ENGINES, spec.name, "rollout engine", overwrite=overwrite)(spec)
+
+
+register_rollout_engine(EngineSpec("hf", "conveyor.rollout.hf", _hf))
+register_rollout_engine(EngineSpec("vllm", "conveyor.rollout.vllm", _vllm))
 
 
 def engine_spec(name: str) -> EngineSpec:
     """The registered engine `name`; a ValueError naming the key and the valid names otherwise."""
-    try:
-        return ROLLOUT_ENGINES[name]
-    except KeyError:
-        raise ValueError(f"actor_rollout_ref.rollout.name: unknown engine {name!r}; valid: "
-                         f"{sorted(ROLLOUT_ENGINES)}") from None
+    return lookup(ROLLOUT_ENGINES, name, "actor_rollout_ref.rollout.name")

@@ -80,7 +80,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conveyor.rollout.weight_sync import cast_weights, engine_names
+from conveyor.weights import cast_weights, engine_names
 from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 

@@ -47,7 +47,7 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, RolloutEngine, engine_spec
-from conveyor.rollout.weight_sync import cast_weights, iter_weights
+from conveyor.weights import cast_weights, iter_weights
 from conveyor.workers.batching import plan_micro_batches, take
 from conveyor.workers.calls import LogProbCall, UpdateCall
 from conveyor.workers.generation import Generation
@@ -216,14 +216,14 @@ class PolicyWorker(CheckpointEndpoints):
 
     def channel_address(self) -> tuple[str, int] | None:
         """Rank 0: (host, free port) for the weight channel's rendezvous; None elsewhere."""
-        from conveyor.workers.weight_channel import free_address
+        from conveyor.weights import free_address
 
         return free_address() if self.rank == 0 else None
 
     def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
         """Rank 0 joins the weight channel to separate engines as its sender (the other ranks have no part in it)."""
         if self.rank == 0:
-            from conveyor.workers.weight_channel import WeightChannel
+            from conveyor.weights import WeightChannel
 
             self.channel = WeightChannel(address, 0, size, device=self.device)
 

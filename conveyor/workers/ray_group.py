@@ -79,7 +79,7 @@ class _RankActor:
 
     def master_address(self) -> tuple[str, int]:
         """(this node's IP, a free TCP port) for the process group's rendezvous (called on rank 0)."""
-        from conveyor.workers.weight_channel import free_address
+        from conveyor.weights import free_address
 
         return free_address()
 
@@ -560,6 +560,14 @@ class Pending:
     def __init__(self, group: RayWorkerGroup, method: str, refs: list[Any]):
         self.group, self.method, self.refs = group, method, refs
 
+    def together(self, *others: Pending) -> list[list[Any]]:
+        """These calls' results and those of `others`, run together (`gather_together`): one list per group."""
+        return gather_together([self, *others])
+
+    def beside(self, local: Callable[[], Any], local_role: str, local_method: str) -> tuple[Any, list[Any]]:
+        """`local()` here while these calls run on Ray (`gather_with_local`); (its result, the Ray results)."""
+        return gather_with_local(self, local, local_role, local_method)
+
 
 def gather_together(pending: Sequence[Pending]) -> list[list[Any]]:
     """The results of calls that run together on several groups; the first failure stops every group in them.
@@ -622,7 +630,7 @@ def _local_halves() -> Any:
     asynchronous run has an exchange every step, which started and joined a thread of its own each time."""
     import concurrent.futures
 
-    from conveyor.workers.weight_channel import THREAD_PREFIX
+    from conveyor.weights import THREAD_PREFIX
 
     return concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{THREAD_PREFIX}-exchange")
 

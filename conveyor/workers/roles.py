@@ -32,14 +32,14 @@ import torch
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.weight_sync import SharedSlots, Table, cast_weights, layout, pack
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
 from conveyor.workers.rollout import LOAD_SHARED, LOAD_STAGED, RolloutWorker, WeightInbox
-from conveyor.workers.weight_channel import THREAD_PREFIX as WEIGHT_THREADS
+from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
+from conveyor.weights import SharedSlots, Table, cast_weights, layout, pack
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class RolloutGroup(_Role):
 
     Synchronous runs: before a rollout the group asks the actor for its weights' version; when its
     replicas serve an older one, the actor streams its weights to them: in this process straight into
-    the engine, on Ray over the weight channel from the actor's rank 0 (`conveyor.workers.weight_channel`),
+    the engine, on Ray over the weight channel from the actor's rank 0 (`conveyor.weights.channel`),
     which is built on the first sync.
 
     Asynchronous runs generate on another thread while the actor trains (`conveyor.trainer.sources`), and

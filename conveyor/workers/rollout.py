@@ -11,7 +11,7 @@ Weights. The engine starts from the checkpoint on disk and gets the actor's
 weights before every rollout that follows an update: in this process
 straight from the actor worker's stream (`load_weights`, a local run), or
 over the weight channel from the actor's rank 0 (`join_weight_channel`,
-`receive_weights`, on Ray; `conveyor.workers.weight_channel`). A receive
+`receive_weights`, on Ray; `conveyor.weights.channel`). A receive
 beside a generation in progress keeps a staged copy, which the next
 `generate_sequences` loads first when its handle names it (`LOAD_STAGED`).
 The rollout group keeps the actor's optimizer-step count of what the replicas serve.
@@ -48,7 +48,7 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
-from conveyor.rollout.weight_sync import Table, map_shared, unpack
+from conveyor.weights import Table, map_shared, unpack
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.workers.generation import Generation
 from conveyor.workers.perf import set_allocator_defaults
@@ -231,7 +231,7 @@ class RolloutWorker:
 
     def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
         """Join the channel from the actor's rank 0 as channel rank 1 + this replica's rank."""
-        from conveyor.workers.weight_channel import WeightChannel
+        from conveyor.weights import WeightChannel
 
         self.channel = WeightChannel(address, 1 + self.rank, size, device=self.device)
 
@@ -253,7 +253,7 @@ class RolloutWorker:
 
     def take_weights(self, version: int, refs: list[Any], table: Table) -> dict[str, float]:
         """Stage a sync that came through Ray's object store as `version` (`refs[0]`: the packed weights, a byte
-        array `weight_sync.pack` made; a list, so that Ray hands over the reference, not its value); metrics.
+        array `conveyor.weights.pack` made; a list, so that Ray hands over the reference, not its value); metrics.
 
         On one node the array is read from shared memory in place; the staged copy is this process's own.
         """

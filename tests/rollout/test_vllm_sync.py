@@ -20,7 +20,7 @@ from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import EngineContext, SamplingParams, engine_spec
 from conveyor.rollout.hf import HFRollout
-from conveyor.rollout.weight_sync import cast_weights, engine_names, iter_weights
+from conveyor.weights import cast_weights, engine_names, iter_weights
 from test_conformance import LOGP_TOL  # tests/rollout is on sys.path (rootdir import mode)
 from test_hf_rollout import _teacher_forced_log_probs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from conveyor.workers.weight_channel import WeightChannel, free_address
+from conveyor.weights import WeightChannel, free_address
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:

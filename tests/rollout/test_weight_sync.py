@@ -1,4 +1,4 @@
-"""conveyor.rollout.weight_sync: bucketing, expert naming, the gloo transport, the FSDP2 gather, and a real vLLM engine.
+"""conveyor.weights: bucketing, expert naming, the gloo transport, the FSDP2 gather, and a real vLLM engine.
 
 The two-rank cases run tests/rollout/weight_sync_ranks.py (two spawned gloo processes). The vLLM cases
 start vLLM's CPU build over tiny saved MoE models (~20-30 s each on 2 cores).
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conveyor.rollout.base import SamplingParams
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.rollout import weight_sync as ws
+from conveyor import weights as ws
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

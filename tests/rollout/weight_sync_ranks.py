@@ -1,4 +1,4 @@
-"""Two gloo ranks exercising conveyor.rollout.weight_sync, for tests/rollout/test_weight_sync.py.
+"""Two gloo ranks exercising conveyor.weights, for tests/rollout/test_weight_sync.py.
 
     python weight_sync_ranks.py CASE[,CASE...] OUT_DIR
 
@@ -42,7 +42,7 @@ def transport_tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def _transport(rank: int, out: Path) -> None:
-    from conveyor.rollout import weight_sync as ws
+    from conveyor import weights as ws
 
     if rank == 0:
         stats = ws.send_buckets(iter(transport_tensors()), bucket_bytes=BUCKET)
@@ -81,7 +81,7 @@ def _fsdp2(rank: int, out: Path) -> None:
 
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
-    from conveyor.rollout import weight_sync as ws
+    from conveyor import weights as ws
 
     model = build_tiny_model("qwen3_moe", build_char_tokenizer(), seed=0, hidden_size=64, num_heads=2,
                              num_kv_heads=2)

@@ -68,7 +68,7 @@ def _strategy():
 def _offload(model_path: str, rank: int, offload: bool) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from conveyor.rollout.weight_sync import iter_weights
+    from conveyor.weights import iter_weights
 
     model = load_model(model_path)
     strategy = _strategy()

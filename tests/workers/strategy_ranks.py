@@ -186,7 +186,7 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
                 logits = worker.model(input_ids=prompts.long()).logits
             torch.save(logits, out / f"logits_{rank}.pt")
         elif job == "iter_weights":
-            from conveyor.rollout.weight_sync import iter_weights
+            from conveyor.weights import iter_weights
 
             streamed = {name: t.clone() for name, t in iter_weights(worker.model, device="cpu")}
             if rank == 0:

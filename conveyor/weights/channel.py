@@ -8,7 +8,7 @@ rank 0, ranks 1..R are the rollout replicas. It is built once, on the first
 sync, and carries every later one.
 
 A sync streams the weights: the sender takes the actor's tensors one at a
-time (`conveyor.rollout.weight_sync`: under FSDP2 every actor rank gathers
+time (`conveyor.weights.stream`: under FSDP2 every actor rank gathers
 each tensor in turn, a collective), packs them into buckets of at most
 `rollout.update_weights_bucket_megabytes`, and broadcasts each bucket as one
 flat byte buffer after its table of names, dtypes and shapes; a receiver
@@ -30,7 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 
-from conveyor.rollout.weight_sync import Staging, SyncStats, iter_received, send_buckets
+from conveyor.weights.buckets import Staging, SyncStats
+from conveyor.weights.collective import iter_received, send_buckets
 
 __all__ = ["WeightChannel", "free_address", "THREAD_PREFIX"]
 
@@ -86,13 +87,13 @@ class WeightChannel:
         return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
-        """Rank 0: stream the tensors to every receiver, bucket by bucket (`weight_sync.send_buckets`)."""
+        """Rank 0: stream the tensors to every receiver, bucket by bucket (`collective.send_buckets`)."""
         assert self.rank == 0, "only the channel's rank 0 sends"
         return send_buckets(named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device,
                             staging=self.staging)
 
     def received(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A receiver: one sync's tensors as they arrive (`weight_sync.iter_received`); `last` then holds its stats."""
+        """A receiver: one sync's tensors as they arrive (`collective.iter_received`); `last` then holds its stats."""
         assert self.rank != 0, "rank 0 sends"
         self.last = SyncStats()
         yield from iter_received(group=self, src=0, device=self.device, stats=self.last, staging=self.staging)

@@ -1,0 +1,41 @@
+"""Weight shipping: everything that moves the trainer's weights into rollout engines, in one package.
+
+A weight sync is a pipeline of lazy iterators over `(name, tensor)`; nothing holds the whole model at once:
+
+    iter_weights(model)                     one full tensor at a time (an FSDP2 DTensor is gathered
+                                            when it is reached: `full_tensor` is a collective, so every
+                                            rank iterates in the same order)                  stream.py
+    -> cast_weights(..., dtype)             each at the dtype the engine holds (bf16 from fp32 masters)
+    -> engine_names(..., layout=...)        fused 3-D MoE experts (transformers 5) as the engine loads
+                                            them: fused, or per expert in the checkpoint's names (views)
+                                                                                              naming.py
+    -> buckets(..., bucket_bytes)           lists of at most `bucket_bytes`; `pack`/`unpack` one flat
+                                            buffer and its table                              buckets.py
+    -> a transport, one module each:
+         stream_to(load)                    in this process                                   local.py
+         send_buckets / iter_received       over a torch.distributed group                    collective.py
+         WeightChannel                      a standalone group from the actor's rank 0 to
+                                            separate replicas                                 channel.py
+         SharedSlots / map_shared           a file in /dev/shm that replicas on this machine map
+                                                                                              shared.py
+
+Import weight code from here (`from conveyor.weights import ...`), not from the modules.
+
+What it deliberately does not do: decide when to sync, wake or sleep an engine, or track weight versions
+(the rollout group and the engine adapters do), or load tensors into an engine (the engine's `update_weights`).
+"""
+
+from conveyor.weights.buckets import Staging, SyncStats, Table, buckets, layout, pack, unpack
+from conveyor.weights.channel import THREAD_PREFIX, WeightChannel, free_address
+from conveyor.weights.collective import iter_received, receive_buckets, send_buckets
+from conveyor.weights.local import copy_into, stream_to
+from conveyor.weights.naming import EXPERT_NAMES, ExpertNames, Layout, engine_names, expert_names_for, split_experts
+from conveyor.weights.shared import SharedSlots, map_shared
+from conveyor.weights.stream import cast_weights, iter_weights
+
+__all__ = [
+    "ExpertNames", "Layout", "Staging", "SyncStats", "EXPERT_NAMES", "expert_names_for", "iter_weights", "cast_weights",
+    "engine_names", "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received",
+    "copy_into", "pack", "unpack", "layout", "Table", "SharedSlots", "map_shared",
+    "WeightChannel", "free_address", "THREAD_PREFIX",
+]

@@ -1,0 +1,83 @@
+"""The shared-memory transport: a sync packed into a file in /dev/shm that replicas on this machine map.
+
+Used when the trainer is in this process on CPUs and the replicas are Ray actors on the same machine: one
+copy into a slot, no message of its own (the slot's `handle` rides on the generation call that loads it).
+
+What it deliberately does not do: wait for a free slot (a full file says so and the caller sends another way)
+or decide when a slot's weights were loaded (the caller releases it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+
+import torch
+from torch import Tensor
+
+from conveyor.weights.buckets import Table, unpack
+
+__all__ = ["SharedSlots", "map_shared"]
+
+
+class SharedSlots:
+    """Packed copies of the weights in a file in shared memory that processes on this machine map (`map_shared`).
+
+    `slots` copies: the trainer packs a sync into a free one (`write`, one copy, no message of its own: the version and
+    `handle` ride on the call that loads it) and frees it once every replica has loaded it (`release`). When no slot is
+    free, `write` says so and the caller sends the weights another way: it never waits. The file is removed once
+    the replicas have mapped it (`unlink`, after the first load), so a trainer killed after that leaves nothing behind
+    in /dev/shm; the mappings stay valid until every process lets go of them.
+    """
+
+    def __init__(self, table: Table, nbytes: int, slots: int = 2):
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="conveyor-weights-", dir=directory)
+        try:
+            os.ftruncate(fd, nbytes * slots)
+        finally:
+            os.close(fd)
+        self.table, self.nbytes, self.size = table, nbytes, nbytes * slots
+        self.memory = map_shared(self.path, self.size)
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+        self._linked = True
+        # Each slot's tensors as views of the file, made once: a sync is then one batched copy into them.
+        self._views = [[view for _, view in unpack(self.memory[i * nbytes:(i + 1) * nbytes], table)]
+                       for i in range(slots)]
+
+    def write(self, named: list[tuple[str, Tensor]], table: Table) -> int | None:
+        """Copy `named` (laid out as `table`) into a free slot and return its index; None when every slot is taken
+        or the layout is not this file's."""
+        if table != self.table:
+            return None
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop(0)
+        torch._foreach_copy_(self._views[slot], [tensor for _, tensor in named])
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Slot `slot` may be written again (its weights were loaded, or will never be)."""
+        with self._lock:
+            if slot not in self._free:
+                self._free.append(slot)
+
+    def handle(self, slot: int) -> tuple[str, int, int, int, Table]:
+        """What a replica needs to read slot `slot`: (path, file size, byte offset, bytes, table)."""
+        return self.path, self.size, slot * self.nbytes, self.nbytes, self.table
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay valid); safe to call twice."""
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def map_shared(path: str, size: int) -> Tensor:
+    """The whole of a `SharedSlots` file, mapped (shared, so the trainer's later writes show) as uint8."""
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
