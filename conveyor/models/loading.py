@@ -44,6 +44,7 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 __all__ = [
+    "check_checkpoint_dir",
     "build_causal_lm_on_meta",
     "max_positions",
     "check_tokenizer_dir",
@@ -196,7 +197,7 @@ def _check_weights(path: Path) -> None:
                              f"or set `{_PATH_KEY}` to another one")
 
 
-def _check_checkpoint_dir(path: str | Path, *, trust_remote_code: bool = False) -> Path:
+def check_checkpoint_dir(path: str | Path, *, trust_remote_code: bool = False) -> Path:
     """The directory `path` as a Path, once it holds a readable config.json and whole weights (else a ValueError)."""
     p = Path(path).expanduser()
     if not p.exists():
@@ -245,7 +246,7 @@ def load_causal_lm(
     in host memory is read instead: tensors built from mapped pages (and the pages of tensors that loading
     converted, such as fused experts) keep the whole file mapped and resident for the model's life.
     """
-    p = _check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
+    p = check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
     on_host = torch.device(device).type == "cpu"
     if mmap is None:
         mmap = not on_host
@@ -303,7 +304,7 @@ def build_causal_lm_on_meta(
 
 def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
     """The Hugging Face config of the checkpoint directory `path` (its own config class only if trusted)."""
-    p = _check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
+    p = check_checkpoint_dir(path, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(str(p), trust_remote_code=bool(trust_remote_code))
     except (OSError, ValueError) as err:

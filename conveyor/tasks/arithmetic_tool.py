@@ -30,7 +30,7 @@ import random
 from typing import Any, Optional, Sequence
 
 from conveyor.tasks.rewards import register_reward_fn
-from conveyor.tasks.synthetic import SUPPORTED_OPS, _evaluate, arithmetic_split
+from conveyor.tasks.synthetic import SUPPORTED_OPS, evaluate, arithmetic_split
 
 __all__ = [
     "ARITHMETIC_TOOL_DATA_SOURCE",
@@ -53,7 +53,7 @@ TOOL_TRACE_FRACTION = 0.3
 
 def tool_trace(a: int, op: str, b: int) -> str:
     """The response of a model that uses the calculator on `a op b`: call, the tool's answer, the final answer."""
-    value = _evaluate(a, op, b)
+    value = evaluate(a, op, b)
     return f"#{TOOL_NAME} {a}{op}{b};={value};{value}"
 
 
@@ -111,7 +111,7 @@ def make_arithmetic_tool_records(
     traced = random.Random(seed + 1)
     records = []
     for i, (a, op, b) in enumerate(problems):
-        value = str(_evaluate(a, op, b))
+        value = str(evaluate(a, op, b))
         extra: dict[str, Any] = {"split": split, "index": i, "a": a, "op": op, "b": b}
         if split == "train":
             extra["warmstart_target"] = tool_trace(a, op, b) if traced.random() < tool_trace_fraction else value

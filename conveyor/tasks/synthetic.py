@@ -22,6 +22,7 @@ import random
 from typing import Iterator, Sequence
 
 __all__ = [
+    "evaluate",
     "ARITHMETIC_ALPHABET",
     "ARITHMETIC_DATA_SOURCE",
     "SUPPORTED_OPS",
@@ -56,7 +57,8 @@ def arithmetic_split(a: int, op: str, b: int) -> str:
     return "test" if fraction < TEST_FRACTION else "train"
 
 
-def _evaluate(a: int, op: str, b: int) -> int:
+def evaluate(a: int, op: str, b: int) -> int:
+    """`a op b` for one of SUPPORTED_OPS (the ground truth of a synthetic problem)."""
     if op == "+":
         return a + b
     if op == "-":
@@ -92,7 +94,7 @@ def _make_record(a: int, op: str, b: int, split: str, index: int) -> dict:
         "data_source": ARITHMETIC_DATA_SOURCE,
         "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
         "ability": "arithmetic",
-        "reward_model": {"style": "rule", "ground_truth": str(_evaluate(a, op, b))},
+        "reward_model": {"style": "rule", "ground_truth": str(evaluate(a, op, b))},
         "extra_info": {"split": split, "index": index, "a": a, "op": op, "b": b},
     }
 

@@ -247,13 +247,13 @@ def _tiny_positions(cfg: Config) -> int:
 def prepare_default_model(cfg: Config) -> str:
     """The checkpoint directory of the policy: the configured path, or the cached tiny model (built on first use)."""
     # loading.py is the one place that knows what a checkpoint directory needs.
-    from conveyor.models.loading import _check_checkpoint_dir, check_tokenizer_dir
+    from conveyor.models.loading import check_checkpoint_dir, check_tokenizer_dir
 
     model = cfg.actor_rollout_ref.model
     path = model.path
     if path:
         # Everything a checkpoint directory can get wrong is found here, before anything is built.
-        _check_checkpoint_dir(path, trust_remote_code=model.trust_remote_code)
+        check_checkpoint_dir(path, trust_remote_code=model.trust_remote_code)
         check_tokenizer_dir(model.tokenizer_path or path)
         _check_max_positions(cfg, path)
         return str(path)
@@ -261,7 +261,7 @@ def prepare_default_model(cfg: Config) -> str:
     target = cache_dir() / f"tiny-{tiny.arch}-{_tiny_key(cfg)}"
     if (target / "config.json").is_file():
         try:
-            _check_checkpoint_dir(str(target), trust_remote_code=False)
+            check_checkpoint_dir(str(target), trust_remote_code=False)
         except ValueError as err:
             # Not the user's checkpoint to copy again: the cache's own copy was cut short (a full disk, a kill).
             problem = str(err).split(";")[0]  # what is wrong, without the advice meant for a user's own checkpoint

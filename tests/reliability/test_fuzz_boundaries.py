@@ -217,7 +217,7 @@ model_files = st.binary(max_size=120) | json_values.map(lambda v: _encode(v)) | 
        | st.sampled_from([(8).to_bytes(8, "little") + b"{" * 8, (2**63).to_bytes(8, "little") + b"{}"]))
 def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(config: bytes, index: Any,
                                                                                weights: bytes) -> None:
-    from conveyor.models.loading import _check_checkpoint_dir
+    from conveyor.models.loading import check_checkpoint_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -226,7 +226,7 @@ def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(con
         if index is not None:
             (d / "model.safetensors.index.json").write_bytes(index)
         try:
-            _check_checkpoint_dir(d)
+            check_checkpoint_dir(d)
         except ValueError as err:
             assert tmp in str(err) and "actor_rollout_ref.model.path" in str(err), err
 
