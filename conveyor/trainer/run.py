@@ -97,7 +97,7 @@ def _check_engine_serves(cfg: Config, plan: RunPlan, model_config: Any, device: 
               "the tiny model (actor_rollout_ref.model.tiny)")
     length_key = ("actor_rollout_ref.rollout.max_model_len" if ro.max_model_len is not None
                   else "data.max_prompt_length + data.max_response_length")
-    engine_spec(ro.name).check_model(model_config, device=device, max_model_len=plan.vllm_max_model_len,
+    engine_spec(ro.name).check_model(model_config, device=device, max_model_len=plan.engine_max_model_len,
                                      source=source, length_key=length_key)
 
 

@@ -342,7 +342,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
         engine = Engine(capacity=capacity, gpu_memory_utilization=ro.gpu_memory_utilization,
                         tp=ro.tensor_model_parallel_size,
                         weight_bytes=_BYTES[ro.engine_dtype(model.dtype, plan.device)],  # null: bf16 on CUDA
-                        max_model_len=plan.vllm_max_model_len or seq_len, max_num_seqs=ro.max_num_seqs,
+                        max_model_len=plan.engine_max_model_len or seq_len, max_num_seqs=ro.max_num_seqs,
                         batched_tokens=16384 if capacity >= 70 * 2**30 else 8192, sleeps=ro.free_cache_engine,
                         colocated=plan.rollout_placement == "colocated")
     reference = plan.use_reference and not plan.reference_from_actor

@@ -26,7 +26,7 @@ from conveyor.workers.optim import total_optim_steps
 
 if TYPE_CHECKING:
     from conveyor.config import Config
-    from conveyor.trainer.plan import RunPlan
+    from conveyor.config.plan import RunPlan
     from conveyor.workers.strategy import TrainingStrategy
 
 __all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "RolloutSettings", "actor_settings",
@@ -113,7 +113,7 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
         rollout_is=plan.rollout_is_level, is_threshold=upper, is_threshold_lower=lower,
         rejection=tuple(tuple(r) for r in correction.rejection()),
         loss_scale_factor=plan.actor_loss_scale,
-        max_model_len=plan.vllm_max_model_len,
+        max_model_len=plan.engine_max_model_len,
         update_budget=token_budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu, _ACTOR_MAX,
                                    **_actor_defaults(arr)),
         log_prob_budget=token_budget(arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu,
@@ -141,7 +141,7 @@ def rollout_settings(cfg: Config, plan: RunPlan) -> RolloutSettings:
     """The rollout worker's settings of a run of `cfg` (placement=separate)."""
     arr = cfg.actor_rollout_ref
     return RolloutSettings(model=copy.deepcopy(arr.model), rollout=_placed(arr.rollout, plan), seed=cfg.trainer.seed,
-                           max_model_len=plan.vllm_max_model_len, max_prompt_length=cfg.data.max_prompt_length,
+                           max_model_len=plan.engine_max_model_len, max_prompt_length=cfg.data.max_prompt_length,
                            truncation=cfg.data.truncation)
 
 

@@ -34,7 +34,7 @@ def test_vllm_never_bypasses_the_old_log_prob_forward() -> None:
     # The engine's log-probs come from other kernels: the trainer recomputes them, and the gap is measured.
     assert build_run_plan(load_config(None, []), "cpu").old_log_probs == "rollout"
     plan = build_run_plan(load_config(None, VLLM_MODEL), "cpu")
-    assert plan.old_log_probs == "forward" and plan.vllm_max_model_len == 64 + 6
+    assert plan.old_log_probs == "forward" and plan.engine_max_model_len == 64 + 6
 
 
 def test_r3_runs_as_r2_where_the_engine_cannot_return_routing() -> None:

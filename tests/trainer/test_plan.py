@@ -107,7 +107,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "use_critic": role == "critic", "use_reference": role in ("kl_loss", "kl_reward"),
         "reference_from_actor": False,  # no LoRA in the table (tests/trainer/test_lora.py)
         "actor_loss_scale": 6.0, "critic_loss_scale": 6.0,  # data.max_response_length
-        "vllm_max_model_len": 64 + 6 if engine == "vllm" else None,
+        "engine_max_model_len": 64 + 6 if engine == "vllm" else None,
     }
 
 
@@ -159,7 +159,7 @@ def test_loss_scales_fall_back_actor_then_response_length() -> None:
     assert (build_run_plan(cfg, "cpu").actor_loss_scale, build_run_plan(cfg, "cpu").critic_loss_scale) == (4.0, 2.0)
     cfg.actor_rollout_ref.rollout.max_model_len = 100
     cfg.actor_rollout_ref.rollout.name = "vllm"
-    assert build_run_plan(cfg, "cpu").vllm_max_model_len == 100
+    assert build_run_plan(cfg, "cpu").engine_max_model_len == 100
 
 
 def test_critic_enable_overrides_the_estimator() -> None:

@@ -1,0 +1,68 @@
+"""The run plan's type: what a run does, decided once from the config, the device and the engines.
+
+`conveyor.trainer.plan.build_run_plan` makes it (its module docstring gives the rules); the trainer, the
+worker groups and the workers read it. It lives beside the config, below every package that reads it, so
+that the workers name the plan's type without importing the trainer that builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["RunPlan", "OLD_LOG_PROB_SOURCES"]
+
+# Where old_log_probs come from: the rollout's (bypass), the old-log-prob forward, or the update's forward.
+OLD_LOG_PROB_SOURCES = ("rollout", "forward", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run does, decided once (see the module docstring for the rules)."""
+
+    device: str  # the device the workers run on
+    engine: str  # actor_rollout_ref.rollout.name
+    engine_returns_routing: bool  # the engine's declared capability on `device`
+    is_moe: bool  # the policy has routed experts (from the tiny config or the checkpoint's config.json)
+    old_log_probs: str  # one of OLD_LOG_PROB_SOURCES
+    replay_mode: str  # the router replay that runs: disabled, R2 or R3
+    replay_requested: str  # actor_rollout_ref.actor.router_replay.mode as configured
+    replay_reason: str  # why replay_mode differs from the request ("" when it does not)
+    routing_source: str  # where routed_experts come from: rollout, forward or none
+    rollout_captures_routing: bool  # the generate call asks the engine for routed_experts
+    forward_records_routing: bool  # the old-log-prob forward writes routed_experts (R2, or metrics without routing)
+    forward_replays_routing: bool  # the old-log-prob forward replays the rollout's routing (R3)
+    update_replays_routing: bool  # the update's forward replays routed_experts (R2 or R3)
+    load_balance_from_forward: bool  # the rollout/moe/* metrics describe the trainer's forward, not the rollout's
+    rollout_is_level: str | None  # importance weights: None, token or sequence
+    rollout_rs: bool  # rejection sampling is on
+    off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
+    rollout_placement: str  # where the engines run: colocated (the actor's ranks) or separate (the rollout group)
+    rollout_process: str  # where the rollout group and the reward worker run: "trainer" (this process) or "own" (Ray)
+    use_critic: bool
+    use_reference: bool
+    reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
+    actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
+    critic_loss_scale: float  # and of the critic's
+    engine_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
+    decisions: tuple[str, ...]  # what was decided and why, in words
+
+    @property
+    def bypass(self) -> bool:
+        """Whether old_log_probs are the rollout's (no old-log-prob forward)."""
+        return self.old_log_probs == "rollout"
+
+    @property
+    def proximal_from_update(self) -> bool:
+        """Whether the update's own forward writes old_log_probs (off-policy, one optimizer step per batch)."""
+        return self.old_log_probs == "update"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON-ready values (what plan.json holds)."""
+        out = dataclasses.asdict(self)
+        out["decisions"] = list(self.decisions)
+        return out
+
+    def describe(self) -> str:
+        """One block of text for the log: the decisions, one per line."""
+        return "run plan:\n" + "\n".join(f"  - {d}" for d in self.decisions)
