@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from conveyor.registry import registrar
+from conveyor.registry import lookup, registrar
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +89,20 @@ NEEDS_CRITIC: set[str] = set()
 
 
 def register_adv_estimator(
-    name: str, *, needs_critic: bool = False, greedy_baseline: bool = False, min_group_size: int = 1
+    name: str, *, needs_critic: bool = False, greedy_baseline: bool = False, min_group_size: int = 1,
+    overwrite: bool = False,
 ) -> Callable[[AdvEstimator], AdvEstimator]:
     """Decorator registering ``fn`` as the advantage estimator called ``name``, with what it needs (``EstimatorNeeds``)."""
     if min_group_size < 1:
         raise ValueError(f"advantage estimator {name!r}: min_group_size must be >= 1, got {min_group_size}")
-    register = registrar(ADV_ESTIMATORS, name, "advantage estimator")
+    register = registrar(ADV_ESTIMATORS, name, "advantage estimator", overwrite=overwrite)
     needs = EstimatorNeeds(needs_critic=needs_critic, greedy_baseline=greedy_baseline, min_group_size=min_group_size)
 
     def decorator(fn: AdvEstimator) -> AdvEstimator:
         register(fn)
         ADV_ESTIMATOR_NEEDS[name] = needs
-        if needs.needs_critic:
-            NEEDS_CRITIC.add(name)
+        # A replacement (overwrite=True) declares its own needs: the old estimator's critic goes with it.
+        (NEEDS_CRITIC.add if needs.needs_critic else NEEDS_CRITIC.discard)(name)
         return fn
 
     return decorator
@@ -115,11 +116,7 @@ def estimator_needs(name: str) -> EstimatorNeeds:
 
 def get_adv_estimator(name: str) -> AdvEstimator:
     """Return the estimator registered as ``name``; ValueError listing valid names otherwise."""
-    try:
-        return ADV_ESTIMATORS[name]
-    except KeyError:
-        valid = ", ".join(sorted(ADV_ESTIMATORS))
-        raise ValueError(f"unknown adv_estimator {name!r}; valid names: {valid}") from None
+    return lookup(ADV_ESTIMATORS, name, "algorithm.adv_estimator")
 
 
 def compute_advantage(

@@ -14,8 +14,11 @@ plain values) and does no distributed reduction of the measured KL.
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
+
+from conveyor.registry import lookup, registrar
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,7 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "make_kl_controller",
+    "register_kl_controller",
     "apply_kl_penalty",
 ]
 
@@ -59,9 +63,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     without the ``+`` with the gradient of ``k2`` (straight-through), whose
     expected gradient is the true KL's, which k1's and k3's are not.
     """
-    canonical = KL_KINDS.get(kind)
-    if canonical is None:
-        raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+    canonical = lookup(KL_KINDS, kind, "algorithm.kl_penalty / actor_rollout_ref.actor.kl_loss_type")
     diff = log_prob - ref_log_prob
     if canonical.endswith("+"):
         value = _estimate(log_prob, ref_log_prob, diff, canonical[:-1])
@@ -117,8 +119,28 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+# `factory(kl_coef, target_kl, horizon) -> controller`: anything with a `value` and `update(current_kl, n_steps)`.
+KLControllerFactory = Callable[[float, "float | None", "float | None"], Any]
+
 # The in-reward KL controllers by name (algorithm.kl_ctrl.type).
-KL_CONTROLLERS: dict[str, type] = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}
+KL_CONTROLLERS: dict[str, KLControllerFactory] = {}
+
+
+def register_kl_controller(name: str, *, overwrite: bool = False) -> Callable[[KLControllerFactory], KLControllerFactory]:
+    """Decorator registering `factory(kl_coef, target_kl, horizon) -> controller` as KL controller `name`."""
+    return registrar(KL_CONTROLLERS, name, "KL controller", overwrite=overwrite)
+
+
+@register_kl_controller("fixed")
+def _fixed(kl_coef: float, target_kl: float | None, horizon: float | None) -> FixedKLController:
+    return FixedKLController(kl_coef)
+
+
+@register_kl_controller("adaptive")
+def _adaptive(kl_coef: float, target_kl: float | None, horizon: float | None) -> AdaptiveKLController:
+    if target_kl is None or horizon is None:
+        raise ValueError("an adaptive kl controller needs target_kl and horizon")
+    return AdaptiveKLController(kl_coef, target_kl, horizon)
 
 
 def make_kl_controller(
@@ -126,15 +148,9 @@ def make_kl_controller(
     kl_coef: float,
     target_kl: float | None = None,
     horizon: float | None = None,
-) -> FixedKLController | AdaptiveKLController:
-    """Build a ``"fixed"`` or ``"adaptive"`` KL controller starting at ``kl_coef``."""
-    if kind not in KL_CONTROLLERS:
-        raise ValueError(f"unknown kl controller kind {kind!r}; valid kinds: {', '.join(KL_CONTROLLERS)}")
-    if kind == "fixed":
-        return FixedKLController(kl_coef)
-    if target_kl is None or horizon is None:
-        raise ValueError("an adaptive kl controller needs target_kl and horizon")
-    return AdaptiveKLController(kl_coef, target_kl, horizon)
+) -> Any:
+    """Build the KL controller registered as `kind` (``"fixed"``, ``"adaptive"``, ...) starting at ``kl_coef``."""
+    return lookup(KL_CONTROLLERS, kind, "algorithm.kl_ctrl.type")(kl_coef, target_kl, horizon)
 
 
 def apply_kl_penalty(

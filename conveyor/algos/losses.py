@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from conveyor.algos.advantages import masked_mean
-from conveyor.registry import registrar
+from conveyor.registry import lookup, registrar
 
 logger = logging.getLogger(__name__)
 
@@ -116,19 +116,15 @@ PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator registering ``fn`` as the policy loss called ``name``."""
+def register_policy_loss(name: str, *, overwrite: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator registering ``fn`` as the policy loss called ``name`` (``overwrite=True`` replaces one)."""
 
-    return registrar(POLICY_LOSSES, name, "policy loss")
+    return registrar(POLICY_LOSSES, name, "policy loss", overwrite=overwrite)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """Return the policy loss registered as ``name``; ValueError listing valid names otherwise."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        valid = ", ".join(sorted(POLICY_LOSSES))
-        raise ValueError(f"unknown policy_loss {name!r}; valid names: {valid}") from None
+    return lookup(POLICY_LOSSES, name, "actor_rollout_ref.actor.policy_loss.loss_mode")
 
 
 def _clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ only when the user's environment points them at one.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import json
 import logging
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TextIO
 
 from conveyor.files import read_jsonl_objects
-from conveyor.registry import registrar
+from conveyor.registry import lookup, registrar
 
 logger = logging.getLogger(__name__)
 
@@ -558,22 +557,23 @@ def _console_tracker(c: TrackerContext) -> ConsoleTracker:
 
 
 # `trainer.logger` is checked against this registry: a tracker registered here is selectable by name.
-TRACKERS: dict[str, TrackerFactory] = {
-    "console": lambda c: _console_tracker(c),
-    "jsonl": lambda c: JsonlTracker(c.run_dir / "metrics.jsonl"),
-    "tensorboard": lambda c: TensorBoardTracker(c.run_dir / "tensorboard"),
-    "wandb": lambda c: WandbTracker(c.project, c.experiment, c.run_dir, c.config),
-    "mlflow": lambda c: MlflowTracker(c.project, c.experiment, c.run_dir, c.config),
-}
+TRACKERS: dict[str, TrackerFactory] = {}
+
+
+def register_tracker(name: str, *, overwrite: bool = False) -> Callable[[TrackerFactory], TrackerFactory]:
+    """Decorator registering `factory(TrackerContext) -> tracker` (with `log(metrics, step)`, `close(failed)`) as `name`."""
+
+    return registrar(TRACKERS, name, "tracker", overwrite=overwrite)
+
+
+register_tracker("console")(lambda c: _console_tracker(c))
+register_tracker("jsonl")(lambda c: JsonlTracker(c.run_dir / "metrics.jsonl"))
+register_tracker("tensorboard")(lambda c: TensorBoardTracker(c.run_dir / "tensorboard"))
+register_tracker("wandb")(lambda c: WandbTracker(c.project, c.experiment, c.run_dir, c.config))
+register_tracker("mlflow")(lambda c: MlflowTracker(c.project, c.experiment, c.run_dir, c.config))
 
 # The built-in names, for messages and docs (the registry above is what is checked).
 VALID_LOGGERS = tuple(TRACKERS)
-
-
-def register_tracker(name: str) -> Callable[[TrackerFactory], TrackerFactory]:
-    """Decorator registering `factory(TrackerContext) -> tracker` (with `log(metrics, step)`, `close(failed)`) as `name`."""
-
-    return registrar(TRACKERS, name, "tracker")
 
 
 # --------------------------------------------------------------------------- fan-out
@@ -587,10 +587,7 @@ def _normalise_loggers(loggers: Iterable[str] | str) -> list[str]:
         if not isinstance(name, str):
             raise ValueError(f"trainer.logger entries must be strings, got {name!r}")
         key = name.strip().lower()
-        if key not in TRACKERS:
-            near = difflib.get_close_matches(key, list(TRACKERS), n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"trainer.logger has unknown logger {name!r}; valid: {', '.join(TRACKERS)}{hint}")
+        lookup(TRACKERS, key, "trainer.logger")  # an unknown name fails here, before any backend is opened
         if key not in names:
             names.append(key)
     return names
@@ -626,7 +623,7 @@ class Tracking:
         context = TrackerContext(self.run_dir, project, experiment, plain, stream, console_table_every)
         try:
             for name in self.loggers:
-                self._backends[name] = TRACKERS[name](context)
+                self._backends[name] = lookup(TRACKERS, name, "trainer.logger")(context)
         except BaseException:
             self._close(failed=True)
             raise

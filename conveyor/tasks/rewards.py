@@ -32,6 +32,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional
 
+from conveyor.registry import registrar
 from conveyor.user_code import describe_error
 
 __all__ = [
@@ -82,17 +83,14 @@ def register_reward_fn(*data_sources: str, overwrite: bool = False) -> Callable[
         if not isinstance(ds, str) or not ds:
             raise ValueError(f"data_source names must be non-empty strings, got {ds!r}")
 
+    registers = [registrar(REWARD_FNS, ds, "reward function for data_source", overwrite=overwrite)
+                 for ds in data_sources]
+
     def decorator(fn: RewardFn) -> RewardFn:
         if not callable(fn):
             raise ValueError(f"register_reward_fn expects a callable, got {type(fn).__name__}")
-        for ds in data_sources:
-            existing = REWARD_FNS.get(ds)
-            if existing is not None and existing is not fn and not overwrite:
-                raise ValueError(
-                    f"data_source {ds!r} already has reward function {reward_fn_name(existing)}; "
-                    "pass overwrite=True to replace it"
-                )
-            REWARD_FNS[ds] = fn
+        for register in registers:
+            register(fn)
         return fn
 
     return decorator

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from conveyor.registry import lookup, registrar
+
 __all__ = ["TOOL_CALL_FORMATS", "ToolCall", "ToolCallError", "CallFormat", "get_format", "register_call_format"]
 
 
@@ -138,10 +140,7 @@ def _parse_hermes(turn: str) -> Optional[ToolCall]:
 
 
 #: Format name -> its syntax; the valid values of multi_turn.format.
-_FORMATS = {
-    "hermes": CallFormat("hermes", stop_texts=(), parser=_parse_hermes),
-    "hash": CallFormat("hash", stop_texts=(";",), parser=_parse_hash, response_template="={text};"),
-}
+_FORMATS: dict[str, CallFormat] = {}
 TOOL_CALL_FORMATS = _FORMATS.keys()
 """The names of the registered formats (a live view: a format registered later is listed)."""
 
@@ -150,15 +149,13 @@ def register_call_format(call_format: CallFormat, *, overwrite: bool = False) ->
     """Make `call_format` selectable as multi_turn.format=<its name> (e.g. from a `trainer.plugins` file)."""
     if not isinstance(call_format, CallFormat):
         raise ValueError(f"register_call_format takes a CallFormat, got {type(call_format).__name__}")
-    if call_format.name in _FORMATS and not overwrite and _FORMATS[call_format.name] is not call_format:
-        raise ValueError(f"a tool-call format named {call_format.name!r} exists; pass overwrite=True to replace it")
-    _FORMATS[call_format.name] = call_format
-    return call_format
+    return registrar(_FORMATS, call_format.name, "tool-call format", overwrite=overwrite)(call_format)
 
 
 def get_format(name: str) -> CallFormat:
     """The syntax called `name`; ValueError naming the valid ones otherwise."""
-    if name not in _FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; valid: {list(_FORMATS)} "
-                         "(actor_rollout_ref.rollout.multi_turn.format)")
-    return _FORMATS[name]
+    return lookup(_FORMATS, name, "actor_rollout_ref.rollout.multi_turn.format")
+
+
+register_call_format(CallFormat("hermes", stop_texts=(), parser=_parse_hermes))
+register_call_format(CallFormat("hash", stop_texts=(";",), parser=_parse_hash, response_template="={text};"))

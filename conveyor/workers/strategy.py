@@ -66,6 +66,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from conveyor.registry import lookup, registrar
 from conveyor.workers.mesh import collective_device, process_group_backend
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel",
            "CheckpointEndpoints", "resolve_strategy",
            "decoder_layers", "ensure_process_group", "process_group_backend", "collective_device", "mixed_precision"]
 
-STRATEGIES: tuple[str, ...] = ("none", "dp", "fsdp2")
+# Strategy name -> class, filled below the classes; `STRATEGIES` is a live view of its names (the config's choices).
+STRATEGY_CLASSES: dict[str, type[TrainingStrategy]] = {}
+STRATEGIES = STRATEGY_CLASSES.keys()
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,8 +86,7 @@ def resolve_strategy(name: str | None, world_size: int) -> str:
     """The strategy a role runs: `fsdp2` by default with several ranks, `none` with one (what `name=null` means)."""
     if name is None:
         return "fsdp2" if world_size > 1 else "none"
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; valid: {list(STRATEGIES)}")
+    lookup(STRATEGY_CLASSES, name, "strategy")  # an unknown name is the registry's error
     if name == "dp" and world_size == 1:
         return "none"  # a replica of one is the model itself
     return name
@@ -148,7 +150,7 @@ class TrainingStrategy:
     def __new__(cls, name: str | None = None, *, world_size: int = 1, **kwargs: Any) -> "TrainingStrategy":
         """The class of the strategy `name` resolves to, when called on the base."""
         if cls is TrainingStrategy:
-            cls = STRATEGY_CLASSES[resolve_strategy(name, world_size)]
+            cls = lookup(STRATEGY_CLASSES, resolve_strategy(name, world_size), "strategy")
         return super().__new__(cls)
 
     def __init__(
@@ -512,9 +514,9 @@ class FSDP2(TrainingStrategy):
         return tokens_received_metrics(self._ep, self.meshes, self.device)
 
 
-STRATEGY_CLASSES: dict[str, type[TrainingStrategy]] = {"none": TrainingStrategy, "dp": DataParallel,
-                                                       "fsdp2": FSDP2}
-assert tuple(STRATEGY_CLASSES) == STRATEGIES
+registrar(STRATEGY_CLASSES, "none", "training strategy")(TrainingStrategy)
+registrar(STRATEGY_CLASSES, "dp", "training strategy")(DataParallel)
+registrar(STRATEGY_CLASSES, "fsdp2", "training strategy")(FSDP2)
 
 
 def _global_sq_norm(grads: list[torch.Tensor], via: torch.device) -> torch.Tensor:

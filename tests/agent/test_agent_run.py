@@ -57,7 +57,7 @@ def test_hash_and_hermes_formats_parse_calls() -> None:
     assert hermes.parse("no call") is None
     with pytest.raises(ToolCallError, match="not valid JSON"):
         hermes.parse("<tool_call>{oops</tool_call>")
-    with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
+    with pytest.raises(ValueError, match="multi_turn.format: unknown 'xml'; valid names are hash, hermes"):
         get_format("xml")
 
 

@@ -23,7 +23,7 @@ def test_builtin_declarations():
 
 
 def test_unknown_name_is_the_registry_error():
-    with pytest.raises(ValueError, match="unknown adv_estimator 'nope'; valid names: .*grpo"):
+    with pytest.raises(ValueError, match="algorithm.adv_estimator: unknown 'nope'; valid names are .*grpo"):
         estimator_needs("nope")
 
 

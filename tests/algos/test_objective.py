@@ -73,7 +73,7 @@ def test_loss_mode_picks_from_the_registry(monkeypatch) -> None:
     assert loss.item() == 7.0
     assert calls[0]["num_tokens"] == 9 and calls[0]["is_weights"] is None
     assert metrics == {"pg_loss@sum": 7.0, "my_metric@sum": 1.5, "my_metric@count": 3.0}
-    with pytest.raises(ValueError, match="unknown policy_loss"):
+    with pytest.raises(ValueError, match="policy_loss.loss_mode: unknown"):
         _objective(loss_mode="no-such-loss")
 
 

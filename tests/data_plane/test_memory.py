@@ -48,7 +48,7 @@ def test_unknown_backend_names_the_valid_ones() -> None:
     assert "redis" in msg
     for name in ("memory", "ray", "transferqueue"):
         assert name in msg
-    assert BACKENDS == ("memory", "ray", "transferqueue")
+    assert tuple(BACKENDS) == ("memory", "ray", "transferqueue")
 
 
 def test_memory_backend_rejects_options() -> None:

@@ -51,5 +51,5 @@ def test_the_registry_names_every_engine_and_refuses_others() -> None:
         assert caps.stop_sequences and caps.multi_rank, name  # what the agent loop and several ranks need
     assert engine_spec("hf").capabilities("cpu").shares_trainer_modules
     assert not engine_spec("vllm").capabilities("cpu").returns_routing and engine_spec("vllm").capabilities("cuda").returns_routing
-    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name: unknown 'sglang'; valid names are .*hf"):
         engine_spec("sglang")

@@ -3,10 +3,15 @@
 Parametrised over `ROLLOUT_ENGINES`, each built through its registry entry (`EngineSpec.build`) over the
 same saved tiny Qwen3-MoE, as the actor worker builds them. vLLM is its real CPU build (one engine serves
 the module; it takes ~20-30 s to start on 2 cores); the model has 32-wide attention heads, the smallest
-vLLM's CPU attention accepts. A new engine registered in `conveyor.rollout.base` joins every test here.
+vLLM's CPU attention accepts. A new engine registered in `conveyor.rollout.base` joins every test here, and so does one a plugin file
+registers: `CONFORMANCE_PLUGINS=my_engine.py pytest tests/rollout/test_conformance.py` loads the files named
+(separated by the path separator) the way `trainer.plugins` does, before the tests are parametrised.
+Engines are built when a test first asks for one, so `-k my_engine` builds that engine and the reference only.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ import torch
 from conveyor.models.moe_routing import moe_info
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.plugins import load_plugins
 from conveyor.rollout.base import ROLLOUT_ENGINES, EngineContext, RolloutOutput, SamplingParams, engine_spec
 from conveyor.rollout.hf import HFRollout
 from test_hf_rollout import _teacher_forced_log_probs  # tests/rollout is on sys.path (rootdir import mode)
@@ -24,6 +30,7 @@ PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
 # 3 seeds). The bound leaves room for other CPUs' vector widths while staying far below what a wrong or
 # skipped sync does (the greedy tokens themselves change).
 LOGP_TOL = 1e-4
+load_plugins([p for p in os.environ.get("CONFORMANCE_PLUGINS", "").split(os.pathsep) if p])
 ENGINES = sorted(ROLLOUT_ENGINES)
 
 
@@ -39,7 +46,7 @@ def _model(tok):
 
 @pytest.fixture(scope="module")
 def built(tok, tmp_path_factory):
-    """The trainer's model (saved, and in memory) and every registered engine over it, built from the registry."""
+    """The trainer's model (saved, and in memory) and the registered engines over it, built from the registry."""
     path = tmp_path_factory.mktemp("engine-model")
     model = _model(tok).eval()
     model.save_pretrained(path)
@@ -47,14 +54,21 @@ def built(tok, tmp_path_factory):
     from conveyor.config.rollout import RolloutConfig
 
     rollout = RolloutConfig(max_num_seqs=32)
-    engines = {}
-    for name in ENGINES:
-        engines[name] = engine_spec(name).build(EngineContext(
-            model_path=str(path), model=model, tokenizer=tok, rollout=rollout, model_dtype="float32",
-            trust_remote_code=False, max_model_len=64, seed=0, rank=0, world_size=1, device=torch.device("cpu"),
-            moe=moe_info(model),
-        ))
-        engines[name].update_weights(model.state_dict().items(), version=0)
+
+    class Engines(dict):
+        """Each engine built on first use (a vLLM engine takes tens of seconds to start), then kept."""
+
+        def __missing__(self, name: str):
+            engine = engine_spec(name).build(EngineContext(
+                model_path=str(path), model=model, tokenizer=tok, rollout=rollout, model_dtype="float32",
+                trust_remote_code=False, max_model_len=64, seed=0, rank=0, world_size=1, device=torch.device("cpu"),
+                moe=moe_info(model),
+            ))
+            engine.update_weights(model.state_dict().items(), version=0)
+            self[name] = engine
+            return engine
+
+    engines = Engines()
     yield model, engines
     for engine in engines.values():
         engine.close()
