@@ -1,4 +1,7 @@
-"""Plugins: the user's Python files or modules that register estimators, policy losses or reward functions.
+"""Plugins: the user's Python files or modules that register names in the registries (`conveyor.registry`).
+
+Estimators, policy losses, KL controllers, reward functions, trackers, tool-call
+formats, rollout engines and data-plane backends can all be registered there.
 
 `trainer.plugins` names them; they are imported before the config's choices are
 checked (so a registered name is valid) and again in every worker process (so

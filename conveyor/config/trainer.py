@@ -136,7 +136,7 @@ class TrainerConfig:
     prometheus: MetricsEndpointConfig = S(MetricsEndpointConfig, "live training metrics (and the data plane's)",
                                           resume_neutral=True)
     plugins: list = F([], "Python files or importable modules loaded before the config is checked and in every "
-                          "worker: register advantage estimators, policy losses or reward functions there")
+                          "worker: register estimators, losses, rewards, trackers, engines or data planes there")
     v1: TrainerV1Config = S(TrainerV1Config, "synchronous or asynchronous training (verl's V1 trainer keys)")
 
     def validate(self, prefix: str) -> None:
