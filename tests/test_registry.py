@@ -108,7 +108,7 @@ def test_the_conformance_suite_runs_a_plugin_engine(plugin) -> None:
     env = {**os.environ, "CONFORMANCE_PLUGINS": str(plugin), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/rollout/test_conformance.py", "-k", "plugin_hf",
                            "-rA", "-p", "no:cacheprovider", "-p", "no:warnings"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Every engine test but the weight sync (the plugin's engine shares the trainer's modules) ran on it.
     passed = [line for line in proc.stdout.splitlines() if line.startswith("PASSED") and "[plugin_hf]" in line]

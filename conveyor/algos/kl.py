@@ -14,7 +14,8 @@ plain values) and does no distributed reduction of the measured KL.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -120,13 +121,15 @@ class AdaptiveKLController:
 
 
 # `factory(kl_coef, target_kl, horizon) -> controller`: anything with a `value` and `update(current_kl, n_steps)`.
-KLControllerFactory = Callable[[float, "float | None", "float | None"], Any]
+KLControllerFactory = Callable[[float, float | None, float | None], Any]
 
 # The in-reward KL controllers by name (algorithm.kl_ctrl.type).
 KL_CONTROLLERS: dict[str, KLControllerFactory] = {}
 
 
-def register_kl_controller(name: str, *, overwrite: bool = False) -> Callable[[KLControllerFactory], KLControllerFactory]:
+def register_kl_controller(
+    name: str, *, overwrite: bool = False
+) -> Callable[[KLControllerFactory], KLControllerFactory]:
     """Decorator registering `factory(kl_coef, target_kl, horizon) -> controller` as KL controller `name`."""
     return registrar(KL_CONTROLLERS, name, "KL controller", overwrite=overwrite)
 

@@ -9,7 +9,8 @@ backends are the `BACKENDS` registry: `memory` (embedded, default), `ray` and
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from conveyor.data_plane.base import DataPlane, FieldNotFoundError
 from conveyor.registry import lookup, registrar

@@ -3,9 +3,10 @@
 Parametrised over `ROLLOUT_ENGINES`, each built through its registry entry (`EngineSpec.build`) over the
 same saved tiny Qwen3-MoE, as the actor worker builds them. vLLM is its real CPU build (one engine serves
 the module; it takes ~20-30 s to start on 2 cores); the model has 32-wide attention heads, the smallest
-vLLM's CPU attention accepts. A new engine registered in `conveyor.rollout.base` joins every test here, and so does one a plugin file
-registers: `CONFORMANCE_PLUGINS=my_engine.py pytest tests/rollout/test_conformance.py` loads the files named
-(separated by the path separator) the way `trainer.plugins` does, before the tests are parametrised.
+vLLM's CPU attention accepts. A new engine registered in `conveyor.rollout.base` joins every test here,
+and so does one a plugin file registers: `CONFORMANCE_PLUGINS=my_engine.py pytest tests/rollout/test_conformance.py`
+loads the files named (separated by the path separator) the way `trainer.plugins` does, before the tests are
+parametrised.
 Engines are built when a test first asks for one, so `-k my_engine` builds that engine and the reference only.
 """
 

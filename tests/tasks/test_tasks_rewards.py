@@ -179,7 +179,8 @@ def test_register_rules() -> None:
     assert register_reward_fn("mine", "mine/alias")(a) is a
     assert REWARD_FNS["mine"] is a and REWARD_FNS["mine/alias"] is a
     register_reward_fn("mine")(a)  # registering the same function again is harmless
-    with pytest.raises(ValueError, match=r"reward function for data_source 'mine' is already registered .*\.a\).*overwrite=True"):
+    with pytest.raises(ValueError,
+                       match=r"reward function for data_source 'mine' is already registered .*\.a\).*overwrite=True"):
         register_reward_fn("mine")(b)
     assert REWARD_FNS["mine"] is a
     register_reward_fn("mine", overwrite=True)(b)
