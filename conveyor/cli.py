@@ -92,6 +92,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from conveyor.config import config_to_yaml, load_config
 
     cfg = load_config(args.config, args.overrides)
+    from conveyor.trainer.plan import build_run_plan
+    from conveyor.trainer.setup import resolve_device
+
+    build_run_plan(cfg, resolve_device(cfg))  # what `train` refuses at its start (the engine's keys included)
     sys.stdout.write(config_to_yaml(cfg, with_help=args.describe))
     return 0
 

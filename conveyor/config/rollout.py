@@ -2,8 +2,8 @@
 
 The engine names are read from `conveyor.rollout.base.ROLLOUT_ENGINES` and the
 tool-call formats from `conveyor.tools.formats`, when checked; each engine
-checks its own keys (`validate_config` in its module, run by the root
-section). It deliberately does not decide what an engine can do (its
+checks its own keys (`validate_config` in its module, run where the run
+plan is made, `conveyor.trainer.plan`). It deliberately does not decide what an engine can do (its
 declared capabilities, read by the run plan) or build one.
 """
 

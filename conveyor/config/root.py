@@ -87,11 +87,6 @@ class Config:
               "or use fewer ranks")
         check(bs % mb == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               f"data.train_batch_size={bs} must be divisible by it (got {mb})")
-        ro = self.actor_rollout_ref.rollout
-        # The engine's own keys (context length, what its kernels serve), checked by its module.
-        from conveyor.rollout.base import engine_spec
-
-        engine_spec(ro.name).validate_config(self)
         model = self.actor_rollout_ref.model
         # The actor always trains: its weights and AdamW's moments are in model.dtype.
         check(model.dtype == "float32" or model.allow_low_precision_master_weights, "actor_rollout_ref.model.dtype",

@@ -115,6 +115,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     arr, algo, v1 = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer.v1
     ro, actor, correction = arr.rollout, arr.actor, algo.rollout_correction
     spec = engine_spec(ro.name)
+    spec.validate_config(cfg)  # the engine's own keys (context length, what its kernels serve), by its module
     caps = spec.capabilities(device)
     moe = model_is_moe(cfg) if is_moe is None else bool(is_moe)
     why: list[str] = []
