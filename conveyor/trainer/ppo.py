@@ -9,8 +9,10 @@ beyond what its registration declares (`estimator_needs`: a critic, a
 greedy baseline rollout) and "is a KL term on". Every stage takes the handle
 of the batch and returns `(handle, metrics)`; `step` merges the metrics.
 
-The run's composition root (building the parts, picking the trainer) is
-`trainer/run.py`; checkpoint contents are `trainer/state.py`, stop signals
+Stages 1-3 (prompts, generation, rewards) are the public methods of the
+run's `Stages` (`trainer/stages.py`), which the sample source runs them
+through. The run's composition root (building the parts, picking the trainer)
+is `trainer/run.py`; checkpoint contents are `trainer/state.py`, stop signals
 `trainer/signals.py`, validation `trainer/validation.py`.
 
 What it deliberately does not do: place workers (the worker groups do),
@@ -44,16 +46,15 @@ from conveyor.metrics.moe_load_balance import (
 )
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
-from conveyor.tasks.dataset import PromptDataset
-from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder, sample_keys
+from conveyor.tasks.prompts import PromptEncoder
 from conveyor.trainer import state
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.sources import build_source
+from conveyor.trainer.stages import Stages
 from conveyor.trainer.timing import CPU, timer, timing_metrics
 from conveyor.trainer.validation import Validation
-from conveyor.workers.balance import SEQ_LEN_TAG
-from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
+from conveyor.workers.calls import LogProbCall, UpdateCall
 from conveyor.workers.roles import WorkerGroups
 
 logger = logging.getLogger(__name__)
@@ -108,24 +109,32 @@ class PPOTrainer:
         self.data_plane = data_plane
         self.workers = workers
         self.tokenizer = tokenizer
-        self.train_data = PromptDataset(train_records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        self._train_records = train_records
         self.val_records = val_records
         self.validation = Validation(val_records)
         self.tracking = tracking
         self.run_dir = Path(run_dir)
         self.prometheus = prometheus
         self.model_config = model_config
-        self.global_step = 0
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
         self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
         # What the estimator needs beyond rewards: a greedy baseline rollout (ReMax), values.
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
-        self.prompts = PromptEncoder(tokenizer, cfg.data.max_prompt_length, cfg.data.truncation)
-        self._train_width: int | None = None
+        # Stages 1-3 and what they need: the one object the sources and validation are handed.
+        self.stages = Stages(cfg, plan=plan, data_plane=data_plane, workers=workers, train_records=train_records,
+                             prompts=PromptEncoder(tokenizer, cfg.data.max_prompt_length, cfg.data.truncation),
+                             run_dir=self.run_dir)
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
-        self.source = build_source(self)
+        self.source = build_source(self.stages, greedy_baseline=self.estimator.greedy_baseline)
+
+    @property
+    def global_step(self) -> int:
+        """The step being trained (updates so far, inside a step); the stages' seeds depend on it."""
+        return self.stages.global_step
+
+    @global_step.setter
+    def global_step(self, step: int) -> None:
+        self.stages.global_step = step
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -145,7 +154,7 @@ class PPOTrainer:
     def _fit(self) -> dict[str, float]:
         t = self.cfg.trainer
         if self.global_step == 0 and t.val_before_train and self.validation:
-            self._log(self.validation.run(self), step=0)
+            self._log(self.validation.run(self.stages, self.source.generate), step=0)
         last: dict[str, float] = {}
         bar = self._progress_bar()
         interrupted = False
@@ -161,7 +170,7 @@ class PPOTrainer:
                 metrics = self.step()
                 is_last = self.global_step == t.total_training_steps
                 if self.validation and ((t.test_freq and self.global_step % t.test_freq == 0) or is_last):
-                    metrics.update(self.validation.run(self))
+                    metrics.update(self.validation.run(self.stages, self.source.generate))
                 # Logged before saved: a crash in between makes the resumed run repeat the
                 # step (the metrics reader keeps its last record) rather than lose its record.
                 self._log(metrics, step=self.global_step)
@@ -230,7 +239,7 @@ class PPOTrainer:
         metrics["perf/total_num_tokens"] = n_tokens
         metrics["perf/throughput"] = n_tokens / timings["step"] if timings["step"] > 0 else 0.0
         metrics["training/global_step"] = float(step)
-        metrics["training/epoch"] = float(self.train_data.epoch)
+        metrics["training/epoch"] = float(self.stages.train_data.epoch)
         return metrics
 
     # ================================================================ stages
@@ -242,74 +251,6 @@ class PPOTrainer:
         """
         batch = self.source.next(meta)
         return batch.meta, {**batch.metrics, **timing_metrics(batch.timings)}
-
-    def _train_prompt_width(self) -> int:
-        """The longest training prompt in tokens (computed once): a common width for every generation batch."""
-        if self._train_width is None:
-            self._train_width = self.prompts.longest(self._train_records)
-        return self._train_width
-
-    def _put_prompts(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
-                     width: int | None = None) -> KVBatchMeta:
-        """Stage 1: tokenize prompts, repeat each `n` times (one group per prompt) and write them (left-padded to `width`)."""
-        uids = self._uids(records, partition_id, key_prefix)
-        fields, lengths = self.prompts.fields(records, uids, [i for i in range(len(records)) for _ in range(n)], width)
-        return self.data_plane.kv_batch_put(keys=sample_keys(uids, n), partition_id=partition_id, fields=fields,
-                                            tags=[{SEQ_LEN_TAG: length} for length in lengths])
-
-    def _prompts_to_render(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
-                           width: int | None = None, *, replicas: int = 1) -> KVBatchMeta:
-        """Stage 1 left to the `replicas` that generate the batch (`RENDER_PROMPTS`): the handle of the batch's samples,
-        their prompts not yet written; the call carries their records (and the width to pad them to)."""
-        uids = self._uids(records, partition_id, key_prefix)
-        tags: list[dict] = []  # one replica: no split to balance, and it pads to its own longest prompt
-        if replicas > 1:
-            # Several replicas write one partition: they pad to one width, and the split over them balances prompt
-            # tokens, as it does for prompts put here. Both need the lengths: rendered here too, once per prompt.
-            _, token_lists = self.prompts.encode(records)
-            width = max([len(ids) for ids in token_lists] + [width or 0])
-            tags = [{SEQ_LEN_TAG: len(ids)} for ids in token_lists for _ in range(n)]
-        return KVBatchMeta(keys=sample_keys(uids, n), partition_id=partition_id, tags=tags,
-                           extra_info={RENDER_PROMPTS: {"records": dict(zip(uids, records)), "width": width}})
-
-    @staticmethod
-    def _uids(records: list[dict], partition_id: str, key_prefix: str | None) -> list[str]:
-        return [f"{key_prefix or partition_id}/p{i}" for i in range(len(records))]
-
-    def _generate(self, meta: KVBatchMeta, *, seed: int, validate: bool = False, greedy: bool = False,
-                  pad: bool = False, generate: Callable[[KVBatchMeta], KVBatchMeta] | None = None,
-                  ) -> tuple[KVBatchMeta, dict[str, float]]:
-        """Stage 2: the rollout writes responses, response_mask, rollout_log_probs (and routed_experts).
-
-        `generate` runs it (default: the source's, with the trainer's current weights).
-        """
-        r = self.cfg.actor_rollout_ref.rollout
-        kw = r.val_kwargs if validate else r
-        greedy = greedy or (validate and (not r.val_kwargs.do_sample or r.val_kwargs.temperature == 0))
-        call = GenerateCall(
-            max_new_tokens=self.cfg.data.max_response_length,
-            temperature=1.0 if greedy else kw.temperature,
-            top_p=kw.top_p,
-            top_k=kw.top_k,
-            do_sample=False if greedy else kw.do_sample,
-            seed=seed,
-            capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,
-            pad_to_max_new_tokens=pad,
-        )
-        out = (generate or self.source.generate)(meta.with_extra_info(**call.to_extra_info()))
-        metrics = reduce_rank_metrics(out.extra_info, prefix="")
-        gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
-        gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
-        return out, gen
-
-    def _compute_reward(self, meta: KVBatchMeta, scored: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
-        """Stage 3: rule-based scores by data_source into rm_scores (and acc); returns the reward metrics too.
-
-        `scored`: the generation call already scored the batch (the reward worker in the rollout's processes);
-        `meta` is its handle, with the reward's metrics.
-        """
-        out = meta if scored else self.workers.reward.compute_reward(meta)
-        return out, {k: v for k, v in reduce_rank_metrics(out.extra_info).items() if k.startswith("reward/")}
 
     def _compute_old_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
@@ -374,7 +315,7 @@ class PPOTrainer:
         """The handles of each optimizer step: `epochs` passes, each split into mini-batches of whole samples."""
         n = self.cfg.actor_rollout_ref.rollout.n
         size = mini_batch_prompts * n
-        gen = torch.Generator().manual_seed(self._seed(salt))
+        gen = torch.Generator().manual_seed(self.stages.seed(salt))
         out = []
         for _ in range(epochs):
             order = torch.randperm(len(meta), generator=gen).tolist() if shuffle else list(range(len(meta)))
@@ -495,15 +436,6 @@ class PPOTrainer:
         from tqdm import tqdm
 
         return tqdm(total=t.total_training_steps, initial=self.global_step, desc="train", unit="step", file=sys.stderr)
-
-    def _seed(self, salt: str, step: int | None = None) -> int:
-        """A seed that depends only on (trainer.seed, step, purpose): resumed runs sample the same.
-
-        `step` defaults to the current one (an asynchronous source draws step b's batch earlier).
-        """
-        step = self.global_step if step is None else step
-        code = sum(ord(c) * 31**i for i, c in enumerate(salt)) % 1_000_003
-        return (self.cfg.trainer.seed * 1_000_003 + step * 7_919 + code) % (2**62)
 
     # ================================================================ checkpoints
     @property

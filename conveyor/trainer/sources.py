@@ -1,7 +1,8 @@
 """Where a step's samples come from: sample sources over the data plane.
 
 `PPOTrainer.step` takes its batch from one source (`build_source`); everything
-after stage 3 is the same whatever the source is. A source hands out handles
+after stage 3 is the same whatever the source is. A source runs stages 1-3
+through the run's `Stages` (`trainer/stages.py`) and hands out handles
 (`KVBatchMeta`) to samples already in the data plane, scored; it never passes
 sample tensors to the trainer.
 
@@ -42,6 +43,7 @@ import torch
 from conveyor.data_plane.served import THREAD_PREFIX as DATA_PLANE_THREADS
 from conveyor.metrics.reduce import mean_over_calls
 from conveyor.protocol import KVBatchMeta
+from conveyor.trainer.stages import Generate, Stages
 from conveyor.trainer.timing import CPU, timer
 from conveyor.workers.balance import SEQ_LEN_TAG
 from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
@@ -49,15 +51,11 @@ from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-    from conveyor.trainer.ppo import PPOTrainer
-
 __all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
            "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
 ROLLOUT_THREAD = "conveyor-rollout"
-
-Generate = Callable[[KVBatchMeta], KVBatchMeta]
 
 # What the asynchronous source reads of a generated batch: the versions that generated it, and which tokens count.
 _VERSION_FIELDS = ("policy_version", "token_policy_version", "response_mask")
@@ -90,17 +88,17 @@ class Pipeline:
 class Rollout(Pipeline):
     """Stage 2 (the rollout) and stage 3 (the rewards)."""
 
-    def __init__(self, trainer: PPOTrainer):
-        self.trainer = trainer
+    def __init__(self, stages: Stages):
+        self.stages = stages
 
     def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
                  scored: bool = False) -> Batch:
         """Responses by `generate`, then rule-based scores."""
         timings: dict[str, float] = {}
         with timer("gen", timings):
-            meta, gen = self.trainer._generate(meta, seed=seed, pad=pad, generate=generate)
+            meta, gen = self.stages.generate(meta, seed=seed, pad=pad, generate=generate)
         with timer("reward", timings):
-            meta, reward = self.trainer._compute_reward(meta, scored=scored)
+            meta, reward = self.stages.compute_reward(meta, scored=scored)
         return Batch(meta, {**gen, **reward}, timings)
 
 
@@ -108,20 +106,20 @@ class GreedyBaseline(Pipeline):
     """ReMax: after `inner`, greedy-decode each prompt once with the same engine and weights, score it, and store the
     score as every sample's `reward_baselines`."""
 
-    def __init__(self, inner: Pipeline, trainer: PPOTrainer):
-        self.inner, self.trainer = inner, trainer
+    def __init__(self, inner: Pipeline, stages: Stages):
+        self.inner, self.stages = inner, stages
 
     def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
                  scored: bool = False) -> Batch:
         """`inner`'s batch with `reward_baselines` written."""
         batch = self.inner(meta, records, seed, pad=pad, generate=generate, scored=scored)
-        t, dp = self.trainer, self.trainer.data_plane
+        stages, dp = self.stages, self.stages.data_plane
         with timer("gen_baseline", batch.timings):
             part = f"{batch.meta.partition_id}-greedy"  # its own: its responses have their own width
             try:
-                base = t._put_prompts(records, part, n=1)
-                base, _ = t._generate(base, seed=seed, greedy=True, generate=generate)
-                base, _ = t._compute_reward(base, scored=scored)
+                base = stages.put_prompts(records, part, n=1)
+                base, _ = stages.generate(base, seed=seed, greedy=True, generate=generate)
+                base, _ = stages.compute_reward(base, scored=scored)
                 scores = dp.get(base, ["rm_scores"])["rm_scores"].sum(-1)
             finally:
                 dp.kv_clear(part)
@@ -167,35 +165,36 @@ class SampleSource:
 class SyncSource(SampleSource):
     """Every step: draw prompts, then the rollout and rewards with the weights of the step before."""
 
-    def __init__(self, trainer: PPOTrainer, pipeline: Pipeline, *, pad: bool = False):
-        self.trainer, self.pipeline, self.pad = trainer, pipeline, pad
+    def __init__(self, stages: Stages, pipeline: Pipeline, *, pad: bool = False):
+        self.stages, self.pipeline, self.pad = stages, pipeline, pad
 
     def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
         """One batch into the step's partition: the first with the step's keys and seed, later ones under a prefix."""
-        t = self.trainer
+        stages = self.stages
         part = step_meta.partition_id
         prefix, salt = (part, "gen") if draw == 0 else (f"{part}/b{draw}", f"gen{draw}")
-        records = t.train_data.next_batch(t.cfg.data.train_batch_size)
+        records = stages.train_data.next_batch(stages.cfg.data.train_batch_size)
         timings: dict[str, float] = {}
         with timer("prompts", timings):
             # Batches that share a partition share its column widths: pad to the maximum.
-            meta = t._put_prompts(records, part, n=t.cfg.actor_rollout_ref.rollout.n, key_prefix=prefix,
-                                  width=t._train_prompt_width() if self.pad else None)
-        batch = self.pipeline(meta, records, t._seed(salt), pad=self.pad, generate=t.workers.generate_sequences)
+            meta = stages.put_prompts(records, part, n=stages.cfg.actor_rollout_ref.rollout.n, key_prefix=prefix,
+                                      width=stages.train_prompt_width() if self.pad else None)
+        batch = self.pipeline(meta, records, stages.seed(salt), pad=self.pad,
+                              generate=stages.workers.generate_sequences)
         batch.timings = {**timings, **batch.timings}
         return batch
 
     def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Where the step's rollout runs (the rollout group syncs first when the actor has moved on)."""
-        return self.trainer.workers.generate_sequences(meta)
+        return self.stages.workers.generate_sequences(meta)
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt order now."""
-        return {"dataset": self.trainer.train_data.state_dict()}
+        return {"dataset": self.stages.train_data.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the prompt order of a checkpoint."""
-        self.trainer.train_data.load_state_dict(state["dataset"])
+        self.stages.train_data.load_state_dict(state["dataset"])
 
 
 class DynamicSampling(SampleSource):
@@ -203,14 +202,14 @@ class DynamicSampling(SampleSource):
     differ are in hand (groups that all score the same carry no gradient under a group baseline); the surplus of the
     last batch is dropped too."""
 
-    def __init__(self, inner: SampleSource, trainer: PPOTrainer):
-        self.inner, self.trainer = inner, trainer
+    def __init__(self, inner: SampleSource, stages: Stages):
+        self.inner, self.stages = inner, stages
 
     def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
         """As many of `inner`'s batches as it takes, their varied groups as one handle."""
-        t = self.trainer
-        fg = t.cfg.algorithm.filter_groups
-        want, n = t.cfg.data.train_batch_size, t.cfg.actor_rollout_ref.rollout.n
+        stages = self.stages
+        fg = stages.cfg.algorithm.filter_groups
+        want, n = stages.cfg.data.train_batch_size, stages.cfg.actor_rollout_ref.rollout.n
         kept: list[KVBatchMeta] = []
         n_kept = n_seen = 0
         calls: list[dict[str, float]] = []
@@ -231,16 +230,16 @@ class DynamicSampling(SampleSource):
                 break
             if fg.max_num_gen_batches and draws >= fg.max_num_gen_batches:
                 raise ValueError(
-                    f"step {t.global_step}: after {draws} generation batches only {n_kept} of the "
+                    f"step {stages.global_step}: after {draws} generation batches only {n_kept} of the "
                     f"{want} prompt groups needed had rewards that differ (algorithm.filter_groups."
                     f"max_num_gen_batches={fg.max_num_gen_batches}); the data may be too hard or too easy for the "
                     "model. Raise max_num_gen_batches (0 = no limit), or set algorithm.filter_groups.enable=false"
                 )
-            if not fg.max_num_gen_batches and n_seen >= len(t.train_data) + want:
+            if not fg.max_num_gen_batches and n_seen >= len(stages.train_data) + want:
                 # "No limit" must not mean "forever": a model that solves (or fails) every prompt
                 # would otherwise generate without end in this step.
                 raise ValueError(
-                    f"step {t.global_step}: a whole epoch of prompts ({n_seen} groups) yielded only {n_kept} of "
+                    f"step {stages.global_step}: a whole epoch of prompts ({n_seen} groups) yielded only {n_kept} of "
                     f"the {want} groups needed with rewards that differ; the model solves or fails nearly every "
                     "prompt. Use harder or easier data, or set algorithm.filter_groups.enable=false"
                 )
@@ -252,7 +251,7 @@ class DynamicSampling(SampleSource):
     def _varied_groups(self, meta: KVBatchMeta, metric: str) -> KVBatchMeta:
         """The samples of `meta` whose group's `metric` is not the same for all of its samples, in order."""
         field = "acc" if metric == "acc" else "rm_scores"
-        td = self.trainer.data_plane.get(meta, [field, "uid"])
+        td = self.stages.data_plane.get(meta, [field, "uid"])
         # float64 sums and an exact comparison: a group of equal fractional scores
         # must count as constant, which a float32 std > 0 test gets wrong.
         values = td[field].double()
@@ -316,10 +315,10 @@ class AsyncSource(SampleSource):
     most k + 1 batches are outstanding; weights go out every `parameter_sync_step` updates.
     """
 
-    def __init__(self, trainer: PPOTrainer, pipeline: Pipeline, *, pad: bool = False):
-        v1 = trainer.cfg.trainer.v1
-        self.trainer, self.pipeline, self.pad = trainer, pipeline, pad
-        self.rollout = trainer.workers.rollout
+    def __init__(self, stages: Stages, pipeline: Pipeline, *, pad: bool = False):
+        v1 = stages.cfg.trainer.v1
+        self.stages, self.pipeline, self.pad = stages, pipeline, pad
+        self.rollout = stages.workers.rollout
         assert self.rollout is not None, "the plan places the rollout in its own group under asynchronous training"
         self.k = v1.sampler.max_off_policy_threshold
         self.strategy = v1.sampler.max_off_policy_strategy
@@ -329,8 +328,8 @@ class AsyncSource(SampleSource):
         self.shared = "rollout-samples" if pad else None
         # Stage 1 of a batch: replicas in processes of their own render its prompts themselves (it rides on the
         # generation call), so the trainer's process neither tokenizes nor writes them; else the trainer puts them.
-        self._prompts = (functools.partial(trainer._prompts_to_render, replicas=self.rollout.world_size)
-                         if self.rollout.renders_prompts else trainer._put_prompts)
+        self._prompts = (functools.partial(stages.prompts_to_render, replicas=self.rollout.world_size)
+                         if self.rollout.renders_prompts else stages.put_prompts)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._threads: int | None = None
         self._switch = 0.005
@@ -379,11 +378,10 @@ class AsyncSource(SampleSource):
     # ------------------------------------------------------------------ batches
     def next(self, step_meta: KVBatchMeta, draw: int = 0) -> Batch:
         """The next batch the rollout generated within the staleness bound, with its rewards."""
-        t = self.trainer
         timings: dict[str, float] = {}
-        version = t.global_step - 1  # updates so far: the version this step trains
+        version = self.stages.global_step - 1  # updates so far: the version this step trains
         if self._next_batch == 0:  # first step of this run (or of a resumed one): batch b is step b's draw
-            self._next_batch = t.global_step
+            self._next_batch = self.stages.global_step
         if draw == 0:
             with timer("async/dispatch", timings):
                 self._dispatch(version, in_training=0)
@@ -417,7 +415,7 @@ class AsyncSource(SampleSource):
 
     def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Validation: the trainer's current weights go to the rollout, which generates after the batches before it."""
-        label = self.trainer.global_step  # updates so far
+        label = self.stages.global_step  # updates so far
         # Sent already when the step's update ended (`updated`): the rollout thread loads them before this call.
         load = self.rollout.stage_weights(label) if self._sent_version != label else None
         self._sent_version = label
@@ -433,8 +431,8 @@ class AsyncSource(SampleSource):
         """The weights the update just made leave for the rollout now, when a sync is due and a later step trains
         what they generate: the rollout gets them while the step computes its metrics and logs, not after."""
         timings: dict[str, float] = {}
-        version = self.trainer.global_step  # updates so far, this step's included
-        if version < self.trainer.cfg.trainer.total_training_steps:
+        version = self.stages.global_step  # updates so far, this step's included
+        if version < self.stages.cfg.trainer.total_training_steps:
             with timer("async/stage_weights", timings):
                 self._stage_if_due(version)
         return timings
@@ -450,11 +448,11 @@ class AsyncSource(SampleSource):
         with the resumed weights, so every prompt of the order is trained once."""
         if self._pending:
             return {"dataset": dict(self._pending[0].data_state)}
-        return {"dataset": self.trainer.train_data.state_dict()}
+        return {"dataset": self.stages.train_data.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the prompt order of a checkpoint."""
-        self.trainer.train_data.load_state_dict(state["dataset"])
+        self.stages.train_data.load_state_dict(state["dataset"])
 
     # ------------------------------------------------------------------ the scheduler
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -469,7 +467,7 @@ class AsyncSource(SampleSource):
         `version + 1`), else 0.
         """
         self._stage_if_due(version)
-        total = self.trainer.cfg.trainer.total_training_steps
+        total = self.stages.cfg.trainer.total_training_steps
         while len(self._pending) + in_training < self.k + 1:
             # Trained, if nothing is dropped, at version + (batches ahead of it), or sooner.
             trained_at = version + in_training + len(self._pending)
@@ -491,18 +489,18 @@ class AsyncSource(SampleSource):
     def _hand_out(self) -> None:
         """Draw the next prompts (into the data plane, or onto the call of replicas that render them) and queue their
         batch on the rollout thread."""
-        t = self.trainer
+        stages = self.stages
         batch_id = self._next_batch
         self._next_batch += 1
-        data_state = t.train_data.state_dict()
-        records = t.train_data.next_batch(t.cfg.data.train_batch_size)
-        n = t.cfg.actor_rollout_ref.rollout.n
+        data_state = stages.train_data.state_dict()
+        records = stages.train_data.next_batch(stages.cfg.data.train_batch_size)
+        n = stages.cfg.actor_rollout_ref.rollout.n
         if self.shared:
             meta = self._prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
-                                 width=t._train_prompt_width())
+                                 width=stages.train_prompt_width())
         else:
             meta = self._prompts(records, f"batch-{batch_id}", n=n)
-        seed = t._seed("gen", step=batch_id)  # batch b samples with step b's seed, as the synchronous source
+        seed = stages.seed("gen", step=batch_id)  # batch b samples with step b's seed, as the synchronous source
         future = self._submit(lambda: self._generate_batch(meta, records, seed))
         self._pending.append(_Pending(batch_id, meta, self._sent_version, data_state, future))
 
@@ -527,7 +525,7 @@ class AsyncSource(SampleSource):
             batch, seconds, cpu = head.future.result()  # a failure on the rollout thread is raised here
             self._busy_s += seconds
             # The versions it was generated with, read once: the staleness check here, the log when it is trained.
-            head.versions = self.trainer.data_plane.get(batch.meta, list(_VERSION_FIELDS))
+            head.versions = self.stages.data_plane.get(batch.meta, list(_VERSION_FIELDS))
             # A partial rollout may have started the batch with weights sent after it was handed out: never older.
             generated = int(head.versions["policy_version"].min())
             assert generated >= head.version, (generated, head.version)
@@ -543,9 +541,9 @@ class AsyncSource(SampleSource):
 
     def _clear(self, meta: KVBatchMeta) -> None:
         if self.shared:
-            self.trainer.data_plane.kv_clear(meta.partition_id, meta.keys)
+            self.stages.data_plane.kv_clear(meta.partition_id, meta.keys)
         else:
-            self.trainer.data_plane.kv_clear(meta.partition_id)
+            self.stages.data_plane.kv_clear(meta.partition_id)
 
     # ------------------------------------------------------------------ what it reports
     def _sync_metrics(self) -> dict[str, float]:
@@ -583,7 +581,6 @@ class AsyncSource(SampleSource):
     def _log_versions(self, version: int, pending: _Pending) -> dict[str, float]:
         """One line per draw in async_versions.jsonl (the version trained, every sample's and token's generating
         versions); returns the token-level staleness metrics."""
-        t = self.trainer
         td = pending.versions
         assert td is not None, "a batch is logged once it is taken"
         mask = td["response_mask"].bool()
@@ -592,11 +589,11 @@ class AsyncSource(SampleSource):
         # rollout continued it): versions only grow along a response, so the two bound every token's.
         oldest = tokens.masked_fill(~mask, version + 1).min(dim=-1).values
         newest = tokens.masked_fill(~mask, -1).max(dim=-1).values
-        record = {"step": t.global_step, "trained_at": version, "batch": pending.batch_id,
+        record = {"step": self.stages.global_step, "trained_at": version, "batch": pending.batch_id,
                   "sample_versions": td["policy_version"].tolist(),
                   "token_version_range": torch.stack([oldest, newest], dim=-1).tolist(),
                   "dropped_batches": self._dropped}
-        with open(t.run_dir / "async_versions.jsonl", "a") as f:
+        with open(self.stages.run_dir / "async_versions.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         stale = (version - tokens)[mask].float()
         return {"off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
@@ -627,19 +624,20 @@ def helper_threads_cpu() -> dict[str, float]:
     return out
 
 
-def build_source(trainer: PPOTrainer) -> SampleSource:
-    """The run's source: synchronous or asynchronous, its pipeline with ReMax's baseline, dynamic sampling around it."""
-    cfg = trainer.cfg
-    pipeline: Pipeline = Rollout(trainer)
-    if trainer.estimator.greedy_baseline:
-        pipeline = GreedyBaseline(pipeline, trainer)
+def build_source(stages: Stages, *, greedy_baseline: bool = False) -> SampleSource:
+    """The run's source: synchronous or asynchronous, its pipeline with ReMax's baseline (`greedy_baseline`), dynamic
+    sampling around it."""
+    cfg = stages.cfg
+    pipeline: Pipeline = Rollout(stages)
+    if greedy_baseline:
+        pipeline = GreedyBaseline(pipeline, stages)
     pad = cfg.algorithm.filter_groups.enable
     source: SampleSource
     if cfg.trainer.v1.is_async:
-        source = AsyncSource(trainer, pipeline, pad=pad)
+        source = AsyncSource(stages, pipeline, pad=pad)
     else:
-        source = SyncSource(trainer, pipeline, pad=pad)
+        source = SyncSource(stages, pipeline, pad=pad)
     if cfg.algorithm.filter_groups.enable:
-        source = DynamicSampling(source, trainer)
+        source = DynamicSampling(source, stages)
     return source
 

@@ -1,7 +1,7 @@
 """Validation: greedy (or `val_kwargs`) decoding of the held-out prompts, scored, and the accuracy over the run.
 
-`Validation.run(trainer)` writes the held-out prompts into a partition of
-their own, generates and scores them with the trainer's own stages (so a
+`Validation.run(stages, generate)` writes the held-out prompts into a partition
+of their own, generates and scores them with the training stages (so a
 validation sample is made exactly as a training one, with `val_kwargs`), and
 returns `val/accuracy` (score >= 1), `val/reward`, `val/response_length` and,
 with several data sources, `val/accuracy/<source>`. It keeps each run's
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from conveyor.trainer.ppo import PPOTrainer
+    from conveyor.trainer.stages import Generate, Stages
 
 __all__ = ["Validation"]
 
@@ -34,17 +34,18 @@ class Validation:
     def __bool__(self) -> bool:
         return bool(self.records)
 
-    def run(self, trainer: PPOTrainer) -> dict[str, float]:
-        """Greedy decoding on the held-out prompts: val/accuracy (score >= 1) and val/reward."""
-        step = trainer.global_step
+    def run(self, stages: Stages, generate: Generate) -> dict[str, float]:
+        """Greedy decoding on the held-out prompts by `generate` (a source's, with the current weights): val/accuracy
+        (score >= 1) and val/reward."""
+        step = stages.global_step
         part = f"val-{step}"
         try:
-            meta = trainer._put_prompts(self.records, part, n=trainer.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-            meta, _ = trainer._generate(meta, seed=trainer._seed("val"), validate=True)
-            meta, _ = trainer._compute_reward(meta)
-            td = trainer.data_plane.get(meta, ["acc", "data_source", "response_mask"])
+            meta = stages.put_prompts(self.records, part, n=stages.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+            meta, _ = stages.generate(meta, seed=stages.seed("val"), validate=True, generate=generate)
+            meta, _ = stages.compute_reward(meta)
+            td = stages.data_plane.get(meta, ["acc", "data_source", "response_mask"])
         finally:
-            trainer.data_plane.kv_clear(part)
+            stages.data_plane.kv_clear(part)
         scores = td["acc"].float()
         correct = (scores >= 1.0).float()
         out = {"val/accuracy": float(correct.mean()), "val/reward": float(scores.mean()),

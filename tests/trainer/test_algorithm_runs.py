@@ -48,7 +48,7 @@ def test_dynamic_sampling_trains_a_full_batch_of_varied_groups(tiny_run, half_co
     assert metrics["train/num_gen_batches"] >= 2
     assert 0 < metrics["train/filter_groups/kept_frac"] < 1
     # Batches of one partition share widths: prompts padded to the longest training prompt.
-    assert td["prompts"].shape[1] == trainer._train_prompt_width()
+    assert td["prompts"].shape[1] == trainer.stages.train_prompt_width()
     assert td["responses"].shape[1] == trainer.cfg.data.max_response_length
 
 
@@ -94,11 +94,11 @@ def test_remax_baseline_is_the_greedy_response_reward(tiny_run):
         by_uid.setdefault(uid, set()).add(b)
     assert all(len(v) == 1 for v in by_uid.values())
     # ... the score of a greedy decode of that prompt, made again here.
-    records = trainer.train_data  # the batch above consumed the first 4 prompts of the order
+    records = trainer.stages.train_data  # the batch above consumed the first 4 prompts of the order
     records.load_state_dict({**records.state_dict(), "position": 0})
-    again = trainer._put_prompts(records.next_batch(4), "check", n=1)
-    again, _ = trainer._generate(again, seed=0, greedy=True)
-    again, _ = trainer._compute_reward(again)
+    again = trainer.stages.put_prompts(records.next_batch(4), "check", n=1)
+    again, _ = trainer.stages.generate(again, seed=0, greedy=True, generate=trainer.source.generate)
+    again, _ = trainer.stages.compute_reward(again)
     expected = dp.get(again, ["rm_scores"])["rm_scores"].sum(-1)
     torch.testing.assert_close(base["reward_baselines"][::2], expected)
 

@@ -137,7 +137,7 @@ def test_weights_leave_when_the_update_ends(tmp_path, tiny_run, monkeypatch):
         before = self._sent_version
         original_stage(self, version)
         if self._sent_version != before:
-            staged.append(("updated" if where["updated"] else "step start", self.trainer.global_step, version))
+            staged.append(("updated" if where["updated"] else "step start", self.stages.global_step, version))
 
     monkeypatch.setattr(AsyncSource, "updated", updated)
     monkeypatch.setattr(AsyncSource, "_stage_if_due", stage)

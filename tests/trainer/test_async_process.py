@@ -189,17 +189,17 @@ def test_replicas_render_the_prompts_the_trainer_would_have_put(tmp_path, tiny_r
     # Two replicas share each batch: the trainer renders the lengths too (their common width, a balanced split), and
     # each replica renders and writes its share's prompts with its fields. The same run with the prompts put by the
     # trainer trains the same, bit for bit.
-    from conveyor.trainer.ppo import PPOTrainer
+    from conveyor.trainer.stages import Stages
     from conveyor.workers.roles import RolloutGroup
 
     handed: list[str] = []  # the batches whose prompts were left to the replicas
-    to_render = PPOTrainer._prompts_to_render
+    to_render = Stages.prompts_to_render
 
     def counting(self, records, partition_id, *args, **kwargs):
         handed.append(partition_id)
         return to_render(self, records, partition_id, *args, **kwargs)
 
-    monkeypatch.setattr(PPOTrainer, "_prompts_to_render", counting)
+    monkeypatch.setattr(Stages, "prompts_to_render", counting)
     extra = [ASYNC, OWN, "actor_rollout_ref.rollout.replicas=2", "trainer.total_training_steps=2"]
     rendered, rendered_dir = _run(tmp_path, tiny_run_base, "rendered", extra)
     assert handed == ["batch-1", "batch-2"]

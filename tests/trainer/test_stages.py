@@ -284,16 +284,16 @@ def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
     monkeypatch.setattr(prompts_module, "render_prompt", counting)
     records = [{"prompt": [{"role": "user", "content": c}], "data_source": "arith",
                 "reward_model": {"ground_truth": "1"}} for c in ("1+1=", "2+2=", "1+1=")]
-    first = trainer._put_prompts(records, "a", n=2)
-    again = trainer._put_prompts([dict(r) for r in records], "b", n=1)
+    first = trainer.stages.put_prompts(records, "a", n=2)
+    again = trainer.stages.put_prompts([dict(r) for r in records], "b", n=1)
     assert rendered == ["1+1=", "2+2="]  # a message list seen before is not rendered again
     raw = dp.kv_batch_get(keys=first.keys, partition_id="a", select_fields=["raw_prompt"])["raw_prompt"]
     assert list(raw) == [render_prompt(r, trainer.tokenizer) for r in records for _ in range(2)]
     raw = dp.kv_batch_get(keys=again.keys, partition_id="b", select_fields=["raw_prompt"])["raw_prompt"]
     assert list(raw) == [render_prompt(r, trainer.tokenizer) for r in records]
     # A different message list under the same content is a different prompt.
-    trainer._put_prompts([{**records[0], "prompt": [{"role": "system", "content": "x"}, *records[0]["prompt"]]}],
-                         "c", n=1)
+    trainer.stages.put_prompts([{**records[0], "prompt": [{"role": "system", "content": "x"}, *records[0]["prompt"]]}],
+                               "c", n=1)
     assert rendered == ["1+1=", "2+2=", "1+1="]
 
 
