@@ -1,4 +1,4 @@
-"""LoRA adapters on a loaded causal LM, with PEFT: which layers get them, the base model for free, merged weights.
+"""LoRA adapters on a loaded causal LM, with PEFT: which layers get them, the base model for free.
 
 `apply_lora(model, rank=..., alpha=..., target_modules=...)` injects PEFT's
 LoRA layers into `model` in place (the Hugging Face model object stays the
@@ -15,22 +15,22 @@ modules, so `all-linear` leaves them out; naming `experts` in a list of
 target modules adds a LoRA per expert on each fused tensor (PEFT's
 `target_parameters`, its `ParamWrapper`).
 
-`merged_weights(model)` streams the weights with the adapters merged in,
-under the base model's own parameter names, one tensor at a time: what the
-vLLM engine is fed.
+The weights with the adapters merged in, streamed to an engine, are
+`conveyor.weights.merged_weights` (weight shipping's, like the plain stream).
 
 What it deliberately does not do: load, shard or save models (the workers
-and `conveyor.trainer.export` do), or decide whether LoRA is on (the config).
+and `conveyor.trainer.export` do), stream weights to an engine
+(`conveyor.weights`), or decide whether LoRA is on (the config).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ADAPTER", "apply_lora", "lora_config", "has_lora", "merged_weights", "base_key", "is_adapter_key",
+__all__ = ["ADAPTER", "apply_lora", "lora_config", "has_lora", "base_key", "is_adapter_key",
            "expert_parameter_names"]
 
 ADAPTER = "default"  # PEFT's name of the one adapter a run trains
@@ -123,34 +123,3 @@ def is_adapter_key(key: str) -> bool:
 def base_key(key: str) -> str:
     """The base model's name of a wrapped model's state-dict key (PEFT inserts `base_layer` levels)."""
     return key.replace(".base_layer", "")
-
-
-def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(base model's name, whole tensor) of each weight with its adapter merged in (W + scale * B @ A), one at a time.
-
-    No adapter tensors. Under fsdp2 each tensor is gathered in turn from the shards (a collective: every rank walks
-    the stream to the end, in step) and merged with its adapter at the master weights' precision, so a rank holds
-    one whole tensor at a time, never the whole model.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    adapted = {base_key(f"{name}.{getattr(module, 'parameter_name', 'weight')}"): module
-               for name, module in model.named_modules()
-               if isinstance(module, LoraLayer) and ADAPTER in module.lora_A and not module.disable_adapters}
-    # The state dict references the (sharded) parameters: nothing is gathered before its turn.
-    for key, value in model.state_dict().items():
-        if is_adapter_key(key) or "lora_" in key:
-            continue
-        name = base_key(key)
-        with torch.no_grad():
-            tensor = _whole(value)
-            module = adapted.get(name)
-            if module is not None:
-                tensor = tensor + _whole(module.get_delta_weight(ADAPTER)).to(tensor.dtype)
-        yield name, tensor
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """`t` gathered whole when it is a DTensor (a collective), else `t` itself, detached."""
-    full = getattr(t, "full_tensor", None)
-    return (full() if callable(full) else t).detach()

@@ -16,7 +16,7 @@ rebuilds the bucket's tensors as views of that buffer and its engine loads
 them, one lazy stream for the whole sync, before the next bucket arrives. No side ever holds more than one
 bucket beyond the engine's own weights.
 
-What it deliberately does not do: decide when to sync (the rollout group
+What it deliberately does not do: decide when to sync (the weight shipper
 does, by version) or name tensors for an engine (the engine's loader does).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -33,7 +34,7 @@ import torch.distributed as tdist
 from conveyor.weights.buckets import Staging, SyncStats
 from conveyor.weights.collective import iter_received, send_buckets
 
-__all__ = ["WeightChannel", "free_address", "THREAD_PREFIX"]
+__all__ = ["WeightChannel", "free_address", "send_over", "THREAD_PREFIX"]
 
 # The names of the threads that send weights over a channel start with it (the asynchronous source's CPU
 # metrics group them by it).
@@ -103,3 +104,19 @@ class WeightChannel:
         shutdown = getattr(self.group, "shutdown", None)
         if callable(shutdown):
             shutdown()
+
+
+def send_over(channel: WeightChannel | None, named: Iterable[tuple[str, torch.Tensor]],
+              bucket_bytes: int) -> dict[str, float]:
+    """One actor rank's part of a sync over the channel: rank 0 (`channel` given) sends; the others walk the same
+    stream, whose gathers are collectives; the sync's sending metrics."""
+    t0 = time.perf_counter()
+    sent = count = 0
+    if channel is not None:
+        stats = channel.send(named, bucket_bytes)
+        sent, count = stats.bytes, stats.buckets
+    else:
+        for _ in named:  # the gathers are collectives: every rank walks the same tensors
+            pass
+    return {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": sent / 1e9,
+            "rollout/weight_send_buckets": float(count)}

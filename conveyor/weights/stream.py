@@ -1,10 +1,11 @@
 """What the trainer sends: its weights one whole tensor at a time, at the engine's dtype.
 
 `iter_weights` walks a model's state dict, gathering one FSDP2 DTensor at a time (a collective, so every rank
-walks the same stream in step); `cast_weights` casts each tensor to the dtype the engine holds before it
+walks the same stream in step); `merged_weights` does the same for a LoRA model with each adapter merged
+into its base weight, under the base model's names (the engine serves the base architecture); `cast_weights` casts each tensor to the dtype the engine holds before it
 leaves, so a bf16 engine fed by fp32 masters takes half the bytes on the wire and in its staging.
 
-What it deliberately does not do: group tensors into buckets (`conveyor.weights.buckets`), rename them for an
+What it deliberately does not do: apply or train adapters (`conveyor.models.lora`), group tensors into buckets (`conveyor.weights.buckets`), rename them for an
 engine (`conveyor.weights.naming`) or move them anywhere (the transports).
 """
 
@@ -16,7 +17,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["iter_weights", "cast_weights"]
+from conveyor.models.lora import ADAPTER, base_key, is_adapter_key
+
+__all__ = ["iter_weights", "merged_weights", "cast_weights"]
 
 # Wrappers that insert a name component into the state dict (activation checkpointing, torch.compile); the
 # engine knows the unwrapped names.
@@ -43,6 +46,31 @@ def iter_weights(model: torch.nn.Module, *, device: torch.device | str | None = 
         if device is not None:
             tensor = tensor.to(device)
         yield _WRAPPER_PARTS.sub(r"\1", name), tensor
+
+
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model's name, whole tensor) of each weight with its adapter merged in (W + scale * B @ A), one at a time.
+
+    No adapter tensors. Under fsdp2 each tensor is gathered in turn from the shards (a collective: every rank walks
+    the stream to the end, in step) and merged with its adapter at the master weights' precision, so a rank holds
+    one whole tensor at a time, never the whole model.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {base_key(f"{name}.{getattr(module, 'parameter_name', 'weight')}"): module
+               for name, module in model.named_modules()
+               if isinstance(module, LoraLayer) and ADAPTER in module.lora_A and not module.disable_adapters}
+    # The state dict references the (sharded) parameters: nothing is gathered before its turn.
+    for key, value in model.state_dict().items():
+        if is_adapter_key(key) or "lora_" in key:
+            continue
+        name = base_key(key)
+        with torch.no_grad():
+            tensor = _full(value).detach()
+            module = adapted.get(name)
+            if module is not None:
+                tensor = tensor + _full(module.get_delta_weight(ADAPTER)).detach().to(tensor.dtype)
+        yield name, tensor
 
 
 def cast_weights(named: Iterable[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,7 +46,7 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, RolloutEngine, engine_spec
-from conveyor.weights import cast_weights, iter_weights
+from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.batching import plan_micro_batches, take
 from conveyor.workers.calls import LogProbCall, UpdateCall
 from conveyor.workers.generation import Generation
@@ -204,8 +203,6 @@ class PolicyWorker(CheckpointEndpoints):
         architecture).
         """
         if self.peft is not None:
-            from conveyor.models.lora import merged_weights
-
             yield from merged_weights(self.model)
             return
         yield from iter_weights(self.model)
@@ -216,15 +213,11 @@ class PolicyWorker(CheckpointEndpoints):
 
     def channel_address(self) -> tuple[str, int] | None:
         """Rank 0: (host, free port) for the weight channel's rendezvous; None elsewhere."""
-        from conveyor.weights import free_address
-
         return free_address() if self.rank == 0 else None
 
     def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
         """Rank 0 joins the weight channel to separate engines as its sender (the other ranks have no part in it)."""
         if self.rank == 0:
-            from conveyor.weights import WeightChannel
-
             self.channel = WeightChannel(address, 0, size, device=self.device)
 
     def send_weights(self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None,
@@ -235,17 +228,8 @@ class PolicyWorker(CheckpointEndpoints):
         process: the asynchronous source copies them while the actor trains on). `dtype`: the engine's, each
         tensor cast to it before it is bucketed (a bf16 engine takes half the bytes of fp32 masters on the wire).
         """
-        t0 = time.perf_counter()
         stream = cast_weights(iter(staged) if staged is not None else self.weight_stream(), dtype)
-        sent = count = 0
-        if self.rank == 0:
-            stats = self.channel.send(stream, bucket_bytes)
-            sent, count = stats.bytes, stats.buckets
-        else:
-            for _ in stream:  # the gathers are collectives: every rank walks the same tensors
-                pass
-        return {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": sent / 1e9,
-                "rollout/weight_send_buckets": float(count)}
+        return send_over(self.channel if self.rank == 0 else None, stream, bucket_bytes)
 
     @property
     def optim_steps(self) -> int:

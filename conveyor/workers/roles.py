@@ -20,10 +20,8 @@ What it deliberately does not do: decide where ranks run (`group.py`,
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -32,14 +30,13 @@ import torch
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
+from conveyor.weights import Endpoints, WeightShipper
 from conveyor.workers.actor import PolicyWorker
 from conveyor.workers.critic import CriticWorker
 from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.reference import ReferenceWorker
 from conveyor.workers.reward import RewardWorker
-from conveyor.workers.rollout import LOAD_SHARED, LOAD_STAGED, RolloutWorker, WeightInbox
-from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
-from conveyor.weights import SharedSlots, Table, cast_weights, layout, pack
+from conveyor.workers.rollout import RolloutWorker
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -56,7 +53,6 @@ __all__ = [
     "CriticGroup",
     "RewardGroup",
     "RolloutGroup",
-    "WeightInbox",
 ]
 
 
@@ -145,41 +141,33 @@ class ActorGroup(_Role):
 class RolloutGroup(_Role):
     """The rollout worker group's engines: they generate, and take the actor's weights first.
 
-    Synchronous runs: before a rollout the group asks the actor for its weights' version; when its
-    replicas serve an older one, the actor streams its weights to them: in this process straight into
-    the engine, on Ray over the weight channel from the actor's rank 0 (`conveyor.weights.channel`),
-    which is built on the first sync.
-
-    Asynchronous runs generate on another thread while the actor trains (`conveyor.trainer.sources`), and
-    label each sync with the policy version the scheduler counts: `stage_weights` takes the weights as they
-    are now and returns what loads them on the rollout's thread. In this process that is a copy, left in an
-    inbox that a partial rollout may also take between two tokens. Replicas on Ray (a Ray actor's, or this
-    process's actor under rollout_process=own, which sends a copy from a thread of its own) receive the sync
-    at once, beside the generation in progress (a replica runs two calls at a time), into a staged copy; the
-    rollout's thread waits for the exchange and the replicas load that copy at the start of their next call, in order
-    with the batches. When the reward worker lives in the replicas' processes (`colocated_reward`), the asynchronous
-    source has a replica generate and score a batch in that one call.
+    Synchronous runs: before a rollout the group asks the actor for its weights' version; when its replicas serve an
+    older one, the actor streams its weights to them. Asynchronous runs generate on another thread while the actor
+    trains (`conveyor.trainer.sources`): `stage_weights` takes the weights as they are now and returns what loads
+    them on the rollout's thread, in order with the batches. How the weights travel (in process, the weight channel,
+    shared memory, Ray's object store) is the group's `WeightShipper`'s (`conveyor.weights`). When the reward worker
+    lives in the replicas' processes (`colocated_reward`), a replica can generate and score a batch in one call.
     """
 
     def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int, dtype: torch.dtype | None = None):
         super().__init__(ranks)
         self.actor = actor
-        self.bucket_bytes = bucket_bytes
-        # The dtype the replicas' engines hold, where known (a replica in this process says its own): weights are cast
-        # to it before they leave, so bf16 engines fed by fp32 masters get half the bytes (None: sent as held).
-        local = getattr(getattr(ranks, "worker", None), "engine", None) if isinstance(ranks, LocalWorkerGroup) else None
-        self.dtype = getattr(local, "dtype", None) if local is not None else dtype
-        self.served: int | None = None  # the version every replica serves (None: not synced yet)
-        self._channel = False
-        self._inbox = WeightInbox()
-        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
-        self._load_next: int | None = None  # staged weights the next generation loads first (replicas on Ray)
-        # Replicas on Ray on this machine, the actor here on CPUs: syncs packed into shared memory (`SharedSlots`);
-        # the slot of `_load_next` when it is there, freed once the call that loads it returns.
-        self._slots: SharedSlots | None = None
-        self._load_slot: int | None = None
-        self._between_tokens = False  # partial rollouts: weights must reach a replica mid-generation
-        self._on_this_machine: bool | None = None
+        here = isinstance(ranks, LocalWorkerGroup)
+        # A replica in this process says its engine's dtype itself; one on Ray has it resolved from the config.
+        engine = getattr(ranks.worker, "engine", None) if here else None
+        self.weights = WeightShipper(actor.ranks, ranks, WEIGHT_ENDPOINTS, bucket_bytes=bucket_bytes,
+                                     dtype=getattr(engine, "dtype", None) if engine is not None else dtype,
+                                     actor_here=isinstance(actor.ranks, LocalWorkerGroup), replicas_here=here)
+
+    @property
+    def served(self) -> int | None:
+        """The actor's optimizer-step count the replicas serve (None: not synced, or staged by label since)."""
+        return self.weights.served
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype the replicas' engines hold, which weights are cast to before they leave (None: as held)."""
+        return self.weights.dtype
 
     @property
     def colocated_reward(self) -> bool:
@@ -196,7 +184,7 @@ class RolloutGroup(_Role):
     @property
     def in_process(self) -> bool:
         """Whether the replicas and the actor run in this process (one local replica)."""
-        return isinstance(self.ranks, LocalWorkerGroup) and isinstance(self.actor.ranks, LocalWorkerGroup)
+        return self.weights.in_process
 
     def generate_sequences(self, meta: KVBatchMeta, *, sync: bool = True, score: bool = False) -> KVBatchMeta:
         """Stage 2 on the replicas, after a sync if the actor has moved on (unless `sync` is False): the rollout's fields.
@@ -205,252 +193,43 @@ class RolloutGroup(_Role):
         call: one round trip per batch instead of two, and the reward's metrics in the same `extra_info`.
         """
         metrics = self.sync() if sync else {}
-        slot = self._load_slot
-        if self._load_next is not None:  # the weights staged last, loaded by the replicas before they generate
-            info: dict[str, Any] = {LOAD_STAGED: self._load_next}
-            if slot is not None:  # ...from shared memory: where they are rides on this call
-                assert self._slots is not None
-                info[LOAD_SHARED] = self._slots.handle(slot)
-            meta = meta.with_extra_info(**info)
-            self._load_next = self._load_slot = None
-        try:
+        with self.weights.loading(meta) as meta:  # weights staged last, loaded by the replicas before they generate
             if score:
                 assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
                 out = self.ranks.call_chain([("rollout", RolloutWorker.generate_sequences),
                                              ("reward", RewardWorker.compute_reward)], meta)
             else:
                 out = self.ranks.call(RolloutWorker.generate_sequences, meta)
-        finally:
-            self._check_released()
-            if slot is not None:
-                assert self._slots is not None
-                self._slots.release(slot)  # loaded by every replica (or never to be: the call failed)
-        if slot is not None:
-            self._slots.unlink()  # every replica has mapped the file: nothing to leave behind in /dev/shm
         if metrics:  # one entry per rank, as every per-rank metric arrives
             out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
 
-    def _check_released(self) -> None:
-        """Forget what the replicas serve when a generation ended with their weights released (a level-2 sleep), so
-        that the next one syncs even if the actor has not moved on.
-
-        vLLM's adapter never sleeps a separate replica (`conveyor.rollout.vllm.sleeps_between_rollouts`); an engine
-        that does anyway says so by its `weights_version` (None), which a replica in this process shows here.
-        """
-        worker = self.ranks.worker if isinstance(self.ranks, LocalWorkerGroup) else None
-        engine = getattr(worker, "engine", None)
-        if engine is not None and engine.weights_version is None:
-            self.served = None
-
     def sync(self) -> dict[str, float]:
         """Give every replica the actor's current weights if they serve older ones; the sync's metrics."""
-        version = self.actor.ranks.call_all(PolicyWorker.weights_version)[0]
-        if self.served == version:
-            return {}
-        if self.in_process:
-            # One process: the actor's stream goes straight into the engine, tensor by tensor.
-            stream = cast_weights(self.actor.ranks.worker.weight_stream(), self.dtype)
-            seconds = self.ranks.worker.load_weights(stream, version)
-            metrics = {"rollout/weight_sync_s": seconds}
-        else:
-            metrics = self._sync_over_channel(version)
-        self.served = version
-        return metrics
+        return self.weights.sync()
 
     def stage_weights(self, label: int) -> Callable[[], dict[str, float]]:
         """The actor's weights as they are now, labelled `label`; returns what gives them to the replicas (run it on
         the thread that generates, before the batches that are to use them)."""
-        self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
-        local = isinstance(self.actor.ranks, LocalWorkerGroup)
-        if local and not self.in_process and self.actor.ranks.worker.device.type == "cpu":
-            named = list(cast_weights(self.actor.ranks.worker.weight_stream(), self.dtype))
-            if not self._between_tokens and self._same_machine():
-                # Replicas on this machine: one copy into a shared-memory slot, loaded by the next generation call
-                # (no object store, no call of its own); when both slots still wait for their loads, as below.
-                load = self._into_slot(label, named)
-                if load is not None:
-                    return load
-            # One packed copy into Ray's object store, which replicas on this node read in place from shared memory
-            # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation.
-            return self._put_weights(label, *pack(named))
-        # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
-        staged = [(name, _copy(t, self.dtype)) for name, t in self.actor.ranks.worker.weight_stream()] if local else None
-        if not self.in_process:
-            # Replicas on Ray take the weights beside the generation in progress, into a staged copy; the exchange
-            # starts now, and the rollout's thread waits for it and has them load it, in order with the batches.
-            return self._exchange(label, staged)
-        self._inbox.offer(label, staged)
-        worker = self.ranks.worker
-
-        def load() -> dict[str, float]:
-            staged = self._inbox.take()
-            if staged is None:  # a partial rollout took these (or newer) between two tokens
-                return {}
-            version, tensors = staged
-            return {"rollout/weight_sync_s": worker.load_weights(iter(tensors), version)}
-
-        return load
-
-    def _same_machine(self) -> bool:
-        """Whether every replica runs on this process's machine (Ray node); asked once."""
-        if self._on_this_machine is None:
-            import ray
-
-            here = ray.get_runtime_context().get_node_id()
-            self._on_this_machine = all(w["node_id"] == here for w in self.ranks.rank_info())
-        return self._on_this_machine
-
-    def _into_slot(self, label: int, named: list[tuple[str, torch.Tensor]]) -> Callable[[], dict[str, float]] | None:
-        """Pack `named` into a free shared-memory slot; returns what has the next generation load it, or None when
-        no slot is free (both hold syncs whose loading calls have not returned)."""
-        t0 = time.perf_counter()
-        table, nbytes = layout(named)
-        if self._slots is None:
-            self._slots = SharedSlots(table, nbytes)
-        slot = self._slots.write(named, table)
-        if slot is None:
-            return None
-        sent = {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_send_gb": nbytes / 1e9,
-                "rollout/weight_send_buckets": 1.0}
-
-        def load() -> dict[str, float]:
-            self._load_first(label, slot)
-            return sent
-
-        return load
-
-    def _load_first(self, version: int, slot: int | None) -> None:
-        """On the rollout's thread, in order with the batches: the next generation call loads `version` first (from
-        shared-memory slot `slot`, or the replicas' staged copy). A sync queued before it and not yet loaded never
-        will be now (the replicas load the newest): its slot is free again."""
-        if self._load_slot is not None:
-            assert self._slots is not None
-            self._slots.release(self._load_slot)
-        self._load_next, self._load_slot = version, slot
+        return self.weights.stage(label)
 
     def take_weights_between_tokens(self) -> None:
-        """Partial rollouts: weights reach the replicas between two tokens of a generation: in this process from the
-        inbox, on Ray from the staged copy a sync leaves beside the generation in progress."""
-        self._between_tokens = True
-        if self.in_process:
-            self.ranks.worker.take_weights_between_tokens(self._inbox)
-        else:
-            self.ranks.call_all(RolloutWorker.take_weights_between_tokens)
-
-    def _join_channel(self) -> None:
-        """Build the weight channel from the actor's rank 0 to every replica (once)."""
-        from conveyor.workers.ray_group import gather_together, gather_with_local
-
-        if self._channel:
-            return
-        size = 1 + self.ranks.world_size
-        address = self.actor.ranks.call_all(PolicyWorker.channel_address)[0]
-        joins = self.ranks.submit_all(RolloutWorker.join_weight_channel, address, size)
-        if isinstance(self.actor.ranks, LocalWorkerGroup):
-            gather_with_local(joins, lambda: self.actor.ranks.worker.join_weight_channel(address, size),
-                              "actor", "join_weight_channel")
-        else:
-            gather_together([self.actor.ranks.submit_all(PolicyWorker.join_weight_channel, address, size), joins])
-        self._channel = True
-
-    def _sync_over_channel(self, version: int) -> dict[str, float]:
-        """A synchronous run on Ray: the actor's rank 0 streams its current weights into every replica's engine.
-
-        (An actor in this process with replicas on Ray is only asynchronous, rollout_process=own: `_exchange`.)
-        """
-        from conveyor.workers.ray_group import RayWorkerGroup, gather_together
-
-        assert isinstance(self.ranks, RayWorkerGroup) and isinstance(self.actor.ranks, RayWorkerGroup), (
-            "a synchronous sync over the channel needs both roles on Ray")
-        self._join_channel()
-        sent, received = gather_together([self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes, dtype=self.dtype),
-                                          self.ranks.submit_all(RolloutWorker.receive_weights, version)])
-        return _sync_metrics(sent[0], received)
-
-    def _exchange(self, version: int, staged: list[tuple[str, torch.Tensor]] | None) -> Callable[[], dict[str, float]]:
-        """Start sending the weights (`staged`, a copy taken here, or the Ray actor's current ones) into every
-        replica's staging copy; returns what waits for it and gives its metrics."""
-        from conveyor.workers.ray_group import gather_together, gather_with_local
-
-        self._join_channel()
-        sends = None
-        if staged is None:  # submitted from the trainer's thread: the actor sends before the update submitted next
-            sends = self.actor.ranks.submit_all(PolicyWorker.send_weights, self.bucket_bytes, dtype=self.dtype)
-        worker = self.actor.ranks.worker if staged is not None else None
-
-        def run() -> dict[str, float]:
-            # One exchange at a time, in order (this thread runs them): a replica runs two calls at once, and two
-            # receives side by side would share the channel.
-            receives = self.ranks.submit_all(RolloutWorker.receive_weights, version, stage=True)
-            if sends is not None:
-                sent, received = gather_together([sends, receives])
-                return _sync_metrics(sent[0], received)
-            mine, received = gather_with_local(receives, lambda: worker.send_weights(self.bucket_bytes, staged, dtype=self.dtype),
-                                               "actor", "send_weights")
-            return _sync_metrics(mine, received)
-
-        return self._in_order(version, run)
-
-    def _put_weights(self, version: int, buffer: torch.Tensor, table: Table) -> Callable[[], dict[str, float]]:
-        """Start handing the packed weights to every replica through Ray's object store, into its staging copy;
-        returns what waits for it and gives its metrics."""
-        import ray
-
-        from conveyor.workers.ray_group import gather_together
-
-        def run() -> dict[str, float]:
-            t0 = time.perf_counter()
-            refs = [ray.put(buffer.numpy())]  # freed when the last reference, this one, goes
-            sent = {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": buffer.numel() / 1e9,
-                    "rollout/weight_send_buckets": 1.0}
-            received = gather_together([self.ranks.submit_all(RolloutWorker.take_weights, version, refs, table)])[0]
-            return _sync_metrics(sent, received)
-
-        return self._in_order(version, run)
-
-    def _in_order(self, version: int, run: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
-        """Run one exchange (`run`) on the sending thread, after the ones started before; returns what waits for it
-        on the rollout's thread and has the replicas load `version` before they next generate."""
-        if self._sender is None:
-            self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix=f"{WEIGHT_THREADS}-send")
-        done = self._sender.submit(run)
-
-        def load() -> dict[str, float]:
-            # On the rollout's thread, in order with the batches: these weights, not a later sync's that may already
-            # have arrived beside the generation. The replicas load them at the start of the next generation call
-            # (no round trip of its own).
-            metrics = done.result()
-            self._load_first(version, None)
-            return metrics
-
-        return load
+        """Partial rollouts: weights reach the replicas between two tokens of a generation."""
+        self.weights.take_between_tokens()
 
     def shutdown(self) -> None:
         """Release the role's ranks (and the thread that sends staged weights)."""
-        if self._sender is not None:
-            self._sender.shutdown(wait=False, cancel_futures=True)
-            self._sender = None
-        if self._slots is not None:
-            self._slots.unlink()
-            self._slots = None
+        self.weights.close()
         super().shutdown()
 
 
-def _copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A copy of `tensor` that the actor's next update cannot change, at the engine's `dtype` where it is floating."""
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-        return tensor.to(dtype)  # a new tensor already: no second copy
-    return tensor.clone()
-
-
-def _sync_metrics(sent: dict[str, float], received: list[dict[str, float]]) -> dict[str, float]:
-    """One sync's metrics: the sender's, and the slowest replica's."""
-    metrics = dict(sent)
-    metrics.update({k: max(r[k] for r in received) for k in received[0]})
-    return metrics
+# The workers' weight endpoints, named for the shipper (which imports no worker).
+WEIGHT_ENDPOINTS = Endpoints(
+    version=PolicyWorker.weights_version, address=PolicyWorker.channel_address,
+    join_sender=PolicyWorker.join_weight_channel, send=PolicyWorker.send_weights,
+    join_receiver=RolloutWorker.join_weight_channel, receive=RolloutWorker.receive_weights,
+    take=RolloutWorker.take_weights, between_tokens=RolloutWorker.take_weights_between_tokens,
+)
 
 
 class RefGroup(_Role):

@@ -11,7 +11,7 @@ Weights. The engine starts from the checkpoint on disk and gets the actor's
 weights before every rollout that follows an update: in this process
 straight from the actor worker's stream (`load_weights`, a local run), or
 over the weight channel from the actor's rank 0 (`join_weight_channel`,
-`receive_weights`, on Ray; `conveyor.weights.channel`). A receive
+`receive_weights`, on Ray; `conveyor.weights`). A receive
 beside a generation in progress keeps a staged copy, which the next
 `generate_sequences` loads first when its handle names it (`LOAD_STAGED`).
 The rollout group keeps the actor's optimizer-step count of what the replicas serve.
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -48,7 +47,7 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
-from conveyor.weights import Table, map_shared, unpack
+from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.workers.generation import Generation
 from conveyor.workers.perf import set_allocator_defaults
@@ -57,12 +56,7 @@ from conveyor.workers.strategy import TrainingStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutWorker", "WeightInbox", "LOAD_STAGED", "LOAD_SHARED"]
-
-# The call parameter that has a replica load the weights staged as that version before it generates.
-LOAD_STAGED = "load_staged_weights"
-# ...and, beside it, where in shared memory they are (`SharedSlots.handle`) when they were not staged by a call.
-LOAD_SHARED = "load_shared_weights"
+__all__ = ["RolloutWorker"]
 
 
 def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
@@ -85,26 +79,6 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
 def _engine_dtype(shares_trainer_modules: bool, model_dtype: str, rollout_dtype: str | None) -> torch.dtype:
     """The dtype a replica's engine holds its weights in: an hf replica its model's; vllm rollout.dtype, else the model's."""
     return getattr(torch, model_dtype if shares_trainer_modules or rollout_dtype is None else rollout_dtype)
-
-
-class WeightInbox:
-    """The newest staged weights, (label, tensors), for the rollout's thread to take; a newer offer replaces an older
-    one (weights only get newer, so a batch that starts with them is fresher than scheduled, never staler)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
-
-    def offer(self, label: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Stage `tensors` as version `label`."""
-        with self._lock:
-            self._staged = (label, tensors)
-
-    def take(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The staged weights, once (None when nothing new is staged)."""
-        with self._lock:
-            staged, self._staged = self._staged, None
-        return staged
 
 
 class RolloutWorker:
@@ -147,11 +121,9 @@ class RolloutWorker:
         # weights and refuses to generate before its first sync).
         self.version = -1
         self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
-        # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded.
-        self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        self._staged_lock = threading.Lock()
-        self._engine_dtype = _engine_dtype(shares, m.dtype, ro.dtype)  # what staged copies are kept in
-        self._shared: tuple[str, torch.Tensor] | None = None  # the trainer's `SharedSlots` file, mapped
+        # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded, at the
+        # engine's dtype.
+        self.staged = StagedWeights(_engine_dtype(shares, m.dtype, ro.dtype))
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
@@ -192,7 +164,7 @@ class RolloutWorker:
         if self.generation.replica_group is not None:
             raise ValueError("trainer.v1.separate_async.partial_rollout: a replica spanning several ranks would "
                              "switch weights on each rank at a different token; set partial_rollout=false")
-        take = inbox.take if inbox is not None else self._take_newest_staged
+        take = inbox.take if inbox is not None else (lambda: self.staged.newest_after(self.version))
 
         def hook(sampled: int) -> bool:
             staged = take()
@@ -206,23 +178,6 @@ class RolloutWorker:
 
         self.generation.interrupt = hook
 
-    def _take_newest_staged(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """The newest staged sync newer than the weights served, dropping the older ones; None if there is none."""
-        with self._staged_lock:
-            newer = [v for v in self._staged if v > self.version]
-            if not newer:
-                return None
-            version = max(newer)
-            return version, self._pop_staged(version)
-
-    def _pop_staged(self, version: int) -> list[tuple[str, torch.Tensor]] | None:
-        """Remove and return the staged copy of `version` (None if it is not there) and drop the older ones; the
-        caller holds `_staged_lock`."""
-        tensors = self._staged.pop(version, None)
-        for older in [v for v in self._staged if v < version]:
-            del self._staged[older]
-        return tensors
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """In this process: load the actor's streamed tensors into the engine; returns the seconds taken."""
         seconds = self.engine.update_weights(named_tensors, version=version)
@@ -231,8 +186,6 @@ class RolloutWorker:
 
     def join_weight_channel(self, address: tuple[str, int], size: int) -> None:
         """Join the channel from the actor's rank 0 as channel rank 1 + this replica's rank."""
-        from conveyor.weights import WeightChannel
-
         self.channel = WeightChannel(address, 1 + self.rank, size, device=self.device)
 
     def receive_weights(self, version: int, stage: bool = False) -> dict[str, float]:
@@ -243,7 +196,7 @@ class RolloutWorker:
         """
         t0 = time.perf_counter()
         if stage:
-            self._stage(version, self.channel.received())
+            self.staged.stage(version, self.channel.received())
         else:
             self.engine.update_weights(self.channel.received(), version=version)
             self.version = version
@@ -253,43 +206,23 @@ class RolloutWorker:
 
     def take_weights(self, version: int, refs: list[Any], table: Table) -> dict[str, float]:
         """Stage a sync that came through Ray's object store as `version` (`refs[0]`: the packed weights, a byte
-        array `conveyor.weights.pack` made; a list, so that Ray hands over the reference, not its value); metrics.
+        array `conveyor.weights.put_packed` stored; a list, so that Ray hands over the reference, not its value); metrics.
 
         On one node the array is read from shared memory in place; the staged copy is this process's own.
         """
-        import warnings
-
-        import ray
-
         t0 = time.perf_counter()
-        array = ray.get(refs[0])
-        with warnings.catch_warnings():  # read-only shared memory: only read here, into the copies below
-            warnings.simplefilter("ignore", UserWarning)
-            buffer = torch.from_numpy(array)
-        self._stage(version, unpack(buffer, table))
+        buffer = get_packed(refs)
+        self.staged.stage(version, unpack(buffer, table))
         return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": buffer.numel() / 1e9,
                 "rollout/weight_sync_buckets": 1.0}
-
-    def _stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Keep copies of a sync's tensors (views of a buffer that is reused or shared) as `version`, in host memory
-        at the engine's dtype."""
-        # Not on the replica's device: beside an engine that fills it (vLLM's KV cache), a whole model arriving in
-        # the trainer's float32 would not fit; the engine converts to its dtype on loading anyway.
-        tensors = [(name, t.to("cpu", self._engine_dtype if t.is_floating_point() else t.dtype, copy=True))
-                   for name, t in named]
-        with self._staged_lock:
-            self._staged[version] = tensors
 
     def load_shared_weights(self, version: int, path: str, size: int, offset: int, nbytes: int,
                             table: Table) -> dict[str, float]:
         """Load the weights the trainer packed into a shared-memory slot (`SharedSlots`) as `version`, straight into
         the engine (the trainer writes that slot again only once this call has returned); metrics."""
         t0 = time.perf_counter()
-        if self._shared is None or self._shared[0] != path:
-            self._shared = (path, map_shared(path, size))  # mapped once: the file is removed after the first load
-        buffer = self._shared[1][offset:offset + nbytes]
-        with self._staged_lock:  # staged copies of older syncs are never loaded now
-            self._pop_staged(version)
+        buffer = self.staged.shared(path, size, offset, nbytes)
+        self.staged.pop(version)  # staged copies of older syncs are never loaded now
         self.load_weights(unpack(buffer, table), version)
         return {"rollout/weight_load_s": time.perf_counter() - t0}
 
@@ -299,8 +232,7 @@ class RolloutWorker:
         Called in order with the generations (by the rollout's thread), so a batch gets the version it was scheduled
         with even when a later sync has already arrived beside it.
         """
-        with self._staged_lock:
-            tensors = self._pop_staged(version)
+        tensors = self.staged.pop(version)
         if tensors is None:
             # A partial rollout loaded these (or newer ones) between two tokens of the generation before.
             assert self.generation.interrupt is not None and self.version >= version, (version, self.version)

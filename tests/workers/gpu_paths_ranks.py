@@ -124,7 +124,7 @@ def _root(model_path: str, rank: int) -> dict:
 
 
 def _lora(model_path: str) -> dict:
-    from conveyor.models.lora import merged_weights
+    from conveyor.weights import merged_weights
 
     model = load_model(model_path)
     add_lora(model)
