@@ -40,7 +40,7 @@ from conveyor.weights.naming import EXPERT_NAMES, ExpertNames, Layout, engine_na
 from conveyor.weights.object_store import get_packed, put_packed
 from conveyor.weights.shared import SharedSlots, map_shared
 from conveyor.weights.shipper import Endpoints, WeightShipper
-from conveyor.weights.staged import LOAD_SHARED, LOAD_STAGED, StagedWeights, WeightInbox
+from conveyor.weights.staged import LOAD_SHARED, LOAD_STAGED, StagedWeights, WeightInbox, staged_copy
 from conveyor.weights.stream import cast_weights, iter_weights, merged_weights
 
 __all__ = [
@@ -48,5 +48,5 @@ __all__ = [
     "engine_names", "split_experts", "buckets", "stream_to", "send_buckets", "receive_buckets", "iter_received",
     "copy_into", "pack", "unpack", "layout", "Table", "SharedSlots", "map_shared",
     "WeightChannel", "free_address", "THREAD_PREFIX", "merged_weights", "put_packed", "get_packed", "StagedWeights",
-    "WeightInbox", "LOAD_STAGED", "LOAD_SHARED", "Endpoints", "WeightShipper", "send_over",
+    "staged_copy", "WeightInbox", "LOAD_STAGED", "LOAD_SHARED", "Endpoints", "WeightShipper", "send_over",
 ]

@@ -37,7 +37,7 @@ from conveyor.weights.buckets import Table, layout, pack
 from conveyor.weights.channel import THREAD_PREFIX
 from conveyor.weights.object_store import put_packed
 from conveyor.weights.shared import SharedSlots
-from conveyor.weights.staged import LOAD_SHARED, LOAD_STAGED, WeightInbox
+from conveyor.weights.staged import LOAD_SHARED, LOAD_STAGED, WeightInbox, staged_copy
 from conveyor.weights.stream import cast_weights
 
 __all__ = ["Endpoints", "WeightShipper"]
@@ -117,7 +117,7 @@ class WeightShipper:
             # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation.
             return self._put_weights(label, *pack(named))
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
-        staged = ([(name, _copy(t, self.dtype)) for name, t in self.actor.worker.weight_stream()]
+        staged = ([(name, staged_copy(t, self.dtype)) for name, t in self.actor.worker.weight_stream()]
                   if self.actor_here else None)
         if not self.in_process:
             # Replicas on Ray take the weights beside the generation in progress, into a staged copy; the exchange
@@ -299,14 +299,6 @@ class WeightShipper:
             return metrics
 
         return load
-
-
-def _copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A copy of `tensor` that the actor's next update cannot change, at the engine's `dtype` where it is floating."""
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-        return tensor.to(dtype)  # a new tensor already: no second copy
-    return tensor.clone()
 
 
 def _sync_metrics(sent: Metrics, received: list[Metrics]) -> Metrics:

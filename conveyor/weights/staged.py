@@ -16,7 +16,7 @@ import torch
 
 from conveyor.weights.shared import map_shared
 
-__all__ = ["WeightInbox", "StagedWeights", "LOAD_STAGED", "LOAD_SHARED"]
+__all__ = ["WeightInbox", "StagedWeights", "staged_copy", "LOAD_STAGED", "LOAD_SHARED"]
 
 # The call parameter that has a replica load the weights staged as that version before it generates.
 LOAD_STAGED = "load_staged_weights"
@@ -24,6 +24,14 @@ LOAD_STAGED = "load_staged_weights"
 LOAD_SHARED = "load_shared_weights"
 
 Named = list[tuple[str, torch.Tensor]]
+
+
+def staged_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A copy of `tensor` that the actor's next update cannot change, at the engine's `dtype` where it is floating."""
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype)  # a new tensor already: no second copy
+    return tensor.clone()
 
 
 class WeightInbox:

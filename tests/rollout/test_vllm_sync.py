@@ -186,11 +186,11 @@ def test_the_sync_casts_each_tensor_to_the_engine_s_dtype_before_it_leaves() -> 
 
 
 def test_the_rollout_group_sends_at_the_replica_s_dtype() -> None:
-    from conveyor.workers.roles import _copy
+    from conveyor.weights import staged_copy
 
     fp32 = torch.randn(3)
-    assert _copy(fp32, torch.bfloat16).dtype == torch.bfloat16
-    same = _copy(fp32, torch.float32)
+    assert staged_copy(fp32, torch.bfloat16).dtype == torch.bfloat16
+    same = staged_copy(fp32, torch.float32)
     assert torch.equal(same, fp32) and same.data_ptr() != fp32.data_ptr()  # a copy the update cannot change
 
 
