@@ -40,7 +40,7 @@ from conveyor.workers.rollout import RolloutWorker
 from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
-    from conveyor.trainer.plan import RunPlan
+    from conveyor.config.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
