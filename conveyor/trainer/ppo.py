@@ -47,11 +47,11 @@ from conveyor.metrics.moe_load_balance import (
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PromptEncoder
-from conveyor.trainer import state
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.sources import build_source
 from conveyor.trainer.stages import Stages
+from conveyor.trainer.state import Checkpoints
 from conveyor.trainer.timing import CPU, timer, timing_metrics
 from conveyor.trainer.validation import Validation
 from conveyor.workers.calls import LogProbCall, UpdateCall
@@ -110,7 +110,8 @@ class PPOTrainer:
         self.workers = workers
         self.tokenizer = tokenizer
         self.val_records = val_records
-        self.validation = Validation(val_records)
+        t = cfg.trainer
+        self.validation = Validation(val_records, every=t.test_freq, before_train=t.val_before_train)
         self.tracking = tracking
         self.run_dir = Path(run_dir)
         self.prometheus = prometheus
@@ -126,6 +127,10 @@ class PPOTrainer:
                              run_dir=self.run_dir)
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
         self.source = build_source(self.stages, greedy_baseline=self.estimator.greedy_baseline)
+        # What a checkpoint saves and restores, named: the loop hands it the step and takes the resumed one back.
+        self.checkpoints = Checkpoints(cfg, ckpt_root=self.run_dir / "checkpoints", workers=workers, source=self.source,
+                                       validation=self.validation, kl_ctrl=self.kl_ctrl, moe_acc=self.moe_acc,
+                                       model_config=model_config, tokenizer=tokenizer)
 
     @property
     def global_step(self) -> int:
@@ -139,7 +144,6 @@ class PPOTrainer:
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
         """Run (or continue) training to trainer.total_training_steps; returns the last step's metrics."""
-        t = self.cfg.trainer
         self._maybe_resume()
         self.source.start()
         failed = True
@@ -153,7 +157,7 @@ class PPOTrainer:
 
     def _fit(self) -> dict[str, float]:
         t = self.cfg.trainer
-        if self.global_step == 0 and t.val_before_train and self.validation:
+        if self.global_step == 0 and self.validation.due(0):
             self._log(self.validation.run(self.stages, self.source.generate), step=0)
         last: dict[str, float] = {}
         bar = self._progress_bar()
@@ -169,12 +173,12 @@ class PPOTrainer:
                 self.global_step += 1
                 metrics = self.step()
                 is_last = self.global_step == t.total_training_steps
-                if self.validation and ((t.test_freq and self.global_step % t.test_freq == 0) or is_last):
+                if self.validation.due(self.global_step, last=is_last):
                     metrics.update(self.validation.run(self.stages, self.source.generate))
                 # Logged before saved: a crash in between makes the resumed run repeat the
                 # step (the metrics reader keeps its last record) rather than lose its record.
                 self._log(metrics, step=self.global_step)
-                if (t.save_freq and self.global_step % t.save_freq == 0) or is_last:
+                if self.checkpoints.due(self.global_step, last=is_last):
                     self.save_checkpoint()
                     saved_step = self.global_step
                 last = metrics
@@ -441,11 +445,13 @@ class PPOTrainer:
     @property
     def ckpt_root(self) -> Path:
         """Where checkpoints go."""
-        return self.run_dir / "checkpoints"
+        return self.checkpoints.ckpt_root
 
     def save_checkpoint(self) -> Path:
         """Write every role's shards, the model's config and tokenizer, data order and RNG states of this step."""
-        return state.save_checkpoint(self)
+        return self.checkpoints.save(self.global_step)
 
     def _maybe_resume(self) -> None:
-        state.maybe_resume(self)
+        step = self.checkpoints.resume()
+        if step is not None:
+            self.global_step = step

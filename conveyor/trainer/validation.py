@@ -8,8 +8,12 @@ with several data sources, `val/accuracy/<source>`. It keeps each run's
 accuracy (`history`, saved in checkpoints) and `report()` prints the first
 against the last when the run ends.
 
-What it deliberately does not do: decide when to validate (the loop does) or
-log the numbers (they go out with the step's metrics).
+`due(step, last=...)` says when the loop validates: before the first update
+(`trainer.val_before_train`), every `trainer.test_freq` steps and after the
+last one, and never without held-out prompts.
+
+What it deliberately does not do: log the numbers (they go out with the
+step's metrics).
 """
 
 from __future__ import annotations
@@ -27,12 +31,22 @@ __all__ = ["Validation"]
 class Validation:
     """The held-out prompts of a run and the accuracy each validation measured, as (step, accuracy)."""
 
-    def __init__(self, records: list[dict]):
+    def __init__(self, records: list[dict], *, every: int = 0, before_train: bool = False):
         self.records = records
+        self.every = every  # trainer.test_freq (0: only after the last step)
+        self.before_train = before_train
         self.history: list[tuple[int, float]] = []
 
     def __bool__(self) -> bool:
         return bool(self.records)
+
+    def due(self, step: int, *, last: bool = False) -> bool:
+        """Whether the loop validates at `step`: 0 (before training) if asked, every `every` steps, the `last` one."""
+        if not self.records:
+            return False
+        if step == 0:
+            return self.before_train
+        return bool(self.every and step % self.every == 0) or last
 
     def run(self, stages: Stages, generate: Generate) -> dict[str, float]:
         """Greedy decoding on the held-out prompts by `generate` (a source's, with the current weights): val/accuracy

@@ -97,9 +97,7 @@ def test_lora_checkpoint_holds_adapters_and_resumes(tiny_run, tmp_path):
                 for n, p in worker.model.named_parameters() if p.requires_grad}
 
     resumed, *_ = _trainer(tiny_run + LORA + ["trainer.resume_mode=auto"])
-    from conveyor.trainer.state import maybe_resume
-
-    maybe_resume(resumed)
+    resumed.global_step = resumed.checkpoints.resume()
     w2 = resumed.workers.actor.ranks.worker
     for n, p in w2.model.named_parameters():
         assert torch.equal(p, want[n]), n
