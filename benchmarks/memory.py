@@ -250,6 +250,7 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
         plane = make_data_plane("memory")
         specs = worker_specs(cfg, plan, str(path), plane, load_tokenizer(str(path)), dev.type)
         baseline = 0 if dev.type == "cuda" else _rss()
+        had_group = tdist.is_initialized()  # fsdp2 makes a one-rank group; one made here is destroyed below
         host = ColocatedWorker(0, 1)
         for role in ("actor", "ref"):
             host.add(specs[role])
@@ -274,6 +275,8 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
                                                                          calculate_entropy=False).to_extra_info()))
                    .extra_info)
         host.close()
+        if tdist.is_initialized() and not had_group:
+            tdist.destroy_process_group()
     compute = 2 if dev.type == "cuda" else 4
     acc = account(lay, Setup(world=1, rollout_seqs=batch, seq_len=PROMPT_LEN + response_len, micro_seqs=1,
                              compute_bytes=compute, kv_bytes=compute, checkpointing=True))

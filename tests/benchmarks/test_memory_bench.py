@@ -75,6 +75,11 @@ def test_long_responses_run_through_the_endpoints_at_their_full_length(bench, ca
     out = capsys.readouterr().out
     assert status == 0, out[-2000:]
     assert "2 responses of 96 tokens" in out
+    # On the CPU, in this long-lived process, a phase's resident peak can sit below the baseline taken before
+    # the model was built (memory freed since): the figures may be negative here; the GPU's are allocator bytes.
     for phase in PHASES[1:]:
-        assert re.search(rf"^{phase}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+x", out, re.M), out
+        assert re.search(rf"^{phase}\s+-?[0-9.]+\s+[0-9.]+\s+-?[0-9.]+x", out, re.M), out
+    import torch.distributed as tdist
+
+    assert not tdist.is_initialized()  # the one-rank group it made is gone: later tests start without one
     assert out.splitlines()[-1].startswith("FIGURE: 96-token responses")
