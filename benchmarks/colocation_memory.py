@@ -24,7 +24,7 @@ import psutil
 
 from conveyor.config import load_config
 from conveyor.trainer.run import run_training
-import conveyor.workers.roles as roles
+import conveyor.workers.placement.roles as roles
 
 MODEL = [
     "actor_rollout_ref.model.tiny.arch=qwen3",

@@ -38,7 +38,7 @@ def _model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 def ep_strategy(device: torch.device):
     """The fsdp2 strategy with the expert mesh at size 1, computing and reducing in float32 on any device."""
-    from conveyor.workers.strategy import TrainingStrategy
+    from conveyor.workers.training.strategy import TrainingStrategy
 
     # Pinned: unset, fsdp2 on CUDA computes in bfloat16 (the run default), and the check compares exact paths.
     return TrainingStrategy("fsdp2", world_size=1, device=device, expert_mesh=True, param_dtype="float32",

@@ -125,8 +125,8 @@ def _qwen3(device: torch.device, dtype: torch.dtype, **sizes: int) -> torch.nn.M
 
 def cmd_fsdp_step(args: argparse.Namespace) -> int:
     """One fsdp2 training step on one rank as the actor takes it: bf16 compute on CUDA, the project's AdamW."""
-    from conveyor.workers.optim import adamw_implementation
-    from conveyor.workers.strategy import TrainingStrategy, ensure_process_group
+    from conveyor.workers.training.optim import adamw_implementation
+    from conveyor.workers.training.strategy import TrainingStrategy, ensure_process_group
 
     device = torch.device(args.device)
     ensure_process_group(device)

@@ -5,8 +5,8 @@ built from config and saved as a checkpoint; then two processes load it as
 the reference worker does (`load_role_model`, then `TrainedModel` under
 fsdp2): rank 0 reads the checkpoint into host memory, rank 1 builds the model
 on the meta device, both shard it and rank 1 receives its shards from rank 0
-(`conveyor.workers.loading`). Each rank measures its resident-memory peak
-over the load, above what it held before (`conveyor.workers.perf`). With
+(`conveyor.workers.training.loading`). Each rank measures its resident-memory peak
+over the load, above what it held before (`conveyor.workers.ranks.perf`). With
 every rank loading the whole checkpoint, rank 1's ratio would be >= 1x; here
 it is its shards (~0.5x on two ranks) plus one tensor in flight. The bar is
 <= 0.75x (checked only at --hidden >= 512, where one process's own noise is
@@ -40,9 +40,9 @@ def _rss() -> int:
 def _rank(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     import transformers
 
-    from conveyor.workers.loading import load_role_model
-    from conveyor.workers.perf import peak_memory_bytes, reset_peak_memory
-    from conveyor.workers.strategy import TrainedModel, TrainingStrategy
+    from conveyor.workers.training.loading import load_role_model
+    from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
+    from conveyor.workers.training.strategy import TrainedModel, TrainingStrategy
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ through the workers' own endpoints, on a data plane of its own holding its
 share of the batch: the rollout (hf, routing captured for R3), the old
 log-probs (bypass off, routing replayed), the reference log-probs and the
 update (routing replayed). Every endpoint reports its phase's peak resident
-memory (`perf/<phase>/max_memory_gb`, `conveyor.workers.perf`); the table
+memory (`perf/<phase>/max_memory_gb`, `conveyor.workers.ranks.perf`); the table
 shows it above the process's baseline (its resident set before any model was
 built), for the last step, the highest rank, with the ratio 2 ranks / 1 rank.
 Sequences are short, so parameters, gradients and optimizer state dominate,
@@ -17,7 +17,7 @@ as they do on a GPU at these settings. Loading is each role's peak while it
 is built, above what the process held just before, against the full model's
 bytes.
 
-The same accounting (`account`, conveyor.workers.memory_budget: the one a
+The same accounting (`account`, conveyor.workers.training.memory_budget: the one a
 vllm run is checked against at start-up) that predicts the CPU figures
 (printed next to them) gives the per-GPU figures of real models on real
 hardware, for the hf rollout and for a colocated vLLM engine (its weights at
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from conveyor.workers.memory_budget import (  # noqa: F401 (layout_of, total: the tests' too)
+from conveyor.workers.training.memory_budget import (  # noqa: F401 (layout_of, total: the tests' too)
     GB,
     Layout,
     Setup,
@@ -109,10 +109,10 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
     from conveyor.models.loading import load_tokenizer
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
-    from conveyor.workers.group import ColocatedWorker
-    from conveyor.workers.perf import peak_memory_bytes, reset_peak_memory
-    from conveyor.workers.roles import worker_specs
+    from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
+    from conveyor.workers.placement.group import ColocatedWorker
+    from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
+    from conveyor.workers.placement.roles import worker_specs
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if world > 1:
@@ -221,10 +221,10 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.calls import LogProbCall, UpdateCall
-    from conveyor.workers.group import ColocatedWorker
-    from conveyor.workers.perf import peak_memory_bytes, reset_peak_memory
-    from conveyor.workers.roles import worker_specs
+    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+    from conveyor.workers.placement.group import ColocatedWorker
+    from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
+    from conveyor.workers.placement.roles import worker_specs
 
     transformers.utils.logging.disable_progress_bar()
     dev = torch.device(device)

@@ -98,10 +98,10 @@ def _rank(rank: int, world: int, port: int, model_path: str, args: dict, out: st
     from conveyor.models.loading import load_tokenizer
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.balance import balanced_partition, sequence_lengths
-    from conveyor.workers.calls import LogProbCall, UpdateCall
-    from conveyor.workers.group import ColocatedWorker
-    from conveyor.workers.roles import worker_specs
+    from conveyor.workers.training.balance import balanced_partition, sequence_lengths
+    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+    from conveyor.workers.placement.group import ColocatedWorker
+    from conveyor.workers.placement.roles import worker_specs
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if world > 1:

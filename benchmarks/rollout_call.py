@@ -4,9 +4,9 @@ With `trainer.v1.separate_async.rollout_process=own` every batch is one call
 to each replica, carrying the batch's handle (`KVBatchMeta`: `--samples`
 keys with their `seq_len` tags, the generation's parameters) and returning a
 handle. This starts a local Ray (2 CPUs) unless one is running, one actor of the real rank-actor
-class (`conveyor.workers.ray_group`) hosting an echo worker, and times that
+class (`conveyor.workers.placement.ray_group`) hosting an echo worker, and times that
 call both ways: as the Ray task `RayWorkerGroup.call` submits without links,
-and over the Unix socket `RayRanks.open_links` opens (`conveyor/workers/link.py`,
+and over the Unix socket `RayRanks.open_links` opens (`conveyor/workers/placement/link.py`,
 what the rollout group uses). Per way it prints the median wall milliseconds
 of a call and the CPU milliseconds of this process per call (every thread:
 the caller's, and Ray's own threads in the driver), over `--reps` calls after
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.group import WorkerSpec
+from conveyor.workers.placement.group import WorkerSpec
 
 
 class Echo:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     import ray
 
-    from conveyor.workers.ray_group import RayWorkerGroup
+    from conveyor.workers.placement.ray_group import RayWorkerGroup
 
     started = not ray.is_initialized()
     if started:

@@ -68,10 +68,10 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: st
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.calls import UpdateCall
-    from conveyor.workers.settings import actor_settings
-    from conveyor.workers.group import split_for_ranks
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.calls import UpdateCall
+    from conveyor.workers.ranks.settings import actor_settings
+    from conveyor.workers.placement.group import split_for_ranks
 
     import transformers
 

@@ -25,8 +25,8 @@ import random
 import statistics
 import time
 
-from conveyor.workers.balance import balanced_partition, imbalance
-from conveyor.workers.batching import TokenBudget, token_micro_batches
+from conveyor.workers.training.balance import balanced_partition, imbalance
+from conveyor.workers.training.batching import TokenBudget, token_micro_batches
 
 
 def _greedy(lengths: list[int], n: int) -> list[list[int]]:

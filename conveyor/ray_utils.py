@@ -14,7 +14,7 @@ import os
 import socket
 from typing import Any
 
-from conveyor.workers.group import use_ray
+from conveyor.workers.placement.group import use_ray
 
 __all__ = ["ensure_ray", "shutdown_ray", "needs_ray", "data_plane_backend", "serves_memory_plane"]
 

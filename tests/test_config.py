@@ -563,10 +563,10 @@ def test_optional_keys_with_a_range_take_null() -> None:
         ("actor_rollout_ref.rollout.name", "conveyor.rollout.base", "ROLLOUT_ENGINES"),
         ("actor_rollout_ref.actor.router_replay.mode", "conveyor.models.moe_routing", "REPLAY_MODES"),
         ("algorithm.kl_ctrl.type", "conveyor.algos.kl", "KL_CONTROLLERS"),
-        ("actor_rollout_ref.actor.optim.lr_scheduler", "conveyor.workers.optim", "LR_SCHEDULERS"),
-        ("critic.optim.lr_scheduler", "conveyor.workers.optim", "LR_SCHEDULERS"),
+        ("actor_rollout_ref.actor.optim.lr_scheduler", "conveyor.workers.training.optim", "LR_SCHEDULERS"),
+        ("critic.optim.lr_scheduler", "conveyor.workers.training.optim", "LR_SCHEDULERS"),
         ("actor_rollout_ref.model.tiny.arch", "conveyor.models.tiny", "TINY_ARCHS"),
-        ("actor_rollout_ref.actor.strategy", "conveyor.workers.strategy", "STRATEGIES"),
+        ("actor_rollout_ref.actor.strategy", "conveyor.workers.training.strategy", "STRATEGIES"),
     ],
 )
 def test_choice_lists_are_the_implementing_registries(key: str, module: str, name: str) -> None:
@@ -598,7 +598,7 @@ def test_importing_the_config_imports_no_implementation() -> None:
     assert out.strip() == "[]", out
 
 
-@pytest.mark.parametrize("first", ["conveyor.workers.optim", "conveyor.workers.strategy", "conveyor.trainer.run_dir"])
+@pytest.mark.parametrize("first", ["conveyor.workers.training.optim", "conveyor.workers.training.strategy", "conveyor.trainer.run_dir"])
 def test_the_implementation_imports_the_config_without_a_cycle(first: str) -> None:
     _python(f"import {first}; import conveyor.config; conveyor.config.load_config()")
 
@@ -696,7 +696,7 @@ def test_rollout_dtype_defaults_to_the_models_and_takes_dtype_names() -> None:
 
 def test_mixed_precision_dtype_defaults_per_device() -> None:
     """Unset: bf16 compute and fp32 reduction on a GPU under fsdp2; the model's dtype on a CPU and under dp/none."""
-    from conveyor.workers.strategy import mixed_precision
+    from conveyor.workers.training.strategy import mixed_precision
 
     assert mixed_precision("fsdp2", None, None, "cuda") == ("bfloat16", "float32")
     assert mixed_precision("fsdp2", "float32", None, "cuda") == ("float32", "float32")

@@ -12,7 +12,7 @@ import pytest
 from conveyor.plugins import load_plugins
 from conveyor.tools.base import load_tools
 from conveyor.user_code import import_user_code, user_attribute
-from conveyor.workers.reward import load_custom_reward_fn
+from conveyor.workers.ranks.reward import load_custom_reward_fn
 
 COUNTING = """
 import builtins

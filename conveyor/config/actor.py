@@ -20,7 +20,7 @@ from conveyor.config.model import DTYPES
 __all__ = ["OptimConfig", "FSDPConfig", "RouterReplayConfig", "PolicyLossConfig", "ActorConfig", "RefConfig",
            "STRATEGY_CHOICES"]
 
-STRATEGY_CHOICES = registry("conveyor.workers.strategy", "STRATEGIES")
+STRATEGY_CHOICES = registry("conveyor.workers.training.strategy", "STRATEGIES")
 LOSS_AGG_CHOICES = registry("conveyor.algos.losses", "LOSS_AGG_MODES")
 KL_KIND_CHOICES = registry("conveyor.algos.kl", "KL_KINDS")
 
@@ -34,7 +34,7 @@ class OptimConfig:
     betas: list = F([0.9, 0.99], "AdamW betas")
     lr_warmup_steps: int = F(0, "linear warm-up steps", ge=0)
     lr_scheduler: str = F("cosine", "the schedule after warm-up",
-                          choices=registry("conveyor.workers.optim", "LR_SCHEDULERS"))
+                          choices=registry("conveyor.workers.training.optim", "LR_SCHEDULERS"))
     min_lr_ratio: float = F(0.2, "cosine floor as a fraction of lr", ge=0, le=1)
 
     def validate(self, prefix: str) -> None:

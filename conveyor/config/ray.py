@@ -1,7 +1,7 @@
 """The `ray` section: how to reach or start Ray, used only when workers or the data plane run on it.
 
 The whole section may change on resume. It deliberately does not import Ray:
-`conveyor.workers.ray_group` does, when a run needs it.
+`conveyor.workers.placement.ray_group` does, when a run needs it.
 """
 
 from __future__ import annotations

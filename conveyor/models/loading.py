@@ -18,7 +18,7 @@ implementation (with a warning); an unknown one is refused, naming the key.
 
 `build_causal_lm_on_meta` builds the same model from the checkpoint's config
 on the meta device, reading no weights: under FSDP2 the ranks other than 0
-start from it and get their shards from rank 0 (`conveyor.workers.loading`).
+start from it and get their shards from rank 0 (`conveyor.workers.training.loading`).
 
 It deliberately does not download from a model hub, shard, or wrap models for
 data parallelism; the workers do the wrapping.
@@ -291,7 +291,7 @@ def build_causal_lm_on_meta(
 
     The same modules, names, dtypes and shapes as `load_causal_lm` gives (in eval
     mode, as from_pretrained leaves it); the ranks that get their shards from
-    rank 0 start from it (`conveyor.workers.loading`).
+    rank 0 start from it (`conveyor.workers.training.loading`).
     """
     config = load_model_config(path, trust_remote_code=trust_remote_code)
     kwargs: dict = {"dtype": resolve_dtype(dtype), "trust_remote_code": bool(trust_remote_code)}

@@ -286,7 +286,7 @@ class PackedRows:
     def from_masks(cls, attention_mask: Tensor, response_span: Tensor) -> PackedRows:
         """The layout of rows whose `attention_mask` (B, P+R) marks real tokens and `response_span` (B, R) responses.
 
-        Prompts are left-padded and responses right-padded (`conveyor.workers.forward.sequence_inputs`), so a
+        Prompts are left-padded and responses right-padded (`conveyor.workers.ranks.forward.sequence_inputs`), so a
         row's real tokens are contiguous and response token j is predicted at padded column P - 1 + j.
         """
         batch, seq = attention_mask.shape

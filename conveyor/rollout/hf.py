@@ -201,7 +201,7 @@ class HFRollout(RolloutEngine):
         """Copy the given tensors into the model's own (by Hugging Face name); returns the seconds taken.
 
         Colocated with the actor the engine samples from the trainer's own modules and is never given any; a
-        separate replica (`conveyor.workers.rollout`) holds a copy, which this keeps in step.
+        separate replica (`conveyor.workers.ranks.rollout`) holds a copy, which this keeps in step.
         """
         import time
 

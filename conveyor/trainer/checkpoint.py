@@ -3,7 +3,7 @@
 A checkpoint is a directory `checkpoints/global_step_N/` holding one sharded
 `torch.distributed.checkpoint` directory per trained role (`actor/`, and
 `critic/` when a critic runs; every rank writes its own shards, no rank
-gathers the model, see `conveyor.workers.shards`), `hf/` (the model's config
+gathers the model, see `conveyor.workers.training.shards`), `hf/` (the model's config
 and tokenizer, so `conveyor export` needs nothing else), and
 `trainer_state.pt` (step, data order, RNG states, KL controller, MoE
 accumulator, each role's lr-schedule state). It appears under its final name

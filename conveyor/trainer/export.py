@@ -47,7 +47,7 @@ def _lora_model(actor_dir: Path, config, dtype) -> tuple:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from conveyor.workers.shards import load_model_weights
+    from conveyor.workers.training.shards import load_model_weights
 
     lora = LoraConfig.from_pretrained(str(actor_dir))
     base = lora.base_model_name_or_path
@@ -70,7 +70,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from conveyor.models.loading import read_config_json
-    from conveyor.workers.shards import load_model_weights
+    from conveyor.workers.training.shards import load_model_weights
 
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():

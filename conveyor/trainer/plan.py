@@ -8,7 +8,7 @@ routing comes from and which replay mode actually runs, whether the
 importance weights apply and at which level, whether a critic and a reference
 run, and the loss scales. `run_training` builds it before anything else, logs
 it and saves it as `plan.json` in the run directory; the trainer and the
-workers' settings (`conveyor.workers.settings`) read their part of it.
+workers' settings (`conveyor.workers.ranks.settings`) read their part of it.
 
 The rules:
 
@@ -77,7 +77,7 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     there when `trainer.v1.separate_async.rollout_process=own` asks for it). "trainer": this process, the rollout
     on the asynchronous source's thread (what `auto` picks outside Ray).
     """
-    from conveyor.workers.group import use_ray
+    from conveyor.workers.placement.group import use_ray
 
     if use_ray(cfg):
         return "own", "rollout process: Ray actors (the run is on Ray)"

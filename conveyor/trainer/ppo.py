@@ -54,8 +54,8 @@ from conveyor.trainer.stages import Stages
 from conveyor.trainer.state import Checkpoints
 from conveyor.trainer.timing import CPU, timer, timing_metrics
 from conveyor.trainer.validation import Validation
-from conveyor.workers.calls import LogProbCall, UpdateCall
-from conveyor.workers.roles import WorkerGroups
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+from conveyor.workers.placement.roles import WorkerGroups
 
 logger = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopSignals
-from conveyor.workers.memory_budget import check_memory
-from conveyor.workers.perf import frozen_heap
-from conveyor.workers.roles import build_worker_groups
+from conveyor.workers.training.memory_budget import check_memory
+from conveyor.workers.ranks.perf import frozen_heap
+from conveyor.workers.placement.roles import build_worker_groups
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Everything a run needs before its first step: the model checkpoint, the prompts, the data plane, the device.
 
-The workers are built by `conveyor.workers.roles.build_worker_groups`.
+The workers are built by `conveyor.workers.placement.roles.build_worker_groups`.
 
 The default run needs no files: the tiny model and its character tokenizer are
 built from config and warm-started once, then cached (CONVEYOR_CACHE, default

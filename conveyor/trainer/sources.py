@@ -45,7 +45,7 @@ from conveyor.metrics.reduce import mean_over_calls
 from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.stages import Generate, Stages
 from conveyor.trainer.timing import CPU, timer
-from conveyor.workers.balance import SEQ_LEN_TAG
+from conveyor.workers.training.balance import SEQ_LEN_TAG
 from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
 
 if TYPE_CHECKING:

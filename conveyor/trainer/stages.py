@@ -26,14 +26,14 @@ from conveyor.metrics.reduce import reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.dataset import PromptDataset
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder, sample_keys
-from conveyor.workers.balance import SEQ_LEN_TAG
-from conveyor.workers.calls import GenerateCall
+from conveyor.workers.training.balance import SEQ_LEN_TAG
+from conveyor.workers.ranks.calls import GenerateCall
 
 if TYPE_CHECKING:
     from conveyor.config import Config
     from conveyor.data_plane.base import DataPlane
     from conveyor.trainer.plan import RunPlan
-    from conveyor.workers.roles import WorkerGroups
+    from conveyor.workers.placement.roles import WorkerGroups
 
 __all__ = ["Generate", "Stages"]
 

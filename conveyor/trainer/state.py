@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from conveyor.config import Config
     from conveyor.trainer.sources import SampleSource
     from conveyor.trainer.validation import Validation
-    from conveyor.workers.roles import WorkerGroups
+    from conveyor.workers.placement.roles import WorkerGroups
 
 logger = logging.getLogger(__name__)
 

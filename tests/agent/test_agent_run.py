@@ -215,7 +215,7 @@ def test_tool_turns_are_rendered_by_the_chat_template() -> None:
 
 def test_reward_reads_the_span_and_adds_tool_rewards() -> None:
     from conveyor.data_plane import make_data_plane
-    from conveyor.workers.reward import RewardWorker
+    from conveyor.workers.ranks.reward import RewardWorker
 
     tok = build_char_tokenizer()
     dp = make_data_plane("memory")

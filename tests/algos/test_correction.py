@@ -149,9 +149,9 @@ def test_rejected_tokens_leave_the_update(tiny_run) -> None:
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.setup import prepare_default_model
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.calls import LogProbCall, UpdateCall
-    from conveyor.workers.settings import actor_settings
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+    from conveyor.workers.ranks.settings import actor_settings
 
     prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
     responses = torch.tensor([[5, 6, 1], [7, 8, 1]])

@@ -39,7 +39,7 @@ from conveyor.algos.correction import (
     parse_is_threshold,
     parse_rejection,
 )
-from conveyor.workers.reward import overlong_penalty
+from conveyor.workers.ranks.reward import overlong_penalty
 
 SCRIPT = Path(__file__).with_name("verl_reference.py")
 TOL = {"atol": 1e-5, "rtol": 1e-5}

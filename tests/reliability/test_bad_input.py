@@ -327,7 +327,7 @@ def test_non_finite_rewards_reaching_the_trainer_name_the_step_and_field(rel, ba
     from conveyor.trainer.plan import build_run_plan
     from conveyor.trainer.ppo import NonFiniteError, PPOTrainer
     from conveyor.trainer.setup import load_prompt_records
-    from conveyor.workers.roles import build_worker_groups
+    from conveyor.workers.placement.roles import build_worker_groups
 
     cfg = load_config(None, rel.BASE_RUN + [f"actor_rollout_ref.model.path={base_model}",
                                             f"trainer.default_local_dir={tmp_path}"])

@@ -187,7 +187,7 @@ def _optimizer_groups() -> tuple[torch.nn.Module, torch.optim.Optimizer, list[di
 @FUZZ
 @given(groups=json_values | st.just([]) | st.just([{}]) | st.just({"params": []}))
 def test_param_groups_of_any_json_are_refused_at_load_naming_the_file(groups: Any) -> None:
-    from conveyor.workers.shards import CheckpointFormatError, _check_param_groups
+    from conveyor.workers.training.shards import CheckpointFormatError, _check_param_groups
 
     _, _, expected = _optimizer_groups()
     with pytest.raises(CheckpointFormatError, match="param_groups.json"):
@@ -195,7 +195,7 @@ def test_param_groups_of_any_json_are_refused_at_load_naming_the_file(groups: An
 
 
 def test_an_emptied_param_groups_json_is_refused_when_the_checkpoint_loads(tmp_path: Path) -> None:
-    from conveyor.workers.shards import CheckpointFormatError, load_shards, save_shards
+    from conveyor.workers.training.shards import CheckpointFormatError, load_shards, save_shards
 
     model, optim, _ = _optimizer_groups()
     model(torch.ones(1, 2)).sum().backward()
@@ -486,7 +486,7 @@ def test_the_command_turns_what_the_environment_caused_into_one_line_and_keeps_b
 
 def test_an_environment_error_behind_a_wrapper_is_found(rel, capsys, monkeypatch) -> None:
     import conveyor.cli as cli
-    from conveyor.workers.group import WorkerError
+    from conveyor.workers.placement.group import WorkerError
 
     def command(args):
         # A worker's failure wraps the disk's, as a Rust library's message carries its errno.

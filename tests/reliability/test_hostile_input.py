@@ -326,7 +326,7 @@ def test_a_hung_reward_function_stops_the_step_after_reward_timeout_s(tmp_path: 
 
     from conveyor.data_plane import make_data_plane
     from conveyor.models.tokenizer import build_char_tokenizer
-    from conveyor.workers.reward import RewardWorker, SampleRewardError
+    from conveyor.workers.ranks.reward import RewardWorker, SampleRewardError
 
     (tmp_path / "hangs.py").write_text(_REWARDS["hangs.py"])
     (tmp_path / "slowish.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "

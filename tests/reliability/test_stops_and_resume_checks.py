@@ -220,7 +220,7 @@ def test_a_second_run_on_the_same_directory_is_refused_and_a_crash_leaves_no_sta
 # --------------------------------------------------------------------------- the disk
 def test_disk_full_while_saving_is_one_error_and_leaves_no_half_checkpoint(rel, base_model, tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import conveyor.workers.shards as shards
+    import conveyor.workers.training.shards as shards
 
     run_dir = tmp_path / "run"
     cfg = load_config(None, rel.BASE_RUN + [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",

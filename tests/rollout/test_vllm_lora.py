@@ -20,9 +20,9 @@ from conveyor.data_plane import make_data_plane
 from conveyor.rollout.hf import HFRollout
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
-from conveyor.workers.settings import actor_settings
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
+from conveyor.workers.ranks.settings import actor_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 from update_batches import ragged_update_fields  # noqa: E402

@@ -280,8 +280,8 @@ class _Replica:
 
 
 def test_the_rollout_group_syncs_again_after_a_sleep_released_the_weights(built, tok) -> None:
-    from conveyor.workers.group import LocalWorkerGroup, WorkerSpec
-    from conveyor.workers.roles import ActorGroup, RolloutGroup
+    from conveyor.workers.placement.group import LocalWorkerGroup, WorkerSpec
+    from conveyor.workers.placement.roles import ActorGroup, RolloutGroup
 
     model, engine, _ = built
     actor = ActorGroup(LocalWorkerGroup(WorkerSpec("actor", _Actor, {"model": model})))

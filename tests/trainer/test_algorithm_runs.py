@@ -11,7 +11,7 @@ import torch
 from conveyor.config import ConfigError, load_config
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
-from conveyor.workers.reward import overlong_penalty
+from conveyor.workers.ranks.reward import overlong_penalty
 from test_stages import make_trainer, step_partition  # tests/trainer is on sys.path (rootdir import mode)
 
 # Half the prompts (even answers) score the same whatever is generated: their groups

@@ -13,7 +13,7 @@ from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.export import export_hf
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
-from conveyor.workers.group import WorkerError
+from conveyor.workers.placement.group import WorkerError
 
 # Wall-clock and memory readings differ from run to run by nature; the async loop's own counters are extra.
 _MEASURED = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "off_policy/", "weight_sync_s")
@@ -148,7 +148,7 @@ def test_weights_leave_when_the_update_ends(tmp_path, tiny_run, monkeypatch):
 
 
 def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run, monkeypatch):
-    from conveyor.workers.rollout import RolloutWorker
+    from conveyor.workers.ranks.rollout import RolloutWorker
 
     def generate_sequences(self, meta):
         raise RuntimeError("rollout exploded")

@@ -23,7 +23,7 @@ from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.export import export_hf
 from conveyor.trainer.run import run_training
-from conveyor.workers.group import WorkerError
+from conveyor.workers.placement.group import WorkerError
 
 pytest.importorskip("ray")
 
@@ -118,7 +118,7 @@ def test_a_crashing_rollout_in_its_own_process_is_one_error_naming_the_stage(tmp
     plugin = tmp_path / "explode.py"
     plugin.write_text(
         "import os\n"
-        "from conveyor.workers.rollout import RolloutWorker\n"
+        "from conveyor.workers.ranks.rollout import RolloutWorker\n"
         f"if os.getpid() != {os.getpid()}:\n"
         "    def generate_sequences(self, meta):\n"
         "        raise RuntimeError('rollout exploded')\n"
@@ -174,7 +174,7 @@ def test_remax_and_dynamic_sampling_compose_the_same_in_a_process_of_its_own(tmp
 def test_a_reward_that_fails_in_the_replicas_process_is_the_users_error_naming_the_reward(tmp_path, tiny_run_base):
     # The reward worker scores in the replica's call, after the generation: its failure still names its own role
     # and stage, and a user's failure (a reward function that raises) stays the user's (exit status 2 at the CLI).
-    from conveyor.workers.group import WorkerUserError
+    from conveyor.workers.placement.group import WorkerUserError
 
     reward = tmp_path / "broken.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -190,7 +190,7 @@ def test_replicas_render_the_prompts_the_trainer_would_have_put(tmp_path, tiny_r
     # each replica renders and writes its share's prompts with its fields. The same run with the prompts put by the
     # trainer trains the same, bit for bit.
     from conveyor.trainer.stages import Stages
-    from conveyor.workers.roles import RolloutGroup
+    from conveyor.workers.placement.roles import RolloutGroup
 
     handed: list[str] = []  # the batches whose prompts were left to the replicas
     to_render = Stages.prompts_to_render

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conveyor.trainer import checkpoint as ckpt
-from conveyor.workers.shards import CheckpointFormatError, load_model_weights, load_shards, save_shards
+from conveyor.workers.training.shards import CheckpointFormatError, load_model_weights, load_shards, save_shards
 
 
 class _RunsCode:

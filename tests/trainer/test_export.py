@@ -15,8 +15,8 @@ from conveyor.trainer.checkpoint import load_checkpoint
 from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.trainer.plan import build_run_plan
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.settings import actor_settings
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.settings import actor_settings
 
 
 REWARD = """

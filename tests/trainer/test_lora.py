@@ -9,8 +9,8 @@ import torch
 
 from conveyor.config import load_config
 from conveyor.models.lora import is_adapter_key
-from conveyor.workers.reference import ReferenceWorker
-from conveyor.workers.settings import reference_settings
+from conveyor.workers.ranks.reference import ReferenceWorker
+from conveyor.workers.ranks.settings import reference_settings
 
 from test_stages import build_trainer  # tests/trainer is on sys.path (rootdir import mode)
 
@@ -85,7 +85,7 @@ def test_lora_checkpoint_holds_adapters_and_resumes(tiny_run, tmp_path):
     trainer.global_step = 1
     trainer.step()
     ckpt = trainer.save_checkpoint()
-    from conveyor.workers.shards import SafeFileSystemReader
+    from conveyor.workers.training.shards import SafeFileSystemReader
 
     keys = SafeFileSystemReader(str(ckpt / "actor")).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]

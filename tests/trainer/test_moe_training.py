@@ -14,9 +14,9 @@ from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.trainer.plan import build_run_plan
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.calls import LogProbCall, UpdateCall
-from conveyor.workers.settings import actor_settings
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+from conveyor.workers.ranks.settings import actor_settings
 
 LAYER_KEYS = ("max_vio", "min_vio", "avg_vio")
 

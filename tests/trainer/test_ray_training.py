@@ -18,7 +18,7 @@ psutil = pytest.importorskip("psutil")
 from conveyor.config import load_config  # noqa: E402
 from conveyor.data_plane.ray_store import RayDataPlane  # noqa: E402
 from conveyor.trainer.run import run_training  # noqa: E402
-from conveyor.workers.group import WorkerError  # noqa: E402
+from conveyor.workers.placement.group import WorkerError  # noqa: E402
 
 # tiny_run (tests/conftest.py) keeps only the actor and the reward: GRPO, no KL term, so no reference or critic.
 
@@ -83,7 +83,7 @@ def test_which_data_plane_workers_on_ray_reach(overrides, backend, why, caplog) 
 
 
 def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_until, tmp_path, monkeypatch) -> None:
-    import conveyor.workers.roles as roles
+    import conveyor.workers.placement.roles as roles
 
     base = roles.PolicyWorker
     pid_dir = tmp_path / "pids"
@@ -134,7 +134,7 @@ def two_node_run(tiny_run_base: list[str], tmp_path_factory: pytest.TempPathFact
     """One run that two tests check (a Ray run costs ~25 s here, nearly all of it starting processes): the tiny run
     on two simulated nodes with a KL loss (the reference role) and GAE (the critic role), each rank's worker of
     every model role recording the pid of the process that built it."""
-    import conveyor.workers.roles as roles
+    import conveyor.workers.placement.roles as roles
     from ray.cluster_utils import Cluster
 
     tmp = tmp_path_factory.mktemp("two-nodes")

@@ -21,7 +21,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
 from conveyor.trainer.setup import load_prompt_records, prepare_default_model
-from conveyor.workers.roles import build_worker_groups
+from conveyor.workers.placement.roles import build_worker_groups
 
 PROMPT = frozenset({"prompts", "prompt_mask", "uid", "data_source", "ground_truth", "raw_prompt"})
 MODEL_INPUT = frozenset({"prompts", "prompt_mask", "responses", "response_mask"})

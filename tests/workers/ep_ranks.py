@@ -45,7 +45,7 @@ def loss_of(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    from conveyor.workers.strategy import TrainingStrategy
+    from conveyor.workers.training.strategy import TrainingStrategy
 
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

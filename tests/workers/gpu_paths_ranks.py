@@ -60,7 +60,7 @@ def batch(rank: int) -> torch.Tensor:
 
 
 def _strategy():
-    from conveyor.workers.strategy import TrainingStrategy
+    from conveyor.workers.training.strategy import TrainingStrategy
 
     return TrainingStrategy("fsdp2", world_size=WORLD, device=torch.device("cpu"))
 
@@ -117,7 +117,7 @@ def _root(model_path: str, rank: int) -> dict:
         for _ in range(2):  # two micro-batches of one update
             model(input_ids=ids, labels=ids).loss.backward()
         out[before] = count[0]
-    from conveyor.workers.strategy import decoder_layers
+    from conveyor.workers.training.strategy import decoder_layers
 
     out["layers"] = len(decoder_layers(load_model(model_path)))
     return out
@@ -133,7 +133,7 @@ def _lora(model_path: str) -> dict:
 
 
 def _rank_main(rank: int, model_path: str, out_dir: str, port: int) -> None:
-    from conveyor.workers.strategy import process_group_backend
+    from conveyor.workers.training.strategy import process_group_backend
 
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

@@ -38,10 +38,10 @@ def _case(rank: int, world: int, input_ids: torch.Tensor, case: dict) -> None:
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.critic import CriticWorker
-    from conveyor.workers.reference import ReferenceWorker
-    from conveyor.workers.settings import actor_settings, critic_settings, reference_settings
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.critic import CriticWorker
+    from conveyor.workers.ranks.reference import ReferenceWorker
+    from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings
 
     out = Path(case["out"])
     cfg = load_config(None, case["overrides"])

@@ -68,8 +68,8 @@ def _capture_grads(worker) -> dict:
 
 def _both_no_grad(worker, role: str, plane, share) -> dict:
     """The role's no-grad forward over the shards (through its endpoint) and on the gathered model, on one share."""
-    from conveyor.workers.calls import LogProbCall
-    from conveyor.workers.forward import micro_batches
+    from conveyor.workers.ranks.calls import LogProbCall
+    from conveyor.workers.ranks.forward import micro_batches
 
     fields = ["prompts", "prompt_mask", "responses", "response_mask"]
     if role == "critic":
@@ -118,11 +118,11 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     from conveyor.data_plane import make_data_plane
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.calls import GenerateCall, LogProbCall, UpdateCall
-    from conveyor.workers.critic import CriticWorker
-    from conveyor.workers.settings import actor_settings, critic_settings
-    from conveyor.workers.group import split_for_ranks
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
+    from conveyor.workers.ranks.critic import CriticWorker
+    from conveyor.workers.ranks.settings import actor_settings, critic_settings
+    from conveyor.workers.placement.group import split_for_ranks
 
     out = Path(run["out"])
     model_path = run.get("model_path", model_path)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.balance import balanced_partition, imbalance, sequence_lengths, with_seq_lens
-from conveyor.workers.group import split_for_ranks, split_metrics
+from conveyor.workers.training.balance import balanced_partition, imbalance, sequence_lengths, with_seq_lens
+from conveyor.workers.placement.group import split_for_ranks, split_metrics
 
 
 def _best_max(weights: list[int], k: int, equal_size: bool) -> int:
@@ -124,9 +124,9 @@ def test_generation_tags_each_sample_with_its_prompt_and_response_tokens() -> No
     from conveyor.data_plane import make_data_plane
     from conveyor.trainer.plan import build_run_plan
     from conveyor.trainer.setup import prepare_default_model
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.calls import GenerateCall
-    from conveyor.workers.settings import actor_settings
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.calls import GenerateCall
+    from conveyor.workers.ranks.settings import actor_settings
 
     cfg = load_config(None, ["data.synthetic.num_train=64", "data.synthetic.num_val=8",
                              "actor_rollout_ref.model.tiny.warmstart_steps=0"])

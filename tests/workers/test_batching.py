@@ -10,7 +10,7 @@ import torch
 
 from tensordict import TensorDict
 
-from conveyor.workers.batching import (TokenBudget, in_row_order, plan_micro_batches, take, token_budget,
+from conveyor.workers.training.batching import (TokenBudget, in_row_order, plan_micro_batches, take, token_budget,
                                         token_micro_batches)
 
 KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"

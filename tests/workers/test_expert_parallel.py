@@ -22,8 +22,8 @@ from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.metrics.moe_load_balance import count_expert_assignments, load_balance_metrics_from_counts
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers.calls import GenerateCall
-from conveyor.workers.shards import load_model_weights
+from conveyor.workers.ranks.calls import GenerateCall
+from conveyor.workers.training.shards import load_model_weights
 from conveyor.protocol import KVBatchMeta
 from test_strategies import (BASE, B, R3, RANKS_SCRIPT, UPDATE, _actor, _assert_native_routing_differs,  # noqa: E501
                              _assert_same_params, _batch, _metrics, _one_rank, _update_grads)
@@ -266,7 +266,7 @@ def test_expert_parallel_size_errors_say_what_to_change(overrides: list[str], me
 
 def test_a_dense_model_or_uneven_experts_are_refused_at_wrap() -> None:
     """A real checkpoint's experts are known only when it loads: the strategy checks them there."""
-    from conveyor.workers.expert_parallel import check_expert_parallel
+    from conveyor.workers.training.expert_parallel import check_expert_parallel
     from conveyor.models.tiny import tiny_config
     from transformers import AutoModelForCausalLM
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-import conveyor.workers.forward as forward_module
+import conveyor.workers.ranks.forward as forward_module
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.settings import actor_settings
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.settings import actor_settings
 from update_batches import ragged_update_fields
 
 BASE = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"]

@@ -24,8 +24,8 @@ from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from conveyor.config import load_config
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers import strategy as strategy_mod
-from conveyor.workers.strategy import collective_device, process_group_backend
+from conveyor.workers.training import strategy as strategy_mod
+from conveyor.workers.training.strategy import collective_device, process_group_backend
 from gpu_paths_ranks import add_lora, load_model  # tests/workers on sys.path
 from test_strategies import BASE
 
@@ -51,7 +51,7 @@ def test_small_collectives_run_where_the_group_serves_them(monkeypatch, config, 
 
 
 def test_one_rank_group_and_ray_ranks_use_the_same_backend(monkeypatch) -> None:
-    from conveyor.workers.ray_group import _RankActor
+    from conveyor.workers.placement.ray_group import _RankActor
 
     calls: list[tuple[str, object]] = []
     monkeypatch.setattr(tdist, "is_initialized", lambda: False)

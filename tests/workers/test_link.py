@@ -1,4 +1,4 @@
-"""conveyor.workers.link: calls over a Unix socket, answered in order, errors raised as themselves."""
+"""conveyor.workers.placement.link: calls over a Unix socket, answered in order, errors raised as themselves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from conveyor.workers.link import Link, LinkClosed, RemoteTraceback, serve
+from conveyor.workers.placement.link import Link, LinkClosed, RemoteTraceback, serve
 
 
 class _Unpicklable(Exception):

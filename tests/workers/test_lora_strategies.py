@@ -85,7 +85,7 @@ def test_fsdp2_two_ranks_take_the_one_rank_lora_step(model_path, batches, ranks,
 
 
 def test_fsdp2_lora_reference_is_the_base_model(model_path, batches, ranks) -> None:
-    from conveyor.workers.calls import LogProbCall
+    from conveyor.workers.ranks.calls import LogProbCall
 
     # The base model alone, one rank, the same (Hugging Face) forward.
     cfg = load_config(None, BASE)

@@ -12,12 +12,12 @@ from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.calls import LogProbCall, UpdateCall
-from conveyor.workers.critic import CriticWorker
-from conveyor.workers.reference import ReferenceWorker
-from conveyor.workers.settings import actor_settings, critic_settings, reference_settings
-from conveyor.workers.optim import build_optimizer, total_optim_steps
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+from conveyor.workers.ranks.critic import CriticWorker
+from conveyor.workers.ranks.reference import ReferenceWorker
+from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings
+from conveyor.workers.training.optim import build_optimizer, total_optim_steps
 
 LR = 0.5
 

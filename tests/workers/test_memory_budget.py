@@ -9,7 +9,7 @@ import pytest
 
 from conveyor.config import ConfigError, load_config
 from conveyor.trainer.plan import build_run_plan
-from conveyor.workers.memory_budget import (
+from conveyor.workers.training.memory_budget import (
     GB,
     Engine,
     account,
@@ -139,7 +139,7 @@ def test_the_check_leaves_the_hf_rollout_and_cpu_runs_alone(moe_config) -> None:
 def test_the_cli_refuses_a_layout_that_cannot_fit_with_exit_status_2(tiny_run, monkeypatch, capsys) -> None:
     # A GPU run as the trainer makes it, up to the check: the device and its memory are the only things faked.
     import conveyor.trainer.run as run
-    import conveyor.workers.memory_budget as budget
+    import conveyor.workers.training.memory_budget as budget
     from conveyor.cli import main
 
     monkeypatch.setattr(run, "resolve_device", lambda cfg: "cuda")

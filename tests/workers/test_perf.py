@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conveyor.workers.perf import memory_metrics, peak_memory_bytes, phase_memory_metrics, reset_peak_memory
+from conveyor.workers.ranks.perf import memory_metrics, peak_memory_bytes, phase_memory_metrics, reset_peak_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")
 
@@ -42,7 +42,7 @@ def test_memory_metrics_report_the_window_peak_on_cpu():
 
 
 def test_allocator_defaults_leave_a_user_setting_alone(monkeypatch: pytest.MonkeyPatch):
-    from conveyor.workers.perf import allocator_env_defaults, set_allocator_defaults
+    from conveyor.workers.ranks.perf import allocator_env_defaults, set_allocator_defaults
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert allocator_env_defaults() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -57,9 +57,9 @@ def test_a_worker_phase_that_allocates_more_reports_more(monkeypatch: pytest.Mon
     from conveyor.data_plane import make_data_plane
     from conveyor.trainer.plan import build_run_plan
     from conveyor.trainer.setup import prepare_default_model
-    from conveyor.workers.actor import PolicyWorker
-    from conveyor.workers.calls import LogProbCall
-    from conveyor.workers.settings import actor_settings
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.calls import LogProbCall
+    from conveyor.workers.ranks.settings import actor_settings
     from update_batches import ragged_update_fields
 
     cfg = load_config(None, ["data.synthetic.num_train=64", "data.synthetic.num_val=8",

@@ -22,7 +22,7 @@ from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm, sav
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.models.value_head import ValueModel
-from conveyor.workers.loading import load_role_model, loads_from_rank0, non_persistent_buffers
+from conveyor.workers.training.loading import load_role_model, loads_from_rank0, non_persistent_buffers
 
 RANKS_SCRIPT = Path(__file__).with_name("loading_ranks.py")
 WORLD = 2

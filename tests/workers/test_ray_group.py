@@ -19,13 +19,13 @@ from conveyor.data_plane import FieldNotFoundError, make_data_plane  # noqa: E40
 from conveyor.metrics.reduce import reduce_rank_metrics  # noqa: E402
 from conveyor.protocol import KVBatchMeta  # noqa: E402
 from conveyor.trainer.setup import prepare_default_model  # noqa: E402
-from conveyor.workers.actor import PolicyWorker  # noqa: E402
-from conveyor.workers.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
-from conveyor.workers.ray_group import RankDied, RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
-from conveyor.workers.reference import ReferenceWorker  # noqa: E402
-from conveyor.workers.roles import worker_specs  # noqa: E402
+from conveyor.workers.ranks.actor import PolicyWorker  # noqa: E402
+from conveyor.workers.placement.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
+from conveyor.workers.placement.ray_group import RankDied, RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
+from conveyor.workers.ranks.reference import ReferenceWorker  # noqa: E402
+from conveyor.workers.placement.roles import worker_specs  # noqa: E402
 from conveyor.trainer.plan import build_run_plan  # noqa: E402
-from conveyor.workers.calls import LogProbCall, UpdateCall  # noqa: E402
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall  # noqa: E402
 from update_batches import ragged_update_fields  # noqa: E402
 
 OVERRIDES = [
@@ -147,8 +147,8 @@ def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path)
 
 def test_a_tagged_handle_is_split_by_tokens_and_logs_the_imbalance(env, two_ranks) -> None:
     """seq_len tags (prompt + response tokens) balance the ranks' shares; the call reports the split's imbalance."""
-    from conveyor.workers.balance import imbalance, sequence_lengths, with_seq_lens
-    from conveyor.workers.group import split_for_ranks
+    from conveyor.workers.training.balance import imbalance, sequence_lengths, with_seq_lens
+    from conveyor.workers.placement.group import split_for_ranks
 
     _, _, dp = env
     meta = _put_batch(dp, "balance", 40)

@@ -12,8 +12,9 @@ from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers.rollout import RolloutWorker, _engine_dtype
-from conveyor.workers.settings import rollout_settings
+from conveyor.weights import StagedWeights
+from conveyor.workers.ranks.rollout import RolloutWorker
+from conveyor.workers.ranks.settings import rollout_settings
 from test_strategies import BASE  # tests/workers on sys.path
 
 
@@ -33,12 +34,15 @@ def _new_weights(worker: RolloutWorker) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16])
 def test_staged_copies_are_host_copies_at_the_engine_dtype(replica: RolloutWorker, monkeypatch, engine_dtype) -> None:
-    monkeypatch.setattr(replica, "_engine_dtype", engine_dtype)  # bfloat16: a vllm replica with rollout.dtype=bfloat16
+    # bfloat16: a vllm replica's (rollout.dtype, or bf16 on CUDA)
+    monkeypatch.setattr(replica, "staged", StagedWeights(engine_dtype))
     sent = _new_weights(replica)
-    replica._stage(5, iter(sent))
-    staged = replica._staged[5]
-    assert [n for n, _ in staged] == [n for n, _ in sent]
-    for (_, got), (_, original) in zip(staged, sent):
+    replica.staged.stage(5, iter(sent))
+    staged = replica.staged.newest_after(4)
+    assert staged is not None and staged[0] == 5
+    replica.staged.stage(5, iter(sent))  # newest_after removed it: stage it again for the load below
+    assert [n for n, _ in staged[1]] == [n for n, _ in sent]
+    for (_, got), (_, original) in zip(staged[1], sent):
         assert got.device.type == "cpu" and got.dtype == engine_dtype
         assert got.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()  # the buffer is reused
         torch.testing.assert_close(got, original.to(engine_dtype), rtol=0, atol=0)
@@ -48,7 +52,6 @@ def test_staged_copies_are_host_copies_at_the_engine_dtype(replica: RolloutWorke
         torch.testing.assert_close(own[name], tensor.to(engine_dtype).to(own[name].dtype), rtol=0, atol=0)
 
 
-def test_the_engine_dtype_is_the_one_it_serves_in() -> None:
-    assert _engine_dtype(True, "float32", "bfloat16") == torch.float32  # hf ignores rollout.dtype
-    assert _engine_dtype(False, "float32", "bfloat16") == torch.bfloat16
-    assert _engine_dtype(False, "float32", None) == torch.float32
+def test_an_hf_replica_stages_at_its_models_dtype(replica: RolloutWorker) -> None:
+    # The hf replica serves its own model's parameters (float32 here), whatever rollout.dtype says.
+    assert replica.staged.dtype == torch.float32

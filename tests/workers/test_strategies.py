@@ -23,12 +23,12 @@ from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.trainer.plan import build_run_plan
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.calls import LogProbCall, UpdateCall
-from conveyor.workers.critic import CriticWorker
-from conveyor.workers.settings import actor_settings, critic_settings
-from conveyor.workers.strategy import TrainingStrategy, resolve_strategy
-from conveyor.workers.shards import load_model_weights
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+from conveyor.workers.ranks.critic import CriticWorker
+from conveyor.workers.ranks.settings import actor_settings, critic_settings
+from conveyor.workers.training.strategy import TrainingStrategy, resolve_strategy
+from conveyor.workers.training.shards import load_model_weights
 from conveyor.algos.trajectory import span_lengths
 from update_batches import ragged_update_fields
 
@@ -418,7 +418,7 @@ def _plane_meta(fields: dict, extra: dict):
 def test_token_budget_update_takes_the_fixed_micro_batch_gradient(model_path: str, batches, replay: bool) -> None:
     """Micro-batches of at most 16 tokens (5 passes of 1 or 2 rows, regrouped, their padding columns dropped, with
     the routing they replay under R3) against 3 rows a pass: the same gradient."""
-    from conveyor.workers.batching import TokenBudget, plan_micro_batches, take
+    from conveyor.workers.training.batching import TokenBudget, plan_micro_batches, take
     from tensordict import TensorDict
 
     fields = batches[replay]
@@ -448,8 +448,8 @@ def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: 
     """Old log-probs and entropy, reference log-probs and values, with micro-batches of at most 9 or 16 tokens
     (one or two rows each, not in row order, without their padding columns), equal the fixed micro-batches' at the
     same keys; under R3, replaying the rollout's routing over the kept columns."""
-    from conveyor.workers.reference import ReferenceWorker
-    from conveyor.workers.settings import reference_settings
+    from conveyor.workers.ranks.reference import ReferenceWorker
+    from conveyor.workers.ranks.settings import reference_settings
 
     fields = batches[replay]
     entropy_call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()

@@ -38,7 +38,7 @@ from conveyor.tasks.rewards import (
 )
 from conveyor.algos.trajectory import span_lengths
 from conveyor.user_code import is_file_source, user_attribute
-from conveyor.workers.perf import result_handle
+from conveyor.workers.ranks.perf import result_handle
 
 __all__ = ["RewardWorker", "SampleRewardError", "load_custom_reward_fn", "overlong_penalty"]
 

@@ -3,7 +3,7 @@
 A `RolloutWorker` is a forward-only role: it holds an engine (built from the
 registry, `conveyor.rollout.base`, like the actor's colocated one) and no
 optimizer, no learning-rate schedule, no strategy. Its `generate_sequences`
-is the actor's (`conveyor.workers.generation.Generation`): it reads the
+is the actor's (`conveyor.workers.ranks.generation.Generation`): it reads the
 prompts from the data plane and writes the rollout's fields back, so a step's
 stages do not know where the rollout ran.
 
@@ -49,10 +49,10 @@ from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
 from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
 from conveyor.tasks.prompts import PromptEncoder
-from conveyor.workers.generation import Generation
-from conveyor.workers.perf import set_allocator_defaults
-from conveyor.workers.settings import RolloutSettings
-from conveyor.workers.strategy import TrainingStrategy
+from conveyor.workers.ranks.generation import Generation
+from conveyor.workers.ranks.perf import set_allocator_defaults
+from conveyor.workers.ranks.settings import RolloutSettings
+from conveyor.workers.training.strategy import TrainingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
                    trust_remote_code: bool) -> torch.nn.Module:
     """The model an engine is built over: real weights for one that samples from it, a meta skeleton otherwise."""
     if own_weights:
-        from conveyor.workers.loading import load_role_model
+        from conveyor.workers.training.loading import load_role_model
 
         model = load_role_model(model_path, strategy_name="none", world_size=1, rank=0, device=device, dtype=dtype,
                                 trust_remote_code=trust_remote_code)
@@ -76,9 +76,6 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
     return model.eval()
 
 
-def _engine_dtype(shares_trainer_modules: bool, model_dtype: str, rollout_dtype: str | None) -> torch.dtype:
-    """The dtype a replica's engine holds its weights in: an hf replica its model's; vllm rollout.dtype, else the model's."""
-    return getattr(torch, model_dtype if shares_trainer_modules or rollout_dtype is None else rollout_dtype)
 
 
 class RolloutWorker:
@@ -122,8 +119,8 @@ class RolloutWorker:
         self.version = -1
         self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
         # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded, at the
-        # engine's dtype.
-        self.staged = StagedWeights(_engine_dtype(shares, m.dtype, ro.dtype))
+        # engine's dtype: an hf replica's model's own; an engine with its own weights rollout.dtype, else bf16 on CUDA.
+        self.staged = StagedWeights(getattr(torch, m.dtype if shares else ro.engine_dtype(m.dtype, self.device.type)))
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""

@@ -4,7 +4,7 @@ The trainer builds a call (`GenerateCall(...)`), puts it into the handle with
 `meta.with_extra_info(**call.to_extra_info())`, and the worker reads it back
 with `GenerateCall.from_extra_info(meta.extra_info)`. What stays the same for
 the whole run is not a call parameter: it is in the role's settings
-(`conveyor.workers.settings`), decided once by the run plan.
+(`conveyor.workers.ranks.settings`), decided once by the run plan.
 
 How call parameters and results share `extra_info`: a call parameter's key is
 a plain identifier (`temperature`, `calculate_entropy`, `compute_loss`, the

@@ -4,13 +4,13 @@ Every endpoint takes a handle, reads the fields it needs from the data plane,
 computes, writes its outputs back and returns a handle whose `extra_info` holds
 this rank's metrics (token-weighted ones as `@sum`/`@count` pairs, see
 `conveyor.metrics.reduce`) and memory figures. The call's parameters come
-typed (`conveyor.workers.calls`); what holds for the whole run comes in its
-`ActorSettings` (`conveyor.workers.settings`), decided once by the run plan.
+typed (`conveyor.workers.ranks.calls`); what holds for the whole run comes in its
+`ActorSettings` (`conveyor.workers.ranks.settings`), decided once by the run plan.
 How the ranks of the role hold the model (one rank, DDP replicas or FSDP2
-shards) is its `TrainedModel`'s business (`conveyor.workers.strategy`); where
+shards) is its `TrainedModel`'s business (`conveyor.workers.training.strategy`); where
 the ranks run is the worker group's. The frozen reference has its own worker
-(`conveyor.workers.reference`), sharing the log-prob forward
-(`conveyor.workers.forward`).
+(`conveyor.workers.ranks.reference`), sharing the log-prob forward
+(`conveyor.workers.ranks.forward`).
 
 Under a multi-rank strategy the update's forward is the Hugging Face forward
 through the strategy's wrapper (FSDP2 and DDP act in the module's own forward
@@ -47,14 +47,14 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, RolloutEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
-from conveyor.workers.batching import plan_micro_batches, take
-from conveyor.workers.calls import LogProbCall, UpdateCall
-from conveyor.workers.generation import Generation
-from conveyor.workers.forward import PolicyForward, sequence_inputs
-from conveyor.workers.loading import load_role_model
-from conveyor.workers.settings import ActorSettings, role_strategy
-from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
-from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
+from conveyor.workers.training.batching import plan_micro_batches, take
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+from conveyor.workers.ranks.generation import Generation
+from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
+from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.ranks.settings import ActorSettings, role_strategy
+from conveyor.workers.training.strategy import CheckpointEndpoints, TrainedModel
+from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class PolicyWorker(CheckpointEndpoints):
         m, acfg = settings.model, settings.actor
         trust = m.trust_remote_code
         strategy = role_strategy(acfg.strategy, acfg.fsdp_config, world_size, self.device)
-        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
                                      device=self.device, dtype=m.dtype, trust_remote_code=trust)
         self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=trust)
@@ -266,7 +266,7 @@ class PolicyWorker(CheckpointEndpoints):
 
     @property
     def interrupt(self) -> Callable[[int], bool] | None:
-        """A partial rollout's hook, called between the engine's tokens (`conveyor.workers.generation`)."""
+        """A partial rollout's hook, called between the engine's tokens (`conveyor.workers.ranks.generation`)."""
         return self.generation.interrupt if self.generation is not None else None
 
     @interrupt.setter

@@ -1,7 +1,7 @@
 """One rank's rollout: an engine, and the agent loop over it, turning a handle's prompts into the rollout's fields.
 
 `Generation` is what the actor worker (colocated placement) and the rollout
-worker (separate placement, `conveyor.workers.rollout`) both run for
+worker (separate placement, `conveyor.workers.ranks.rollout`) both run for
 `generate_sequences`: it reads `prompts` and `prompt_mask` from the data
 plane (or renders them from the records the call carries, `RENDER_PROMPTS`,
 and writes them with its own fields), samples with the rank's engine (built
@@ -33,10 +33,10 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder
-from conveyor.workers.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
-from conveyor.workers.calls import GenerateCall
-from conveyor.workers.forward import micro_batches
-from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle
+from conveyor.workers.training.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
+from conveyor.workers.ranks.calls import GenerateCall
+from conveyor.workers.ranks.forward import micro_batches
+from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle
 
 __all__ = ["Generation", "pad_responses"]
 

@@ -5,7 +5,7 @@ response) into k parts whose sums are close: Karmarkar-Karp's largest
 differencing method, optionally with every part holding the same number of
 items (within one), followed by a few swaps between the heaviest and the
 lightest part. The worker groups use it to give every rank about the same
-number of tokens (`conveyor.workers.group.split_for_ranks`).
+number of tokens (`conveyor.workers.placement.group.split_for_ranks`).
 
 `seq_len` is the tag a handle carries per sample: the prompt's length when the
 prompts are written, the prompt plus the response once the rollout has run

@@ -1,6 +1,6 @@
 """Expert parallelism for the fsdp2 strategy: the expert sharding, its checks and its token counts.
 
-A role's ranks are laid out on two views of the same world (`conveyor.workers.mesh`):
+A role's ranks are laid out on two views of the same world (`conveyor.workers.training.mesh`):
 
 - dense  `("fsdp",)`: attention, norms, routers, embeddings and the LM head are
   FSDP2-sharded over every rank, as under plain fsdp2;
@@ -13,14 +13,14 @@ The expert sharding and the token exchange are transformers' own
 plan and its `AllToAllEP`: an all-to-all to each expert's rank and back, whose
 backward returns the gradients); conveyor applies them to the model it already
 holds instead of loading through `from_pretrained(distributed_config=...)`,
-because its roles load on rank 0 and broadcast (`conveyor.workers.loading`),
+because its roles load on rank 0 and broadcast (`conveyor.workers.training.loading`),
 wrap the layers themselves (activation checkpointing, LoRA, the value model)
 and need the meshes for their own collectives. What transformers does not do,
 and this module does: check the EP size against the model, count the tokens
 each EP rank receives per layer (`CountingAllToAll`, registered as
 `ep_implementation="conveyor_all_to_all"`), and tell expert parameters apart
 for the memory figures. The experts' FSDP2 unit and the clipping over both
-meshes are the strategy's (`conveyor.workers.strategy.FSDP2`).
+meshes are the strategy's (`conveyor.workers.training.strategy.FSDP2`).
 
 It deliberately does not combine with HSDP (a `dp_replicate` dimension), and
 does not cover tensor parallelism or experts not kept as fused parameters.
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from conveyor.workers.mesh import Meshes, collective_device
+from conveyor.workers.training.mesh import Meshes, collective_device
 
 __all__ = ["check_expert_parallel", "expert_modules", "apply_expert_parallel",
            "CountingAllToAll", "tokens_received_metrics"]

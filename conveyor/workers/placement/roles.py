@@ -2,7 +2,7 @@
 
 `worker_specs` is the one place that turns the config and the run plan into
 each role's worker class and constructor arguments (the role's settings,
-`conveyor.workers.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
+`conveyor.workers.ranks.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
 build their ranks from these specs, so a setting cannot reach workers in this
 process and miss those on Ray (or the reverse). The model roles
 (`MODEL_ROLES`: actor, reference, critic) are colocated: rank i of each is
@@ -31,13 +31,13 @@ from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.weights import Endpoints, WeightShipper
-from conveyor.workers.actor import PolicyWorker
-from conveyor.workers.critic import CriticWorker
-from conveyor.workers.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
-from conveyor.workers.reference import ReferenceWorker
-from conveyor.workers.reward import RewardWorker
-from conveyor.workers.rollout import RolloutWorker
-from conveyor.workers.settings import actor_settings, critic_settings, reference_settings, rollout_settings
+from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.critic import CriticWorker
+from conveyor.workers.placement.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
+from conveyor.workers.ranks.reference import ReferenceWorker
+from conveyor.workers.ranks.reward import RewardWorker
+from conveyor.workers.ranks.rollout import RolloutWorker
+from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
     from conveyor.config.plan import RunPlan
@@ -310,7 +310,7 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
     """Every role of the run from `worker_specs`: in this process, or as Ray actors for a multi-rank run."""
     server = None
     if use_ray(cfg):
-        from conveyor.workers.ray_group import build_ray_worker_groups, ray_worker_device
+        from conveyor.workers.placement.ray_group import build_ray_worker_groups, ray_worker_device
 
         device = ray_worker_device(cfg, device)
         specs = worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
@@ -385,7 +385,7 @@ def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: D
                         ) -> tuple[Any, dict[str, Any]]:
     """The reward worker and the rollout group as Ray actors beside this process, on `data_plane` served to them:
     (the server, which the run closes after the workers, their groups)."""
-    from conveyor.workers.ray_group import build_ray_rollout_groups
+    from conveyor.workers.placement.ray_group import build_ray_rollout_groups
 
     server, remote = _served(specs, data_plane, ("reward", "rollout"))
     try:

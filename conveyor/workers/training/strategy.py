@@ -4,7 +4,7 @@ Three strategies behind one small interface, one class each (`STRATEGY_CLASSES`;
 `TrainingStrategy` is `none`, and calling it with a name builds the named one), chosen by
 `actor_rollout_ref.actor.strategy` (and `critic.strategy`, `actor_rollout_ref.ref.strategy`).
 Each distributed strategy runs on the role's named device meshes, built once when it wraps the model
-(`conveyor.workers.mesh.build_meshes`, transformers' dimension names): `("fsdp",)` over every
+(`conveyor.workers.training.mesh.build_meshes`, transformers' dimension names): `("fsdp",)` over every
 rank, `("dp_replicate", "fsdp")` under HSDP (`fsdp_config.fsdp_size`: shard within groups of that
 many ranks, replicate across them) and for `dp` (groups of one), and `("efsdp", "ep")` for the
 experts under expert parallelism. Its own collectives (counts and sums over every rank, one dimension
@@ -67,7 +67,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from conveyor.registry import lookup, registrar
-from conveyor.workers.mesh import collective_device, process_group_backend
+from conveyor.workers.training.mesh import collective_device, process_group_backend
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +227,9 @@ class TrainingStrategy:
 
     @property
     def meshes(self) -> Any:
-        """The role's named device meshes (`conveyor.workers.mesh.Meshes`), built on first use, once."""
+        """The role's named device meshes (`conveyor.workers.training.mesh.Meshes`), built on first use, once."""
         if self._meshes is None:
-            from conveyor.workers.mesh import build_meshes
+            from conveyor.workers.training.mesh import build_meshes
 
             ensure_process_group(self.device)
             # dp is all replicas: its one dimension is `dp_replicate` (with `fsdp` groups of one).
@@ -317,7 +317,7 @@ class TrainingStrategy:
         `perf/expert_param_bytes_gathered` what one MoE layer's forward materialises of its experts' weights
         (all of them under fsdp2, this rank's under EP): what expert parallelism divides by its size.
         """
-        from conveyor.workers.expert_parallel import expert_modules
+        from conveyor.workers.training.expert_parallel import expert_modules
 
         experts = expert_modules(model).values()
         expert_ids = {id(p) for m in experts for p in m.parameters()}
@@ -395,7 +395,7 @@ class FSDP2(TrainingStrategy):
         super().__init__(*args, **kwargs)
         self._fsdp_units: list[nn.Module] = []
         self._root_kept = False  # whether the root stays gathered between a training forward and its backward
-        self._ep: Any = None  # conveyor.workers.expert_parallel.ExpertParallelState under EP
+        self._ep: Any = None  # conveyor.workers.training.expert_parallel.ExpertParallelState under EP
 
     @property
     def expert_parallel(self) -> bool:
@@ -414,7 +414,7 @@ class FSDP2(TrainingStrategy):
             # Pinned host memory serves the copies to and from an accelerator; there is none to pin for otherwise.
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
         if self.expert_parallel:
-            from conveyor.workers.expert_parallel import apply_expert_parallel
+            from conveyor.workers.training.expert_parallel import apply_expert_parallel
 
             self._ep = apply_expert_parallel(model, meshes)
             efsdp = meshes.expert["efsdp"]
@@ -509,7 +509,7 @@ class FSDP2(TrainingStrategy):
         """Under EP: the tokens each EP rank received per layer over the update, as max/mean across the EP group."""
         if self._ep is None:
             return {}
-        from conveyor.workers.expert_parallel import tokens_received_metrics
+        from conveyor.workers.training.expert_parallel import tokens_received_metrics
 
         return tokens_received_metrics(self._ep, self.meshes, self.device)
 
@@ -562,7 +562,7 @@ class TrainedModel:
 
     def __init__(self, model: nn.Module, strategy: TrainingStrategy, *, trainable: bool,
                  optim_cfg: Any = None, total_steps: int = 1, gradient_checkpointing: bool = False):
-        from conveyor.workers.optim import build_optimizer
+        from conveyor.workers.training.optim import build_optimizer
 
         self.checkpointing = gradient_checkpointing and trainable
         if self.checkpointing:
@@ -582,8 +582,8 @@ class TrainedModel:
         self.model = model
         self.strategy = strategy
         # fsdp2 over several ranks: the model came as rank 0's host copy and meta skeletons elsewhere
-        # (conveyor.workers.loading); the shards are allocated after wrapping and filled from rank 0.
-        from conveyor.workers.loading import fill_shards, loads_from_rank0, take_host_weights
+        # (conveyor.workers.training.loading); the shards are allocated after wrapping and filled from rank 0.
+        from conveyor.workers.training.loading import fill_shards, loads_from_rank0, take_host_weights
 
         from_rank0 = loads_from_rank0(strategy.name, strategy.world_size)
         weights = take_host_weights(model, tdist.get_rank()) if from_rank0 else None
@@ -643,7 +643,7 @@ class TrainedModel:
 
     def save(self, path: str) -> dict[str, Any]:
         """Write this rank's shards under `path`; returns the small state (the schedule) rank 0's checkpoint keeps."""
-        from conveyor.workers.shards import save_shards
+        from conveyor.workers.training.shards import save_shards
 
         save_shards(path, self.model, self.optimizer, trainable_only=self.adapters_only)
         extra: dict[str, Any] = {"optim_steps": self.optim_steps}
@@ -653,7 +653,7 @@ class TrainedModel:
 
     def load(self, path: str, extra: dict[str, Any]) -> None:
         """Read the shards under `path` (written by any number of ranks) and the schedule state `extra`."""
-        from conveyor.workers.shards import load_shards
+        from conveyor.workers.training.shards import load_shards
 
         load_shards(path, self.model, self.optimizer, trainable_only=self.adapters_only)
         if self.scheduler is not None:

@@ -15,16 +15,16 @@ from tensordict import TensorDict
 
 from conveyor.algos.losses import compute_value_loss
 from conveyor.data_plane.base import DataPlane
-from conveyor.workers.loading import load_role_model
+from conveyor.workers.training.loading import load_role_model
 from conveyor.models.packing import PackedRows, setup_packing
 from conveyor.models.value_head import ValueModel
 from conveyor.algos.trajectory import response_span
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.batching import in_row_order, plan_micro_batches, take
-from conveyor.workers.forward import sequence_inputs
-from conveyor.workers.settings import CriticSettings, role_strategy
-from conveyor.workers.strategy import CheckpointEndpoints, TrainedModel
-from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
+from conveyor.workers.training.batching import in_row_order, plan_micro_batches, take
+from conveyor.workers.ranks.forward import sequence_inputs
+from conveyor.workers.ranks.settings import CriticSettings, role_strategy
+from conveyor.workers.training.strategy import CheckpointEndpoints, TrainedModel
+from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.metrics.reduce import weighted
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class CriticWorker(CheckpointEndpoints):
         ccfg = settings.critic
         fsdp = ccfg.fsdp_config
         strategy = role_strategy(ccfg.strategy, fsdp, world_size, self.device)
-        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         base = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
                                device=self.device, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
         # The body is taken, not copied: the causal LM is dropped here (its LM head with it).

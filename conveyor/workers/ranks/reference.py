@@ -3,7 +3,7 @@
 It loads the policy's checkpoint frozen (no gradients, no optimizer), holds it
 under its own strategy (`actor_rollout_ref.ref.strategy`: FSDP2 shards the
 parameters and gathers them for each forward) and runs the same log-prob
-forward as the actor (`conveyor.workers.forward.PolicyForward`), without
+forward as the actor (`conveyor.workers.ranks.forward.PolicyForward`), without
 routing replay: the reference's routing is its own. Under `fsdp2` that forward
 gathers one layer at a time; the whole model is never gathered.
 
@@ -23,12 +23,12 @@ from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.packing import setup_packing
 from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.calls import LogProbCall
-from conveyor.workers.forward import PolicyForward
-from conveyor.workers.loading import load_role_model
-from conveyor.workers.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
-from conveyor.workers.settings import ReferenceSettings, role_strategy
-from conveyor.workers.strategy import TrainedModel
+from conveyor.workers.ranks.calls import LogProbCall
+from conveyor.workers.ranks.forward import PolicyForward
+from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
+from conveyor.workers.ranks.settings import ReferenceSettings, role_strategy
+from conveyor.workers.training.strategy import TrainedModel
 
 __all__ = ["ReferenceWorker"]
 
@@ -46,7 +46,7 @@ class ReferenceWorker:
         m, ref = settings.model, settings.ref
         fsdp = ref.fsdp_config
         strategy = role_strategy(ref.strategy, fsdp, world_size, self.device)
-        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.loading).
+        # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
                                      device=self.device, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
         # Before wrapping: the lean forward keeps references to the model's own modules.

@@ -12,7 +12,7 @@ cannot reach a built worker. They are plain dataclasses: Ray pickles them to
 its ranks as they are.
 
 What it deliberately does not do: decide anything (`conveyor.trainer.plan`
-does) or hold per-call parameters (`conveyor.workers.calls`).
+does) or hold per-call parameters (`conveyor.workers.ranks.calls`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from conveyor.workers.batching import TokenBudget, token_budget
-from conveyor.workers.optim import total_optim_steps
+from conveyor.workers.training.batching import TokenBudget, token_budget
+from conveyor.workers.training.optim import total_optim_steps
 
 if TYPE_CHECKING:
     from conveyor.config import Config
     from conveyor.config.plan import RunPlan
-    from conveyor.workers.strategy import TrainingStrategy
+    from conveyor.workers.training.strategy import TrainingStrategy
 
 __all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "RolloutSettings", "actor_settings",
            "reference_settings", "critic_settings", "rollout_settings", "role_strategy"]
@@ -182,7 +182,7 @@ def _actor_defaults(arr: Any) -> dict[str, Any]:
 
 def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> "TrainingStrategy":
     """The `TrainingStrategy` of one role's rank from its `strategy` name and `fsdp_config` section."""
-    from conveyor.workers.strategy import TrainingStrategy
+    from conveyor.workers.training.strategy import TrainingStrategy
 
     return TrainingStrategy(
         name, world_size=world_size, device=device, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,

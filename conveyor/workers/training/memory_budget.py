@@ -66,7 +66,7 @@ def layout_of(config: Any, *, trust_remote_code: bool = False) -> Layout:
     """The `Layout` of a transformers config (built on the meta device: no memory, exact counts)."""
     from transformers import AutoModelForCausalLM
 
-    from conveyor.workers.strategy import decoder_layers
+    from conveyor.workers.training.strategy import decoder_layers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -324,7 +324,7 @@ def misfits(lay: Layout, s: Setup, capacity: float, ranks: int | None = None) ->
 
 def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
     """The `Setup` of a run of `cfg` under `plan` on GPUs of `capacity` bytes (what a rank holds, per the config)."""
-    from conveyor.workers.strategy import mixed_precision, resolve_strategy
+    from conveyor.workers.training.strategy import mixed_precision, resolve_strategy
 
     arr, t, d = cfg.actor_rollout_ref, cfg.trainer, cfg.data
     actor, ro, model = arr.actor, arr.rollout, arr.model

@@ -12,7 +12,7 @@ log-softmax on its response tokens only. It can replay given
 routed experts and record the forward's own routing. `no_grad_log_probs`
 runs it over micro-batches, as both the actor's old-log-prob forward and the
 reference's forward do, of a fixed number of rows or up to a token budget
-(`conveyor.workers.batching`); under a multi-rank strategy every rank runs as
+(`conveyor.workers.training.batching`); under a multi-rank strategy every rank runs as
 many micro-batches as the busiest one (the extra ones are dropped).
 
 Log-probs and entropy come from `logprobs_and_entropy` on the model's own
@@ -35,8 +35,8 @@ from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.models.packing import PackedRows
 from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
 from conveyor.algos.trajectory import response_span
-from conveyor.workers.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
-from conveyor.workers.strategy import TrainedModel
+from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
+from conveyor.workers.training.strategy import TrainedModel
 
 __all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
 

@@ -20,7 +20,7 @@ So a rank's loading peak is its shards plus one tensor in flight (rank 0: plus
 the checkpoint in host memory). `benchmarks/loading.py` measures it.
 
 It deliberately does not choose the strategy or wrap the model itself: the
-strategy does (`conveyor.workers.strategy`), between `take_host_weights` and
+strategy does (`conveyor.workers.training.strategy`), between `take_host_weights` and
 `fill_shards`.
 """
 
@@ -34,7 +34,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm, release_freed_host_memory
-from conveyor.workers.mesh import collective_device
+from conveyor.workers.training.mesh import collective_device
 
 __all__ = ["HostWeights", "fill_shards", "load_role_model", "loads_from_rank0", "non_persistent_buffers",
            "take_host_weights"]

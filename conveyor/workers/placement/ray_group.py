@@ -3,7 +3,7 @@
 `RayWorkerGroup` starts one actor per rank, joins the ranks into a process
 group (gloo on CPU, nccl on GPU; rank 0 picks its node's IP and a free port),
 then builds the worker in every rank from the role's `WorkerSpec` (the same
-spec a `LocalWorkerGroup` builds from, see `conveyor.workers.roles`). A call
+spec a `LocalWorkerGroup` builds from, see `conveyor.workers.placement.roles`). A call
 splits the handle over the ranks (`split_for_ranks`), runs every rank at once
 and merges what they return with `BatchData.concat`, so per-rank metrics
 arrive as lists, one entry per rank. A failure in any rank is reported at once
@@ -12,7 +12,7 @@ original exception's type and message; the other ranks of that role are
 stopped (they may be waiting in a collective that will never complete).
 Ranks on this machine whose every batch is one call (the asynchronous
 rollout's replicas) can take those calls over a Unix socket each instead of
-a Ray task per call (`RayRanks.open_links`, `conveyor.workers.link`), with the
+a Ray task per call (`RayRanks.open_links`, `conveyor.workers.placement.link`), with the
 same errors.
 
 Placement: the data-parallel roles (actor, and the reference and critic when
@@ -26,7 +26,7 @@ a `ValueError` at once (or after `ray.timeout_s` when they exist but are
 busy), never a silent wait.
 
 What it deliberately does not do: restart failed ranks, decide how the ranks
-hold a model (the role's strategy does: `conveyor.workers.strategy`), or start
+hold a model (the role's strategy does: `conveyor.workers.training.strategy`), or start
 Ray (`conveyor.ray_utils.ensure_ray`).
 """
 
@@ -46,9 +46,9 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.protocol import BatchData, KVBatchMeta
-from conveyor.workers.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
+from conveyor.workers.placement.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
                                     split_metrics, wrap_worker_error)
-from conveyor.workers.perf import freeze_heap
+from conveyor.workers.ranks.perf import freeze_heap
 
 __all__ = ["Pending", "RankDied", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
            "build_ray_rollout_groups", "gather_together", "gather_with_local", "ray_worker_device"]
@@ -87,7 +87,7 @@ class _RankActor:
         """Join the ranks' process group on `device_type` ("cuda" or "cpu"; all ranks call this at once)."""
         import torch.distributed as tdist
 
-        from conveyor.workers.strategy import process_group_backend
+        from conveyor.workers.training.strategy import process_group_backend
 
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
                            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)})
@@ -125,9 +125,9 @@ class _RankActor:
         return meta.with_extra_info(**info)
 
     def open_link(self) -> tuple[str, bytes]:
-        """Answer `call` and `call_chain` over a Unix socket too, on a thread of this process (`conveyor.workers.link`:
+        """Answer `call` and `call_chain` over a Unix socket too, on a thread of this process (`conveyor.workers.placement.link`:
         the hot path of a group whose every batch is one call); (address, key) to reach it."""
-        from conveyor.workers.link import serve
+        from conveyor.workers.placement.link import serve
 
         def handle(op: str, *args: Any) -> Any:
             if op not in ("call", "call_chain"):
@@ -325,7 +325,7 @@ class RayRanks:
             remote = _remote_rank_class()
             extra: dict[str, Any] = {}
             if num_gpus > 0:
-                from conveyor.workers.perf import allocator_env_defaults
+                from conveyor.workers.ranks.perf import allocator_env_defaults
 
                 # Set before the process's first CUDA allocation, whatever runs first in it; the user's own
                 # PYTORCH_CUDA_ALLOC_CONF (inherited from the driver's environment) is left alone.
@@ -359,10 +359,10 @@ class RayRanks:
         return RayWorkerGroup._view(self, role)
 
     def open_links(self) -> None:
-        """From now on `call` and `call_chain` reach the ranks over a Unix socket each (`conveyor.workers.link`), not a
+        """From now on `call` and `call_chain` reach the ranks over a Unix socket each (`conveyor.workers.placement.link`), not a
         Ray task per call: for ranks on this machine whose every batch is one call (the asynchronous rollout's
         replicas in processes of their own). Other calls stay Ray's."""
-        from conveyor.workers.link import Link
+        from conveyor.workers.placement.link import Link
 
         if self.links is None:
             ends = self.gather(self.roles[0], "open_link", [a.open_link.remote() for a in self.actors])
@@ -371,7 +371,7 @@ class RayRanks:
     def call_linked(self, role: str, method: str, requests: Sequence[tuple]) -> list[Any]:
         """One request per rank over the links (in rank order; `method` names the call in an error), their answers;
         the first rank to fail is raised as `gather` raises it, once every rank has answered."""
-        from conveyor.workers.link import LinkClosed
+        from conveyor.workers.placement.link import LinkClosed
 
         assert self.links is not None, "open_links first"
         answers: list[Any] = []

@@ -1,13 +1,13 @@
 """Worker groups: where the ranks of a role run, and how one call is split across them and merged back.
 
-A role's handle (`conveyor.workers.roles`) calls `group.call(PolicyWorker.compute_log_prob, meta)`;
+A role's handle (`conveyor.workers.placement.roles`) calls `group.call(PolicyWorker.compute_log_prob, meta)`;
 the group splits the handle across its ranks (balancing tokens when the
 handle's tags carry `seq_len`: prompt + response once the rollout has run;
 the split's `perf/<endpoint>/rank_token_imbalance` joins the merged
 `extra_info`), runs the endpoint on every rank, and merges the
 per-rank handles with `BatchData.concat` (so `extra_info` arrives as one list
 entry per rank). `LocalWorkerGroup` runs one rank in this process;
-`conveyor.workers.ray_group` runs ranks as Ray actors behind the same
+`conveyor.workers.placement.ray_group` runs ranks as Ray actors behind the same
 interface. Both build each rank from the same `WorkerSpec`.
 
 The model roles of a run (actor, reference, critic) share their ranks: rank i
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from conveyor.plugins import load_plugins
 from conveyor.protocol import BatchData, KVBatchMeta
-from conveyor.workers.balance import SEQ_LEN_TAG, balanced_partition, imbalance
+from conveyor.workers.training.balance import SEQ_LEN_TAG, balanced_partition, imbalance
 
 __all__ = [
     "WorkerGroup",
