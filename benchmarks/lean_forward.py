@@ -9,7 +9,7 @@ second):
 - train: the forward over prompt + response and the backward of the summed
   response log-probs, as the actor's update does (`LeanForward.response_logits`
   against `model(...)` with the trainer's attention mask and positions);
-- rollout: `HFRollout.generate` of `--response-len` new tokens from the same
+- rollout: `HFEngine.generate` of `--response-len` new tokens from the same
   prompts (an EOS id outside the vocabulary, so every row runs the full
   length), with and without a `LeanForward`.
 
@@ -36,7 +36,7 @@ import torch
 from conveyor.rollout.base import SamplingParams
 from conveyor.models import build_char_tokenizer, build_tiny_model
 from conveyor.models.lean import LeanForward
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 
 
 def make_batch(tokenizer, prompts: int, n: int, response_len: int, seed: int) -> dict[str, torch.Tensor]:
@@ -116,12 +116,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
     never_eos = len(tokenizer) + 1
     engines = {
-        "hf": HFRollout(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=never_eos),
-        "lean": HFRollout(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=never_eos, lean=lean),
+        "hf": HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=never_eos),
+        "lean": HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=never_eos, lean=lean),
     }
     gen = torch.Generator().manual_seed(args.seed)
 
-    def rollout(engine: HFRollout) -> Callable[[], None]:
+    def rollout(engine: HFEngine) -> Callable[[], None]:
         def run() -> None:
             out = engine.generate(b["prompts"], b["prompt_mask"].long(), SamplingParams(max_new_tokens=args.response_len), generator=gen)
             assert out["responses"].shape == (rows, args.response_len)

@@ -1,8 +1,8 @@
 """Time the rollout engines against `model.generate` at two model sizes, and print tokens/s and ratios.
 
-Engines: `hf` (`HFRollout.generate`, conveyor's decode loop; also timed with
+Engines: `hf` (`HFEngine.generate`, conveyor's decode loop; also timed with
 `capture_routing=True`, to show what recording the MoE routing costs),
-`generate` (Hugging Face's `model.generate`) and `vllm` (`VLLMRollout`, a vLLM
+`generate` (Hugging Face's `model.generate`) and `vllm` (`VLLMEngine`, a vLLM
 engine in this process; on a CPU, vLLM's CPU build). All sample (temperature
 1, no top-k / top-p) from the same model and the same left-padded prompts for
 the same number of new tokens, and no row stops early (the model has no EOS
@@ -38,7 +38,7 @@ import torch
 
 from conveyor.rollout.base import SamplingParams
 from conveyor.models import build_char_tokenizer, build_tiny_model
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 
 #: Model sizes: build_tiny_model arguments.
 SIZES: dict[str, dict] = {
@@ -84,7 +84,7 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     expected = (args.batch, args.new_tokens)
     calls: dict[str, Callable[[], None]] = {}
-    hf = HFRollout(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=never_eos)
+    hf = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=never_eos)
 
     def run_hf(routing: bool) -> Callable[[], None]:
         def call() -> None:
@@ -107,10 +107,10 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
         calls["generate"] = run_generate
     tmp = tempfile.TemporaryDirectory(prefix="conveyor-rollout-bench-")
     if "vllm" in args.engines:
-        from conveyor.rollout.vllm import VLLMRollout
+        from conveyor.rollout.vllm import VLLMEngine
 
         model.save_pretrained(tmp.name)
-        engine = VLLMRollout(tmp.name, hf_config=model.config, pad_token_id=tokenizer.pad_token_id,
+        engine = VLLMEngine(tmp.name, hf_config=model.config, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=never_eos, dtype=args.dtype, max_model_len=ids.shape[1] + args.new_tokens,
                              max_num_seqs=args.batch, seed=args.seed, device=args.device, free_cache_engine=False,
                              gpu_memory_utilization=args.gpu_memory_utilization)

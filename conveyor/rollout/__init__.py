@@ -1,8 +1,8 @@
 """Rollout engines: turn prompts into sampled responses, their log-probs and (for MoE) their routing.
 
-Every engine is a `RolloutEngine` (`conveyor.rollout.base`): it takes `SamplingParams`, returns a
-`RolloutOutput` and declares its capabilities; `ROLLOUT_ENGINES` is the registry
-`actor_rollout_ref.rollout.name` chooses from. `HFRollout` (Hugging Face model, our own decode loop) is
+Every engine is a `GenerationEngine` (`conveyor.rollout.base`): it takes `SamplingParams`, returns a
+`GenerationOutput` and declares its capabilities; `ROLLOUT_ENGINES` is the registry
+`actor_rollout_ref.rollout.name` chooses from. `HFEngine` (Hugging Face model, our own decode loop) is
 the default; `conveyor.rollout.vllm` serves with vLLM. `AgentLoop` runs multi-turn rollouts with tools
 over any engine that stops at token sequences (actor_rollout_ref.rollout.multi_turn; see docs/agent.md),
 and `trajectory` says where a response with tool tokens ends (the trainer's weights reach an engine
@@ -10,11 +10,11 @@ through `conveyor.weights`). This package does not score responses or talk to th
 """
 
 from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, build_agent_loop
-from conveyor.rollout.base import (ROLLOUT_ENGINES, EngineCapabilities, EngineContext, EngineSpec, RolloutEngine,
-                                   RolloutOutput, SamplingParams, engine_spec, mask_unfed_routing)
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.base import (ROLLOUT_ENGINES, EngineCapabilities, EngineContext, EngineSpec, GenerationEngine,
+                                   GenerationOutput, SamplingParams, engine_spec, mask_unfed_routing)
+from conveyor.rollout.hf import HFEngine
 from conveyor.algos.trajectory import response_span, segments, span_lengths
 
-__all__ = ["AgentLoop", "AgentLoopSettings", "EngineCapabilities", "EngineContext", "EngineSpec", "HFRollout",
-           "ROLLOUT_ENGINES", "RolloutEngine", "RolloutOutput", "SamplingParams", "build_agent_loop", "engine_spec",
+__all__ = ["AgentLoop", "AgentLoopSettings", "EngineCapabilities", "EngineContext", "EngineSpec", "HFEngine",
+           "ROLLOUT_ENGINES", "GenerationEngine", "GenerationOutput", "SamplingParams", "build_agent_loop", "engine_spec",
            "mask_unfed_routing", "response_span", "segments", "span_lengths"]

@@ -2,7 +2,7 @@
 
 `AgentLoop.run` takes the same left-padded prompts and `SamplingParams` as
 any engine's `generate` (conveyor.rollout.base) and returns the same
-`RolloutOutput`, over any engine that declares stop sequences (hf, vllm), so the rest of the trainer is unchanged: each
+`GenerationOutput`, over any engine that declares stop sequences (hf, vllm), so the rest of the trainer is unchanged: each
 sample's whole trajectory (model turns and tool answers, in order) is one
 right-padded `responses` row, and `response_mask` is 1 on the tokens the
 model sampled and 0 on tool tokens, so losses, KL, entropy, advantages and
@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
-from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, mask_unfed_routing
+from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
 from conveyor.algos.trajectory import response_span
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
@@ -132,7 +132,7 @@ class AgentLoop:
 
     def __init__(
         self,
-        rollout: RolloutEngine,
+        rollout: GenerationEngine,
         tokenizer: Any,
         tools: dict[str, Tool],
         call_format: CallFormat,
@@ -164,7 +164,7 @@ class AgentLoop:
         params: SamplingParams,
         *,
         generator: torch.Generator | None = None,
-    ) -> RolloutOutput:
+    ) -> GenerationOutput:
         """Trajectories for left-padded prompts (B, P): `generate`'s fields plus `metrics` and per-sample `tool_rewards`.
 
         `params.max_new_tokens` is the whole trajectory's budget; the loop adds its tool-call stop sequences.
@@ -316,7 +316,7 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ output
     def _assemble(self, samples: list[_Sample], prompt_width: int, capture_routing: bool,
-                  device: torch.device) -> RolloutOutput:
+                  device: torch.device) -> GenerationOutput:
         """The `generate` fields over all trajectories, right-padded to the longest, plus metrics."""
         batch = len(samples)
         width = max(1, max(len(s.tokens) for s in samples))
@@ -341,7 +341,7 @@ class AgentLoop:
                 routed[i, prompt_width - p:prompt_width + n] = s.routing[:p + n]
             # The engines' rule, over the trajectory's span: its last model token was never fed.
             routed = mask_unfed_routing(routed, prompt_mask, response_span(model_mask).sum(-1))
-        out = RolloutOutput(responses=responses, response_mask=model_mask, rollout_log_probs=log_probs,
+        out = GenerationOutput(responses=responses, response_mask=model_mask, rollout_log_probs=log_probs,
                             routed_experts=routed).to(device)
         return out.replace(tool_rewards=torch.tensor([s.tool_reward for s in samples], dtype=torch.float32),
                            metrics=self._metrics(samples, model_mask, responses))
@@ -372,7 +372,7 @@ class AgentLoop:
         return m
 
 
-def build_agent_loop(multi_turn: Any, rollout: RolloutEngine, tokenizer: Any) -> Optional[AgentLoop]:
+def build_agent_loop(multi_turn: Any, rollout: GenerationEngine, tokenizer: Any) -> Optional[AgentLoop]:
     """The agent loop of `actor_rollout_ref.rollout.multi_turn` (a MultiTurnConfig), or None when it is off."""
     if not multi_turn.enable:
         return None

@@ -1,8 +1,8 @@
 """The rollout engine interface: what every engine takes, returns, declares and is built from.
 
-An engine (`RolloutEngine`) turns left-padded prompts into sampled
+An engine (`GenerationEngine`) turns left-padded prompts into sampled
 responses. Every engine takes the same `SamplingParams` and returns the same
-`RolloutOutput`, with one routing convention (`mask_unfed_routing`), and
+`GenerationOutput`, with one routing convention (`mask_unfed_routing`), and
 declares what it can do on a device (`EngineCapabilities`). The agent loop,
 the actor worker and the run plan talk to engines through this module only;
 none of them tests an engine's name.
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from conveyor.registry import lookup, registrar
 
-__all__ = ["EngineCapabilities", "EngineContext", "EngineSpec", "ROLLOUT_ENGINES", "RolloutEngine", "RolloutOutput",
+__all__ = ["EngineCapabilities", "EngineContext", "EngineSpec", "ROLLOUT_ENGINES", "GenerationEngine", "GenerationOutput",
            "SamplingParams", "engine_spec", "mask_unfed_routing", "register_rollout_engine"]
 
 
@@ -90,7 +90,7 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RolloutOutput(Mapping):
+class GenerationOutput(Mapping):
     """What every engine returns for B left-padded prompts of width P, read like a dict of its present fields.
 
     `responses` (B, R) long, right-padded with the pad token; `response_mask` (B, R) bool, through EOS (for
@@ -121,17 +121,17 @@ class RolloutOutput(Mapping):
     def __len__(self) -> int:
         return len(self._present())
 
-    def to(self, device: torch.device | str) -> RolloutOutput:
+    def to(self, device: torch.device | str) -> GenerationOutput:
         """The same output with its tensors on `device`."""
         moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.items()}
-        return RolloutOutput(**moved)
+        return GenerationOutput(**moved)
 
-    def replace(self, **changes: Any) -> RolloutOutput:
+    def replace(self, **changes: Any) -> GenerationOutput:
         """A copy with `changes`."""
         return dataclasses.replace(self, **changes)
 
 
-_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(RolloutOutput))
+_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationOutput))
 
 
 def mask_unfed_routing(routed: Tensor, prompt_mask: Tensor, span_lengths: Tensor) -> Tensor:
@@ -153,7 +153,7 @@ def mask_unfed_routing(routed: Tensor, prompt_mask: Tensor, span_lengths: Tensor
     return routed.masked_fill(~known[..., None], -1)
 
 
-class RolloutEngine(abc.ABC):
+class GenerationEngine(abc.ABC):
     """One rollout engine in one process: generate, take new weights, sleep and wake, close.
 
     `capabilities` are the engine's on its device. `weights_version` is the actor's optimizer-step count of
@@ -169,7 +169,7 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams, *,
                  generator: torch.Generator | None = None, interrupt: Callable[[int], bool] | None = None,
-                 synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+                 synced: Callable[[bool], bool] | None = None) -> GenerationOutput:
         """Sample per left-padded prompt (`input_ids`, `attention_mask`: (B, P)) under `params`.
 
         `generator` seeds the sampling (on the engine's device). `interrupt` (interruptible engines only) is
@@ -248,7 +248,7 @@ class EngineSpec:
         if check is not None:
             check(hf_config, device=device, max_model_len=max_model_len, source=source, length_key=length_key)
 
-    def build(self, context: EngineContext) -> RolloutEngine:
+    def build(self, context: EngineContext) -> GenerationEngine:
         """The engine, built by its module's `build_engine(context)` in the calling worker's process."""
         build = self._hook("build_engine")
         if build is None:

@@ -1,6 +1,6 @@
 """Batched sampling from a Hugging Face causal LM with a KV cache: the default rollout engine.
 
-`HFRollout.generate` runs one prefill forward over the left-padded prompts and
+`HFEngine.generate` runs one prefill forward over the left-padded prompts and
 then one single-token forward per step with a `DynamicCache`, in a decode loop
 of our own rather than `model.generate`: it records exactly what the trainer
 needs (per-token log-probs, routing aligned with the sequence) and carries
@@ -49,10 +49,10 @@ from transformers import DynamicCache, PreTrainedModel
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
-from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
+from conveyor.rollout.base import (EngineContext, GenerationEngine, GenerationOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
-__all__ = ["HFRollout", "build_engine"]
+__all__ = ["HFEngine", "build_engine"]
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -126,16 +126,16 @@ class _Sampler:
         return _sample(probs, self.generator), logp
 
 
-class HFRollout(RolloutEngine):
+class HFEngine(GenerationEngine):
     """Batched sampling with a KV cache from a Hugging Face causal LM (`model`), in our own decode loop."""
 
     def __init__(
         self, model: PreTrainedModel, *, pad_token_id: int, eos_token_id: int, lean: LeanForward | None = None
     ) -> None:
         if pad_token_id is None:
-            raise ValueError("HFRollout: `pad_token_id` is None; the tokenizer needs a pad token")
+            raise ValueError("HFEngine: `pad_token_id` is None; the tokenizer needs a pad token")
         if eos_token_id is None:
-            raise ValueError("HFRollout: `eos_token_id` is None; the tokenizer needs an EOS token")
+            raise ValueError("HFEngine: `eos_token_id` is None; the tokenizer needs an EOS token")
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.eos_token_id = int(eos_token_id)
@@ -153,7 +153,7 @@ class HFRollout(RolloutEngine):
         generator: torch.Generator | None = None,
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
-    ) -> RolloutOutput:
+    ) -> GenerationOutput:
         """Sample up to `params.max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
 
         `interrupt`, when given, is called after every sampled token that is not the last, with the number
@@ -164,12 +164,12 @@ class HFRollout(RolloutEngine):
         every rank is: decoding goes on until the last rank is done, so every rank runs the same number of
         forwards, as forwards over FSDP2 shards (each one gathers the layers in turn) need. It runs the Hugging
         Face forward (the lean forward bypasses the module hooks that gather the layers).
-        Returns a `RolloutOutput` (`routed_experts` with `params.capture_routing` on an MoE model, int16);
+        Returns a `GenerationOutput` (`routed_experts` with `params.capture_routing` on an MoE model, int16);
         `generator` must live on the model's device.
         """
         _check_inputs(input_ids, attention_mask)
         if synced is not None and interrupt is not None:
-            raise ValueError("HFRollout.generate: `synced` and `interrupt` do not combine (a partial rollout runs on "
+            raise ValueError("HFEngine.generate: `synced` and `interrupt` do not combine (a partial rollout runs on "
                              "one rank)")
         lean = None if synced is not None else self.lean
         model = self.model
@@ -177,10 +177,10 @@ class HFRollout(RolloutEngine):
         input_ids = input_ids.to(device=device, dtype=torch.long)
         prompt_mask = attention_mask.to(device=device, dtype=torch.long)
         if not bool(prompt_mask.any(dim=-1).all()):
-            raise ValueError("HFRollout.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
+            raise ValueError("HFEngine.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
         if not bool((prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all()):
             raise ValueError(
-                "HFRollout.generate: `attention_mask` has padding after a real token; pad prompts on the left "
+                "HFEngine.generate: `attention_mask` has padding after a real token; pad prompts on the left "
                 "(tokenizer.padding_side = 'left')"
             )
         sampler = _Sampler(float(params.temperature), int(params.top_k), float(params.top_p), bool(params.do_sample),
@@ -201,7 +201,7 @@ class HFRollout(RolloutEngine):
         """Copy the given tensors into the model's own (by Hugging Face name); returns the seconds taken.
 
         Colocated with the actor the engine samples from the trainer's own modules and is never given any; a
-        separate replica (`conveyor.workers.ranks.rollout`) holds a copy, which this keeps in step.
+        separate replica (`conveyor.workers.ranks.replica`) holds a copy, which this keeps in step.
         """
         import time
 
@@ -212,7 +212,7 @@ class HFRollout(RolloutEngine):
             for name, tensor in named_tensors:
                 target = own.get(name)
                 if target is None:
-                    raise KeyError(f"HFRollout.update_weights: the model has no tensor {name!r}")
+                    raise KeyError(f"HFEngine.update_weights: the model has no tensor {name!r}")
                 target.copy_(tensor)
         self.weights_version = version
         return time.perf_counter() - t0
@@ -229,7 +229,7 @@ class HFRollout(RolloutEngine):
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
         lean: LeanForward | None = None,
-    ) -> RolloutOutput:
+    ) -> GenerationOutput:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
@@ -294,7 +294,7 @@ class HFRollout(RolloutEngine):
                     routed[:, prompt_len + t] = engine.pop_routing()[:, 0]
 
         mask = response_mask[:, :steps].contiguous()
-        return RolloutOutput(
+        return GenerationOutput(
             responses=responses[:, :steps].contiguous(), response_mask=mask,
             rollout_log_probs=log_probs[:, :steps].contiguous(),
             routed_experts=(mask_unfed_routing(routed[:, : prompt_len + steps], prompt_mask, mask.sum(dim=-1))
@@ -413,17 +413,17 @@ def _stop_tensors(stop_sequences: Sequence[Sequence[int]], device: torch.device)
 
 def _check_inputs(input_ids: Tensor, attention_mask: Tensor) -> None:
     if input_ids.dim() != 2:
-        raise ValueError(f"HFRollout.generate: `input_ids` must be (B, P), got shape {tuple(input_ids.shape)}")
+        raise ValueError(f"HFEngine.generate: `input_ids` must be (B, P), got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"HFRollout.generate: `attention_mask` shape {tuple(attention_mask.shape)} differs from "
+            f"HFEngine.generate: `attention_mask` shape {tuple(attention_mask.shape)} differs from "
             f"`input_ids` shape {tuple(input_ids.shape)}"
         )
     if input_ids.shape[1] == 0:
-        raise ValueError("HFRollout.generate: `input_ids` has no prompt tokens")
+        raise ValueError("HFEngine.generate: `input_ids` has no prompt tokens")
 
 
-def build_engine(context: EngineContext) -> HFRollout:
+def build_engine(context: EngineContext) -> HFEngine:
     """The hf engine of a worker: a decode loop over the actor's own modules (and its lean forward, if any)."""
-    return HFRollout(context.model, pad_token_id=context.tokenizer.pad_token_id,
+    return HFEngine(context.model, pad_token_id=context.tokenizer.pad_token_id,
                      eos_token_id=context.tokenizer.eos_token_id, lean=context.lean)

@@ -1,8 +1,8 @@
 """Sampling with vLLM in the actor's process: the `vllm` rollout engine (actor_rollout_ref.rollout.name=vllm).
 
-`VLLMRollout` is a `RolloutEngine` (conveyor.rollout.base): `generate`
+`VLLMEngine` is a `GenerationEngine` (conveyor.rollout.base): `generate`
 takes the same left-padded prompts and `SamplingParams` as every engine and
-returns the same `RolloutOutput` (right-padded `responses`, a `response_mask`
+returns the same `GenerationOutput` (right-padded `responses`, a `response_mask`
 through EOS, the sampled tokens' `rollout_log_probs`, and `routed_experts`
 where the engine can return them), so every later stage of a step, and the
 multi-turn agent loop, is unchanged.
@@ -81,10 +81,10 @@ import torch
 from torch import Tensor
 
 from conveyor.weights import cast_weights, engine_names
-from conveyor.rollout.base import (EngineContext, RolloutEngine, RolloutOutput, SamplingParams, engine_spec,
+from conveyor.rollout.base import (EngineContext, GenerationEngine, GenerationOutput, SamplingParams, engine_spec,
                                    mask_unfed_routing)
 
-__all__ = ["VLLMRollout", "build_engine", "check_servable", "executor_in_process", "import_vllm", "layer_buckets",
+__all__ = ["VLLMEngine", "build_engine", "check_servable", "executor_in_process", "import_vllm", "layer_buckets",
            "reload_vllm", "replica_layout", "select_sparse_layers", "sleeps_between_rollouts", "validate_config"]
 
 logger = logging.getLogger(__name__)
@@ -392,7 +392,7 @@ def _shutdown_keeping_trainer_world(engine_core: Any) -> None:
         engine_core.shutdown()
 
 
-class VLLMRollout(RolloutEngine):
+class VLLMEngine(GenerationEngine):
     """Batched sampling with a vLLM engine over the checkpoint at `model_path`, fed new weights by `update_weights`."""
 
     def __init__(
@@ -419,7 +419,7 @@ class VLLMRollout(RolloutEngine):
         bucket_bytes: int = 512 << 20,
     ) -> None:
         if pad_token_id is None or eos_token_id is None:
-            raise ValueError("VLLMRollout: the tokenizer needs a pad token and an EOS token")
+            raise ValueError("VLLMEngine: the tokenizer needs a pad token and an EOS token")
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -548,7 +548,7 @@ class VLLMRollout(RolloutEngine):
         # Full KV blocks of prompts seen before (a system prompt, a chat template, the validation set) were
         # computed by the old weights; vLLM would reuse them. A level-2 sleep clears them; nothing else does.
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("VLLMRollout.update_weights: vLLM could not reset its prefix cache (requests still "
+            raise RuntimeError("VLLMEngine.update_weights: vLLM could not reset its prefix cache (requests still "
                                "hold KV blocks); the engine would serve KV of the old weights")
         self.holds_weights = True
         self.weights_version = version
@@ -584,7 +584,7 @@ class VLLMRollout(RolloutEngine):
         generator: torch.Generator | None = None,
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
-    ) -> RolloutOutput:
+    ) -> GenerationOutput:
         """Sample up to `params.max_new_tokens` per left-padded prompt; the same outputs as every engine's.
 
         Each row is its own request with a seed drawn from `generator` (so a row's sample does not depend on
@@ -600,12 +600,12 @@ class VLLMRollout(RolloutEngine):
         ids = input_ids.cpu()
         batch, prompt_len = ids.shape
         if not bool(mask.any(dim=-1).all()):
-            raise ValueError("VLLMRollout.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
+            raise ValueError("VLLMEngine.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
         prompts = [ids[i][mask[i]].tolist() for i in range(batch)]
         seeds = (torch.randint(0, 2**31 - 1, (batch,), generator=generator, device=generator.device).tolist()
                  if generator is not None else [None] * batch)
         if not self.holds_weights:
-            raise RuntimeError("VLLMRollout.generate: the engine holds no weights (a level-2 sleep released them, or "
+            raise RuntimeError("VLLMEngine.generate: the engine holds no weights (a level-2 sleep released them, or "
                                "it was built with load_format=dummy); update_weights first")
         routing = params.capture_routing and self.returns_routing
         rows = [_Row(prompt) for prompt in prompts]
@@ -660,7 +660,7 @@ class VLLMRollout(RolloutEngine):
         # Stopped at a stop sequence's last token without the rest of it: sample on.
         return c.finish_reason == "stop"
 
-    def _collect(self, rows: list[_Row], prompt_mask: Tensor, prompt_len: int, routing: bool) -> RolloutOutput:
+    def _collect(self, rows: list[_Row], prompt_mask: Tensor, prompt_len: int, routing: bool) -> GenerationOutput:
         """The rows' tokens as the rollout's right-padded tensors."""
         batch = len(rows)
         steps = max(1, max(len(r.tokens) for r in rows))
@@ -681,7 +681,7 @@ class VLLMRollout(RolloutEngine):
                 routed[i, start : start + known] = r.routing[:known]
         if routed is not None:
             routed = mask_unfed_routing(routed, prompt_mask, response_mask.sum(dim=-1))
-        return RolloutOutput(responses=responses, response_mask=response_mask, rollout_log_probs=log_probs,
+        return GenerationOutput(responses=responses, response_mask=response_mask, rollout_log_probs=log_probs,
                              routed_experts=routed)
 
 
@@ -708,12 +708,12 @@ class _Row:
         self.routing[:n] = torch.where(take, seg, self.routing[:n])
 
 
-def build_engine(context: EngineContext) -> VLLMRollout:
+def build_engine(context: EngineContext) -> VLLMEngine:
     """A vLLM engine in the worker's process over the checkpoint the actor loaded (it is fed the actor's weights)."""
     from conveyor.models.moe_routing import sparse_decoder_layers
 
     ro = context.rollout
-    return VLLMRollout(
+    return VLLMEngine(
         context.model_path, hf_config=context.model.config, pad_token_id=context.tokenizer.pad_token_id,
         eos_token_id=context.tokenizer.eos_token_id, dtype=ro.engine_dtype(context.model_dtype, context.device.type),
         # In a trainer's world the engine adds its replica to the seed itself (TP ranks of a replica share one);

@@ -51,7 +51,7 @@ from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "Rollout",
+__all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "GenerateAndScore",
            "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
@@ -85,7 +85,7 @@ class Pipeline:
         raise NotImplementedError
 
 
-class Rollout(Pipeline):
+class GenerateAndScore(Pipeline):
     """Stage 2 (the rollout) and stage 3 (the rewards)."""
 
     def __init__(self, stages: Stages):
@@ -628,7 +628,7 @@ def build_source(stages: Stages, *, greedy_baseline: bool = False) -> SampleSour
     """The run's source: synchronous or asynchronous, its pipeline with ReMax's baseline (`greedy_baseline`), dynamic
     sampling around it."""
     cfg = stages.cfg
-    pipeline: Pipeline = Rollout(stages)
+    pipeline: Pipeline = GenerateAndScore(stages)
     if greedy_baseline:
         pipeline = GreedyBaseline(pipeline, stages)
     pad = cfg.algorithm.filter_groups.enable

@@ -14,7 +14,7 @@ from conveyor.models.lean import LeanForward, _group_rows, resolve_forward_impl,
 from conveyor.models.moe_routing import MoELayer, RoutingRecorder, moe_info, moe_layers, replay_routing
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 
 LEAN_ARCHS = ["qwen3_moe", "qwen3"]
 # Shaped like released Qwen3 models, built from transformers configs here (see `_shaped_config`).
@@ -228,8 +228,8 @@ def test_greedy_rollout_matches_the_hf_rollout(models, tok, arch):
     ids = enc["input_ids"].repeat_interleave(3, 0)
     mask = enc["attention_mask"].repeat_interleave(3, 0)
     kwargs = SamplingParams(max_new_tokens=5, do_sample=False, capture_routing=arch in MOE_MODELS)
-    ref = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, kwargs)
-    got = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    ref = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, kwargs)
+    got = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                     lean=LeanForward(model)).generate(ids, mask, kwargs)
     assert torch.equal(got["responses"], ref["responses"])
     assert torch.equal(got["response_mask"], ref["response_mask"])
@@ -244,12 +244,12 @@ def test_rows_that_finish_early_leave_the_cache_without_changing_the_others(mode
     model = models["qwen3_moe"]
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     ids, mask = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
-    never = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
+    never = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
     # An EOS that some rows emit at their second token and others later or never.
     eos = int(never["responses"][0, 1])
     kwargs = SamplingParams(max_new_tokens=6, do_sample=False, capture_routing=True)
-    ref = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=eos).generate(ids, mask, kwargs)
-    got = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=eos, lean=LeanForward(model)).generate(
+    ref = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=eos).generate(ids, mask, kwargs)
+    got = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=eos, lean=LeanForward(model)).generate(
         ids, mask, kwargs)
     lengths = ref["response_mask"].sum(-1)
     assert lengths.min() < lengths.max(), "the test needs rows of different lengths"
@@ -265,7 +265,7 @@ def test_sampled_rollout_log_probs_are_what_the_lean_training_forward_computes(m
     ids, mask = enc["input_ids"].repeat_interleave(4, 0), enc["attention_mask"].repeat_interleave(4, 0)
     lean = LeanForward(model)
     gen = torch.Generator().manual_seed(3)
-    out = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, lean=lean).generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=0.7), generator=gen)
+    out = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, lean=lean).generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=0.7), generator=gen)
     with torch.no_grad():
         logits, _ = lean.response_logits(ids, mask, out["responses"], out["response_mask"])
     logp = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, out["responses"][..., None])[..., 0]

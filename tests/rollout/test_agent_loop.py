@@ -16,7 +16,7 @@ from conveyor.models.moe_routing import RoutingRecorder
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, truncate_text
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.tools.base import make_tool
 from conveyor.tools.formats import CallFormat, ToolCall
@@ -70,7 +70,7 @@ def _teacher_forced(model, ids, mask, out):
 
 @pytest.mark.parametrize("engine", ["hf", "lean"])
 def test_trajectories_align_with_a_teacher_forced_forward(engine, model, tok) -> None:
-    rollout = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                         lean=LeanForward(model) if engine == "lean" else None)
     loop = AgentLoop(rollout, tok, {"echo": make_tool(_echo)}, DIGIT_CALLS)
     ids, mask = _prompts(tok, PROMPTS, repeat=3)
@@ -127,7 +127,7 @@ def test_trajectories_align_with_a_teacher_forced_forward(engine, model, tok) ->
 
 
 def test_turn_limits_and_budget(model, tok) -> None:
-    rollout = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     ids, mask = _prompts(tok, PROMPTS, repeat=2)
     for settings, most in [(AgentLoopSettings(max_assistant_turns=1), 0), (AgentLoopSettings(max_user_turns=1), 1)]:
         loop = AgentLoop(rollout, tok, {"echo": make_tool(_echo)}, DIGIT_CALLS, settings)
@@ -153,7 +153,7 @@ def test_tools_run_concurrently_across_samples(model, tok) -> None:
             with lock:
                 state["now"] -= 1
 
-    rollout = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     loop = AgentLoop(rollout, tok, {"slow": make_tool(slow)}, ALWAYS,
                      AgentLoopSettings(max_user_turns=1, tool_workers=4, tool_timeout_s=30))
     ids, mask = _prompts(tok, PROMPTS)
@@ -173,7 +173,7 @@ def test_a_tool_that_raises_or_times_out_answers_an_error_and_the_run_goes_on(mo
         release.wait(30)
         return "late"
 
-    rollout = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     ids, mask = _prompts(tok, PROMPTS[:2])
     try:
         for fn, expect in [(boom, "error: RuntimeError: boom"), (hang, "error: tool 'slow' timed out after 0.2s")]:
@@ -195,7 +195,7 @@ def test_a_tool_that_raises_or_times_out_answers_an_error_and_the_run_goes_on(mo
 
 
 def test_generate_stops_a_row_at_a_stop_sequence(model, tok) -> None:
-    rollout = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000)  # EOS never sampled
+    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000)  # EOS never sampled
     ids, mask = _prompts(tok, PROMPTS)
     free = rollout.generate(ids, mask, SamplingParams(max_new_tokens=12, do_sample=False))["responses"]
     stop = free[0, 3:5].tolist()  # two tokens row 0 writes at steps 3 and 4

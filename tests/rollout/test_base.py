@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.rollout.base import ROLLOUT_ENGINES, RolloutOutput, SamplingParams, engine_spec, mask_unfed_routing
+from conveyor.rollout.base import ROLLOUT_ENGINES, GenerationOutput, SamplingParams, engine_spec, mask_unfed_routing
 
 
 def test_sampling_params_are_checked_once_and_hold_tuples() -> None:
@@ -20,7 +20,7 @@ def test_sampling_params_are_checked_once_and_hold_tuples() -> None:
 
 
 def test_an_output_reads_like_a_dict_of_the_fields_it_holds() -> None:
-    out = RolloutOutput(responses=torch.zeros(2, 3, dtype=torch.long), response_mask=torch.ones(2, 3, dtype=torch.bool),
+    out = GenerationOutput(responses=torch.zeros(2, 3, dtype=torch.long), response_mask=torch.ones(2, 3, dtype=torch.bool),
                         rollout_log_probs=torch.zeros(2, 3))
     assert set(out) == {"responses", "response_mask", "rollout_log_probs"} and len(out) == 3
     assert "routed_experts" not in out and out.get("metrics") is None

@@ -21,8 +21,8 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.plugins import load_plugins
-from conveyor.rollout.base import ROLLOUT_ENGINES, EngineContext, RolloutOutput, SamplingParams, engine_spec
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.base import ROLLOUT_ENGINES, EngineContext, GenerationOutput, SamplingParams, engine_spec
+from conveyor.rollout.hf import HFEngine
 from test_hf_rollout import _teacher_forced_log_probs  # tests/rollout is on sys.path (rootdir import mode)
 
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
@@ -104,7 +104,7 @@ def test_every_engine_returns_the_same_fields_and_conventions(built, tok, name) 
     ids, mask = _prompts(tok)
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=7, capture_routing=True),
                           generator=torch.Generator().manual_seed(0))
-    assert isinstance(out, RolloutOutput)
+    assert isinstance(out, GenerationOutput)
     routing = engine.capabilities.returns_routing
     assert set(out) == {"responses", "response_mask", "rollout_log_probs"} | ({"routed_experts"} if routing else set())
     b, r = out["responses"].shape
@@ -209,7 +209,7 @@ def test_an_engine_with_its_own_weights_serves_the_updated_policy_after_a_sync(b
     after = _greedy(engine, ids, mask)
     assert engine.weights_version == 1 and seconds < 30
     # The engine's greedy decode is the updated trainer's, token for token, with the trainer's log-probs ...
-    ours = HFRollout(trained, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
+    ours = HFEngine(trained, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
         ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))
     _assert_same_greedy(after, ours, log_probs=False)
     assert bool((after["responses"][:, 0] == seven).all())

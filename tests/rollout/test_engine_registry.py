@@ -11,19 +11,19 @@ import pytest
 
 from conveyor.config import load_config
 from conveyor.rollout import base
-from conveyor.rollout.base import EngineContext, EngineSpec, RolloutOutput, SamplingParams
-from conveyor.rollout.hf import HFRollout, build_engine as build_hf
+from conveyor.rollout.base import EngineContext, EngineSpec, GenerationOutput, SamplingParams
+from conveyor.rollout.hf import HFEngine, build_engine as build_hf
 from conveyor.trainer.run import run_training
 
 
-class _NoRouting(HFRollout):
+class _NoRouting(HFEngine):
     """The hf engine, minus the routing it declares."""
 
-    def generate(self, input_ids, attention_mask, params: SamplingParams, **kwargs) -> RolloutOutput:
+    def generate(self, input_ids, attention_mask, params: SamplingParams, **kwargs) -> GenerationOutput:
         return super().generate(input_ids, attention_mask, params, **kwargs).replace(routed_experts=None)
 
 
-def build_engine(context: EngineContext) -> HFRollout:
+def build_engine(context: EngineContext) -> HFEngine:
     """The registry's hook: this module's engine."""
     engine = build_hf(context)
     engine.__class__ = _NoRouting

@@ -9,7 +9,7 @@ from conveyor.rollout.base import SamplingParams
 from conveyor.models.moe_routing import RoutingRecorder, moe_info
 from conveyor.models.tiny import TINY_ARCHS, build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.rollout.hf import HFRollout, _filter_top_k_top_p, _sample, _Sampler
+from conveyor.rollout.hf import HFEngine, _filter_top_k_top_p, _sample, _Sampler
 
 MOE_ARCHS = [a for a in TINY_ARCHS if a != "qwen3"]
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1="]
@@ -34,7 +34,7 @@ def _prompts(tok, texts=PROMPTS):
 
 
 def _engine(model, tok, eos=None):
-    return HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id if eos is None else eos)
+    return HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id if eos is None else eos)
 
 
 def _teacher_forced_log_probs(model, ids, mask, out, temperature):
@@ -357,7 +357,7 @@ def test_bad_inputs_raise(models, tok) -> None:
     with pytest.raises(ValueError, match="pad prompts on the left"):
         engine.generate(ids, mask.flip(-1), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="pad_token_id"):
-        HFRollout(models["qwen3"], pad_token_id=None, eos_token_id=1)
+        HFEngine(models["qwen3"], pad_token_id=None, eos_token_id=1)
 
 
 def test_greedy_ignores_temperature_zero(models, tok) -> None:
@@ -386,7 +386,7 @@ def _rollout(engine, model, tok, eos=None):
     hf = _engine(model, tok, eos)
     if engine == "hf":
         return hf
-    return HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=hf.eos_token_id, lean=LeanForward(model))
+    return HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=hf.eos_token_id, lean=LeanForward(model))
 
 
 ENGINES = [(arch, "hf") for arch in TINY_ARCHS] + [("qwen3", "lean"), ("qwen3_moe", "lean")]

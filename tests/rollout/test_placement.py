@@ -114,14 +114,14 @@ def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tp, tiny_
 
 def test_a_separate_engine_that_misses_a_sync_fails_the_gap_check(tiny_run, tmp_path, monkeypatch) -> None:
     """What the Ray test above relies on: an engine left on the first weights is far off the trainer's log-probs."""
-    from conveyor.workers.placement.roles import RolloutGroup
+    from conveyor.workers.placement.roles import ReplicaGroup
 
-    synced = RolloutGroup.sync
+    synced = ReplicaGroup.sync
 
     def first_only(self):
         return synced(self) if self.served is None else {}
 
-    monkeypatch.setattr(RolloutGroup, "sync", first_only)
+    monkeypatch.setattr(ReplicaGroup, "sync", first_only)
     reward = tmp_path / "ones.py"
     reward.write_text(ONES_REWARD)
     cfg = load_config(None, tiny_run + VLLM + SEPARATE + [

@@ -17,7 +17,7 @@ import torch
 from conveyor.rollout.base import SamplingParams
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.actor import PolicyWorker
@@ -68,7 +68,7 @@ def test_engine_greedy_after_a_lora_update_equals_the_trainer(tmp_path) -> None:
                                                                   calculate_entropy=False).to_extra_info()))
         after = engine_greedy("after")
         assert worker.rollout.weights_version == worker.optim_steps == 2
-        ours = HFRollout(worker.model, pad_token_id=worker.tokenizer.pad_token_id,
+        ours = HFEngine(worker.model, pad_token_id=worker.tokenizer.pad_token_id,
                          eos_token_id=worker.tokenizer.eos_token_id).generate(prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=8, do_sample=False))
         width = ours["responses"].shape[1]
         mask = after["response_mask"][:, :width]

@@ -1,6 +1,6 @@
 """The vllm rollout in every rank of a trainer's torch.distributed world (two gloo ranks, vLLM's CPU build).
 
-One spawn of two ranks runs every case; each rank builds a VLLMRollout over the tiny Qwen3-MoE (tensor
+One spawn of two ranks runs every case; each rank builds a VLLMEngine over the tiny Qwen3-MoE (tensor
 parallel 1: each rank its own replica), as the actor's ranks do under placement=colocated. The ranks write what their
 engines returned; the tests compare it here with the hf rollout on the same weights. An engine starts in
 ~5-30 s on 2 cores (the first pays for vLLM's imports); the module takes about a minute.
@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from conveyor.rollout.base import SamplingParams
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 from conveyor.rollout.vllm import replica_layout
 
 WORLD = 2
@@ -64,13 +64,13 @@ def _rank_main(rank: int, port: int, root: str) -> None:
     tdist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(minutes=5))
     from vllm.distributed import parallel_state
 
-    from conveyor.rollout.vllm import VLLMRollout
+    from conveyor.rollout.vllm import VLLMEngine
 
     tok = build_char_tokenizer()
     ids, mask = _prompts(tok)
     for name, arch, tp in CASES:
         model = _model(arch, tok)
-        engine = VLLMRollout(str(Path(root) / arch), hf_config=model.config, pad_token_id=tok.pad_token_id,
+        engine = VLLMEngine(str(Path(root) / arch), hf_config=model.config, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id, max_model_len=64, max_num_seqs=16, seed=0,
                              tensor_model_parallel_size=tp)
         out = {"replica": engine.replica, "replica_ranks": engine.replica_ranks, "num_replicas": engine.num_replicas,
@@ -113,7 +113,7 @@ def ranks(tmp_path_factory):
 
 def _hf_greedy(model, tok):
     ids, mask = _prompts(tok)
-    return HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
+    return HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
         ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False))
 
 

@@ -19,7 +19,7 @@ from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import EngineContext, SamplingParams, engine_spec
-from conveyor.rollout.hf import HFRollout
+from conveyor.rollout.hf import HFEngine
 from conveyor.weights import cast_weights, engine_names, iter_weights
 from test_conformance import LOGP_TOL  # tests/rollout is on sys.path (rootdir import mode)
 from test_hf_rollout import _teacher_forced_log_probs
@@ -90,7 +90,7 @@ def _gap(engine, model, tok) -> tuple[float, bool]:
     ids, mask = _prompts(tok)
     out = _greedy(engine, ids, mask)
     ref = _teacher_forced_log_probs(model, ids, mask, out, 1.0)[0] * out["response_mask"]
-    ours = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
+    ours = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
         ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False))
     same = torch.equal(out["responses"] * out["response_mask"], ours["responses"] * ours["response_mask"])
     return float((out["rollout_log_probs"] - ref).abs().max()), same
@@ -142,7 +142,7 @@ def test_the_registry_builds_a_separate_replica_that_never_sleeps(tok, monkeypat
     from conveyor.rollout import vllm as adapter
 
     made = {}
-    monkeypatch.setattr(adapter, "VLLMRollout", lambda path, **kwargs: made.update(kwargs))
+    monkeypatch.setattr(adapter, "VLLMEngine", lambda path, **kwargs: made.update(kwargs))
     model = _model(tok)
     for placement in ("colocated", "separate"):
         engine_spec("vllm").build(_context(model, tok, "unused", placement=placement, free_cache_engine=True))
@@ -264,7 +264,7 @@ class _Actor:
 
 class _Replica:
     """A rollout worker's two endpoints over the real engine; after each generation the engine is left as vLLM's
-    level-2 sleep leaves the adapter (`VLLMRollout.sleep`: no weights, version unknown), which the CPU build lacks."""
+    level-2 sleep leaves the adapter (`VLLMEngine.sleep`: no weights, version unknown), which the CPU build lacks."""
 
     def __init__(self, engine, prompts, **_):
         self.engine, self.prompts, self.loads = engine, prompts, 0
@@ -281,12 +281,12 @@ class _Replica:
 
 def test_the_rollout_group_syncs_again_after_a_sleep_released_the_weights(built, tok) -> None:
     from conveyor.workers.placement.group import LocalWorkerGroup, WorkerSpec
-    from conveyor.workers.placement.roles import ActorGroup, RolloutGroup
+    from conveyor.workers.placement.roles import ActorGroup, ReplicaGroup
 
     model, engine, _ = built
     actor = ActorGroup(LocalWorkerGroup(WorkerSpec("actor", _Actor, {"model": model})))
     replica = LocalWorkerGroup(WorkerSpec("rollout", _Replica, {"engine": engine, "prompts": _prompts(tok)}))
-    group = RolloutGroup(replica, actor, bucket_bytes=1 << 20)
+    group = ReplicaGroup(replica, actor, bucket_bytes=1 << 20)
     assert group.dtype == torch.float32  # the in-process replica's engine says what it holds
     meta = KVBatchMeta(keys=["a"], partition_id="p", fields=[], tags=[{}], extra_info={})
     try:

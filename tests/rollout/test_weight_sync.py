@@ -218,11 +218,11 @@ def _prompts(tok):
 
 
 def _engine(model, tok, path):
-    from conveyor.rollout.vllm import VLLMRollout
+    from conveyor.rollout.vllm import VLLMEngine
 
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return VLLMRollout(str(path), hf_config=model.config, pad_token_id=tok.pad_token_id,
+    return VLLMEngine(str(path), hf_config=model.config, pad_token_id=tok.pad_token_id,
                        eos_token_id=tok.eos_token_id, max_model_len=64, max_num_seqs=8, seed=0)
 
 
@@ -234,12 +234,12 @@ def _perturb(model, seed: int) -> None:
 
 
 def _greedy_pair(engine, model, tok):
-    from conveyor.rollout.hf import HFRollout
+    from conveyor.rollout.hf import HFEngine
 
     ids, mask = _prompts(tok)
     greedy = SamplingParams(max_new_tokens=8, do_sample=False)
     theirs = engine.generate(ids, mask, greedy)
-    ours = HFRollout(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, greedy)
+    ours = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, greedy)
     same = torch.equal(theirs["response_mask"], ours["response_mask"]) and torch.equal(
         theirs["responses"] * theirs["response_mask"], ours["responses"] * ours["response_mask"])
     return same, theirs, ours

@@ -148,12 +148,12 @@ def test_weights_leave_when_the_update_ends(tmp_path, tiny_run, monkeypatch):
 
 
 def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run, monkeypatch):
-    from conveyor.workers.ranks.rollout import RolloutWorker
+    from conveyor.workers.ranks.replica import ReplicaWorker
 
     def generate_sequences(self, meta):
         raise RuntimeError("rollout exploded")
 
-    monkeypatch.setattr(RolloutWorker, "generate_sequences", generate_sequences)
+    monkeypatch.setattr(ReplicaWorker, "generate_sequences", generate_sequences)
     with pytest.raises(WorkerError, match="rollout rank 0 failed in generate_sequences.*rollout exploded"):
         _run(tmp_path, tiny_run, "run", [ASYNC])
 

@@ -118,11 +118,11 @@ def test_a_crashing_rollout_in_its_own_process_is_one_error_naming_the_stage(tmp
     plugin = tmp_path / "explode.py"
     plugin.write_text(
         "import os\n"
-        "from conveyor.workers.ranks.rollout import RolloutWorker\n"
+        "from conveyor.workers.ranks.replica import ReplicaWorker\n"
         f"if os.getpid() != {os.getpid()}:\n"
         "    def generate_sequences(self, meta):\n"
         "        raise RuntimeError('rollout exploded')\n"
-        "    RolloutWorker.generate_sequences = generate_sequences\n")
+        "    ReplicaWorker.generate_sequences = generate_sequences\n")
     with pytest.raises(WorkerError, match="rollout rank 0 failed in generate_sequences.*rollout exploded"):
         _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"trainer.plugins=[{plugin}]"])
 
@@ -190,7 +190,7 @@ def test_replicas_render_the_prompts_the_trainer_would_have_put(tmp_path, tiny_r
     # each replica renders and writes its share's prompts with its fields. The same run with the prompts put by the
     # trainer trains the same, bit for bit.
     from conveyor.trainer.stages import Stages
-    from conveyor.workers.placement.roles import RolloutGroup
+    from conveyor.workers.placement.roles import ReplicaGroup
 
     handed: list[str] = []  # the batches whose prompts were left to the replicas
     to_render = Stages.prompts_to_render
@@ -203,7 +203,7 @@ def test_replicas_render_the_prompts_the_trainer_would_have_put(tmp_path, tiny_r
     extra = [ASYNC, OWN, "actor_rollout_ref.rollout.replicas=2", "trainer.total_training_steps=2"]
     rendered, rendered_dir = _run(tmp_path, tiny_run_base, "rendered", extra)
     assert handed == ["batch-1", "batch-2"]
-    monkeypatch.setattr(RolloutGroup, "renders_prompts", property(lambda self: False))
+    monkeypatch.setattr(ReplicaGroup, "renders_prompts", property(lambda self: False))
     put, put_dir = _run(tmp_path, tiny_run_base, "put", extra)
     assert handed == ["batch-1", "batch-2"]  # the second run's prompts were put by the trainer
     assert _strip(rendered) == _strip(put)

@@ -13,19 +13,19 @@ from conveyor.data_plane import make_data_plane
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.weights import StagedWeights
-from conveyor.workers.ranks.rollout import RolloutWorker
+from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.settings import rollout_settings
 from test_strategies import BASE  # tests/workers on sys.path
 
 
 @pytest.fixture(scope="module")
-def replica() -> RolloutWorker:
+def replica() -> ReplicaWorker:
     cfg = load_config(None, BASE)
-    return RolloutWorker(rollout_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
+    return ReplicaWorker(rollout_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
                          data_plane=make_data_plane("memory"))
 
 
-def _new_weights(worker: RolloutWorker) -> list[tuple[str, torch.Tensor]]:
+def _new_weights(worker: ReplicaWorker) -> list[tuple[str, torch.Tensor]]:
     """The replica's own weights moved a little, as a sync would bring them (float32, the trainer's dtype)."""
     gen = torch.Generator().manual_seed(0)
     return [(name, (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).float())
@@ -33,7 +33,7 @@ def _new_weights(worker: RolloutWorker) -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16])
-def test_staged_copies_are_host_copies_at_the_engine_dtype(replica: RolloutWorker, monkeypatch, engine_dtype) -> None:
+def test_staged_copies_are_host_copies_at_the_engine_dtype(replica: ReplicaWorker, monkeypatch, engine_dtype) -> None:
     # bfloat16: a vllm replica's (rollout.dtype, or bf16 on CUDA)
     monkeypatch.setattr(replica, "staged", StagedWeights(engine_dtype))
     sent = _new_weights(replica)
@@ -52,6 +52,6 @@ def test_staged_copies_are_host_copies_at_the_engine_dtype(replica: RolloutWorke
         torch.testing.assert_close(own[name], tensor.to(engine_dtype).to(own[name].dtype), rtol=0, atol=0)
 
 
-def test_an_hf_replica_stages_at_its_models_dtype(replica: RolloutWorker) -> None:
+def test_an_hf_replica_stages_at_its_models_dtype(replica: ReplicaWorker) -> None:
     # The hf replica serves its own model's parameters (float32 here), whatever rollout.dtype says.
     assert replica.staged.dtype == torch.float32

@@ -36,7 +36,7 @@ from conveyor.workers.ranks.critic import CriticWorker
 from conveyor.workers.placement.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.reward import RewardWorker
-from conveyor.workers.ranks.rollout import RolloutWorker
+from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ __all__ = [
     "RefGroup",
     "CriticGroup",
     "RewardGroup",
-    "RolloutGroup",
+    "ReplicaGroup",
 ]
 
 
@@ -69,7 +69,7 @@ def worker_specs(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPl
         specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where},
                                      plugins)
     if plan.rollout_placement == "separate":
-        specs["rollout"] = WorkerSpec("rollout", RolloutWorker, {"settings": rollout_settings(cfg, plan), **where},
+        specs["rollout"] = WorkerSpec("rollout", ReplicaWorker, {"settings": rollout_settings(cfg, plan), **where},
                                       plugins)
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec("reward", RewardWorker, {
@@ -138,7 +138,7 @@ class ActorGroup(_Role):
         return self.ranks.call_all(PolicyWorker.model_state_dict)[0]
 
 
-class RolloutGroup(_Role):
+class ReplicaGroup(_Role):
     """The rollout worker group's engines: they generate, and take the actor's weights first.
 
     Synchronous runs: before a rollout the group asks the actor for its weights' version; when its replicas serve an
@@ -196,10 +196,10 @@ class RolloutGroup(_Role):
         with self.weights.loading(meta) as meta:  # weights staged last, loaded by the replicas before they generate
             if score:
                 assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
-                out = self.ranks.call_chain([("rollout", RolloutWorker.generate_sequences),
+                out = self.ranks.call_chain([("rollout", ReplicaWorker.generate_sequences),
                                              ("reward", RewardWorker.compute_reward)], meta)
             else:
-                out = self.ranks.call(RolloutWorker.generate_sequences, meta)
+                out = self.ranks.call(ReplicaWorker.generate_sequences, meta)
         if metrics:  # one entry per rank, as every per-rank metric arrives
             out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
@@ -227,8 +227,8 @@ class RolloutGroup(_Role):
 WEIGHT_ENDPOINTS = Endpoints(
     version=PolicyWorker.weights_version, address=PolicyWorker.channel_address,
     join_sender=PolicyWorker.join_weight_channel, send=PolicyWorker.send_weights,
-    join_receiver=RolloutWorker.join_weight_channel, receive=RolloutWorker.receive_weights,
-    take=RolloutWorker.take_weights, between_tokens=RolloutWorker.take_weights_between_tokens,
+    join_receiver=ReplicaWorker.join_weight_channel, receive=ReplicaWorker.receive_weights,
+    take=ReplicaWorker.take_weights, between_tokens=ReplicaWorker.take_weights_between_tokens,
 )
 
 
@@ -287,7 +287,7 @@ class WorkerGroups:
     ref: RefGroup | None
     critic: CriticGroup | None
     reward: RewardGroup
-    rollout: RolloutGroup | None = None  # placement=separate; None: the actor's ranks generate
+    rollout: ReplicaGroup | None = None  # placement=separate; None: the actor's ranks generate
     data_plane_server: Any = None  # serves the data plane to workers in processes of their own (rollout_process=own)
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -355,7 +355,7 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         ref=ref_group,
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
-        rollout=(RolloutGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
+        rollout=(ReplicaGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
                               << 20, dtype=_configured_engine_dtype(cfg, plan.device)) if rollout is not None else None),
         data_plane_server=server,
     )

@@ -45,7 +45,7 @@ from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
-from conveyor.rollout.base import EngineContext, RolloutEngine, engine_spec
+from conveyor.rollout.base import EngineContext, GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.training.batching import plan_micro_batches, take
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
@@ -119,7 +119,7 @@ class PolicyWorker(CheckpointEndpoints):
         self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe,
                                      packed=setup_packing(self.model, m.use_remove_padding))
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
-        self.rollout: RolloutEngine | None = None
+        self.rollout: GenerationEngine | None = None
         self.agent_loop = None
         self.generation: Generation | None = None
         self.rollout_over_shards = False

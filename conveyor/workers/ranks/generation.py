@@ -1,7 +1,7 @@
 """One rank's rollout: an engine, and the agent loop over it, turning a handle's prompts into the rollout's fields.
 
 `Generation` is what the actor worker (colocated placement) and the rollout
-worker (separate placement, `conveyor.workers.ranks.rollout`) both run for
+worker (separate placement, `conveyor.workers.ranks.replica`) both run for
 `generate_sequences`: it reads `prompts` and `prompt_mask` from the data
 plane (or renders them from the records the call carries, `RENDER_PROMPTS`,
 and writes them with its own fields), samples with the rank's engine (built
@@ -31,7 +31,7 @@ from tensordict import TensorDict
 
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder
 from conveyor.workers.training.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
 from conveyor.workers.ranks.calls import GenerateCall
@@ -72,7 +72,7 @@ def _replica_groups(replica_ranks: list[int], world_size: int) -> Any:
 class Generation:
     """The `generate_sequences` of one rank: its engine (and agent loop) over the rank's share of a handle."""
 
-    def __init__(self, engine: RolloutEngine, *, agent_loop: Any, tokenizer: Any, moe: Any, rollout: Any,
+    def __init__(self, engine: GenerationEngine, *, agent_loop: Any, tokenizer: Any, moe: Any, rollout: Any,
                  engine_name: str, strategy: Any, passes: Callable[[list[slice]], list[tuple[slice, bool]]],
                  data_plane: DataPlane, rank: int, world_size: int, device: torch.device,
                  over_shards: bool = False, prompts: PromptEncoder | None = None) -> None:
@@ -178,7 +178,7 @@ class Generation:
                                "(another tokenizer or data.max_prompt_length): give both the same model.tokenizer_path")
         return fields
 
-    def _as_replica(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> RolloutOutput:
+    def _as_replica(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> GenerationOutput:
         """One generation over the prompts of every rank of this tensor-parallel replica; this rank's rows of it."""
         import torch.distributed as tdist
 
@@ -201,10 +201,10 @@ class Generation:
             fields["routed_experts"] = out.routed_experts[rows, cut:]
         # The agent loop's metrics describe the whole replica's batch on each of its ranks: a mean over ranks
         # is the replica's (sums and counts grow alike).
-        return RolloutOutput(**fields, metrics=out.metrics)
+        return GenerationOutput(**fields, metrics=out.metrics)
 
     def _in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-                   synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+                   synced: Callable[[bool], bool] | None = None) -> GenerationOutput:
         """An engine over the trainer's modules at most `rollout.max_num_seqs` sequences at a time (its KV cache is
         bounded by them).
 
@@ -227,10 +227,10 @@ class Generation:
             return outs[0]
         width = max(o["responses"].shape[1] for o in outs)
         padded = [pad_responses(dict(o), width, int(self.tokenizer.pad_token_id)) for o in outs]
-        return RolloutOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
+        return GenerationOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
 
     def _one(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-             synced: Callable[[bool], bool] | None = None) -> RolloutOutput:
+             synced: Callable[[bool], bool] | None = None) -> GenerationOutput:
         params = SamplingParams(max_new_tokens=int(call.max_new_tokens), temperature=float(call.temperature),
                                 top_p=float(call.top_p), top_k=int(call.top_k), do_sample=bool(call.do_sample),
                                 capture_routing=bool(call.capture_routing))

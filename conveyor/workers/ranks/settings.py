@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from conveyor.config.plan import RunPlan
     from conveyor.workers.training.strategy import TrainingStrategy
 
-__all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "RolloutSettings", "actor_settings",
+__all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "ReplicaSettings", "actor_settings",
            "reference_settings", "critic_settings", "rollout_settings", "role_strategy"]
 
 
@@ -62,8 +62,8 @@ class ActorSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutSettings:
-    """A rollout worker's (`RolloutWorker`, placement=separate): a forward-only engine with no optimizer."""
+class ReplicaSettings:
+    """A rollout worker's (`ReplicaWorker`, placement=separate): a forward-only engine with no optimizer."""
 
     model: Any  # actor_rollout_ref.model
     rollout: Any  # actor_rollout_ref.rollout
@@ -137,10 +137,10 @@ def _reference_budget(arr: Any) -> TokenBudget | None:
                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", **_actor_defaults(arr))
 
 
-def rollout_settings(cfg: Config, plan: RunPlan) -> RolloutSettings:
+def rollout_settings(cfg: Config, plan: RunPlan) -> ReplicaSettings:
     """The rollout worker's settings of a run of `cfg` (placement=separate)."""
     arr = cfg.actor_rollout_ref
-    return RolloutSettings(model=copy.deepcopy(arr.model), rollout=_placed(arr.rollout, plan), seed=cfg.trainer.seed,
+    return ReplicaSettings(model=copy.deepcopy(arr.model), rollout=_placed(arr.rollout, plan), seed=cfg.trainer.seed,
                            max_model_len=plan.engine_max_model_len, max_prompt_length=cfg.data.max_prompt_length,
                            truncation=cfg.data.truncation)
 

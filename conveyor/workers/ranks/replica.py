@@ -1,6 +1,6 @@
 """The rollout worker: one engine replica of the separate placement (actor_rollout_ref.rollout.placement=separate).
 
-A `RolloutWorker` is a forward-only role: it holds an engine (built from the
+A `ReplicaWorker` is a forward-only role: it holds an engine (built from the
 registry, `conveyor.rollout.base`, like the actor's colocated one) and no
 optimizer, no learning-rate schedule, no strategy. Its `generate_sequences`
 is the actor's (`conveyor.workers.ranks.generation.Generation`): it reads the
@@ -51,12 +51,12 @@ from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, Wei
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.perf import set_allocator_defaults
-from conveyor.workers.ranks.settings import RolloutSettings
+from conveyor.workers.ranks.settings import ReplicaSettings
 from conveyor.workers.training.strategy import TrainingStrategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutWorker"]
+__all__ = ["ReplicaWorker"]
 
 
 def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
@@ -78,10 +78,10 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
 
 
 
-class RolloutWorker:
+class ReplicaWorker:
     """One engine replica: generate_sequences, and new weights by stream or channel."""
 
-    def __init__(self, settings: RolloutSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
+    def __init__(self, settings: ReplicaSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
                  world_size: int = 1, device: str = "cpu"):
         set_allocator_defaults()
         self.settings, self.rank, self.world_size = settings, rank, world_size
