@@ -25,31 +25,12 @@ to what `max_num_seqs` sequences of `max_model_len` tokens need. A worker's
 engine starts from dummy weights (`load_format="dummy"`, no checkpoint read):
 it is synced before its first generation, and refuses to generate before.
 
-Ranks. Without a torch.distributed group (one trainer rank) vLLM makes a
-one-rank group for itself and `close` removes it. In a trainer's world (FSDP2
-ranks), every rank builds an engine at the same point, as TRL's colocate mode
-does: vLLM's `external_launcher` executor takes the world as it is and lays it
-out as (replicas, TP) with TP innermost, so each run of
-`tensor_model_parallel_size` consecutive ranks is one replica (`replica`,
-`replica_ranks`) that must be fed the same prompts and the same weights, and
-replicas are independent of each other (with TP 1, every rank is one). Each
-replica gets its own engine seed (`seed + replica`). vLLM's groups are its
-own (`new_group`s over the same ranks), so the trainer's collectives on its
-default group do not meet them; `close` removes them and leaves the trainer's
-group as it was (vLLM's own shutdown would destroy it).
-
-Weight sync. `update_weights` hands the trainer's tensors to every vLLM worker
-through `collective_rpc`, which calls the worker's in-place `reload_weights`:
-no restart, no checkpoint on disk, and in-process no copy beyond the one
-into the engine's parameters. vLLM 0.32's CPU MoE kernel keeps its experts
-in a prepacked layout made once at load; a weight update refreshes only the
-raw tensors, so the sync repacks them (without it, an MoE model's outputs
-after a sync are wrong while a dense model's are right). Each tensor is cast
-to the engine's dtype first, and after the reload the prefix cache is reset:
-its full blocks hold KV computed by the old weights, which vLLM would reuse
-for every prompt sharing them. Workers in other processes (vLLM's mp or ray
-executor: tensor parallelism outside a trainer's world) get the weights
-pickled instead, in buckets of whole layers (`layer_buckets`).
+Beside this module: `vllm_world` places an engine in the trainer's world
+(one replica per run of tensor-parallel ranks, vLLM's groups removed at
+`close` without the trainer's), `vllm_reload` loads a weight sync into vLLM's
+workers in place, and `vllm_checks` refuses a model or config the engine
+cannot serve. This module re-exports their public names, and the registry's
+hooks (`build_engine`, `check_servable`, `validate_config`) are found here.
 
 Log-probs. The engine reports `processed_logprobs`: the log-softmax of the
 logits it samples from, i.e. after temperature and after top-k/top-p. With
@@ -71,18 +52,32 @@ import contextlib
 import gc
 import logging
 import os
-import re
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from conveyor.rollout.base import (
+    EngineContext,
+    GenerationEngine,
+    GenerationOutput,
+    SamplingParams,
+    engine_spec,
+    mask_unfed_routing,
+)
+from conveyor.rollout.vllm_checks import check_servable, kv_bytes_per_token, validate_config
+from conveyor.rollout.vllm_reload import executor_in_process, layer_buckets, reload_vllm
+from conveyor.rollout.vllm_world import (
+    cpu_shm_segments,
+    launcher_env,
+    replica_layout,
+    shutdown_keeping_trainer_world,
+    trainer_world,
+)
 from conveyor.weights import cast_weights, engine_names
-from conveyor.rollout.base import (EngineContext, GenerationEngine, GenerationOutput, SamplingParams, engine_spec,
-                                   mask_unfed_routing)
 
 __all__ = ["VLLMEngine", "build_engine", "check_servable", "executor_in_process", "import_vllm", "layer_buckets",
            "reload_vllm", "replica_layout", "select_sparse_layers", "sleeps_between_rollouts", "validate_config"]
@@ -121,173 +116,6 @@ def import_vllm() -> Any:
     return vllm
 
 
-# What vLLM's CPU build serves. Attention: the head widths its kernels are compiled for (the
-# template instantiations in vllm/_C*.so; the Python backend's get_supported_head_sizes omits 48, which
-# works); measured, heads 16, 40 and 144 wide start an engine that fails at its first generation. MoE:
-# vllm/model_executor/layers/fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts, the portable kernel
-# every CPU falls back to, needs the hidden width divisible by its output alignment, and pads the expert
-# width up to it.
-_CPU_HEAD_SIZES = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-_CPU_MOE_ALIGNMENT = 32
-
-
-def check_servable(hf_config: Any, *, device: str, max_model_len: int | None, source: str, length_key: str) -> None:
-    """Refuse (ValueError) a model the vllm engine cannot serve on `device`, naming `source` and what to change.
-
-    Checked before anything is built, so that a model vLLM would reject (or fail on at its first
-    generation or weight sync) never starts a run: the context length on every device; on a CPU, the
-    attention head width and an MoE model's hidden and expert widths, which vLLM's CPU kernels restrict.
-    """
-    from conveyor.models.loading import max_positions
-
-    found = max_positions(hf_config.to_dict()) if hasattr(hf_config, "to_dict") else None
-    if found is not None and max_model_len is not None and max_model_len > found[0]:
-        # vLLM would refuse it with its own validation error, naming one of its environment variables.
-        raise ValueError(f"{length_key} = {max_model_len} tokens is beyond the {found[0]} positions of {source} "
-                         f"({found[1]} in its config); set it to at most {found[0]}")
-    if torch.device(device).type != "cpu":
-        return
-    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
-    hidden = int(getattr(hf_config, "hidden_size", 0) or 0)
-    head_dim = _head_dim(hf_config) if heads else None
-    sizes = _CPU_HEAD_SIZES
-    if head_dim is not None and head_dim not in sizes:
-        how = "head_dim" if getattr(hf_config, "head_dim", None) else f"hidden_size {hidden} / num_attention_heads {heads}"
-        raise ValueError(f"{source} has attention heads {head_dim} wide ({how}); vLLM's CPU build serves head widths "
-                         f"{', '.join(map(str, sizes))} only: use a model with one of those, or the hf rollout "
-                         "(actor_rollout_ref.rollout.name=hf)")
-    from conveyor.metrics.moe_load_balance import infer_moe_num_experts
-
-    if not (infer_moe_num_experts(hf_config) or 0) > 0:
-        return
-    # The expert width is padded to the alignment at load; a weight sync then sends the unpadded tensors,
-    # which the engine cannot take: the run would fail at its first sync, after the first update.
-    expert_key = "moe_intermediate_size" if getattr(hf_config, "moe_intermediate_size", None) else "intermediate_size"
-    for name, width in (("hidden_size", hidden), (f"expert width ({expert_key})", getattr(hf_config, expert_key, None))):
-        if width is not None and int(width) % _CPU_MOE_ALIGNMENT:
-            raise ValueError(f"{source} is an MoE model of {name} {width}; vLLM's CPU expert kernels need it "
-                             f"divisible by {_CPU_MOE_ALIGNMENT}: use such a model, or the hf rollout "
-                             "(actor_rollout_ref.rollout.name=hf)")
-
-
-def _head_dim(hf_config: Any) -> int:
-    """The width of one attention head of a model with `hf_config` (its head_dim, else hidden_size / heads)."""
-    return int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
-
-
-def _kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
-    """Key and value bytes one token occupies in the KV cache of a model with `hf_config`."""
-    heads = getattr(hf_config, "num_attention_heads")
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = _head_dim(hf_config)
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * size
-
-
-def _repack_cpu_experts(model: torch.nn.Module) -> int:
-    """Redo the CPU MoE kernel's prepacking after an in-place weight reload; returns how many layers it touched."""
-    n = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        # Only the CPU kernel keeps a layout of its own; GPU kernels read the reloaded tensors directly.
-        if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
-            experts.process_weights_after_loading(module)
-            n += 1
-    return n
-
-
-def _reload_stream(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
-    """Runs in a vLLM worker (collective_rpc): one in-place reload over the lazy stream, then the CPU repack."""
-    worker.reload_weights(weights_iterator=iter(weights))
-    return _repack_cpu_experts(worker.model_runner.model)
-
-
-class _DropUntouched(logging.Filter):
-    """Drops the layerwise reload's warning for a layer a call did not carry (a bucketed sync's other layers)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
-
-
-def _reload_bucket(worker: Any, bucket: list[tuple[str, Tensor]]) -> int:
-    """Runs in a vLLM worker process (collective_rpc): one in-place reload of a bucket of whole layers, then the repack."""
-    # Every call leaves the layers of the other buckets as they are, which vLLM reports as a failed load.
-    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _DropUntouched) for f in log.filters):
-        log.addFilter(_DropUntouched())
-    return _reload_stream(worker, bucket)
-
-
-# Executors that run the worker in this process: collective_rpc hands it the arguments as they are. Every other
-# one (mp, ray) pickles them to worker processes, and a generator does not pickle.
-_IN_PROCESS_EXECUTORS = ("uni", "external_launcher")
-
-
-def executor_in_process(llm: Any) -> bool:
-    """Whether `llm`'s workers run in this process (vLLM's uni or external_launcher executor)."""
-    return llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend in _IN_PROCESS_EXECUTORS
-
-
-_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
-
-
-def layer_buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """`named` as picklable lists of whole decoder layers on the CPU: at most `bucket_bytes` each, or one layer.
-
-    A layer never straddles two lists: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
-    call from uninitialised memory, and leaves a layer a call did not carry as it was. Tensors outside the decoder
-    layers (embeddings, final norm, head) are a group each. A group whose tensors do not come together is refused.
-    """
-    bucket: list[tuple[str, Tensor]] = []
-    group: list[tuple[str, Tensor]] = []
-    size = group_size = 0
-    current, done = None, set()
-
-    def close() -> Iterator[list[tuple[str, Tensor]]]:
-        nonlocal bucket, size
-        if bucket and size + group_size > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.extend(group)
-        size += group_size
-
-    for name, tensor in named:
-        m = _LAYER.match(name)
-        key = m.group(1) if m else name.rsplit(".", 1)[0]
-        if key != current:
-            if key in done:
-                raise ValueError(f"layer_buckets: the tensors of {key} do not come together ({name})")
-            yield from close()
-            done.add(current)
-            group, group_size, current = [], 0, key
-        tensor = tensor.detach().to("cpu").contiguous()
-        group.append((name, tensor))
-        group_size += tensor.numel() * tensor.element_size()
-    yield from close()
-    if bucket:
-        yield bucket
-
-
-def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int = 512 << 20,
-                in_process: bool | None = None) -> None:
-    """Load `named` into a vLLM engine (`vllm.LLM`) in place: one reload call over the lazy stream in process.
-
-    One call, not one per bucket: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
-    call from uninitialised memory. The in-process executor passes the iterator itself to its worker, so the
-    stream is drawn (gathered, received) while vLLM loads it, layer by layer. Workers in other processes
-    (`in_process` False; None: asked of the engine) take the tensors pickled instead: one call per bucket of
-    whole layers (`layer_buckets`), on the CPU, at most `bucket_bytes` each beyond one layer.
-    """
-    if in_process is None:
-        in_process = executor_in_process(llm)
-    if in_process:
-        llm.collective_rpc(_reload_stream, args=(named,))
-        return
-    for bucket in layer_buckets(named, bucket_bytes):
-        llm.collective_rpc(_reload_bucket, args=(bucket,))
-
-
 def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -> Tensor:
     """vLLM's captured routing (tokens, decoder layers, K) at conveyor's sparse layers (tokens, L, K).
 
@@ -311,85 +139,6 @@ def sleeps_between_rollouts(free_cache_engine: bool, *, colocated: bool, sleep_m
     only when the actor's weights changed, so it keeps them; where vLLM has no sleep mode (its CPU build), none does.
     """
     return bool(free_cache_engine) and bool(colocated) and bool(sleep_mode_available)
-
-
-def _trainer_world() -> tuple[int, int] | None:
-    """(rank, world size) of the torch.distributed world the caller made, or None when there is none."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return None
-
-
-def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, list[int]]:
-    """(replica index, that replica's trainer ranks) of `rank` when engines are colocated on `world_size` ranks.
-
-    vLLM lays an existing world out as (replicas, DP, PP, PCP, TP) with TP innermost
-    (vllm/distributed/parallel_state.py, initialize_model_parallel): here DP = PP = PCP = 1, so each run of
-    `tensor_parallel_size` consecutive ranks is one tensor-parallel group, i.e. one replica.
-    """
-    tp = int(tensor_parallel_size)
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"the vllm rollout's tensor_model_parallel_size {tp} must divide the trainer's "
-                         f"{world_size} ranks: each run of that many consecutive ranks serves one replica")
-    replica = rank // tp
-    return replica, list(range(replica * tp, (replica + 1) * tp))
-
-
-@contextlib.contextmanager
-def _launcher_env(rank: int, local_rank: int) -> Iterator[None]:
-    """RANK and LOCAL_RANK as vLLM's external launcher reads them while it builds; the caller's own afterwards."""
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK")}
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank)})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _keeping_trainer_world() -> Iterator[None]:
-    """While vLLM shuts its engine down: remove only vLLM's own groups, not the trainer's default group.
-
-    EngineCore.shutdown ends with cleanup_dist_env_and_memory (vllm/v1/engine/core.py), whose
-    destroy_distributed_environment (vllm/distributed/parallel_state.py) destroys vLLM's world group and then
-    calls torch.distributed.destroy_process_group() on the default group, the trainer's.
-    """
-    from vllm.distributed import parallel_state
-
-    def destroy_vllm_world() -> None:
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-        parallel_state._WORLD = None
-        parallel_state._NODE_COUNT = None
-
-    original = parallel_state.destroy_distributed_environment
-    parallel_state.destroy_distributed_environment = destroy_vllm_world
-    try:
-        yield
-    finally:
-        parallel_state.destroy_distributed_environment = original
-
-
-def _cpu_shm_segments() -> set[str]:
-    """The shared-memory segments of vLLM's CPU all-reduce on this machine (paths under /dev/shm)."""
-    try:
-        return {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if "cpushm" in n}
-    except OSError:  # no /dev/shm (not Linux)
-        return set()
-
-
-def _shutdown_keeping_trainer_world(engine_core: Any) -> None:
-    """Shut vLLM's in-process EngineCore down, removing its groups but not the trainer's default group."""
-    if not torch.distributed.is_initialized():
-        # The trainer destroyed its world, and vLLM's groups with it (an engine never closed, at exit):
-        # vLLM's shutdown would fail destroying them again.
-        return
-    with _keeping_trainer_world():
-        engine_core.shutdown()
 
 
 class VLLMEngine(GenerationEngine):
@@ -462,10 +211,10 @@ class VLLMEngine(GenerationEngine):
         if current_platform.is_cpu():
             # A CPU engine would otherwise size its cache from the machine's memory; what the
             # batch can hold at once is enough, with a floor for vLLM's block granularity.
-            need = _kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
+            need = kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
             kwargs["kv_cache_memory_bytes"] = max(2 * need, 64 << 20)
         # vLLM makes a one-rank torch.distributed group for its own use when none exists; close() removes it.
-        world = _trainer_world()
+        world = trainer_world()
         self._owns_process_group = world is None
         # In a trainer's world every rank builds an engine at the same time (vLLM's groups are made
         # collectively over the default group): vLLM's external launcher takes the world as it is, and each
@@ -484,17 +233,17 @@ class VLLMEngine(GenerationEngine):
             local_rank = self.device.index
             if local_rank is None:
                 local_rank = torch.cuda.current_device() if self.device.type == "cuda" else 0
-            launch = _launcher_env(world[0], local_rank)
+            launch = launcher_env(world[0], local_rank)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
-        shm_before = _cpu_shm_segments()
+        shm_before = cpu_shm_segments()
         self.llm_kwargs = dict(kwargs)  # what vllm.LLM was given, for the record
         with launch:
             self.llm = vllm.LLM(**kwargs)
         # vLLM's CPU all-reduce leaves its shared-memory segments behind, under names that do not change between
         # runs (the external launcher's): removed at close, or the next tensor-parallel engine on the machine
         # fails to create them (EEXIST).
-        self._shm = _cpu_shm_segments() - shm_before
+        self._shm = cpu_shm_segments() - shm_before
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once it has bound
         # its threads; the trainer shares the process and keeps control of its own thread count.
         torch.set_num_threads = set_num_threads
@@ -506,7 +255,7 @@ class VLLMEngine(GenerationEngine):
         if world is not None:
             client = self.llm.llm_engine.engine_core
             client._finalizer.detach()
-            self._shutdown = weakref.finalize(self, _shutdown_keeping_trainer_world, client.engine_core)
+            self._shutdown = weakref.finalize(self, shutdown_keeping_trainer_world, client.engine_core)
         self._sampling_params = vllm.SamplingParams
         self.weights_version: int | None = None
         if self.sleeps:
@@ -719,7 +468,7 @@ def build_engine(context: EngineContext) -> VLLMEngine:
         # In a trainer's world the engine adds its replica to the seed itself (TP ranks of a replica share one);
         # a separate replica outside any world is told its own.
         max_model_len=context.max_model_len,
-        seed=context.seed if _trainer_world() is not None else context.seed + context.rank, device=context.device,
+        seed=context.seed if trainer_world() is not None else context.seed + context.rank, device=context.device,
         gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
         max_num_seqs=ro.max_num_seqs, free_cache_engine=ro.free_cache_engine,
         # null: CUDA graphs on a GPU (verl's default); eager on a CPU, where graphs mean compiling at start.
@@ -734,25 +483,3 @@ def build_engine(context: EngineContext) -> VLLMEngine:
     )
 
 
-def validate_config(cfg: Any) -> None:
-    """The vllm engine's checks of a config: its context length and, for the tiny model, vLLM's CPU head widths."""
-    from conveyor.config.fields import check
-
-    ro, t, data = cfg.actor_rollout_ref.rollout, cfg.trainer, cfg.data
-    world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    # Colocated over several trainer ranks, each run of tensor_model_parallel_size consecutive ranks is one replica.
-    tp = ro.tensor_model_parallel_size
-    check(world == 1 or ro.placement == "separate" or world % tp == 0,
-          "actor_rollout_ref.rollout.tensor_model_parallel_size",
-          f"a colocated vllm rollout over {world} trainer ranks makes replicas of tensor_model_parallel_size "
-          f"consecutive ranks, so it must divide {world}, got {tp}")
-    need = data.max_prompt_length + data.max_response_length
-    check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
-          f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}")
-    model = cfg.actor_rollout_ref.model
-    if model.path is None:
-        tiny = model.tiny
-        # vLLM's CPU attention kernels reject smaller heads ("Unsupported CPU attention configuration").
-        check(tiny.hidden_size // tiny.num_heads >= 32, "actor_rollout_ref.model.tiny.num_heads",
-              f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
-              f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)")
