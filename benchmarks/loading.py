@@ -42,7 +42,8 @@ def _rank(rank: int, world: int, port: int, model_path: str, out: str) -> None:
 
     from conveyor.workers.training.loading import load_role_model
     from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
-    from conveyor.workers.training.strategy import TrainedModel, TrainingStrategy
+    from conveyor.workers.training.strategy import TrainingStrategy
+    from conveyor.workers.training.trained_model import TrainedModel
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)

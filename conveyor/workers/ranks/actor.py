@@ -7,7 +7,7 @@ this rank's metrics (token-weighted ones as `@sum`/`@count` pairs, see
 typed (`conveyor.workers.ranks.calls`); what holds for the whole run comes in its
 `ActorSettings` (`conveyor.workers.ranks.settings`), decided once by the run plan.
 How the ranks of the role hold the model (one rank, DDP replicas or FSDP2
-shards) is its `TrainedModel`'s business (`conveyor.workers.training.strategy`); where
+shards) is its `TrainedModel`'s business (`conveyor.workers.training.trained_model`); where
 the ranks run is the worker group's. The frozen reference has its own worker
 (`conveyor.workers.ranks.reference`), sharing the log-prob forward
 (`conveyor.workers.ranks.forward`).
@@ -53,7 +53,7 @@ from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
 from conveyor.workers.training.loading import load_role_model
 from conveyor.workers.ranks.settings import ActorSettings, role_strategy
-from conveyor.workers.training.strategy import CheckpointEndpoints, TrainedModel
+from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.workers.training.batching import in_row_order, plan_micro_batches, take
 from conveyor.workers.ranks.forward import sequence_inputs
 from conveyor.workers.ranks.settings import CriticSettings, role_strategy
-from conveyor.workers.training.strategy import CheckpointEndpoints, TrainedModel
+from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.metrics.reduce import weighted
 

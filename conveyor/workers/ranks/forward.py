@@ -36,7 +36,7 @@ from conveyor.models.packing import PackedRows
 from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
 from conveyor.algos.trajectory import response_span
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
-from conveyor.workers.training.strategy import TrainedModel
+from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
 

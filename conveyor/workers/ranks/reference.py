@@ -28,7 +28,7 @@ from conveyor.workers.ranks.forward import PolicyForward
 from conveyor.workers.training.loading import load_role_model
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.ranks.settings import ReferenceSettings, role_strategy
-from conveyor.workers.training.strategy import TrainedModel
+from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["ReferenceWorker"]
 
