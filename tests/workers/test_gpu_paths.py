@@ -51,7 +51,7 @@ def test_small_collectives_run_where_the_group_serves_them(monkeypatch, config, 
 
 
 def test_one_rank_group_and_ray_ranks_use_the_same_backend(monkeypatch) -> None:
-    from conveyor.workers.placement.ray_group import _RankActor
+    from conveyor.workers.placement.ray_rank import _RankActor
 
     calls: list[tuple[str, object]] = []
     monkeypatch.setattr(tdist, "is_initialized", lambda: False)

@@ -25,6 +25,10 @@ Ranks are numbered node by node. Resources that the cluster cannot provide are
 a `ValueError` at once (or after `ray.timeout_s` when they exist but are
 busy), never a silent wait.
 
+This module is the driver's side. What runs in each rank's process (the process group, the
+workers, the endpoints) is `conveyor.workers.placement.ray_rank`; reserving the bundles and
+numbering the ranks is `conveyor.workers.placement.ray_placement`.
+
 What it deliberately does not do: restart failed ranks, decide how the ranks
 hold a model (the role's strategy does: `conveyor.workers.training.strategy`), or start
 Ray (`conveyor.ray_utils.ensure_ray`).
@@ -37,124 +41,23 @@ import math
 import functools
 import os
 import threading
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import ray
-import torch
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.protocol import BatchData, KVBatchMeta
-from conveyor.workers.placement.group import (MODEL_ROLES, ColocatedWorker, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
+from conveyor.workers.placement.group import (MODEL_ROLES, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
                                     split_metrics, wrap_worker_error)
-from conveyor.workers.ranks.perf import freeze_heap
+from conveyor.workers.placement.ray_placement import RayPlacement
+from conveyor.workers.placement.ray_rank import remote_rank_class
 
 __all__ = ["Pending", "RankDied", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
            "build_ray_rollout_groups", "gather_together", "gather_with_local", "ray_worker_device"]
 
 logger = logging.getLogger(__name__)
 
-# Ray refuses a bundle whose every resource is zero; with ray.worker_cpus=0 a
-# CPU rank's bundle holds this token amount instead.
-_MIN_BUNDLE_CPU = 0.001
 
-
-# --------------------------------------------------------------------------- the rank actor
-class _RankActor:
-    """One rank: joins the ranks' process group, then hosts the rank's workers (one per colocated role)."""
-
-    def __init__(self, name: str, rank: int, world_size: int, num_threads: int):
-        self.name, self.rank, self.world_size = name, rank, world_size
-        self.host = ColocatedWorker(rank, world_size)
-        # Every rank's model-loading progress bars would interleave in the driver's console.
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        # A rank reserves a fraction of the node's CPUs; letting torch use them all oversubscribes the node.
-        torch.set_num_threads(max(1, num_threads))
-
-    def where(self) -> dict[str, Any]:
-        """This rank's process id, node id and node IP."""
-        ctx = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address()}
-
-    def master_address(self) -> tuple[str, int]:
-        """(this node's IP, a free TCP port) for the process group's rendezvous (called on rank 0)."""
-        from conveyor.weights import free_address
-
-        return free_address()
-
-    def init_process_group(self, master_addr: str, master_port: int, device_type: str) -> None:
-        """Join the ranks' process group on `device_type` ("cuda" or "cpu"; all ranks call this at once)."""
-        import torch.distributed as tdist
-
-        from conveyor.workers.training.strategy import process_group_backend
-
-        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-                           "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)})
-        if device_type == "cuda":
-            torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU
-        tdist.init_process_group(backend=process_group_backend(device_type), init_method="env://", rank=self.rank,
-                                 world_size=self.world_size, timeout=timedelta(minutes=30))
-
-    def build(self, spec: WorkerSpec) -> None:
-        """Construct this rank's worker of `spec.role` in this process, next to the roles built before it."""
-        self.host.add(spec)
-        freeze_heap()  # the worker lives as long as the actor: no garbage collection walks it again
-
-    def call(self, role: str, method: str, meta: KVBatchMeta) -> KVBatchMeta:
-        """Run one endpoint of `role`'s worker over this rank's share of a handle."""
-        return getattr(self.host.worker(role), method)(meta)
-
-    def call_chain(self, steps: list[tuple[str, str]], meta: KVBatchMeta) -> KVBatchMeta:
-        """Run endpoints of roles hosted here one after another over this rank's share, each on the handle the one
-        before returned; the last handle, with every step's `extra_info` (a later step's key wins)."""
-        from conveyor.data_plane.served import deferred_writes
-
-        info: dict[str, Any] = {}
-        # The steps' writes to a served plane leave as one put, and a step reads what the one before wrote here.
-        with deferred_writes() as writes:
-            for i, (role, method) in enumerate(steps):
-                try:
-                    meta = getattr(self.host.worker(role), method)(meta)
-                    if i == len(steps) - 1:
-                        writes.send()  # a refused write is the last step's failure
-                except Exception as err:
-                    err.conveyor_step = (role, method)  # which step failed: the caller's error names it
-                    raise
-                info.update(meta.extra_info)
-        return meta.with_extra_info(**info)
-
-    def open_link(self) -> tuple[str, bytes]:
-        """Answer `call` and `call_chain` over a Unix socket too, on a thread of this process (`conveyor.workers.placement.link`:
-        the hot path of a group whose every batch is one call); (address, key) to reach it."""
-        from conveyor.workers.placement.link import serve
-
-        def handle(op: str, *args: Any) -> Any:
-            if op not in ("call", "call_chain"):
-                raise ValueError(f"a link carries call and call_chain, not {op!r}")
-            return getattr(self, op)(*args)
-
-        return serve(handle)
-
-    def call_args(self, role: str, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run `method(*args, **kwargs)` on `role`'s worker."""
-        return getattr(self.host.worker(role), method)(*args, **kwargs)
-
-    def close(self, role: str) -> None:
-        """Let `role`'s worker release what it holds outside Python."""
-        self.host.close(role)
-
-
-_REMOTE_RANK: Any = None
-
-
-def _remote_rank_class() -> Any:
-    global _REMOTE_RANK
-    if _REMOTE_RANK is None:
-        _REMOTE_RANK = ray.remote(max_restarts=0)(_RankActor)
-    return _REMOTE_RANK
-
-
+# --------------------------------------------------------------------------- a rank's failure
 class RankDied(RuntimeError):
     """A rank's process ended in a call (a crash, the kernel's OOM killer, a signal): Ray's report and its last words."""
 
@@ -187,94 +90,6 @@ def _stderr_tail(ranks: RayRanks, rank: int, lines: int = 40) -> str:
     except Exception:  # a diagnosis only: never hide the failure it comes with
         return ""
     return f"the end of its stderr ({paths[0]}):\n" + "".join(text).rstrip()
-
-
-# --------------------------------------------------------------------------- placement
-def _fmt(resources: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU") or v) or "nothing"
-
-
-def _cpu_gpu(resources: dict[str, float]) -> dict[str, float]:
-    return {"CPU": resources.get("CPU", 0.0), "GPU": resources.get("GPU", 0.0)}
-
-
-def _cluster_summary() -> str:
-    total, free = _cpu_gpu(ray.cluster_resources()), _cpu_gpu(ray.available_resources())
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    per_node = "; ".join(_fmt(_cpu_gpu(n["Resources"])) for n in nodes)
-    return f"{_fmt(total)} in total ({_fmt(free)} free) on {len(nodes)} node(s) [{per_node}]"
-
-
-_HOW_TO_FIX = ("lower trainer.n_gpus_per_node, trainer.num_cpu_workers, trainer.nnodes or ray.worker_cpus, "
-               "or give the cluster more (ray.num_cpus for a locally started Ray, more nodes with `ray start`)")
-
-
-class RayPlacement:
-    """A placement group of one bundle per data-parallel rank, shared by the roles colocated on it."""
-
-    def __init__(self, name: str, world_size: int, bundle: dict[str, float], *, nnodes: int = 1,
-                 timeout_s: float = 60.0):
-        self.name = name
-        self.world_size = world_size
-        self.bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": _MIN_BUNDLE_CPU}
-        self.strategy = "PACK" if nnodes == 1 else "SPREAD"
-        self.nnodes = nnodes
-        self._users: set[str] = set()
-        self._check_feasible()
-        self.pg = placement_group([dict(self.bundle) for _ in range(world_size)], strategy=self.strategy)
-        try:
-            ready = ray.get(self.pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ready = None
-        if not ready:
-            remove_placement_group(self.pg)
-            raise ValueError(
-                f"Ray could not reserve {world_size} x {{{_fmt(self.bundle)}}} for the {name} ranks within "
-                f"ray.timeout_s={timeout_s:g}s; the cluster has {_cluster_summary()}. Free resources, raise "
-                f"ray.timeout_s, or {_HOW_TO_FIX}"
-            )
-        # Number ranks node by node (neighbouring ranks share a node, as NCCL rings want).
-        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
-        first_seen: dict[str, int] = {}
-        for b in range(world_size):
-            first_seen.setdefault(nodes.get(b, ""), len(first_seen))
-        self.bundle_of_rank = sorted(range(world_size), key=lambda b: (first_seen[nodes.get(b, "")], b))
-        used = len(first_seen)
-        if used != nnodes:
-            logger.warning("%s ranks were placed on %d node(s), not trainer.nnodes=%d "
-                           "(Ray puts bundles where they fit)", name, used, nnodes)
-
-    def _check_feasible(self) -> None:
-        """Refuse at once what the cluster cannot ever hold (waiting would only end in a timeout)."""
-        total = ray.cluster_resources()
-        need = {k: v * self.world_size for k, v in self.bundle.items()}
-        short = {k: v for k, v in need.items() if v > total.get(k, 0) + 1e-9}
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        fits_a_node = any(all(r.get(k, 0) + 1e-9 >= v for k, v in self.bundle.items()) for r in nodes)
-        if short or not fits_a_node:
-            raise ValueError(
-                f"the {self.name} ranks need {_fmt(need)} ({self.world_size} bundle(s) of {{{_fmt(self.bundle)}}}, "
-                f"placement {self.strategy} over trainer.nnodes={self.nnodes}), but the Ray cluster has "
-                f"{_cluster_summary()}; {_HOW_TO_FIX}"
-            )
-
-    def strategy_for(self, rank: int) -> PlacementGroupSchedulingStrategy:
-        """Where rank `rank` of any role on this placement runs."""
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundle_of_rank[rank])
-
-    def acquire(self, user: str) -> None:
-        """Record that `user` (a role) has ranks here."""
-        self._users.add(user)
-
-    def release(self, user: str) -> None:
-        """`user` is done; the placement group is removed when nobody is left."""
-        self._users.discard(user)
-        if not self._users and self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception as err:  # Ray already shut down
-                logger.debug("placement group %s already gone: %s", self.name, err)
-            self.pg = None
 
 
 # --------------------------------------------------------------------------- the ranks and the groups
@@ -322,7 +137,7 @@ class RayRanks:
         self.placement = placement
         first = self.roles[0]
         try:
-            remote = _remote_rank_class()
+            remote = remote_rank_class()
             extra: dict[str, Any] = {}
             if num_gpus > 0:
                 from conveyor.workers.ranks.perf import allocator_env_defaults
@@ -421,7 +236,7 @@ class RayRanks:
                     if self.world_size > 1:
                         # The other ranks may be blocked in a collective with the failed one: stop them all.
                         self.kill()
-                    # A chained call names the step that failed (`_RankActor.call_chain`).
+                    # A chained call names the step that failed (`ray_rank`'s `call_chain`).
                     role, method = getattr(cause, "conveyor_step", (role, method))
                     raise wrap_worker_error(role, rank, method, cause) from err
         return ray.get(list(refs))
