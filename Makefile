@@ -11,7 +11,7 @@ BASE_STAMP := $(VENV)/.installed-base
 DEV_STAMP := $(VENV)/.installed-dev
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-dev train test bench gpu-wheels clean
+.PHONY: install install-dev train lint test test-fast bench gpu-wheels clean
 
 install: $(BASE_STAMP)
 install-dev: $(DEV_STAMP)
@@ -43,10 +43,26 @@ $(DEV_STAMP): $(BASE_STAMP) benchmarks/requirements-no-deps.txt requirements-vll
 train: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor train --config examples/tiny_cpu.yaml $(ARGS)
 
+# Lint and formatting first (rules in pyproject.toml's [tool.ruff]): `ruff format` and `ruff check --fix`
+# mend most of what they report.
+LINTED := conveyor tests benchmarks
+lint: install-dev
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
 # One torch thread per process: tests start several processes (Ray workers, CLI
 # runs) on small machines, and tiny models gain nothing from intra-op threads.
-test: install-dev
+test: install-dev lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The edit-run loop: the unit tests that start no process, engine or training run (about a minute here);
+# `make test` stays the whole suite.
+FAST_TESTS := tests/algos tests/metrics tests/tasks tests/models tests/data_plane/test_memory.py \
+	tests/test_protocol.py tests/test_config.py tests/test_layers.py tests/test_imports.py tests/test_deadline.py \
+	tests/workers/test_batching.py tests/workers/test_balance.py tests/workers/test_lr_schedule.py \
+	tests/workers/test_memory_budget.py
+test-fast: install-dev
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(FAST_TESTS) -m "not slow" $(PYTEST_ARGS)
 
 bench: install-dev
 	$(PIP) -r benchmarks/requirements.txt

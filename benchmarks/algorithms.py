@@ -28,9 +28,9 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from default_run import run_pair  # noqa: E402  (a sibling script: one way to run and time a default run)
@@ -38,14 +38,23 @@ from default_run import run_pair  # noqa: E402  (a sibling script: one way to ru
 #: The keys that make each algorithm, on top of the default run (GRPO).
 ALGORITHMS: dict[str, list[str]] = {
     "GRPO": [],
-    "DAPO": ["algorithm.filter_groups.enable=true", "reward_model.overlong_buffer.enable=true",
-             "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-             "actor_rollout_ref.actor.loss_agg_mode=token-mean"],
-    "Dr. GRPO": ["algorithm.norm_adv_by_std_in_grpo=false",
-                 "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"],
-    "GSPO": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-             "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004"],
+    "DAPO": [
+        "algorithm.filter_groups.enable=true",
+        "reward_model.overlong_buffer.enable=true",
+        "actor_rollout_ref.actor.clip_ratio_low=0.2",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+    ],
+    "Dr. GRPO": [
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+    ],
+    "GSPO": [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+        "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+    ],
     "RLOO": ["algorithm.adv_estimator=rloo"],
     "REINFORCE++": ["algorithm.adv_estimator=reinforce_plus_plus"],
 }
@@ -57,8 +66,13 @@ def _slug(name: str) -> str:
 
 def run_one(name: str, seed: int, args: argparse.Namespace, root: Path) -> dict:
     """Train one (algorithm, seed) in a subprocess; its first and final held-out accuracy, wall and CPU time."""
-    overrides = [*ALGORITHMS[name], "trainer.logger=[jsonl]", "trainer.progress_bar=false", "trainer.save_freq=0",
-                 *args.set]
+    overrides = [
+        *ALGORITHMS[name],
+        "trainer.logger=[jsonl]",
+        "trainer.progress_bar=false",
+        "trainer.save_freq=0",
+        *args.set,
+    ]
     if args.steps:
         overrides.append(f"trainer.total_training_steps={args.steps}")
     out = root / _slug(name)
@@ -69,38 +83,56 @@ def run_one(name: str, seed: int, args: argparse.Namespace, root: Path) -> dict:
     run_dir = out / f"model{args.model_seed}_trainer{seed}"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     gen_batches = [rec["train/num_gen_batches"] for rec in records if "train/num_gen_batches" in rec]
-    return {"algorithm": name, "seed": seed, "first": r["first"][1], "final": r["last"][1], "steps": r["last"][0],
-            "wall_s": r["wall_s"], "cpu_s": r["cpu_s"],
-            "gen_batches": statistics.fmean(gen_batches) if gen_batches else 1.0}
+    return {
+        "algorithm": name,
+        "seed": seed,
+        "first": r["first"][1],
+        "final": r["last"][1],
+        "steps": r["last"][0],
+        "wall_s": r["wall_s"],
+        "cpu_s": r["cpu_s"],
+        "gen_batches": statistics.fmean(gen_batches) if gen_batches else 1.0,
+    }
 
 
 def summarise(results: list[dict], order: Sequence[str]) -> str:
     """A Markdown table: per algorithm, final accuracy (mean, std, min..max over seeds) and mean wall and CPU time."""
-    lines = ["| algorithm | final held-out accuracy, mean | std | min .. max | seeds | wall time per run (s) "
-             "| CPU time per run (s) | generation batches per step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| algorithm | final held-out accuracy, mean | std | min .. max | seeds | wall time per run (s) "
+        "| CPU time per run (s) | generation batches per step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name in order:
         rows = [r for r in results if r["algorithm"] == name]
         if not rows:
             continue
         acc = [r["final"] for r in rows]
         std = statistics.stdev(acc) if len(acc) > 1 else 0.0
-        lines.append(f"| {name} | {statistics.fmean(acc):.3f} | {std:.3f} | {min(acc):.3f} .. {max(acc):.3f} "
-                     f"| {len(rows)} | {statistics.fmean(r['wall_s'] for r in rows):.0f} "
-                     f"| {statistics.fmean(r['cpu_s'] for r in rows):.0f} "
-                     f"| {statistics.fmean(r['gen_batches'] for r in rows):.2f} |")
+        lines.append(
+            f"| {name} | {statistics.fmean(acc):.3f} | {std:.3f} | {min(acc):.3f} .. {max(acc):.3f} "
+            f"| {len(rows)} | {statistics.fmean(r['wall_s'] for r in rows):.0f} "
+            f"| {statistics.fmean(r['cpu_s'] for r in rows):.0f} "
+            f"| {statistics.fmean(r['gen_batches'] for r in rows):.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep and print each run, then the table; 0 when every run finished."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS),
-                        metavar="NAME", help=f"any of: {', '.join(ALGORITHMS)} (default: all)")
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=list(ALGORITHMS),
+        choices=list(ALGORITHMS),
+        metavar="NAME",
+        help=f"any of: {', '.join(ALGORITHMS)} (default: all)",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3], help="trainer.seed values")
     parser.add_argument("--model-seed", type=int, default=0, help="actor_rollout_ref.model.tiny.seed of every run")
-    parser.add_argument("--steps", type=int, default=None, help="trainer.total_training_steps (default: the "
-                        "default run's)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="trainer.total_training_steps (default: the default run's)"
+    )
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every run")
@@ -110,8 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--parallel and --threads must be >= 1")
 
     jobs = [(name, seed) for name in args.algorithms for seed in args.seeds]
-    print(f"{len(jobs)} runs ({len(args.algorithms)} algorithms x {len(args.seeds)} seeds), {args.parallel} at a "
-          f"time, {args.threads} torch thread(s) each, on {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"{len(jobs)} runs ({len(args.algorithms)} algorithms x {len(args.seeds)} seeds), {args.parallel} at a "
+        f"time, {args.threads} torch thread(s) each, on {os.cpu_count()} CPUs",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -121,9 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fut in futures:
                 r = fut.result()
                 results.append(r)
-                print(f"{r['algorithm']:>12} seed {r['seed']}: held-out accuracy {r['first']:.3f} -> "
-                      f"{r['final']:.3f} at step {r['steps']}, wall {r['wall_s']:.0f} s, CPU {r['cpu_s']:.0f} s",
-                      flush=True)
+                print(
+                    f"{r['algorithm']:>12} seed {r['seed']}: held-out accuracy {r['first']:.3f} -> "
+                    f"{r['final']:.3f} at step {r['steps']}, wall {r['wall_s']:.0f} s, CPU {r['cpu_s']:.0f} s",
+                    flush=True,
+                )
     print()
     print(summarise(results, args.algorithms))
     return 0

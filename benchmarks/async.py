@@ -94,9 +94,15 @@ def read_run(run_dir: Path, skip: int = 0) -> dict:
         cores_bound += max(trainer, rollout)
         two_bound += (trainer + rollout) / 2
     rate = lambda total: steps / total if total else 0.0  # noqa: E731
-    return {"steps": steps, "train_s": elapsed, "steps_per_s": rate(measured), "curve": curve,
-            "cpu_steps_per_s": rate(cpu_bound), "cores_steps_per_s": rate(cores_bound),
-            "two_cores_steps_per_s": rate(two_bound)}
+    return {
+        "steps": steps,
+        "train_s": elapsed,
+        "steps_per_s": rate(measured),
+        "curve": curve,
+        "cpu_steps_per_s": rate(cpu_bound),
+        "cores_steps_per_s": rate(cores_bound),
+        "two_cores_steps_per_s": rate(two_bound),
+    }
 
 
 # The breakdowns' first steps left out by default (start-up: the first batches, caches filling).
@@ -109,11 +115,31 @@ def breakdown_skip(skip: int | None) -> int:
 
 
 # The stages a step's time goes to (timing_s/*), and each side's CPU seconds (off_policy/*), in the breakdown.
-STAGES = ("step", "gen", "reward", "prompts", "old_log_prob", "adv", "update_actor", "metrics", "async/wait",
-          "async/dispatch", "async/stage_weights", "async/rollout_gen", "async/rollout_reward")
-CPU = ("off_policy/trainer_cpu_s", "off_policy/rollout_cpu_s", "off_policy/trainer_process_cpu_s",
-       "off_policy/helper_cpu_s/rollout", "off_policy/helper_cpu_s/data_plane", "off_policy/helper_cpu_s/weights",
-       "rollout/perf/cpu_s", "reward/perf/cpu_s")
+STAGES = (
+    "step",
+    "gen",
+    "reward",
+    "prompts",
+    "old_log_prob",
+    "adv",
+    "update_actor",
+    "metrics",
+    "async/wait",
+    "async/dispatch",
+    "async/stage_weights",
+    "async/rollout_gen",
+    "async/rollout_reward",
+)
+CPU = (
+    "off_policy/trainer_cpu_s",
+    "off_policy/rollout_cpu_s",
+    "off_policy/trainer_process_cpu_s",
+    "off_policy/helper_cpu_s/rollout",
+    "off_policy/helper_cpu_s/data_plane",
+    "off_policy/helper_cpu_s/weights",
+    "rollout/perf/cpu_s",
+    "reward/perf/cpu_s",
+)
 
 
 def stage_medians(run_dir: Path, skip: int = BREAKDOWN_SKIP) -> dict[str, float]:
@@ -156,8 +182,9 @@ def cpu_sides(run_dir: Path, skip: int = BREAKDOWN_SKIP) -> dict[str, float]:
     return {"trainer": 1e3 * statistics.median(trainer), "rollout": 1e3 * statistics.median(rollout)}
 
 
-def projections(sync: dict[str, float], own: dict[str, float], sync_step_ms: float,
-                gpu_step_ms: float = 1000.0) -> dict[str, float]:
+def projections(
+    sync: dict[str, float], own: dict[str, float], sync_step_ms: float, gpu_step_ms: float = 1000.0
+) -> dict[str, float]:
     """What other machines would give the own-process placement, from the CPU sides (`cpu_sides`) of a synchronous
     run and an asynchronous one and the synchronous step's wall milliseconds.
 
@@ -195,15 +222,21 @@ def overhead_items(sync: dict[str, float], own: dict[str, float]) -> dict[str, f
             items[stage] = own[key] - sync.get(key, 0.0)
     if "timing_cpu_s/step" in own and "timing_cpu_s/step" in sync:
         # The step's own code outside its stages (the source's bookkeeping: versions, logs), against sync's.
-        untimed = lambda st: st["timing_cpu_s/step"] - sum(  # noqa: E731
-            st.get(f"timing_cpu_s/{k}", 0.0) for k in STAGES if k != "step" and not k.startswith("async/rollout_"))
+        def untimed(st: dict[str, float]) -> float:
+            timed = (k for k in STAGES if k != "step" and not k.startswith("async/rollout_"))
+            return st["timing_cpu_s/step"] - sum(st.get(f"timing_cpu_s/{k}", 0.0) for k in timed)
+
         items["rest of the step"] = untimed(own) - untimed(sync)
-    helpers = {k.removeprefix("off_policy/helper_cpu_s/"): v for k, v in own.items()
-               if k.startswith("off_policy/helper_cpu_s/")}
+    helpers = {
+        k.removeprefix("off_policy/helper_cpu_s/"): v
+        for k, v in own.items()
+        if k.startswith("off_policy/helper_cpu_s/")
+    }
     items.update({f"{k} threads": v for k, v in helpers.items()})
     if "off_policy/trainer_process_cpu_s" in own and "off_policy/trainer_cpu_s" in own:
-        items["other threads"] = (own["off_policy/trainer_process_cpu_s"] - own["off_policy/trainer_cpu_s"]
-                                  - sum(helpers.values()))
+        items["other threads"] = (
+            own["off_policy/trainer_process_cpu_s"] - own["off_policy/trainer_cpu_s"] - sum(helpers.values())
+        )
     return items
 
 
@@ -221,16 +254,20 @@ def print_ledger(sync_runs: list[dict], own_runs: list[dict]) -> None:
         return
     st, ot = over_rounds([r["stages"] for r in sync_runs]), over_rounds([r["stages"] for r in own_runs])
     pr = projections(sync_sides, own_sides, st["timing_s/step"])
-    print(f"\nCPU ms per step by side (medians over {len(own_runs)} rounds): sync trainer side "
-          f"{sync_sides['trainer']:.1f}, rollout side {sync_sides['rollout']:.1f}; rollout in processes of its own: "
-          f"the trainer's process {own_sides['trainer']:.1f} (the composition adds {pr['overhead_ms']:.1f}), rollout "
-          f"and reward workers {own_sides['rollout']:.1f}")
+    print(
+        f"\nCPU ms per step by side (medians over {len(own_runs)} rounds): sync trainer side "
+        f"{sync_sides['trainer']:.1f}, rollout side {sync_sides['rollout']:.1f}; rollout in processes of its own: "
+        f"the trainer's process {own_sides['trainer']:.1f} (the composition adds {pr['overhead_ms']:.1f}), rollout "
+        f"and reward workers {own_sides['rollout']:.1f}"
+    )
     items = overhead_items(st, ot)
     print("  of what it adds: " + ", ".join(f"{k} {v:+.1f}" for k, v in items.items()))
-    print(f"  a core per process (its interpreter keeps the trainer's process serial): {pr['cores']:.2f}x; "
-          f"both sides as the synchronous step has them: {pr['ceiling']:.2f}x; a device per side and a 1 s "
-          f"synchronous step split the same way, {pr['overhead_ms']:.1f} ms added to the trainer's side: "
-          f"{pr['gpu']:.2f}x")
+    print(
+        f"  a core per process (its interpreter keeps the trainer's process serial): {pr['cores']:.2f}x; "
+        f"both sides as the synchronous step has them: {pr['ceiling']:.2f}x; a device per side and a 1 s "
+        f"synchronous step split the same way, {pr['overhead_ms']:.1f} ms added to the trainer's side: "
+        f"{pr['gpu']:.2f}x"
+    )
 
 
 def _label(key: str) -> str:
@@ -239,12 +276,16 @@ def _label(key: str) -> str:
         return key.removeprefix("timing_s/")
     if key.startswith("timing_cpu_s/"):
         return key.removeprefix("timing_cpu_s/") + " CPU"
-    return {"off_policy/trainer_cpu_s": "trainer thread CPU", "off_policy/rollout_cpu_s": "rollout thread CPU",
-            "off_policy/trainer_process_cpu_s": "trainer process CPU",
-            "off_policy/helper_cpu_s/rollout": "of it: rollout thread",
-            "off_policy/helper_cpu_s/data_plane": "data-plane server threads",
-            "off_policy/helper_cpu_s/weights": "weight-sending threads", "rollout/perf/cpu_s": "rollout worker CPU",
-            "reward/perf/cpu_s": "reward worker CPU"}.get(key, key)
+    return {
+        "off_policy/trainer_cpu_s": "trainer thread CPU",
+        "off_policy/rollout_cpu_s": "rollout thread CPU",
+        "off_policy/trainer_process_cpu_s": "trainer process CPU",
+        "off_policy/helper_cpu_s/rollout": "of it: rollout thread",
+        "off_policy/helper_cpu_s/data_plane": "data-plane server threads",
+        "off_policy/helper_cpu_s/weights": "weight-sending threads",
+        "rollout/perf/cpu_s": "rollout worker CPU",
+        "reward/perf/cpu_s": "reward worker CPU",
+    }.get(key, key)
 
 
 def accuracy_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
@@ -253,11 +294,29 @@ def accuracy_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
     return reached[-1] if reached else curve[0][2]
 
 
-def run_one(mode: str, out: Path, config: Path, overrides: list[str], threads: int | None, env_base: dict,
-            skip: int | None = None) -> dict:
+def run_one(
+    mode: str,
+    out: Path,
+    config: Path,
+    overrides: list[str],
+    threads: int | None,
+    env_base: dict,
+    skip: int | None = None,
+) -> dict:
     run_dir = out / f"{mode}-{int(time.time() * 1000)}"
-    cmd = [sys.executable, "-m", "conveyor.cli", "train", "--config", str(config), *MODES[mode], *overrides,
-           f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", "trainer.logger=[jsonl]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "conveyor.cli",
+        "train",
+        "--config",
+        str(config),
+        *MODES[mode],
+        *overrides,
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.progress_bar=false",
+        "trainer.logger=[jsonl]",
+    ]
     env = dict(env_base)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -281,11 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of every mode, alternating")
     p.add_argument("--config", type=Path, default=DEFAULT_RUN)
     p.add_argument("--threads", type=int, default=1, help="torch threads of every process")
-    p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES),
-                   help="the modes to run (sync is always run: the others are compared with it)")
-    p.add_argument("--skip", type=int, default=None,
-                   help="leave a run's first SKIP steps out of its steps/s and its breakdowns (a GPU's warm-up; "
-                        "default: every step counts in steps/s, the breakdowns start after the 5th)")
+    p.add_argument(
+        "--modes",
+        nargs="*",
+        default=list(MODES),
+        choices=list(MODES),
+        help="the modes to run (sync is always run: the others are compared with it)",
+    )
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=None,
+        help="leave a run's first SKIP steps out of its steps/s and its breakdowns (a GPU's warm-up; "
+        "default: every step counts in steps/s, the breakdowns start after the 5th)",
+    )
     p.add_argument("--set", nargs="*", default=[], help="config overrides for every mode")
     p.add_argument("--out", type=Path, default=None, help="where runs are written (default: a temporary folder)")
     args = p.parse_args(argv)
@@ -303,11 +371,19 @@ def main(argv: list[str] | None = None) -> int:
             r = run_one(mode, out, args.config, args.set, args.threads, env, args.skip)
             results[mode].append(r)
             curve = "  ".join(f"{s}:{acc:.3f}@{t:.0f}s" for s, t, acc in r["curve"])
-            cpu = (f"  (two free cores, no lock: {r['cpu_steps_per_s']:6.2f} steps/s)" if mode == "async_k1_thread"
-                   else f"  (a core per process: {r['cores_steps_per_s']:6.2f}, two cores at best: "
-                        f"{r['two_cores_steps_per_s']:6.2f} steps/s)" if mode == "async_k1" else "")
-            print(f"round {rnd + 1} {mode:15s} {r['steps_per_s']:6.2f} steps/s{cpu}  train {r['train_s']:6.1f} s  "
-                  f"process {r['wall_s']:6.1f} s  val acc (step:acc@train time) {curve}", flush=True)
+            cpu = (
+                f"  (two free cores, no lock: {r['cpu_steps_per_s']:6.2f} steps/s)"
+                if mode == "async_k1_thread"
+                else f"  (a core per process: {r['cores_steps_per_s']:6.2f}, two cores at best: "
+                f"{r['two_cores_steps_per_s']:6.2f} steps/s)"
+                if mode == "async_k1"
+                else ""
+            )
+            print(
+                f"round {rnd + 1} {mode:15s} {r['steps_per_s']:6.2f} steps/s{cpu}  train {r['train_s']:6.1f} s  "
+                f"process {r['wall_s']:6.1f} s  val acc (step:acc@train time) {curve}",
+                flush=True,
+            )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     sync = results["sync"]
     med = {m: statistics.median(r["steps_per_s"] for r in rs) for m, rs in results.items()}
@@ -319,40 +395,59 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mode:15s} {med[mode]:.2f} -> {med[mode] / med['sync']:.2f}x (per round: {pairs})")
         if mode == "async_k1_thread":
             est = statistics.median(r["cpu_steps_per_s"] for r in rs)
-            print(f"  {mode:15s} from its threads' CPU time per step (a core each, no interpreter lock between "
-                  f"them): {est:.2f} steps/s -> {est / med['sync']:.2f}x")
+            print(
+                f"  {mode:15s} from its threads' CPU time per step (a core each, no interpreter lock between "
+                f"them): {est:.2f} steps/s -> {est / med['sync']:.2f}x"
+            )
         if mode == "async_k1":
             cores = statistics.median(r["cores_steps_per_s"] for r in rs)
             two = statistics.median(r["two_cores_steps_per_s"] for r in rs)
-            print(f"  {mode:15s} from its processes' CPU time per step: a core each (trainer, rollout, reward) "
-                  f"{cores:.2f} steps/s -> {cores / med['sync']:.2f}x; the most two cores could give "
-                  f"{two:.2f} -> {two / med['sync']:.2f}x")
+            print(
+                f"  {mode:15s} from its processes' CPU time per step: a core each (trainer, rollout, reward) "
+                f"{cores:.2f} steps/s -> {cores / med['sync']:.2f}x; the most two cores could give "
+                f"{two:.2f} -> {two / med['sync']:.2f}x"
+            )
         for i, (s, a) in enumerate(zip(sync, rs)):
             budget = min(s["train_s"], a["train_s"])
-            print(f"  round {i + 1}: final accuracy (equal steps) sync {s['curve'][-1][2]:.3f}, {mode} "
-                  f"{a['curve'][-1][2]:.3f}; at equal training time {budget:.0f} s: sync "
-                  f"{accuracy_at(s['curve'], budget):.3f}, {mode} {accuracy_at(a['curve'], budget):.3f}")
-    print(f"\nwhere a step's time goes (median ms per step over the run's steps after step "
-          f"{breakdown_skip(args.skip)}, last round):")
+            print(
+                f"  round {i + 1}: final accuracy (equal steps) sync {s['curve'][-1][2]:.3f}, {mode} "
+                f"{a['curve'][-1][2]:.3f}; at equal training time {budget:.0f} s: sync "
+                f"{accuracy_at(s['curve'], budget):.3f}, {mode} {accuracy_at(a['curve'], budget):.3f}"
+            )
+    print(
+        f"\nwhere a step's time goes (median ms per step over the run's steps after step "
+        f"{breakdown_skip(args.skip)}, last round):"
+    )
     for mode, rs in results.items():
         stages = rs[-1]["stages"]
         # A stage's wall time, with its thread's CPU time beside it.
-        shown = [f"{_label(k)} {v:.1f}" + (f" (CPU {stages[c]:.1f})" if (c := "timing_cpu_s/" + k.removeprefix(
-                 "timing_s/")) in stages and k.startswith("timing_s/") else "")
-                 for k, v in stages.items() if not k.startswith("timing_cpu_s/")]
+        shown = [
+            f"{_label(k)} {v:.1f}"
+            + (
+                f" (CPU {stages[c]:.1f})"
+                if (c := "timing_cpu_s/" + k.removeprefix("timing_s/")) in stages and k.startswith("timing_s/")
+                else ""
+            )
+            for k, v in stages.items()
+            if not k.startswith("timing_cpu_s/")
+        ]
         print(f"  {mode:15s} " + ", ".join(shown))
     st = results["sync"][-1]["stages"]
     rollout_side = sum(st.get(f"timing_s/{k}", 0.0) for k in ("gen", "reward", "prompts"))
     if rollout_side:
-        print(f"\nthe overlap's ceiling from the synchronous step (last round): {st['timing_s/step']:.1f} ms against "
-              f"the longer of its rollout side (prompts, gen, reward: {rollout_side:.1f} ms) and the rest "
-              f"({st['timing_s/step'] - rollout_side:.1f} ms): "
-              f"{st['timing_s/step'] / max(rollout_side, st['timing_s/step'] - rollout_side):.2f}x, what a machine "
-              "with a device (or cores) per side and free transfers would give")
+        print(
+            f"\nthe overlap's ceiling from the synchronous step (last round): {st['timing_s/step']:.1f} ms against "
+            f"the longer of its rollout side (prompts, gen, reward: {rollout_side:.1f} ms) and the rest "
+            f"({st['timing_s/step'] - rollout_side:.1f} ms): "
+            f"{st['timing_s/step'] / max(rollout_side, st['timing_s/step'] - rollout_side):.2f}x, what a machine "
+            "with a device (or cores) per side and free transfers would give"
+        )
     if results.get("async_k1"):
         print_ledger(results["sync"], results["async_k1"])
-    print("mean final accuracy: " + ", ".join(f"{m} {mean([r['curve'][-1][2] for r in rs]):.3f}"
-                                              for m, rs in results.items()))
+    print(
+        "mean final accuracy: "
+        + ", ".join(f"{m} {mean([r['curve'][-1][2] for r in rs]):.3f}" for m, rs in results.items())
+    )
     return 0
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import psutil
 
+import conveyor.workers.placement.roles as roles
 from conveyor.config import load_config
 from conveyor.trainer.run import run_training
-import conveyor.workers.placement.roles as roles
 
 MODEL = [
     "actor_rollout_ref.model.tiny.arch=qwen3",
@@ -36,10 +36,19 @@ MODEL = [
     "actor_rollout_ref.model.tiny.warmstart_steps=0",
 ]
 RUN = [
-    "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "data.synthetic.num_train=64", "data.synthetic.num_val=8", "trainer.total_training_steps=3",
-    "trainer.test_freq=0", "trainer.logger=[jsonl]", "trainer.progress_bar=false", "trainer.dump_freq=0",
-    "trainer.num_cpu_workers=2", "ray.num_cpus=4", "actor_rollout_ref.actor.use_kl_loss=true",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "data.synthetic.num_train=64",
+    "data.synthetic.num_val=8",
+    "trainer.total_training_steps=3",
+    "trainer.test_freq=0",
+    "trainer.logger=[jsonl]",
+    "trainer.progress_bar=false",
+    "trainer.dump_freq=0",
+    "trainer.num_cpu_workers=2",
+    "ray.num_cpus=4",
+    "actor_rollout_ref.actor.use_kl_loss=true",
 ]
 
 PID_DIR = Path(tempfile.mkdtemp(prefix="colocation-pids-"))
@@ -97,9 +106,11 @@ def main() -> None:
     result = {
         "model_worker_processes": len(set(pids.values())),
         "per_rank": ranks,
-        "metrics_cpu_memory_used_gb": {k: max(r[k] for r in rows if k in r) for k in
-                                       ("actor/perf/cpu_memory_used_gb", "ref/perf/cpu_memory_used_gb")
-                                       if any(k in r for r in rows)},
+        "metrics_cpu_memory_used_gb": {
+            k: max(r[k] for r in rows if k in r)
+            for k in ("actor/perf/cpu_memory_used_gb", "ref/perf/cpu_memory_used_gb")
+            if any(k in r for r in rows)
+        },
         "wall_s": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(result, indent=2))

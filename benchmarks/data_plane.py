@@ -33,7 +33,8 @@ import argparse
 import importlib.util
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,10 @@ from conveyor.data_plane import BACKENDS, DataPlane, make_data_plane
 TARGET_RATIO = 3.0  # dense put+get at most this many clones
 TARGET_CREATE_MS = 50.0
 
-_ADAPTERS = {"ray": ("conveyor.data_plane.ray_store", "ray"), "transferqueue": ("conveyor.data_plane.transferqueue", "transfer_queue")}
+_ADAPTERS = {
+    "ray": ("conveyor.data_plane.ray_store", "ray"),
+    "transferqueue": ("conveyor.data_plane.transferqueue", "transfer_queue"),
+}
 
 
 def _find(module: str) -> bool:
@@ -126,7 +130,8 @@ def bench_small_fields(plane: DataPlane, samples: int, num_fields: int, reps: in
     """Put then get `num_fields` small columns of `samples` rows, next to a clone of every column."""
     gen = torch.Generator().manual_seed(seed)
     fields = {
-        f"f{j}": torch.randn(samples, 4, generator=gen) if j % 2 == 0
+        f"f{j}": torch.randn(samples, 4, generator=gen)
+        if j % 2 == 0
         else torch.randint(0, 1000, (samples,), generator=gen, dtype=torch.int64)
         for j in range(num_fields)
     }
@@ -165,8 +170,13 @@ def bench_create(backend: str, reps: int) -> float:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["memory"], metavar="NAME",
-                        help=f"any of {', '.join(BACKENDS)} (space or comma separated; default memory)")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["memory"],
+        metavar="NAME",
+        help=f"any of {', '.join(BACKENDS)} (space or comma separated; default memory)",
+    )
     parser.add_argument("--workload", choices=("dense", "small-fields", "both"), default="both")
     parser.add_argument("--samples", type=int, default=1024, help="dense: samples")
     parser.add_argument("--seq-len", type=int, default=4096, help="dense: int64 values per sample")
@@ -200,9 +210,19 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             if workload not in res:
                 continue
             r = res[workload]
-            rows.append([f"{backend} / {workload.replace('_', '-')}", f"{r['bytes'] / 2**20:.1f}", f"{r['put_ms']:.2f}",
-                         f"{r['get_ms']:.2f}", f"{r['put_get_ms']:.2f}", f"{r['clone_ms']:.2f}", f"{r['ratio']:.2f}",
-                         f"{r['gb_per_s']:.2f}", f"{res['create_ms']:.4f}"])
+            rows.append(
+                [
+                    f"{backend} / {workload.replace('_', '-')}",
+                    f"{r['bytes'] / 2**20:.1f}",
+                    f"{r['put_ms']:.2f}",
+                    f"{r['get_ms']:.2f}",
+                    f"{r['put_get_ms']:.2f}",
+                    f"{r['clone_ms']:.2f}",
+                    f"{r['ratio']:.2f}",
+                    f"{r['gb_per_s']:.2f}",
+                    f"{res['create_ms']:.4f}",
+                ]
+            )
     widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
     print(_row(head, widths))
     print(_row(["-" * w for w in widths], widths))
@@ -257,7 +277,9 @@ def _run_backends(args: argparse.Namespace, out: dict[str, Any]) -> None:
             if args.workload in ("dense", "both"):
                 res["dense"] = bench_dense(plane, args.samples, args.seq_len, args.reps, args.seed)
             if args.workload in ("small-fields", "both"):
-                res["small_fields"] = bench_small_fields(plane, args.small_samples, args.small_fields, args.reps, args.seed)
+                res["small_fields"] = bench_small_fields(
+                    plane, args.small_samples, args.small_fields, args.reps, args.seed
+                )
         finally:
             plane.close()
         res["create_ms"] = bench_create(backend, args.create_reps)
@@ -269,10 +291,14 @@ def _run_backends(args: argparse.Namespace, out: dict[str, Any]) -> None:
         checks = []
         if "dense" in mem:
             d = mem["dense"]
-            print(f"memory / dense: get in shuffled order {d['get_shuffled_ms']:.2f} ms "
-                  f"(put + shuffled get = {d['shuffled_ratio']:.2f} x clone)")
+            print(
+                f"memory / dense: get in shuffled order {d['get_shuffled_ms']:.2f} ms "
+                f"(put + shuffled get = {d['shuffled_ratio']:.2f} x clone)"
+            )
             checks.append((f"put+get <= {TARGET_RATIO:g} x clone", d["ratio"] <= TARGET_RATIO, f"{d['ratio']:.2f} x"))
-        checks.append((f"creation < {TARGET_CREATE_MS:g} ms", mem["create_ms"] < TARGET_CREATE_MS, f"{mem['create_ms']:.4f} ms"))
+        checks.append(
+            (f"creation < {TARGET_CREATE_MS:g} ms", mem["create_ms"] < TARGET_CREATE_MS, f"{mem['create_ms']:.4f} ms")
+        )
         out["targets_met"] = all(ok for _, ok, _ in checks)
         for name, ok, value in checks:
             print(f"target memory {name}: {'met' if ok else 'MISSED'} ({value})")
@@ -280,8 +306,10 @@ def _run_backends(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if "dense" in ray_res and "dense" in tq_res:
         speedup = tq_res["dense"]["put_get_ms"] / ray_res["dense"]["put_get_ms"]
         out["ray_vs_transferqueue"] = speedup
-        print(f"target ray put+get >= 2x faster than transferqueue: {'met' if speedup >= 2 else 'MISSED'} "
-              f"({speedup:.2f}x)")
+        print(
+            f"target ray put+get >= 2x faster than transferqueue: {'met' if speedup >= 2 else 'MISSED'} "
+            f"({speedup:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

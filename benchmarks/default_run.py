@@ -1,4 +1,5 @@
-"""The default run (`make train`: `conveyor train --config examples/tiny_cpu.yaml`) over several seed pairs: does it learn?
+"""The default run (`make train`: `conveyor train --config examples/tiny_cpu.yaml`) over several seed pairs: does it
+learn?
 
 Each pair sets `actor_rollout_ref.model.tiny.seed` (the model's initialisation
 and its warm start) and `trainer.seed` (sampling and mini-batch order); they
@@ -41,9 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 # What `make train` runs: the defaults plus the MoE load-balance metrics.
@@ -80,15 +81,25 @@ def val_accuracy(run_dir: Path) -> list[tuple[int, float]]:
     return sorted(found.items())
 
 
-def run_pair(model_seed: int, trainer_seed: int, out: Path, threads: int, overrides: Sequence[str],
-             config: Path = DEFAULT_RUN) -> dict:
+def run_pair(
+    model_seed: int, trainer_seed: int, out: Path, threads: int, overrides: Sequence[str], config: Path = DEFAULT_RUN
+) -> dict:
     """One `conveyor train --config config` with the pair's seeds, a fresh model cache and its own run directory."""
     name = f"model{model_seed}_trainer{trainer_seed}"
     run_dir = out / name
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CONVEYOR_CACHE": str(out / f"cache_{name}")}
-    cmd = [sys.executable, "-m", "conveyor.cli", "train", "--config", str(config),
-           f"trainer.default_local_dir={run_dir}",
-           f"actor_rollout_ref.model.tiny.seed={model_seed}", f"trainer.seed={trainer_seed}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "conveyor.cli",
+        "train",
+        "--config",
+        str(config),
+        f"trainer.default_local_dir={run_dir}",
+        f"actor_rollout_ref.model.tiny.seed={model_seed}",
+        f"trainer.seed={trainer_seed}",
+        *overrides,
+    ]
     log = out / f"{name}.log"
     start = time.perf_counter()
     with log.open("w") as f:
@@ -133,23 +144,40 @@ def _load() -> str:
 def _spread(values: list[float], fmt: str) -> str:
     if not values:
         return "n/a"
-    return (f"min {fmt.format(min(values))}  median {fmt.format(statistics.median(values))}  "
-            f"max {fmt.format(max(values))}")
+    return (
+        f"min {fmt.format(min(values))}  median {fmt.format(statistics.median(values))}  max {fmt.format(max(values))}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep and print each pair and the spread; 1 when a run failed or ended below the bar."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", nargs="+", type=parse_pair, default=list(DEFAULT_PAIRS), metavar="M:T",
-                        help="model_seed:trainer_seed pairs (default: 3 model seeds x 2 trainer seeds)")
+    parser.add_argument(
+        "--pairs",
+        nargs="+",
+        type=parse_pair,
+        default=list(DEFAULT_PAIRS),
+        metavar="M:T",
+        help="model_seed:trainer_seed pairs (default: 3 model seeds x 2 trainer seeds)",
+    )
     parser.add_argument("--parallel", type=int, default=1, help="pairs run at the same time (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run, OMP_NUM_THREADS (default 1)")
     parser.add_argument("--bar", type=float, default=0.5, help="held-out accuracy each run must reach (default 0.5)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (repeatable)",
+    )
     parser.add_argument("--out", help="folder for run directories, caches and logs (default: a new temporary one)")
-    parser.add_argument("--config", type=Path, default=DEFAULT_RUN,
-                        help="the run's config (default examples/tiny_cpu.yaml; examples/vllm_cpu.yaml: the vllm rollout)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_RUN,
+        help="the run's config (default examples/tiny_cpu.yaml; examples/vllm_cpu.yaml: the vllm rollout)",
+    )
     args = parser.parse_args(argv)
     if args.parallel < 1 or args.threads < 1:
         parser.error("--parallel and --threads must be >= 1")
@@ -157,8 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     print(f"machine: {_cpu_name()}, {os.cpu_count()} logical CPUs; load average before: {_load()}")
-    print(f"runs: {len(args.pairs)} pairs, {args.parallel} at a time, OMP_NUM_THREADS={args.threads} each; "
-          f"overrides: {args.overrides or 'none'}; output in {out}", flush=True)
+    print(
+        f"runs: {len(args.pairs)} pairs, {args.parallel} at a time, OMP_NUM_THREADS={args.threads} each; "
+        f"overrides: {args.overrides or 'none'}; output in {out}",
+        flush=True,
+    )
     start = time.perf_counter()
     results = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
@@ -169,9 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = f"{r['first'][1]:.3f}" if r["first"] else "-"
             last = f"{r['last'][1]:.3f} at step {r['last'][0]}" if r["last"] else "-"
             failed = "" if r["status"] == 0 else f"  FAILED (exit status {r['status']}; see {r['log']})"
-            print(f"model seed {r['model_seed']}  trainer seed {r['trainer_seed']}:  held-out accuracy "
-                  f"{first} -> {last}  warm start {r['warm_start_steps']} steps  wall {r['wall_s']:.0f} s  "
-                  f"cpu {r['cpu_s']:.0f} s{failed}", flush=True)
+            print(
+                f"model seed {r['model_seed']}  trainer seed {r['trainer_seed']}:  held-out accuracy "
+                f"{first} -> {last}  warm start {r['warm_start_steps']} steps  wall {r['wall_s']:.0f} s  "
+                f"cpu {r['cpu_s']:.0f} s{failed}",
+                flush=True,
+            )
     finals = [r["last"][1] for r in results if r["status"] == 0 and r["last"]]
     walls = [r["wall_s"] for r in results if r["status"] == 0]
     cpus = [r["cpu_s"] for r in results if r["status"] == 0]
@@ -180,8 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wall time per run (s):   {_spread(walls, '{:.0f}')}")
     # With one thread per run, CPU time is about what the wall time is on an otherwise idle machine.
     print(f"CPU time per run (s):    {_spread(cpus, '{:.0f}')}")
-    print(f"{passed} of {len(results)} runs reached >= {args.bar}; sweep took {time.perf_counter() - start:.0f} s; "
-          f"load average after: {_load()}")
+    print(
+        f"{passed} of {len(results)} runs reached >= {args.bar}; sweep took {time.perf_counter() - start:.0f} s; "
+        f"load average after: {_load()}"
+    )
     return 0 if passed == len(results) else 1
 
 

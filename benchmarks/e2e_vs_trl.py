@@ -1,4 +1,5 @@
-"""Train the same tiny MoE model with conveyor and with TRL's `GRPOTrainer`, alternating, and compare speed and learning.
+"""Train the same tiny MoE model with conveyor and with TRL's `GRPOTrainer`, alternating, and compare speed and
+learning.
 
 Each run is one fresh subprocess (so its peak resident memory is its own),
 and the runs alternate conveyor, TRL, conveyor, TRL, ... for `--pairs`
@@ -97,9 +98,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
-
+from typing import Any
 
 SIDES: tuple[str, ...] = ("conveyor", "trl")
 TARGET_RATIO = 2.0  # median conveyor/TRL steps/s (checked and printed, not enforced)
@@ -113,23 +114,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--pairs", type=int, default=3, help="conveyor/TRL pairs of runs, alternating")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="prompts per step (default: conveyor's data.train_batch_size)")
-    parser.add_argument("--n", type=int, default=None,
-                        help="samples per prompt (default: conveyor's actor_rollout_ref.rollout.n)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="most tokens per response (default: conveyor's data.max_response_length)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="learning rate (default: conveyor's actor_rollout_ref.actor.optim.lr)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="sampling seed of both sides in the first pair; pair k uses seed + k - 1")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads in each run (0 = torch's default; see the note on threads above)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a conveyor config override applied before the shared settings are read, e.g. "
-                             "actor_rollout_ref.model.tiny.warmstart_steps=0 or data.synthetic.num_train=256 "
-                             "(repeatable; both sides use the resulting model, prompts and settings; the settings "
-                             "this script fixes for a like-for-like run, listed above, take precedence)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="prompts per step (default: conveyor's data.train_batch_size)"
+    )
+    parser.add_argument(
+        "--n", type=int, default=None, help="samples per prompt (default: conveyor's actor_rollout_ref.rollout.n)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="most tokens per response (default: conveyor's data.max_response_length)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=None, help="learning rate (default: conveyor's actor_rollout_ref.actor.optim.lr)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling seed of both sides in the first pair; pair k uses seed + k - 1"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in each run (0 = torch's default; see the note on threads above)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a conveyor config override applied before the shared settings are read, e.g. "
+        "actor_rollout_ref.model.tiny.warmstart_steps=0 or data.synthetic.num_train=256 "
+        "(repeatable; both sides use the resulting model, prompts and settings; the settings "
+        "this script fixes for a like-for-like run, listed above, take precedence)",
+    )
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -159,8 +178,11 @@ def shared_config(args: argparse.Namespace, run_dir: str | None = None):
 
     # The warm start these figures were measured with (docs/BENCHMARKS.md): a fixed 350 steps, where
     # the default run now stops at an accuracy. --set can still change it.
-    overrides = ["actor_rollout_ref.model.tiny.warmstart_steps=350",
-                 "actor_rollout_ref.model.tiny.warmstart_until_accuracy=0", *args.overrides]
+    overrides = [
+        "actor_rollout_ref.model.tiny.warmstart_steps=350",
+        "actor_rollout_ref.model.tiny.warmstart_until_accuracy=0",
+        *args.overrides,
+    ]
     base = load_config(overrides=overrides)
     batch = args.batch if args.batch is not None else base.data.train_batch_size
     n = args.n if args.n is not None else base.actor_rollout_ref.rollout.n
@@ -277,8 +299,15 @@ class ScoreRecorder:
         self.rewards: list[float] = []
         self.tokens: list[float] = []
 
-    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                 data_source: list[str], ground_truth: list[str], **kwargs: Any) -> list[float]:
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        data_source: list[str],
+        ground_truth: list[str],
+        **kwargs: Any,
+    ) -> list[float]:
         """One score per completion (B*n,); the step's mean and token count are kept."""
         from conveyor.tasks.rewards import compute_score
 
@@ -308,11 +337,16 @@ def run_trl(args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
     model_path = prepare_default_model(cfg)
     tokenizer = load_tokenizer(model_path)
     records = ordered_prompt_records(cfg, args.steps)
-    dataset = Dataset.from_list([
-        {"prompt": render_prompt(rec, tokenizer), "data_source": rec["data_source"],
-         "ground_truth": str(rec["reward_model"]["ground_truth"])}
-        for rec in records
-    ])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": render_prompt(rec, tokenizer),
+                "data_source": rec["data_source"],
+                "ground_truth": str(rec["reward_model"]["ground_truth"]),
+            }
+            for rec in records
+        ]
+    )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optim = arr.actor.optim
 
@@ -373,14 +407,22 @@ def run_trl(args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
         log_completions=False,
     )
     recorder, timer = ScoreRecorder(), StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=[recorder], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[recorder],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     if not (len(timer.durations) == len(recorder.rewards) == args.steps):
-        raise RuntimeError(f"TRL ran {len(timer.durations)} steps with {len(recorder.rewards)} reward calls, "
-                           f"expected {args.steps} of each")
+        raise RuntimeError(
+            f"TRL ran {len(timer.durations)} steps with {len(recorder.rewards)} reward calls, "
+            f"expected {args.steps} of each"
+        )
     return {
         "version": trl.__version__,
         "step_s": timer.durations,
@@ -400,8 +442,9 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix=f"e2e-{args.child}-")
     result = (run_conveyor if args.child == "conveyor" else run_trl)(args, run_dir)
-    result.update(side=args.child, threads=torch.get_num_threads(), peak_rss_bytes=_peak_rss_bytes(),
-                  torch=torch.__version__)
+    result.update(
+        side=args.child, threads=torch.get_num_threads(), peak_rss_bytes=_peak_rss_bytes(), torch=torch.__version__
+    )
     Path(args.result_file).write_text(json.dumps(result))
     return result
 
@@ -428,8 +471,17 @@ def run_side(side: str, raw_argv: Sequence[str], work_dir: Path, index: int, tim
     """Run one side in a fresh subprocess of this script and return what it wrote (plus its process wall time)."""
     run_dir = work_dir / f"{index:02d}-{side}"
     result_file = work_dir / f"{index:02d}-{side}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), *raw_argv, "--child", side,
-           "--result-file", str(result_file), "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *raw_argv,
+        "--child",
+        side,
+        "--result-file",
+        str(result_file),
+        "--run-dir",
+        str(run_dir),
+    ]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout)
@@ -442,8 +494,11 @@ def run_side(side: str, raw_argv: Sequence[str], work_dir: Path, index: int, tim
     return result
 
 
-def reward_check(conveyor_curves: Sequence[Sequence[float]], trl_curves: Sequence[Sequence[float]]) -> dict[str, float | bool]:
-    """Compare the second halves of each side's reward curves: conveyor passes unless it is below TRL by > 2 standard errors.
+def reward_check(
+    conveyor_curves: Sequence[Sequence[float]], trl_curves: Sequence[Sequence[float]]
+) -> dict[str, float | bool]:
+    """Compare the second halves of each side's reward curves: conveyor passes unless it is below TRL by > 2 standard
+    errors.
 
     A run's late reward is the mean of the second half of its curve. With two or
     more runs per side (each pair samples with its own seed), the standard error
@@ -464,8 +519,15 @@ def reward_check(conveyor_curves: Sequence[Sequence[float]], trl_curves: Sequenc
         basis = "steps"
     diff = statistics.fmean(a) - statistics.fmean(b)
     tolerance = 2.0 * math.hypot(se(a), se(b))
-    return {"from_step": half + 1, "conveyor_late": statistics.fmean(a), "trl_late": statistics.fmean(b),
-            "difference": diff, "tolerance": tolerance, "no_worse": diff >= -tolerance, "basis": basis}
+    return {
+        "from_step": half + 1,
+        "conveyor_late": statistics.fmean(a),
+        "trl_late": statistics.fmean(b),
+        "difference": diff,
+        "tolerance": tolerance,
+        "no_worse": diff >= -tolerance,
+        "basis": basis,
+    }
 
 
 def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
@@ -502,8 +564,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     arr = cfg.actor_rollout_ref
     settings = {
         "model": f"{arr.model.tiny.arch} hidden {arr.model.tiny.hidden_size}, {arr.model.tiny.num_layers} layers, "
-                 f"{arr.model.tiny.num_experts} experts top-{arr.model.tiny.top_k}, "
-                 f"warm start {arr.model.tiny.warmstart_steps} steps",
+        f"{arr.model.tiny.num_experts} experts top-{arr.model.tiny.top_k}, "
+        f"warm start {arr.model.tiny.warmstart_steps} steps",
         "model_path": model_path,
         "batch": cfg.data.train_batch_size,
         "n": arr.rollout.n,
@@ -514,12 +576,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "pairs": args.pairs,
         "seed": args.seed,
     }
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads per run: "
-          f"{args.threads if args.threads else 'torch default'}")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads per run: "
+        f"{args.threads if args.threads else 'torch default'}"
+    )
     print(f"model: {settings['model']} ({model_path})")
-    print(f"per step: {settings['batch']} prompts x {settings['n']} samples, <= {settings['max_new_tokens']} new tokens, "
-          f"lr {settings['lr']:g}; {args.steps} steps per run, first {args.warmup} untimed; "
-          f"{args.pairs} pair(s), alternating conveyor/TRL", flush=True)
+    print(
+        f"per step: {settings['batch']} prompts x {settings['n']} samples, <= {settings['max_new_tokens']} new tokens, "
+        f"lr {settings['lr']:g}; {args.steps} steps per run, first {args.warmup} untimed; "
+        f"{args.pairs} pair(s), alternating conveyor/TRL",
+        flush=True,
+    )
 
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="e2e-vs-trl-") as tmp:
@@ -534,18 +601,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 result["summary"] = summarize_run(result, args.warmup)
                 runs[side].append(result)
                 s = result["summary"]
-                print(f"pair {pair + 1} {side:8s}: {s['steps_per_s']:.3f} steps/s, {s['tokens_per_s']:.0f} tokens/s, "
-                      f"peak RSS {s['peak_rss_mib']:.0f} MiB, mean reward {s['mean_reward']:.3f} "
-                      f"(process {result['process_wall_s']:.1f} s)", flush=True)
+                print(
+                    f"pair {pair + 1} {side:8s}: {s['steps_per_s']:.3f} steps/s, {s['tokens_per_s']:.0f} tokens/s, "
+                    f"peak RSS {s['peak_rss_mib']:.0f} MiB, mean reward {s['mean_reward']:.3f} "
+                    f"(process {result['process_wall_s']:.1f} s)",
+                    flush=True,
+                )
 
     pairs = []
     for c, t in zip(runs["conveyor"], runs["trl"]):
         cs, ts = c["summary"], t["summary"]
-        pairs.append({"steps_ratio": cs["steps_per_s"] / ts["steps_per_s"],
-                      "tokens_ratio": cs["tokens_per_s"] / ts["tokens_per_s"],
-                      "cpu_steps_ratio": cs["cpu_steps_per_s"] / ts["cpu_steps_per_s"],
-                      "median_step_ratio": ts["median_step_ms"] / cs["median_step_ms"],
-                      "memory_ratio": cs["peak_rss_mib"] / ts["peak_rss_mib"]})
+        pairs.append(
+            {
+                "steps_ratio": cs["steps_per_s"] / ts["steps_per_s"],
+                "tokens_ratio": cs["tokens_per_s"] / ts["tokens_per_s"],
+                "cpu_steps_ratio": cs["cpu_steps_per_s"] / ts["cpu_steps_per_s"],
+                "median_step_ratio": ts["median_step_ms"] / cs["median_step_ms"],
+                "memory_ratio": cs["peak_rss_mib"] / ts["peak_rss_mib"],
+            }
+        )
     median_ratio = statistics.median(p["steps_ratio"] for p in pairs)
     median_tokens_ratio = statistics.median(p["tokens_ratio"] for p in pairs)
     median_cpu_ratio = statistics.median(p["cpu_steps_ratio"] for p in pairs)
@@ -559,32 +633,57 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for i in range(args.pairs):
         for side in SIDES:
             s = runs[side][i]["summary"]
-            rows.append([str(i + 1), side, f"{s['steps_per_s']:.2f}", f"{s['tokens_per_s']:.0f}",
-                         f"{s['median_step_ms']:.0f}", f"{s['cpu_steps_per_s']:.2f}", f"{s['peak_rss_mib']:.0f}",
-                         f"{s['mean_reward']:.3f}"])
+            rows.append(
+                [
+                    str(i + 1),
+                    side,
+                    f"{s['steps_per_s']:.2f}",
+                    f"{s['tokens_per_s']:.0f}",
+                    f"{s['median_step_ms']:.0f}",
+                    f"{s['cpu_steps_per_s']:.2f}",
+                    f"{s['peak_rss_mib']:.0f}",
+                    f"{s['mean_reward']:.3f}",
+                ]
+            )
         p = pairs[i]
-        rows.append([str(i + 1), "ratio c/t", f"{p['steps_ratio']:.2f}x", f"{p['tokens_ratio']:.2f}x",
-                     f"{p['median_step_ratio']:.2f}x", f"{p['cpu_steps_ratio']:.2f}x", f"{p['memory_ratio']:.2f}x", ""])
+        rows.append(
+            [
+                str(i + 1),
+                "ratio c/t",
+                f"{p['steps_ratio']:.2f}x",
+                f"{p['tokens_ratio']:.2f}x",
+                f"{p['median_step_ratio']:.2f}x",
+                f"{p['cpu_steps_ratio']:.2f}x",
+                f"{p['memory_ratio']:.2f}x",
+                "",
+            ]
+        )
     _table(head, rows)
-    print(f"median over pairs of the ratio conveyor/TRL: steps/s {median_ratio:.2f}x, "
-          f"generated tokens/s {median_tokens_ratio:.2f}x; less sensitive to a busy machine: "
-          f"by median step {median_step_ratio:.2f}x, by CPU time {median_cpu_ratio:.2f}x")
+    print(
+        f"median over pairs of the ratio conveyor/TRL: steps/s {median_ratio:.2f}x, "
+        f"generated tokens/s {median_tokens_ratio:.2f}x; less sensitive to a busy machine: "
+        f"by median step {median_step_ratio:.2f}x, by CPU time {median_cpu_ratio:.2f}x"
+    )
 
     stage_means = {}
     for run in runs["conveyor"]:
         for stage, values in run["stage_s"].items():
-            stage_means.setdefault(stage, []).extend(values[args.warmup:])
+            stage_means.setdefault(stage, []).extend(values[args.warmup :])
     if stage_means:
         parts = sorted(((statistics.fmean(v) * 1e3, k) for k, v in stage_means.items()), reverse=True)
         print("conveyor mean ms per timed step by stage: " + ", ".join(f"{k} {ms:.0f}" for ms, k in parts if ms >= 0.5))
 
     print()
     print(f"reward per step (mean over {args.pairs} run(s) per side):")
-    _table(["step", "conveyor", "trl"],
-           [[str(i + 1), f"{c:.3f}", f"{t:.3f}"] for i, (c, t) in enumerate(zip(curves["conveyor"], curves["trl"]))])
-    print(f"steps {check['from_step']}..{args.steps}: conveyor {check['conveyor_late']:.3f}, TRL {check['trl_late']:.3f} "
-          f"(difference {check['difference']:+.3f}, tolerance {check['tolerance']:.3f}: two standard errors "
-          f"over the {check['basis']})")
+    _table(
+        ["step", "conveyor", "trl"],
+        [[str(i + 1), f"{c:.3f}", f"{t:.3f}"] for i, (c, t) in enumerate(zip(curves["conveyor"], curves["trl"]))],
+    )
+    print(
+        f"steps {check['from_step']}..{args.steps}: conveyor {check['conveyor_late']:.3f}, TRL {check['trl_late']:.3f} "
+        f"(difference {check['difference']:+.3f}, tolerance {check['tolerance']:.3f}: two standard errors "
+        f"over the {check['basis']})"
+    )
     speed_ok = median_ratio >= TARGET_RATIO
     print(f"target median steps/s ratio >= {TARGET_RATIO:g}: {'met' if speed_ok else 'MISSED'} ({median_ratio:.2f}x)")
     print(f"target conveyor's reward no worse than TRL's: {'met' if check['no_worse'] else 'MISSED'}")

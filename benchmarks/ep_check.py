@@ -28,8 +28,15 @@ def _model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
     from conveyor.models.tiny import tiny_config
 
-    cfg = tiny_config("qwen3_moe", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                      intermediate_size=2 * args.hidden, num_experts=args.experts, top_k=args.top_k)
+    cfg = tiny_config(
+        "qwen3_moe",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        intermediate_size=2 * args.hidden,
+        num_experts=args.experts,
+        top_k=args.top_k,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg)
@@ -41,8 +48,9 @@ def ep_strategy(device: torch.device):
     from conveyor.workers.training.strategy import TrainingStrategy
 
     # Pinned: unset, fsdp2 on CUDA computes in bfloat16 (the run default), and the check compares exact paths.
-    return TrainingStrategy("fsdp2", world_size=1, device=device, expert_mesh=True, param_dtype="float32",
-                            reduce_dtype="float32")
+    return TrainingStrategy(
+        "fsdp2", world_size=1, device=device, expert_mesh=True, param_dtype="float32", reduce_dtype="float32"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -64,10 +72,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         logits[name] = lg.detach()
     # Differences relative to the largest reference value: the EP path sums each expert's rows in another order.
     out["logits_max_rel_diff"] = float((logits["ep"] - logits["plain"]).abs().max() / logits["plain"].abs().max())
-    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-             for n, p in sharded.named_parameters()}
-    out["grads_max_rel_diff"] = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
-                                    for n, p in plain.named_parameters())
+    grads = {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in sharded.named_parameters()
+    }
+    out["grads_max_rel_diff"] = max(
+        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
+        for n, p in plain.named_parameters()
+    )
     norm_plain = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), args.clip))
     norm_ep = float(strategy.clip_grad_norm(list(sharded.parameters()), args.clip))
     out["grad_norm_rel_diff"] = abs(norm_ep - norm_plain) / norm_plain
@@ -77,8 +88,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         if model is sharded:
             memory = strategy.local_bytes(sharded, opt)
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in sharded.named_parameters()}
-    out["step_max_rel_diff"] = max(float((full[n] - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
-                                   for n, p in plain.named_parameters())
+    out["step_max_rel_diff"] = max(
+        float((full[n] - p.detach()).abs().max() / p.detach().abs().max().clamp_min(1e-12))
+        for n, p in plain.named_parameters()
+    )
     out.update({k: v for k, v in memory.items() if "expert" in k})
     out.update(strategy.step_metrics())
     return out
@@ -100,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     out = run(args)
     for k, v in out.items():
         print(f"{k:<55} {v:.6g}")
-    ok = all(out[k] <= 1e-5 for k in ("logits_max_rel_diff", "grads_max_rel_diff", "grad_norm_rel_diff",
-                                      "step_max_rel_diff"))
+    ok = all(
+        out[k] <= 1e-5 for k in ("logits_max_rel_diff", "grads_max_rel_diff", "grad_norm_rel_diff", "step_max_rel_diff")
+    )
     ok = ok and out["perf/ep_tokens_received_local"] == args.batch * args.seq * args.top_k * args.layers
     print("ep check:", "ok" if ok else "FAILED")
     return 0 if ok else 1

@@ -40,8 +40,16 @@ def cmd_env(args: argparse.Namespace) -> int:
     """Versions of what the run uses and the installed varlen_attn's signature."""
     import transformers
 
-    print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
-          "transformers", transformers.__version__)
+    print(
+        "python",
+        sys.version.split()[0],
+        "torch",
+        torch.__version__,
+        "cuda",
+        torch.version.cuda,
+        "transformers",
+        transformers.__version__,
+    )
     try:
         import tensordict
 
@@ -55,8 +63,12 @@ def cmd_env(args: argparse.Namespace) -> int:
 
         call = varlen_call()
         print("varlen_attn:", inspect.signature(varlen_attn))
-        print("conveyor's call:", "per-sequence SDPA (no usable varlen_attn)" if call is None
-              else f"causal {dict(call.causal)}, enable_gqa passed: {call.takes_gqa}")
+        print(
+            "conveyor's call:",
+            "per-sequence SDPA (no usable varlen_attn)"
+            if call is None
+            else f"causal {dict(call.causal)}, enable_gqa passed: {call.takes_gqa}",
+        )
     except ImportError:
         print("varlen_attn: not in this torch (packed forwards use per-sequence SDPA)")
     if torch.cuda.is_available():
@@ -93,7 +105,7 @@ def cmd_varlen(args: argparse.Namespace) -> int:
         v = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, requires_grad=True)
         module = torch.nn.Module().eval()
         module.num_key_value_groups, module.is_causal = heads // kv_heads, True
-        out, _ = packed_attention_forward(module, q, k, v, None, scaling=dim ** -0.5, cu_seq_lens_q=cu)
+        out, _ = packed_attention_forward(module, q, k, v, None, scaling=dim**-0.5, cu_seq_lens_q=cu)
         grad = torch.randn_like(out)
         (out * grad).sum().backward()
         qs, ks, vs = (x.detach().float().requires_grad_() for x in (q, k, v))
@@ -101,14 +113,20 @@ def cmd_varlen(args: argparse.Namespace) -> int:
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             kk = ks[:, :, a:b].repeat_interleave(heads // kv_heads, 1)
             vv = vs[:, :, a:b].repeat_interleave(heads // kv_heads, 1)
-            parts.append(F.scaled_dot_product_attention(qs[:, :, a:b], kk, vv, is_causal=True, scale=dim ** -0.5))
+            parts.append(F.scaled_dot_product_attention(qs[:, :, a:b], kk, vv, is_causal=True, scale=dim**-0.5))
         ref = torch.cat(parts, 2).transpose(1, 2)  # (1, T, H, D), as the packed forward returns
         (ref * grad.float()).sum().backward()
-        errors = {"out": _rel(out.detach(), ref.detach()), "dq": _rel(q.grad, qs.grad), "dk": _rel(k.grad, ks.grad),
-                  "dv": _rel(v.grad, vs.grad)}
+        errors = {
+            "out": _rel(out.detach(), ref.detach()),
+            "dq": _rel(q.grad, qs.grad),
+            "dk": _rel(k.grad, ks.grad),
+            "dv": _rel(v.grad, vs.grad),
+        }
         worst = max(worst, *errors.values())
-        print(f"heads {heads}/{kv_heads}, head dim {dim}, {dtype}: "
-              + "  ".join(f"{n} rel {e:.2e}" for n, e in errors.items()))
+        print(
+            f"heads {heads}/{kv_heads}, head dim {dim}, {dtype}: "
+            + "  ".join(f"{n} rel {e:.2e}" for n, e in errors.items())
+        )
     figure(f"worst rel. error {worst:.2e} ({dtype}, bar {bar:g}), sequences {lengths}")
     return 0 if worst < bar else 1
 
@@ -131,9 +149,16 @@ def cmd_fsdp_step(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     ensure_process_group(device)
     big = device.type == "cuda"
-    model = _qwen3(device, torch.float32, vocab_size=32000 if big else 512, hidden_size=1024 if big else 64,
-                   num_layers=8 if big else 2, num_heads=16 if big else 4, num_kv_heads=8 if big else 2,
-                   intermediate_size=2816 if big else 128)
+    model = _qwen3(
+        device,
+        torch.float32,
+        vocab_size=32000 if big else 512,
+        hidden_size=1024 if big else 64,
+        num_layers=8 if big else 2,
+        num_heads=16 if big else 4,
+        num_kv_heads=8 if big else 2,
+        intermediate_size=2816 if big else 128,
+    )
     strategy = TrainingStrategy("fsdp2", world_size=1, device=device)
     strategy.wrap(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -145,8 +170,9 @@ def cmd_fsdp_step(args: argparse.Namespace) -> int:
     for _ in range(3):
         _sync(device)
         t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].flatten(0, 1).float(),
-                                                 ids[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(
+            model(input_ids=ids).logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
+        )
         loss.backward()
         norm = float(strategy.clip_grad_norm(params, 1.0))
         opt.step()
@@ -157,11 +183,17 @@ def cmd_fsdp_step(args: argparse.Namespace) -> int:
     moved = all(not torch.equal(a, b) for a, b in zip(before, after))
     compute = strategy.param_dtype or torch.float32
     peak = torch.cuda.max_memory_allocated() / 2**30 if big else float("nan")
-    ok = moved and torch.isfinite(loss).item() and norm > 0 and (not big or (compute == torch.bfloat16
-                                                                              and impl.get("fused", False)))
+    ok = (
+        moved
+        and torch.isfinite(loss).item()
+        and norm > 0
+        and (not big or (compute == torch.bfloat16 and impl.get("fused", False)))
+    )
     print(f"compute {compute}, AdamW {impl}, loss {loss.item():.4f}, grad norm {norm:.4g}, parameters moved {moved}")
-    figure(f"{compute}, AdamW {'fused' if impl.get('fused') else 'foreach'}, step {min(times):.3f} s, "
-           f"peak {peak:.2f} GiB, grad norm {norm:.3g}")
+    figure(
+        f"{compute}, AdamW {'fused' if impl.get('fused') else 'foreach'}, step {min(times):.3f} s, "
+        f"peak {peak:.2f} GiB, grad norm {norm:.3g}"
+    )
     return 0 if ok else 1
 
 
@@ -173,9 +205,17 @@ def cmd_packspeed(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     big = device.type == "cuda"
     vocab = 32000 if big else 512
-    model = _qwen3(device, torch.bfloat16 if big else torch.float32, vocab_size=vocab,
-                   hidden_size=1536 if big else 64, num_layers=12 if big else 2, num_heads=16 if big else 4,
-                   num_kv_heads=8 if big else 2, intermediate_size=4096 if big else 128, max_position_embeddings=8192)
+    model = _qwen3(
+        device,
+        torch.bfloat16 if big else torch.float32,
+        vocab_size=vocab,
+        hidden_size=1536 if big else 64,
+        num_layers=12 if big else 2,
+        num_heads=16 if big else 4,
+        num_kv_heads=8 if big else 2,
+        intermediate_size=4096 if big else 128,
+        max_position_embeddings=8192,
+    )
     n = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
     batch, prompt = 8, 64 if big else 8
@@ -190,8 +230,9 @@ def cmd_packspeed(args: argparse.Namespace) -> int:
     tokens = int(attention.sum())
 
     def padded() -> torch.Tensor:
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
-                       logits_to_keep=width + 1).logits[:, :-1]
+        logits = model(
+            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=width + 1
+        ).logits[:, :-1]
         return logprobs_and_entropy(logits, responses, False)[0] * span
 
     def packed() -> torch.Tensor:
@@ -219,11 +260,15 @@ def cmd_packspeed(args: argparse.Namespace) -> int:
     diff = (got - want).abs()[span]
     t_pad, m_pad = timed(padded)
     t_pack, m_pack = timed(packed)
-    print(f"model {n / 1e9:.2f}B parameters, {tokens} tokens; log-probs packed vs padded max |diff| "
-          f"{diff.max():.4f} mean {diff.mean():.5f}")
+    print(
+        f"model {n / 1e9:.2f}B parameters, {tokens} tokens; log-probs packed vs padded max |diff| "
+        f"{diff.max():.4f} mean {diff.mean():.5f}"
+    )
     print(f"forward+backward: padded {t_pad:.3f} s {m_pad:.1f} GiB; packed {t_pack:.3f} s {m_pack:.1f} GiB")
-    figure(f"packed {t_pad / t_pack:.2f}x faster, memory {m_pack:.1f} vs {m_pad:.1f} GiB, {tokens / t_pack:.0f} "
-           f"tok/s, max |log-prob diff| {diff.max():.3f}")
+    figure(
+        f"packed {t_pad / t_pack:.2f}x faster, memory {m_pack:.1f} vs {m_pad:.1f} GiB, {tokens / t_pack:.0f} "
+        f"tok/s, max |log-prob diff| {diff.max():.3f}"
+    )
     # bf16 log-probs of a random model differ by a few hundredths between the two attention kernels.
     return 0 if float(diff.max()) < (0.25 if big else 1e-3) else 1
 
@@ -252,8 +297,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         if key in last:
             print(f"  {key}: step 1 {rows[0].get(key, float('nan')):.6g}, last {last[key]:.6g}")
     peak_text = ", ".join(f"{k} {v:.2f}" for k, v in sorted(peaks.items())) or "no per-phase peaks"
-    figure(f"{len(rows)} steps, {last.get('timing_s/step', float('nan')):.2f} s/step, peaks GiB: {peak_text}, "
-           f"step-1 grad norm {rows[0].get('actor/grad_norm', float('nan')):.4g}")
+    figure(
+        f"{len(rows)} steps, {last.get('timing_s/step', float('nan')):.2f} s/step, peaks GiB: {peak_text}, "
+        f"step-1 grad norm {rows[0].get('actor/grad_norm', float('nan')):.4g}"
+    )
     return 0
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from conveyor.rollout.base import SamplingParams
 from conveyor.models import build_char_tokenizer, build_tiny_model
 from conveyor.models.lean import LeanForward
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
 
 
@@ -50,8 +50,12 @@ def make_batch(tokenizer, prompts: int, n: int, response_len: int, seed: int) ->
     responses = torch.randint(4, len(tokenizer), (rows, response_len), generator=gen)
     lengths = torch.randint(1, response_len + 1, (rows,), generator=gen)
     rmask = torch.arange(response_len)[None] < lengths[:, None]
-    return {"prompts": ids, "prompt_mask": mask, "responses": responses.masked_fill(~rmask, tokenizer.pad_token_id),
-            "response_mask": rmask}
+    return {
+        "prompts": ids,
+        "prompt_mask": mask,
+        "responses": responses.masked_fill(~rmask, tokenizer.pad_token_id),
+        "response_mask": rmask,
+    }
 
 
 def hf_logits(model, b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -59,8 +63,9 @@ def hf_logits(model, b: dict[str, torch.Tensor]) -> torch.Tensor:
     ids = torch.cat([b["prompts"], b["responses"]], dim=1)
     att = torch.cat([b["prompt_mask"], b["response_mask"]], dim=1).long()
     pos = (att.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False,
-                logits_to_keep=b["responses"].shape[1] + 1)
+    out = model(
+        input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False, logits_to_keep=b["responses"].shape[1] + 1
+    )
     return out.logits[:, :-1]
 
 
@@ -123,8 +128,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
     def rollout(engine: HFEngine) -> Callable[[], None]:
         def run() -> None:
-            out = engine.generate(b["prompts"], b["prompt_mask"].long(), SamplingParams(max_new_tokens=args.response_len), generator=gen)
+            out = engine.generate(
+                b["prompts"], b["prompt_mask"].long(), SamplingParams(max_new_tokens=args.response_len), generator=gen
+            )
             assert out["responses"].shape == (rows, args.response_len)
+
         return run
 
     model.train()
@@ -132,17 +140,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     model.eval()
     roll = median_ms({"hf": rollout(engines["hf"]), "lean": rollout(engines["lean"])}, args.repeats)
 
-    print(f"arch={args.arch} rows={rows} ({args.prompts} prompts x {args.n}) prompt_len={plen} "
-          f"response_len<={args.response_len} threads={torch.get_num_threads()} repeats={args.repeats}")
-    print(f"positions per training forward: Hugging Face {hf_tokens}, lean {lean_tokens} "
-          f"({hf_tokens / lean_tokens:.2f}x fewer)")
+    print(
+        f"arch={args.arch} rows={rows} ({args.prompts} prompts x {args.n}) prompt_len={plen} "
+        f"response_len<={args.response_len} threads={torch.get_num_threads()} repeats={args.repeats}"
+    )
+    print(
+        f"positions per training forward: Hugging Face {hf_tokens}, lean {lean_tokens} "
+        f"({hf_tokens / lean_tokens:.2f}x fewer)"
+    )
     print(f"{'job':28s} {'Hugging Face ms':>16s} {'lean ms':>10s} {'ratio':>7s}")
-    print(f"{'train: forward + backward':28s} {train['hf']:16.1f} {train['lean']:10.1f} "
-          f"{train['hf'] / train['lean']:6.2f}x")
+    print(
+        f"{'train: forward + backward':28s} {train['hf']:16.1f} {train['lean']:10.1f} "
+        f"{train['hf'] / train['lean']:6.2f}x"
+    )
     print(f"{'rollout: generate':28s} {roll['hf']:16.1f} {roll['lean']:10.1f} {roll['hf'] / roll['lean']:6.2f}x")
     return {
-        "train_hf_ms": train["hf"], "train_lean_ms": train["lean"], "rollout_hf_ms": roll["hf"],
-        "rollout_lean_ms": roll["lean"], "hf_tokens": float(hf_tokens), "lean_tokens": float(lean_tokens),
+        "train_hf_ms": train["hf"],
+        "train_lean_ms": train["lean"],
+        "rollout_hf_ms": roll["hf"],
+        "rollout_lean_ms": roll["lean"],
+        "hf_tokens": float(hf_tokens),
+        "lean_tokens": float(lean_tokens),
     }
 
 

@@ -40,8 +40,8 @@ def _rss() -> int:
 def _rank(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     import transformers
 
-    from conveyor.workers.training.loading import load_role_model
     from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
+    from conveyor.workers.training.loading import load_role_model
     from conveyor.workers.training.strategy import TrainingStrategy
     from conveyor.workers.training.trained_model import TrainedModel
 
@@ -54,8 +54,9 @@ def _rank(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     tdist.barrier()
     before = _rss()
     reset_peak_memory(device)
-    model = load_role_model(model_path, strategy_name=strategy.name, world_size=world, rank=rank, device=device,
-                            dtype="float32")
+    model = load_role_model(
+        model_path, strategy_name=strategy.name, world_size=world, rank=rank, device=device, dtype="float32"
+    )
     trained = TrainedModel(model, strategy, trainable=False)
     peak = peak_memory_bytes(device) - before
     local = sum(p.to_local().numel() * p.element_size() for p in trained.model.parameters())
@@ -83,23 +84,34 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_char_tokenizer()
     heads = max(4, args.hidden // 64)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model("qwen3_moe", tok, hidden_size=args.hidden, num_layers=args.layers,
-                                 num_heads=heads, num_kv_heads=heads // 2, intermediate_size=args.hidden,
-                                 num_experts=args.experts)
+        model = build_tiny_model(
+            "qwen3_moe",
+            tok,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=heads,
+            num_kv_heads=heads // 2,
+            intermediate_size=args.hidden,
+            num_experts=args.experts,
+        )
         n_params = sum(p.numel() for p in model.parameters())
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
         del model
-        print(f"model: tiny qwen3_moe, hidden {args.hidden}, {args.layers} layers, {args.experts} experts: "
-              f"{n_params / 1e6:.1f}M parameters, {full / 2**20:.0f} MiB; {args.world} gloo ranks, fsdp2 load")
+        print(
+            f"model: tiny qwen3_moe, hidden {args.hidden}, {args.layers} layers, {args.experts} experts: "
+            f"{n_params / 1e6:.1f}M parameters, {full / 2**20:.0f} MiB; {args.world} gloo ranks, fsdp2 load"
+        )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_rank, args=(args.world, port, str(path), tmp), nprocs=args.world)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
     for r, m in enumerate(ranks):
-        print(f"rank {r}: loading peak {m['peak'] / 2**20:.0f} MiB ({m['peak'] / full:.3f}x the model), "
-              f"shards {m['shards'] / 2**20:.0f} MiB")
+        print(
+            f"rank {r}: loading peak {m['peak'] / 2**20:.0f} MiB ({m['peak'] / full:.3f}x the model), "
+            f"shards {m['shards'] / 2**20:.0f} MiB"
+        )
     ratio = ranks[1]["peak"] / full
     print(f"rank 1 loading peak / model bytes: {ratio:.3f}x (bar <= 0.75x; every rank loading the whole model: >= 1x)")
     return 0 if ratio <= 0.75 or args.hidden < 512 else 1

@@ -71,8 +71,9 @@ PROMPT_LEN, RESPONSE_LEN, BATCH, MICRO = 16, 8, 16, 4
 
 def cpu_setup(world: int, **changes) -> Setup:
     """The CPU measurement's settings as memory sees them on `world` ranks (`changes` replace fields)."""
-    return Setup(**{"world": world, "rollout_seqs": BATCH, "seq_len": PROMPT_LEN + RESPONSE_LEN, "micro_seqs": MICRO,
-                    **changes})
+    return Setup(
+        **{"world": world, "rollout_seqs": BATCH, "seq_len": PROMPT_LEN + RESPONSE_LEN, "micro_seqs": MICRO, **changes}
+    )
 
 
 # --------------------------------------------------------------------------- CPU measurement
@@ -95,8 +96,11 @@ OVERRIDES = [
 
 def lora_overrides(rank: int) -> list[str]:
     """LoRA adapters of `rank` on attention and the experts (alpha 2 x rank), as docs/lora.md trains the tiny MoE."""
-    return [f"actor_rollout_ref.model.lora_rank={rank}", f"actor_rollout_ref.model.lora_alpha={2 * rank}",
-            "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]"]
+    return [
+        f"actor_rollout_ref.model.lora_rank={rank}",
+        f"actor_rollout_ref.model.lora_alpha={2 * rank}",
+        "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]",
+    ]
 
 
 def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: str, extra: list[str]) -> None:
@@ -109,10 +113,10 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
     from conveyor.models.loading import load_tokenizer
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
     from conveyor.workers.placement.group import ColocatedWorker
-    from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
     from conveyor.workers.placement.roles import worker_specs
+    from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
+    from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if world > 1:
@@ -131,7 +135,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
         host.add(specs[role])
         loading[role] = peak_memory_bytes() - before
     actor = host.worker("actor")
-    ref_log_prob = (host.worker("ref").compute_log_prob if "ref" in host.roles else actor.compute_ref_log_prob)
+    ref_log_prob = host.worker("ref").compute_log_prob if "ref" in host.roles else actor.compute_ref_log_prob
 
     # This rank's share of one global batch of prompts (the trainer's split: contiguous equal shares).
     gen = torch.Generator().manual_seed(0)
@@ -148,8 +152,16 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
         fields = {"prompts": prompts[share], "prompt_mask": torch.ones(len(keys), PROMPT_LEN, dtype=torch.long)}
         meta = plane.kv_batch_put(keys, part, fields)
         meta = KVBatchMeta(keys, part, meta.fields, [{} for _ in keys], {})
-        call = GenerateCall(max_new_tokens=RESPONSE_LEN, temperature=1.0, top_p=1.0, top_k=0, do_sample=True,
-                            seed=step, capture_routing=True, pad_to_max_new_tokens=True)
+        call = GenerateCall(
+            max_new_tokens=RESPONSE_LEN,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            do_sample=True,
+            seed=step,
+            capture_routing=True,
+            pad_to_max_new_tokens=True,
+        )
         got: dict[str, float] = {}
         got.update(actor.generate_sequences(meta.with_extra_info(**call.to_extra_info())).extra_info)
         lp = LogProbCall(temperature=1.0, calculate_entropy=True).to_extra_info()
@@ -160,9 +172,15 @@ def _rank(rank: int, world: int, port: int, model_path: str, steps: int, out: st
         update = UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()
         got.update(actor.update_actor(meta.with_extra_info(**update)).extra_info)
         phases.append({p: got[f"perf/{p}/max_memory_gb"] * 1024**3 - baseline for p in PHASES})
-    result = {"phases": phases[-1], "loading": loading, "baseline": baseline,
-              "shards": sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
-                            else p.numel() * p.element_size() for p in actor.model.parameters())}
+    result = {
+        "phases": phases[-1],
+        "loading": loading,
+        "baseline": baseline,
+        "shards": sum(
+            p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+            for p in actor.model.parameters()
+        ),
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     host.close()
     if world > 1:
@@ -191,8 +209,16 @@ def measure(hidden: int, layers: int, experts: int, steps: int, lora: int = 0) -
     tok = build_char_tokenizer()
     heads = max(4, hidden // 64)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model("qwen3_moe", tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                 num_kv_heads=max(1, heads // 2), intermediate_size=hidden, num_experts=experts)
+        model = build_tiny_model(
+            "qwen3_moe",
+            tok,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            intermediate_size=hidden,
+            num_experts=experts,
+        )
         lay = layout_of(model.config)
         path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
         del model
@@ -221,31 +247,49 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
     from conveyor.workers.placement.group import ColocatedWorker
-    from conveyor.workers.ranks.perf import peak_memory_bytes, reset_peak_memory
     from conveyor.workers.placement.roles import worker_specs
+    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+    from conveyor.workers.ranks.perf import reset_peak_memory
 
     transformers.utils.logging.disable_progress_bar()
     dev = torch.device(device)
     tok = build_char_tokenizer()
     heads = max(4, hidden // 64)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model("qwen3_moe", tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                 num_kv_heads=max(1, heads // 2), intermediate_size=hidden, num_experts=experts,
-                                 max_position_embeddings=PROMPT_LEN + response_len)
+        model = build_tiny_model(
+            "qwen3_moe",
+            tok,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            intermediate_size=hidden,
+            num_experts=experts,
+            max_position_embeddings=PROMPT_LEN + response_len,
+        )
         lay = layout_of(model.config)
         path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
         del model
-        cfg = load_config(None, [
-            "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.rollout_correction.bypass_mode=false",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=true", f"trainer.device={device}",
-            "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
-            f"data.max_prompt_length={PROMPT_LEN}", f"data.max_response_length={response_len}",
-            "data.train_batch_size=2", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"])
+        cfg = load_config(
+            None,
+            [
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "algorithm.rollout_correction.bypass_mode=false",
+                "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                f"trainer.device={device}",
+                "actor_rollout_ref.actor.strategy=fsdp2",
+                "actor_rollout_ref.ref.strategy=fsdp2",
+                f"data.max_prompt_length={PROMPT_LEN}",
+                f"data.max_response_length={response_len}",
+                "data.train_batch_size=2",
+                "actor_rollout_ref.rollout.n=1",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+            ],
+        )
         plan = build_run_plan(cfg, dev.type)
         plane = make_data_plane("memory")
         specs = worker_specs(cfg, plan, str(path), plane, load_tokenizer(str(path)), dev.type)
@@ -259,29 +303,45 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
         gen = torch.Generator().manual_seed(0)
         low = max(tok.pad_token_id, tok.eos_token_id) + 1  # no pad or end-of-sequence token inside a response
         keys = [f"s{i}" for i in range(batch)]
-        fields = {"prompts": torch.randint(low, lay.vocab, (batch, PROMPT_LEN), generator=gen),
-                  "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
-                  "responses": torch.randint(low, lay.vocab, (batch, response_len), generator=gen),
-                  "response_mask": torch.ones(batch, response_len, dtype=torch.bool),
-                  "rollout_log_probs": torch.zeros(batch, response_len),
-                  "advantages": torch.randn(batch, response_len, generator=gen)}
+        fields = {
+            "prompts": torch.randint(low, lay.vocab, (batch, PROMPT_LEN), generator=gen),
+            "prompt_mask": torch.ones(batch, PROMPT_LEN, dtype=torch.long),
+            "responses": torch.randint(low, lay.vocab, (batch, response_len), generator=gen),
+            "response_mask": torch.ones(batch, response_len, dtype=torch.bool),
+            "rollout_log_probs": torch.zeros(batch, response_len),
+            "advantages": torch.randn(batch, response_len, generator=gen),
+        }
         meta = plane.kv_batch_put(keys, "long", fields)
         lp = LogProbCall(temperature=1.0, calculate_entropy=True).to_extra_info()
         got: dict[str, float] = {}
         reset_peak_memory(dev)
         got.update(actor.compute_log_prob(meta.with_extra_info(**lp)).extra_info)
         got.update(ref.compute_log_prob(meta.with_extra_info(**{**lp, "calculate_entropy": False})).extra_info)
-        got.update(actor.update_actor(meta.with_extra_info(**UpdateCall(temperature=1.0,
-                                                                         calculate_entropy=False).to_extra_info()))
-                   .extra_info)
+        got.update(
+            actor.update_actor(
+                meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+            ).extra_info
+        )
         host.close()
         if tdist.is_initialized() and not had_group:
             tdist.destroy_process_group()
     compute = 2 if dev.type == "cuda" else 4
-    acc = account(lay, Setup(world=1, rollout_seqs=batch, seq_len=PROMPT_LEN + response_len, micro_seqs=1,
-                             compute_bytes=compute, kv_bytes=compute, checkpointing=True))
-    print(f"model: qwen3_moe {lay.params / 1e9:.3f}B float32 parameters on {device}; {batch} responses of "
-          f"{response_len} tokens (+ {PROMPT_LEN} prompt), micro-batches of 1, checkpointing, reference + KL loss")
+    acc = account(
+        lay,
+        Setup(
+            world=1,
+            rollout_seqs=batch,
+            seq_len=PROMPT_LEN + response_len,
+            micro_seqs=1,
+            compute_bytes=compute,
+            kv_bytes=compute,
+            checkpointing=True,
+        ),
+    )
+    print(
+        f"model: qwen3_moe {lay.params / 1e9:.3f}B float32 parameters on {device}; {batch} responses of "
+        f"{response_len} tokens (+ {PROMPT_LEN} prompt), micro-batches of 1, checkpointing, reference + KL loss"
+    )
     print(f"{'phase':<14}{'measured GB':>13}{'accounted GB':>14}{'ratio':>8}")
     worst, cells = 0.0, []
     for phase in PHASES[1:]:
@@ -290,8 +350,10 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
         worst = max(worst, measured / accounted)
         cells.append(f"{phase} {measured / GB:.2f}/{accounted / GB:.2f}")
         print(f"{phase:<14}{measured / GB:>13.2f}{accounted / GB:>14.2f}{measured / accounted:>7.2f}x")
-    print(f"FIGURE: {response_len}-token responses, measured/accounted GB: {', '.join(cells)}; "
-          f"worst {worst:.2f}x" + (" (bar <= 1.5x)" if dev.type == "cuda" else ""))
+    print(
+        f"FIGURE: {response_len}-token responses, measured/accounted GB: {', '.join(cells)}; "
+        f"worst {worst:.2f}x" + (" (bar <= 1.5x)" if dev.type == "cuda" else "")
+    )
     return 0 if worst <= 1.5 or dev.type != "cuda" else 1
 
 
@@ -302,9 +364,11 @@ def report(res: dict, bars: bool) -> int:
         return report_lora(res, lay)
     one, two = res["runs"]["1"], res["runs"]["2"]
     full = lay.params * 4
-    print(f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({full / GB:.2f} GB), {lay.layers} layers, "
-          f"hidden {lay.hidden}; batch {BATCH} x ({PROMPT_LEN} + {RESPONSE_LEN}) tokens, micro-batches of {MICRO}, "
-          "reference + KL loss, R3")
+    print(
+        f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({full / GB:.2f} GB), {lay.layers} layers, "
+        f"hidden {lay.hidden}; batch {BATCH} x ({PROMPT_LEN} + {RESPONSE_LEN}) tokens, micro-batches of {MICRO}, "
+        "reference + KL loss, R3"
+    )
     print(f"{'phase':<14}{'1 rank GB':>11}{'2 ranks GB':>12}{'ratio':>8}{'accounted 1':>13}{'accounted 2':>13}")
     worst = 0.0
     acc = {w: account(lay, cpu_setup(w, rollout_seqs=BATCH // w)) for w in (1, 2)}
@@ -313,15 +377,21 @@ def report(res: dict, bars: bool) -> int:
         b = max(r["phases"][phase] for r in two)
         ratio = b / a
         worst = max(worst, ratio)
-        print(f"{phase:<14}{a / GB:>11.2f}{b / GB:>12.2f}{ratio:>7.3f}x{total(acc[1][phase]) / GB:>13.2f}"
-              f"{total(acc[2][phase]) / GB:>13.2f}")
+        print(
+            f"{phase:<14}{a / GB:>11.2f}{b / GB:>12.2f}{ratio:>7.3f}x{total(acc[1][phase]) / GB:>13.2f}"
+            f"{total(acc[2][phase]) / GB:>13.2f}"
+        )
     load = [r["loading"] for r in two]
     for rank, roles in enumerate(load):
-        print(f"loading, rank {rank} of 2: " + ", ".join(f"{role} {v / GB:.2f} GB ({v / full:.3f}x the model)"
-                                                        for role, v in roles.items()))
+        print(
+            f"loading, rank {rank} of 2: "
+            + ", ".join(f"{role} {v / GB:.2f} GB ({v / full:.3f}x the model)" for role, v in roles.items())
+        )
     rank1 = max(load[1].values()) / full
-    print(f"worst phase ratio {worst:.3f}x (bar <= 0.6x, goal 0.55x); rank 1's loading peak {rank1:.3f}x the "
-          "model (bar <= 0.6x)")
+    print(
+        f"worst phase ratio {worst:.3f}x (bar <= 0.6x, goal 0.55x); rank 1's loading peak {rank1:.3f}x the "
+        "model (bar <= 0.6x)"
+    )
     if not bars:
         return 0
     return 0 if worst <= 0.6 and rank1 <= 0.6 else 1
@@ -330,14 +400,18 @@ def report(res: dict, bars: bool) -> int:
 def report_lora(res: dict, lay: Layout) -> int:
     """Print one rank's phases in full fine-tuning (with its reference) against LoRA (the reference is the base)."""
     full, lora = res["runs"]["1"][0], res["runs"]["lora"][0]
-    print(f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({lay.params * 4 / GB:.2f} GB); one rank, "
-          "reference + KL loss, R3; LoRA on attention and experts")
+    print(
+        f"model: qwen3_moe {lay.params / 1e6:.1f}M float32 parameters ({lay.params * 4 / GB:.2f} GB); one rank, "
+        "reference + KL loss, R3; LoRA on attention and experts"
+    )
     print(f"{'phase':<14}{'full GB':>9}{'LoRA GB':>9}{'ratio':>8}")
     for phase in PHASES:
         a, b = full["phases"][phase], lora["phases"][phase]
         print(f"{phase:<14}{a / GB:>9.2f}{b / GB:>9.2f}{b / a:>7.3f}x")
-    print(f"models loaded: full {sorted(full['loading'])}, LoRA {sorted(lora['loading'])}; loading "
-          f"{sum(full['loading'].values()) / GB:.2f} GB vs {sum(lora['loading'].values()) / GB:.2f} GB")
+    print(
+        f"models loaded: full {sorted(full['loading'])}, LoRA {sorted(lora['loading'])}; loading "
+        f"{sum(full['loading'].values()) / GB:.2f} GB vs {sum(lora['loading'].values()) / GB:.2f} GB"
+    )
     return 0
 
 
@@ -345,17 +419,36 @@ def report_lora(res: dict, lay: Layout) -> int:
 def _qwen3_8b():
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
 
 
 def _qwen3_30b_a3b():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-                          tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    )
 
 
 REAL_MODELS = {"Qwen3-8B": _qwen3_8b, "Qwen3-30B-A3B": _qwen3_30b_a3b}
@@ -375,21 +468,39 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
         lay = layout_of(make())
         if ep > 1 and not lay.layer_expert_params:
             continue
-        base = Setup(world=gpus, master_bytes=4, compute_bytes=2, kv_bytes=2, reference=True, ref_offload=True,
-                     rollout_seqs=seqs, seq_len=512 + response_len, micro_seqs=4, checkpointing=True, ep=ep)
-        print(f"\n{name}: {lay.params / 1e9:.2f}B parameters, {gpus} x {gpu_gb:g} GB, responses of {response_len}"
-              + (f", expert_parallel_size={ep}" if ep > 1 else ""))
+        base = Setup(
+            world=gpus,
+            master_bytes=4,
+            compute_bytes=2,
+            kv_bytes=2,
+            reference=True,
+            ref_offload=True,
+            rollout_seqs=seqs,
+            seq_len=512 + response_len,
+            micro_seqs=4,
+            checkpointing=True,
+            ep=ep,
+        )
+        print(
+            f"\n{name}: {lay.params / 1e9:.2f}B parameters, {gpus} x {gpu_gb:g} GB, responses of {response_len}"
+            + (f", expert_parallel_size={ep}" if ep > 1 else "")
+        )
         lean = dataclasses.replace(base, rollout_seqs=32, micro_seqs=1)
-        rows = (("recipe", base), ("+ rollout.max_num_seqs=32", dataclasses.replace(base, rollout_seqs=32)),
-                ("+ micro-batches of 1", lean),
-                ("+ optimizer_offload", dataclasses.replace(lean, optimizer_offload=True)))
+        rows = (
+            ("recipe", base),
+            ("+ rollout.max_num_seqs=32", dataclasses.replace(base, rollout_seqs=32)),
+            ("+ micro-batches of 1", lean),
+            ("+ optimizer_offload", dataclasses.replace(lean, optimizer_offload=True)),
+        )
         for label, s in rows:
             acc = account(lay, s)
             cells = "  ".join(f"{p} {total(t) / GB:6.1f}" for p, t in acc.items())
             fits = all(total(t) / GB <= gpu_gb for t in acc.values())
             print(f"  {label:<27} {cells}  {'fits' if fits else 'does not fit'}")
         acc = account(lay, base)
-        print("  terms of the recipe's update: " + ", ".join(f"{k} {v / GB:.1f}" for k, v in acc["update_actor"].items()))
+        print(
+            "  terms of the recipe's update: " + ", ".join(f"{k} {v / GB:.1f}" for k, v in acc["update_actor"].items())
+        )
         if ep == 1:
             vllm_rows(name, lay, gpus, gpu_gb, response_len)
 
@@ -397,31 +508,39 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpu_moe_gsm8k.yaml"
 
 
-def example_setup(gpus: int, gpu_gb: float, response_len: int, overrides: list[str] = (),
-                  is_moe: bool = True) -> Setup:
+def example_setup(gpus: int, gpu_gb: float, response_len: int, overrides: list[str] = (), is_moe: bool = True) -> Setup:
     """The `Setup` of examples/gpu_moe_gsm8k.yaml (plus `overrides`) on one node of `gpus` GPUs of `gpu_gb` GB."""
     from conveyor.config import load_config
     from conveyor.trainer.plan import build_run_plan
 
-    cfg = load_config(EXAMPLE, ["trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}",
-                                f"data.max_response_length={response_len}", *overrides])
+    cfg = load_config(
+        EXAMPLE,
+        ["trainer.nnodes=1", f"trainer.n_gpus_per_node={gpus}", f"data.max_response_length={response_len}", *overrides],
+    )
     return setup_of(cfg, build_run_plan(cfg, "cuda", is_moe=is_moe), gpu_gb * GB)
 
 
 def vllm_rows(name: str, lay: Layout, gpus: int, gpu_gb: float, response_len: int) -> None:
     """The vllm rollout's rows: the engine's share (weights, KV cache) beside the trainer, defaults to the example."""
     ro, actor = "actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config"
-    plain = [f"{ro}.tensor_model_parallel_size=1", f"{ro}.gpu_memory_utilization=0.5",
-             f"{actor}.optimizer_offload=false"]
+    plain = [
+        f"{ro}.tensor_model_parallel_size=1",
+        f"{ro}.gpu_memory_utilization=0.5",
+        f"{actor}.optimizer_offload=false",
+    ]
     example = example_setup(gpus, gpu_gb, response_len, is_moe=bool(lay.layer_expert_params))
     eng = example.engine
-    rows = (("rollout defaults: tp 1, utilization 0.5", plain),
-            ("tensor_model_parallel_size=4", plain[1:] + [f"{ro}.tensor_model_parallel_size=4"]),
-            ("+ optimizer_offload=true", [f"{ro}.tensor_model_parallel_size=4", f"{ro}.gpu_memory_utilization=0.5"]),
-            (f"the example: tp {eng.tp}, utilization {eng.gpu_memory_utilization:g}", []))
+    rows = (
+        ("rollout defaults: tp 1, utilization 0.5", plain),
+        ("tensor_model_parallel_size=4", plain[1:] + [f"{ro}.tensor_model_parallel_size=4"]),
+        ("+ optimizer_offload=true", [f"{ro}.tensor_model_parallel_size=4", f"{ro}.gpu_memory_utilization=0.5"]),
+        (f"the example: tp {eng.tp}, utilization {eng.gpu_memory_utilization:g}", []),
+    )
     dtype = "bfloat16" if eng.weight_bytes == 2 else "float32"
-    print(f"  vllm rollout (examples/gpu_moe_gsm8k.yaml: engine in {dtype},"
-          f" sleeping between rollouts; KV cache in sequences of max_model_len={eng.max_model_len}):")
+    print(
+        f"  vllm rollout (examples/gpu_moe_gsm8k.yaml: engine in {dtype},"
+        f" sleeping between rollouts; KV cache in sequences of max_model_len={eng.max_model_len}):"
+    )
     for label, overrides in rows:
         s = example_setup(gpus, gpu_gb, response_len, overrides, is_moe=bool(lay.layer_expert_params))
         acc = account(lay, s)
@@ -432,8 +551,10 @@ def vllm_rows(name: str, lay: Layout, gpus: int, gpu_gb: float, response_len: in
         cells = "  ".join(f"{p} {total(t) / GB:6.1f}" for p, t in acc.items())
         found = [m.what for m in misfits(lay, s, gpu_gb * GB, ranks=gpus)]
         found += [f"{p} over {gpu_gb:g} GB" for p, t in acc.items() if p != "rollout" and total(t) / GB > gpu_gb]
-        print(f"  {label:<41} weights {terms['engine weights'] / GB:5.1f}  KV {kv / GB:5.1f} ({seqs:>4} seqs)  "
-              f"trainer {state / GB:5.1f}  {cells}  {'fits' if not found else 'does not fit: ' + '; '.join(found)}")
+        print(
+            f"  {label:<41} weights {terms['engine weights'] / GB:5.1f}  KV {kv / GB:5.1f} ({seqs:>4} seqs)  "
+            f"trainer {state / GB:5.1f}  {cells}  {'fits' if not found else 'does not fit: ' + '; '.join(found)}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,11 +571,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1, help="with --account: expert_parallel_size of the MoE rows")
     parser.add_argument("--response-len", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--json", help="also write the measurement here")
-    parser.add_argument("--long", type=int, metavar="TOKENS", default=0,
-                        help="one rank: fixed-length responses of TOKENS through the endpoints against the accounting")
+    parser.add_argument(
+        "--long",
+        type=int,
+        metavar="TOKENS",
+        default=0,
+        help="one rank: fixed-length responses of TOKENS through the endpoints against the accounting",
+    )
     parser.add_argument("--device", default="cpu", help="with --long: cpu or cuda")
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
-                        help="one rank in full fine-tuning against LoRA adapters of this rank (no bars)")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="one rank in full fine-tuning against LoRA adapters of this rank (no bars)",
+    )
     args = parser.parse_args(argv)
     if args.account:
         for n in args.response_len:

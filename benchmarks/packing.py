@@ -65,22 +65,34 @@ def _batch(seqs: int, max_response: int, vocab: int, special: set[int], seed: in
         responses[responses == t] = (t + 1) % vocab
     prompts[~prompt_mask] = 0
     responses[~response_mask] = 0
-    return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
-            "rollout_log_probs": torch.zeros(seqs, width_r),
-            "advantages": torch.randn(seqs, width_r, generator=gen) * response_mask}
+    return {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "response_mask": response_mask,
+        "rollout_log_probs": torch.zeros(seqs, width_r),
+        "advantages": torch.randn(seqs, width_r, generator=gen) * response_mask,
+    }
 
 
 def _overrides(mode: str, micro: int, budget: int, world: int) -> list[str]:
-    common = ["actor_rollout_ref.model.forward_impl=hf", f"trainer.num_cpu_workers={world}",
-              "algorithm.rollout_correction.bypass_mode=false", "actor_rollout_ref.actor.use_kl_loss=false",
-              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
-              f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}"]
+    common = [
+        "actor_rollout_ref.model.forward_impl=hf",
+        f"trainer.num_cpu_workers={world}",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+    ]
     if mode == "padded":
         return common + ["actor_rollout_ref.model.use_remove_padding=false"]
-    return common + ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                     f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
-                     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-                     f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}"]
+    return common + [
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+    ]
 
 
 def _rss() -> int:
@@ -98,10 +110,10 @@ def _rank(rank: int, world: int, port: int, model_path: str, args: dict, out: st
     from conveyor.models.loading import load_tokenizer
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
-    from conveyor.workers.training.balance import balanced_partition, sequence_lengths
-    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
     from conveyor.workers.placement.group import ColocatedWorker
     from conveyor.workers.placement.roles import worker_specs
+    from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+    from conveyor.workers.training.balance import balanced_partition, sequence_lengths
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if world > 1:
@@ -140,13 +152,15 @@ def _rank(rank: int, world: int, port: int, model_path: str, args: dict, out: st
                 tdist.barrier()
             times[mode].append(time.perf_counter() - t0)
             for phase in ("old_log_prob", "update_actor"):
-                peaks[mode][phase] = max(peaks[mode].get(phase, 0.0),
-                                         got[f"perf/{phase}/max_memory_gb"] * 1024**3 - baseline)
+                peaks[mode][phase] = max(
+                    peaks[mode].get(phase, 0.0), got[f"perf/{phase}/max_memory_gb"] * 1024**3 - baseline
+                )
             plane.kv_clear(part)
     real = sum(lengths[i] for i in share)
     widest = int(fields["prompt_mask"].shape[1] + fields["response_mask"].shape[1])
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "peaks": peaks, "real_tokens": real,
-                                                         "padded_tokens": len(share) * widest}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"times": times, "peaks": peaks, "real_tokens": real, "padded_tokens": len(share) * widest})
+    )
     for host, _, _ in actors.values():
         host.close()
     if world > 1:
@@ -175,9 +189,16 @@ def measure(hidden: int, layers: int, intermediate: int, args: dict, worlds: tup
     tok = build_char_tokenizer()
     heads = max(4, hidden // 64)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model("qwen3", tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                 num_kv_heads=max(1, heads // 2), intermediate_size=intermediate,
-                                 max_position_embeddings=1024)
+        model = build_tiny_model(
+            "qwen3",
+            tok,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            intermediate_size=intermediate,
+            max_position_embeddings=1024,
+        )
         params = sum(p.numel() for p in model.parameters())
         path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
         del model
@@ -187,23 +208,31 @@ def measure(hidden: int, layers: int, intermediate: int, args: dict, worlds: tup
 
 def report(res: dict, args: dict) -> dict[str, float]:
     """Print the table; the speed-up of each world size."""
-    print(f"model: qwen3 (dense) {res['params'] / 1e6:.1f}M float32 parameters; {args['seqs']} sequences, prompts "
-          f"16..64, responses 1..{args['max_response']} tokens; padded: micro-batches of {args['micro']}; packed: "
-          f"budget {args['budget']} tokens; old log-probs + update per step, median of {args['reps']}")
-    print(f"{'ranks':<7}{'padded s':>10}{'packed s':>10}{'speed-up':>10}{'tokens padded/real':>20}"
-          f"{'peak padded GB':>16}{'peak packed GB':>16}")
+    print(
+        f"model: qwen3 (dense) {res['params'] / 1e6:.1f}M float32 parameters; {args['seqs']} sequences, prompts "
+        f"16..64, responses 1..{args['max_response']} tokens; padded: micro-batches of {args['micro']}; packed: "
+        f"budget {args['budget']} tokens; old log-probs + update per step, median of {args['reps']}"
+    )
+    print(
+        f"{'ranks':<7}{'padded s':>10}{'packed s':>10}{'speed-up':>10}{'tokens padded/real':>20}"
+        f"{'peak padded GB':>16}{'peak packed GB':>16}"
+    )
     speedups = {}
     for world, ranks in res["runs"].items():
         # A step ends when its slowest rank does (the barriers make every rank's time that).
-        med = {m: statistics.median(max(r["times"][m][i] for r in ranks) for i in range(args["reps"]))
-               for m in ("padded", "packed")}
+        med = {
+            m: statistics.median(max(r["times"][m][i] for r in ranks) for i in range(args["reps"]))
+            for m in ("padded", "packed")
+        }
         speedup = med["padded"] / med["packed"]
         speedups[f"speedup_{world}"] = speedup
         tokens = sum(r["padded_tokens"] for r in ranks) / sum(r["real_tokens"] for r in ranks)
         peak = {m: max(max(r["peaks"][m].values()) for r in ranks) / GB for m in ("padded", "packed")}
         speedups[f"peak_padded_{world}"], speedups[f"peak_packed_{world}"] = peak["padded"], peak["packed"]
-        print(f"{world:<7}{med['padded']:>10.2f}{med['packed']:>10.2f}{speedup:>9.2f}x{tokens:>20.2f}"
-              f"{peak['padded']:>16.2f}{peak['packed']:>16.2f}")
+        print(
+            f"{world:<7}{med['padded']:>10.2f}{med['packed']:>10.2f}{speedup:>9.2f}x{tokens:>20.2f}"
+            f"{peak['padded']:>16.2f}{peak['packed']:>16.2f}"
+        )
     return speedups
 
 
@@ -223,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if ns.smoke:
         ns.hidden, ns.layers, ns.intermediate, ns.seqs, ns.max_response, ns.budget, ns.reps = 64, 2, 128, 8, 48, 256, 2
-    args = {"seqs": ns.seqs, "max_response": ns.max_response, "micro": ns.micro, "budget": ns.budget,
-            "reps": ns.reps}
+    args = {"seqs": ns.seqs, "max_response": ns.max_response, "micro": ns.micro, "budget": ns.budget, "reps": ns.reps}
     res = measure(ns.hidden, ns.layers, ns.intermediate, args, tuple(ns.ranks))
     speedups = report(res, args)
     if ns.smoke:

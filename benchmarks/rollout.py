@@ -32,19 +32,27 @@ import argparse
 import statistics
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from conveyor.rollout.base import SamplingParams
 from conveyor.models import build_char_tokenizer, build_tiny_model
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
 
 #: Model sizes: build_tiny_model arguments.
 SIZES: dict[str, dict] = {
     "tiny": dict(arch="qwen3_moe", hidden_size=64, num_heads=2, num_kv_heads=2),
-    "50m": dict(arch="qwen3_moe", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1024,
-                num_experts=8, top_k=2),
+    "50m": dict(
+        arch="qwen3_moe",
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1024,
+        num_experts=8,
+        top_k=2,
+    ),
     "0.5b": dict(arch="qwen3", hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=4096),
 }
 ENGINES = ("hf", "generate", "vllm")
@@ -88,15 +96,26 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
 
     def run_hf(routing: bool) -> Callable[[], None]:
         def call() -> None:
-            out = hf.generate(ids, mask, SamplingParams(max_new_tokens=args.new_tokens, capture_routing=routing), generator=gen)
+            out = hf.generate(
+                ids, mask, SamplingParams(max_new_tokens=args.new_tokens, capture_routing=routing), generator=gen
+            )
             assert out["responses"].shape == expected
+
         return call
 
     def run_generate() -> None:
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=never_eos)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=args.new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=never_eos,
+            )
         assert out.shape == (args.batch, ids.shape[1] + args.new_tokens)
 
     if "hf" in args.engines:
@@ -110,15 +129,25 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
         from conveyor.rollout.vllm import VLLMEngine
 
         model.save_pretrained(tmp.name)
-        engine = VLLMEngine(tmp.name, hf_config=model.config, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=never_eos, dtype=args.dtype, max_model_len=ids.shape[1] + args.new_tokens,
-                             max_num_seqs=args.batch, seed=args.seed, device=args.device, free_cache_engine=False,
-                             gpu_memory_utilization=args.gpu_memory_utilization)
+        engine = VLLMEngine(
+            tmp.name,
+            hf_config=model.config,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=never_eos,
+            dtype=args.dtype,
+            max_model_len=ids.shape[1] + args.new_tokens,
+            max_num_seqs=args.batch,
+            seed=args.seed,
+            device=args.device,
+            free_cache_engine=False,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
         print(f"  (vLLM engine started in {engine.start_time_s:.1f} s)", flush=True)
 
         def run_vllm() -> None:
             out = engine.generate(ids, mask, SamplingParams(max_new_tokens=args.new_tokens), generator=gen)
             assert out["responses"].shape == expected and bool(out["response_mask"].all())
+
         calls["vllm"] = run_vllm
 
     for call in calls.values():
@@ -129,9 +158,11 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
             times[name].append(time_it(call))
     tokens = args.batch * args.new_tokens
     medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"size={size} ({params / 1e6:.1f}M parameters) batch={args.batch} new_tokens={args.new_tokens} "
-          f"prompt_len={ids.shape[1]} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"repeats={args.repeats}")
+    print(
+        f"size={size} ({params / 1e6:.1f}M parameters) batch={args.batch} new_tokens={args.new_tokens} "
+        f"prompt_len={ids.shape[1]} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
+        f"repeats={args.repeats}"
+    )
     for name, med in medians.items():
         print(f"  {name:22s} {med * 1e3:9.1f} ms  {tokens / med:10.0f} tokens/s")
     base = medians.get("hf")
@@ -140,8 +171,11 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, float]:
             print(f"  tokens/s ratio {name} / hf: {base / medians[name]:.2f}x")
     # One line for benchmarks/gpu_check.sh's summary: each engine's time per decode step (a step = one new token
     # for every row).
-    print("FIGURE: " + ", ".join(f"{name} {med / args.new_tokens * 1e3:.1f} ms/decode step" for name, med
-                                 in medians.items()) + f" ({size}, batch {args.batch}, {args.dtype})")
+    print(
+        "FIGURE: "
+        + ", ".join(f"{name} {med / args.new_tokens * 1e3:.1f} ms/decode step" for name, med in medians.items())
+        + f" ({size}, batch {args.batch}, {args.dtype})"
+    )
     if "vllm" in args.engines:
         engine.close()
     tmp.cleanup()

@@ -43,11 +43,21 @@ class Echo:
 def handle(samples: int) -> KVBatchMeta:
     """A batch's handle as the rollout thread sends it: keys, fields, `seq_len` tags, generation parameters."""
     keys = [f"batch-7/p{i // 8}/s{i % 8}" for i in range(samples)]
-    return KVBatchMeta(keys=keys, partition_id="batch-7", fields=["prompts", "prompt_mask", "uid", "data_source",
-                                                                  "ground_truth", "raw_prompt"],
-                       tags=[{"seq_len": 40 + i % 7} for i in range(samples)],
-                       extra_info={"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": 123,
-                                   "do_sample": True, "capture_routing": True})
+    return KVBatchMeta(
+        keys=keys,
+        partition_id="batch-7",
+        fields=["prompts", "prompt_mask", "uid", "data_source", "ground_truth", "raw_prompt"],
+        tags=[{"seq_len": 40 + i % 7} for i in range(samples)],
+        extra_info={
+            "max_new_tokens": 6,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "seed": 123,
+            "do_sample": True,
+            "capture_routing": True,
+        },
+    )
 
 
 def timed(call: Any, reps: int) -> tuple[float, float]:
@@ -100,9 +110,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         result = {k: statistics.median(v) for k, v in figures.items()}
         result["wall ratio"] = result["ray task wall ms"] / result["link wall ms"]
         result["cpu ratio"] = result["ray task cpu ms"] / result["link cpu ms"]
-        print(f"medians: a Ray task {result['ray task wall ms']:.3f} ms wall, {result['ray task cpu ms']:.3f} ms CPU; "
-              f"the link {result['link wall ms']:.3f} ms wall, {result['link cpu ms']:.3f} ms CPU "
-              f"({result['wall ratio']:.1f}x less wall time, {result['cpu ratio']:.1f}x less CPU)")
+        print(
+            f"medians: a Ray task {result['ray task wall ms']:.3f} ms wall, {result['ray task cpu ms']:.3f} ms CPU; "
+            f"the link {result['link wall ms']:.3f} ms wall, {result['link cpu ms']:.3f} ms CPU "
+            f"({result['wall ratio']:.1f}x less wall time, {result['cpu ratio']:.1f}x less CPU)"
+        )
         group.ranks.links = links
         group.shutdown()
         return result

@@ -40,8 +40,8 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,7 +65,8 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def run_one(name: str, args: Sequence[str]) -> tuple[int, float]:
-    """Run benchmarks/<name>.py with `args` in a subprocess, its output going straight to ours; (exit status, seconds)."""
+    """Run benchmarks/<name>.py with `args` in a subprocess, its output going straight to ours; (exit status,
+    seconds)."""
     cmd = [sys.executable, str(HERE / f"{name}.py"), *args]
     print(f"\n===== {name}: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
@@ -88,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, status, seconds in results:
         print(f"{name:12s} {'ok' if status == 0 else f'FAILED (exit status {status})':28s} {seconds:7.1f} s")
     failed = [name for name, status, _ in results if status != 0]
-    print(f"{len(results) - len(failed)} of {len(results)} benchmarks succeeded" + (f"; failed: {failed}" if failed else ""))
+    print(
+        f"{len(results) - len(failed)} of {len(results)} benchmarks succeeded"
+        + (f"; failed: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

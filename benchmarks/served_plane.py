@@ -28,7 +28,8 @@ import argparse
 import pickle
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -52,14 +53,22 @@ def batch(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], dict[str
     """A batch's keys, its prompt fields (what the trainer puts), the rollout's fields and the reward's."""
     b, p, r = args.prompts * args.n, args.prompt_len, args.response_len
     keys = [f"batch-1/p{i // args.n}/s{i % args.n}" for i in range(b)]
-    prompts = {"prompts": torch.randint(0, 100, (b, p)), "prompt_mask": torch.ones(b, p, dtype=torch.bool),
-               "uid": [k.rsplit("/", 1)[0] for k in keys], "data_source": ["arith"] * b,
-               "ground_truth": [str(i % 97) for i in range(b)], "raw_prompt": ["What is 12 + 34?"] * b}
-    rollout = {"responses": torch.randint(0, 100, (b, r)), "response_mask": torch.ones(b, r, dtype=torch.long),
-               "rollout_log_probs": torch.randn(b, r),
-               "routed_experts": torch.randint(0, 8, (b, p + r, args.layers, args.top_k), dtype=torch.int16),
-               "policy_version": torch.zeros(b, dtype=torch.long),
-               "token_policy_version": torch.zeros(b, r, dtype=torch.long)}
+    prompts = {
+        "prompts": torch.randint(0, 100, (b, p)),
+        "prompt_mask": torch.ones(b, p, dtype=torch.bool),
+        "uid": [k.rsplit("/", 1)[0] for k in keys],
+        "data_source": ["arith"] * b,
+        "ground_truth": [str(i % 97) for i in range(b)],
+        "raw_prompt": ["What is 12 + 34?"] * b,
+    }
+    rollout = {
+        "responses": torch.randint(0, 100, (b, r)),
+        "response_mask": torch.ones(b, r, dtype=torch.long),
+        "rollout_log_probs": torch.randn(b, r),
+        "routed_experts": torch.randint(0, 8, (b, p + r, args.layers, args.top_k), dtype=torch.int16),
+        "policy_version": torch.zeros(b, dtype=torch.long),
+        "token_policy_version": torch.zeros(b, r, dtype=torch.long),
+    }
     reward = {"rm_scores": torch.zeros(b, r), "acc": torch.zeros(b)}
     return keys, prompts, rollout, reward
 
@@ -80,8 +89,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     plane = make_data_plane("memory")
     plane.kv_batch_put(keys, "batch-1", prompts, [{"seq_len": args.prompt_len} for _ in keys])
     plane.kv_batch_put(keys, "batch-1", {**rollout, **reward})
-    reads = {"read prompts": ["prompts", "prompt_mask"],
-             "read reward inputs": ["responses", "response_mask", "data_source", "ground_truth"]}
+    reads = {
+        "read prompts": ["prompts", "prompt_mask"],
+        "read reward inputs": ["responses", "response_mask", "data_source", "ground_truth"],
+    }
     writes = {"write rollout fields": rollout, "write rewards": reward}
 
     server = DataPlaneServer(plane)
@@ -106,8 +117,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     for name in reads:
         out[f"server {name}"] = median_ms(lambda: serve_read(name, True), args.reps)
         out[f"server {name} (via TensorDict)"] = median_ms(lambda: serve_read(name, False), args.reps)
-        print(f"  {name:22s} {out[f'server {name}']:7.3f}   (through a TensorDict: "
-              f"{out[f'server {name} (via TensorDict)']:7.3f})")
+        print(
+            f"  {name:22s} {out[f'server {name}']:7.3f}   (through a TensorDict: "
+            f"{out[f'server {name} (via TensorDict)']:7.3f})"
+        )
     for name, request in write_requests.items():
         out[f"server {name}"] = median_ms(lambda: server.answer(request), args.reps)
         print(f"  {name:22s} {out[f'server {name}']:7.3f}")

@@ -34,46 +34,60 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 KEYS = ("perf/param_bytes_local", "perf/grad_bytes_local", "perf/optim_bytes_local")
-EXPERT_KEYS = ("perf/expert_param_bytes_local", "perf/expert_optim_bytes_local", "perf/expert_param_bytes_gathered",
-               "perf/ep_tokens_received_local", "moe/ep_tokens_received_max_over_mean")
+EXPERT_KEYS = (
+    "perf/expert_param_bytes_local",
+    "perf/expert_optim_bytes_local",
+    "perf/expert_param_bytes_gathered",
+    "perf/ep_tokens_received_local",
+    "moe/ep_tokens_received_max_over_mean",
+)
 B, P, R = 8, 6, 4
 
 
 def _overrides(args: argparse.Namespace, strategy: str) -> list[str]:
-    return [
-        "actor_rollout_ref.model.tiny.warmstart_steps=0",
-        "data.synthetic.num_train=64",
-        "data.synthetic.num_val=8",
-        f"actor_rollout_ref.model.tiny.hidden_size={args.hidden}",
-        f"actor_rollout_ref.model.tiny.num_layers={args.layers}",
-        f"actor_rollout_ref.model.tiny.intermediate_size={args.hidden * 2}",
-        f"actor_rollout_ref.model.tiny.num_experts={args.experts}",
-        f"actor_rollout_ref.actor.strategy={strategy.split('+')[0]}",
-    ] + (LORA(args) if strategy.endswith("+lora") else []) + (EP(args) if strategy.endswith("+ep") else [])
+    return (
+        [
+            "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=8",
+            f"actor_rollout_ref.model.tiny.hidden_size={args.hidden}",
+            f"actor_rollout_ref.model.tiny.num_layers={args.layers}",
+            f"actor_rollout_ref.model.tiny.intermediate_size={args.hidden * 2}",
+            f"actor_rollout_ref.model.tiny.num_experts={args.experts}",
+            f"actor_rollout_ref.actor.strategy={strategy.split('+')[0]}",
+        ]
+        + (LORA(args) if strategy.endswith("+lora") else [])
+        + (EP(args) if strategy.endswith("+ep") else [])
+    )
 
 
 def EP(args: argparse.Namespace) -> list[str]:  # noqa: N802 - reads as the constant it nearly is
     """The EP row's overrides: the experts split whole over every rank."""
-    return [f"actor_rollout_ref.actor.fsdp_config.expert_parallel_size={args.world}",
-            f"trainer.num_cpu_workers={args.world}"]
+    return [
+        f"actor_rollout_ref.actor.fsdp_config.expert_parallel_size={args.world}",
+        f"trainer.num_cpu_workers={args.world}",
+    ]
 
 
 def LORA(args: argparse.Namespace) -> list[str]:  # noqa: N802 - reads as the constant it nearly is
     """The LoRA row's overrides: adapters of rank --lora-rank on attention and every expert."""
-    return [f"actor_rollout_ref.model.lora_rank={args.lora_rank}", f"actor_rollout_ref.model.lora_alpha={2 * args.lora_rank}",
-            "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]"]
+    return [
+        f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
+        f"actor_rollout_ref.model.lora_alpha={2 * args.lora_rank}",
+        "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]",
+    ]
 
 
 def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: str, out: str) -> None:
+    import transformers
+
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
     from conveyor.trainer.plan import build_run_plan
+    from conveyor.workers.placement.group import split_for_ranks
     from conveyor.workers.ranks.actor import PolicyWorker
     from conveyor.workers.ranks.calls import UpdateCall
     from conveyor.workers.ranks.settings import actor_settings
-    from conveyor.workers.placement.group import split_for_ranks
-
-    import transformers
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
@@ -82,17 +96,31 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: st
     cfg = load_config(None, overrides)
     gen = torch.Generator().manual_seed(0)
     mask = torch.ones(B, R, dtype=torch.bool)
-    fields = {"prompts": torch.randint(4, 40, (B, P), generator=gen), "prompt_mask": torch.ones(B, P, dtype=torch.bool),
-              "responses": torch.randint(4, 40, (B, R), generator=gen), "response_mask": mask,
-              "advantages": torch.randn(B, R, generator=gen), "old_log_probs": torch.full((B, R), -3.0)}
+    fields = {
+        "prompts": torch.randint(4, 40, (B, P), generator=gen),
+        "prompt_mask": torch.ones(B, P, dtype=torch.bool),
+        "responses": torch.randint(4, 40, (B, R), generator=gen),
+        "response_mask": mask,
+        "advantages": torch.randn(B, R, generator=gen),
+        "old_log_probs": torch.full((B, R), -3.0),
+    }
     plane = make_data_plane("memory")
     meta = plane.kv_batch_put([f"s{i}" for i in range(B)], "p", fields)
-    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path, data_plane=plane,
-                          rank=rank, world_size=world)
-    result = worker.update_actor(split_for_ranks(meta, world)[rank].with_extra_info(
-        **UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({k: result.extra_info[k] for k in KEYS + EXPERT_KEYS
-                                                          if k in result.extra_info}))
+    worker = PolicyWorker(
+        actor_settings(cfg, build_run_plan(cfg, "cpu")),
+        model_path=model_path,
+        data_plane=plane,
+        rank=rank,
+        world_size=world,
+    )
+    result = worker.update_actor(
+        split_for_ranks(meta, world)[rank].with_extra_info(
+            **UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+        )
+    )
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({k: result.extra_info[k] for k in KEYS + EXPERT_KEYS if k in result.extra_info})
+    )
     tdist.destroy_process_group()
 
 
@@ -108,23 +136,33 @@ def measure(args: argparse.Namespace, strategy: str, model_path: str) -> list[di
 
 def _print_ep(args: argparse.Namespace, fsdp2: list[dict], ep: list[dict]) -> None:
     """The EP row against fsdp2: expert bytes at rest and gathered per layer, and the all-to-all traffic."""
+
+    def _expert_mib(m: dict) -> float:
+        return (m["perf/expert_param_bytes_local"] + m["perf/expert_optim_bytes_local"]) / 2**20
+
     for r, (f, e) in enumerate(zip(fsdp2, ep)):
-        print(f"rank {r}: experts at rest (params + AdamW) ep {(e['perf/expert_param_bytes_local'] + e['perf/expert_optim_bytes_local']) / 2**20:.2f} MiB"
-              f" vs fsdp2 {(f['perf/expert_param_bytes_local'] + f['perf/expert_optim_bytes_local']) / 2**20:.2f} MiB; "
-              f"one layer's experts gathered for its forward: ep {e['perf/expert_param_bytes_gathered'] / 2**20:.2f} MiB "
-              f"vs fsdp2 {f['perf/expert_param_bytes_gathered'] / 2**20:.2f} MiB "
-              f"({e['perf/expert_param_bytes_gathered'] / f['perf/expert_param_bytes_gathered']:.3f}x)")
+        print(
+            f"rank {r}: experts at rest (params + AdamW) ep {_expert_mib(e):.2f} MiB "
+            f"vs fsdp2 {_expert_mib(f):.2f} MiB; "
+            f"one layer's experts gathered for its forward: ep {e['perf/expert_param_bytes_gathered'] / 2**20:.2f} MiB "
+            f"vs fsdp2 {f['perf/expert_param_bytes_gathered'] / 2**20:.2f} MiB "
+            f"({e['perf/expert_param_bytes_gathered'] / f['perf/expert_param_bytes_gathered']:.3f}x)"
+        )
         # Each received row is a hidden-size float32 vector; the combine sends as many back, and the backward
         # repeats both exchanges with the gradients: 4 transfers of each row.
         rows = e["perf/ep_tokens_received_local"]
-        print(f"rank {r}: all-to-all rows received (forward dispatch, own rows included) {rows:.0f}, about "
-              f"{4 * rows * args.hidden * 4 / 2**20:.2f} MiB through the all-to-all per step (dispatch + combine, "
-              f"forward + backward); tokens received max/mean over EP ranks, worst layer "
-              f"{e['moe/ep_tokens_received_max_over_mean']:.3f}")
+        print(
+            f"rank {r}: all-to-all rows received (forward dispatch, own rows included) {rows:.0f}, about "
+            f"{4 * rows * args.hidden * 4 / 2**20:.2f} MiB through the all-to-all per step (dispatch + combine, "
+            f"forward + backward); tokens received max/mean over EP ranks, worst layer "
+            f"{e['moe/ep_tokens_received_max_over_mean']:.3f}"
+        )
     layer_experts = fsdp2[0]["perf/expert_param_bytes_gathered"] * (args.world - 1) / args.world
-    print(f"fsdp2 instead all-gathers each layer's experts in every forward and backward: "
-          f"{2 * args.layers * layer_experts / 2**20:.2f} MiB received per rank per micro-batch (and reduce-scatters "
-          f"their gradients)")
+    print(
+        f"fsdp2 instead all-gathers each layer's experts in every forward and backward: "
+        f"{2 * args.layers * layer_experts / 2**20:.2f} MiB received per rank per micro-batch (and reduce-scatters "
+        f"their gradients)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,33 +175,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA row (fsdp2, adapters only)")
     args = parser.parse_args(argv)
 
+    import transformers
+
     from conveyor.config import load_config
     from conveyor.models.loading import load_causal_lm
     from conveyor.trainer.setup import prepare_default_model
 
-    import transformers
-
     transformers.utils.logging.disable_progress_bar()
     model_path = prepare_default_model(load_config(None, _overrides(args, "dp")))
     n_params = sum(p.numel() for p in load_causal_lm(model_path).parameters())
-    print(f"model: tiny qwen3_moe, hidden {args.hidden}, {args.layers} layers, {args.experts} experts: "
-          f"{n_params / 1e6:.1f}M parameters; {args.world} gloo ranks, one actor update each")
+    print(
+        f"model: tiny qwen3_moe, hidden {args.hidden}, {args.layers} layers, {args.experts} experts: "
+        f"{n_params / 1e6:.1f}M parameters; {args.world} gloo ranks, one actor update each"
+    )
     results = {s: measure(args, s, model_path) for s in ("dp", "fsdp2", "fsdp2+lora", "fsdp2+ep")}
-    print(f"{'per rank (MiB)':<16}" + "".join(f"{k.split('/')[1].replace('_bytes_local', ''):>10}" for k in KEYS)
-          + f"{'total':>10}")
+    print(
+        f"{'per rank (MiB)':<16}"
+        + "".join(f"{k.split('/')[1].replace('_bytes_local', ''):>10}" for k in KEYS)
+        + f"{'total':>10}"
+    )
     totals = {}
     for strategy, ranks in results.items():
         for r, m in enumerate(ranks):
             total = sum(m[k] for k in KEYS)
             totals.setdefault(strategy, []).append(total)
-            print(f"{strategy + ' rank ' + str(r):<16}" + "".join(f"{m[k] / 2**20:>10.2f}" for k in KEYS)
-                  + f"{total / 2**20:>10.2f}")
+            print(
+                f"{strategy + ' rank ' + str(r):<16}"
+                + "".join(f"{m[k] / 2**20:>10.2f}" for k in KEYS)
+                + f"{total / 2**20:>10.2f}"
+            )
     full, lora = results["fsdp2"], results["fsdp2+lora"]
     grads = max(lo["perf/grad_bytes_local"] / f["perf/grad_bytes_local"] for lo, f in zip(lora, full))
     optim = max(lo["perf/optim_bytes_local"] / f["perf/optim_bytes_local"] for lo, f in zip(lora, full))
     # The gradients are the trainable parameters' (one per trainable parameter), so their ratio is the trainable one.
-    print(f"LoRA rank {args.lora_rank} / full fine-tuning (both fsdp2), per rank: trainable (gradient) bytes "
-          f"{grads:.4f}x, optimizer state {optim:.4f}x; parameters {max(lo['perf/param_bytes_local'] / f['perf/param_bytes_local'] for lo, f in zip(lora, full)):.3f}x (the frozen base plus the adapters)")
+    params = max(lo["perf/param_bytes_local"] / f["perf/param_bytes_local"] for lo, f in zip(lora, full))
+    print(
+        f"LoRA rank {args.lora_rank} / full fine-tuning (both fsdp2), per rank: trainable (gradient) bytes "
+        f"{grads:.4f}x, optimizer state {optim:.4f}x; parameters {params:.3f}x (the frozen base plus the adapters)"
+    )
     _print_ep(args, results["fsdp2"], results["fsdp2+ep"])
     ratio = max(f / d for f, d in zip(totals["fsdp2"], totals["dp"]))
     print(f"fsdp2 / dp, parameters + gradients + optimizer state per rank: {ratio:.3f}x (bar <= 0.6x, goal ~0.5x)")

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         k = args.ranks
         sums = lambda parts: [sum(total[i] for i in part) for part in parts]  # noqa: E731
         size = math.ceil(len(p) / k)
-        split["in-order chunks"].append(imbalance(sums([list(range(i, min(i + size, len(p))))
-                                                        for i in range(0, len(p), size)])))
+        split["in-order chunks"].append(
+            imbalance(sums([list(range(i, min(i + size, len(p)))) for i in range(0, len(p), size)]))
+        )
         split["greedy on prompt lengths (before)"].append(imbalance(sums(_greedy(p, k))))
         t0 = time.perf_counter()
         parts = balanced_partition(total, k, equal_size=True)
@@ -83,21 +84,32 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         packed_passes.append(len(token_micro_batches(sp, sr, TokenBudget(args.budget, "--budget"), packed=True)))
         fixed.append(math.ceil(len(share) / max(1, args.budget // (600 + args.max_response))))
     out: dict[str, float] = {}
-    print(f"ranks: {args.ranks} x {args.prompts * args.n // args.ranks} samples, max / mean of prompt + response "
-          f"tokens over {args.trials} batches")
+    print(
+        f"ranks: {args.ranks} x {args.prompts * args.n // args.ranks} samples, max / mean of prompt + response "
+        f"tokens over {args.trials} batches"
+    )
     for name, vals in split.items():
         print(f"  {name:36s} mean {statistics.mean(vals):.4f}  worst {max(vals):.4f}")
         out[name] = statistics.mean(vals)
     print(f"  partition time: {statistics.mean(kk_ms):.2f} ms")
     print(f"micro-batches of one rank's share under {args.budget} tokens:")
     print(f"  fixed size fitting the longest rows: {statistics.mean(fixed):.1f} passes of the full padded width")
-    print(f"  token budget: {statistics.mean(passes):.1f} passes (real tokens alone need >= "
-          f"{statistics.mean(lower):.1f}), {statistics.mean(per_real):.2f} tokens processed per real one")
-    print(f"  token budget, packed forwards: {statistics.mean(packed_passes):.1f} passes, 1.00 tokens processed per "
-          "real one")
-    out.update(kk_ms=statistics.mean(kk_ms), fixed_passes=statistics.mean(fixed), budget_passes=statistics.mean(passes),
-               processed_per_real=statistics.mean(per_real), lower_bound_passes=statistics.mean(lower),
-               packed_passes=statistics.mean(packed_passes))
+    print(
+        f"  token budget: {statistics.mean(passes):.1f} passes (real tokens alone need >= "
+        f"{statistics.mean(lower):.1f}), {statistics.mean(per_real):.2f} tokens processed per real one"
+    )
+    print(
+        f"  token budget, packed forwards: {statistics.mean(packed_passes):.1f} passes, 1.00 tokens processed per "
+        "real one"
+    )
+    out.update(
+        kk_ms=statistics.mean(kk_ms),
+        fixed_passes=statistics.mean(fixed),
+        budget_passes=statistics.mean(passes),
+        processed_per_real=statistics.mean(per_real),
+        lower_bound_passes=statistics.mean(lower),
+        packed_passes=statistics.mean(packed_passes),
+    )
     return out
 
 

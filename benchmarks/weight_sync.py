@@ -13,7 +13,8 @@ weights into rank 1's model over the same gloo link:
 
 Each runs once cold (the first sync of a size, which allocates the staging buffers) and then
 `--repeats` times warm, as every later training step would (the fastest is kept: the host is shared);
-after each, the receiver's weights are checked bit for bit against the sender's (a checksum). Each rank's peak extra memory during a sync is its resident
+after each, the receiver's weights are checked bit for bit against the sender's (a checksum). Each rank's peak extra
+memory during a sync is its resident
 set's high-water mark (VmHWM, reset through /proc/self/clear_refs) over its resident set before the
 sync: a sync that materialised the whole model would show the model's size there. The bar: streamed
 within 2x of plain.
@@ -54,9 +55,17 @@ def build(size: str, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     hidden, layers, inter, heads, kv, vocab = SIZES[size]
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
-                         tie_word_embeddings=False, max_position_embeddings=512)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
     # Built on the meta device and filled directly: transformers' own init of 500M parameters takes minutes here.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -115,8 +124,12 @@ def _streamed(model: torch.nn.Module, rank: int, bucket_bytes: int, staging) -> 
 
 def _same_as_sender(model: torch.nn.Module) -> bool:
     """Whether every tensor of this rank's model equals rank 0's bit for bit (a checksum broadcast)."""
-    sums = torch.stack([t.reshape(-1).view(torch.int32 if t.element_size() == 4 else torch.int16).double().sum()
-                        for t in model.state_dict().values()])
+    sums = torch.stack(
+        [
+            t.reshape(-1).view(torch.int32 if t.element_size() == 4 else torch.int16).double().sum()
+            for t in model.state_dict().values()
+        ]
+    )
     theirs = sums.clone()
     tdist.broadcast(theirs, src=0)
     return bool(torch.equal(sums, theirs))
@@ -140,7 +153,10 @@ def _rank(rank: int, port: int, sizes: list[str], bucket_bytes: int, dtype: str,
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         row = {"size": size, "params": sum(p.numel() for p in model.parameters()), "bytes": nbytes}
         staging.release()  # the first sync of a size allocates its bucket memory, and its peak shows it
-        runs = {"plain": lambda: _plain(model, rank), "streamed": lambda: _streamed(model, rank, bucket_bytes, staging)}
+        runs = {
+            "plain": lambda m=model: _plain(m, rank),
+            "streamed": lambda m=model: _streamed(m, rank, bucket_bytes, staging),
+        }
         for name, run in runs.items():
             # The first sync, then `repeats` like every later training step's (the fastest is kept: the host is shared).
             for trial in ["cold"] + ["warm"] * repeats:
@@ -169,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="50m,500m", help=f"comma-separated, of {list(SIZES)}")
     parser.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size in MiB (verl's default: 512)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind after the first; the fastest is kept")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed syncs of each kind after the first; the fastest is kept"
+    )
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -182,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(port, sizes, bucket_bytes, args.dtype, args.repeats, out), nprocs=2, join=True)
         sender, receiver = (torch.load(Path(out) / f"rank{r}.pt") for r in (0, 1))
-    print(f"dense Qwen3 from config, {args.dtype}, 2 gloo processes on one host ({os.cpu_count()} CPUs); "
-          f"bucket {args.bucket_mb:g} MiB")
-    print(f"{'size':<6}{'params':>9}{'GB':>7}{'plain s':>9}{'GB/s':>6}{'streamed s':>12}{'GB/s':>6}{'ratio':>7}"
-          f"{'cold streamed s':>17}{'send extra MiB':>16}{'recv extra MiB':>16}{'plain extra':>13}  exact")
+    print(
+        f"dense Qwen3 from config, {args.dtype}, 2 gloo processes on one host ({os.cpu_count()} CPUs); "
+        f"bucket {args.bucket_mb:g} MiB"
+    )
+    print(
+        f"{'size':<6}{'params':>9}{'GB':>7}{'plain s':>9}{'GB/s':>6}{'streamed s':>12}{'GB/s':>6}{'ratio':>7}"
+        f"{'cold streamed s':>17}{'send extra MiB':>16}{'recv extra MiB':>16}{'plain extra':>13}  exact"
+    )
     ok = True
     for s_row, r_row in zip(sender, receiver):
         gb = s_row["bytes"] / 1e9
@@ -194,14 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         exact = all(r_row[f"{n}_{t}_ok"] for n in ("plain", "streamed") for t in ("cold", "warm"))
         ok &= exact and ratio <= 2.0
         plain_extra = max(row[f"plain_{t}_extra"] for row in (s_row, r_row) for t in ("cold", "warm"))
-        print(f"{s_row['size']:<6}{s_row['params'] / 1e6:>8.1f}M{gb:>7.3f}{plain:>9.3f}{gb / plain:>6.2f}"
-              f"{streamed:>12.3f}{gb / streamed:>6.2f}{ratio:>6.2f}x{r_row['streamed_cold_s']:>17.3f}"
-              f"{s_row['streamed_cold_extra'] / 2**20:>16.1f}{r_row['streamed_cold_extra'] / 2**20:>16.1f}"
-              f"{plain_extra / 2**20:>13.1f}  {exact}")
-    print(f"times: the fastest of {args.repeats} syncs of each kind after the first (steady state); cold: the first, "
-          "allocating its staging buffer. extra: peak resident set over the resident set before a sync, per process")
-    print(f"model bytes vs peak extra: the whole model is {max(r['bytes'] for r in sender) / 2**20:.1f} MiB at the "
-          f"largest size; a bucket is {bucket_bytes / 2**20:.4g} MiB")
+        print(
+            f"{s_row['size']:<6}{s_row['params'] / 1e6:>8.1f}M{gb:>7.3f}{plain:>9.3f}{gb / plain:>6.2f}"
+            f"{streamed:>12.3f}{gb / streamed:>6.2f}{ratio:>6.2f}x{r_row['streamed_cold_s']:>17.3f}"
+            f"{s_row['streamed_cold_extra'] / 2**20:>16.1f}{r_row['streamed_cold_extra'] / 2**20:>16.1f}"
+            f"{plain_extra / 2**20:>13.1f}  {exact}"
+        )
+    print(
+        f"times: the fastest of {args.repeats} syncs of each kind after the first (steady state); cold: the first, "
+        "allocating its staging buffer. extra: peak resident set over the resident set before a sync, per process"
+    )
+    print(
+        f"model bytes vs peak extra: the whole model is {max(r['bytes'] for r in sender) / 2**20:.1f} MiB at the "
+        f"largest size; a bucket is {bucket_bytes / 2**20:.4g} MiB"
+    )
     print(f"streamed / plain: {'all within 2x' if ok else 'NOT all within 2x (or not exact)'} (bar <= 2x)")
     return 0 if ok else 1
 

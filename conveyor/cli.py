@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from conveyor.files import describe_os_error, environment_error
 
@@ -22,10 +22,15 @@ EXIT_USAGE = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML config file (overrides go on top; it may stand "
-                                                         "anywhere among them)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides, e.g. actor_rollout_ref.rollout.temperature=0.7")
+    p.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML config file (overrides go on top; it may stand anywhere among them)"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. actor_rollout_ref.rollout.temperature=0.7",
+    )
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -50,13 +55,17 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     sh.add_argument("--step", type=int, help="a specific dumped step")
     sh.add_argument("-n", type=int, default=8, help="samples to show")
 
-    ex = sub.add_parser("export", help="write a run's policy as a Hugging Face checkpoint (config, safetensors, "
-                                       "tokenizer)")
+    ex = sub.add_parser(
+        "export", help="write a run's policy as a Hugging Face checkpoint (config, safetensors, tokenizer)"
+    )
     ex.add_argument("run_dir")
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     ex.add_argument("--out", required=True, help="a new directory to write")
-    ex.add_argument("--adapter-only", action="store_true",
-                    help="a LoRA run: write the adapter in PEFT's format instead of the merged model")
+    ex.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write the adapter in PEFT's format instead of the merged model",
+    )
 
     w = sub.add_parser("warmstart", help="build the tiny model's supervised warm start (done on first use anyway)")
     _add_config_args(w)
@@ -72,7 +81,7 @@ def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace
     # A plain positional list ends at the first option, so `c=d` after `--config f` would be refused:
     # the subcommand's own arguments are parsed intermixed.
     args = parser.parse_args(argv[: at + 1])
-    vars(args).update(vars(with_overrides[argv[at]].parse_intermixed_args(argv[at + 1:])))
+    vars(args).update(vars(with_overrides[argv[at]].parse_intermixed_args(argv[at + 1 :])))
     return parser, args
 
 
@@ -145,8 +154,14 @@ _COMMANDS = {
 
 
 # What each command writes, for the message of a failure of the file system.
-_COMMAND_WRITES = {"train": "writing the run", "plot": "writing the plots", "export": "writing the export",
-                   "warmstart": "writing the model cache", "show": "reading the dump", "config": "reading the config"}
+_COMMAND_WRITES = {
+    "train": "writing the run",
+    "plot": "writing the plots",
+    "export": "writing the export",
+    "warmstart": "writing the model cache",
+    "show": "reading the dump",
+    "config": "reading the config",
+}
 
 
 def _usage_error(message: str) -> int:
@@ -193,8 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as err:
         # 128 + the signal's number, as a shell reports a process a signal ended: 130 for Ctrl-C, 143 for SIGTERM.
         signum = getattr(err, "signum", signal.SIGINT)
-        print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",
-              file=sys.stderr)
+        print(
+            "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}", file=sys.stderr
+        )
         return 128 + int(signum)
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 __all__ = ["DeadlineExceeded", "call_with_deadline", "map_with_deadline"]
 
@@ -33,8 +34,16 @@ class DeadlineExceeded(TimeoutError):
         self.index = index
 
 
-def map_with_deadline(fn: Callable[[T], R], items: Iterable[T], *, timeout_s: float, what: Callable[[int], str],
-                      key: str, thread_name: str = "deadline", cpu: list[float] | None = None) -> list[R]:
+def map_with_deadline(
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    *,
+    timeout_s: float,
+    what: Callable[[int], str],
+    key: str,
+    thread_name: str = "deadline",
+    cpu: list[float] | None = None,
+) -> list[R]:
     """`[fn(item) for item in items]`, in one daemon thread, each call given `timeout_s` seconds from its own start.
 
     `timeout_s` 0 means no limit (the calls then run in this thread).
@@ -70,20 +79,23 @@ def map_with_deadline(fn: Callable[[T], R], items: Iterable[T], *, timeout_s: fl
         i, started = current[0]
         left = started + timeout_s - time.monotonic()
         if left <= 0 and not done.is_set() and current[0][0] == i:
-            raise DeadlineExceeded(f"{what(i)} did not return within {key}={timeout_s:g}s "
-                                   "(the call is abandoned, not stopped)", index=i)
+            raise DeadlineExceeded(
+                f"{what(i)} did not return within {key}={timeout_s:g}s (the call is abandoned, not stopped)", index=i
+            )
         done.wait(max(left, 0.001))
     if failure:
         raise failure[0]
     return results
 
 
-def call_with_deadline(fn: Callable[..., R], *args: Any, timeout_s: float, what: str, key: str,
-                       thread_name: str = "deadline") -> R:
+def call_with_deadline(
+    fn: Callable[..., R], *args: Any, timeout_s: float, what: str, key: str, thread_name: str = "deadline"
+) -> R:
     """`fn(*args)` in a daemon thread, given `timeout_s` seconds (0: no limit, called in this thread).
 
     Raises DeadlineExceeded (a TimeoutError naming `what` and `key`) when the
     call overruns, without waiting for it; what the call raises is raised here.
     """
-    return map_with_deadline(lambda _: fn(*args), [None], timeout_s=timeout_s, what=lambda _: what, key=key,
-                             thread_name=thread_name)[0]
+    return map_with_deadline(
+        lambda _: fn(*args), [None], timeout_s=timeout_s, what=lambda _: what, key=key, thread_name=thread_name
+    )[0]

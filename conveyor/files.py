@@ -21,8 +21,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,19 @@ __all__ = ["read_text", "read_jsonl_objects", "make_dir", "environment_error", "
 # rename, EMFILE from a leak) is more likely a bug, and stays a traceback.
 _ENVIRONMENT_ERRNOS = frozenset(
     getattr(errno, name)
-    for name in ("ENOSPC", "EDQUOT", "EROFS", "ENOTDIR", "EISDIR", "EACCES", "EPERM", "ENOENT", "ENAMETOOLONG",
-                 "EFBIG", "ELOOP")
+    for name in (
+        "ENOSPC",
+        "EDQUOT",
+        "EROFS",
+        "ENOTDIR",
+        "EISDIR",
+        "EACCES",
+        "EPERM",
+        "ENOENT",
+        "ENAMETOOLONG",
+        "EFBIG",
+        "ELOOP",
+    )
     if hasattr(errno, name)
 )
 
@@ -61,8 +73,10 @@ def read_text(path: str | Path, what: str, fix: str = "") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise ValueError(f"{what} {p} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}); save it as "
-                         "UTF-8" + (f", or {fix}" if fix else "")) from err
+        raise ValueError(
+            f"{what} {p} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}); save it as "
+            "UTF-8" + (f", or {fix}" if fix else "")
+        ) from err
 
 
 def read_jsonl_objects(path: Path, what: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -82,8 +96,13 @@ def read_jsonl_objects(path: Path, what: str) -> Iterator[tuple[int, dict[str, A
         try:
             record = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as err:  # UnicodeDecodeError and int digit limits are ValueErrors
-            logger.warning("%s %s:%d is not valid UTF-8 JSON (%s); skipped", what, path, lineno,
-                           str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+            logger.warning(
+                "%s %s:%d is not valid UTF-8 JSON (%s); skipped",
+                what,
+                path,
+                lineno,
+                str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
+            )
             continue
         if not isinstance(record, dict):
             logger.warning("%s %s:%d is not a JSON object; skipped", what, path, lineno)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 __all__ = ["KVBatchMeta", "BatchData", "reduce_metrics", "reduce_metric"]
 
@@ -33,14 +34,12 @@ class KVBatchMeta:
         if not self.tags:
             self.tags = [{} for _ in self.keys]
         elif len(self.tags) != len(self.keys):
-            raise ValueError(
-                f"KVBatchMeta got {len(self.tags)} tags for {len(self.keys)} keys; give one dict per key"
-            )
+            raise ValueError(f"KVBatchMeta got {len(self.tags)} tags for {len(self.keys)} keys; give one dict per key")
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def _slice(self, start: int, stop: int, extra_info: dict | None = None) -> "KVBatchMeta":
+    def _slice(self, start: int, stop: int, extra_info: dict | None = None) -> KVBatchMeta:
         return KVBatchMeta(
             keys=self.keys[start:stop],
             partition_id=self.partition_id,
@@ -49,7 +48,7 @@ class KVBatchMeta:
             extra_info=copy.copy(self.extra_info) if extra_info is None else extra_info,
         )
 
-    def chunk(self, n: int) -> list["KVBatchMeta"]:
+    def chunk(self, n: int) -> list[KVBatchMeta]:
         """Split into `n` in-order chunks whose sizes differ by at most one (one per data-parallel rank)."""
         if n <= 0:
             raise ValueError(f"chunk needs a positive number of chunks, got {n}")
@@ -61,7 +60,7 @@ class KVBatchMeta:
             start = stop
         return out
 
-    def select(self, indices: Sequence[int]) -> "KVBatchMeta":
+    def select(self, indices: Sequence[int]) -> KVBatchMeta:
         """A handle to the samples at `indices`, in that order (same partition, fields and extra_info)."""
         return KVBatchMeta(
             keys=[self.keys[i] for i in indices],
@@ -71,7 +70,7 @@ class KVBatchMeta:
             extra_info=copy.copy(self.extra_info),
         )
 
-    def with_fields(self, names: Iterable[str]) -> "KVBatchMeta":
+    def with_fields(self, names: Iterable[str]) -> KVBatchMeta:
         """A copy whose `fields` also lists `names` (in first-written order, no duplicates)."""
         merged = list(self.fields)
         for name in names:
@@ -79,14 +78,14 @@ class KVBatchMeta:
                 merged.append(name)
         return KVBatchMeta(self.keys, self.partition_id, merged, [dict(t) for t in self.tags], dict(self.extra_info))
 
-    def with_extra_info(self, **info: Any) -> "KVBatchMeta":
+    def with_extra_info(self, **info: Any) -> KVBatchMeta:
         """A copy whose `extra_info` is updated with `info` (the original is left alone)."""
         merged = dict(self.extra_info)
         merged.update(info)
         return KVBatchMeta(self.keys, self.partition_id, list(self.fields), [dict(t) for t in self.tags], merged)
 
     @staticmethod
-    def concat(items: Sequence["KVBatchMeta"]) -> "KVBatchMeta":
+    def concat(items: Sequence[KVBatchMeta]) -> KVBatchMeta:
         """One handle over `items` in order; `extra_info` merged into one list entry per item."""
         return _concat_metas(list(items))
 

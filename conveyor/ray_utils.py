@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def needs_ray(cfg: Any, plan: Any = None) -> bool:
-    """Whether this run uses Ray: workers as Ray actors (all, or the rollout's under `plan`), or the `ray` data plane."""
+    """Whether this run uses Ray: workers as Ray actors (all, or the rollout's under `plan`), or the `ray` data
+    plane."""
     own = plan is not None and plan.rollout_process == "own"
     return use_ray(cfg) or own or cfg.transfer_queue.backend == "ray"
 
@@ -35,8 +36,12 @@ def _may_span_machines(cfg: Any) -> bool:
 def serves_memory_plane(cfg: Any) -> bool:
     """Whether workers on Ray reach the embedded `memory` data plane (`transfer_queue.backend=memory`), served to them
     over a Unix socket: a Ray the run starts itself on this machine (one node, no `ray.address`), CPU workers."""
-    return (cfg.transfer_queue.backend == "memory" and use_ray(cfg) and not _may_span_machines(cfg)
-            and cfg.trainer.n_gpus_per_node == 0)
+    return (
+        cfg.transfer_queue.backend == "memory"
+        and use_ray(cfg)
+        and not _may_span_machines(cfg)
+        and cfg.trainer.n_gpus_per_node == 0
+    )
 
 
 def data_plane_backend(cfg: Any) -> str:
@@ -48,14 +53,19 @@ def data_plane_backend(cfg: Any) -> str:
     if serves_memory_plane(cfg):
         # Measured on the default task with two CPU ranks (docs/distributed.md): 1.4-1.8x the steps/s of the object
         # store, whose per-operation cost (round trips, a storage actor's answer) dominates a batch of short rows.
-        logger.info("workers run on Ray on this machine: the trainer's process serves them the memory data plane "
-                    "over a Unix socket")
+        logger.info(
+            "workers run on Ray on this machine: the trainer's process serves them the memory data plane "
+            "over a Unix socket"
+        )
         return backend
     # The embedded store lives in the trainer's process; actors on other machines cannot reach its socket, and
     # GPU batches, unmeasured through the socket, keep the object store's zero-copy reads.
-    logger.info("workers run on Ray: using the ray data plane instead of transfer_queue.backend=memory (%s)",
-                "workers may run on other machines" if _may_span_machines(cfg)
-                else "GPU workers read their batches from Ray's object store")
+    logger.info(
+        "workers run on Ray: using the ray data plane instead of transfer_queue.backend=memory (%s)",
+        "workers may run on other machines"
+        if _may_span_machines(cfg)
+        else "GPU workers read their batches from Ray's object store",
+    )
     return "ray"
 
 
@@ -77,8 +87,10 @@ def ensure_ray(cfg: Any) -> bool:
         try:
             ray.init(address=cfg.ray.address, **common)
         except ConnectionError as err:
-            raise ValueError(f"ray.address={cfg.ray.address!r}: cannot connect to a Ray cluster there ({err}); "
-                             "start one with `ray start --head`, or unset ray.address to start a local one") from err
+            raise ValueError(
+                f"ray.address={cfg.ray.address!r}: cannot connect to a Ray cluster there ({err}); "
+                "start one with `ray start --head`, or unset ray.address to start a local one"
+            ) from err
     else:
         num_cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else os.cpu_count() or 1
         logger.info("starting a local Ray with %d logical CPUs", num_cpus)
@@ -96,8 +108,10 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except (OSError, ValueError) as err:
-        raise ValueError(f"ray.address={address!r}: no Ray head answers there ({err}); start one with "
-                         "`ray start --head --port=6379` on that node, or fix ray.address") from err
+        raise ValueError(
+            f"ray.address={address!r}: no Ray head answers there ({err}); start one with "
+            "`ray start --head --port=6379` on that node, or fix ray.address"
+        ) from err
 
 
 def shutdown_ray(started: bool) -> None:

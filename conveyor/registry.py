@@ -38,8 +38,9 @@ def registrar(table: dict[str, T], name: str, what: str, *, overwrite: bool = Fa
     def decorator(obj: T) -> T:
         existing = table.get(name)
         if existing is not None and existing is not obj and not overwrite:
-            raise ValueError(f"{what} {name!r} is already registered ({_describe(existing)}); "
-                             "pass overwrite=True to replace it")
+            raise ValueError(
+                f"{what} {name!r} is already registered ({_describe(existing)}); pass overwrite=True to replace it"
+            )
         table[name] = obj
         return obj
 

@@ -104,8 +104,15 @@ def import_user_code(source: str, *, key: str) -> ModuleType:
     return _LOADED[source]
 
 
-def user_attribute(source: str, name: str, *, key: str, name_key: str | None = None,
-                   kind: str = "attribute", must_be_callable: bool = False) -> Any:
+def user_attribute(
+    source: str,
+    name: str,
+    *,
+    key: str,
+    name_key: str | None = None,
+    kind: str = "attribute",
+    must_be_callable: bool = False,
+) -> Any:
     """The object `name` (dots reach into it: `Class.method`) of the module of `source`, imported as above.
 
     A missing name (or, with `must_be_callable`, one that cannot be called)

@@ -38,11 +38,19 @@ class CliServer:
     def __init__(self, cwd: Path, env: dict[str, str], log: Path):
         self.cwd, self.log = cwd, log
         with open(log, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, __file__], cwd=cwd, env=env, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
 
-    def run(self, *args: str, cwd: Path | None = None, timeout: float = 120,
-            script: Path | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, cwd: Path | None = None, timeout: float = 120, script: Path | None = None
+    ) -> subprocess.CompletedProcess:
         """The child's exit status, stdout and stderr; the child is killed (-9) after `timeout` seconds.
 
         With `script`, the child runs `python SCRIPT ARGS` instead of `python -m conveyor.cli ARGS`.
@@ -72,8 +80,11 @@ def _child(args: list[str], script: str | None, cwd: str, out_path: str, err_pat
     code = 1
     try:
         os.chdir(cwd)
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                                (2, err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+            (2, err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        ):
             opened = os.open(path, flags, 0o600)
             os.dup2(opened, fd)
             os.close(opened)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
 from cli_server import CliServer
+
 from conveyor.cli import main
 from conveyor.config import Config, config_to_dict
 
@@ -107,7 +106,9 @@ def _has_module(name: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize(("command", "module"), [("plot", "conveyor.metrics.plots"), ("show", "conveyor.metrics.dumps")])
+@pytest.mark.parametrize(
+    ("command", "module"), [("plot", "conveyor.metrics.plots"), ("show", "conveyor.metrics.dumps")]
+)
 def test_missing_run_dir(run_cli, tmp_path: Path, command: str, module: str) -> None:
     if not _has_module(module):
         pytest.skip(f"{module} (behind `conveyor {command}`) is not written yet")
@@ -139,9 +140,13 @@ def test_argparse_usage_errors_exit_2(run_cli) -> None:
 
 def test_lean_forward_on_a_model_it_cannot_run_is_a_usage_error(run_cli, tmp_path: Path) -> None:
     proc = run_cli(
-        "train", "actor_rollout_ref.model.tiny.arch=mixtral", "actor_rollout_ref.model.forward_impl=lean",
-        "actor_rollout_ref.model.tiny.warmstart_steps=0", "trainer.total_training_steps=1",
-        "trainer.logger=[jsonl]", f"trainer.default_local_dir={tmp_path}",
+        "train",
+        "actor_rollout_ref.model.tiny.arch=mixtral",
+        "actor_rollout_ref.model.forward_impl=lean",
+        "actor_rollout_ref.model.tiny.warmstart_steps=0",
+        "trainer.total_training_steps=1",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={tmp_path}",
     )
     # The tiny model is built (and logged) before a worker finds it cannot run it.
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

@@ -65,8 +65,9 @@ def test_yaml_then_overrides_precedence(tmp_path: Path) -> None:
             "actor_rollout_ref": {"rollout": {"temperature": 0.5, "n": 4}},
         },
     )
-    cfg = load_config(path, ["trainer.total_training_steps=9", "actor_rollout_ref.rollout.n=2",
-                             "actor_rollout_ref.rollout.n=3"])
+    cfg = load_config(
+        path, ["trainer.total_training_steps=9", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.n=3"]
+    )
     assert cfg.trainer.total_training_steps == 9  # override beats the file
     assert cfg.actor_rollout_ref.rollout.n == 3  # the last override wins
     assert cfg.trainer.experiment_name == "from-yaml"  # file beats the default
@@ -122,9 +123,14 @@ def test_single_item_list_and_yaml_exponent(tmp_path: Path) -> None:
 
 
 def test_passthrough_section_takes_any_keys() -> None:
-    cfg = load_config(None, ["transfer_queue.backend=transferqueue",
-                             "transfer_queue.transferqueue.storage_backend=MooncakeStore",
-                             "transfer_queue.transferqueue.segment_size=1024"])
+    cfg = load_config(
+        None,
+        [
+            "transfer_queue.backend=transferqueue",
+            "transfer_queue.transferqueue.storage_backend=MooncakeStore",
+            "transfer_queue.transferqueue.segment_size=1024",
+        ],
+    )
     assert cfg.transfer_queue.transferqueue == {"storage_backend": "MooncakeStore", "segment_size": 1024}
 
 
@@ -229,8 +235,10 @@ def test_removed_key_in_a_file(tmp_path: Path) -> None:
         (["actor_rollout_ref.actor.clip_ratio=-0.2"], "actor_rollout_ref.actor.clip_ratio"),
         (["actor_rollout_ref.actor.clip_ratio_high=0"], "actor_rollout_ref.actor.clip_ratio_high"),
         (["actor_rollout_ref.actor.clip_ratio_c=1"], "actor_rollout_ref.actor.clip_ratio_c"),
-        (["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=5"],
-         "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (
+            ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=5"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
         (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size"),
         (["data.train_batch_size=0"], "data.train_batch_size"),
         (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n"),
@@ -404,7 +412,6 @@ def test_choices_come_from_the_registries() -> None:
     from conveyor.data_plane import BACKENDS
     from conveyor.metrics.trackers import VALID_LOGGERS
     from conveyor.tasks.dataset import TRUNCATION_MODES
-
     from conveyor.trainer.plan import build_run_plan
 
     for name in ADV_ESTIMATORS:
@@ -422,17 +429,25 @@ def test_choices_come_from_the_registries() -> None:
         load_config(None, [f"transfer_queue.backend={name}"])
     for name in TRUNCATION_MODES:
         load_config(None, [f"data.truncation={name}"])
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: unknown 'vanila' "
-                                          r"\(did you mean 'vanilla'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: unknown 'vanila' "
+        r"\(did you mean 'vanilla'\?\)",
+    ):
         load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=vanila"])
 
 
 @pytest.mark.parametrize(
     ("override", "key"),
     [
-        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=-1",
-         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=0",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=-1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        ),
         ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n"),
         ("actor_rollout_ref.rollout.val_kwargs.top_p=0", "actor_rollout_ref.rollout.val_kwargs.top_p"),
         ("actor_rollout_ref.rollout.val_kwargs.temperature=-1", "actor_rollout_ref.rollout.val_kwargs.temperature"),
@@ -499,9 +514,15 @@ def _numeric_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, type]
 
 _FLOAT_KEYS = [k for k, t in _numeric_keys() if t is float]
 # Keys where a negative value means something: seeds, and an entropy coefficient (< 0 penalises entropy).
-_SIGNED_KEYS = {"data.seed", "actor_rollout_ref.model.tiny.seed", "trainer.seed", "actor_rollout_ref.actor.entropy_coeff",
-                # clip_cov bounds a covariance, which may be negative.
-                "actor_rollout_ref.actor.policy_loss.clip_cov_lb", "actor_rollout_ref.actor.policy_loss.clip_cov_ub"}
+_SIGNED_KEYS = {
+    "data.seed",
+    "actor_rollout_ref.model.tiny.seed",
+    "trainer.seed",
+    "actor_rollout_ref.actor.entropy_coeff",
+    # clip_cov bounds a covariance, which may be negative.
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
+}
 
 
 @pytest.mark.parametrize("key", _FLOAT_KEYS)
@@ -534,8 +555,10 @@ def test_numeric_keys_are_found() -> None:
     ("override", "message"),
     [
         ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n: must be > 0, got 0"),
-        ("actor_rollout_ref.actor.optim.weight_decay=-1", "actor_rollout_ref.actor.optim.weight_decay: must be >= 0, "
-                                                           "got -1.0"),
+        (
+            "actor_rollout_ref.actor.optim.weight_decay=-1",
+            "actor_rollout_ref.actor.optim.weight_decay: must be >= 0, got -1.0",
+        ),
         ("algorithm.lam=1.5", "algorithm.lam: must be in [0, 1], got 1.5"),
         ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p: must be in (0, 1], got 0.0"),
         ("data.synthetic.max_operand=0", "data.synthetic.max_operand: must be >= 1, got 0"),
@@ -552,8 +575,15 @@ def test_declared_ranges_name_the_full_key(override: str, message: str) -> None:
 
 
 def test_optional_keys_with_a_range_take_null() -> None:
-    cfg = load_config(None, ["trainer.max_ckpt_to_keep=null", "actor_rollout_ref.actor.clip_ratio_low=null",
-                             "ray.num_cpus=null", "data.val_batch_size=null"])
+    cfg = load_config(
+        None,
+        [
+            "trainer.max_ckpt_to_keep=null",
+            "actor_rollout_ref.actor.clip_ratio_low=null",
+            "ray.num_cpus=null",
+            "data.val_batch_size=null",
+        ],
+    )
     assert cfg.trainer.max_ckpt_to_keep is None and cfg.ray.num_cpus is None
 
 
@@ -576,7 +606,8 @@ def test_choice_lists_are_the_implementing_registries(key: str, module: str, nam
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"{key}=no_such_choice"])
     assert str(info.value).startswith(f"{key}: unknown 'no_such_choice'") and str(info.value).endswith(
-        f"valid: {registry}")
+        f"valid: {registry}"
+    )
 
 
 def _python(code: str) -> str:
@@ -593,12 +624,16 @@ def _python(code: str) -> str:
 
 
 def test_importing_the_config_imports_no_implementation() -> None:
-    out = _python("import sys, conveyor.config; print(sorted(m for m in sys.modules "
-                  "if m.startswith('conveyor.') and not m.startswith('conveyor.config')))")
+    out = _python(
+        "import sys, conveyor.config; print(sorted(m for m in sys.modules "
+        "if m.startswith('conveyor.') and not m.startswith('conveyor.config')))"
+    )
     assert out.strip() == "[]", out
 
 
-@pytest.mark.parametrize("first", ["conveyor.workers.training.optim", "conveyor.workers.training.strategy", "conveyor.trainer.run_dir"])
+@pytest.mark.parametrize(
+    "first", ["conveyor.workers.training.optim", "conveyor.workers.training.strategy", "conveyor.trainer.run_dir"]
+)
 def test_the_implementation_imports_the_config_without_a_cycle(first: str) -> None:
     _python(f"import {first}; import conveyor.config; conveyor.config.load_config()")
 
@@ -626,20 +661,46 @@ def test_describe_lists_exactly_the_schema_keys() -> None:
 
 # The list run_dir kept by hand before the keys carried it as metadata.
 OLD_NEUTRAL_KEYS = (
-    "trainer.total_training_steps", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
-    "trainer.default_local_dir", "trainer.test_freq", "trainer.val_before_train", "trainer.save_freq",
-    "trainer.max_ckpt_to_keep", "trainer.resume_mode", "trainer.resume_from_path", "trainer.save_on_interrupt",
-    "trainer.resume_accept_config_changes", "trainer.dump_freq", "trainer.dump_num", "trainer.device",
-    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.num_cpu_workers", "trainer.progress_bar",
-    "trainer.prometheus.", "transfer_queue.", "ray.",
-    "actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
-    "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
-    "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.fsdp_config.param_offload",
-    "critic.fsdp_config.optimizer_offload", "actor_rollout_ref.model.enable_gradient_checkpointing",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+    "trainer.total_training_steps",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.logger",
+    "trainer.default_local_dir",
+    "trainer.test_freq",
+    "trainer.val_before_train",
+    "trainer.save_freq",
+    "trainer.max_ckpt_to_keep",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+    "trainer.save_on_interrupt",
+    "trainer.resume_accept_config_changes",
+    "trainer.dump_freq",
+    "trainer.dump_num",
+    "trainer.device",
+    "trainer.nnodes",
+    "trainer.n_gpus_per_node",
+    "trainer.num_cpu_workers",
+    "trainer.progress_bar",
+    "trainer.prometheus.",
+    "transfer_queue.",
+    "ray.",
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.ref.strategy",
+    "critic.strategy",
+    "actor_rollout_ref.actor.fsdp_config.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.ref.fsdp_config.param_offload",
+    "critic.fsdp_config.param_offload",
+    "critic.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.model.forward_impl",
-    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "data.val_files", "data.val_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.model.forward_impl",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
+    "data.val_files",
+    "data.val_batch_size",
 )
 
 
@@ -655,21 +716,40 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
     # like forward_impl: the same numbers up to summation order.
     # The token budgets (use_dynamic_bsz and its limits) regroup rows into micro-batches, like the micro-batch
     # sizes: the losses' normalisers are the mini-batch's, so only the summation order moves.
-    budgets = {"actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-               "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-               "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-               "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu"}
+    budgets = {
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "critic.use_dynamic_bsz",
+        "critic.ppo_max_token_len_per_gpu",
+        "critic.forward_max_token_len_per_gpu",
+    }
     # Where the engines run (placement, replicas, the asynchronous rollout's process) and the weight sync's bucket
     # size move what the sync carries and where the rollout runs, not the weights a step starts from (the
     # checkpoint's, synced first) nor any number (tests/trainer/test_async_process.py).
-    placement = {"actor_rollout_ref.rollout.placement", "actor_rollout_ref.rollout.replicas",
-                 "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
-                 "trainer.v1.separate_async.rollout_process"}
-    later = {"actor_rollout_ref.ref.fsdp_config.optimizer_offload",
-             "actor_rollout_ref.rollout.hf_whole_gather_max_gb", "actor_rollout_ref.model.use_remove_padding",
-             "actor_rollout_ref.rollout.enforce_eager"} | budgets | placement | {
-        f"{role}.fsdp_config.defer_grad_sync" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")}
+    placement = {
+        "actor_rollout_ref.rollout.placement",
+        "actor_rollout_ref.rollout.replicas",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+        "trainer.v1.separate_async.rollout_process",
+    }
+    later = (
+        {
+            "actor_rollout_ref.ref.fsdp_config.optimizer_offload",
+            "actor_rollout_ref.rollout.hf_whole_gather_max_gb",
+            "actor_rollout_ref.model.use_remove_padding",
+            "actor_rollout_ref.rollout.enforce_eager",
+        }
+        | budgets
+        | placement
+        | {
+            f"{role}.fsdp_config.defer_grad_sync"
+            for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+        }
+    )
     assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | later
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))
 
@@ -682,8 +762,10 @@ def test_low_precision_master_dtype_is_refused_with_what_to_set() -> None:
     assert "actor_rollout_ref.model.dtype" in msg
     assert "actor_rollout_ref.model.dtype=float32" in msg and "fsdp_config.param_dtype=bfloat16" in msg
     assert "allow_low_precision_master_weights=true" in msg
-    cfg = load_config(None, ["actor_rollout_ref.model.dtype=bfloat16",
-                             "actor_rollout_ref.model.allow_low_precision_master_weights=true"])
+    cfg = load_config(
+        None,
+        ["actor_rollout_ref.model.dtype=bfloat16", "actor_rollout_ref.model.allow_low_precision_master_weights=true"],
+    )
     assert cfg.actor_rollout_ref.model.dtype == "bfloat16"
 
 

@@ -39,8 +39,11 @@ def test_what_the_call_raises_is_raised_here(err: BaseException, timeout_s: floa
 def test_times_out_without_waiting_for_the_stuck_call() -> None:
     release = threading.Event()
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"^tool 'slow' did not return within a\.b\.timeout_s=0\.2s "
-                                               r"\(the call is abandoned, not stopped\)$") as info:
+    with pytest.raises(
+        DeadlineExceeded,
+        match=r"^tool 'slow' did not return within a\.b\.timeout_s=0\.2s "
+        r"\(the call is abandoned, not stopped\)$",
+    ) as info:
         call_with_deadline(release.wait, 30, timeout_s=0.2, what="tool 'slow'", key="a.b.timeout_s")
     assert 0.2 <= time.monotonic() - start < 5
     assert isinstance(info.value, TimeoutError) and info.value.index == 0
@@ -49,12 +52,18 @@ def test_times_out_without_waiting_for_the_stuck_call() -> None:
 
 def test_map_gives_each_item_its_own_deadline_and_names_the_one_that_overran() -> None:
     # Three calls of 0.15s each: 0.45s in all, but each within its own 0.5s.
-    assert map_with_deadline(lambda x: (time.sleep(0.15), x * 2)[1], [1, 2, 3], timeout_s=0.5,
-                             what=lambda i: f"item {i}", key="k") == [2, 4, 6]
+    assert map_with_deadline(
+        lambda x: (time.sleep(0.15), x * 2)[1], [1, 2, 3], timeout_s=0.5, what=lambda i: f"item {i}", key="k"
+    ) == [2, 4, 6]
     release = threading.Event()
     with pytest.raises(DeadlineExceeded, match=r"^item 1 did not return within k=0\.2s") as info:
-        map_with_deadline(lambda x: release.wait(30) if x == "hang" else x, ["ok", "hang", "never"], timeout_s=0.2,
-                          what=lambda i: f"item {i}", key="k")
+        map_with_deadline(
+            lambda x: release.wait(30) if x == "hang" else x,
+            ["ok", "hang", "never"],
+            timeout_s=0.2,
+            what=lambda i: f"item {i}",
+            key="k",
+        )
     assert info.value.index == 1
     release.set()
 

@@ -46,7 +46,8 @@ def module_files(root: Path, package: str) -> dict[str, Path]:
 def _is_type_checking(test: ast.expr) -> bool:
     """`TYPE_CHECKING` or `typing.TYPE_CHECKING` (or any `x.TYPE_CHECKING`)."""
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(body: list[ast.stmt], in_functions: bool) -> list[ast.Import | ast.ImportFrom]:
@@ -201,7 +202,7 @@ def test_the_pass_resolves_imports_and_finds_cycles(tmp_path: Path) -> None:
         "__init__.py": "from pkg.a import thing\n",
         "a.py": "from . import b\nthing = 1\n",
         "b.py": "import typing\nif typing.TYPE_CHECKING:\n    from pkg import c\nelse:\n    import pkg.sub.d\n"
-                "try:\n    from .sub import e\nexcept ImportError:\n    pass\n",
+        "try:\n    from .sub import e\nexcept ImportError:\n    pass\n",
         "c.py": "from pkg import a\n",
         "sub/__init__.py": "",
         "sub/d.py": "def f():\n    from ..c import x\n",
@@ -210,12 +211,20 @@ def test_the_pass_resolves_imports_and_finds_cycles(tmp_path: Path) -> None:
     for name, text in files.items():
         (pkg / name).write_text(text)
     graph = import_graph(pkg, "pkg")
-    assert graph == {"pkg": {"pkg.a": 1}, "pkg.a": {"pkg.b": 1}, "pkg.b": {"pkg.sub.d": 5, "pkg.sub.e": 7},
-                     "pkg.c": {"pkg.a": 1}, "pkg.sub": {}, "pkg.sub.d": {}, "pkg.sub.e": {"pkg": 1, "pkg.sub.d": 3}}
+    assert graph == {
+        "pkg": {"pkg.a": 1},
+        "pkg.a": {"pkg.b": 1},
+        "pkg.b": {"pkg.sub.d": 5, "pkg.sub.e": 7},
+        "pkg.c": {"pkg.a": 1},
+        "pkg.sub": {},
+        "pkg.sub.d": {},
+        "pkg.sub.e": {"pkg": 1, "pkg.sub.d": 3},
+    }
     assert strongly_connected(graph) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.e"]]
     assert describe(graph, ["pkg", "pkg.a", "pkg.b", "pkg.sub.e"]) == (
         "pkg -> pkg.a (line 1 of pkg) -> pkg.b (line 1 of pkg.a) -> pkg.sub.e (line 7 of pkg.b) "
-        "-> pkg (line 1 of pkg.sub.e)")
+        "-> pkg (line 1 of pkg.sub.e)"
+    )
     full = import_graph(pkg, "pkg", in_functions=True)
     assert full["pkg.sub.d"] == {"pkg.c": 2}
     assert strongly_connected(full) == [["pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.sub.d", "pkg.sub.e"]]

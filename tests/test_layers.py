@@ -119,11 +119,18 @@ def _defined_attributes() -> dict[str, set[Path]]:
                         defined[item.name].add(path)
                     elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item in node.body:
                         defined[item.target.id].add(path)
-                    elif (isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store)
-                          and isinstance(item.value, ast.Name) and item.value.id in ("self", "cls")):
+                    elif (
+                        isinstance(item, ast.Attribute)
+                        and isinstance(item.ctx, ast.Store)
+                        and isinstance(item.value, ast.Name)
+                        and item.value.id in ("self", "cls")
+                    ):
                         defined[item.attr].add(path)
-    return {name: files for name, files in defined.items()
-            if name.startswith("_") and not name.startswith("__") and name not in THIRD_PARTY}
+    return {
+        name: files
+        for name, files in defined.items()
+        if name.startswith("_") and not name.startswith("__") and name not in THIRD_PARTY
+    }
 
 
 def test_no_code_reaches_a_private_attribute_defined_in_another_file() -> None:
@@ -136,6 +143,8 @@ def test_no_code_reaches_a_private_attribute_defined_in_another_file() -> None:
             if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 continue
             if path not in defined[node.attr]:
-                reached.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: .{node.attr} (defined in "
-                               f"{', '.join(sorted(str(p.relative_to(ROOT.parent)) for p in defined[node.attr]))})")
+                reached.append(
+                    f"{path.relative_to(ROOT.parent)}:{node.lineno}: .{node.attr} (defined in "
+                    f"{', '.join(sorted(str(p.relative_to(ROOT.parent)) for p in defined[node.attr]))})"
+                )
     assert not reached, "private attributes reached from another file:\n" + "\n".join(reached)

@@ -144,7 +144,9 @@ def test_concat_metas_merges_extra_info_without_mutating_inputs() -> None:
 
 def test_concat_metas_reduces_to_the_documented_values() -> None:
     ranks = [
-        KVBatchMeta(keys=[f"k{r}"], partition_id="p", extra_info={"perf/max_memory_allocated_gb": v, "actor/loss": loss})
+        KVBatchMeta(
+            keys=[f"k{r}"], partition_id="p", extra_info={"perf/max_memory_allocated_gb": v, "actor/loss": loss}
+        )
         for r, (v, loss) in enumerate([(1.0, 0.5), (3.0, 1.5), (2.0, 1.0)])
     ]
     merged = BatchData(ranks).concat()
@@ -171,7 +173,7 @@ class Segment:
         self.values = values
 
     @classmethod
-    def concat(cls, items: list["Segment"]) -> "Segment":
+    def concat(cls, items: list[Segment]) -> Segment:
         """One segment holding the items' values in order (and remember the call)."""
         cls.calls.append(list(items))
         return cls([v for item in items for v in item.values])

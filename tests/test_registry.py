@@ -83,15 +83,20 @@ def test_lookup_names_the_key_the_nearest_and_every_valid_name() -> None:
     assert lookup(table, "gae", "algorithm.adv_estimator") == 2
     with pytest.raises(ValueError) as info:
         lookup(table, "grpoo", "algorithm.adv_estimator")
-    assert str(info.value) == ("algorithm.adv_estimator: unknown 'grpoo' (did you mean 'grpo'?); "
-                               "valid names are gae, grpo, rloo")
+    assert str(info.value) == (
+        "algorithm.adv_estimator: unknown 'grpoo' (did you mean 'grpo'?); valid names are gae, grpo, rloo"
+    )
     with pytest.raises(ValueError, match=r"^k: unknown \['x'\]; valid names are gae, grpo, rloo$"):
         lookup(table, ["x"], "k")  # type: ignore[arg-type]  # an unhashable name from YAML
 
 
 def test_a_plugin_registers_an_engine_and_a_data_plane_the_config_selects(plugin, tiny_run) -> None:
-    overrides = tiny_run + [f"trainer.plugins=[{plugin}]", "actor_rollout_ref.rollout.name=plugin_hf",
-                            "transfer_queue.backend=counting", "trainer.total_training_steps=1"]
+    overrides = tiny_run + [
+        f"trainer.plugins=[{plugin}]",
+        "actor_rollout_ref.rollout.name=plugin_hf",
+        "transfer_queue.backend=counting",
+        "trainer.total_training_steps=1",
+    ]
     cfg = load_config(None, overrides)
     assert (cfg.actor_rollout_ref.rollout.name, cfg.transfer_queue.backend) == ("plugin_hf", "counting")
     # The names are the registries' at once: a misspelling lists the plugin's names among the valid ones.
@@ -106,9 +111,27 @@ def test_a_plugin_registers_an_engine_and_a_data_plane_the_config_selects(plugin
 
 def test_the_conformance_suite_runs_a_plugin_engine(plugin) -> None:
     env = {**os.environ, "CONFORMANCE_PLUGINS": str(plugin), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/rollout/test_conformance.py", "-k", "plugin_hf",
-                           "-rA", "-p", "no:cacheprovider", "-p", "no:warnings"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/rollout/test_conformance.py",
+            "-k",
+            "plugin_hf",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:warnings",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Every engine test but the weight sync (the plugin's engine shares the trainer's modules) ran on it.
     passed = [line for line in proc.stdout.splitlines() if line.startswith("PASSED") and "[plugin_hf]" in line]

@@ -57,17 +57,22 @@ def test_a_module_name_is_imported_like_any_module() -> None:
     assert user_attribute("conveyor.tools.calculator", "calculate", key="k") is calculator.calculate
 
 
-@pytest.mark.parametrize("body, what", [
-    ("raise RuntimeError('boom')\n", "RuntimeError: boom"),
-    ("import sys\nsys.exit(0)\n", r"it called sys.exit\(0\)"),
-    ("import sys\nsys.exit('bye')\n", r"it called sys.exit\('bye'\)"),
-    ("def broken(:\n", "SyntaxError: "),
-])
+@pytest.mark.parametrize(
+    "body, what",
+    [
+        ("raise RuntimeError('boom')\n", "RuntimeError: boom"),
+        ("import sys\nsys.exit(0)\n", r"it called sys.exit\(0\)"),
+        ("import sys\nsys.exit('bye')\n", r"it called sys.exit\('bye'\)"),
+        ("def broken(:\n", "SyntaxError: "),
+    ],
+)
 def test_a_failing_import_is_one_line_naming_the_key_and_the_file(tmp_path: Path, body: str, what: str) -> None:
     file = tmp_path / "bad.py"
     file.write_text(body)
-    for load, key in [(lambda: load_plugins([str(file)]), "trainer.plugins"),
-                      (lambda: load_custom_reward_fn(str(file)), "reward.custom_reward_function.path")]:
+    for load, key in [
+        (lambda: load_plugins([str(file)]), "trainer.plugins"),
+        (lambda: load_custom_reward_fn(str(file)), "reward.custom_reward_function.path"),
+    ]:
         with pytest.raises(ValueError, match=rf"^{key}: importing '.*bad\.py' failed: {what}") as info:
             load()
         assert "\n" not in str(info.value)
@@ -80,18 +85,26 @@ def test_a_tool_module_that_exits_at_import_is_an_error_naming_the_tool_file(tmp
     (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n\ndef f(text):\n    return text\n")
     tools_yaml = tmp_path / "tools.yaml"
     tools_yaml.write_text(f"tools:\n  - name: q\n    path: {tmp_path / 'quits.py'}:f\n")
-    with pytest.raises(ValueError, match=r"tool_config_path: '.*tools\.yaml', tools\[0\]: importing '.*quits\.py' "
-                                         r"failed: it called sys.exit\(0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tool_config_path: '.*tools\.yaml', tools\[0\]: importing '.*quits\.py' "
+        r"failed: it called sys.exit\(0\)",
+    ):
         load_tools(tools_yaml)
     tools_yaml.write_text("tools:\n  - name: c\n    path: conveyor.tools.calculator:nothing_here\n")
-    with pytest.raises(ValueError, match=r"tools\[0\]: 'conveyor.tools.calculator' defines no attribute "
-                                         r"'nothing_here'"):
+    with pytest.raises(
+        ValueError,
+        match=r"tools\[0\]: 'conveyor.tools.calculator' defines no attribute "
+        r"'nothing_here'",
+    ):
         load_tools(tools_yaml)
 
 
 def test_a_tool_class_that_exits_in_its_constructor_is_an_error(tmp_path: Path) -> None:
-    (tmp_path / "ctor.py").write_text("import sys\n\nclass T:\n    def __init__(self):\n        sys.exit(3)\n\n"
-                                      "    def execute(self, instance_id, call):\n        return ''\n")
+    (tmp_path / "ctor.py").write_text(
+        "import sys\n\nclass T:\n    def __init__(self):\n        sys.exit(3)\n\n"
+        "    def execute(self, instance_id, call):\n        return ''\n"
+    )
     tools_yaml = tmp_path / "tools.yaml"
     tools_yaml.write_text(f"tools:\n  - name: t\n    path: {tmp_path / 'ctor.py'}:T\n")
     with pytest.raises(ValueError, match=r"tools\[0\]: building .* failed: it called sys.exit\(3\)"):
@@ -109,12 +122,18 @@ def test_keyboard_interrupt_while_importing_goes_through(tmp_path: Path) -> None
 def test_missing_files_and_names_name_their_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^trainer.plugins: no such file '.*nope\.py'$"):
         load_plugins([str(tmp_path / "nope.py")])
-    with pytest.raises(ValueError, match=r"^trainer.plugins: importing module 'no_such_module_xyz' failed: "
-                                         "ModuleNotFoundError"):
+    with pytest.raises(
+        ValueError,
+        match=r"^trainer.plugins: importing module 'no_such_module_xyz' failed: "
+        "ModuleNotFoundError",
+    ):
         load_plugins(["no_such_module_xyz"])
     with pytest.raises(ValueError, match=r"^reward.custom_reward_function.path: no such file"):
         load_custom_reward_fn(str(tmp_path / "nope.py"))
     (tmp_path / "r.py").write_text("grade = 3\n")
-    with pytest.raises(ValueError, match=r"^reward.custom_reward_function.name: '.*r\.py' defines no function "
-                                         "'grade'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^reward.custom_reward_function.name: '.*r\.py' defines no function "
+        "'grade'",
+    ):
         load_custom_reward_fn(str(tmp_path / "r.py"), "grade")

@@ -89,10 +89,15 @@ NEEDS_CRITIC: set[str] = set()
 
 
 def register_adv_estimator(
-    name: str, *, needs_critic: bool = False, greedy_baseline: bool = False, min_group_size: int = 1,
+    name: str,
+    *,
+    needs_critic: bool = False,
+    greedy_baseline: bool = False,
+    min_group_size: int = 1,
     overwrite: bool = False,
 ) -> Callable[[AdvEstimator], AdvEstimator]:
-    """Decorator registering ``fn`` as the advantage estimator called ``name``, with what it needs (``EstimatorNeeds``)."""
+    """Decorator registering ``fn`` as the advantage estimator called ``name``, with what it needs
+    (``EstimatorNeeds``)."""
     if min_group_size < 1:
         raise ValueError(f"advantage estimator {name!r}: min_group_size must be >= 1, got {min_group_size}")
     register = registrar(ADV_ESTIMATORS, name, "advantage estimator", overwrite=overwrite)
@@ -169,14 +174,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _check_same_shape(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
     """Raise ValueError unless ``x`` has the shape of ``response_mask``."""
     if x.shape != mask.shape:
-        raise ValueError(
-            f"{name} has shape {tuple(x.shape)} but response_mask has shape {tuple(mask.shape)}"
-        )
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but response_mask has shape {tuple(mask.shape)}")
 
 
-def masked_mean(
-    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
-) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``values`` over positions where ``mask`` is set (all dims, or ``dim``); 0 when empty."""
     m = _as_bool_mask(mask)
     # where() rather than values * mask so NaN/inf under the mask cannot leak in.
@@ -198,9 +199,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return var
 
 
-def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True
-) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Whiten ``values`` (B, T) over the mask (unit variance, zero mean if ``shift_mean``); 0 off it."""
     m = _as_bool_mask(mask)
     mean = masked_mean(values, m)
@@ -217,9 +216,7 @@ def _group_ids(group_index: Any, batch_size: int, device: torch.device) -> torch
         raise ValueError("group_index is required by group-based estimators (grpo, rloo, opo, ...)")
     if isinstance(group_index, torch.Tensor):
         if group_index.dim() != 1 or group_index.shape[0] != batch_size:
-            raise ValueError(
-                f"group_index must have shape ({batch_size},), got {tuple(group_index.shape)}"
-            )
+            raise ValueError(f"group_index must have shape ({batch_size},), got {tuple(group_index.shape)}")
         _, inverse = torch.unique(group_index.to(device), return_inverse=True)
         return inverse
     items = list(group_index)

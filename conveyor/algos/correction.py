@@ -29,8 +29,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IS_LEVELS", "RS_OPTIONS", "bypass_old_log_prob", "parse_is_threshold", "compute_rollout_is_weights",
-           "compute_is_metrics", "parse_rejection", "compute_rejection_mask", "compute_mismatch_metrics"]
+__all__ = [
+    "IS_LEVELS",
+    "RS_OPTIONS",
+    "bypass_old_log_prob",
+    "parse_is_threshold",
+    "compute_rollout_is_weights",
+    "compute_is_metrics",
+    "parse_rejection",
+    "compute_rejection_mask",
+    "compute_mismatch_metrics",
+]
 
 IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
@@ -56,10 +65,13 @@ def parse_is_threshold(spec: float | int | str) -> tuple[float, float | None]:
     try:
         lower, upper = _bounds(spec)
     except ValueError:
-        raise ValueError(f"must be a number (truncate the weights there) or 'lower_upper' such as '0.5_5.0' "
-                         f"(IcePop: zero the weights outside), got {spec!r}") from None
-    if not (math.isfinite(upper) and upper > 0) or (lower is not None and not (math.isfinite(lower) and 0 < lower
-                                                                              <= upper)):
+        raise ValueError(
+            f"must be a number (truncate the weights there) or 'lower_upper' such as '0.5_5.0' "
+            f"(IcePop: zero the weights outside), got {spec!r}"
+        ) from None
+    if not (math.isfinite(upper) and upper > 0) or (
+        lower is not None and not (math.isfinite(lower) and 0 < lower <= upper)
+    ):
         raise ValueError(f"needs 0 < lower <= upper, both finite, got {spec!r}")
     return upper, lower
 
@@ -90,8 +102,9 @@ def compute_rollout_is_weights(
     ``rollout_corr/probs_diff_max`` / ``rollout_corr/probs_diff_mean`` of
     ``|p_old - p_rollout|`` per token.
     """
-    weights, raw, clipped, unit_mask, mask, old, rollout = _is_weights(old_log_prob, rollout_log_prob, response_mask,
-                                                                       level, threshold, lower)
+    weights, raw, clipped, unit_mask, mask, old, rollout = _is_weights(
+        old_log_prob, rollout_log_prob, response_mask, level, threshold, lower
+    )
     metrics: dict[str, float] = {}
     if bool(unit_mask.any()):
         metrics["rollout_corr/is_mean"] = raw[unit_mask].mean().item()
@@ -114,8 +127,14 @@ def compute_rollout_is_weights(
     return weights, metrics
 
 
-def _is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, level: str,
-                threshold: float, lower: float | None) -> tuple[torch.Tensor, ...]:
+def _is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    threshold: float,
+    lower: float | None,
+) -> tuple[torch.Tensor, ...]:
     """`compute_rollout_is_weights`' weights (its arguments checked), with the raw ratios, which units were clipped,
     the units' mask, the token mask and the float32 log-probs its metrics read."""
     if level not in IS_LEVELS:
@@ -235,8 +254,19 @@ def _f64(t: torch.Tensor) -> np.ndarray:
 
 # verl's rejection-sampling statistics: a KL estimator per token (k1 = -log r, k2 = (log r)^2 / 2,
 # k3 = r - 1 - log r, with r = pi_old / pi_rollout), or its sum, mean or max over a sequence.
-RS_OPTIONS: tuple[str, ...] = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-                               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+RS_OPTIONS: tuple[str, ...] = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 
 def parse_rejection(options: str, thresholds: float | int | str | None) -> list[tuple[str, float | None, float]]:
@@ -259,8 +289,9 @@ def parse_rejection(options: str, thresholds: float | int | str | None) -> list[
     if len(specs) == 1:
         specs = specs * len(names)
     if len(specs) != len(names):
-        raise ValueError(f"rollout_rs_threshold has {len(specs)} values for {len(names)} options; give one for "
-                         "all or one per option")
+        raise ValueError(
+            f"rollout_rs_threshold has {len(specs)} values for {len(names)} options; give one for all or one per option"
+        )
     out = []
     for name, spec in zip(names, specs):
         try:
@@ -272,8 +303,10 @@ def parse_rejection(options: str, thresholds: float | int | str | None) -> list[
             if not (lower is not None and 0 < lower <= upper and math.isfinite(upper)):
                 raise ValueError(f"rollout_rs_threshold {spec!r} for {name} needs ratio bounds 0 < lower <= upper")
         elif lower is not None or not (upper > 0 and math.isfinite(upper)):
-            raise ValueError(f"rollout_rs_threshold {spec!r} for {name} must be one positive number (an upper "
-                             "bound on the statistic)")
+            raise ValueError(
+                f"rollout_rs_threshold {spec!r} for {name} must be one positive number (an upper "
+                "bound on the statistic)"
+            )
         out.append((name, lower, upper))
     return out
 
@@ -341,8 +374,9 @@ def compute_rejection_mask(
         m[f"{p}_fraction_high"] = (level_values > hi).double().mean()
         m[f"{p}_fraction_low"] = (level_values < lo).double().mean() if k1 else 0.0
         capped = tokens.clamp(lo, hi)
-        m[f"{p}_std"] = (capped.square().mean() - capped.mean().square()).clamp_min(0).sqrt() \
-            if tokens.numel() > 1 else 0.0
+        m[f"{p}_std"] = (
+            (capped.square().mean() - capped.mean().square()).clamp_min(0).sqrt() if tokens.numel() > 1 else 0.0
+        )
         m[f"{p}_seq_mean"] = seq.mean()
         m[f"{p}_seq_std"] = seq.std() if seq.numel() > 1 else 0.0
         m[f"{p}_seq_max"], m[f"{p}_seq_min"] = seq.max(), seq.min()

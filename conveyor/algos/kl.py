@@ -174,8 +174,7 @@ def apply_kl_penalty(
     for name, t in (("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob)):
         if t.shape != token_level_scores.shape:
             raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but token_level_scores has shape "
-                f"{tuple(token_level_scores.shape)}"
+                f"{name} has shape {tuple(t.shape)} but token_level_scores has shape {tuple(token_level_scores.shape)}"
             )
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     kld = kl_penalty(old_log_prob.detach(), ref_log_prob.detach(), kind)

@@ -90,8 +90,9 @@ class _LogProbEntropy(torch.autograd.Function):
         lse = torch.empty_like(log_probs)
         expected = torch.empty_like(log_probs) if with_entropy else None
         for idx in _blocks(batch, length, vocab, chunk_elements):
-            lp, block_lse, block_expected = _block_stats(_scaled(logits[idx], dtype, temperature), labels[idx],
-                                                         with_entropy)
+            lp, block_lse, block_expected = _block_stats(
+                _scaled(logits[idx], dtype, temperature), labels[idx], with_entropy
+            )
             log_probs[idx] = lp
             lse[idx] = block_lse
             if expected is not None:
@@ -145,7 +146,10 @@ def _scaled(block: torch.Tensor, dtype: torch.dtype, temperature: float) -> torc
 
 
 def _run(
-    logits: torch.Tensor, labels: torch.Tensor | None, with_entropy: bool, chunk_elements: int | None,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    with_entropy: bool,
+    chunk_elements: int | None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Validate shapes, add a batch dim to (N, V) input, and call the autograd function."""

@@ -82,13 +82,9 @@ def agg_loss(
     response length so the scale does not change with a micro-batch's padding).
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
-        )
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
     if loss_mat.shape != loss_mask.shape:
-        raise ValueError(
-            f"loss_mat has shape {tuple(loss_mat.shape)} but loss_mask has shape {tuple(loss_mask.shape)}"
-        )
+        raise ValueError(f"loss_mat has shape {tuple(loss_mat.shape)} but loss_mask has shape {tuple(loss_mask.shape)}")
     mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
     # where() rather than multiplication: NaN/inf under the mask must not leak into the sum.
     masked = torch.where(mask, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
@@ -153,10 +149,18 @@ TokenLossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
 TokenLoss = Callable[..., TokenLossResult]
 
 # The keywords every policy loss is called with; anything else is a loss's own hyperparameter.
-_COMMON_KEYWORDS = frozenset({
-    "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "num_tokens", "num_seqs",
-    "loss_scale_factor", "is_weights",
-})
+_COMMON_KEYWORDS = frozenset(
+    {
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "clip_ratio_c",
+        "loss_agg_mode",
+        "num_tokens",
+        "num_seqs",
+        "loss_scale_factor",
+        "is_weights",
+    }
+)
 
 
 def _policy_loss(fixed_agg_mode: str | None = None) -> Callable[[TokenLoss], PolicyLoss]:
@@ -190,8 +194,12 @@ def _policy_loss(fixed_agg_mode: str | None = None) -> Callable[[TokenLoss], Pol
             is_weights: torch.Tensor | None = None,
             **params: Any,
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            for name, t in (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages),
-                            ("is_weights", is_weights)):
+            for name, t in (
+                ("old_log_prob", old_log_prob),
+                ("log_prob", log_prob),
+                ("advantages", advantages),
+                ("is_weights", is_weights),
+            ):
                 if t is not None and t.shape != response_mask.shape:
                     raise ValueError(
                         f"{name} has shape {tuple(t.shape)} but response_mask has shape {tuple(response_mask.shape)}"
@@ -205,16 +213,30 @@ def _policy_loss(fixed_agg_mode: str | None = None) -> Callable[[TokenLoss], Pol
             # reach the loss or its gradient through any branch of any loss.
             zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
             weights = None if is_weights is None else is_weights.detach()
-            shared = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
-                      "clip_ratio_c": clip_ratio_c, "is_weights": weights}
+            shared = {
+                "clip_ratio_low": clip_ratio_low,
+                "clip_ratio_high": clip_ratio_high,
+                "clip_ratio_c": clip_ratio_c,
+                "is_weights": weights,
+            }
             pg_losses, metrics = token_loss(
-                mask, torch.where(mask, old_log_prob, zero), torch.where(mask, log_prob, zero),
-                torch.where(mask, advantages, zero), **{k: v for k, v in shared.items() if k in accepted}, **params,
+                mask,
+                torch.where(mask, old_log_prob, zero),
+                torch.where(mask, log_prob, zero),
+                torch.where(mask, advantages, zero),
+                **{k: v for k, v in shared.items() if k in accepted},
+                **params,
             )
             if weights is not None and "is_weights" not in accepted:
                 pg_losses = pg_losses * weights
-            pg_loss = agg_loss(pg_losses, mask, fixed_agg_mode or loss_agg_mode, num_tokens=num_tokens,
-                               num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
+            pg_loss = agg_loss(
+                pg_losses,
+                mask,
+                fixed_agg_mode or loss_agg_mode,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                loss_scale_factor=loss_scale_factor,
+            )
             return pg_loss, {name: value.detach() for name, value in metrics.items()}
 
         # The registered loss reads as the function it was made from (its docs), with the full signature.
@@ -235,16 +257,26 @@ def loss_params(loss: PolicyLoss, params: Mapping[str, Any]) -> dict[str, Any]:
     """
     declared = inspect.signature(getattr(loss, "token_loss", loss)).parameters
     # The common keywords are passed by the caller already; a second copy would be a TypeError.
-    return {k: v for k, v in params.items()
-            if k not in _COMMON_KEYWORDS and k in declared
-            and declared[k].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return {
+        k: v
+        for k, v in params.items()
+        if k not in _COMMON_KEYWORDS
+        and k in declared
+        and declared[k].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
 
 
 @register_policy_loss("vanilla")
 @_policy_loss()
 def compute_policy_loss(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
 ) -> TokenLossResult:
     """PPO clipped surrogate with dual clip over (B, T) inputs; returns (pg_loss scalar, metrics).
 
@@ -282,8 +314,13 @@ def compute_policy_loss(
 @register_policy_loss("gspo")
 @_policy_loss()
 def compute_policy_loss_gspo(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, clip_ratio_low: float, clip_ratio_high: float,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
 ) -> TokenLossResult:
     """GSPO (B, T): the PPO clip applied to the sequence-level ratio (geometric mean of token ratios).
 
@@ -309,8 +346,13 @@ def compute_policy_loss_gspo(
 @register_policy_loss("sapo")
 @_policy_loss(fixed_agg_mode="seq-mean-token-mean")
 def compute_policy_loss_sapo(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, tau_pos: float = 1.0, tau_neg: float = 1.05,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
 ) -> TokenLossResult:
     """SAPO (B, T): a smooth sigmoid gate on the ratio instead of a hard clip.
 
@@ -330,15 +372,22 @@ def compute_policy_loss_sapo(
     )
     gates = torch.sigmoid(taus * (torch.exp(log_ratio) - 1.0)) * (4.0 / taus)
     return -gates * advantages, {
-        "pg_clipfrac": _zero(mask), "pg_clipfrac_lower": _zero(mask), "ppo_kl": masked_mean(-log_ratio, mask),
+        "pg_clipfrac": _zero(mask),
+        "pg_clipfrac_lower": _zero(mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
     }
 
 
 @register_policy_loss("cispo")
 @_policy_loss()
 def compute_policy_loss_cispo(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, clip_ratio_low: float, clip_ratio_high: float,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
 ) -> TokenLossResult:
     """CISPO (B, T): REINFORCE weighted by the clipped, detached ratio: ``-sg(clip(r, 1-low, 1+high)) A log_prob``.
 
@@ -370,9 +419,17 @@ def compute_policy_loss_gpg(
 @register_policy_loss("clip_cov")
 @_policy_loss()
 def compute_policy_loss_clip_cov(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, clip_ratio_low: float, clip_ratio_high: float, clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0, generator: torch.Generator | None = None,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
 ) -> TokenLossResult:
     """Clip-Cov (B, T): PPO's clip, plus the gradient of a few high-covariance tokens switched off.
 
@@ -408,8 +465,13 @@ def compute_policy_loss_clip_cov(
 @register_policy_loss("kl_cov")
 @_policy_loss()
 def compute_policy_loss_kl_cov(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
 ) -> TokenLossResult:
     """KL-Cov (B, T): unclipped ``-A r``, plus ``ppo_kl_coef * |log r|`` on the highest-covariance tokens.
 
@@ -439,8 +501,14 @@ def compute_policy_loss_kl_cov(
 @register_policy_loss("geo_mean")
 @_policy_loss(fixed_agg_mode="seq-mean-token-sum")
 def compute_policy_loss_geo_mean(
-    mask: torch.Tensor, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-    *, clip_ratio_low: float, clip_ratio_high: float, is_weights: torch.Tensor | None,
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    is_weights: torch.Tensor | None,
 ) -> TokenLossResult:
     """GMPO (B, T): PPO on the geometric mean of token ratios, clipped per token in log space.
 
@@ -498,8 +566,9 @@ def compute_value_loss(
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
     vf_losses = torch.maximum(loss_unclipped, loss_clipped)
-    vf_loss = 0.5 * agg_loss(vf_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                             loss_scale_factor=loss_scale_factor)
+    vf_loss = 0.5 * agg_loss(
+        vf_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor
+    )
     vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask).detach()
     return vf_loss, vf_clipfrac
 
@@ -513,5 +582,11 @@ def compute_entropy_loss(
     loss_scale_factor: Normaliser = None,
 ) -> torch.Tensor:
     """Aggregated entropy (B, T) -> scalar; the caller subtracts ``coef *`` it for an entropy bonus."""
-    return agg_loss(entropy, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                    loss_scale_factor=loss_scale_factor)
+    return agg_loss(
+        entropy,
+        response_mask,
+        loss_agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )

@@ -116,7 +116,11 @@ def compute_policy_objective(
     is_weights = None
     if rollout_is is not None:
         is_weights, is_metrics = compute_rollout_is_weights(
-            old_log_prob, rollout_log_probs, mask, level=rollout_is, threshold=rollout_is_threshold,
+            old_log_prob,
+            rollout_log_probs,
+            mask,
+            level=rollout_is,
+            threshold=rollout_is_threshold,
             lower=rollout_is_threshold_lower,
         )
         nseq = float((mask.sum(-1) > 0).sum())
@@ -130,9 +134,17 @@ def compute_policy_objective(
 
     loss_fn = get_policy_loss(loss_mode)
     pg_loss, pg_metrics = loss_fn(
-        old_log_prob, log_prob, advantages, mask,
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, is_weights=is_weights, **norms, **loss_params(loss_fn, policy_loss_kwargs or {}),
+        old_log_prob,
+        log_prob,
+        advantages,
+        mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        is_weights=is_weights,
+        **norms,
+        **loss_params(loss_fn, policy_loss_kwargs or {}),
     )
     loss = pg_loss
     metrics["pg_loss" + _SUM] = pg_loss.item()

@@ -13,7 +13,6 @@ cut off by the budget) are left out: no model token follows them.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["response_span", "span_lengths", "segments"]

@@ -10,13 +10,19 @@ computes nothing: the trainer hands these values to the pure functions of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from conveyor.config.actor import KL_KIND_CHOICES
 from conveyor.config.fields import ConfigError, F, S, registry
 
-__all__ = ["FILTER_GROUPS_METRICS", "ROLLOUT_IS_LEVELS", "KLControlConfig", "RolloutCorrectionConfig",
-           "FilterGroupsConfig", "AlgorithmConfig"]
+__all__ = [
+    "FILTER_GROUPS_METRICS",
+    "ROLLOUT_IS_LEVELS",
+    "KLControlConfig",
+    "RolloutCorrectionConfig",
+    "FilterGroupsConfig",
+    "AlgorithmConfig",
+]
 
 ROLLOUT_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
@@ -30,8 +36,11 @@ FILTER_GROUPS_METRICS = ("reward", "acc", "score", "seq_reward")
 class KLControlConfig:
     """The in-reward KL coefficient."""
 
-    type: str = F("fixed", "how the coefficient moves (adaptive: towards target_kl)",
-                  choices=registry("conveyor.algos.kl", "KL_CONTROLLERS"))
+    type: str = F(
+        "fixed",
+        "how the coefficient moves (adaptive: towards target_kl)",
+        choices=registry("conveyor.algos.kl", "KL_CONTROLLERS"),
+    )
     kl_coef: float = F(0.001, "initial coefficient", ge=0)
     target_kl: float = F(0.1, "adaptive: target KL", gt=0)
     horizon: int = F(10000, "adaptive: horizon", gt=0)
@@ -41,23 +50,34 @@ class KLControlConfig:
 class RolloutCorrectionConfig:
     """Correcting for the gap between sampler and trainer log-probs."""
 
-    bypass_mode: Optional[bool] = F(
+    bypass_mode: bool | None = F(
         None,
         "use the rollout's log-probs as old log-probs (no old-log-prob forward); null = on when the in-process hf "
         "rollout samples from the trainer's own weights and nothing needs the forward (rollout_is, rollout_rs, "
         "router_replay.mode=R2 turn it off)",
     )
-    rollout_is: Optional[str] = F(None, "truncated importance weights per token or per sequence; null = off "
-                                  "(token when training off-policy)",
-                                  choices=ROLLOUT_IS_LEVELS)
-    rollout_is_threshold: Any = F(2.0, "a number: truncate the importance weights there; 'lower_upper' (e.g. "
-                                  "0.5_5.0): IcePop, weights outside [lower, upper] become 0")
-    rollout_rs: Optional[str] = F(None, "rejection sampling: null, or comma-separated options (token_k1, token_k2, "
-                                  "token_k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3) that a token "
-                                  "(token_*) or all of a sequence's tokens (seq_*) must pass to count in the loss")
-    rollout_rs_threshold: Any = F(None, "bounds of rollout_rs: one for all options or one per option, "
-                                  "comma-separated; k1 options take ratio bounds 'lower_upper', the others an "
-                                  "upper bound")
+    rollout_is: str | None = F(
+        None,
+        "truncated importance weights per token or per sequence; null = off (token when training off-policy)",
+        choices=ROLLOUT_IS_LEVELS,
+    )
+    rollout_is_threshold: Any = F(
+        2.0,
+        "a number: truncate the importance weights there; 'lower_upper' (e.g. "
+        "0.5_5.0): IcePop, weights outside [lower, upper] become 0",
+    )
+    rollout_rs: str | None = F(
+        None,
+        "rejection sampling: null, or comma-separated options (token_k1, token_k2, "
+        "token_k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2, seq_max_k3) that a token "
+        "(token_*) or all of a sequence's tokens (seq_*) must pass to count in the loss",
+    )
+    rollout_rs_threshold: Any = F(
+        None,
+        "bounds of rollout_rs: one for all options or one per option, "
+        "comma-separated; k1 options take ratio bounds 'lower_upper', the others an "
+        "upper bound",
+    )
 
     def validate(self, prefix: str) -> None:
         """The threshold and rejection strings parse."""
@@ -89,19 +109,23 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling: train only on groups whose rewards differ."""
 
     enable: bool = F(False, "drop groups whose samples all score the same and generate more until the batch is full")
-    metric: str = F("reward", "what must differ within a group: reward (summed rm_scores) or acc",
-                    choices=FILTER_GROUPS_METRICS)
-    max_num_gen_batches: int = F(0, "stop with an error after this many generation batches in one step (0 = no "
-                                 "limit)", ge=0, hint="0 = no limit")
+    metric: str = F(
+        "reward", "what must differ within a group: reward (summed rm_scores) or acc", choices=FILTER_GROUPS_METRICS
+    )
+    max_num_gen_batches: int = F(
+        0, "stop with an error after this many generation batches in one step (0 = no limit)", ge=0, hint="0 = no limit"
+    )
 
 
 @dataclass
 class AlgorithmConfig:
     """Advantage estimation and in-reward KL."""
 
-    adv_estimator: str = F("grpo", "advantage estimator from the registry (add one with "
-                           "conveyor.algos.register_adv_estimator)",
-                           choices=registry("conveyor.algos.advantages", "ADV_ESTIMATORS"))
+    adv_estimator: str = F(
+        "grpo",
+        "advantage estimator from the registry (add one with conveyor.algos.register_adv_estimator)",
+        choices=registry("conveyor.algos.advantages", "ADV_ESTIMATORS"),
+    )
     gamma: float = F(1.0, "discount", ge=0, le=1)
     lam: float = F(1.0, "GAE lambda", ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = F(True, "GRPO: divide by the group's reward std")

@@ -7,7 +7,6 @@ names its truncation modes and synthetic tasks, which are read from there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from conveyor.config.fields import F, S, check, registry
 
@@ -22,8 +21,11 @@ class SyntheticTaskConfig:
     num_val: int = F(128, "number of held-out problems (never in the training set)", gt=0)
     max_operand: int = F(99, "largest operand", ge=1)
     ops: list = F(["+"], "operators to draw from: any of +, -, *")
-    task: str = F("arithmetic", "arithmetic, or arithmetic_tool (n-digit operands, a calculator to call; see "
-                  "docs/agent.md)", choices=registry("conveyor.tasks", "SYNTHETIC_TASKS"))
+    task: str = F(
+        "arithmetic",
+        "arithmetic, or arithmetic_tool (n-digit operands, a calculator to call; see docs/agent.md)",
+        choices=registry("conveyor.tasks", "SYNTHETIC_TASKS"),
+    )
 
     def validate(self, prefix: str) -> None:
         """The operators are a non-empty list of +, -, *."""
@@ -35,16 +37,19 @@ class SyntheticTaskConfig:
 class DataConfig:
     """Where prompts come from and how they are shaped."""
 
-    train_files: Optional[list] = F(None, "verl-style parquet files of training prompts; null = the synthetic task")
-    val_files: Optional[list] = F(None, "parquet files of held-out prompts; null = the synthetic task's test split",
-                                  resume_neutral=True)
+    train_files: list | None = F(None, "verl-style parquet files of training prompts; null = the synthetic task")
+    val_files: list | None = F(
+        None, "parquet files of held-out prompts; null = the synthetic task's test split", resume_neutral=True
+    )
     train_batch_size: int = F(32, "prompts per step (each sampled actor_rollout_ref.rollout.n times)", gt=0)
-    val_batch_size: Optional[int] = F(None, "held-out prompts used per validation; null = all", gt=0,
-                                      resume_neutral=True)
+    val_batch_size: int | None = F(None, "held-out prompts used per validation; null = all", gt=0, resume_neutral=True)
     max_prompt_length: int = F(64, "longest prompt in tokens", gt=0)
     max_response_length: int = F(6, "most tokens generated per response", gt=0)
-    truncation: str = F("error", "what to do with a prompt longer than max_prompt_length (error, or cut at the "
-                        "left or right)", choices=registry("conveyor.tasks.dataset", "TRUNCATION_MODES"))
+    truncation: str = F(
+        "error",
+        "what to do with a prompt longer than max_prompt_length (error, or cut at the left or right)",
+        choices=registry("conveyor.tasks.dataset", "TRUNCATION_MODES"),
+    )
     shuffle: bool = F(True, "shuffle training prompts each epoch")
     seed: int = F(1, "seed of the prompt order and of the synthetic task")
     synthetic: SyntheticTaskConfig = S(SyntheticTaskConfig, "the built-in task")
@@ -55,8 +60,12 @@ class DataConfig:
             files = getattr(self, key)
             if files is None:
                 continue
-            check(bool(files), f"{prefix}.{key}", "is an empty list; give parquet files, or null for the synthetic "
-                  "task")
+            check(
+                bool(files), f"{prefix}.{key}", "is an empty list; give parquet files, or null for the synthetic task"
+            )
             bad = [f for f in files if not isinstance(f, str) or not f.strip()]
-            check(not bad, f"{prefix}.{key}", f"{bad[0] if bad else ''!r} is not a file path; give a list of parquet "
-                  "file paths")
+            check(
+                not bad,
+                f"{prefix}.{key}",
+                f"{bad[0] if bad else ''!r} is not a file path; give a list of parquet file paths",
+            )

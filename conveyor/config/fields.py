@@ -21,9 +21,10 @@ import difflib
 import importlib
 import types
 import typing
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import field
-from functools import lru_cache
-from typing import Any, Callable, Iterable, Iterator, Union
+from functools import cache
+from typing import Any, Union
 
 __all__ = [
     "ConfigError",
@@ -44,7 +45,7 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; the message names the key and the fix."""
 
 
-Choices = Union[Callable[[], Iterable[Any]], Iterable[Any]]
+Choices = Callable[[], Iterable[Any]] | Iterable[Any]
 
 
 def registry(module: str, name: str) -> Callable[[], Iterable[Any]]:
@@ -78,8 +79,16 @@ def F(  # noqa: N802 - a field declaration reads like a type
     parentheses (e.g. "0 = no limit"). A field whose annotation is Optional
     may also be null.
     """
-    meta = {"help": help, "choices": choices, "gt": gt, "ge": ge, "lt": lt, "le": le, "hint": hint,
-            "resume_neutral": resume_neutral}
+    meta = {
+        "help": help,
+        "choices": choices,
+        "gt": gt,
+        "ge": ge,
+        "lt": lt,
+        "le": le,
+        "hint": hint,
+        "resume_neutral": resume_neutral,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -104,7 +113,7 @@ def choices_of(f: dataclasses.Field) -> list[Any] | None:
     return list(choices() if callable(choices) else choices)
 
 
-@lru_cache(maxsize=None)
+@cache
 def section_hints(cls: type) -> dict[str, Any]:
     """The resolved annotations of a section class (cached: they never change)."""
     return typing.get_type_hints(cls)
@@ -127,8 +136,12 @@ def _range_text(meta: typing.Mapping[str, Any]) -> str | None:
 
 
 def _in_range(value: Any, meta: typing.Mapping[str, Any]) -> bool:
-    return ((meta.get("gt") is None or value > meta["gt"]) and (meta.get("ge") is None or value >= meta["ge"])
-            and (meta.get("lt") is None or value < meta["lt"]) and (meta.get("le") is None or value <= meta["le"]))
+    return (
+        (meta.get("gt") is None or value > meta["gt"])
+        and (meta.get("ge") is None or value >= meta["ge"])
+        and (meta.get("lt") is None or value < meta["lt"])
+        and (meta.get("le") is None or value <= meta["le"])
+    )
 
 
 def _check_field(section: Any, f: dataclasses.Field, key: str) -> None:
@@ -150,8 +163,9 @@ def _check_field(section: Any, f: dataclasses.Field, key: str) -> None:
     if not isinstance(value, bool) and isinstance(value, (int, float)) and _in_range(value, f.metadata):
         return
     hint = f.metadata.get("hint")
-    raise ConfigError(f"{key}: must be {text}{' or null' if nullable else ''}{f' ({hint})' if hint else ''}, "
-                      f"got {value}")
+    raise ConfigError(
+        f"{key}: must be {text}{' or null' if nullable else ''}{f' ({hint})' if hint else ''}, got {value}"
+    )
 
 
 def check_tree(section: Any, prefix: str = "") -> None:

@@ -144,14 +144,16 @@ def _check_number(path: str, value: Any) -> None:
     if isinstance(value, int) and not -_INT64_LIMIT <= value < _INT64_LIMIT:
         # str() of an int beyond 4300 digits fails: count those by their logarithm.
         digits = len(str(abs(value))) if value.bit_length() < 14_000 else int(math.log10(abs(value))) + 1
-        raise ConfigError(f"{path}: an integer of {digits} digits is too large; "
-                          f"give a number within +-{_INT64_LIMIT - 1}")
+        raise ConfigError(
+            f"{path}: an integer of {digits} digits is too large; give a number within +-{_INT64_LIMIT - 1}"
+        )
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ConfigError(f"{path}: must be a finite number, got {value}")
         if abs(value) > _F32_MAX:
-            raise ConfigError(f"{path}: {value:g} overflows float32 (where the trainer computes); "
-                              "give a number within +-3.4e38")
+            raise ConfigError(
+                f"{path}: {value:g} overflows float32 (where the trainer computes); give a number within +-3.4e38"
+            )
 
 
 def _check_numbers(data: Any, cls: Any, prefix: str) -> None:
@@ -214,13 +216,16 @@ def _parse_dotlist(overrides: list[str]) -> dict:
         culprit = next((item for item in items if not _reads_as_yaml(item)), items[0])
         key, value = culprit.split("=", 1)
         what = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(f"override {culprit!r}: the value is not valid YAML ({what}); to pass it as text, quote "
-                          f"it: {key}='\"{value}\"'") from err
+        raise ConfigError(
+            f"override {culprit!r}: the value is not valid YAML ({what}); to pass it as text, quote "
+            f"it: {key}='\"{value}\"'"
+        ) from err
     for item in items:
         key, value = (part.strip() for part in item.split("=", 1))
         # YAML reads "5_0.5" as the number 50.5 (underscores are digit separators there); for a
         # key that takes text, such as rollout_is_threshold's "lower_upper", keep what was typed.
-        if "_" in value and _field_type(key) in (Any, str, Optional[str]):
+        # Optional[str], not `str | None`: what the resolved type hints compare equal to on Python 3.10-3.13.
+        if "_" in value and _field_type(key) in (Any, str, Optional[str]):  # noqa: UP045
             node = data
             *parents, last = key.split(".")
             for part in parents:

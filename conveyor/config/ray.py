@@ -7,7 +7,6 @@ The whole section may change on resume. It deliberately does not import Ray:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from conveyor.config.fields import F
 
@@ -18,7 +17,7 @@ __all__ = ["RayConfig"]
 class RayConfig:
     """How to reach or start Ray (only when workers or the data plane use it)."""
 
-    address: Optional[str] = F(None, "existing cluster address (auto = the local head); null = start a local one")
-    num_cpus: Optional[int] = F(None, "logical CPUs of a locally started Ray (null = the machine's)", gt=0)
+    address: str | None = F(None, "existing cluster address (auto = the local head); null = start a local one")
+    num_cpus: int | None = F(None, "logical CPUs of a locally started Ray (null = the machine's)", gt=0)
     worker_cpus: float = F(0.5, "logical CPUs each worker actor reserves (fractional so small machines fit)", ge=0)
     timeout_s: float = F(60.0, "seconds to wait for resources before failing", gt=0)

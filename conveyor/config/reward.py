@@ -7,7 +7,6 @@ worker do, from `reward.custom_reward_function` or the registry by data_source.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from conveyor.config.fields import F, S, check
 
@@ -18,14 +17,20 @@ __all__ = ["CustomRewardFunctionConfig", "RewardConfig", "OverlongBufferConfig",
 class CustomRewardFunctionConfig:
     """A reward function of the user's, loaded from a Python file (verl's custom_reward_function)."""
 
-    path: Optional[str] = F(None, "Python file defining the function; null = the reward registry by data_source")
-    name: str = F("compute_score", "the function in that file: fn(data_source, solution_str, ground_truth, "
-                  "extra_info=None) -> float, used for every sample")
+    path: str | None = F(None, "Python file defining the function; null = the reward registry by data_source")
+    name: str = F(
+        "compute_score",
+        "the function in that file: fn(data_source, solution_str, ground_truth, "
+        "extra_info=None) -> float, used for every sample",
+    )
 
     def validate(self, prefix: str) -> None:
         """The function's name is a Python identifier."""
-        check(bool(self.name) and self.name.isidentifier(), f"{prefix}.name",
-              f"must be a Python function name, got {self.name!r}")
+        check(
+            bool(self.name) and self.name.isidentifier(),
+            f"{prefix}.name",
+            f"must be a Python function name, got {self.name!r}",
+        )
 
 
 @dataclass
@@ -33,8 +38,13 @@ class RewardConfig:
     """How responses are scored."""
 
     custom_reward_function: CustomRewardFunctionConfig = S(CustomRewardFunctionConfig, "a reward function from a file")
-    timeout_s: float = F(30.0, "seconds one call of a reward function may take; a call that takes longer stops the "
-                         "run with an error naming the function (0 = no limit)", ge=0, hint="0 = no limit")
+    timeout_s: float = F(
+        30.0,
+        "seconds one call of a reward function may take; a call that takes longer stops the "
+        "run with an error naming the function (0 = no limit)",
+        ge=0,
+        hint="0 = no limit",
+    )
 
 
 @dataclass
@@ -42,11 +52,16 @@ class OverlongBufferConfig:
     """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer keys)."""
 
     enable: bool = F(False, "penalise responses longer than data.max_response_length - len")
-    len: Optional[int] = F(None, "tokens before data.max_response_length where the penalty starts; null = a "
-                           "quarter of data.max_response_length (at least 1)", gt=0,
-                           hint="turn it off with reward_model.overlong_buffer.enable=false")
-    penalty_factor: float = F(1.0, "penalty at data.max_response_length; it grows linearly from 0 over the buffer",
-                              ge=0)
+    len: int | None = F(
+        None,
+        "tokens before data.max_response_length where the penalty starts; null = a "
+        "quarter of data.max_response_length (at least 1)",
+        gt=0,
+        hint="turn it off with reward_model.overlong_buffer.enable=false",
+    )
+    penalty_factor: float = F(
+        1.0, "penalty at data.max_response_length; it grows linearly from 0 over the buffer", ge=0
+    )
     log: bool = F(True, "log reward/overlong_reward_mean and reward/overlong_frac")
 
 

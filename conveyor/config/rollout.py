@@ -10,7 +10,6 @@ declared capabilities, read by the run plan) or build one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from conveyor.config.fields import F, S, check, registry
 from conveyor.config.model import DTYPES
@@ -38,92 +37,155 @@ class MultiTurnConfig:
     """Multi-turn rollouts with tools (verl's actor_rollout_ref.rollout.multi_turn keys)."""
 
     enable: bool = F(False, "generate, call tools, append their responses and generate again, per sample")
-    max_assistant_turns: Optional[int] = F(None, "most model turns per sample (null = until EOS or the response "
-                                           "budget, data.max_response_length, is spent)", gt=0, hint="no limit")
-    max_user_turns: Optional[int] = F(None, "most tool-response turns per sample (null = no limit)", gt=0,
-                                      hint="no limit")
-    max_tool_response_length: int = F(256, "characters of a tool's text kept (cut on tool_response_truncate_side)",
-                                      gt=0)
-    tool_response_truncate_side: str = F("middle", "which part of a long tool response is cut: left, middle or "
-                                         "right", choices=TRUNCATE_SIDES)
-    format: str = F("hermes", "tool-call syntax: hermes (<tool_call>{json}</tool_call>) or hash (#name text; "
-                    "writable with the tiny character tokenizer)",
-                    choices=registry("conveyor.tools.formats", "TOOL_CALL_FORMATS"))
-    tool_config_path: Optional[str] = F(None, "YAML naming the tools by Python path (see docs/agent.md)")
+    max_assistant_turns: int | None = F(
+        None,
+        "most model turns per sample (null = until EOS or the response budget, data.max_response_length, is spent)",
+        gt=0,
+        hint="no limit",
+    )
+    max_user_turns: int | None = F(None, "most tool-response turns per sample (null = no limit)", gt=0, hint="no limit")
+    max_tool_response_length: int = F(
+        256, "characters of a tool's text kept (cut on tool_response_truncate_side)", gt=0
+    )
+    tool_response_truncate_side: str = F(
+        "middle", "which part of a long tool response is cut: left, middle or right", choices=TRUNCATE_SIDES
+    )
+    format: str = F(
+        "hermes",
+        "tool-call syntax: hermes (<tool_call>{json}</tool_call>) or hash (#name text; "
+        "writable with the tiny character tokenizer)",
+        choices=registry("conveyor.tools.formats", "TOOL_CALL_FORMATS"),
+    )
+    tool_config_path: str | None = F(None, "YAML naming the tools by Python path (see docs/agent.md)")
     tool_timeout_s: float = F(30.0, "seconds one tool call may take; a slower call answers an error message", gt=0)
     tool_workers: int = F(16, "tool calls run at once per rank (one thread each)", gt=0)
 
     def validate(self, prefix: str) -> None:
         """Multi-turn rollouts need a tool YAML."""
-        check(not self.enable or bool(self.tool_config_path), f"{prefix}.tool_config_path",
-              f"{prefix}.enable=true needs a tool YAML; give its path (see docs/agent.md) or set {prefix}.enable=false")
+        check(
+            not self.enable or bool(self.tool_config_path),
+            f"{prefix}.tool_config_path",
+            f"{prefix}.enable=true needs a tool YAML; give its path (see docs/agent.md) or set {prefix}.enable=false",
+        )
 
 
 @dataclass
 class RolloutConfig:
     """Generation."""
 
-    name: str = F("hf", "rollout engine: hf (conveyor's decode loop over the Hugging Face model) or vllm (a vLLM "
-                  "engine in the actor's process, fed the new weights after every update; docs/rollout.md)",
-                  choices=registry("conveyor.rollout.base", "ROLLOUT_ENGINES"))
-    dtype: Optional[str] = F(None, "vllm: the dtype the engine holds the weights and computes in (the sync casts "
-                             "the trainer's tensors to it); null = bfloat16 on a GPU (vLLM's attention kernels and "
-                             "half the memory of float32 master weights, as verl rolls out) and "
-                             "actor_rollout_ref.model.dtype on a CPU. The hf rollout decodes with the actor's own "
-                             "weights and ignores it: it computes in model.dtype, or in "
-                             "actor.fsdp_config.param_dtype under fsdp2", choices=DTYPES)
+    name: str = F(
+        "hf",
+        "rollout engine: hf (conveyor's decode loop over the Hugging Face model) or vllm (a vLLM "
+        "engine in the actor's process, fed the new weights after every update; docs/rollout.md)",
+        choices=registry("conveyor.rollout.base", "ROLLOUT_ENGINES"),
+    )
+    dtype: str | None = F(
+        None,
+        "vllm: the dtype the engine holds the weights and computes in (the sync casts "
+        "the trainer's tensors to it); null = bfloat16 on a GPU (vLLM's attention kernels and "
+        "half the memory of float32 master weights, as verl rolls out) and "
+        "actor_rollout_ref.model.dtype on a CPU. The hf rollout decodes with the actor's own "
+        "weights and ignores it: it computes in model.dtype, or in "
+        "actor.fsdp_config.param_dtype under fsdp2",
+        choices=DTYPES,
+    )
     n: int = F(8, "samples per prompt (the group size of GRPO/RLOO)", gt=0)
     temperature: float = F(1.0, "sampling temperature", gt=0, hint="use do_sample=false for greedy")
     top_p: float = F(1.0, "nucleus sampling (1 = off)", gt=0, le=1)
     top_k: int = F(0, "top-k sampling (0 = off)", ge=0)
     do_sample: bool = F(True, "sample (false = greedy)")
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward", gt=0, resume_neutral=True)
-    log_prob_use_dynamic_bsz: Optional[bool] = F(None, "fill each old-log-prob forward up to "
-                                                 "log_prob_max_token_len_per_gpu real tokens; null = "
-                                                 "actor.use_dynamic_bsz", resume_neutral=True)
-    log_prob_max_token_len_per_gpu: Optional[int] = F(None, "most real tokens per old-log-prob forward under a token "
-                                                      "budget; null = actor.ppo_max_token_len_per_gpu", gt=0,
-                                                      resume_neutral=True)
-    moe_load_balance_metrics_interval: int = F(0, "log rollout/moe/* router load-balance metrics and save the "
-                                               "per-expert load every N steps (0 = off; the default run, "
-                                               "examples/tiny_cpu.yaml, uses 10)", ge=0, resume_neutral=True)
-    gpu_memory_utilization: float = F(0.5, "vllm: the share of GPU memory the engine may take (weights and KV "
-                                      "cache); on a CPU the KV cache is sized to max_num_seqs x max_model_len",
-                                      gt=0, le=1)
+    log_prob_use_dynamic_bsz: bool | None = F(
+        None,
+        "fill each old-log-prob forward up to log_prob_max_token_len_per_gpu real tokens; null = actor.use_dynamic_bsz",
+        resume_neutral=True,
+    )
+    log_prob_max_token_len_per_gpu: int | None = F(
+        None,
+        "most real tokens per old-log-prob forward under a token budget; null = actor.ppo_max_token_len_per_gpu",
+        gt=0,
+        resume_neutral=True,
+    )
+    moe_load_balance_metrics_interval: int = F(
+        0,
+        "log rollout/moe/* router load-balance metrics and save the "
+        "per-expert load every N steps (0 = off; the default run, "
+        "examples/tiny_cpu.yaml, uses 10)",
+        ge=0,
+        resume_neutral=True,
+    )
+    gpu_memory_utilization: float = F(
+        0.5,
+        "vllm: the share of GPU memory the engine may take (weights and KV "
+        "cache); on a CPU the KV cache is sized to max_num_seqs x max_model_len",
+        gt=0,
+        le=1,
+    )
     tensor_model_parallel_size: int = F(1, "vllm: GPUs one engine shards the model over", gt=0)
-    max_num_seqs: int = F(256, "most sequences the engine decodes at once: vllm's scheduler limit; the hf rollout "
-                          "generates a rank's share in chunks of this many (its KV cache grows with them)", gt=0)
-    max_model_len: Optional[int] = F(None, "vllm: longest sequence the engine holds; null = data.max_prompt_length "
-                                     "+ data.max_response_length", gt=0)
-    enforce_eager: Optional[bool] = F(None, "vllm: true = no CUDA graphs (less memory and a faster start, slower "
-                                      "decoding); null = false on a GPU (CUDA graphs, verl's default: the weights "
-                                      "are updated in place, so the graphs stay valid) and true on a CPU (where "
-                                      "false compiles the model at every engine start)", resume_neutral=True)
-    free_cache_engine: bool = F(True, "vllm, placement=colocated: release the engine's weights and KV cache "
-                                "between rollouts so the update can use the memory (vLLM's sleep mode, level 2: "
-                                "the weights are synced again before each generation; GPU only, ignored on a CPU; "
-                                "a separate replica has no trainer to give memory to and never sleeps)")
-    hf_whole_gather_max_gb: float = F(1.0, "hf rollout under fsdp2: a model whose full parameters take at most "
-                                      "this many GB is gathered whole once for generation (decoding then needs no "
-                                      "collective); a larger one decodes over its shards, each layer gathered for "
-                                      "every token's forward, all ranks stepping together (0 = always over the "
-                                      "shards; docs/distributed.md)", ge=0, resume_neutral=True)
-    placement: str = F("colocated", "where the engines run: colocated (an engine in every actor rank's process, on "
-                       "its device; the engine sleeps while the actor trains) or separate (a rollout worker group of "
-                       "its own, `replicas` engines on their own devices or CPUs, given the weights over "
-                       "torch.distributed; docs/rollout.md)", choices=PLACEMENTS,
-                       resume_neutral=True)
-    replicas: int = F(1, "placement=separate: engine replicas in the rollout worker group (each on "
-                      "tensor_model_parallel_size GPUs, or a CPU share)", gt=0, resume_neutral=True)
-    update_weights_bucket_megabytes: int = F(512, "weight sync: the trainer's tensors travel to an engine in buckets "
-                                             "of at most this many MB (one tensor larger than a bucket travels "
-                                             "alone): what the sync holds at once beyond the engine's weights",
-                                             gt=0, resume_neutral=True)
+    max_num_seqs: int = F(
+        256,
+        "most sequences the engine decodes at once: vllm's scheduler limit; the hf rollout "
+        "generates a rank's share in chunks of this many (its KV cache grows with them)",
+        gt=0,
+    )
+    max_model_len: int | None = F(
+        None, "vllm: longest sequence the engine holds; null = data.max_prompt_length + data.max_response_length", gt=0
+    )
+    enforce_eager: bool | None = F(
+        None,
+        "vllm: true = no CUDA graphs (less memory and a faster start, slower "
+        "decoding); null = false on a GPU (CUDA graphs, verl's default: the weights "
+        "are updated in place, so the graphs stay valid) and true on a CPU (where "
+        "false compiles the model at every engine start)",
+        resume_neutral=True,
+    )
+    free_cache_engine: bool = F(
+        True,
+        "vllm, placement=colocated: release the engine's weights and KV cache "
+        "between rollouts so the update can use the memory (vLLM's sleep mode, level 2: "
+        "the weights are synced again before each generation; GPU only, ignored on a CPU; "
+        "a separate replica has no trainer to give memory to and never sleeps)",
+    )
+    hf_whole_gather_max_gb: float = F(
+        1.0,
+        "hf rollout under fsdp2: a model whose full parameters take at most "
+        "this many GB is gathered whole once for generation (decoding then needs no "
+        "collective); a larger one decodes over its shards, each layer gathered for "
+        "every token's forward, all ranks stepping together (0 = always over the "
+        "shards; docs/distributed.md)",
+        ge=0,
+        resume_neutral=True,
+    )
+    placement: str = F(
+        "colocated",
+        "where the engines run: colocated (an engine in every actor rank's process, on "
+        "its device; the engine sleeps while the actor trains) or separate (a rollout worker group of "
+        "its own, `replicas` engines on their own devices or CPUs, given the weights over "
+        "torch.distributed; docs/rollout.md)",
+        choices=PLACEMENTS,
+        resume_neutral=True,
+    )
+    replicas: int = F(
+        1,
+        "placement=separate: engine replicas in the rollout worker group (each on "
+        "tensor_model_parallel_size GPUs, or a CPU share)",
+        gt=0,
+        resume_neutral=True,
+    )
+    update_weights_bucket_megabytes: int = F(
+        512,
+        "weight sync: the trainer's tensors travel to an engine in buckets "
+        "of at most this many MB (one tensor larger than a bucket travels "
+        "alone): what the sync holds at once beyond the engine's weights",
+        gt=0,
+        resume_neutral=True,
+    )
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
 
     def engine_dtype(self, model_dtype: str, device_type: str) -> str:
-        """The dtype an engine with its own weights holds on `device_type`: `dtype`, else bf16 on CUDA, else the model's."""
+        """The dtype an engine with its own weights holds on `device_type`: `dtype`, else bf16 on CUDA, else the
+        model's."""
         if self.dtype is not None:
             return self.dtype
         return "bfloat16" if device_type == "cuda" else model_dtype

@@ -12,11 +12,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import warnings
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-
 from tensordict import NonTensorStack, TensorDict
 
 from conveyor.data_plane.schema import DENSE, LIST, NESTED, dtype_of, record_of
@@ -99,7 +99,8 @@ class DataPlane(abc.ABC):
     def _put(
         self, keys: list[str], partition_id: str, columns: list[Column], tags: Sequence[dict] | None
     ) -> tuple[list[str], list[dict], int]:
-        """The backend's part of kv_batch_put (at least one key): check the records (`schema.incompatibility`), then write.
+        """The backend's part of kv_batch_put (at least one key): check the records (`schema.incompatibility`), then
+        write.
 
         Returns the fields every one of `keys` now has, the keys' tags, and the
         number of keys in the partition (read only when metrics are on, so a
@@ -123,8 +124,9 @@ class DataPlane(abc.ABC):
     def _get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> TensorDict:
         """The backend's part of kv_batch_get: the rows of `select_fields` for `keys`, or FieldNotFoundError."""
 
-    def kv_batch_get_columns(self, keys: Sequence[str], partition_id: str,
-                             select_fields: Sequence[str]) -> dict[str, Any]:
+    def kv_batch_get_columns(
+        self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]
+    ) -> dict[str, Any]:
         """`kv_batch_get` as plain columns, `{field: tensor, or list of per-sample values}`: what a transport to
         another process carries (a list column costs a fraction of its TensorDict form to build and to pickle)."""
         columns = self._read(self._get_columns, keys, partition_id, select_fields)
@@ -185,7 +187,7 @@ class DataPlane(abc.ABC):
         out = self.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=fields)
         return meta.with_fields(out.fields)
 
-    def __enter__(self) -> "DataPlane":
+    def __enter__(self) -> DataPlane:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -201,11 +203,14 @@ def field_items(fields: Any) -> list[tuple[str, Any]]:
         return out
     if isinstance(fields, Mapping):
         return list(fields.items())
-    raise TypeError(f"kv_batch_put takes a TensorDict or a mapping of field name to column, got {type(fields).__name__}")
+    raise TypeError(
+        f"kv_batch_put takes a TensorDict or a mapping of field name to column, got {type(fields).__name__}"
+    )
 
 
 def column_kind(name: str, value: Any, n: int) -> tuple[str, Any]:
-    """(kind, rows) of a column given to kv_batch_put: DENSE (B, ...) tensor, NESTED jagged tensor, or LIST of values."""
+    """(kind, rows) of a column given to kv_batch_put: DENSE (B, ...) tensor, NESTED jagged tensor, or LIST of
+    values."""
     if isinstance(value, NonTensorStack):
         value = value.tolist()
     if isinstance(value, torch.Tensor):

@@ -9,14 +9,22 @@ no persistence: a partition lives until `kv_clear` or `close`.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from conveyor.data_plane.base import (DENSE, NESTED, Column, DataPlane, FieldNotFoundError, columns_tensordict,
-                                     empty_column)
+from conveyor.data_plane.base import (
+    DENSE,
+    NESTED,
+    Column,
+    DataPlane,
+    FieldNotFoundError,
+    columns_tensordict,
+    empty_column,
+)
 from conveyor.data_plane.prometheus import DataPlaneMetrics
 from conveyor.data_plane.schema import dtype_of, incompatibility
 
@@ -209,9 +217,9 @@ class MemoryDataPlane(DataPlane):
             self._partitions.clear()
 
 
-
 def _gather_dense(locs: list[int], blocks: list[torch.Tensor], col: _Column) -> torch.Tensor:
-    """Index rows out of the blocks they were put in (locs as in `_Column.loc`, at least one), one index_select per block."""
+    """Index rows out of the blocks they were put in (locs as in `_Column.loc`, at least one), one index_select per
+    block."""
     first_block = locs[0] >> _ROW_BITS
     lo, hi = first_block << _ROW_BITS, (first_block + 1) << _ROW_BITS
     if lo <= min(locs) and max(locs) < hi:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -70,8 +70,12 @@ class DataPlaneMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["backend"]
         self._backend = backend
-        self.bytes_put = Counter("conveyor_dataplane_put_bytes", "Bytes written to the data plane", labels, registry=self.registry)
-        self.bytes_got = Counter("conveyor_dataplane_get_bytes", "Bytes read from the data plane", labels, registry=self.registry)
+        self.bytes_put = Counter(
+            "conveyor_dataplane_put_bytes", "Bytes written to the data plane", labels, registry=self.registry
+        )
+        self.bytes_got = Counter(
+            "conveyor_dataplane_get_bytes", "Bytes read from the data plane", labels, registry=self.registry
+        )
         self.samples_put = Counter("conveyor_dataplane_put_samples", "Samples written", labels, registry=self.registry)
         self.samples_got = Counter("conveyor_dataplane_get_samples", "Samples read", labels, registry=self.registry)
         self.latency = Histogram(
@@ -82,7 +86,10 @@ class DataPlaneMetrics:
             registry=self.registry,
         )
         self.live_samples = Gauge(
-            "conveyor_dataplane_live_samples", "Samples stored per partition", ["backend", "partition"], registry=self.registry
+            "conveyor_dataplane_live_samples",
+            "Samples stored per partition",
+            ["backend", "partition"],
+            registry=self.registry,
         )
 
     @contextmanager

@@ -27,10 +27,10 @@ import itertools
 import logging
 import time
 import uuid
-import warnings
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -38,14 +38,23 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from conveyor.data_plane import schema
-from conveyor.data_plane.base import (DENSE, NESTED, Column, DataPlane, FieldNotFoundError, empty_column,
-                                      tensor_from_numpy, tensor_to_numpy)
+from conveyor.data_plane.base import (
+    DENSE,
+    NESTED,
+    Column,
+    DataPlane,
+    FieldNotFoundError,
+    empty_column,
+    tensor_from_numpy,
+    tensor_to_numpy,
+)
 from conveyor.data_plane.prometheus import DataPlaneMetrics
 from conveyor.data_plane.schema import dtype_name, dtype_of, incompatibility
 
 __all__ = ["RayDataPlane", "shard_of"]
 
 logger = logging.getLogger(__name__)
+
 
 def shard_of(key: str, num_shards: int) -> int:
     """The storage actor that holds `key` (a stable hash: the same in every process and run)."""
@@ -113,9 +122,11 @@ def _make_shard_class() -> type:
                 self._records[partition_id] = {**records, **known}
             return why
 
-        def put(self, partition_id: str, keys: list, order: list, tags: list | None, columns: dict,
-                claim: bool) -> tuple:
-            """Index one put (columns: field -> (record, [ref])); (error or None, fields every key has, tags, live keys).
+        def put(
+            self, partition_id: str, keys: list, order: list, tags: list | None, columns: dict, claim: bool
+        ) -> tuple:
+            """Index one put (columns: field -> (record, [ref])); (error or None, fields every key has, tags, live
+            keys).
 
             With `claim` (a plane of one shard) the records are checked here, in the same call.
             """
@@ -143,8 +154,13 @@ def _make_shard_class() -> type:
             part = self._parts.get(partition_id)
             order, cols = (part["order"], part["columns"]) if part else ({}, {})
             records = self._records.get(partition_id, {})  # on shard 0: every field the partition has
-            out = {"known": part is not None, "missing_keys": [k for k in keys if k not in order],
-                   "absent": [f for f in fields if f not in cols and f not in records], "lacking": {}, "columns": {}}
+            out = {
+                "known": part is not None,
+                "missing_keys": [k for k in keys if k not in order],
+                "absent": [f for f in fields if f not in cols and f not in records],
+                "lacking": {},
+                "columns": {},
+            }
             if out["missing_keys"]:
                 return out
             for name in fields:
@@ -160,9 +176,12 @@ def _make_shard_class() -> type:
                 used = sorted({b for b, _ in locs})
                 slot = {b: i for i, b in enumerate(used)}
                 out["columns"][name] = {
-                    "kind": record["kind"], "trailing": record["trailing"], "dtype": record["dtype"],
+                    "kind": record["kind"],
+                    "trailing": record["trailing"],
+                    "dtype": record["dtype"],
                     "refs": [col["blocks"][b] for b in used],
-                    "blocks": [slot[b] for b, _ in locs], "rows": [r for _, r in locs],
+                    "blocks": [slot[b] for b, _ in locs],
+                    "rows": [r for _, r in locs],
                 }
             return out
 
@@ -240,8 +259,13 @@ class RayDataPlane(DataPlane):
 
     backend = "ray"
 
-    def __init__(self, metrics: DataPlaneMetrics | None = None, num_storage_actors: int = 1, actor_cpus: float = 0.05,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self,
+        metrics: DataPlaneMetrics | None = None,
+        num_storage_actors: int = 1,
+        actor_cpus: float = 0.05,
+        timeout_s: float = 60.0,
+    ):
         if num_storage_actors < 1:
             raise ValueError(f"num_storage_actors must be >= 1, got {num_storage_actors}")
         if actor_cpus < 0:
@@ -308,17 +332,25 @@ class RayDataPlane(DataPlane):
         for s, idx in plans:
             everything = len(plans) == 1
             # Nested in a list, the refs reach the shard as refs (borrowed), not as fetched values.
-            indexed = {c.name: (c.record, [ray.put(_encode_column(c.kind, _rows_for(c.kind, c.rows, idx, everything)))])
-                       for c in columns}
-            calls.append(self._shards[s].put.remote(
-                partition_id, [keys[i] for i in idx], [(*stamp, i) for i in idx],
-                None if tags is None else [tags[i] for i in idx], indexed, num == 1,
-            ))
+            indexed = {
+                c.name: (c.record, [ray.put(_encode_column(c.kind, _rows_for(c.kind, c.rows, idx, everything)))])
+                for c in columns
+            }
+            calls.append(
+                self._shards[s].put.remote(
+                    partition_id,
+                    [keys[i] for i in idx],
+                    [(*stamp, i) for i in idx],
+                    None if tags is None else [tags[i] for i in idx],
+                    indexed,
+                    num == 1,
+                )
+            )
         results = ray.get(calls)
         present: list[str] | None = None
         out_tags: list[dict] = [{} for _ in keys]
         live = 0
-        for (s, idx), (why, fields_here, tags_here, live_here) in zip(plans, results):
+        for (_store, idx), (why, fields_here, tags_here, live_here) in zip(plans, results):
             if why:
                 raise ValueError(why)
             present = fields_here if present is None else [f for f in present if f in fields_here]
@@ -337,8 +369,9 @@ class RayDataPlane(DataPlane):
             by_shard[shard_of(k, num)].append(i)
         # Every shard is asked (even with no keys) so an empty read still learns each field's kind and dtype.
         shards = sorted(by_shard)
-        answers = ray.get([self._shards[s].locate.remote(partition_id, [keys[i] for i in by_shard[s]], select_fields)
-                           for s in shards])
+        answers = ray.get(
+            [self._shards[s].locate.remote(partition_id, [keys[i] for i in by_shard[s]], select_fields) for s in shards]
+        )
         # The same checks, in the same order, as the memory backend: partition, keys, fields, then per-field gaps.
         if not any(a["known"] for a in answers):
             raise FieldNotFoundError(partition_id, fields=select_fields, keys=keys)
@@ -414,7 +447,6 @@ class RayDataPlane(DataPlane):
                 logger.debug("storage actor already gone: %s", err)
 
 
-
 def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], ref_pos: dict) -> Any:
     """One column of a read, rows in the caller's order, copied out of the fetched objects.
 
@@ -441,8 +473,11 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
                 dst.append(pos)
                 src.append(r)
             for b, (dst, src) in by_block.items():
-                out.index_copy_(0, torch.tensor(dst, dtype=torch.long),
-                                blocks[b].index_select(0, torch.tensor(src, dtype=torch.long)))
+                out.index_copy_(
+                    0,
+                    torch.tensor(dst, dtype=torch.long),
+                    blocks[b].index_select(0, torch.tensor(src, dtype=torch.long)),
+                )
         return out
     slots: list[Any] = [None] * n
     for positions, col in parts:
@@ -450,7 +485,7 @@ def _assemble(parts: list[tuple[list[int], dict]], n: int, payloads: list[Any], 
         for pos, b, r in zip(positions, col["blocks"], col["rows"]):
             if kind == NESTED:
                 values, offsets = blocks[b]
-                slots[pos] = tensor_from_numpy(values[offsets[r]:offsets[r + 1]], dtype)
+                slots[pos] = tensor_from_numpy(values[offsets[r] : offsets[r + 1]], dtype)
             else:
                 slots[pos] = _decode_list_value(blocks[b][r])
     if kind == NESTED:

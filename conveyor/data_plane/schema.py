@@ -15,7 +15,8 @@ deliberately stores nothing; each backend keeps the records next to its data.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -69,13 +70,16 @@ def incompatibility(partition_id: str, stored: Mapping[str, Mapping], new: Mappi
         if old is None:
             continue
         if old["kind"] != rec["kind"]:
-            return (f"field {name!r} in partition {partition_id!r} was stored as {old['kind']}; "
-                    f"this put gives {rec['kind']}{_REMEDY}")
+            return (
+                f"field {name!r} in partition {partition_id!r} was stored as {old['kind']}; "
+                f"this put gives {rec['kind']}{_REMEDY}"
+            )
         if rec["kind"] == LIST:
             continue  # any values
         if (old["dtype"], tuple(old["trailing"])) != (rec["dtype"], tuple(rec["trailing"])):
             rows = "ragged rows" if rec["kind"] == NESTED else "rows"
-            return (f"field {name!r} in partition {partition_id!r} holds {rows} of shape {_shape(old)} and dtype "
-                    f"{old['dtype']}; this put gives {_shape(rec)} {rec['dtype']}{_REMEDY}")
+            return (
+                f"field {name!r} in partition {partition_id!r} holds {rows} of shape {_shape(old)} and dtype "
+                f"{old['dtype']}; this put gives {_shape(rec)} {rec['dtype']}{_REMEDY}"
+            )
     return None
-

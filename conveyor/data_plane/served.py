@@ -50,14 +50,14 @@ import shutil
 import sys
 import tempfile
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from conveyor.data_plane.base import (DataPlane, columns_tensordict, plain_columns, tensor_from_numpy,
-                                     tensor_to_numpy)
+from conveyor.data_plane.base import DataPlane, columns_tensordict, plain_columns, tensor_from_numpy, tensor_to_numpy
 from conveyor.data_plane.schema import dtype_name, dtype_of
 from conveyor.protocol import KVBatchMeta
 
@@ -156,8 +156,9 @@ class DataPlaneServer:
         try:
             return _dumps(answer)
         except Exception as err:  # an error that does not pickle still reaches the caller, as text
-            return _dumps(("err", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} "
-                                               f"(in the served data plane; {err})")))
+            return _dumps(
+                ("err", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} (in the served data plane; {err})"))
+            )
 
     def _run(self, op: str, args: tuple) -> Any:
         if op in ("put", "write"):  # a write answers None: the caller wants no handle (256 keys and tags to pickle)
@@ -263,15 +264,17 @@ class ServedDataPlane(DataPlane):
         except (EOFError, OSError) as err:
             self._local.conn = None
             where = self.address.lstrip("\0")  # an abstract socket's name starts with a NUL byte
-            raise RuntimeError(f"the data plane served at {where} is gone (the trainer's process ended or closed "
-                               f"it): {err}") from err
+            raise RuntimeError(
+                f"the data plane served at {where} is gone (the trainer's process ended or closed it): {err}"
+            ) from err
         if status == "err":
             raise value
         return value
 
     # The served plane checks and times every operation; this side only forwards them.
-    def kv_batch_put(self, keys: Sequence[str], partition_id: str, fields: Any,
-                     tags: Sequence[dict] | None = None) -> KVBatchMeta:
+    def kv_batch_put(
+        self, keys: Sequence[str], partition_id: str, fields: Any, tags: Sequence[dict] | None = None
+    ) -> KVBatchMeta:
         """`kv_batch_put` on the served plane."""
         if isinstance(fields, TensorDict) or hasattr(fields, "batch_size"):
             fields = plain_columns(fields)  # a TensorDict pickles several times slower
@@ -281,12 +284,21 @@ class ServedDataPlane(DataPlane):
             return self._call("put", keys, partition_id, fields, tags)
         return self._hold(writes, keys, partition_id, dict(fields), tags)
 
-    def _hold(self, writes: DeferredWrites, keys: list[str], partition_id: str, fields: dict[str, Any],
-              tags: list[dict] | None) -> KVBatchMeta:
+    def _hold(
+        self,
+        writes: DeferredWrites,
+        keys: list[str],
+        partition_id: str,
+        fields: dict[str, Any],
+        tags: list[dict] | None,
+    ) -> KVBatchMeta:
         """A put inside `deferred_writes`: merged into the held one (sent first when it cannot be merged)."""
         held = writes.held
-        if held is not None and (not held.covers(self, keys, partition_id) or not held.fields.keys().isdisjoint(fields)
-                                 or (tags is not None and held.tags is not None)):
+        if held is not None and (
+            not held.covers(self, keys, partition_id)
+            or not held.fields.keys().isdisjoint(fields)
+            or (tags is not None and held.tags is not None)
+        ):
             writes.send()  # each rewrite is checked by the served plane, as it would be put by put
             held = None
         if held is None:
@@ -295,8 +307,12 @@ class ServedDataPlane(DataPlane):
         if tags is not None:
             held.tags = [dict(t) for t in tags]
         # The fields this block wrote to the keys (the plane's other fields of them are not asked for).
-        return KVBatchMeta(keys=keys, partition_id=partition_id, fields=list(held.fields),
-                           tags=[dict(t) for t in held.tags] if held.tags is not None else [])
+        return KVBatchMeta(
+            keys=keys,
+            partition_id=partition_id,
+            fields=list(held.fields),
+            tags=[dict(t) for t in held.tags] if held.tags is not None else [],
+        )
 
     def kv_batch_get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """`kv_batch_get` on the served plane (inside `deferred_writes`, the fields held here are read here)."""

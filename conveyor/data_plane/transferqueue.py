@@ -293,7 +293,6 @@ class TransferQueueDataPlane(TransferQueueLauncher, DataPlane):
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
-
     @staticmethod
     def _check_partition(partition_id: str) -> None:
         if not isinstance(partition_id, str) or not partition_id:

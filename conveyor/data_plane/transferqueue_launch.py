@@ -180,9 +180,11 @@ class TransferQueueLauncher:
         sampler = conf.controller.sampler
         if isinstance(sampler, str):
             sampler = getattr(transfer_queue, sampler)
-        self._controller = _listening_on(TransferQueueController, self._host).options(
-            name=self.controller_name, namespace=NAMESPACE, num_cpus=self._actor_cpus, **self._placement()
-        ).remote(sampler=sampler, polling_mode=bool(conf.controller.polling_mode))
+        self._controller = (
+            _listening_on(TransferQueueController, self._host)
+            .options(name=self.controller_name, namespace=NAMESPACE, num_cpus=self._actor_cpus, **self._placement())
+            .remote(sampler=sampler, polling_mode=bool(conf.controller.polling_mode))
+        )
         controller_ready = self._controller.get_zmq_server_info.remote()
         if backend == "SimpleStorage":
             # Started while the controller comes up: the units do not need it to start.

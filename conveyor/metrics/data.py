@@ -5,7 +5,8 @@ Pure functions of the fields the metrics stage fetched; no state, no I/O.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

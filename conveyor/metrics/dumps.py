@@ -25,8 +25,9 @@ import math
 import os
 import re
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from conveyor.metrics.trackers import to_json_value
 
@@ -102,13 +103,16 @@ def response_turns(tokenizer: Any, response_ids: Any, response_mask: Any) -> tup
     text = tokenizer.decode(ids[:end], skip_special_tokens=True)
     if all(is_model for is_model, _, _ in runs):
         return text, None
-    turns = [{"role": "model" if is_model else "tool", "text": tokenizer.decode(ids[a:b], skip_special_tokens=True)}
-             for is_model, a, b in runs]
+    turns = [
+        {"role": "model" if is_model else "tool", "text": tokenizer.decode(ids[a:b], skip_special_tokens=True)}
+        for is_model, a, b in runs
+    ]
     return text, turns
 
 
 def _turn_lines(turns: Any, body: int, max_lines: int) -> list[str] | None:
-    """The lines of a multi-turn response, each turn marked [model] or [tool]; None when `turns` is not a list of turns."""
+    """The lines of a multi-turn response, each turn marked [model] or [tool]; None when `turns` is not a list of
+    turns."""
     if not isinstance(turns, list) or not all(isinstance(t, dict) and "text" in t for t in turns):
         return None
     lines = []
@@ -154,11 +158,15 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
             try:
                 row = json.loads(line)
             except (ValueError, RecursionError) as err:
-                raise ValueError(f"generation dump {path}, line {number} is not valid JSON ({err}); "
-                                 "it was not written by conveyor, or was edited") from err
+                raise ValueError(
+                    f"generation dump {path}, line {number} is not valid JSON ({err}); "
+                    "it was not written by conveyor, or was edited"
+                ) from err
             if not isinstance(row, dict):
-                raise ValueError(f"generation dump {path}, line {number} is a JSON {type(row).__name__}, not an "
-                                 "object (one sample per line); it was not written by conveyor, or was edited")
+                raise ValueError(
+                    f"generation dump {path}, line {number} is a JSON {type(row).__name__}, not an "
+                    "object (one sample per line); it was not written by conveyor, or was edited"
+                )
             rows.append(row)
     return step, rows
 
@@ -225,7 +233,8 @@ def format_generations(
     max_samples: int | None = None,
     max_lines: int = 8,
 ) -> str:
-    """A readable rendering of one dump: a summary, then per sample its scores, prompt (tail), response and ground truth."""
+    """A readable rendering of one dump: a summary, then per sample its scores, prompt (tail), response and ground
+    truth."""
     if width < 40:
         raise ValueError(f"width must be at least 40 columns, got {width}")
     if max_lines < 3:
@@ -255,7 +264,9 @@ def format_generations(
             out.extend(turn_lines)
         else:
             out.append("  response:")
-            out.extend("    " + ln for ln in _wrap(visible(_as_text(row.get("response"))), body, max_lines, keep="both"))
+            out.extend(
+                "    " + ln for ln in _wrap(visible(_as_text(row.get("response"))), body, max_lines, keep="both")
+            )
         if row.get("ground_truth") is not None:
             truth = visible(_as_text(row["ground_truth"])).replace("\n", " ")
             out.append("  " + textwrap.shorten(f"ground truth: {truth}", width=width - 2, placeholder=" ..."))

@@ -16,11 +16,13 @@ It deliberately does not capture or replay routing (see
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from conveyor.data_plane.base import FieldNotFoundError
+
 # Reading a model config is the models package's job; the name stays here too, as part of this module's API.
 from conveyor.models.moe_config import infer_moe_num_experts
 
@@ -305,9 +307,7 @@ def compute_moe_lb_metrics(
         return {}
     getter = getattr(metrics_batch, "get", None)
     if not callable(getter):
-        raise ValueError(
-            f"metrics_batch must be a mapping or TensorDict with .get, got {type(metrics_batch).__name__}"
-        )
+        raise ValueError(f"metrics_batch must be a mapping or TensorDict with .get, got {type(metrics_batch).__name__}")
     counted = accumulator.update(
         routed_experts=getter(ROUTED_EXPERTS_FIELD, None),
         response_mask=getter("response_mask", None),
@@ -364,6 +364,7 @@ def get_metric_data_with_optional_routed_experts(
     accumulator.warn_skip_once(
         "missing_routed_experts",
         f"Skipping MoE load-balance metrics: {missing}; will ask again at step "
-        f"{accumulator.routed_experts_retry_step} (dense models have no routing; for MoE models the rollout records it when this interval is > 0)",
+        f"{accumulator.routed_experts_retry_step} (dense models have no routing; for MoE models the rollout "
+        "records it when this interval is > 0)",
     )
     return data

@@ -28,12 +28,12 @@ module does not read TensorBoard, W&B or MLflow stores.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -116,8 +116,13 @@ def read_moe_expert_load(path: str | Path) -> list[dict[str, Any]]:
             logger.warning("%s:%d is not a valid expert-load record (%s); skipped", path, lineno, err)
             continue
         if counts.ndim != 2 or counts.shape[1] != num_experts or not 0 <= step < 2**53:
-            logger.warning("%s:%d counts have shape %s, expected (layers, %d), or its step is out of range; skipped",
-                           path, lineno, counts.shape, num_experts)
+            logger.warning(
+                "%s:%d counts have shape %s, expected (layers, %d), or its step is out of range; skipped",
+                path,
+                lineno,
+                counts.shape,
+                num_experts,
+            )
             continue
         by_step[step] = {"step": step, "num_experts": num_experts, "counts": counts}
     return [by_step[s] for s in sorted(by_step)]
@@ -220,8 +225,15 @@ def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
                 smooth = steps.size >= _SMOOTH_MIN_POINTS
                 lo_c = ema_smooth(lo[i_lo]) if smooth else lo[i_lo]
                 hi_c = ema_smooth(hi[i_hi]) if smooth else hi[i_hi]
-                ax.fill_between(common, lo_c, hi_c, color=color, alpha=0.12, linewidth=0,
-                                label="min..max" + (" (EMA)" if smooth else ""))
+                ax.fill_between(
+                    common,
+                    lo_c,
+                    hi_c,
+                    color=color,
+                    alpha=0.12,
+                    linewidth=0,
+                    label="min..max" + (" (EMA)" if smooth else ""),
+                )
         ax.set_title(title)
         ax.set_ylabel(ylabel)
 
@@ -258,14 +270,29 @@ def _accuracy_panel(records, val_keys: Sequence[str], train_key: str) -> Panel |
         for i, key in enumerate(val_present):
             steps, values = _series(records, key)
             main = i == 0
-            ax.plot(steps, values, marker="o", markersize=6 if main else 4, linewidth=2.5 if main else 1.5,
-                    color=_VAL_COLOR if main else None, label=f"{key} (held-out, greedy)" if main else key,
-                    zorder=5 if main else 4)
+            ax.plot(
+                steps,
+                values,
+                marker="o",
+                markersize=6 if main else 4,
+                linewidth=2.5 if main else 1.5,
+                color=_VAL_COLOR if main else None,
+                label=f"{key} (held-out, greedy)" if main else key,
+                zorder=5 if main else 4,
+            )
             if main:
                 ends = [(0, "left"), (values.size - 1, "right")] if values.size > 1 else [(0, "center")]
                 for j, align in ends:
-                    ax.annotate(f"{values[j]:.3f}", (steps[j], values[j]), textcoords="offset points", xytext=(0, 8),
-                                ha=align, fontsize="small", fontweight="bold", zorder=6)
+                    ax.annotate(
+                        f"{values[j]:.3f}",
+                        (steps[j], values[j]),
+                        textcoords="offset points",
+                        xytext=(0, 8),
+                        ha=align,
+                        fontsize="small",
+                        fontweight="bold",
+                        zorder=6,
+                    )
         ax.set_ylim(0, 1.05)
         ax.set_title("Exact-match accuracy")
         ax.set_ylabel("accuracy")
@@ -283,8 +310,11 @@ def _kl_panel(records) -> Panel | None:
         if finite.size and np.abs(finite).max() >= _KL_NOISE:
             present.append(key)
     if len(present) < len(keys):
-        logger.info("KL metrics below %g at every step (float noise: the update is on-policy) not drawn: %s",
-                    _KL_NOISE, [k for k in keys if k not in present])
+        logger.info(
+            "KL metrics below %g at every step (float noise: the update is on-policy) not drawn: %s",
+            _KL_NOISE,
+            [k for k in keys if k not in present],
+        )
     return _lines_panel(records, present, "KL", "KL")
 
 
@@ -320,9 +350,8 @@ def _throughput_panels(records) -> list[Panel]:
 def _ep_tokens_panel(records, role: str) -> Panel | None:
     """Under expert parallelism: per MoE layer, the most tokens an EP rank received over the mean (1 = even)."""
     prefix = f"{role}/moe/ep_tokens_received_max_over_mean/layer_"
-    layers = sorted((k for k in _all_keys(records) if k.startswith(prefix)), key=lambda k: int(k[len(prefix):]))
-    panel = _lines_panel(records, layers, f"{role}: tokens received per EP rank, max / mean, by layer",
-                         "max / mean")
+    layers = sorted((k for k in _all_keys(records) if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+    panel = _lines_panel(records, layers, f"{role}: tokens received per EP rank, max / mean, by layer", "max / mean")
     if panel is None:
         return None
 
@@ -348,7 +377,10 @@ def _plot_moe_latest(path: Path, record: dict[str, Any]) -> Path:
     ax = axes[0]
     vmax = max(2.0, float(np.nanmax(rel)) if np.isfinite(rel).any() else 2.0)
     im = ax.imshow(
-        np.ma.masked_invalid(rel), aspect="auto", cmap=_load_cmap(), norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
+        np.ma.masked_invalid(rel),
+        aspect="auto",
+        cmap=_load_cmap(),
+        norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
         interpolation="nearest",
     )
     fig.colorbar(im, ax=ax, label="load / even share (1 = balanced)")
@@ -357,8 +389,15 @@ def _plot_moe_latest(path: Path, record: dict[str, Any]) -> Path:
         for (layer, expert), value in np.ndenumerate(rel):
             if np.isfinite(value):
                 shade = im.norm(value)
-                ax.text(expert, layer, f"{value:.2f}", ha="center", va="center", fontsize="small",
-                        color="white" if shade < 0.2 or shade > 0.8 else "black")
+                ax.text(
+                    expert,
+                    layer,
+                    f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize="small",
+                    color="white" if shade < 0.2 or shade > 0.8 else "black",
+                )
     empty = " (grey: no tokens)" if np.isnan(rel).any() else ""
     ax.set_title(f"MoE expert load at step {record['step']} (tokens routed per expert, per layer){empty}")
     ax.set_xlabel("expert")
@@ -384,7 +423,11 @@ def _plot_moe_over_time(path: Path, records: list[dict[str, Any]]) -> Path | Non
     ax = axes[0]
     vmax = max(2.0, float(np.nanmax(load)) if np.isfinite(load).any() else 2.0)
     mesh = ax.pcolormesh(
-        steps, np.arange(shape[1]), np.ma.masked_invalid(load), shading="nearest", cmap=_load_cmap(),
+        steps,
+        np.arange(shape[1]),
+        np.ma.masked_invalid(load),
+        shading="nearest",
+        cmap=_load_cmap(),
         norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
     )
     fig.colorbar(mesh, ax=ax, label="load / even share (1 = balanced)")
@@ -433,8 +476,10 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             f"nothing to plot in {run_dir}: {metrics_path.name} is missing or empty "
             "(add 'jsonl' to trainer.logger to write it)"
         )
-    out = make_dir(Path(out_dir) if out_dir is not None else run_dir / "plots",
-                   "--out" if out_dir is not None else "the plots folder")
+    out = make_dir(
+        Path(out_dir) if out_dir is not None else run_dir / "plots",
+        "--out" if out_dir is not None else "the plots folder",
+    )
 
     figures: list[tuple[str, str, list[Panel | None]]] = []
     reward_prefix = next((p for p in _REWARD_PREFIXES if _has(records, f"{p}/mean")), None)
@@ -446,7 +491,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             [
                 # reward/accuracy: the training batch's accuracy, when the task reports one.
                 _accuracy_panel(records, val_keys, "reward/accuracy"),
-                _band_panel(records, reward_prefix, f"Reward ({reward_prefix}/mean)", "reward") if reward_prefix else None,
+                _band_panel(records, reward_prefix, f"Reward ({reward_prefix}/mean)", "reward")
+                if reward_prefix
+                else None,
             ],
         )
     )
@@ -474,8 +521,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         )
     )
     figures.append(("throughput.png", "Throughput and step time", list(_throughput_panels(records))))
-    figures.append(("moe_ep_tokens.png", "All-to-all straggler: tokens received per EP rank, max / mean",
-                    [_ep_tokens_panel(records, role) for role in ("actor", "critic")]))
+    figures.append(
+        (
+            "moe_ep_tokens.png",
+            "All-to-all straggler: tokens received per EP rank, max / mean",
+            [_ep_tokens_panel(records, role) for role in ("actor", "critic")],
+        )
+    )
 
     written: list[Path] = []
     for name, title, panels in figures:

@@ -10,7 +10,8 @@ summed over ranks (a loss already divided by the global normaliser).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from conveyor.protocol import reduce_metric
 

@@ -24,8 +24,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TextIO
+from typing import Any, Protocol, TextIO
 
 from conveyor.files import read_jsonl_objects
 from conveyor.registry import lookup, registrar
@@ -206,7 +207,9 @@ def _coerce_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         try:
             out[name] = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"metric {name!r} has value {value!r} ({type(value).__name__}), which is not a number") from None
+            raise ValueError(
+                f"metric {name!r} has value {value!r} ({type(value).__name__}), which is not a number"
+            ) from None
     return out
 
 
@@ -273,7 +276,9 @@ class ConsoleTracker:
         if table_every < 0:
             raise ValueError(f"console_table_every must be >= 0 (0 turns the table off), got {table_every}")
         if every < 1:
-            raise ValueError(f"trainer.console_every must be >= 1 step per row (0 in the config = automatic), got {every}")
+            raise ValueError(
+                f"trainer.console_every must be >= 1 step per row (0 in the config = automatic), got {every}"
+            )
         self._stream = stream
         self._table_every = table_every
         self._every = every
@@ -302,10 +307,11 @@ class ConsoleTracker:
         return "  ".join(fields)
 
     def format_line(self, metrics: Mapping[str, float] | Sequence[Mapping[str, float]], step: int) -> str:
-        """The row for `step`: each column's mean over `metrics` (one step's dict, or a window of them), "-" if absent."""
+        """The row for `step`: each column's mean over `metrics` (one step's dict, or a window of them), "-" if
+        absent."""
         window = [metrics] if isinstance(metrics, Mapping) else list(metrics)
         fields = [self._step_label(step)]
-        for label, candidates, spec in CONSOLE_COLUMNS:
+        for _label, candidates, spec in CONSOLE_COLUMNS:
             key = next((k for k in candidates if any(k in m for m in window)), None)
             text = "-"
             if key is not None:
@@ -334,7 +340,8 @@ class ConsoleTracker:
         return "\n".join(lines)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Add the step to the window; print a row at the first call, at step 1, every `every` steps and at validations."""
+        """Add the step to the window; print a row at the first call, at step 1, every `every` steps and at
+        validations."""
         self._window.append(metrics)
         validated = any(k.startswith(_CONSOLE_LATEST) for k in metrics)
         last = self._total is not None and step >= self._total
@@ -407,7 +414,8 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A Weights & Biases run in `run_dir/wandb`; WANDB_MODE=offline keeps it local. A resumed run dir continues its run."""
+    """A Weights & Biases run in `run_dir/wandb`; WANDB_MODE=offline keeps it local. A resumed run dir continues its
+    run."""
 
     def __init__(self, project: str, experiment: str, run_dir: Path, config: dict[str, Any]):
         import wandb
@@ -468,7 +476,9 @@ class MlflowTracker:
             try:
                 self._client.get_run(previous["run_id"])
             except MlflowException:
-                logger.warning("MLflow run %s not found at %s; starting a new one", previous["run_id"], self.tracking_uri)
+                logger.warning(
+                    "MLflow run %s not found at %s; starting a new one", previous["run_id"], self.tracking_uri
+                )
             else:
                 self._client.update_run(previous["run_id"], status="RUNNING")
                 return previous["run_id"]
@@ -499,7 +509,10 @@ class MlflowTracker:
                 # MLflow forbids changing a param; a resumed run with an edited config keeps the first value.
                 if existing[key] != text:
                     logger.warning(
-                        "MLflow param %s changed on resume (%r -> %r); keeping the first value", key, existing[key], text
+                        "MLflow param %s changed on resume (%r -> %r); keeping the first value",
+                        key,
+                        existing[key],
+                        text,
                     )
                 continue
             params.append(Param(key, text))
@@ -552,8 +565,9 @@ def _console_tracker(c: TrackerContext) -> ConsoleTracker:
     total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
     every = trainer.get("console_every")
     every = every if isinstance(every, int) and not isinstance(every, bool) else 0
-    return ConsoleTracker(stream=c.stream, table_every=c.table_every, every=console_interval(total, every),
-                          total_steps=total)
+    return ConsoleTracker(
+        stream=c.stream, table_every=c.table_every, every=console_interval(total, every), total_steps=total
+    )
 
 
 # `trainer.logger` is checked against this registry: a tracker registered here is selectable by name.
@@ -561,7 +575,8 @@ TRACKERS: dict[str, TrackerFactory] = {}
 
 
 def register_tracker(name: str, *, overwrite: bool = False) -> Callable[[TrackerFactory], TrackerFactory]:
-    """Decorator registering `factory(TrackerContext) -> tracker` (with `log(metrics, step)`, `close(failed)`) as `name`."""
+    """Decorator registering `factory(TrackerContext) -> tracker` (with `log(metrics, step)`, `close(failed)`) as
+    `name`."""
 
     return registrar(TRACKERS, name, "tracker", overwrite=overwrite)
 
@@ -613,7 +628,8 @@ class Tracking:
                 module, extra = _OPTIONAL_MODULES[name]
                 if importlib.util.find_spec(module) is None:
                     raise ValueError(
-                        f"trainer.logger includes {name!r} but {module} is not installed: pip install 'conveyor[{extra}]'"
+                        f"trainer.logger includes {name!r} but {module} is not installed: "
+                        f"pip install 'conveyor[{extra}]'"
                     )
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -656,7 +672,7 @@ class Tracking:
         """Flush and close every backend (idempotent); `failed=True` marks wandb/mlflow runs as failed."""
         self._close(failed=failed)
 
-    def __enter__(self) -> "Tracking":
+    def __enter__(self) -> Tracking:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -16,7 +16,8 @@ server.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -34,9 +35,13 @@ class TrainingGauges:
         if not isinstance(registry, CollectorRegistry):
             raise ValueError(f"registry must be a prometheus_client.CollectorRegistry, got {type(registry).__name__}")
         self.registry = registry
-        self._metric = Gauge(TRAIN_METRIC, "Latest value of a training metric, by metric name", ["name"], registry=registry)
+        self._metric = Gauge(
+            TRAIN_METRIC, "Latest value of a training metric, by metric name", ["name"], registry=registry
+        )
         self._step = Gauge(TRAIN_STEP, "Latest training step logged", registry=registry)
-        self._last_update = Gauge(TRAIN_LAST_UPDATE, "Unix time of the latest training metrics update", registry=registry)
+        self._last_update = Gauge(
+            TRAIN_LAST_UPDATE, "Unix time of the latest training metrics update", registry=registry
+        )
 
     def update(self, metrics: Mapping[str, Any], step: int) -> None:
         """Set the gauge of every metric in `metrics` (name -> number) and the step gauge."""

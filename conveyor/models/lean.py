@@ -119,8 +119,7 @@ def resolve_forward_impl(choice: str, model: nn.Module) -> LeanForward | None:
         return LeanForward(model)
     if choice == "lean":
         raise ValueError(
-            f"actor_rollout_ref.model.forward_impl=lean cannot run this model: {reason}; "
-            "set it to auto or hf"
+            f"actor_rollout_ref.model.forward_impl=lean cannot run this model: {reason}; set it to auto or hf"
         )
     # auto: a silent fallback would hide a slower forward than the user expects.
     logger.info("actor_rollout_ref.model.forward_impl=auto uses the Hugging Face forward: %s", reason)
@@ -163,7 +162,11 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Attention of `q` (B, Lq, h, d) over `k`, `v` (B, Lk, kvh, d) under the boolean `mask` (B|1, 1, Lq, Lk)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
@@ -262,15 +265,18 @@ class LeanForward:
         h = layer.input_layernorm(x)
         # One projection for q, k and v, and one norm and rotation for q and k
         # together: the same arithmetic as the separate modules, in fewer kernels.
-        qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                       None if attn.q_proj.bias is None else
-                       torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])).view(n, -1, d)
+        qkv = F.linear(
+            h,
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+        ).view(n, -1, d)
         heads = self.num_heads + self.num_kv_heads
-        norm_weight = torch.cat([attn.q_norm.weight.expand(self.num_heads, d),
-                                 attn.k_norm.weight.expand(self.num_kv_heads, d)])
+        norm_weight = torch.cat(
+            [attn.q_norm.weight.expand(self.num_heads, d), attn.k_norm.weight.expand(self.num_kv_heads, d)]
+        )
         qk = _rms_norm(qkv[:, :heads], norm_weight, attn.q_norm.variance_epsilon)
         qk = qk * cos + _swap_halves(qk) * sin
-        return qk[:, : self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, heads:]
 
     def _mlp(self, index: int, x: Tensor, replay: Tensor | None, record: list[Tensor] | None) -> Tensor:
         """The residual stream `x` (N, H) after layer `index`'s MLP block; appends its top-k ids (N, K) to `record`."""
@@ -351,10 +357,12 @@ class LeanForward:
         positions = torch.cat([pr.positions.reshape(-1), r_pos])
         replay_ids = None
         if replay:
-            replay_ids = torch.cat([
-                routed_experts[pr.rep, :plen].reshape(n_prompt, *routed_experts.shape[2:]),
-                unpad(routed_experts[:, plen:plen + fed].reshape(batch * fed, *routed_experts.shape[2:])),
-            ]).long()
+            replay_ids = torch.cat(
+                [
+                    routed_experts[pr.rep, :plen].reshape(n_prompt, *routed_experts.shape[2:]),
+                    unpad(routed_experts[:, plen : plen + fed].reshape(batch * fed, *routed_experts.shape[2:])),
+                ]
+            ).long()
         # The response rows attend to their prompt's real tokens, then causally to their own.
         r_mask = None
         if fed:
@@ -421,17 +429,23 @@ class LeanForward:
         causal = torch.ones(fed, fed, dtype=torch.bool, device=device).tril_()
         if group is None:
             batch, plen = prompt_mask.shape
-            return torch.cat([
-                prompt_mask.bool()[:, None, None, :].expand(batch, 1, fed, plen),
-                causal[None, None].expand(batch, 1, fed, fed),
-            ], dim=-1)
+            return torch.cat(
+                [
+                    prompt_mask.bool()[:, None, None, :].expand(batch, 1, fed, plen),
+                    causal[None, None].expand(batch, 1, fed, fed),
+                ],
+                dim=-1,
+            )
         count, plen = pr.mask.shape
         width = group * fed
         own = torch.block_diag(*[causal] * group)
-        return torch.cat([
-            pr.mask[:, None, None, :].expand(count, 1, width, plen),
-            own[None, None].expand(count, 1, width, width),
-        ], dim=-1)
+        return torch.cat(
+            [
+                pr.mask[:, None, None, :].expand(count, 1, width, plen),
+                own[None, None].expand(count, 1, width, width),
+            ],
+            dim=-1,
+        )
 
     # ------------------------------------------------------------------ rollout
     @torch.inference_mode()
@@ -452,7 +466,9 @@ class LeanForward:
             q, k, v = self._qkv(layer, x, cos, sin)
             shape_p = (pr.count, plen, -1, self.head_dim)
             kp, vp = k.view(shape_p), v.view(shape_p)
-            x = x + layer.self_attn.o_proj(_attend(q.view(shape_p), kp, vp, pr.attn_mask, self.scale).reshape(n_prompt, -1))
+            x = x + layer.self_attn.o_proj(
+                _attend(q.view(shape_p), kp, vp, pr.attn_mask, self.scale).reshape(n_prompt, -1)
+            )
             x = self._mlp(index, x, None, per_layer)
             # The cache is (B, T, kvh, d): one row per sample, each a copy of its prompt's keys.
             cache_k = torch.empty((batch, total, self.num_kv_heads, self.head_dim), dtype=k.dtype, device=k.device)
@@ -466,8 +482,14 @@ class LeanForward:
         mask = torch.ones((batch, 1, 1, total), dtype=torch.bool, device=prompts.device)
         mask[:, 0, 0, :plen] = prompt_mask.bool()
         state = LeanDecodeState(
-            keys=keys, values=values, mask=mask, next_positions=prompt_mask.long().sum(-1),
-            rows=torch.arange(batch, device=prompts.device), batch=batch, prompt_len=plen, record=record,
+            keys=keys,
+            values=values,
+            mask=mask,
+            next_positions=prompt_mask.long().sum(-1),
+            rows=torch.arange(batch, device=prompts.device),
+            batch=batch,
+            prompt_len=plen,
+            record=record,
         )
         if per_layer is not None:
             stacked = stack_routing(per_layer)

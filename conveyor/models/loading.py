@@ -63,8 +63,14 @@ _TOKENIZER_KEY = "actor_rollout_ref.model.tokenizer_path"
 _TRUST_KEY = "actor_rollout_ref.model.trust_remote_code"
 
 # Any one of these makes a directory a tokenizer directory (fast, sentencepiece, BPE or WordPiece files).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                    "spiece.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -118,13 +124,17 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{str(file)!r} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
-                         f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one") from err
+        raise ValueError(
+            f"{str(file)!r} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+            f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one"
+        ) from err
     except (OSError, UnicodeDecodeError, RecursionError) as err:
         raise ValueError(f"cannot read {str(file)!r} ({_first_line(err)}); check `{_PATH_KEY}`") from err
     if not isinstance(data, dict):
-        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, not an object of settings; "
-                         f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one")
+        raise ValueError(
+            f"{str(file)!r} holds a JSON {type(data).__name__}, not an object of settings; "
+            f"fix or re-save the checkpoint, or set `{_PATH_KEY}` to another one"
+        )
     return data
 
 
@@ -137,7 +147,10 @@ def _check_remote_code(path: Path, config: dict[str, Any], trust_remote_code: bo
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
         logger.warning(
             "%s/config.json names code of its own (auto_map); it is not run: the model is built with transformers' "
-            "own %r implementation (set %s=true to run the checkpoint's code instead)", path, model_type, _TRUST_KEY,
+            "own %r implementation (set %s=true to run the checkpoint's code instead)",
+            path,
+            model_type,
+            _TRUST_KEY,
         )
         return
     raise ValueError(
@@ -175,8 +188,10 @@ def _check_weights(path: Path) -> None:
             try:
                 shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-                raise ValueError(f"{str(index)!r} is not a valid weight index ({_first_line(err)}); "
-                                 f"re-save the checkpoint, or set `{_PATH_KEY}` to another one") from err
+                raise ValueError(
+                    f"{str(index)!r} is not a valid weight index ({_first_line(err)}); "
+                    f"re-save the checkpoint, or set `{_PATH_KEY}` to another one"
+                ) from err
             break
     else:
         shards = [name for name in ("model.safetensors", "pytorch_model.bin") if (path / name).is_file()][:1]
@@ -193,8 +208,10 @@ def _check_weights(path: Path) -> None:
         else:
             problem = None if shard.is_file() and shard.stat().st_size > 0 else "is missing or empty"
         if problem:
-            raise ValueError(f"weights file {str(shard)!r} {problem}; copy or save the checkpoint again, "
-                             f"or set `{_PATH_KEY}` to another one")
+            raise ValueError(
+                f"weights file {str(shard)!r} {problem}; copy or save the checkpoint again, "
+                f"or set `{_PATH_KEY}` to another one"
+            )
 
 
 def check_checkpoint_dir(path: str | Path, *, trust_remote_code: bool = False) -> Path:
@@ -258,8 +275,10 @@ def load_causal_lm(
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
     except (OSError, ValueError, SafetensorError) as err:
-        raise ValueError(f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
-                         f"check the checkpoint's files, or set `{_PATH_KEY}` to another one") from err
+        raise ValueError(
+            f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
+            f"check the checkpoint's files, or set `{_PATH_KEY}` to another one"
+        ) from err
     if not mmap:
         release_freed_host_memory()  # the file's bytes and the loading's copies, freed but kept by the heap
     return model.to(device)
@@ -308,8 +327,10 @@ def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> P
     try:
         return AutoConfig.from_pretrained(str(p), trust_remote_code=bool(trust_remote_code))
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read the config of {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
-                         f"check its config.json, or set `{_PATH_KEY}` to another checkpoint") from err
+        raise ValueError(
+            f"cannot read the config of {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
+            f"check its config.json, or set `{_PATH_KEY}` to another checkpoint"
+        ) from err
 
 
 def load_tokenizer(
@@ -323,11 +344,15 @@ def load_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(str(p), trust_remote_code=bool(trust_remote_code))
     except Exception as err:  # the tokenizers library raises plain Exception; any failure here is the files'
         if "trust_remote_code" in str(err):
-            raise ValueError(f"the tokenizer in {str(p)!r} can only be built by running the Python code it ships "
-                             f"(tokenizer_config.json's auto_map), which is not run by default; if you trust it, "
-                             f"set {_TRUST_KEY}=true") from err
-        raise ValueError(f"cannot load the tokenizer in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
-                         f"fix its files, or set `{_TOKENIZER_KEY}` to the model's tokenizer") from err
+            raise ValueError(
+                f"the tokenizer in {str(p)!r} can only be built by running the Python code it ships "
+                f"(tokenizer_config.json's auto_map), which is not run by default; if you trust it, "
+                f"set {_TRUST_KEY}=true"
+            ) from err
+        raise ValueError(
+            f"cannot load the tokenizer in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
+            f"fix its files, or set `{_TOKENIZER_KEY}` to the model's tokenizer"
+        ) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(

@@ -25,13 +25,13 @@ and `conveyor.trainer.export` do), stream weights to an engine
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ADAPTER", "apply_lora", "lora_config", "has_lora", "base_key", "is_adapter_key",
-           "expert_parameter_names"]
+__all__ = ["ADAPTER", "apply_lora", "lora_config", "has_lora", "base_key", "is_adapter_key", "expert_parameter_names"]
 
 ADAPTER = "default"  # PEFT's name of the one adapter a run trains
 
@@ -44,7 +44,7 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
         if "experts" in parts and param.dim() == 3:
             i = parts.index("experts")
             # `mlp.experts.gate_up_proj`: PEFT matches target_parameters by the end of the full name.
-            names.add(".".join(parts[i - 1:]) if i > 0 else ".".join(parts[i:]))
+            names.add(".".join(parts[i - 1 :]) if i > 0 else ".".join(parts[i:]))
     return sorted(names)
 
 
@@ -56,8 +56,14 @@ def _router_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if id(module) in routers]
 
 
-def lora_config(model: nn.Module, *, rank: int, alpha: float, target_modules: str | Sequence[str],
-                base_model_path: str | None = None) -> Any:
+def lora_config(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: str | Sequence[str],
+    base_model_path: str | None = None,
+) -> Any:
     """PEFT's `LoraConfig` for `model`: `all-linear` or a list of module names (`experts` = the fused experts)."""
     from peft import LoraConfig
 
@@ -67,30 +73,51 @@ def lora_config(model: nn.Module, *, rank: int, alpha: float, target_modules: st
         # Spelled out rather than PEFT's own "all-linear", which on transformers 5 MoE models also wraps the
         # fused experts and the router's weight (as parameters): here it means the linear modules only.
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        modules: Any = sorted({name.rpartition(".")[2] for name, m in model.named_modules()
-                               if isinstance(m, nn.Linear) and m is not output and name not in routers})
+        modules: Any = sorted(
+            {
+                name.rpartition(".")[2]
+                for name, m in model.named_modules()
+                if isinstance(m, nn.Linear) and m is not output and name not in routers
+            }
+        )
     else:
         names = list(target_modules)
         modules = [n for n in names if n != "experts"]
         if "experts" in names:
             params = expert_parameter_names(model)
             if not params:
-                raise ValueError("actor_rollout_ref.model.target_modules names experts, but the model has no fused "
-                                 "expert tensors; remove experts from the list")
+                raise ValueError(
+                    "actor_rollout_ref.model.target_modules names experts, but the model has no fused "
+                    "expert tensors; remove experts from the list"
+                )
         if not modules and not params:
             raise ValueError("actor_rollout_ref.model.target_modules names no layer of this model")
     # Exact names (a regex anchored on each router): the routers of a MoE model are never adapted.
     exclude = "|".join(f"^{n.replace('.', chr(92) + '.')}$" for n in routers) or None
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                        target_modules=modules or None, target_parameters=params or None,
-                        exclude_modules=exclude)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=modules or None,
+        target_parameters=params or None,
+        exclude_modules=exclude,
+    )
     if base_model_path is not None:
         config.base_model_name_or_path = str(base_model_path)
     return config
 
 
-def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str | Sequence[str], seed: int = 0,
-               base_model_path: str | None = None) -> Any:
+def apply_lora(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: str | Sequence[str],
+    seed: int = 0,
+    base_model_path: str | None = None,
+) -> Any:
     """Inject LoRA adapters into `model` in place (only they stay trainable); returns the `PeftModel` around it.
 
     The adapters' initialisation draws from its own generator seeded by `seed`, so every rank of a role
@@ -98,8 +125,7 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str
     """
     from peft import get_peft_model
 
-    config = lora_config(model, rank=rank, alpha=alpha, target_modules=target_modules,
-                         base_model_path=base_model_path)
+    config = lora_config(model, rank=rank, alpha=alpha, target_modules=target_modules, base_model_path=base_model_path)
     devices = [p.device for p in model.parameters()][:1]
     with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
         torch.manual_seed(seed)

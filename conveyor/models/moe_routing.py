@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class _Arch:
 
 
 def _router_flag(router: nn.Module) -> bool:
-    return bool(getattr(router, "norm_topk_prob"))
+    return bool(router.norm_topk_prob)
 
 
 # Keyed by sparse-block class name so that matching needs no import of every
@@ -152,8 +153,7 @@ def _require_moe_layers(model: nn.Module) -> list[MoELayer]:
     layers = moe_layers(model)
     if not layers:
         raise ValueError(
-            f"model {type(model).__name__} has no sparse MoE layer this module knows "
-            f"(known blocks: {sorted(_ARCHS)})"
+            f"model {type(model).__name__} has no sparse MoE layer this module knows (known blocks: {sorted(_ARCHS)})"
         )
     return layers
 
@@ -273,7 +273,8 @@ class RoutingRecorder:
 def check_routed_experts(
     model: nn.Module, routed_experts: torch.Tensor, batch_seq: tuple[int, int] | None = None
 ) -> None:
-    """Raise ValueError unless `routed_experts` is a (B, S, L, K) integer tensor of valid ids for `model`'s MoE layers."""
+    """Raise ValueError unless `routed_experts` is a (B, S, L, K) integer tensor of valid ids for `model`'s MoE
+    layers."""
     _require_moe_layers(model)
     info = moe_info(model)
     assert info is not None
@@ -314,14 +315,10 @@ def replay_routing(model: nn.Module, routed_experts: torch.Tensor) -> Iterator[N
             # between forwards while the router computes on the GPU. The hook moves them where it computes.
             ids = routed_experts[:, :, index, :].reshape(batch * seq, top_k).long()
             handles.append(
-                layer.block.register_forward_pre_hook(
-                    _make_shape_check(routed_experts.shape, index), with_kwargs=True
-                )
+                layer.block.register_forward_pre_hook(_make_shape_check(routed_experts.shape, index), with_kwargs=True)
             )
             # prepend: run before any other hook (a recorder, HF output capture) so they see the replayed routing.
-            handles.append(
-                layer.router.register_forward_hook(_make_replay_hook(layer, ids), prepend=True)
-            )
+            handles.append(layer.router.register_forward_hook(_make_replay_hook(layer, ids), prepend=True))
         yield
     finally:
         for handle in handles:

@@ -45,14 +45,25 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PACKED_ATTENTION", "PackedRows", "packing_unsupported_reason", "resolve_remove_padding",
-           "enable_packing", "setup_packing", "sdpa_compatible", "REMOVE_PADDING_KEY", "VarlenCall", "varlen_call"]
+__all__ = [
+    "PACKED_ATTENTION",
+    "PackedRows",
+    "packing_unsupported_reason",
+    "resolve_remove_padding",
+    "enable_packing",
+    "setup_packing",
+    "sdpa_compatible",
+    "REMOVE_PADDING_KEY",
+    "VarlenCall",
+    "varlen_call",
+]
 
 #: The setting that turns packed forwards on (verl's name), for messages.
 REMOVE_PADDING_KEY = "actor_rollout_ref.model.use_remove_padding"
@@ -96,8 +107,9 @@ class VarlenCall:
             return None
         return cls(fn, causal, "enable_gqa" in params)
 
-    def arguments(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len: int,
-                  scale: float | None) -> tuple[tuple, dict[str, Any]]:
+    def arguments(
+        self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, max_len: int, scale: float | None
+    ) -> tuple[tuple, dict[str, Any]]:
         """The (args, kwargs) over `query` (T, H, D), `key`/`value` (T, Hkv, D) and the boundaries `cu` (N+1,)."""
         kwargs: dict[str, Any] = {"scale": scale, **dict(self.causal)}
         if self.takes_gqa:
@@ -109,8 +121,14 @@ class VarlenCall:
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scale: float | None) -> Tensor:
         """Causal attention within each sequence of `cu` over (1, H, T, D) query/key/value; (1, T, H, D) out."""
         longest = max(length for length, _ in _length_groups(cu))
-        args, kwargs = self.arguments(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                      cu.to(device=query.device, dtype=torch.int32), longest, scale)
+        args, kwargs = self.arguments(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu.to(device=query.device, dtype=torch.int32),
+            longest,
+            scale,
+        )
         return self.fn(*args, **kwargs)[None]
 
 
@@ -130,8 +148,10 @@ def varlen_call() -> VarlenCall | None:
         return None
     call = VarlenCall.of(varlen_attn)
     if call is None:
-        logger.info("torch %s's varlen_attn takes no scale or causal keyword; packed forwards run SDPA per "
-                    "sequence", torch.__version__)
+        logger.info(
+            "torch %s's varlen_attn takes no scale or causal keyword; packed forwards run SDPA per sequence",
+            torch.__version__,
+        )
     return call
 
 
@@ -148,9 +168,16 @@ def _length_groups(cu: Tensor) -> list[tuple[int, list[int]]]:
     return plan
 
 
-def packed_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                             attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             **kwargs) -> tuple[Tensor, None]:
+def packed_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """Attention within each packed sequence when `cu_seq_lens_q` is given; transformers' SDPA attention otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -158,27 +185,42 @@ def packed_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     if cu is None or attention_mask is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if query.shape[0] != 1:
         raise ValueError(f"a packed forward takes one row of packed tokens, got a batch of {query.shape[0]} rows")
     varlen = varlen_call()
-    if (varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and not (module.training and dropout)):
+    if (
+        varlen is not None
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and not (module.training and dropout)
+    ):
         return varlen(query, key, value, cu, scaling), None
     # (1, H, T, D) -> per length l: (n, H, l, D) for the n sequences of that length, one causal SDPA call each.
     total = query.shape[2]
     out = query.new_empty(1, total, query.shape[1], value.shape[-1])
     for length, starts in _length_groups(cu):
-        index = (torch.tensor(starts, device=query.device)[:, None]
-                 + torch.arange(length, device=query.device)[None, :])  # (n, l)
+        index = (
+            torch.tensor(starts, device=query.device)[:, None] + torch.arange(length, device=query.device)[None, :]
+        )  # (n, l)
         flat = index.reshape(-1)
 
         def gather(x: Tensor, n: int = len(starts)) -> Tensor:
             return x[0][:, flat].reshape(x.shape[1], n, length, x.shape[-1]).transpose(0, 1)
 
-        part, _ = sdpa_attention_forward(module, gather(query), gather(key), gather(value), None, dropout=dropout,
-                                         scaling=scaling, is_causal=True, **kwargs)  # (n, l, H, D)
+        part, _ = sdpa_attention_forward(
+            module,
+            gather(query),
+            gather(key),
+            gather(value),
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **kwargs,
+        )  # (n, l, H, D)
         out[0, flat] = part.reshape(-1, *part.shape[2:])
     return out, None
 
@@ -327,5 +369,9 @@ class PackedRows:
 
     def model_kwargs(self, input_ids: Tensor, position_ids: Tensor) -> dict:
         """The keywords of a Hugging Face forward over the packed row (no padding mask; the sequences' bounds)."""
-        return {"input_ids": self.pack(input_ids), "position_ids": self.pack(position_ids), "attention_mask": None,
-                **self.bounds()}
+        return {
+            "input_ids": self.pack(input_ids),
+            "position_ids": self.pack(position_ids),
+            "attention_mask": None,
+            **self.bounds(),
+        }

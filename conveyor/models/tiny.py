@@ -13,7 +13,8 @@ the models are meant to be small and fast, not good.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import (
@@ -125,13 +126,9 @@ def tiny_config(
     if vocab_size <= 0:
         raise ValueError(f"tiny_config: `vocab_size` must be positive, got {vocab_size}")
     if hidden_size % num_heads != 0:
-        raise ValueError(
-            f"tiny_config: `hidden_size` ({hidden_size}) must be divisible by `num_heads` ({num_heads})"
-        )
+        raise ValueError(f"tiny_config: `hidden_size` ({hidden_size}) must be divisible by `num_heads` ({num_heads})")
     if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"tiny_config: `num_heads` ({num_heads}) must be divisible by `num_kv_heads` ({num_kv_heads})"
-        )
+        raise ValueError(f"tiny_config: `num_heads` ({num_heads}) must be divisible by `num_kv_heads` ({num_kv_heads})")
     if (hidden_size // num_heads) % 2 != 0:
         raise ValueError(
             f"tiny_config: the head size `hidden_size / num_heads` = {hidden_size // num_heads} must be even "

@@ -33,9 +33,7 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<eos>", "<bos>", "<unk>")
 CHAT_TEMPLATE: str = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def build_char_tokenizer(
-    alphabet: str = DEFAULT_ALPHABET, *, model_max_length: int = 512
-) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, *, model_max_length: int = 512) -> PreTrainedTokenizerFast:
     """A fast tokenizer: `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3, then one token per character of `alphabet`."""
     if not alphabet:
         raise ValueError("build_char_tokenizer: `alphabet` is empty; give at least one character")

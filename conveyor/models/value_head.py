@@ -52,7 +52,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_causal_lm(cls, model: PreTrainedModel, *, copy: bool = True) -> ValueModel:
-        """A critic whose body is a copy of `model`'s (no parameters shared with `model`); `copy=False`: `model`'s own."""
+        """A critic whose body is a copy of `model`'s (no parameters shared with `model`); `copy=False`: `model`'s
+        own."""
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         if hidden is None:
             raise ValueError(
@@ -68,13 +69,16 @@ class ValueModel(nn.Module):
 
     def activation_checkpointing_enable(self, **kwargs) -> None:
         """Recompute the body's activations in the backward (the head is too small to matter)."""
-        enable = getattr(self.backbone, "activation_checkpointing_enable", None) or getattr(
-            self.backbone, "gradient_checkpointing_enable")
+        enable = (
+            getattr(self.backbone, "activation_checkpointing_enable", None)
+            or self.backbone.gradient_checkpointing_enable
+        )
         key = "activation_checkpointing_kwargs" if "activation" in enable.__name__ else "gradient_checkpointing_kwargs"
         enable(**{key: next(iter(kwargs.values()), None)})
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None,
-                **kwargs) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None, **kwargs
+    ) -> Tensor:
         """Values (B, S) float32 for `input_ids`, `attention_mask`: (B, S); positions from the mask when None.
 
         `kwargs` go to the backbone: a packed forward's sequence bounds (`conveyor.models.packing`).

@@ -9,12 +9,36 @@ and `trajectory` says where a response with tool tokens ends (the trainer's weig
 through `conveyor.weights`). This package does not score responses or talk to the data plane; the workers do.
 """
 
-from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, build_agent_loop
-from conveyor.rollout.base import (ROLLOUT_ENGINES, EngineCapabilities, EngineContext, EngineSpec, GenerationEngine,
-                                   GenerationOutput, SamplingParams, engine_spec, mask_unfed_routing)
-from conveyor.rollout.hf import HFEngine
 from conveyor.algos.trajectory import response_span, segments, span_lengths
+from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, build_agent_loop
+from conveyor.rollout.base import (
+    ROLLOUT_ENGINES,
+    EngineCapabilities,
+    EngineContext,
+    EngineSpec,
+    GenerationEngine,
+    GenerationOutput,
+    SamplingParams,
+    engine_spec,
+    mask_unfed_routing,
+)
+from conveyor.rollout.hf import HFEngine
 
-__all__ = ["AgentLoop", "AgentLoopSettings", "EngineCapabilities", "EngineContext", "EngineSpec", "HFEngine",
-           "ROLLOUT_ENGINES", "GenerationEngine", "GenerationOutput", "SamplingParams", "build_agent_loop", "engine_spec",
-           "mask_unfed_routing", "response_span", "segments", "span_lengths"]
+__all__ = [
+    "AgentLoop",
+    "AgentLoopSettings",
+    "EngineCapabilities",
+    "EngineContext",
+    "EngineSpec",
+    "HFEngine",
+    "ROLLOUT_ENGINES",
+    "GenerationEngine",
+    "GenerationOutput",
+    "SamplingParams",
+    "build_agent_loop",
+    "engine_spec",
+    "mask_unfed_routing",
+    "response_span",
+    "segments",
+    "span_lengths",
+]

@@ -2,7 +2,8 @@
 
 `AgentLoop.run` takes the same left-padded prompts and `SamplingParams` as
 any engine's `generate` (conveyor.rollout.base) and returns the same
-`GenerationOutput`, over any engine that declares stop sequences (hf, vllm), so the rest of the trainer is unchanged: each
+`GenerationOutput`, over any engine that declares stop sequences (hf, vllm), so the rest of the trainer is unchanged:
+each
 sample's whole trajectory (model turns and tool answers, in order) is one
 right-padded `responses` row, and `response_mask` is 1 on the tokens the
 model sampled and 0 on tool tokens, so losses, KL, entropy, advantages and
@@ -43,14 +44,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from conveyor.algos.trajectory import response_span
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
-from conveyor.algos.trajectory import response_span
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
 
@@ -65,8 +66,8 @@ _TIMEOUT_KEY = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
 class AgentLoopSettings:
     """The loop's limits (actor_rollout_ref.rollout.multi_turn.*, without the tool file)."""
 
-    max_assistant_turns: Optional[int] = None
-    max_user_turns: Optional[int] = None
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
     tool_timeout_s: float = 30.0
@@ -82,7 +83,7 @@ class _Sample:
     tokens: list[int] = field(default_factory=list)
     model: list[bool] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
-    routing: Optional[Tensor] = None  # (len(prompt) + budget, L, K) int16, -1 until known
+    routing: Tensor | None = None  # (len(prompt) + budget, L, K) int16, -1 until known
     assistant_turns: int = 0
     user_turns: int = 0
     calls: int = 0
@@ -99,11 +100,11 @@ def truncate_text(text: str, limit: int, side: str) -> str:
     if len(text) <= limit:
         return text
     if side == "left":
-        return "..." + text[len(text) - limit:]
+        return "..." + text[len(text) - limit :]
     if side == "right":
         return text[:limit] + "..."
     half = limit // 2
-    return text[:half] + "..." + text[len(text) - (limit - half):]
+    return text[:half] + "..." + text[len(text) - (limit - half) :]
 
 
 def _chat_prefix(tokenizer: Any) -> str:
@@ -114,16 +115,19 @@ def _chat_prefix(tokenizer: Any) -> str:
         return ""
 
 
-def tool_turn_ids(tokenizer: Any, content: str, prefix: Optional[str] = None) -> list[int]:
+def tool_turn_ids(tokenizer: Any, content: str, prefix: str | None = None) -> list[int]:
     """Token ids of a tool message carrying `content`, as the chat template renders it (its raw text without one)."""
     text = content
     if getattr(tokenizer, "chat_template", None):
         # Rendered as text, then tokenized: what apply_chat_template(tokenize=True) returns differs across versions.
-        text = str(tokenizer.apply_chat_template([{"role": "tool", "content": content}], add_generation_prompt=True,
-                                                 tokenize=False))
+        text = str(
+            tokenizer.apply_chat_template(
+                [{"role": "tool", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+        )
         prefix = _chat_prefix(tokenizer) if prefix is None else prefix
         if prefix and text.startswith(prefix):
-            text = text[len(prefix):]
+            text = text[len(prefix) :]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -139,10 +143,14 @@ class AgentLoop:
         settings: AgentLoopSettings = AgentLoopSettings(),
     ) -> None:
         if not tools:
-            raise ValueError("AgentLoop needs at least one tool (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+            raise ValueError(
+                "AgentLoop needs at least one tool (actor_rollout_ref.rollout.multi_turn.tool_config_path)"
+            )
         if not rollout.capabilities.stop_sequences:
-            raise ValueError(f"AgentLoop: {type(rollout).__name__} does not stop at token sequences, which ends a turn "
-                             "at a tool call; use an engine that does (actor_rollout_ref.rollout.name)")
+            raise ValueError(
+                f"AgentLoop: {type(rollout).__name__} does not stop at token sequences, which ends a turn "
+                "at a tool call; use an engine that does (actor_rollout_ref.rollout.name)"
+            )
         self.rollout = rollout
         self.tokenizer = tokenizer
         self.tools = tools
@@ -150,8 +158,9 @@ class AgentLoop:
         self.settings = settings
         self.pad = rollout.pad_token_id
         self.eos = rollout.eos_token_id
-        self.stop_sequences = tuple(tuple(tokenizer(t, add_special_tokens=False)["input_ids"])
-                                    for t in call_format.stop_texts)
+        self.stop_sequences = tuple(
+            tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in call_format.stop_texts
+        )
         self._prefix = _chat_prefix(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
         self._lock = threading.Lock()
         self._calls = 0  # instance ids unique over the loop's life
@@ -165,7 +174,8 @@ class AgentLoop:
         *,
         generator: torch.Generator | None = None,
     ) -> GenerationOutput:
-        """Trajectories for left-padded prompts (B, P): `generate`'s fields plus `metrics` and per-sample `tool_rewards`.
+        """Trajectories for left-padded prompts (B, P): `generate`'s fields plus `metrics` and per-sample
+        `tool_rewards`.
 
         `params.max_new_tokens` is the whole trajectory's budget; the loop adds its tool-call stop sequences.
         """
@@ -197,21 +207,25 @@ class AgentLoop:
         return s.instance_id
 
     def _model_turn(
-        self, active: list[_Sample], budget: int, capture_routing: bool,
+        self,
+        active: list[_Sample],
+        budget: int,
+        capture_routing: bool,
         sampling: tuple[SamplingParams, torch.Generator | None],
-    ) -> list[tuple[_Sample, Optional[ToolCall], Optional[str]]]:
+    ) -> list[tuple[_Sample, ToolCall | None, str | None]]:
         """One turn of every active sample; the (sample, call, parse error) of those that called a tool."""
         contexts = [s.prompt + s.tokens for s in active]
         width = max(len(c) for c in contexts)
         batch_ids = torch.full((len(active), width), self.pad, dtype=torch.long)
         batch_mask = torch.zeros((len(active), width), dtype=torch.long)
         for row, ctx in enumerate(contexts):
-            batch_ids[row, width - len(ctx):] = torch.tensor(ctx, dtype=torch.long)
-            batch_mask[row, width - len(ctx):] = 1
+            batch_ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+            batch_mask[row, width - len(ctx) :] = 1
         left = [budget - len(s.tokens) for s in active]
         params, generator = sampling
-        out = self.rollout.generate(batch_ids, batch_mask, params.replace(max_new_tokens=max(left)),
-                                    generator=generator)
+        out = self.rollout.generate(
+            batch_ids, batch_mask, params.replace(max_new_tokens=max(left)), generator=generator
+        )
         responses = out["responses"].cpu()
         lengths = out["response_mask"].sum(-1).cpu().tolist()
         log_probs = out["rollout_log_probs"].cpu()
@@ -229,9 +243,11 @@ class AgentLoop:
             s.log_probs.extend(log_probs[row, :n].tolist())
             s.assistant_turns += 1
             st = self.settings
-            if (len(s.tokens) >= budget
-                    or (st.max_assistant_turns is not None and s.assistant_turns >= st.max_assistant_turns)
-                    or (st.max_user_turns is not None and s.user_turns >= st.max_user_turns)):
+            if (
+                len(s.tokens) >= budget
+                or (st.max_assistant_turns is not None and s.assistant_turns >= st.max_assistant_turns)
+                or (st.max_user_turns is not None and s.user_turns >= st.max_user_turns)
+            ):
                 s.done = True
                 continue
             text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -261,14 +277,14 @@ class AgentLoop:
         is_model = torch.tensor([True] * len(s.prompt) + s.model, dtype=torch.bool)
         unknown = (s.routing[:ctx_len] < 0).all(dim=-1).all(dim=-1) & is_model
         s.routing[:ctx_len][unknown] = ctx_part[unknown]
-        s.routing[ctx_len:ctx_len + n] = routed[width:width + n].to(torch.int16)
+        s.routing[ctx_len : ctx_len + n] = routed[width : width + n].to(torch.int16)
 
-    def _tool_turn(self, calls: list[tuple[_Sample, Optional[ToolCall], Optional[str]]], budget: int) -> None:
+    def _tool_turn(self, calls: list[tuple[_Sample, ToolCall | None, str | None]], budget: int) -> None:
         """Run the round's calls at once, then append each answer to its sample (an error text when it failed)."""
         st = self.settings
         jobs = [(s, call) for s, call, problem in calls if call is not None]
         results = self._run_calls(jobs)
-        for s, call, problem in calls:
+        for s, _call, problem in calls:
             if problem is not None:
                 result = ToolResult(f"error: {problem}", 0.0, problem, 0.0)
             else:
@@ -301,9 +317,17 @@ class AgentLoop:
         def one(s: _Sample, call: ToolCall) -> ToolResult:
             started = time.perf_counter()
             try:
-                return call_with_deadline(run_call, self.tools, call, self._instance_id(s), s.created,
-                                          timeout_s=st.tool_timeout_s, what=f"tool {call.name!r}",
-                                          key=_TIMEOUT_KEY, thread_name=f"tool-{call.name}")
+                return call_with_deadline(
+                    run_call,
+                    self.tools,
+                    call,
+                    self._instance_id(s),
+                    s.created,
+                    timeout_s=st.tool_timeout_s,
+                    what=f"tool {call.name!r}",
+                    key=_TIMEOUT_KEY,
+                    thread_name=f"tool-{call.name}",
+                )
             except DeadlineExceeded:
                 message = f"tool {call.name!r} timed out after {st.tool_timeout_s:g}s"
                 return ToolResult(f"error: {message}", 0.0, message, time.perf_counter() - started)
@@ -315,8 +339,9 @@ class AgentLoop:
         return {index: future.result() for index, future in futures.items()}
 
     # ------------------------------------------------------------------ output
-    def _assemble(self, samples: list[_Sample], prompt_width: int, capture_routing: bool,
-                  device: torch.device) -> GenerationOutput:
+    def _assemble(
+        self, samples: list[_Sample], prompt_width: int, capture_routing: bool, device: torch.device
+    ) -> GenerationOutput:
         """The `generate` fields over all trajectories, right-padded to the longest, plus metrics."""
         batch = len(samples)
         width = max(1, max(len(s.tokens) for s in samples))
@@ -337,14 +362,17 @@ class AgentLoop:
             for i, s in enumerate(samples):
                 assert s.routing is not None
                 p, n = len(s.prompt), min(len(s.tokens), s.routing.shape[0] - len(s.prompt))
-                prompt_mask[i, prompt_width - p:] = True
-                routed[i, prompt_width - p:prompt_width + n] = s.routing[:p + n]
+                prompt_mask[i, prompt_width - p :] = True
+                routed[i, prompt_width - p : prompt_width + n] = s.routing[: p + n]
             # The engines' rule, over the trajectory's span: its last model token was never fed.
             routed = mask_unfed_routing(routed, prompt_mask, response_span(model_mask).sum(-1))
-        out = GenerationOutput(responses=responses, response_mask=model_mask, rollout_log_probs=log_probs,
-                            routed_experts=routed).to(device)
-        return out.replace(tool_rewards=torch.tensor([s.tool_reward for s in samples], dtype=torch.float32),
-                           metrics=self._metrics(samples, model_mask, responses))
+        out = GenerationOutput(
+            responses=responses, response_mask=model_mask, rollout_log_probs=log_probs, routed_experts=routed
+        ).to(device)
+        return out.replace(
+            tool_rewards=torch.tensor([s.tool_reward for s in samples], dtype=torch.float32),
+            metrics=self._metrics(samples, model_mask, responses),
+        )
 
     def _metrics(self, samples: list[_Sample], model_mask: Tensor, responses: Tensor) -> dict[str, float]:
         """rollout/multi_turn/* of one call, as @sum/@count pairs (reduced over ranks by sample or call counts)."""
@@ -355,13 +383,19 @@ class AgentLoop:
         span = response_span(model_mask)
         p = "rollout/multi_turn"
         m = {
-            f"{p}/assistant_turns@sum": float(sum(s.assistant_turns for s in samples)), f"{p}/assistant_turns@count": n,
-            f"{p}/tool_calls@sum": calls, f"{p}/tool_calls@count": n,
-            f"{p}/tool_call_rate@sum": float(sum(1 for s in samples if s.calls)), f"{p}/tool_call_rate@count": n,
+            f"{p}/assistant_turns@sum": float(sum(s.assistant_turns for s in samples)),
+            f"{p}/assistant_turns@count": n,
+            f"{p}/tool_calls@sum": calls,
+            f"{p}/tool_calls@count": n,
+            f"{p}/tool_call_rate@sum": float(sum(1 for s in samples if s.calls)),
+            f"{p}/tool_call_rate@count": n,
             f"{p}/tool_errors@sum": errors,
-            f"{p}/model_token_frac@sum": float(model_mask.sum()), f"{p}/model_token_frac@count": float(span.sum()),
-            f"{p}/turns@sum": float(sum(s.assistant_turns + s.user_turns for s in samples)), f"{p}/turns@count": n,
-            f"{p}/tool_reward@sum": math.fsum(s.tool_reward for s in samples), f"{p}/tool_reward@count": n,
+            f"{p}/model_token_frac@sum": float(model_mask.sum()),
+            f"{p}/model_token_frac@count": float(span.sum()),
+            f"{p}/turns@sum": float(sum(s.assistant_turns + s.user_turns for s in samples)),
+            f"{p}/turns@count": n,
+            f"{p}/tool_reward@sum": math.fsum(s.tool_reward for s in samples),
+            f"{p}/tool_reward@count": n,
         }
         if calls:
             m[f"{p}/tool_error_rate@sum"] = errors
@@ -372,7 +406,7 @@ class AgentLoop:
         return m
 
 
-def build_agent_loop(multi_turn: Any, rollout: GenerationEngine, tokenizer: Any) -> Optional[AgentLoop]:
+def build_agent_loop(multi_turn: Any, rollout: GenerationEngine, tokenizer: Any) -> AgentLoop | None:
     """The agent loop of `actor_rollout_ref.rollout.multi_turn` (a MultiTurnConfig), or None when it is off."""
     if not multi_turn.enable:
         return None
@@ -380,10 +414,13 @@ def build_agent_loop(multi_turn: Any, rollout: GenerationEngine, tokenizer: Any)
     from conveyor.tools.formats import get_format
 
     settings = AgentLoopSettings(
-        max_assistant_turns=multi_turn.max_assistant_turns, max_user_turns=multi_turn.max_user_turns,
+        max_assistant_turns=multi_turn.max_assistant_turns,
+        max_user_turns=multi_turn.max_user_turns,
         max_tool_response_length=multi_turn.max_tool_response_length,
         tool_response_truncate_side=multi_turn.tool_response_truncate_side,
-        tool_timeout_s=multi_turn.tool_timeout_s, tool_workers=multi_turn.tool_workers,
+        tool_timeout_s=multi_turn.tool_timeout_s,
+        tool_workers=multi_turn.tool_workers,
     )
-    return AgentLoop(rollout, tokenizer, load_tools(multi_turn.tool_config_path), get_format(multi_turn.format),
-                     settings)
+    return AgentLoop(
+        rollout, tokenizer, load_tools(multi_turn.tool_config_path), get_format(multi_turn.format), settings
+    )

@@ -33,8 +33,18 @@ from torch import Tensor
 
 from conveyor.registry import lookup, registrar
 
-__all__ = ["EngineCapabilities", "EngineContext", "EngineSpec", "ROLLOUT_ENGINES", "GenerationEngine", "GenerationOutput",
-           "SamplingParams", "engine_spec", "mask_unfed_routing", "register_rollout_engine"]
+__all__ = [
+    "EngineCapabilities",
+    "EngineContext",
+    "EngineSpec",
+    "ROLLOUT_ENGINES",
+    "GenerationEngine",
+    "GenerationOutput",
+    "SamplingParams",
+    "engine_spec",
+    "mask_unfed_routing",
+    "register_rollout_engine",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +177,16 @@ class GenerationEngine(abc.ABC):
     weights_version: int | None = None
 
     @abc.abstractmethod
-    def generate(self, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams, *,
-                 generator: torch.Generator | None = None, interrupt: Callable[[int], bool] | None = None,
-                 synced: Callable[[bool], bool] | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        interrupt: Callable[[int], bool] | None = None,
+        synced: Callable[[bool], bool] | None = None,
+    ) -> GenerationOutput:
         """Sample per left-padded prompt (`input_ids`, `attention_mask`: (B, P)) under `params`.
 
         `generator` seeds the sampling (on the engine's device). `interrupt` (interruptible engines only) is
@@ -238,8 +255,9 @@ class EngineSpec:
         if check is not None:
             check(cfg)
 
-    def check_model(self, hf_config: Any, *, device: str, max_model_len: int | None, source: str,
-                    length_key: str) -> None:
+    def check_model(
+        self, hf_config: Any, *, device: str, max_model_len: int | None, source: str, length_key: str
+    ) -> None:
         """Refuse (ValueError) a model this engine cannot serve, before anything is built (`module.check_servable`).
 
         An engine whose module defines no `check_servable` serves what the trainer can run.
@@ -257,14 +275,20 @@ class EngineSpec:
 
 
 def _hf(device: str) -> EngineCapabilities:
-    return EngineCapabilities(returns_routing=True, stop_sequences=True, interruptible=True,
-                              shares_trainer_modules=True, multi_rank=True)
+    return EngineCapabilities(
+        returns_routing=True, stop_sequences=True, interruptible=True, shares_trainer_modules=True, multi_rank=True
+    )
 
 
 def _vllm(device: str) -> EngineCapabilities:
     # vLLM returns routed experts from its V2 model runner only, which runs on CUDA.
-    return EngineCapabilities(returns_routing=torch.device(device).type == "cuda", stop_sequences=True,
-                              interruptible=False, shares_trainer_modules=False, multi_rank=True)
+    return EngineCapabilities(
+        returns_routing=torch.device(device).type == "cuda",
+        stop_sequences=True,
+        interruptible=False,
+        shares_trainer_modules=False,
+        multi_rank=True,
+    )
 
 
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {}

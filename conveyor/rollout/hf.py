@@ -49,8 +49,14 @@ from transformers import DynamicCache, PreTrainedModel
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
-from conveyor.rollout.base import (EngineContext, GenerationEngine, GenerationOutput, SamplingParams, engine_spec,
-                                   mask_unfed_routing)
+from conveyor.rollout.base import (
+    EngineContext,
+    GenerationEngine,
+    GenerationOutput,
+    SamplingParams,
+    engine_spec,
+    mask_unfed_routing,
+)
 
 __all__ = ["HFEngine", "build_engine"]
 
@@ -169,8 +175,9 @@ class HFEngine(GenerationEngine):
         """
         _check_inputs(input_ids, attention_mask)
         if synced is not None and interrupt is not None:
-            raise ValueError("HFEngine.generate: `synced` and `interrupt` do not combine (a partial rollout runs on "
-                             "one rank)")
+            raise ValueError(
+                "HFEngine.generate: `synced` and `interrupt` do not combine (a partial rollout runs on one rank)"
+            )
         lean = None if synced is not None else self.lean
         model = self.model
         device = next(model.parameters()).device
@@ -183,8 +190,9 @@ class HFEngine(GenerationEngine):
                 "HFEngine.generate: `attention_mask` has padding after a real token; pad prompts on the left "
                 "(tokenizer.padding_side = 'left')"
             )
-        sampler = _Sampler(float(params.temperature), int(params.top_k), float(params.top_p), bool(params.do_sample),
-                           generator)
+        sampler = _Sampler(
+            float(params.temperature), int(params.top_k), float(params.top_p), bool(params.do_sample), generator
+        )
         info = moe_info(model) if params.capture_routing else None
 
         was_training = model.training
@@ -192,8 +200,18 @@ class HFEngine(GenerationEngine):
         try:
             hooks = info is not None and lean is None
             with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
-                return self._decode(input_ids, prompt_mask, int(params.max_new_tokens), sampler, recorder, info,
-                                    _stop_tensors(params.stop_sequences, device), interrupt, synced, lean)
+                return self._decode(
+                    input_ids,
+                    prompt_mask,
+                    int(params.max_new_tokens),
+                    sampler,
+                    recorder,
+                    info,
+                    _stop_tensors(params.stop_sequences, device),
+                    interrupt,
+                    synced,
+                    lean,
+                )
         finally:
             model.train(was_training)
 
@@ -206,8 +224,10 @@ class HFEngine(GenerationEngine):
         import time
 
         t0 = time.perf_counter()
-        own = {**dict(self.model.named_parameters(remove_duplicate=False)),
-               **dict(self.model.named_buffers(remove_duplicate=False))}
+        own = {
+            **dict(self.model.named_parameters(remove_duplicate=False)),
+            **dict(self.model.named_buffers(remove_duplicate=False)),
+        }
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = own.get(name)
@@ -295,14 +315,23 @@ class HFEngine(GenerationEngine):
 
         mask = response_mask[:, :steps].contiguous()
         return GenerationOutput(
-            responses=responses[:, :steps].contiguous(), response_mask=mask,
+            responses=responses[:, :steps].contiguous(),
+            response_mask=mask,
             rollout_log_probs=log_probs[:, :steps].contiguous(),
-            routed_experts=(mask_unfed_routing(routed[:, : prompt_len + steps], prompt_mask, mask.sum(dim=-1))
-                            if routed is not None else None),
+            routed_experts=(
+                mask_unfed_routing(routed[:, : prompt_len + steps], prompt_mask, mask.sum(dim=-1))
+                if routed is not None
+                else None
+            ),
         )
 
     def _engine(
-        self, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, recorder: RoutingRecorder | None, record: bool,
+        self,
+        input_ids: Tensor,
+        prompt_mask: Tensor,
+        steps_max: int,
+        recorder: RoutingRecorder | None,
+        record: bool,
         lean: LeanForward | None,
     ) -> _LeanSteps | _HFSteps:
         if lean is not None:
@@ -314,7 +343,12 @@ class _HFSteps:
     """The prefill and decode forwards through the Hugging Face model with a `DynamicCache`."""
 
     def __init__(
-        self, model: PreTrainedModel, cache_kw: str, input_ids: Tensor, prompt_mask: Tensor, steps_max: int,
+        self,
+        model: PreTrainedModel,
+        cache_kw: str,
+        input_ids: Tensor,
+        prompt_mask: Tensor,
+        steps_max: int,
         recorder: RoutingRecorder | None,
     ) -> None:
         self.model, self.cache_kw, self.recorder = model, cache_kw, recorder
@@ -425,5 +459,9 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor) -> None:
 
 def build_engine(context: EngineContext) -> HFEngine:
     """The hf engine of a worker: a decode loop over the actor's own modules (and its lean forward, if any)."""
-    return HFEngine(context.model, pad_token_id=context.tokenizer.pad_token_id,
-                     eos_token_id=context.tokenizer.eos_token_id, lean=context.lean)
+    return HFEngine(
+        context.model,
+        pad_token_id=context.tokenizer.pad_token_id,
+        eos_token_id=context.tokenizer.eos_token_id,
+        lean=context.lean,
+    )

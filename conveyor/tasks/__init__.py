@@ -6,6 +6,7 @@ A prompt record is a plain dict in verl's format: ``data_source`` (str),
 ``extra_info`` (dict). Nothing here touches tensors, models or the data plane.
 """
 
+from conveyor.tasks.arithmetic_tool import ARITHMETIC_TOOL_DATA_SOURCE, make_arithmetic_tool_records
 from conveyor.tasks.dataset import TRUNCATION_MODES, PromptDataset, check_prompt_length, render_prompt
 from conveyor.tasks.parquet import load_parquet_records, write_parquet_records
 from conveyor.tasks.rewards import (
@@ -23,7 +24,6 @@ from conveyor.tasks.synthetic import (
     arithmetic_split,
     make_arithmetic_records,
 )
-from conveyor.tasks.arithmetic_tool import ARITHMETIC_TOOL_DATA_SOURCE, make_arithmetic_tool_records
 
 #: data.synthetic.task -> the function making its records: fn(n, *, seed, max_operand, ops, split) -> list[dict].
 SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_records, "arithmetic_tool": make_arithmetic_tool_records}

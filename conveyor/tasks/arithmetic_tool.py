@@ -27,10 +27,11 @@ runs them are elsewhere (`conveyor.tools`, `conveyor.rollout.agent_loop`).
 from __future__ import annotations
 
 import random
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from conveyor.tasks.rewards import register_reward_fn
-from conveyor.tasks.synthetic import SUPPORTED_OPS, evaluate, arithmetic_split
+from conveyor.tasks.synthetic import SUPPORTED_OPS, arithmetic_split, evaluate
 
 __all__ = [
     "ARITHMETIC_TOOL_DATA_SOURCE",
@@ -63,7 +64,7 @@ def extract_final_answer(solution: str) -> str:
 
 
 @register_reward_fn(ARITHMETIC_TOOL_DATA_SOURCE)
-def arithmetic_tool_score(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+def arithmetic_tool_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """1.0 when the final answer (after the last ';') equals the ground truth exactly, else 0.0."""
     return 1.0 if extract_final_answer(solution_str) == str(ground_truth).strip() else 0.0
 
@@ -93,9 +94,11 @@ def make_arithmetic_tool_records(
     side = max_operand - low + 1
     pool_size = len(ops) * side * side
     if n > pool_size // 4:
-        raise ValueError(f"n={n} is too many distinct problems for operands {low}..{max_operand} ({pool_size} "
-                         "in all, a tenth of them held out, at most a quarter drawn); raise "
-                         "data.synthetic.max_operand (999: 3-digit operands) or lower data.synthetic.num_train")
+        raise ValueError(
+            f"n={n} is too many distinct problems for operands {low}..{max_operand} ({pool_size} "
+            "in all, a tenth of them held out, at most a quarter drawn); raise "
+            "data.synthetic.max_operand (999: 3-digit operands) or lower data.synthetic.num_train"
+        )
     rng = random.Random(seed)
     problems: list[tuple[int, str, int]] = []
     seen: set[tuple[int, str, int]] = set()
@@ -115,11 +118,13 @@ def make_arithmetic_tool_records(
         extra: dict[str, Any] = {"split": split, "index": i, "a": a, "op": op, "b": b}
         if split == "train":
             extra["warmstart_target"] = tool_trace(a, op, b) if traced.random() < tool_trace_fraction else value
-        records.append({
-            "data_source": ARITHMETIC_TOOL_DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
-            "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": value},
-            "extra_info": extra,
-        })
+        records.append(
+            {
+                "data_source": ARITHMETIC_TOOL_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": value},
+                "extra_info": extra,
+            }
+        )
     return records

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["TRUNCATION_MODES", "PromptDataset", "check_prompt_length", "render_prompt"]
 
@@ -24,7 +25,8 @@ TRUNCATION_MODES: tuple[str, ...] = ("error", "left", "right")
 
 
 class PromptDataset:
-    """A deterministic, resumable, endlessly cycling iterator over prompt records (shuffled each epoch unless told not)."""
+    """A deterministic, resumable, endlessly cycling iterator over prompt records (shuffled each epoch unless told
+    not)."""
 
     def __init__(self, records: Sequence[dict], *, seed: int, shuffle: bool = True) -> None:
         self._records = list(records)
@@ -111,13 +113,12 @@ def _messages(record: dict) -> list[dict]:
     messages = record.get("prompt") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
         raise ValueError(
-            "record['prompt'] must be a list of chat messages ({'role': ..., 'content': ...}), "
-            f"got {messages!r:.200}"
+            f"record['prompt'] must be a list of chat messages ({{'role': ..., 'content': ...}}), got {messages!r:.200}"
         )
     return messages
 
 
-def render_prompt(record: dict, tokenizer: Optional[Any] = None) -> str:
+def render_prompt(record: dict, tokenizer: Any | None = None) -> str:
     """The prompt text of `record`: its chat template (with generation prompt) or its contents joined by "\n".
 
     Without a chat template a one-message prompt renders as its bare content

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,9 +68,7 @@ def _check_schema(path: str, schema: pa.Schema) -> None:
 
 
 def _check_prompt(path: str, row: int, prompt: object) -> None:
-    if not isinstance(prompt, list) or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
-    ):
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
         raise ValueError(
             f"parquet file {path!r}, row {row}: 'prompt' must be a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {prompt!r:.200}"
@@ -81,8 +80,10 @@ def _check_prompt(path: str, row: int, prompt: object) -> None:
         content, role = message["content"], message["role"]
         if not isinstance(content, str):
             # Multimodal parts or numbers would reach the model as their Python repr.
-            raise ValueError(f"{where}: message {j} of 'prompt' has {type(content).__name__} content "
-                             f"{content!r:.100}, not text; conveyor trains on text prompts only")
+            raise ValueError(
+                f"{where}: message {j} of 'prompt' has {type(content).__name__} content "
+                f"{content!r:.100}, not text; conveyor trains on text prompts only"
+            )
         if not isinstance(role, str) or not role:
             raise ValueError(f"{where}: message {j} of 'prompt' has role {role!r}; give a role such as 'user'")
 
@@ -93,13 +94,17 @@ def _check_row(path: str, row: int, rec: dict) -> None:
     where = f"parquet file {path!r}, row {row}"
     source = rec["data_source"]
     if not isinstance(source, str) or not source:
-        raise ValueError(f"{where}: 'data_source' is {source!r}; it must name the task (e.g. 'openai/gsm8k'), "
-                         "which chooses the reward function")
+        raise ValueError(
+            f"{where}: 'data_source' is {source!r}; it must name the task (e.g. 'openai/gsm8k'), "
+            "which chooses the reward function"
+        )
     truth = rec["reward_model"].get("ground_truth") if isinstance(rec["reward_model"], dict) else None
     # A missing answer would be scored against the text "None" or "nan": every response wrong, silently.
     if truth is None or (isinstance(truth, float) and not math.isfinite(truth)):
-        raise ValueError(f"{where}: reward_model.ground_truth is {'null' if truth is None else truth}; every "
-                         "prompt needs the answer its reward is computed from (drop the row or fill it in)")
+        raise ValueError(
+            f"{where}: reward_model.ground_truth is {'null' if truth is None else truth}; every "
+            "prompt needs the answer its reward is computed from (drop the row or fill it in)"
+        )
 
 
 def _read_one(path: str) -> list[dict]:

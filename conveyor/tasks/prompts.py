@@ -20,7 +20,8 @@ decide where it runs (the asynchronous source does, by where the replicas are).
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -65,7 +66,8 @@ class PromptEncoder:
         return min(max(len(x) for x in ids), self.max_prompt_length)
 
     def encode(self, records: Sequence[dict]) -> tuple[list[str], list[list[int]]]:
-        """The prompt texts of `records` and their token ids, truncated per `data.truncation` (errors name the prompt)."""
+        """The prompt texts of `records` and their token ids, truncated per `data.truncation` (errors name the
+        prompt)."""
         with self._lock:
             # Prompts recur every epoch: a chat template is a Jinja rendering (about 20 us a prompt), the repr of its
             # messages under 2 us.
@@ -92,8 +94,13 @@ class PromptEncoder:
             token_lists.append(ids)
         return texts, token_lists
 
-    def fields(self, records: Sequence[dict], uids: Sequence[str], rows: Sequence[int], width: int | None = None,
-               ) -> tuple[dict[str, Any], list[int]]:
+    def fields(
+        self,
+        records: Sequence[dict],
+        uids: Sequence[str],
+        rows: Sequence[int],
+        width: int | None = None,
+    ) -> tuple[dict[str, Any], list[int]]:
         """The prompt fields of samples (`rows[i]`: the index in `records` / `uids` of sample i's prompt), left-padded
         to the longest prompt or to `width` when wider; and each sample's prompt length in tokens."""
         texts, token_lists = self.encode(records)
@@ -114,8 +121,12 @@ class PromptEncoder:
         }
         return fields, [len(token_lists[i]) for i in rows]
 
-    def for_keys(self, keys: Sequence[str], records: dict[str, dict], width: int | None = None,
-                 ) -> tuple[dict[str, Any], list[int]]:
+    def for_keys(
+        self,
+        keys: Sequence[str],
+        records: dict[str, dict],
+        width: int | None = None,
+    ) -> tuple[dict[str, Any], list[int]]:
         """`fields` of the samples `keys` (made by `sample_keys`), their prompts' records by uid."""
         uids = list(dict.fromkeys(uid_of(k) for k in keys))
         at = {uid: i for i, uid in enumerate(uids)}

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Optional
+from typing import Any
 
 from conveyor.registry import registrar
 from conveyor.user_code import describe_error
@@ -83,8 +84,9 @@ def register_reward_fn(*data_sources: str, overwrite: bool = False) -> Callable[
         if not isinstance(ds, str) or not ds:
             raise ValueError(f"data_source names must be non-empty strings, got {ds!r}")
 
-    registers = [registrar(REWARD_FNS, ds, "reward function for data_source", overwrite=overwrite)
-                 for ds in data_sources]
+    registers = [
+        registrar(REWARD_FNS, ds, "reward function for data_source", overwrite=overwrite) for ds in data_sources
+    ]
 
     def decorator(fn: RewardFn) -> RewardFn:
         if not callable(fn):
@@ -115,12 +117,13 @@ def get_reward_fn(data_source: str) -> RewardFn:
     )
 
 
-def ground_truth_check(check: Callable[[Any], Optional[str]]) -> Callable[[RewardFn], RewardFn]:
+def ground_truth_check(check: Callable[[Any], str | None]) -> Callable[[RewardFn], RewardFn]:
     """Decorator giving a reward function `check(ground_truth) -> problem or None`, run on every row at load.
 
     A row whose ground truth its reward can never match (a GSM8K answer that is not a number) would
     otherwise earn 0 for every response, or fail the step it is drawn in, hours into a run.
     """
+
     def decorator(fn: RewardFn) -> RewardFn:
         fn.check_ground_truth = check  # type: ignore[attr-defined]
         return fn
@@ -128,7 +131,7 @@ def ground_truth_check(check: Callable[[Any], Optional[str]]) -> Callable[[Rewar
     return decorator
 
 
-def ground_truth_problem(data_source: Any, ground_truth: Any) -> Optional[str]:
+def ground_truth_problem(data_source: Any, ground_truth: Any) -> str | None:
     """Why the registered reward of `data_source` can never reward `ground_truth`, or None (also when none is known)."""
     try:
         fn = get_reward_fn(data_source)
@@ -138,13 +141,15 @@ def ground_truth_problem(data_source: Any, ground_truth: Any) -> Optional[str]:
     return check(ground_truth) if check is not None else None
 
 
-def _gsm8k_truth_problem(ground_truth: Any) -> Optional[str]:
+def _gsm8k_truth_problem(ground_truth: Any) -> str | None:
     """GSM8K's ground truth is a number, or a solution ending in "#### number"."""
     gt = str(ground_truth)
     expected = extract_gsm8k_answer(gt, "strict") if "####" in gt else normalize_number(gt)
     if expected is None:
-        return (f"reward_model.ground_truth {ground_truth!r} is not a number (nor a solution ending in "
-                "'#### <number>'), so the GSM8K reward can never match it; fix or drop the row")
+        return (
+            f"reward_model.ground_truth {ground_truth!r} is not a number (nor a solution ending in "
+            "'#### <number>'), so the GSM8K reward can never match it; fix or drop the row"
+        )
     return None
 
 
@@ -174,7 +179,7 @@ def describe_failure(err: BaseException) -> str:
 
 def finite_score(result: Any, label: str, context: str = "") -> float:
     """`result` as a finite float; else a RewardFunctionError saying `label` returned it, then `context`."""
-    value: Optional[float] = None
+    value: float | None = None
     if not isinstance(result, (str, bytes)):
         try:
             value = float(result)
@@ -186,9 +191,7 @@ def finite_score(result: Any, label: str, context: str = "") -> float:
     return value
 
 
-def compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None
-) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """Score one solution with the reward function for `data_source`, as a finite float.
 
     Raises `ValueError` for an unknown data source and `RewardFunctionError`
@@ -205,13 +208,13 @@ def compute_score(
     return finite_score(result, label, f"; solution starts with {preview!r}")
 
 
-def arithmetic_exact_match(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+def arithmetic_exact_match(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """1.0 when the solution equals the ground truth after stripping surrounding whitespace, else 0.0."""
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
 
 
 @register_reward_fn("synthetic/arithmetic")
-def arithmetic_partial_credit(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+def arithmetic_partial_credit(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """1.0 for an exact answer; else 0.5 x the fraction of digits right when both are right-aligned (0 if not a number).
 
     A 0/1 reward gives a group of samples no signal until one of them is exactly
@@ -236,7 +239,7 @@ _NUMBER_RE = re.compile(_NUMBER)
 _STRICT_RE = re.compile(r"####\s*(" + _NUMBER + r")")
 
 
-def normalize_number(text: str) -> Optional[str]:
+def normalize_number(text: str) -> str | None:
     """Canonical decimal string of a number written like "$1,234.50" or "-7" ("1234.5", "-7"); None if not one."""
     cleaned = re.sub(r"[\s,$]", "", text).rstrip(".")
     negative = cleaned.count("-") % 2 == 1
@@ -257,7 +260,7 @@ def normalize_number(text: str) -> Optional[str]:
     return format(value, "f")
 
 
-def extract_gsm8k_answer(text: str, method: str = "strict") -> Optional[str]:
+def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
     """The final numeric answer in `text`, normalised, or None.
 
     strict: the number after the last "####" marker (GSM8K's answer format);
@@ -277,7 +280,7 @@ def extract_gsm8k_answer(text: str, method: str = "strict") -> Optional[str]:
 def gsm8k_score(
     solution_str: str,
     ground_truth: str,
-    extra_info: Optional[dict] = None,
+    extra_info: dict | None = None,
     *,
     method: str = "strict",
     format_score: float = 0.0,
@@ -300,6 +303,6 @@ def gsm8k_score(
 
 @register_reward_fn("openai/gsm8k", "gsm8k")
 @ground_truth_check(_gsm8k_truth_problem)
-def gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+def gsm8k_strict(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """GSM8K reward in strict mode: 1.0 when the number after the last "####" equals the ground truth."""
     return gsm8k_score(solution_str, ground_truth, extra_info, method="strict")

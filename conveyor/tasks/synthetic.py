@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = [
     "evaluate",

@@ -30,9 +30,10 @@ import asyncio
 import inspect
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import yaml
 
@@ -51,15 +52,17 @@ class ToolResult:
 
     text: str
     reward: float = 0.0
-    error: Optional[str] = None
+    error: str | None = None
     latency_s: float = 0.0
 
 
 def _resolve(value: Any) -> Any:
     """`value`, awaited to completion when it is a coroutine (async tools run in the calling thread's own loop)."""
     if inspect.isawaitable(value):
+
         async def wait() -> Any:
             return await value
+
         return asyncio.run(wait())
     return value
 
@@ -92,17 +95,19 @@ class FunctionTool(Tool):
 
 
 def _import(path: str, where: str) -> Any:
-    """The object at `module:attr`, `module.attr` or `file.py:attr`, loaded as all user code is (`conveyor.user_code`)."""
+    """The object at `module:attr`, `module.attr` or `file.py:attr`, loaded as all user code is
+    (`conveyor.user_code`)."""
     module, sep, attr = path.partition(":")
     if not sep:
         module, _, attr = path.rpartition(".")
     if not module or not attr:
-        raise ValueError(f"{where}: {path!r} is not a Python path; write module.attribute, module:attribute "
-                         "or file.py:attribute")
+        raise ValueError(
+            f"{where}: {path!r} is not a Python path; write module.attribute, module:attribute or file.py:attribute"
+        )
     return user_attribute(module, attr, key=where)
 
 
-def make_tool(obj: Any, config: Optional[dict] = None) -> Tool:
+def make_tool(obj: Any, config: dict | None = None) -> Tool:
     """A `Tool` from a function, a class (constructed with `config`) or an object with `execute`."""
     config = dict(config or {})
     if inspect.isclass(obj):
@@ -112,8 +117,9 @@ def make_tool(obj: Any, config: Optional[dict] = None) -> Tool:
             raise ValueError("`config` is for tool classes; a function tool takes none (bind values in the function)")
         return FunctionTool(obj)
     if not callable(getattr(obj, "execute", None)):
-        raise ValueError(f"{type(obj).__name__} is not a tool: give a function, or a class with execute(instance_id, "
-                         "call)")
+        raise ValueError(
+            f"{type(obj).__name__} is not a tool: give a function, or a class with execute(instance_id, call)"
+        )
     return obj
 
 
@@ -134,7 +140,11 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
     tools: dict[str, Tool] = {}
     for i, entry in enumerate(entries):
         where = f"{_KEY}: {str(p)!r}, tools[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("name"), str)
+            or not isinstance(entry.get("path"), str)
+        ):
             raise ValueError(f"{where}: give `name` (what the model writes) and `path` (module:attribute)")
         unknown = set(entry) - {"name", "path", "config", "description"}
         if unknown:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from conveyor.registry import lookup, registrar
 
@@ -38,8 +39,8 @@ class ToolCall:
     """One parsed call: the tool's `name` and either keyword `arguments` (hermes) or one free `text` (hash)."""
 
     name: str
-    arguments: Optional[dict[str, Any]] = None
-    text: Optional[str] = None
+    arguments: dict[str, Any] | None = None
+    text: str | None = None
 
 
 class ToolCallError(ValueError):
@@ -56,10 +57,10 @@ class CallFormat:
 
     name: str
     stop_texts: tuple[str, ...]
-    parser: Callable[[str], Optional[ToolCall]]
+    parser: Callable[[str], ToolCall | None]
     response_template: str = "{text}"
 
-    def parse(self, turn: str) -> Optional[ToolCall]:
+    def parse(self, turn: str) -> ToolCall | None:
         """The call in one model turn's text, None when the turn makes no call; ToolCallError when malformed."""
         return self.parser(turn)
 
@@ -72,7 +73,7 @@ _HASH_CALL = re.compile(r"#([a-z_][a-z0-9_]*)(?: (.*))?;\s*$", re.DOTALL)
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def _parse_hash(turn: str) -> Optional[ToolCall]:
+def _parse_hash(turn: str) -> ToolCall | None:
     stripped = turn.rstrip()
     if not stripped.endswith(";"):
         return None
@@ -121,7 +122,7 @@ def _load_json(text: str, what: str) -> Any:
         raise ToolCallError(f"{what} is not valid JSON ({err})") from err
 
 
-def _parse_hermes(turn: str) -> Optional[ToolCall]:
+def _parse_hermes(turn: str) -> ToolCall | None:
     found = _HERMES_CALL.findall(turn)
     if not found:
         if "<tool_call>" in turn:

@@ -27,8 +27,9 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,8 +38,15 @@ from conveyor.files import environment_error, full_disk_error
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_state", "set_rng_state",
-           "resume_path"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "rng_state",
+    "set_rng_state",
+    "resume_path",
+]
 
 _NAME = re.compile(r"^global_step_(\d+)$")
 
@@ -77,8 +85,13 @@ def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state = {
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     # The current device's generator only, and only once this process uses CUDA: reading every visible GPU's
@@ -92,8 +105,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` returned."""
     py, npy = state["python"], state["numpy"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
@@ -104,10 +118,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    ckpt_root: str | Path, step: int, write: Callable[[Path], dict[str, Any]], max_to_keep: int | None = None,
+    ckpt_root: str | Path,
+    step: int,
+    write: Callable[[Path], dict[str, Any]],
+    max_to_keep: int | None = None,
     keep: str | Path | None = None,
 ) -> Path:
-    """Checkpoint `step`: `write(tmp_dir)` writes the roles' shards and returns the trainer state; prune to `max_to_keep`.
+    """Checkpoint `step`: `write(tmp_dir)` writes the roles' shards and returns the trainer state; prune to
+    `max_to_keep`.
 
     Pruning never removes `keep` (the checkpoint a run was explicitly resumed from: only ever read).
     """
@@ -163,25 +181,35 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not state_file.is_file():
         raise ValueError(f"{p} is not a complete checkpoint (no trainer_state.pt); check trainer.resume_from_path")
     if (p / "actor.pt").is_file() and not (p / "actor").is_dir():
-        raise ValueError(f"{p} was written by an older conveyor (one actor.pt, not sharded); it cannot be resumed "
-                         "by this version: start a new run (trainer.resume_mode=disable)")
+        raise ValueError(
+            f"{p} was written by an older conveyor (one actor.pt, not sharded); it cannot be resumed "
+            "by this version: start a new run (trainer.resume_mode=disable)"
+        )
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # weights_only refuses anything that would run code to rebuild: say so, without the library's advice
         # to turn the check off.
-        raise ValueError(f"checkpoint file {state_file} holds objects other than tensors and plain values, which "
-                         "conveyor never unpickles (it could run code); it was not written by conveyor: "
-                         f"{str(err).splitlines()[0]}") from err
+        raise ValueError(
+            f"checkpoint file {state_file} holds objects other than tensors and plain values, which "
+            "conveyor never unpickles (it could run code); it was not written by conveyor: "
+            f"{str(err).splitlines()[0]}"
+        ) from err
     except (EOFError, RuntimeError, OSError) as err:
-        raise ValueError(f"checkpoint file {state_file} is truncated or unreadable ({err}); resume from an older "
-                         "checkpoint with trainer.resume_mode=resume_path") from err
+        raise ValueError(
+            f"checkpoint file {state_file} is truncated or unreadable ({err}); resume from an older "
+            "checkpoint with trainer.resume_mode=resume_path"
+        ) from err
     if not isinstance(state, dict) or "global_step" not in state:
-        raise ValueError(f"checkpoint file {state_file} is not a conveyor trainer state; resume from another checkpoint")
+        raise ValueError(
+            f"checkpoint file {state_file} is not a conveyor trainer state; resume from another checkpoint"
+        )
     match = _NAME.match(p.name)
     if match and int(match.group(1)) != int(state["global_step"]):
-        raise ValueError(f"checkpoint {p} is inconsistent: its directory says step {match.group(1)} but its state "
-                         f"says step {state['global_step']}; it was edited or mixed up, resume from another checkpoint")
+        raise ValueError(
+            f"checkpoint {p} is inconsistent: its directory says step {match.group(1)} but its state "
+            f"says step {state['global_step']}; it was edited or mixed up, resume from another checkpoint"
+        )
     out: dict[str, Any] = {"trainer_state": state}
     for role in ROLES:
         if (p / role).is_dir():

@@ -32,8 +32,10 @@ def _choose_checkpoint(run_dir: Path, step: int | None) -> Path:
     root = run_dir / "checkpoints"
     found = ckpt.list_checkpoints(root)
     if not found:
-        raise ValueError(f"{run_dir} has no complete checkpoint under checkpoints/; a run saves one every "
-                         "trainer.save_freq steps and at its end")
+        raise ValueError(
+            f"{run_dir} has no complete checkpoint under checkpoints/; a run saves one every "
+            "trainer.save_freq steps and at its end"
+        )
     if step is None:
         return found[-1][1]
     by_step = dict(found)
@@ -52,8 +54,10 @@ def _lora_model(actor_dir: Path, config, dtype) -> tuple:
     lora = LoraConfig.from_pretrained(str(actor_dir))
     base = lora.base_model_name_or_path
     if not base or not Path(base).is_dir():
-        raise ValueError(f"{actor_dir} holds LoRA adapters over the base checkpoint {base!r}, which is not a "
-                         "directory here: the base weights are not in the checkpoint; make that path available")
+        raise ValueError(
+            f"{actor_dir} holds LoRA adapters over the base checkpoint {base!r}, which is not a "
+            "directory here: the base weights are not in the checkpoint; make that path available"
+        )
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=False)
     lora.inference_mode = False
     peft_model = get_peft_model(model, lora)
@@ -90,14 +94,18 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     try:
         config = AutoConfig.from_pretrained(str(hf), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"checkpoint {path}: {hf / 'config.json'} cannot be read as a model config "
-                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); export another "
-                         "checkpoint (--step)") from err
+        raise ValueError(
+            f"checkpoint {path}: {hf / 'config.json'} cannot be read as a model config "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); export another "
+            "checkpoint (--step)"
+        ) from err
     actor_dir = Path(parts["actor"])
     is_lora = (actor_dir / "adapter_config.json").is_file()
     if adapter_only and not is_lora:
-        raise ValueError(f"--adapter-only: checkpoint {path} is a full fine-tuning run's (no LoRA adapters, "
-                         "actor_rollout_ref.model.lora_rank was 0); export it without --adapter-only")
+        raise ValueError(
+            f"--adapter-only: checkpoint {path} is a full fine-tuning run's (no LoRA adapters, "
+            "actor_rollout_ref.model.lora_rank was 0); export it without --adapter-only"
+        )
     if is_lora:
         peft_model, _ = _lora_model(actor_dir, config, getattr(config, "dtype", None))
         model = peft_model if adapter_only else peft_model.merge_and_unload()

@@ -54,13 +54,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RunPlan", "build_run_plan", "OLD_LOG_PROB_SOURCES", "model_is_moe"]
 
+
 def model_is_moe(cfg: Config) -> bool:
     """Whether the policy has routed experts, read from the tiny config or config.json (no weights loaded)."""
     model = cfg.actor_rollout_ref.model
     if model.path is None:
         return model.tiny.arch != "qwen3"  # qwen3 is the tiny model's one dense architecture
-    from conveyor.models.moe_config import infer_moe_num_experts
     from conveyor.models.loading import read_config_json
+    from conveyor.models.moe_config import infer_moe_num_experts
 
     try:
         config = read_config_json(model.path)
@@ -89,20 +90,26 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     if asked == "own":
         ray_missing = importlib.util.find_spec("ray") is None
         if device != "cpu":
-            raise ConfigError(f"{key}=own on {device}: a rollout process of its own needs a device of its own, which "
-                              "a run on Ray gives it (trainer.n_gpus_per_node >= 2, or ray.address); set "
-                              "rollout_process=trainer (or auto) for one device")
+            raise ConfigError(
+                f"{key}=own on {device}: a rollout process of its own needs a device of its own, which "
+                "a run on Ray gives it (trainer.n_gpus_per_node >= 2, or ray.address); set "
+                "rollout_process=trainer (or auto) for one device"
+            )
         if ray_missing:
-            raise ConfigError(f"{key}=own puts the rollout in Ray actors, and Ray is not installed: "
-                              "pip install 'conveyor[ray]', or set rollout_process=trainer")
+            raise ConfigError(
+                f"{key}=own puts the rollout in Ray actors, and Ray is not installed: "
+                "pip install 'conveyor[ray]', or set rollout_process=trainer"
+            )
         return "own", f"rollout process: Ray actors of their own, beside the trainer's ({key}=own)"
     if asked == "trainer":
         return "trainer", f"rollout process: a thread of the trainer's ({key}=trainer)"
     # auto: the thread. Measured on the default run (docs/async.md), processes of their own train faster per step but
     # start about 9 s later (Ray and its actors): the 600-step default run ends sooner on the thread, which also needs
     # no Ray; they pay from about 700 steps on a 2-core machine, and `own` asks for them.
-    return "trainer", (f"rollout process: a thread of the trainer's ({key}=auto; {key}=own puts the rollout and "
-                       "reward workers in Ray actors of their own)")
+    return "trainer", (
+        f"rollout process: a thread of the trainer's ({key}=auto; {key}=own puts the rollout and "
+        "reward workers in Ray actors of their own)"
+    )
 
 
 def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
@@ -121,19 +128,25 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     why: list[str] = []
     able = list(ROLLOUT_ENGINES)
     if ro.multi_turn.enable and not caps.stop_sequences:
-        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable: the {ro.name} rollout does not stop at token "
-                          "sequences, which ends a turn at a tool call; use an engine that does: "
-                          + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).stop_sequences))
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.multi_turn.enable: the {ro.name} rollout does not stop at token "
+            "sequences, which ends a turn at a tool call; use an engine that does: "
+            + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).stop_sequences)
+        )
     if v1.is_async and v1.separate_async.partial_rollout and not caps.interruptible:
-        raise ConfigError(f"trainer.v1.separate_async.partial_rollout: weights that reach the rollout mid-generation "
-                          f"need an engine that can be interrupted between tokens; the {ro.name} rollout cannot: set "
-                          "partial_rollout=false or use "
-                          + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).interruptible))
+        raise ConfigError(
+            f"trainer.v1.separate_async.partial_rollout: weights that reach the rollout mid-generation "
+            f"need an engine that can be interrupted between tokens; the {ro.name} rollout cannot: set "
+            "partial_rollout=false or use "
+            + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).interruptible)
+        )
     # The asynchronous source generates while the actor trains: on engines of their own, the rollout worker group.
     placement = "separate" if v1.is_async else ro.placement
     if placement == "separate":
-        why.append("rollout: the rollout worker group" + (f" (trainer.v1.trainer_mode={v1.trainer_mode} generates "
-                                                          "while the actor trains)" if v1.is_async else ""))
+        why.append(
+            "rollout: the rollout worker group"
+            + (f" (trainer.v1.trainer_mode={v1.trainer_mode} generates while the actor trains)" if v1.is_async else "")
+        )
 
     process, process_why = rollout_process(cfg, device, placement)
     if placement == "separate":
@@ -141,23 +154,28 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
 
     off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
     if off_policy:
-        why.append(f"off-policy: trainer.v1.trainer_mode={v1.trainer_mode} with "
-                   f"max_off_policy_threshold={v1.sampler.max_off_policy_threshold}")
+        why.append(
+            f"off-policy: trainer.v1.trainer_mode={v1.trainer_mode} with "
+            f"max_off_policy_threshold={v1.sampler.max_off_policy_threshold}"
+        )
 
     # ---- replay
     requested = actor.router_replay.mode
     replay, reason = requested, ""
     if requested == "R3" and not caps.returns_routing:
         replay = "R2"
-        reason = (f"router_replay.mode=R3 replays the rollout's routing, which the {ro.name} rollout cannot return "
-                  f"on {device}: the run uses R2 (the routing of the old-log-prob forward, replayed in every update)")
+        reason = (
+            f"router_replay.mode=R3 replays the rollout's routing, which the {ro.name} rollout cannot return "
+            f"on {device}: the run uses R2 (the routing of the old-log-prob forward, replayed in every update)"
+        )
         if correction.bypass_mode is True:
             raise ConfigError(
                 f"actor_rollout_ref.actor.router_replay.mode=R3: the {ro.name} rollout returns no routed experts on "
                 f"{device}, so R3 would run as R2, which records the routing in the old-log-prob forward that "
                 "algorithm.rollout_correction.bypass_mode=true skips: set algorithm.rollout_correction.bypass_mode "
                 "to null or false, or use an engine that returns routing here (actor_rollout_ref.rollout.name="
-                + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).returns_routing) + ")"
+                + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).returns_routing)
+                + ")"
                 + (" or a GPU" if spec.capabilities("cuda").returns_routing else "")
             )
         why.append(reason)
@@ -171,22 +189,40 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     elif off_policy:
         bypass, bypass_why = False, "the rollout's log-probs are an older policy's (off-policy)"
     elif replay == "R2" or correction.rollout_is or correction.rollout_rs:
-        need = [n for n, on in (("R2", replay == "R2"), ("rollout_is", bool(correction.rollout_is)),
-                                ("rollout_rs", bool(correction.rollout_rs))) if on]
+        need = [
+            n
+            for n, on in (
+                ("R2", replay == "R2"),
+                ("rollout_is", bool(correction.rollout_is)),
+                ("rollout_rs", bool(correction.rollout_rs)),
+            )
+            if on
+        ]
         bypass, bypass_why = False, f"{', '.join(need)} need(s) the old-log-prob forward"
     else:
         bypass = caps.shares_trainer_modules
-        bypass_why = (f"the {ro.name} rollout samples from the trainer's own modules"
-                      if bypass else f"the {ro.name} rollout's numerics are not the trainer's")
-    proximal = (off_policy and actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
-                and not algo.use_kl_in_reward and correction.rollout_rs is None and replay != "R2")
+        bypass_why = (
+            f"the {ro.name} rollout samples from the trainer's own modules"
+            if bypass
+            else f"the {ro.name} rollout's numerics are not the trainer's"
+        )
+    proximal = (
+        off_policy
+        and actor.ppo_epochs == 1
+        and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        and not algo.use_kl_in_reward
+        and correction.rollout_rs is None
+        and replay != "R2"
+    )
     if bypass:
         old = "rollout"
         why.append(f"old log-probs: the rollout's, no forward ({bypass_why})")
     elif proximal:
         old = "update"
-        why.append("old log-probs: the update's own forward (off-policy with one optimizer step per batch and no "
-                   "stage needing them before the update)")
+        why.append(
+            "old log-probs: the update's own forward (off-policy with one optimizer step per batch and no "
+            "stage needing them before the update)"
+        )
     else:
         old = "forward"
         why.append(f"old log-probs: the old-log-prob forward ({bypass_why})")
@@ -210,28 +246,38 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     # ---- correction, roles, scales
     is_level = correction.rollout_is if correction.rollout_is is not None or not off_policy else "token"
     if is_level is not None:
-        why.append(f"importance weights at {is_level} level"
-                   + ("" if correction.rollout_is is not None else " (off-policy default)"))
+        why.append(
+            f"importance weights at {is_level} level"
+            + ("" if correction.rollout_is is not None else " (off-policy default)")
+        )
     if correction.rollout_rs is not None:
         why.append(f"rejection sampling: {correction.rollout_rs}")
     use_critic = critic_in_use(cfg)
     use_reference = actor.use_kl_loss or algo.use_kl_in_reward
-    why.append(f"critic: {'on' if use_critic else 'off'}"
-               + (" (critic.enable)" if cfg.critic.enable is not None else f" (adv_estimator={algo.adv_estimator})"))
+    why.append(
+        f"critic: {'on' if use_critic else 'off'}"
+        + (" (critic.enable)" if cfg.critic.enable is not None else f" (adv_estimator={algo.adv_estimator})")
+    )
     if use_reference:
-        kinds = [k for k, on in (("use_kl_loss", actor.use_kl_loss), ("use_kl_in_reward", algo.use_kl_in_reward))
-                 if on]
+        kinds = [k for k, on in (("use_kl_loss", actor.use_kl_loss), ("use_kl_in_reward", algo.use_kl_in_reward)) if on]
         why.append(f"reference policy: on ({', '.join(kinds)})")
     # LoRA trains adapters over frozen weights: those weights are the reference, so no second model is built.
     reference_from_actor = use_reference and arr.model.lora_rank > 0
     if reference_from_actor:
-        why.append(f"reference policy: the actor with its LoRA adapters disabled (actor_rollout_ref.model.lora_rank="
-                   f"{arr.model.lora_rank}: the base weights are frozen), no reference model built")
+        why.append(
+            f"reference policy: the actor with its LoRA adapters disabled (actor_rollout_ref.model.lora_rank="
+            f"{arr.model.lora_rank}: the base weights are frozen), no reference model built"
+        )
     if arr.model.lora_rank > 0:
-        why.append(f"LoRA: rank {arr.model.lora_rank}, alpha {arr.model.lora_alpha:g}, target_modules="
-                   f"{arr.model.target_modules}; only the adapters train"
-                   + (f"; the {ro.name} engine gets the merged weights after every update"
-                      if not caps.shares_trainer_modules else ""))
+        why.append(
+            f"LoRA: rank {arr.model.lora_rank}, alpha {arr.model.lora_alpha:g}, target_modules="
+            f"{arr.model.target_modules}; only the adapters train"
+            + (
+                f"; the {ro.name} engine gets the merged weights after every update"
+                if not caps.shares_trainer_modules
+                else ""
+            )
+        )
     # A constant, not the micro-batch's padded width as in verl: the loss of a sequence must not
     # depend on which sequences it was padded next to.
     actor_scale = float(actor.loss_scale_factor or cfg.data.max_response_length)
@@ -242,13 +288,30 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         why.append(f"{ro.name} max_model_len={max_model_len}")
 
     return RunPlan(
-        device=device, engine=ro.name, engine_returns_routing=engine_routing, is_moe=moe, old_log_probs=old,
-        replay_mode=replay, replay_requested=requested, replay_reason=reason, routing_source=source,
-        rollout_captures_routing=capture, forward_records_routing=record,
-        forward_replays_routing=moe and replay == "R3", update_replays_routing=moe and replay in ("R2", "R3"),
-        load_balance_from_forward=from_forward, rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None,
-        off_policy=off_policy, rollout_placement=placement, rollout_process=process, use_critic=use_critic,
+        device=device,
+        engine=ro.name,
+        engine_returns_routing=engine_routing,
+        is_moe=moe,
+        old_log_probs=old,
+        replay_mode=replay,
+        replay_requested=requested,
+        replay_reason=reason,
+        routing_source=source,
+        rollout_captures_routing=capture,
+        forward_records_routing=record,
+        forward_replays_routing=moe and replay == "R3",
+        update_replays_routing=moe and replay in ("R2", "R3"),
+        load_balance_from_forward=from_forward,
+        rollout_is_level=is_level,
+        rollout_rs=correction.rollout_rs is not None,
+        off_policy=off_policy,
+        rollout_placement=placement,
+        rollout_process=process,
+        use_critic=use_critic,
         use_reference=use_reference,
-        reference_from_actor=reference_from_actor, actor_loss_scale=actor_scale,
-        critic_loss_scale=critic_scale, engine_max_model_len=max_model_len, decisions=tuple(why),
+        reference_from_actor=reference_from_actor,
+        actor_loss_scale=actor_scale,
+        critic_loss_scale=critic_scale,
+        engine_max_model_len=max_model_len,
+        decisions=tuple(why),
     )

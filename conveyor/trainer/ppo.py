@@ -28,8 +28,9 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,8 +55,8 @@ from conveyor.trainer.stages import Stages
 from conveyor.trainer.state import Checkpoints
 from conveyor.trainer.timing import CPU, timer, timing_metrics
 from conveyor.trainer.validation import Validation
-from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.placement.roles import WorkerGroups
+from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,11 @@ def _phase_memory(extra_info: dict, role: str) -> dict[str, float]:
     Also the split's `perf/<endpoint>/rank_token_imbalance`, when the call ran on several ranks.
     """
     reduced = reduce_rank_metrics(extra_info)
-    return {f"{role}/{k}": v for k, v in reduced.items()
-            if k.startswith("perf/") and k.endswith(("/max_memory_gb", "/rank_token_imbalance")) and k.count("/") == 2}
+    return {
+        f"{role}/{k}": v
+        for k, v in reduced.items()
+        if k.startswith("perf/") and k.endswith(("/max_memory_gb", "/rank_token_imbalance")) and k.count("/") == 2
+    }
 
 
 def _check_finite(step: int, name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -122,15 +126,29 @@ class PPOTrainer:
         # What the estimator needs beyond rewards: a greedy baseline rollout (ReMax), values.
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
         # Stages 1-3 and what they need: the one object the sources and validation are handed.
-        self.stages = Stages(cfg, plan=plan, data_plane=data_plane, workers=workers, train_records=train_records,
-                             prompts=PromptEncoder(tokenizer, cfg.data.max_prompt_length, cfg.data.truncation),
-                             run_dir=self.run_dir)
+        self.stages = Stages(
+            cfg,
+            plan=plan,
+            data_plane=data_plane,
+            workers=workers,
+            train_records=train_records,
+            prompts=PromptEncoder(tokenizer, cfg.data.max_prompt_length, cfg.data.truncation),
+            run_dir=self.run_dir,
+        )
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
         self.source = build_source(self.stages, greedy_baseline=self.estimator.greedy_baseline)
         # What a checkpoint saves and restores, named: the loop hands it the step and takes the resumed one back.
-        self.checkpoints = Checkpoints(cfg, ckpt_root=self.run_dir / "checkpoints", workers=workers, source=self.source,
-                                       validation=self.validation, kl_ctrl=self.kl_ctrl, moe_acc=self.moe_acc,
-                                       model_config=model_config, tokenizer=tokenizer)
+        self.checkpoints = Checkpoints(
+            cfg,
+            ckpt_root=self.run_dir / "checkpoints",
+            workers=workers,
+            source=self.source,
+            validation=self.validation,
+            kl_ctrl=self.kl_ctrl,
+            moe_acc=self.moe_acc,
+            model_config=model_config,
+            tokenizer=tokenizer,
+        )
 
     @property
     def global_step(self) -> int:
@@ -192,8 +210,9 @@ class PPOTrainer:
             elif not stopping and self.global_step > saved_step:
                 # The step had advanced the prompt order and maybe the model: a checkpoint
                 # now would describe no step, so the newest one stays the last good state.
-                logger.warning("interrupted in the middle of step %d: nothing saved; a resumed run repeats it",
-                               self.global_step)
+                logger.warning(
+                    "interrupted in the middle of step %d: nothing saved; a resumed run repeats it", self.global_step
+                )
             raise
         finally:
             if bar is not None:
@@ -263,16 +282,21 @@ class PPOTrainer:
             return self.data_plane.put(meta, {"old_log_probs": bypass_old_log_prob(td["rollout_log_probs"])}), {}
         if self.plan.old_log_probs == "update":  # the update's own forward writes them (off-policy, one optimizer step)
             return meta, {}
-        call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=True,
-                           compute_loss=False)
+        call = LogProbCall(
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=True, compute_loss=False
+        )
         out = self.workers.actor.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         reduced = reduce_rank_metrics(out.extra_info)
-        return out, {**{k: v for k, v in reduced.items() if k.startswith("actor/")}, **_phase_memory(out.extra_info, "actor")}
+        return out, {
+            **{k: v for k, v in reduced.items() if k.startswith("actor/")},
+            **_phase_memory(out.extra_info, "actor"),
+        }
 
     def _compute_ref_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 5: ref_log_prob from the frozen reference policy."""
-        call = LogProbCall(temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False,
-                           compute_loss=False)
+        call = LogProbCall(
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False, compute_loss=False
+        )
         out = self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         return out, _phase_memory(out.extra_info, "ref")
 
@@ -305,17 +329,23 @@ class PPOTrainer:
             metrics["actor/reward_kl_penalty"] = current_kl
             metrics["actor/reward_kl_penalty_coeff"] = float(self.kl_ctrl.value)
         advantages, returns = compute_advantage(
-            algo.adv_estimator, rewards, mask,
+            algo.adv_estimator,
+            rewards,
+            mask,
             values=td["values"] if self.plan.use_critic else None,
             group_index=list(td["uid"]),
-            gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
             reward_baselines=td["reward_baselines"] if self.estimator.greedy_baseline else None,
         )
         _check_finite(self.global_step, "advantages", advantages, mask)
         out = self.data_plane.put(meta, {"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
         return out, metrics
 
-    def _mini_batches(self, meta: KVBatchMeta, mini_batch_prompts: int, epochs: int, shuffle: bool, salt: str) -> list[KVBatchMeta]:
+    def _mini_batches(
+        self, meta: KVBatchMeta, mini_batch_prompts: int, epochs: int, shuffle: bool, salt: str
+    ) -> list[KVBatchMeta]:
         """The handles of each optimizer step: `epochs` passes, each split into mini-batches of whole samples."""
         n = self.cfg.actor_rollout_ref.rollout.n
         size = mini_batch_prompts * n
@@ -351,7 +381,9 @@ class PPOTrainer:
             results.append(reduce_rank_metrics(out.extra_info))
         merged = mean_over_calls(results)
         if not math.isfinite(merged.get("actor/pg_loss", 0.0)):
-            raise NonFiniteError(f"step {self.global_step}: field 'actor/pg_loss' is not finite ({merged['actor/pg_loss']})")
+            raise NonFiniteError(
+                f"step {self.global_step}: field 'actor/pg_loss' is not finite ({merged['actor/pg_loss']})"
+            )
         return meta, {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in merged.items()}
 
     def _compute_metrics(self, meta: KVBatchMeta) -> StageResult:
@@ -367,16 +399,26 @@ class PPOTrainer:
         td = get_metric_data_with_optional_routed_experts(
             meta.keys, meta.partition_id, fields, interval, self.global_step, self.moe_acc, self.data_plane.kv_batch_get
         )
-        metrics = compute_data_metrics(td, use_critic=self.plan.use_critic,
-                                       max_response_length=self.cfg.data.max_response_length)
+        metrics = compute_data_metrics(
+            td, use_critic=self.plan.use_critic, max_response_length=self.cfg.data.max_response_length
+        )
         correction = self.cfg.algorithm.rollout_correction
         if self.plan.rollout_is_level is not None and not self.plan.bypass:
             upper, lower = correction.is_thresholds()
-            metrics.update(compute_is_metrics(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
-                                              level=self.plan.rollout_is_level, threshold=upper, lower=lower))
+            metrics.update(
+                compute_is_metrics(
+                    td["old_log_probs"],
+                    td["rollout_log_probs"],
+                    td["response_mask"],
+                    level=self.plan.rollout_is_level,
+                    threshold=upper,
+                    lower=lower,
+                )
+            )
         if correction.rollout_rs is not None and not self.plan.bypass:
-            _, rs = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
-                                           correction.rejection())
+            _, rs = compute_rejection_mask(
+                td["old_log_probs"], td["rollout_log_probs"], td["response_mask"], correction.rejection()
+            )
             metrics.update({f"rollout_corr/{k}": v for k, v in rs.items()})
         with timer("moe_metrics", timings):
             moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
@@ -414,23 +456,26 @@ class PPOTrainer:
 
         k = min(self.cfg.trainer.dump_num, len(meta))
         sub = meta.select(list(range(k)))
-        td = self.data_plane.get(sub, ["raw_prompt", "responses", "response_mask", "ground_truth", "data_source", "acc",
-                               "advantages"])
+        td = self.data_plane.get(
+            sub, ["raw_prompt", "responses", "response_mask", "ground_truth", "data_source", "acc", "advantages"]
+        )
         rows = []
         for i in range(k):
             n = int(td["response_mask"][i].sum())
             # Through the last model token, with the tool turns marked when there are any (multi-turn).
             response, turns = response_turns(self.tokenizer, td["responses"][i], td["response_mask"][i])
-            rows.append({
-                "prompt": td["raw_prompt"][i],
-                "response": response,
-                "ground_truth": td["ground_truth"][i],
-                "data_source": td["data_source"][i],
-                "reward": float(td["acc"][i]),
-                "advantage": float(td["advantages"][i][:max(n, 1)].mean()),
-                "key": sub.keys[i],
-                **({"turns": turns} if turns else {}),
-            })
+            rows.append(
+                {
+                    "prompt": td["raw_prompt"][i],
+                    "response": response,
+                    "ground_truth": td["ground_truth"][i],
+                    "data_source": td["data_source"][i],
+                    "reward": float(td["acc"][i]),
+                    "advantage": float(td["advantages"][i][: max(n, 1)].mean()),
+                    "key": sub.keys[i],
+                    **({"turns": turns} if turns else {}),
+                }
+            )
         write_generations(self.run_dir, self.global_step, rows)
 
     def _progress_bar(self):

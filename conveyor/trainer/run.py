@@ -43,9 +43,9 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopSignals
-from conveyor.workers.training.memory_budget import check_memory
-from conveyor.workers.ranks.perf import frozen_heap
 from conveyor.workers.placement.roles import build_worker_groups
+from conveyor.workers.ranks.perf import frozen_heap
+from conveyor.workers.training.memory_budget import check_memory
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,19 @@ def _check_engine_serves(cfg: Config, plan: RunPlan, model_config: Any, device: 
     """Refuse a model the rollout engine cannot serve on `device` before any worker is built, naming what to change."""
     model = cfg.actor_rollout_ref.model
     ro = cfg.actor_rollout_ref.rollout
-    source = (f"checkpoint {model.path} (actor_rollout_ref.model.path)" if model.path else
-              "the tiny model (actor_rollout_ref.model.tiny)")
-    length_key = ("actor_rollout_ref.rollout.max_model_len" if ro.max_model_len is not None
-                  else "data.max_prompt_length + data.max_response_length")
-    engine_spec(ro.name).check_model(model_config, device=device, max_model_len=plan.engine_max_model_len,
-                                     source=source, length_key=length_key)
+    source = (
+        f"checkpoint {model.path} (actor_rollout_ref.model.path)"
+        if model.path
+        else "the tiny model (actor_rollout_ref.model.tiny)"
+    )
+    length_key = (
+        "actor_rollout_ref.rollout.max_model_len"
+        if ro.max_model_len is not None
+        else "data.max_prompt_length + data.max_response_length"
+    )
+    engine_spec(ro.name).check_model(
+        model_config, device=device, max_model_len=plan.engine_max_model_len, source=source, length_key=length_key
+    )
 
 
 def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[str, float]:
@@ -108,8 +115,10 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         write_config(cfg, run_dir, keep_previous=changed)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     except OSError as err:
-        raise ValueError(f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "
-                         "directory with trainer.default_local_dir") from err
+        raise ValueError(
+            f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "
+            "directory with trainer.default_local_dir"
+        ) from err
     torch.manual_seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed % 2**32)
 
@@ -146,12 +155,25 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         ray_started = ensure_ray(cfg) if needs_ray(cfg, plan) else False
         data_plane = build_data_plane(cfg, registry=registry)
         workers = build_worker_groups(cfg, plan, model_path, data_plane, tokenizer, device)
-        tracking = Tracking(cfg.trainer.logger, run_dir=run_dir, project=cfg.trainer.project_name,
-                            experiment=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+        tracking = Tracking(
+            cfg.trainer.logger,
+            run_dir=run_dir,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+            config=config_to_dict(cfg),
+        )
         trainer = PPOTrainer(
-            cfg, plan=plan, data_plane=data_plane, workers=workers, tokenizer=tokenizer, train_records=train_records,
-            val_records=val_records, tracking=tracking, run_dir=run_dir,
-            model_config=model_config, prometheus=gauges,
+            cfg,
+            plan=plan,
+            data_plane=data_plane,
+            workers=workers,
+            tokenizer=tokenizer,
+            train_records=train_records,
+            val_records=val_records,
+            tracking=tracking,
+            run_dir=run_dir,
+            model_config=model_config,
+            prometheus=gauges,
         )
         with frozen_heap():  # what is built now lives as long as the run: no garbage collection walks it again
             result = trainer.fit()

@@ -41,8 +41,15 @@ from conveyor.trainer.checkpoint import list_checkpoints
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunDirLock", "open_run_dir", "check_resume", "check_no_newer_checkpoints", "write_config",
-           "config_differences", "NEUTRAL_KEYS"]
+__all__ = [
+    "RunDirLock",
+    "open_run_dir",
+    "check_resume",
+    "check_no_newer_checkpoints",
+    "write_config",
+    "config_differences",
+    "NEUTRAL_KEYS",
+]
 
 # Settings a resumed run may change without changing what it computes: how long, where and how often it
 # logs, saves and validates, and how its ranks are placed and hold the model (sharded checkpoints reshard).
@@ -99,8 +106,9 @@ def open_run_dir(cfg: Config) -> RunDirLock:
     except ValueError:
         raise
     except OSError as err:
-        raise ValueError(f"cannot use run directory {run_dir} ({err.strerror or err}); choose a writable directory "
-                         f"with {key}") from err
+        raise ValueError(
+            f"cannot use run directory {run_dir} ({err.strerror or err}); choose a writable directory with {key}"
+        ) from err
     return lock
 
 
@@ -119,26 +127,33 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple
 
 
 def check_resume(cfg: Config, checkpoint: Path, saved_config: dict[str, Any] | None) -> bool:
-    """Refuse (ValueError) a resume whose run-changing settings differ from `checkpoint`'s; True if changes were accepted."""
+    """Refuse (ValueError) a resume whose run-changing settings differ from `checkpoint`'s; True if changes were
+    accepted."""
     if saved_config is None:
-        raise ValueError(f"checkpoint {checkpoint} records no config, so it cannot be checked against this run; "
-                         "start a new run directory or set trainer.resume_mode=disable")
+        raise ValueError(
+            f"checkpoint {checkpoint} records no config, so it cannot be checked against this run; "
+            "start a new run directory or set trainer.resume_mode=disable"
+        )
     diffs = config_differences(saved_config, config_to_dict(cfg))
     if not diffs:
         return False
     listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:12])
     more = f" and {len(diffs) - 12} more" if len(diffs) > 12 else ""
     if not cfg.trainer.resume_accept_config_changes:
-        raise ValueError(f"checkpoint {checkpoint} was written with other settings that change the run: {listed}{more}. "
-                         "Resume with the checkpoint's settings, start a new run directory, or accept the change "
-                         "with trainer.resume_accept_config_changes=true")
-    logger.warning("resuming %s with changed settings (trainer.resume_accept_config_changes=true): %s%s",
-                   checkpoint, listed, more)
+        raise ValueError(
+            f"checkpoint {checkpoint} was written with other settings that change the run: {listed}{more}. "
+            "Resume with the checkpoint's settings, start a new run directory, or accept the change "
+            "with trainer.resume_accept_config_changes=true"
+        )
+    logger.warning(
+        "resuming %s with changed settings (trainer.resume_accept_config_changes=true): %s%s", checkpoint, listed, more
+    )
     return True
 
 
 def check_no_newer_checkpoints(cfg: Config, run_dir: Path, resumed: Path | None, step: int) -> None:
-    """Refuse (ValueError) a run starting at `step` (from `resumed`, or fresh) behind checkpoints already in `run_dir`."""
+    """Refuse (ValueError) a run starting at `step` (from `resumed`, or fresh) behind checkpoints already in
+    `run_dir`."""
     newer = [p for s, p in list_checkpoints(run_dir / "checkpoints") if s > step]
     if not newer:
         return
@@ -149,12 +164,14 @@ def check_no_newer_checkpoints(cfg: Config, run_dir: Path, resumed: Path | None,
             f"trainer.resume_mode={cfg.trainer.resume_mode} starts a new run at step 0, but run directory {run_dir} "
             f"holds checkpoints of an earlier run ({names}), which would outrank the new run's steps and be "
             f"overwritten or pruned by its saves; give the new run its own directory ({key}), or continue the "
-            "earlier run with trainer.resume_mode=auto")
+            "earlier run with trainer.resume_mode=auto"
+        )
     raise ValueError(
         f"trainer.resume_from_path={resumed} is step {step}, but run directory {run_dir} holds newer checkpoints "
         f"({names}): they would outrank this run's steps, so a plain re-run would continue the abandoned run. To "
         f"branch from step {step}, give this run a new directory with {key} (keeping trainer.resume_from_path); to "
-        "continue the newest checkpoint instead, use trainer.resume_mode=auto")
+        "continue the newest checkpoint instead, use trainer.resume_mode=auto"
+    )
 
 
 def write_config(cfg: Config, run_dir: Path, keep_previous: bool = False) -> None:

@@ -186,8 +186,9 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
         val, val_origins = [], []
     if d.val_batch_size is not None:
         val, val_origins = val[: d.val_batch_size], val_origins[: d.val_batch_size]
-    _check_prompts(cfg, train + val, train_origins + val_origins,
-                   tokenizer if tokenizer is not None else _prompt_tokenizer(cfg))
+    _check_prompts(
+        cfg, train + val, train_origins + val_origins, tokenizer if tokenizer is not None else _prompt_tokenizer(cfg)
+    )
     if not cfg.reward.custom_reward_function.path:
         # Checked now, not at the first reward stage after the model is built and has generated.
         from conveyor.tasks.rewards import get_reward_fn, ground_truth_problem
@@ -209,7 +210,8 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
 
 
 def _check_max_positions(cfg: Config, path: str) -> None:
-    """data.max_prompt_length + data.max_response_length must fit the checkpoint's positions (checked before loading)."""
+    """data.max_prompt_length + data.max_response_length must fit the checkpoint's positions (checked before
+    loading)."""
     from conveyor.models.loading import max_positions, read_config_json
 
     found = max_positions(read_config_json(path))
@@ -234,8 +236,16 @@ def _tiny_key(cfg: Config) -> str:
         del syn["task"]  # the default task keeps the key it had before tasks were selectable
     # The positions the model is built with follow the data's lengths: two runs that differ only there must not
     # share a cached model (the shorter one's would refuse the longer sequences).
-    blob = json.dumps({"tiny": tiny, "task": syn, "seed": cfg.data.seed, "v": _TINY_RECIPE_VERSION,
-                       "positions": _tiny_positions(cfg)}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "tiny": tiny,
+            "task": syn,
+            "seed": cfg.data.seed,
+            "v": _TINY_RECIPE_VERSION,
+            "positions": _tiny_positions(cfg),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -265,8 +275,10 @@ def prepare_default_model(cfg: Config) -> str:
         except ValueError as err:
             # Not the user's checkpoint to copy again: the cache's own copy was cut short (a full disk, a kill).
             problem = str(err).split(";")[0]  # what is wrong, without the advice meant for a user's own checkpoint
-            raise ValueError(f"the cached tiny model {target} is damaged ({problem}); delete that folder "
-                             f"(rm -r {target}) and run again to rebuild it") from err
+            raise ValueError(
+                f"the cached tiny model {target} is damaged ({problem}); delete that folder "
+                f"(rm -r {target}) and run again to rebuild it"
+            ) from err
         return str(target)
     # Checked before the minutes of building: a cache under a file or on a read-only disk fails at once.
     make_dir(target.parent, "CONVEYOR_CACHE (the model cache)")
@@ -277,27 +289,44 @@ def prepare_default_model(cfg: Config) -> str:
     logger.info("building the tiny %s model (first use) into %s", tiny.arch, target)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(
-        tiny.arch, tokenizer, seed=tiny.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
-        num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
-        num_experts=tiny.num_experts, top_k=tiny.top_k,
+        tiny.arch,
+        tokenizer,
+        seed=tiny.seed,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        num_kv_heads=tiny.num_kv_heads,
+        intermediate_size=tiny.intermediate_size,
+        num_experts=tiny.num_experts,
+        top_k=tiny.top_k,
         max_position_embeddings=_tiny_positions(cfg),
     )
     if tiny.warmstart_steps:
         train, _ = load_prompt_records(cfg) if not cfg.data.train_files else (None, None)
         if train is None:
-            raise ConfigError("actor_rollout_ref.model.tiny.warmstart_steps needs the synthetic task; "
-                              "set it to 0 when using data.train_files, or give actor_rollout_ref.model.path")
+            raise ConfigError(
+                "actor_rollout_ref.model.tiny.warmstart_steps needs the synthetic task; "
+                "set it to 0 when using data.train_files, or give actor_rollout_ref.model.path"
+            )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(tiny.seed)
-            supervised_warmstart(model, tokenizer, train, steps=tiny.warmstart_steps, lr=tiny.warmstart_lr,
-                                 seed=tiny.seed, until_accuracy=tiny.warmstart_until_accuracy)
+            supervised_warmstart(
+                model,
+                tokenizer,
+                train,
+                steps=tiny.warmstart_steps,
+                lr=tiny.warmstart_lr,
+                seed=tiny.seed,
+                until_accuracy=tiny.warmstart_until_accuracy,
+            )
     # Write beside the target and rename into place, so a concurrent or killed
     # build never leaves a half-written checkpoint under the final name.
     try:
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     except OSError as err:
-        raise ValueError(f"CONVEYOR_CACHE (the model cache): cannot write into {target.parent}: "
-                         f"{describe_os_error(err)}") from err
+        raise ValueError(
+            f"CONVEYOR_CACHE (the model cache): cannot write into {target.parent}: {describe_os_error(err)}"
+        ) from err
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -306,8 +335,10 @@ def prepare_default_model(cfg: Config) -> str:
         cause = environment_error(err)
         if cause is None:
             raise
-        raise ValueError(f"CONVEYOR_CACHE (the model cache): writing the tiny model into {target.parent} failed: "
-                         f"{describe_os_error(cause)}") from err
+        raise ValueError(
+            f"CONVEYOR_CACHE (the model cache): writing the tiny model into {target.parent} failed: "
+            f"{describe_os_error(cause)}"
+        ) from err
     try:
         os.rename(tmp, target)
     except OSError:
@@ -316,13 +347,17 @@ def prepare_default_model(cfg: Config) -> str:
 
 
 def build_data_plane(cfg: Config, registry: Any = None) -> DataPlane:
-    """The data plane of `transfer_queue.*` (`ray` instead of `memory` when workers run on Ray), metrics in `registry`."""
+    """The data plane of `transfer_queue.*` (`ray` instead of `memory` when workers run on Ray), metrics in
+    `registry`."""
     tq = cfg.transfer_queue
     backend = data_plane_backend(cfg)
     options: dict[str, Any] = {}
     if backend == "ray":
-        options = {"num_storage_actors": tq.num_storage_actors, "actor_cpus": tq.storage_actor_cpus,
-                   "timeout_s": cfg.ray.timeout_s}
+        options = {
+            "num_storage_actors": tq.num_storage_actors,
+            "actor_cpus": tq.storage_actor_cpus,
+            "timeout_s": cfg.ray.timeout_s,
+        }
     elif backend == "transferqueue":
         options = {"tq_config": dict(tq.transferqueue), "host": tq.host}
     return make_data_plane(

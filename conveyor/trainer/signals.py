@@ -21,7 +21,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class StopSignals:
         self.requested = 0  # the signal that asked the loop to stop after this step (0: none)
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> "StopSignals":
+    def install(self) -> StopSignals:
         """Take over SIGINT and SIGTERM (not off the main thread, where signals never arrive anyway)."""
         self.requested = 0
         for signum in STOP_SIGNALS:
@@ -80,8 +81,12 @@ class StopSignals:
             raise StopRequested(signum)
         self.requested = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        logger.warning("%s: finishing step %d, then saving a checkpoint and stopping (send it again to stop at "
-                       "once, without saving)", name, self._step())
+        logger.warning(
+            "%s: finishing step %d, then saving a checkpoint and stopping (send it again to stop at "
+            "once, without saving)",
+            name,
+            self._step(),
+        )
 
 
 # The watcher `Reaper` runs (python -c): every half second it notes the trainer's descendants started after it
@@ -149,8 +154,12 @@ class Reaper:
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         if sys.platform.startswith("linux"):
-            self._proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
-                                          stdout=subprocess.DEVNULL, close_fds=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _REAPER, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+            )
 
     def release(self) -> None:
         """The processes were stopped in order: the watcher leaves them alone and exits."""

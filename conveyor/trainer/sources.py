@@ -45,14 +45,24 @@ from conveyor.metrics.reduce import mean_over_calls
 from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.stages import Generate, Stages
 from conveyor.trainer.timing import CPU, timer
-from conveyor.workers.training.balance import SEQ_LEN_TAG
 from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
+from conveyor.workers.training.balance import SEQ_LEN_TAG
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["Batch", "SampleSource", "SyncSource", "AsyncSource", "DynamicSampling", "Pipeline", "GenerateAndScore",
-           "GreedyBaseline", "build_source", "ROLLOUT_THREAD"]
+__all__ = [
+    "Batch",
+    "SampleSource",
+    "SyncSource",
+    "AsyncSource",
+    "DynamicSampling",
+    "Pipeline",
+    "GenerateAndScore",
+    "GreedyBaseline",
+    "build_source",
+    "ROLLOUT_THREAD",
+]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
 ROLLOUT_THREAD = "conveyor-rollout"
@@ -78,8 +88,9 @@ class Batch:
 class Pipeline:
     """Prompts already in the data plane -> a scored batch: what both sources run on every batch they draw."""
 
-    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
-                 scored: bool = False) -> Batch:
+    def __call__(
+        self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate, scored: bool = False
+    ) -> Batch:
         """The batch of `meta`'s prompts (drawn from `records`), sampled with `seed` by `generate` (which also scores
         them when `scored`: the reward worker in the rollout's processes, in the same call)."""
         raise NotImplementedError
@@ -91,8 +102,9 @@ class GenerateAndScore(Pipeline):
     def __init__(self, stages: Stages):
         self.stages = stages
 
-    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
-                 scored: bool = False) -> Batch:
+    def __call__(
+        self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate, scored: bool = False
+    ) -> Batch:
         """Responses by `generate`, then rule-based scores."""
         timings: dict[str, float] = {}
         with timer("gen", timings):
@@ -109,8 +121,9 @@ class GreedyBaseline(Pipeline):
     def __init__(self, inner: Pipeline, stages: Stages):
         self.inner, self.stages = inner, stages
 
-    def __call__(self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate,
-                 scored: bool = False) -> Batch:
+    def __call__(
+        self, meta: KVBatchMeta, records: list[dict], seed: int, *, pad: bool, generate: Generate, scored: bool = False
+    ) -> Batch:
         """`inner`'s batch with `reward_baselines` written."""
         batch = self.inner(meta, records, seed, pad=pad, generate=generate, scored=scored)
         stages, dp = self.stages, self.stages.data_plane
@@ -177,10 +190,16 @@ class SyncSource(SampleSource):
         timings: dict[str, float] = {}
         with timer("prompts", timings):
             # Batches that share a partition share its column widths: pad to the maximum.
-            meta = stages.put_prompts(records, part, n=stages.cfg.actor_rollout_ref.rollout.n, key_prefix=prefix,
-                                      width=stages.train_prompt_width() if self.pad else None)
-        batch = self.pipeline(meta, records, stages.seed(salt), pad=self.pad,
-                              generate=stages.workers.generate_sequences)
+            meta = stages.put_prompts(
+                records,
+                part,
+                n=stages.cfg.actor_rollout_ref.rollout.n,
+                key_prefix=prefix,
+                width=stages.train_prompt_width() if self.pad else None,
+            )
+        batch = self.pipeline(
+            meta, records, stages.seed(salt), pad=self.pad, generate=stages.workers.generate_sequences
+        )
         batch.timings = {**timings, **batch.timings}
         return batch
 
@@ -328,8 +347,11 @@ class AsyncSource(SampleSource):
         self.shared = "rollout-samples" if pad else None
         # Stage 1 of a batch: replicas in processes of their own render its prompts themselves (it rides on the
         # generation call), so the trainer's process neither tokenizes nor writes them; else the trainer puts them.
-        self._prompts = (functools.partial(stages.prompts_to_render, replicas=self.rollout.world_size)
-                         if self.rollout.renders_prompts else stages.put_prompts)
+        self._prompts = (
+            functools.partial(stages.prompts_to_render, replicas=self.rollout.world_size)
+            if self.rollout.renders_prompts
+            else stages.put_prompts
+        )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._threads: int | None = None
         self._switch = 0.005
@@ -409,8 +431,12 @@ class AsyncSource(SampleSource):
             metrics.update(self._idle_fractions(timings))
         metrics.update(self._log_versions(version, pending))
         # The batch's own stages ran on the rollout thread, beside the trainer's: apart from the step's timings.
-        timings.update({f"{CPU}async/rollout_{k.removeprefix(CPU)}" if k.startswith(CPU) else f"async/rollout_{k}": v
-                        for k, v in batch.timings.items()})
+        timings.update(
+            {
+                f"{CPU}async/rollout_{k.removeprefix(CPU)}" if k.startswith(CPU) else f"async/rollout_{k}": v
+                for k, v in batch.timings.items()
+            }
+        )
         return Batch(batch.meta, metrics, timings)
 
     def generate(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -496,8 +522,9 @@ class AsyncSource(SampleSource):
         records = stages.train_data.next_batch(stages.cfg.data.train_batch_size)
         n = stages.cfg.actor_rollout_ref.rollout.n
         if self.shared:
-            meta = self._prompts(records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}",
-                                 width=stages.train_prompt_width())
+            meta = self._prompts(
+                records, self.shared, n=n, key_prefix=f"{self.shared}/b{batch_id}", width=stages.train_prompt_width()
+            )
         else:
             meta = self._prompts(records, f"batch-{batch_id}", n=n)
         seed = stages.seed("gen", step=batch_id)  # batch b samples with step b's seed, as the synchronous source
@@ -509,8 +536,14 @@ class AsyncSource(SampleSource):
         t0, c0 = time.perf_counter(), time.thread_time()
         # Replicas in processes of their own score what they generate in the same call (one round trip a batch).
         scored = self.rollout.colocated_reward
-        batch = self.pipeline(meta, records, seed, pad=self.pad, scored=scored,
-                              generate=lambda m: self.rollout.generate_sequences(m, sync=False, score=scored))
+        batch = self.pipeline(
+            meta,
+            records,
+            seed,
+            pad=self.pad,
+            scored=scored,
+            generate=lambda m: self.rollout.generate_sequences(m, sync=False, score=scored),
+        )
         # The generation endpoint tagged prompt + response tokens (later splits over ranks balance them), and every
         # later stage's handle keeps the tags.
         assert all(SEQ_LEN_TAG in tag for tag in batch.meta.tags), "a generated batch's handle lost its seq_len tags"
@@ -569,8 +602,12 @@ class AsyncSource(SampleSource):
         threads = helper_threads_cpu()
         if self._clock is not None:
             # ...and which of the process's helper threads spent it (the rest: Ray's and torch's own threads).
-            out.update({f"off_policy/helper_cpu_s/{k}": max(0.0, v - self._helper_clock.get(k, 0.0))
-                        for k, v in threads.items()})
+            out.update(
+                {
+                    f"off_policy/helper_cpu_s/{k}": max(0.0, v - self._helper_clock.get(k, 0.0))
+                    for k, v in threads.items()
+                }
+            )
         self._helper_clock = threads
         self._clock = time.perf_counter()
         self._cpu_clock = time.thread_time()
@@ -589,15 +626,21 @@ class AsyncSource(SampleSource):
         # rollout continued it): versions only grow along a response, so the two bound every token's.
         oldest = tokens.masked_fill(~mask, version + 1).min(dim=-1).values
         newest = tokens.masked_fill(~mask, -1).max(dim=-1).values
-        record = {"step": self.stages.global_step, "trained_at": version, "batch": pending.batch_id,
-                  "sample_versions": td["policy_version"].tolist(),
-                  "token_version_range": torch.stack([oldest, newest], dim=-1).tolist(),
-                  "dropped_batches": self._dropped}
+        record = {
+            "step": self.stages.global_step,
+            "trained_at": version,
+            "batch": pending.batch_id,
+            "sample_versions": td["policy_version"].tolist(),
+            "token_version_range": torch.stack([oldest, newest], dim=-1).tolist(),
+            "dropped_batches": self._dropped,
+        }
         with open(self.stages.run_dir / "async_versions.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         stale = (version - tokens)[mask].float()
-        return {"off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
-                "off_policy/partial_frac": float((newest > oldest).float().mean())}
+        return {
+            "off_policy/token_staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
+            "off_policy/partial_frac": float((newest > oldest).float().mean()),
+        }
 
 
 # conveyor's helper threads in the trainer's process, by what they do (name prefixes -> metric names).
@@ -640,4 +683,3 @@ def build_source(stages: Stages, *, greedy_baseline: bool = False) -> SampleSour
     if cfg.algorithm.filter_groups.enable:
         source = DynamicSampling(source, stages)
     return source
-

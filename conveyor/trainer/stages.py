@@ -26,8 +26,8 @@ from conveyor.metrics.reduce import reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.dataset import PromptDataset
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder, sample_keys
-from conveyor.workers.training.balance import SEQ_LEN_TAG
 from conveyor.workers.ranks.calls import GenerateCall
+from conveyor.workers.training.balance import SEQ_LEN_TAG
 
 if TYPE_CHECKING:
     from conveyor.config import Config
@@ -44,8 +44,17 @@ Generate = Callable[[KVBatchMeta], KVBatchMeta]
 class Stages:
     """Stages 1-3 of a step over the data plane, the prompt order they draw from, and the step whose seeds they use."""
 
-    def __init__(self, cfg: Config, *, plan: RunPlan, data_plane: DataPlane, workers: WorkerGroups,
-                 prompts: PromptEncoder, train_records: list[dict], run_dir: Path):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        plan: RunPlan,
+        data_plane: DataPlane,
+        workers: WorkerGroups,
+        prompts: PromptEncoder,
+        train_records: list[dict],
+        run_dir: Path,
+    ):
         self.cfg = cfg
         self.plan = plan
         self.data_plane = data_plane
@@ -73,16 +82,29 @@ class Stages:
             self._train_width = self.prompts.longest(self._train_records)
         return self._train_width
 
-    def put_prompts(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
-                    width: int | None = None) -> KVBatchMeta:
+    def put_prompts(
+        self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None, width: int | None = None
+    ) -> KVBatchMeta:
         """Stage 1: tokenize prompts, repeat each `n` times (a group per prompt), write them left-padded to `width`."""
         uids = _uids(records, partition_id, key_prefix)
         fields, lengths = self.prompts.fields(records, uids, [i for i in range(len(records)) for _ in range(n)], width)
-        return self.data_plane.kv_batch_put(keys=sample_keys(uids, n), partition_id=partition_id, fields=fields,
-                                            tags=[{SEQ_LEN_TAG: length} for length in lengths])
+        return self.data_plane.kv_batch_put(
+            keys=sample_keys(uids, n),
+            partition_id=partition_id,
+            fields=fields,
+            tags=[{SEQ_LEN_TAG: length} for length in lengths],
+        )
 
-    def prompts_to_render(self, records: list[dict], partition_id: str, n: int, key_prefix: str | None = None,
-                          width: int | None = None, *, replicas: int = 1) -> KVBatchMeta:
+    def prompts_to_render(
+        self,
+        records: list[dict],
+        partition_id: str,
+        n: int,
+        key_prefix: str | None = None,
+        width: int | None = None,
+        *,
+        replicas: int = 1,
+    ) -> KVBatchMeta:
         """Stage 1 left to the `replicas` that generate the batch (`RENDER_PROMPTS`): the handle of the batch's samples,
         their prompts not yet written; the call carries their records (and the width to pad them to)."""
         uids = _uids(records, partition_id, key_prefix)
@@ -93,11 +115,23 @@ class Stages:
             _, token_lists = self.prompts.encode(records)
             width = max([len(ids) for ids in token_lists] + [width or 0])
             tags = [{SEQ_LEN_TAG: len(ids)} for ids in token_lists for _ in range(n)]
-        return KVBatchMeta(keys=sample_keys(uids, n), partition_id=partition_id, tags=tags,
-                           extra_info={RENDER_PROMPTS: {"records": dict(zip(uids, records)), "width": width}})
+        return KVBatchMeta(
+            keys=sample_keys(uids, n),
+            partition_id=partition_id,
+            tags=tags,
+            extra_info={RENDER_PROMPTS: {"records": dict(zip(uids, records)), "width": width}},
+        )
 
-    def generate(self, meta: KVBatchMeta, *, seed: int, generate: Generate, validate: bool = False,
-                 greedy: bool = False, pad: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
+    def generate(
+        self,
+        meta: KVBatchMeta,
+        *,
+        seed: int,
+        generate: Generate,
+        validate: bool = False,
+        greedy: bool = False,
+        pad: bool = False,
+    ) -> tuple[KVBatchMeta, dict[str, float]]:
         """Stage 2: the rollout writes responses, response_mask, rollout_log_probs (and routed_experts).
 
         `generate` runs it (a source's: `SampleSource.generate` outside training, with the trainer's current weights).
@@ -134,4 +168,3 @@ class Stages:
 def _uids(records: list[dict], partition_id: str, key_prefix: str | None) -> list[str]:
     """One group id per prompt record: `<key_prefix or partition>/p<i>`."""
     return [f"{key_prefix or partition_id}/p{i}" for i in range(len(records))]
-

@@ -118,8 +118,10 @@ def maybe_resume(checkpoints: Checkpoints) -> int | None:
         checkpoints.validation.load_state_dict(st.get("val_history", []))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as err:
         what = f"lacks the entry {err}" if isinstance(err, KeyError) else f"holds an unusable entry ({err})"
-        raise ValueError(f"checkpoint file {path / 'trainer_state.pt'} {what}; it was edited or not written by "
-                         "conveyor: resume from another checkpoint (trainer.resume_mode=resume_path)") from err
+        raise ValueError(
+            f"checkpoint file {path / 'trainer_state.pt'} {what}; it was edited or not written by "
+            "conveyor: resume from another checkpoint (trainer.resume_mode=resume_path)"
+        ) from err
     try:
         # Before the workers load too: its errors say what differs.
         checkpoints.source.load_state_dict({"dataset": dataset})

@@ -36,5 +36,6 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
     """`timer`'s entries as metrics: `timing_s/<stage>` (wall) and `timing_cpu_s/<stage>` (the thread's CPU)."""
-    return {f"timing_cpu_s/{k.removeprefix(CPU)}" if k.startswith(CPU) else f"timing_s/{k}": v
-            for k, v in timings.items()}
+    return {
+        f"timing_cpu_s/{k.removeprefix(CPU)}" if k.startswith(CPU) else f"timing_s/{k}": v for k, v in timings.items()
+    }

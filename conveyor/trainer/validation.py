@@ -62,8 +62,11 @@ class Validation:
             stages.data_plane.kv_clear(part)
         scores = td["acc"].float()
         correct = (scores >= 1.0).float()
-        out = {"val/accuracy": float(correct.mean()), "val/reward": float(scores.mean()),
-               "val/response_length": float(td["response_mask"].sum(-1).float().mean())}
+        out = {
+            "val/accuracy": float(correct.mean()),
+            "val/reward": float(scores.mean()),
+            "val/response_length": float(td["response_mask"].sum(-1).float().mean()),
+        }
         sources = list(td["data_source"])
         if len(set(sources)) > 1:
             for src in sorted(set(sources)):
@@ -79,8 +82,7 @@ class Validation:
         first_step, first = self.history[0]
         last_step, last = self.history[-1]
         ratio = f"{last / first:.1f}x" if first > 0 else "n/a (step-0 accuracy is 0)"
-        msg = (f"held-out exact-match accuracy: step {first_step} = {first:.3f}, step {last_step} = {last:.3f} "
-               f"({ratio})")
+        msg = f"held-out exact-match accuracy: step {first_step} = {first:.3f}, step {last_step} = {last:.3f} ({ratio})"
         print(msg, flush=True)
 
     def state_dict(self) -> list[tuple[int, float]]:

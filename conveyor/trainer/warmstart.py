@@ -72,7 +72,7 @@ def supervised_warmstart(
     model.train()
     losses: list[float] = []
     recent: list[float] = []  # exact-match accuracy of the last `accuracy_window` batches
-    for step in range(steps):
+    for _step in range(steps):
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
         seqs = [p + a for p, a in batch]
         width = max(len(s) for s in seqs)
@@ -83,7 +83,7 @@ def supervised_warmstart(
             off = width - len(s)  # left padding, as at generation time
             ids[i, off:] = torch.tensor(s)
             attn[i, off:] = 1
-            labels[i, off + len(p):] = torch.tensor(a)
+            labels[i, off + len(p) :] = torch.tensor(a)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         logits = out.logits[:, :-1].float()
@@ -105,7 +105,10 @@ def supervised_warmstart(
     reached = f", training exact match {sum(recent) / len(recent):.2f}" if recent else ""
     logger.info("warm start: %d steps, loss %.3f -> %.3f%s", len(losses), losses[0], losses[-1], reached)
     if until_accuracy > 0 and sum(recent) / len(recent) < until_accuracy:
-        logger.warning("the warm start used all %d steps without reaching exact match %.2f; RL starts lower than "
-                       "intended: raise actor_rollout_ref.model.tiny.warmstart_steps or warmstart_lr", steps,
-                       until_accuracy)
+        logger.warning(
+            "the warm start used all %d steps without reaching exact match %.2f; RL starts lower than "
+            "intended: raise actor_rollout_ref.model.tiny.warmstart_steps or warmstart_lr",
+            steps,
+            until_accuracy,
+        )
     return losses

@@ -20,8 +20,19 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["SyncStats", "Staging", "Table", "buckets", "layout", "pack", "pack_into", "unpack", "nbytes",
-           "bytes_of", "table_bytes"]
+__all__ = [
+    "SyncStats",
+    "Staging",
+    "Table",
+    "buckets",
+    "layout",
+    "pack",
+    "pack_into",
+    "unpack",
+    "nbytes",
+    "bytes_of",
+    "table_bytes",
+]
 
 # Offsets into a bucket's flat buffer are aligned so that every tensor's view of it is aligned for its dtype.
 _ALIGN = 64
@@ -159,4 +170,4 @@ def _nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
 
 def _view(buffer: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Tensor:
     """The tensor of `dtype` and `shape` that starts `offset` bytes into `buffer` (a view)."""
-    return buffer[offset:offset + _nbytes_of(dtype, shape)].view(getattr(torch, dtype)).view(shape)
+    return buffer[offset : offset + _nbytes_of(dtype, shape)].view(getattr(torch, dtype)).view(shape)

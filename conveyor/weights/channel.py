@@ -57,8 +57,9 @@ def free_address() -> tuple[str, int]:
 class WeightChannel:
     """One member of a weight channel: rank 0 sends, every other rank receives."""
 
-    def __init__(self, address: tuple[str, int], rank: int, size: int, *, device: torch.device,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, address: tuple[str, int], rank: int, size: int, *, device: torch.device, timeout_s: float = 600.0
+    ) -> None:
         self.rank, self.size, self.device = rank, size, torch.device(device)
         timeout = timedelta(seconds=timeout_s)
         store = tdist.TCPStore(address[0], int(address[1]), size, is_master=rank == 0, timeout=timeout)
@@ -82,16 +83,20 @@ class WeightChannel:
         data = pickle.dumps(obj) if mine else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         self.broadcast_tensor(size, src)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if mine
-               else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            if mine
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        )
         self.broadcast_tensor(buf, src)
         return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
         """Rank 0: stream the tensors to every receiver, bucket by bucket (`collective.send_buckets`)."""
         assert self.rank == 0, "only the channel's rank 0 sends"
-        return send_buckets(named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device,
-                            staging=self.staging)
+        return send_buckets(
+            named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device, staging=self.staging
+        )
 
     def received(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A receiver: one sync's tensors as they arrive (`collective.iter_received`); `last` then holds its stats."""
@@ -106,8 +111,9 @@ class WeightChannel:
             shutdown()
 
 
-def send_over(channel: WeightChannel | None, named: Iterable[tuple[str, torch.Tensor]],
-              bucket_bytes: int) -> dict[str, float]:
+def send_over(
+    channel: WeightChannel | None, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> dict[str, float]:
     """One actor rank's part of a sync over the channel: rank 0 (`channel` given) sends; the others walk the same
     stream, whose gathers are collectives; the sync's sending metrics."""
     t0 = time.perf_counter()
@@ -118,5 +124,8 @@ def send_over(channel: WeightChannel | None, named: Iterable[tuple[str, torch.Te
     else:
         for _ in named:  # the gathers are collectives: every rank walks the same tensors
             pass
-    return {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": sent / 1e9,
-            "rollout/weight_send_buckets": float(count)}
+    return {
+        "rollout/weight_send_s": time.perf_counter() - t0,
+        "rollout/weight_send_gb": sent / 1e9,
+        "rollout/weight_send_buckets": float(count),
+    }

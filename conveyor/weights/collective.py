@@ -37,8 +37,15 @@ from conveyor.weights.buckets import Staging, SyncStats, buckets, bytes_of, layo
 __all__ = ["send_buckets", "receive_buckets", "iter_received"]
 
 
-def send_buckets(named: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, group: Any = None, src: int = 0,
-                 device: torch.device | str = "cpu", staging: Staging | None = None) -> SyncStats:
+def send_buckets(
+    named: Iterable[tuple[str, Tensor]],
+    *,
+    bucket_bytes: int,
+    group: Any = None,
+    src: int = 0,
+    device: torch.device | str = "cpu",
+    staging: Staging | None = None,
+) -> SyncStats:
     """Broadcast `named` from rank `src` of `group` in buckets: their metadata, then one flat buffer each.
 
     `device` is where the group's collectives run (cpu for gloo, the rank's GPU for nccl); tensors elsewhere
@@ -98,8 +105,14 @@ def _receive_bucket(group: Any, src: int, staging: Staging) -> list[tuple[str, T
     return list(unpack(buffer, meta))
 
 
-def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str = "cpu",
-                  stats: SyncStats | None = None, staging: Staging | None = None) -> Iterator[tuple[str, Tensor]]:
+def iter_received(
+    *,
+    group: Any = None,
+    src: int = 0,
+    device: torch.device | str = "cpu",
+    stats: SyncStats | None = None,
+    staging: Staging | None = None,
+) -> Iterator[tuple[str, Tensor]]:
     """The (name, tensor) stream `send_buckets` broadcasts from `src`, lazily: one bucket is received at a time.
 
     The yielded tensors are views of their bucket's buffer, so a consumer may keep them (vLLM's reload holds
@@ -114,8 +127,14 @@ def iter_received(*, group: Any = None, src: int = 0, device: torch.device | str
             yield bucket.pop(0)  # the stream keeps no reference to what it has handed on
 
 
-def receive_buckets(load: Callable[[list[tuple[str, Tensor]]], Any], *, group: Any = None, src: int = 0,
-                    device: torch.device | str = "cpu", staging: Staging | None = None) -> SyncStats:
+def receive_buckets(
+    load: Callable[[list[tuple[str, Tensor]]], Any],
+    *,
+    group: Any = None,
+    src: int = 0,
+    device: torch.device | str = "cpu",
+    staging: Staging | None = None,
+) -> SyncStats:
     """Receive what `send_buckets` broadcasts from `src` and call `load(bucket)` once per bucket; returns the stats.
 
     The receiver holds one bucket at a time: the next is received only after `load` has returned and the

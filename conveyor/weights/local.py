@@ -22,8 +22,9 @@ from conveyor.weights.buckets import SyncStats, buckets
 __all__ = ["stream_to", "copy_into"]
 
 
-def stream_to(named: Iterable[tuple[str, Tensor]], load: Callable[[list[tuple[str, Tensor]]], Any], *,
-              bucket_bytes: int) -> SyncStats:
+def stream_to(
+    named: Iterable[tuple[str, Tensor]], load: Callable[[list[tuple[str, Tensor]]], Any], *, bucket_bytes: int
+) -> SyncStats:
     """In-process sync: each bucket of `named` straight to `load` (no copy beyond what produced the tensors)."""
     stats, t0 = SyncStats(), time.perf_counter()
     for bucket in buckets(named, bucket_bytes):

@@ -50,7 +50,8 @@ EXPERT_NAMES: dict[str, ExpertNames] = {
 
 
 def expert_names_for(model_type: str | None) -> ExpertNames:
-    """The per-expert checkpoint names of `model_type` (the qwen2_moe family's gate_proj/up_proj/down_proj by default)."""
+    """The per-expert checkpoint names of `model_type` (the qwen2_moe family's gate_proj/up_proj/down_proj by
+    default)."""
     return EXPERT_NAMES.get(model_type or "", ExpertNames())
 
 
@@ -69,8 +70,11 @@ def split_experts(name: str, tensor: Tensor, names: ExpertNames) -> Iterator[tup
         if tensor.shape[1] % len(parts):
             raise ValueError(f"{name}: a fused gate/up tensor of shape {tuple(tensor.shape)} has an odd row count")
         rows = tensor.shape[1] // len(parts)
-        return ((f"{prefix}.experts.{e}.{part}.weight", tensor[e, i * rows:(i + 1) * rows])
-                for e in range(tensor.shape[0]) for i, part in enumerate(parts))
+        return (
+            (f"{prefix}.experts.{e}.{part}.weight", tensor[e, i * rows : (i + 1) * rows])
+            for e in range(tensor.shape[0])
+            for i, part in enumerate(parts)
+        )
     return None
 
 
@@ -81,8 +85,9 @@ def _rename_block(name: str, names: ExpertNames) -> str:
     return re.sub(rf"(\.layers\.\d+\.){re.escape(names.block)}(\.|$)", rf"\1{names.ckpt_block}\2", name)
 
 
-def engine_names(named: Iterable[tuple[str, Tensor]], *, layout: Layout = "per_expert",
-                 model_type: str | None = None) -> Iterator[tuple[str, Tensor]]:
+def engine_names(
+    named: Iterable[tuple[str, Tensor]], *, layout: Layout = "per_expert", model_type: str | None = None
+) -> Iterator[tuple[str, Tensor]]:
     """`named` as the engine loads it: fused experts passed through ("fused") or split per expert in checkpoint names.
 
     With "per_expert" the MoE block's other tensors are renamed too (Mixtral's `mlp.gate` is the checkpoint's

@@ -45,8 +45,9 @@ class SharedSlots:
         self._lock = threading.Lock()
         self._linked = True
         # Each slot's tensors as views of the file, made once: a sync is then one batched copy into them.
-        self._views = [[view for _, view in unpack(self.memory[i * nbytes:(i + 1) * nbytes], table)]
-                       for i in range(slots)]
+        self._views = [
+            [view for _, view in unpack(self.memory[i * nbytes : (i + 1) * nbytes], table)] for i in range(slots)
+        ]
 
     def write(self, named: list[tuple[str, Tensor]], table: Table) -> int | None:
         """Copy `named` (laid out as `table`) into a free slot and return its index; None when every slot is taken

@@ -62,8 +62,17 @@ class Endpoints:
 class WeightShipper:
     """Moves the actor's weights into a rollout group's replicas: synchronous syncs, staged syncs and their loading."""
 
-    def __init__(self, actor: Any, replicas: Any, endpoints: Endpoints, *, bucket_bytes: int,
-                 dtype: torch.dtype | None, actor_here: bool, replicas_here: bool) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        replicas: Any,
+        endpoints: Endpoints,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        actor_here: bool,
+        replicas_here: bool,
+    ) -> None:
         self.actor, self.replicas, self.ends = actor, replicas, endpoints
         self.bucket_bytes = bucket_bytes
         # The dtype the replicas' engines hold, where known: weights are cast to it before they leave, so bf16
@@ -117,8 +126,11 @@ class WeightShipper:
             # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation.
             return self._put_weights(label, *pack(named))
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
-        staged = ([(name, staged_copy(t, self.dtype)) for name, t in self.actor.worker.weight_stream()]
-                  if self.actor_here else None)
+        staged = (
+            [(name, staged_copy(t, self.dtype)) for name, t in self.actor.worker.weight_stream()]
+            if self.actor_here
+            else None
+        )
         if not self.in_process:
             # Replicas on Ray take the weights beside the generation in progress, into a staged copy; the exchange
             # starts now, and the rollout's thread waits for it and has them load it, in order with the batches.
@@ -205,8 +217,11 @@ class WeightShipper:
         slot = self._slots.write(named, table)
         if slot is None:
             return None
-        sent = {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_send_gb": nbytes / 1e9,
-                "rollout/weight_send_buckets": 1.0}
+        sent = {
+            "rollout/weight_sync_s": time.perf_counter() - t0,
+            "rollout/weight_send_gb": nbytes / 1e9,
+            "rollout/weight_send_buckets": 1.0,
+        }
 
         def load() -> Metrics:
             self._load_first(label, slot)
@@ -241,7 +256,9 @@ class WeightShipper:
 
         (An actor in this process with replicas on Ray is only asynchronous, rollout_process=own: `_exchange`.)
         """
-        assert not self.actor_here and not self.replicas_here, "a synchronous sync over the channel needs both roles on Ray"
+        assert not self.actor_here and not self.replicas_here, (
+            "a synchronous sync over the channel needs both roles on Ray"
+        )
         self._join_channel()
         sends = self.actor.submit_all(self.ends.send, self.bucket_bytes, dtype=self.dtype)
         sent, received = sends.together(self.replicas.submit_all(self.ends.receive, version))
@@ -263,8 +280,9 @@ class WeightShipper:
             if sends is not None:
                 sent, received = sends.together(receives)
                 return _sync_metrics(sent[0], received)
-            mine, received = receives.beside(lambda: worker.send_weights(self.bucket_bytes, staged, dtype=self.dtype),
-                                             "actor", "send_weights")
+            mine, received = receives.beside(
+                lambda: worker.send_weights(self.bucket_bytes, staged, dtype=self.dtype), "actor", "send_weights"
+            )
             return _sync_metrics(mine, received)
 
         return self._in_order(version, run)
@@ -276,8 +294,11 @@ class WeightShipper:
         def run() -> Metrics:
             t0 = time.perf_counter()
             refs = put_packed(buffer)
-            sent = {"rollout/weight_send_s": time.perf_counter() - t0, "rollout/weight_send_gb": buffer.numel() / 1e9,
-                    "rollout/weight_send_buckets": 1.0}
+            sent = {
+                "rollout/weight_send_s": time.perf_counter() - t0,
+                "rollout/weight_send_gb": buffer.numel() / 1e9,
+                "rollout/weight_send_buckets": 1.0,
+            }
             received = self.replicas.submit_all(self.ends.take, version, refs, table).together()[0]
             return _sync_metrics(sent, received)
 
@@ -287,7 +308,9 @@ class WeightShipper:
         """Run one exchange (`run`) on the sending thread, after the ones started before; returns what waits for it
         on the rollout's thread and has the replicas load `version` before they next generate."""
         if self._sender is None:
-            self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{THREAD_PREFIX}-send")
+            self._sender = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{THREAD_PREFIX}-send"
+            )
         done = self._sender.submit(run)
 
         def load() -> Metrics:

@@ -68,8 +68,9 @@ class StagedWeights:
         """Keep copies of a sync's tensors (views of a buffer that is reused or shared) as `version`."""
         # Not on the replica's device: beside an engine that fills it (vLLM's KV cache), a whole model arriving in
         # the trainer's float32 would not fit; the engine converts to its dtype on loading anyway.
-        tensors = [(name, t.to("cpu", self.dtype if t.is_floating_point() else t.dtype, copy=True))
-                   for name, t in named]
+        tensors = [
+            (name, t.to("cpu", self.dtype if t.is_floating_point() else t.dtype, copy=True)) for name, t in named
+        ]
         with self._lock:
             self._copies[version] = tensors
 
@@ -99,4 +100,4 @@ class StagedWeights:
         after the first load, so the mapping is kept)."""
         if self._shared is None or self._shared[0] != path:
             self._shared = (path, map_shared(path, size))
-        return self._shared[1][offset:offset + nbytes]
+        return self._shared[1][offset : offset + nbytes]

@@ -2,10 +2,12 @@
 
 `iter_weights` walks a model's state dict, gathering one FSDP2 DTensor at a time (a collective, so every rank
 walks the same stream in step); `merged_weights` does the same for a LoRA model with each adapter merged
-into its base weight, under the base model's names (the engine serves the base architecture); `cast_weights` casts each tensor to the dtype the engine holds before it
+into its base weight, under the base model's names (the engine serves the base architecture); `cast_weights` casts each
+tensor to the dtype the engine holds before it
 leaves, so a bf16 engine fed by fp32 masters takes half the bytes on the wire and in its staging.
 
-What it deliberately does not do: apply or train adapters (`conveyor.models.lora`), group tensors into buckets (`conveyor.weights.buckets`), rename them for an
+What it deliberately does not do: apply or train adapters (`conveyor.models.lora`), group tensors into buckets
+(`conveyor.weights.buckets`), rename them for an
 engine (`conveyor.weights.naming`) or move them anywhere (the transports).
 """
 
@@ -15,7 +17,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from conveyor.models.lora import ADAPTER, base_key, is_adapter_key
 
@@ -57,9 +59,11 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """
     from peft.tuners.lora import LoraLayer
 
-    adapted = {base_key(f"{name}.{getattr(module, 'parameter_name', 'weight')}"): module
-               for name, module in model.named_modules()
-               if isinstance(module, LoraLayer) and ADAPTER in module.lora_A and not module.disable_adapters}
+    adapted = {
+        base_key(f"{name}.{getattr(module, 'parameter_name', 'weight')}"): module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A and not module.disable_adapters
+    }
     # The state dict references the (sharded) parameters: nothing is gathered before its turn.
     for key, value in model.state_dict().items():
         if is_adapter_key(key) or "lora_" in key:

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
+from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.cli import main as cli_main
 from conveyor.config import ConfigError, load_config
 from conveyor.metrics.dumps import format_generations, response_turns
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.tasks import SYNTHETIC_TASKS, get_reward_fn
 from conveyor.tasks.arithmetic_tool import (
     ARITHMETIC_TOOL_DATA_SOURCE,
@@ -37,10 +37,14 @@ from conveyor.trainer.run import run_training
 
 # For the run below: an untrained model calls the calculator whenever a turn ends at a digit (frequent), so
 # trajectories hold tool turns without a warm start.
-register_call_format(CallFormat(
-    "test_digit_calls", stop_texts=tuple("0123456789"),
-    parser=lambda turn: ToolCall("calc", text=turn) if turn[-1:].isdigit() else None,
-), overwrite=True)
+register_call_format(
+    CallFormat(
+        "test_digit_calls",
+        stop_texts=tuple("0123456789"),
+        parser=lambda turn: ToolCall("calc", text=turn) if turn[-1:].isdigit() else None,
+    ),
+    overwrite=True,
+)
 
 
 def test_hash_and_hermes_formats_parse_calls() -> None:
@@ -91,8 +95,10 @@ class Counter:
 
 def test_tool_yaml_functions_and_stateful_classes(tmp_path) -> None:
     path = tmp_path / "tools.yaml"
-    path.write_text("tools:\n  - name: calc\n    path: conveyor.tools.calculator:calculate\n"
-                    f"  - name: count\n    path: {__name__}.Counter\n    config: {{start: 10}}\n")
+    path.write_text(
+        "tools:\n  - name: calc\n    path: conveyor.tools.calculator:calculate\n"
+        f"  - name: count\n    path: {__name__}.Counter\n    config: {{start: 10}}\n"
+    )
     tools = load_tools(path)
     created: set[str] = set()
     assert run_call(tools, ToolCall("calc", text="6*7"), "t1", created).text == "42"
@@ -105,11 +111,18 @@ def test_tool_yaml_functions_and_stateful_classes(tmp_path) -> None:
     assert unknown.error == "unknown tool 'nope'; tools: calc, count"
     assert release_all(tools, "t1", created) == []
     assert tools["count"].log == [("create", "t1"), ("release", "t1")]
-    for text, match in [("tools: []\n", "non-empty list"), ("tools:\n  - name: a\n", "give `name`"),
-                        ("tools:\n  - name: a\n    path: no.such.module:f\n",
-                         "tools\\[0\\]: importing module 'no.such.module' failed: ModuleNotFoundError"),
-                        ("tools:\n  - name: a\n    path: conveyor.tools.calculator:calculate\n    config: {x: 1}\n",
-                         "for tool classes")]:
+    for text, match in [
+        ("tools: []\n", "non-empty list"),
+        ("tools:\n  - name: a\n", "give `name`"),
+        (
+            "tools:\n  - name: a\n    path: no.such.module:f\n",
+            "tools\\[0\\]: importing module 'no.such.module' failed: ModuleNotFoundError",
+        ),
+        (
+            "tools:\n  - name: a\n    path: conveyor.tools.calculator:calculate\n    config: {x: 1}\n",
+            "for tool classes",
+        ),
+    ]:
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
             load_tools(path)
@@ -120,13 +133,18 @@ def test_tool_yaml_functions_and_stateful_classes(tmp_path) -> None:
 
 
 def test_multi_turn_config_keys() -> None:
-    cfg = load_config(None, ["actor_rollout_ref.rollout.multi_turn.enable=true",
-                             "actor_rollout_ref.rollout.multi_turn.tool_config_path=t.yaml",
-                             "actor_rollout_ref.rollout.multi_turn.format=hash",
-                             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-                             "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
-                             "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=64",
-                             "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left"])
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path=t.yaml",
+            "actor_rollout_ref.rollout.multi_turn.format=hash",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
+            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=64",
+            "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+        ],
+    )
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     assert (mt.enable, mt.format, mt.max_assistant_turns, mt.max_user_turns) == (True, "hash", 3, 2)
     with pytest.raises(ConfigError, match="tool_config_path"):
@@ -145,7 +163,9 @@ def test_arithmetic_tool_task() -> None:
     assert SYNTHETIC_TASKS["arithmetic_tool"] is make_arithmetic_tool_records
     for r in train:
         e = r["extra_info"]
-        assert 100 <= e["a"] <= 999 and 100 <= e["b"] <= 999 and r["reward_model"]["ground_truth"] == str(e["a"] * e["b"])
+        assert (
+            100 <= e["a"] <= 999 and 100 <= e["b"] <= 999 and r["reward_model"]["ground_truth"] == str(e["a"] * e["b"])
+        )
     traces = [r for r in train if r["extra_info"]["warmstart_target"].startswith("#calc ")]
     assert 0.15 < len(traces) / len(train) < 0.45
     assert tool_trace(123, "*", 456) == "#calc 123*456;=56088;56088"
@@ -165,11 +185,21 @@ def test_span_helpers_and_turn_rendering() -> None:
     row_mask = [True] * 10 + [False] * 3 + [True]
     text, turns = response_turns(tok, torch.tensor(ids + [0, 0]), torch.tensor(row_mask + [False, False]))
     assert text == "#calc 2*3;=6;6"
-    assert turns == [{"role": "model", "text": "#calc 2*3;"}, {"role": "tool", "text": "=6;"},
-                     {"role": "model", "text": "6"}]
+    assert turns == [
+        {"role": "model", "text": "#calc 2*3;"},
+        {"role": "tool", "text": "=6;"},
+        {"role": "model", "text": "6"},
+    ]
     assert response_turns(tok, torch.tensor(ids[:3]), torch.ones(3, dtype=torch.bool)) == ("#ca", None)
-    row = {"prompt": "2*3=", "response": text, "ground_truth": "6", "data_source": "d", "reward": 1.0,
-           "advantage": 0.5, "turns": turns + [{"role": "tool", "text": "\x1b[2J"}]}
+    row = {
+        "prompt": "2*3=",
+        "response": text,
+        "ground_truth": "6",
+        "data_source": "d",
+        "reward": 1.0,
+        "advantage": 0.5,
+        "turns": turns + [{"role": "tool", "text": "\x1b[2J"}],
+    }
     shown = format_generations(3, [row])
     assert "response (4 turns, 2 tool):" in shown and "[model] #calc 2*3;" in shown and "[tool]  =6;" in shown
     assert "\x1b" not in shown and "\\x1b[2J" in shown and "turns=" not in shown
@@ -179,13 +209,27 @@ def test_training_with_tools_r3_and_load_balance_metrics(tiny_run, tmp_path, cap
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - name: calc\n    path: conveyor.tools.calculator:calculate\n")
     mt = "actor_rollout_ref.rollout.multi_turn"
-    run_training(load_config(None, tiny_run + [
-        "data.synthetic.task=arithmetic_tool", "data.synthetic.ops=['*']", "data.synthetic.max_operand=99",
-        "data.max_response_length=24", f"{mt}.enable=true", f"{mt}.format=test_digit_calls",
-        f"{mt}.tool_config_path={tools}", f"{mt}.max_user_turns=3",
-        "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
-        "trainer.dump_freq=1", "trainer.dump_num=8", "trainer.test_freq=2",
-    ]))
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + [
+                "data.synthetic.task=arithmetic_tool",
+                "data.synthetic.ops=['*']",
+                "data.synthetic.max_operand=99",
+                "data.max_response_length=24",
+                f"{mt}.enable=true",
+                f"{mt}.format=test_digit_calls",
+                f"{mt}.tool_config_path={tools}",
+                f"{mt}.max_user_turns=3",
+                "actor_rollout_ref.actor.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+                "trainer.dump_freq=1",
+                "trainer.dump_num=8",
+                "trainer.test_freq=2",
+            ],
+        )
+    )
     rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")}
     last = rows[2]
     assert last["rollout/multi_turn/tool_calls"] > 0
@@ -205,9 +249,11 @@ def test_tool_turns_are_rendered_by_the_chat_template() -> None:
     tok = build_char_tokenizer()
     # Like Qwen's: a default system text before the first message, a wrapper around tool messages, a
     # generation prompt after; the default system text is dropped from the tool turn, as verl does.
-    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}sys.{% endif %}{% for m in messages %}"
-                         "{% if m['role'] == 'tool' %}(t {{ m['content'] }}){% else %}{{ m['content'] }}{% endif %}"
-                         "{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}sys.{% endif %}{% for m in messages %}"
+        "{% if m['role'] == 'tool' %}(t {{ m['content'] }}){% else %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    )
     assert tok.decode(tool_turn_ids(tok, "42")) == "(t 42)a:"
     tok.chat_template = None
     assert tok.decode(tool_turn_ids(tok, "42")) == "42"
@@ -224,9 +270,17 @@ def test_reward_reads_the_span_and_adds_tool_rewards() -> None:
         mask = [True] * 10 + [False] * 3 + [True, True, False, False]
         responses = torch.tensor([ids, ids])
         rmask = torch.tensor([mask, [True] * 10 + [False] * 7])  # the second never answered after the tool
-        meta = dp.kv_batch_put(keys=["a", "b"], partition_id="p", fields={
-            "responses": responses, "response_mask": rmask, "data_source": [ARITHMETIC_TOOL_DATA_SOURCE] * 2,
-            "ground_truth": ["6", "6"], "tool_rewards": torch.tensor([0.25, 0.0])})
+        meta = dp.kv_batch_put(
+            keys=["a", "b"],
+            partition_id="p",
+            fields={
+                "responses": responses,
+                "response_mask": rmask,
+                "data_source": [ARITHMETIC_TOOL_DATA_SOURCE] * 2,
+                "ground_truth": ["6", "6"],
+                "tool_rewards": torch.tensor([0.25, 0.0]),
+            },
+        )
         RewardWorker(tokenizer=tok, data_plane=dp).compute_reward(meta)
         td = dp.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["rm_scores", "acc"])
         assert td["acc"].tolist() == [1.0, 0.0]

@@ -60,9 +60,7 @@ def test_masked_helpers_empty_and_single() -> None:
 # --------------------------------------------------------------------------- GRPO
 
 
-def _outcome_rewards(
-    scores: list[float], lengths: list[int], length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _outcome_rewards(scores: list[float], lengths: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rewards with each score on the sequence's last valid token, and the matching mask."""
     rewards = torch.zeros(len(scores), length)
     mask = torch.zeros(len(scores), length, dtype=torch.bool)
@@ -150,9 +148,7 @@ def test_gae_skips_masked_tokens_inside_and_after_the_response() -> None:
     # as if those positions were not there at all.
     rewards_c = torch.tensor([[0.3, -0.2, 1.0], [0.0, 0.5, 2.0]])
     values_c = torch.tensor([[0.1, 0.4, 0.9], [1.0, -1.0, 0.2]])
-    adv_c, ret_c = compute_advantage(
-        "gae", rewards_c, torch.ones(2, 3), values=values_c, gamma=0.9, lam=0.8
-    )
+    adv_c, ret_c = compute_advantage("gae", rewards_c, torch.ones(2, 3), values=values_c, gamma=0.9, lam=0.8)
 
     nan = float("nan")
     rewards = torch.tensor([[0.3, nan, -0.2, 1.0, 7.0], [0.0, 0.5, 9.0, 2.0, nan]])
@@ -193,7 +189,8 @@ def test_reinforce_plus_plus_discounts_over_valid_tokens_only() -> None:
     torch.testing.assert_close(ret, torch.tensor([[1.5, 0.0, 1.0], [0.5, 1.0, 2.0]]))
 
 
-# --------------------------------------------------------------------------- REINFORCE++-baseline, ReMax, OPO, GPG, pass@k
+# --------------------------------------------------------------------------- REINFORCE++-baseline, ReMax, OPO, GPG,
+# pass@k
 
 
 def test_reinforce_plus_plus_baseline_by_hand() -> None:
@@ -321,9 +318,7 @@ def test_unknown_estimator_lists_valid_names() -> None:
 
 def test_register_a_new_estimator_and_dispatch_to_it() -> None:
     @register_adv_estimator("test_constant")
-    def constant(
-        token_level_rewards, response_mask, *, values, group_index, gamma, lam, norm_adv_by_std, epsilon
-    ):
+    def constant(token_level_rewards, response_mask, *, values, group_index, gamma, lam, norm_adv_by_std, epsilon):
         out = torch.full_like(token_level_rewards, gamma) * response_mask
         return out, out
 

@@ -89,9 +89,7 @@ def test_long_sequences_do_not_overflow() -> None:
     # 2000 tokens each with log-ratio +1: the product is e^2000, far beyond float32.
     old = torch.zeros(1, 2000)
     rollout = -torch.ones(1, 2000)
-    weights, metrics = compute_rollout_is_weights(
-        old, rollout, torch.ones(1, 2000), level="sequence", threshold=5.0
-    )
+    weights, metrics = compute_rollout_is_weights(old, rollout, torch.ones(1, 2000), level="sequence", threshold=5.0)
     torch.testing.assert_close(weights, torch.full((1, 2000), 5.0))
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["rollout_corr/clipped_frac"] == 1.0
@@ -134,10 +132,16 @@ def test_bad_is_thresholds_say_what_is_wrong(spec) -> None:
 def test_rejection_options_parse_like_verl() -> None:
     assert parse_rejection("token_k1", 2.0) == [("token_k1", 0.5, 2.0)]
     assert parse_rejection("token_k1, seq_max_k3,token_k1", "0.6_1.5,0.2") == [
-        ("token_k1", 0.6, 1.5), ("seq_max_k3", None, 0.2)]
-    for options, threshold, match in [("seq_max_k1", 2.0, "unknown"), ("token_k2", None, "needs"),
-                                      ("token_k2", "0.1_0.2", "one positive"), ("token_k1", "2_1", "lower <= upper"),
-                                      ("token_k1,token_k2", "1,2,3", "3 values for 2")]:
+        ("token_k1", 0.6, 1.5),
+        ("seq_max_k3", None, 0.2),
+    ]
+    for options, threshold, match in [
+        ("seq_max_k1", 2.0, "unknown"),
+        ("token_k2", None, "needs"),
+        ("token_k2", "0.1_0.2", "one positive"),
+        ("token_k1", "2_1", "lower <= upper"),
+        ("token_k1,token_k2", "1,2,3", "3 values for 2"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_rejection(options, threshold)
 
@@ -147,8 +151,8 @@ def test_rejected_tokens_leave_the_update(tiny_run) -> None:
     from conveyor.config import load_config
     from conveyor.data_plane.memory import MemoryDataPlane
     from conveyor.protocol import KVBatchMeta
-    from conveyor.trainer.setup import prepare_default_model
     from conveyor.trainer.plan import build_run_plan
+    from conveyor.trainer.setup import prepare_default_model
     from conveyor.workers.ranks.actor import PolicyWorker
     from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
     from conveyor.workers.ranks.settings import actor_settings
@@ -160,15 +164,26 @@ def test_rejected_tokens_leave_the_update(tiny_run) -> None:
     for rs in (None, "token_k1"):
         extra = ["algorithm.rollout_correction.bypass_mode=false"]
         if rs:
-            extra += [f"algorithm.rollout_correction.rollout_rs={rs}",
-                      "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]
+            extra += [
+                f"algorithm.rollout_correction.rollout_rs={rs}",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            ]
         cfg = load_config(None, tiny_run + extra)
         dp = MemoryDataPlane()
-        worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
-                              data_plane=dp)
+        worker = PolicyWorker(
+            actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg), data_plane=dp
+        )
         keys = ["a", "b"]
-        dp.kv_batch_put(keys, "p", {"prompts": prompts, "prompt_mask": torch.ones(2, 3, dtype=torch.bool),
-                                    "responses": responses, "response_mask": mask})
+        dp.kv_batch_put(
+            keys,
+            "p",
+            {
+                "prompts": prompts,
+                "prompt_mask": torch.ones(2, 3, dtype=torch.bool),
+                "responses": responses,
+                "response_mask": mask,
+            },
+        )
         call = LogProbCall(temperature=1.0, calculate_entropy=False)
         worker.compute_log_prob(KVBatchMeta(keys, "p").with_extra_info(**call.to_extra_info()))
         old = dp.kv_batch_get(keys, "p", ["old_log_probs"])["old_log_probs"]

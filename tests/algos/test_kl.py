@@ -47,8 +47,18 @@ def test_k3_is_clamped_and_keeps_finite_gradients() -> None:
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1.0 - math.exp(2.0)]]))
 
 
-@pytest.mark.parametrize(("kind", "base"), [("k1+", "k1"), ("kl+", "k1"), ("abs+", "abs"), ("k3+", "k3"),
-                                           ("low_var_kl+", "k3"), ("k2+", "k2"), ("mse+", "k2")])
+@pytest.mark.parametrize(
+    ("kind", "base"),
+    [
+        ("k1+", "k1"),
+        ("kl+", "k1"),
+        ("abs+", "abs"),
+        ("k3+", "k3"),
+        ("low_var_kl+", "k3"),
+        ("k2+", "k2"),
+        ("mse+", "k2"),
+    ],
+)
 def test_straight_through_kinds_have_their_value_and_k2s_gradient(kind: str, base: str) -> None:
     logp = LOGP.clone().requires_grad_(True)
     out = kl_penalty(logp, REF, kind)

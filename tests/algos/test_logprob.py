@@ -64,9 +64,7 @@ def test_gradcheck_float64() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 5, (2, 3), generator=gen)
-    assert torch.autograd.gradcheck(
-        lambda x: logprobs_and_entropy(x, labels, True, chunk_elements=7), (logits,)
-    )
+    assert torch.autograd.gradcheck(lambda x: logprobs_and_entropy(x, labels, True, chunk_elements=7), (logits,))
     assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, chunk_elements=5), (logits,))
 
 

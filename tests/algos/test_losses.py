@@ -148,8 +148,9 @@ def test_dual_clip_bounds_negative_advantage_loss() -> None:
     old = torch.zeros(1, 4)
     new = torch.tensor([[2.0, 5.0, 10.0, 50.0]])
     adv = torch.full((1, 4), -2.0)
-    loss, metrics = compute_policy_loss(old, new, adv, torch.ones(1, 4), clip_ratio_c=3.0,
-                                        loss_agg_mode="seq-mean-token-sum")
+    loss, metrics = compute_policy_loss(
+        old, new, adv, torch.ones(1, 4), clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-sum"
+    )
     assert loss.item() == pytest.approx(4 * 6.0)
     assert metrics["pg_clipfrac_lower"].item() == 1.0
     # Positive advantages are not capped by the dual clip (only by the PPO clip).
@@ -270,8 +271,9 @@ def test_geo_mean_by_hand() -> None:
     assert loss.item() == pytest.approx(-math.exp(0.19))
     assert metrics["pg_clipfrac"].item() == 0.5 and metrics["pg_clipfrac_lower"].item() == 0.0
     # A per-sequence loss: summed over sequences / num_seqs, whatever loss_agg_mode says.
-    halved, _ = get_policy_loss("geo_mean")(old, new, torch.ones(1, 2), torch.ones(1, 2), clip_ratio_high=0.28,
-                                            num_seqs=2, loss_agg_mode="token-sum")
+    halved, _ = get_policy_loss("geo_mean")(
+        old, new, torch.ones(1, 2), torch.ones(1, 2), clip_ratio_high=0.28, num_seqs=2, loss_agg_mode="token-sum"
+    )
     assert halved.item() == pytest.approx(-math.exp(0.19) / 2)
 
 
@@ -340,8 +342,9 @@ def test_value_loss_modes_and_mask() -> None:
     returns = torch.zeros(2, 2)
     mask = torch.tensor([[1, 1], [1, 0]])
     # Huge clip range: plain 0.5 * v^2 -> per token 0.5, 2, 4.5 (7 is masked).
-    loss, _ = compute_value_loss(vpreds, returns, vpreds, mask, cliprange_value=100.0,
-                                 loss_agg_mode="seq-mean-token-sum", num_seqs=4)
+    loss, _ = compute_value_loss(
+        vpreds, returns, vpreds, mask, cliprange_value=100.0, loss_agg_mode="seq-mean-token-sum", num_seqs=4
+    )
     assert loss.item() == pytest.approx((0.5 + 2.0 + 4.5) / 4)
     with pytest.raises(ValueError, match="cliprange_value"):
         compute_value_loss(vpreds, returns, vpreds, mask, cliprange_value=-1.0)

@@ -22,16 +22,24 @@ LOG_PROB = OLD + torch.tensor([[0.0, math.log(1.5), 7.0], [math.log(0.5), 7.0, 7
 PG_TOKENS = (-1.0, -1.2, 0.8)
 VANILLA_KEYS = {
     "pg_loss@sum",
-    "pg_clipfrac@sum", "pg_clipfrac@count",
-    "pg_clipfrac_lower@sum", "pg_clipfrac_lower@count",
-    "ppo_kl@sum", "ppo_kl@count",
+    "pg_clipfrac@sum",
+    "pg_clipfrac@count",
+    "pg_clipfrac_lower@sum",
+    "pg_clipfrac_lower@count",
+    "ppo_kl@sum",
+    "ppo_kl@count",
 }
 IS_KEYS = {
-    "rollout_corr/is_mean@sum", "rollout_corr/is_mean@count",
-    "rollout_corr/clipped_frac@sum", "rollout_corr/clipped_frac@count",
-    "rollout_corr/is_truncated_mean@sum", "rollout_corr/is_truncated_mean@count",
-    "rollout_corr/probs_diff_mean@sum", "rollout_corr/probs_diff_mean@count",
-    "rollout_corr/is_max", "rollout_corr/probs_diff_max",
+    "rollout_corr/is_mean@sum",
+    "rollout_corr/is_mean@count",
+    "rollout_corr/clipped_frac@sum",
+    "rollout_corr/clipped_frac@count",
+    "rollout_corr/is_truncated_mean@sum",
+    "rollout_corr/is_truncated_mean@count",
+    "rollout_corr/probs_diff_mean@sum",
+    "rollout_corr/probs_diff_mean@count",
+    "rollout_corr/is_max",
+    "rollout_corr/probs_diff_max",
 }
 
 
@@ -52,8 +60,14 @@ def test_vanilla_by_hand() -> None:
 
 
 def test_vanilla_equals_the_registered_loss_and_uses_global_normalisers() -> None:
-    kwargs = dict(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=2.0, loss_agg_mode="seq-mean-token-sum",
-                  num_tokens=12, num_seqs=8)
+    kwargs = dict(
+        clip_ratio_low=0.1,
+        clip_ratio_high=0.3,
+        clip_ratio_c=2.0,
+        loss_agg_mode="seq-mean-token-sum",
+        num_tokens=12,
+        num_seqs=8,
+    )
     loss, _ = _objective(**kwargs)
     want, _ = compute_policy_loss(OLD, LOG_PROB, ADV, MASK, **kwargs)
     assert loss.item() == pytest.approx(want.item())
@@ -86,9 +100,15 @@ def test_policy_loss_kwargs_and_loss_scale_factor_reach_the_terms(monkeypatch) -
 
     monkeypatch.setitem(POLICY_LOSSES, "spy-for-test", spy_loss)
     entropy = torch.tensor([[0.5, 1.0, 0.0], [2.0, 0.0, 0.0]])
-    loss, _ = _objective(loss_mode="spy-for-test", policy_loss_kwargs={"tau_pos": 0.5},
-                         loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=10, num_seqs=2,
-                         entropy=entropy, entropy_coeff=1.0)
+    loss, _ = _objective(
+        loss_mode="spy-for-test",
+        policy_loss_kwargs={"tau_pos": 0.5},
+        loss_agg_mode="seq-mean-token-sum-norm",
+        loss_scale_factor=10,
+        num_seqs=2,
+        entropy=entropy,
+        entropy_coeff=1.0,
+    )
     assert calls[0]["tau_pos"] == 0.5 and calls[0]["loss_scale_factor"] == 10
     # Entropy per sequence 1.5 and 2.0 -> (3.5 / 2 sequences) / 10.
     assert loss.item() == pytest.approx(-3.5 / 2 / 10)
@@ -214,11 +234,20 @@ def test_every_term_together_is_the_sum_of_the_terms() -> None:
     entropy = torch.tensor([[0.5, 1.0, 0.0], [2.0, 0.0, 0.0]])
     ref = LOG_PROB + 0.1
     rollout = _rollout_log_probs()
-    loss, metrics = _objective(entropy=entropy, entropy_coeff=0.01, ref_log_prob=ref, kl_loss_coef=0.2,
-                               rollout_log_probs=rollout, rollout_is="token")
+    loss, metrics = _objective(
+        entropy=entropy,
+        entropy_coeff=0.01,
+        ref_log_prob=ref,
+        kl_loss_coef=0.2,
+        rollout_log_probs=rollout,
+        rollout_is="token",
+    )
     pg, _ = _objective(rollout_log_probs=rollout, rollout_is="token")
-    want = pg - 0.01 * agg_loss(entropy, MASK, "token-mean") + 0.2 * agg_loss(
-        kl_penalty(LOG_PROB, ref, "low_var_kl"), MASK, "token-mean")
+    want = (
+        pg
+        - 0.01 * agg_loss(entropy, MASK, "token-mean")
+        + 0.2 * agg_loss(kl_penalty(LOG_PROB, ref, "low_var_kl"), MASK, "token-mean")
+    )
     assert loss.item() == pytest.approx(want.item())
     assert set(metrics) == VANILLA_KEYS | IS_KEYS | {"entropy@sum", "entropy@count", "entropy_loss@sum", "kl_loss@sum"}
 
@@ -233,12 +262,19 @@ def test_micro_batches_merge_into_the_whole_batch() -> None:
     entropy = torch.rand(4, 5, generator=gen)
     ref = log_prob + torch.randn(4, 5, generator=gen) * 0.1
     mask = torch.rand(4, 5, generator=gen) > 0.3
-    kwargs = dict(entropy_coeff=0.01, kl_loss_coef=0.1, rollout_is="token",
-                  num_tokens=float(mask.sum()), num_seqs=4.0)
+    kwargs = dict(entropy_coeff=0.01, kl_loss_coef=0.1, rollout_is="token", num_tokens=float(mask.sum()), num_seqs=4.0)
 
     def run(rows: slice):
-        return compute_policy_objective(old[rows], log_prob[rows], adv[rows], mask[rows], entropy=entropy[rows],
-                                        ref_log_prob=ref[rows], rollout_log_probs=rollout[rows], **kwargs)
+        return compute_policy_objective(
+            old[rows],
+            log_prob[rows],
+            adv[rows],
+            mask[rows],
+            entropy=entropy[rows],
+            ref_log_prob=ref[rows],
+            rollout_log_probs=rollout[rows],
+            **kwargs,
+        )
 
     whole_loss, whole = run(slice(0, 4))
     (loss_a, a), (loss_b, b) = run(slice(0, 1)), run(slice(1, 4))

@@ -29,8 +29,6 @@ import pytest
 import torch
 
 from conveyor.algos.advantages import compute_advantage
-from conveyor.algos.kl import KL_KINDS, kl_penalty
-from conveyor.algos.losses import LOSS_AGG_MODES, agg_loss, get_policy_loss
 from conveyor.algos.correction import (
     compute_is_metrics,
     compute_mismatch_metrics,
@@ -39,6 +37,8 @@ from conveyor.algos.correction import (
     parse_is_threshold,
     parse_rejection,
 )
+from conveyor.algos.kl import KL_KINDS, kl_penalty
+from conveyor.algos.losses import LOSS_AGG_MODES, agg_loss, get_policy_loss
 from conveyor.workers.ranks.reward import overlong_penalty
 
 SCRIPT = Path(__file__).with_name("verl_reference.py")
@@ -82,8 +82,15 @@ def _advantage_case(name: str, seed: int, sizes: list[int], rewards: str, **extr
         last = mask.sum(-1) - 1
         token_rewards = torch.zeros(batch, WIDTH)
         token_rewards[torch.arange(batch), last] = scores
-    case = {"kind": "advantage", "name": name, "conveyor_name": name, "rewards": token_rewards, "mask": mask,
-            "index": index.tolist(), "norm_adv_by_std": True}
+    case = {
+        "kind": "advantage",
+        "name": name,
+        "conveyor_name": name,
+        "rewards": token_rewards,
+        "mask": mask,
+        "index": index.tolist(),
+        "norm_adv_by_std": True,
+    }
     case.update(extra)
     return case
 
@@ -149,11 +156,19 @@ def _policy_case(name: str, seed: int, mode: str, params: dict[str, float], extr
         new[:rows, 0] = old[:rows, 0] + torch.tensor(EXTREME_LOG_RATIOS)
     with_weights = seed % 2 == 0
     return {
-        "kind": "policy_loss", "name": name, "seed": seed, "params": params, "mask": mask,
-        "old_log_prob": _garbage(gen, old, mask), "log_prob": _garbage(gen, new, mask),
+        "kind": "policy_loss",
+        "name": name,
+        "seed": seed,
+        "params": params,
+        "mask": mask,
+        "old_log_prob": _garbage(gen, old, mask),
+        "log_prob": _garbage(gen, new, mask),
         "advantages": _garbage(gen, torch.randn(batch, WIDTH, generator=gen), mask),
         "is_weights": 0.5 + torch.rand(batch, WIDTH, generator=gen) if with_weights else None,
-        "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_agg_mode": mode,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 3.0,
+        "loss_agg_mode": mode,
         "num_tokens": int(mask.sum()) + 7,
         # verl's geo_mean averages over the rows it is given (see the module docstring).
         "num_seqs": batch if name == "geo_mean" else batch + 3,
@@ -186,9 +201,13 @@ def _agg_cases() -> dict[str, dict[str, Any]]:
             gen = torch.Generator().manual_seed(200 + seed)
             mask = _mask(gen, 11)
             cases[f"{mode}-lsf{factor}"] = {
-                "kind": "agg", "loss_agg_mode": mode, "mask": mask,
+                "kind": "agg",
+                "loss_agg_mode": mode,
+                "mask": mask,
                 "loss_mat": _garbage(gen, torch.randn(11, WIDTH, generator=gen), mask),
-                "num_tokens": int(mask.sum()) + 5, "num_seqs": 15, "loss_scale_factor": factor,
+                "num_tokens": int(mask.sum()) + 5,
+                "num_seqs": 15,
+                "loss_scale_factor": factor,
             }
     return cases
 
@@ -200,8 +219,10 @@ def _kl_cases() -> dict[str, dict[str, Any]]:
     ref = log_prob + 2.0 * torch.randn(6, WIDTH, generator=gen)
     ref[0, :3] = torch.tensor([25.0, -25.0, 12.0])
     weights = torch.randn(6, WIDTH, generator=gen)
-    return {kind: {"kind": "kl", "name": kind, "log_prob": log_prob, "ref_log_prob": ref, "weights": weights}
-            for kind in KL_KINDS}
+    return {
+        kind: {"kind": "kl", "name": kind, "log_prob": log_prob, "ref_log_prob": ref, "weights": weights}
+        for kind in KL_KINDS
+    }
 
 
 def _overlong_cases() -> dict[str, dict[str, Any]]:
@@ -210,7 +231,10 @@ def _overlong_cases() -> dict[str, dict[str, Any]]:
     for seed, (width, buffer, factor) in enumerate([(16, 4, 1.0), (16, 16, 0.5), (9, 1, 2.0), (30, 7, 0.3)]):
         gen = torch.Generator().manual_seed(400 + seed)
         cases[f"max{width}-len{buffer}-f{factor}"] = {
-            "kind": "overlong", "max_resp_len": width, "len": buffer, "penalty_factor": factor,
+            "kind": "overlong",
+            "max_resp_len": width,
+            "len": buffer,
+            "penalty_factor": factor,
             "lengths": torch.randint(1, width + 1, (12,), generator=gen),
             "scores": torch.rand(12, generator=gen),
         }
@@ -225,44 +249,74 @@ def _offpolicy_cases() -> dict[str, dict[str, Any]]:
         mask = _mask(gen, 9)  # every row has a token: verl counts an empty row as perplexity 1, conveyor skips it
         rollout = -3.0 * torch.rand(9, WIDTH, generator=gen)
         old = rollout + scale * torch.randn(9, WIDTH, generator=gen)
-        cases[f"scale{scale}"] = {"kind": "offpolicy", "mask": mask, "old_log_prob": _garbage(gen, old, mask),
-                                  "rollout_log_prob": _garbage(gen, rollout, mask)}
+        cases[f"scale{scale}"] = {
+            "kind": "offpolicy",
+            "mask": mask,
+            "old_log_prob": _garbage(gen, old, mask),
+            "rollout_log_prob": _garbage(gen, rollout, mask),
+        }
     return cases
 
 
 def _rollout_is_cases() -> dict[str, dict[str, Any]]:
     """Token and sequence importance weights, truncated (TIS) and two-sided (IcePop), near and far policies."""
     cases = {}
-    for seed, (level, threshold, scale) in enumerate([
-        ("token", 2.0, 0.5), ("token", "0.5_5.0", 0.8), ("sequence", 2.0, 0.05), ("sequence", "0.5_5.0", 0.1),
-        ("token", 1.2, 0.01),
-    ]):
+    for seed, (level, threshold, scale) in enumerate(
+        [
+            ("token", 2.0, 0.5),
+            ("token", "0.5_5.0", 0.8),
+            ("sequence", 2.0, 0.05),
+            ("sequence", "0.5_5.0", 0.1),
+            ("token", 1.2, 0.01),
+        ]
+    ):
         gen = torch.Generator().manual_seed(600 + seed)
         mask = _mask(gen, 10)
         rollout = -3.0 * torch.rand(10, WIDTH, generator=gen)
         old = rollout + scale * torch.randn(10, WIDTH, generator=gen)
         cases[f"{level}-{threshold}-scale{scale}"] = {
-            "kind": "rollout_is", "level": level, "threshold": threshold, "mask": mask,
-            "old_log_prob": _garbage(gen, old, mask), "rollout_log_prob": _garbage(gen, rollout, mask),
+            "kind": "rollout_is",
+            "level": level,
+            "threshold": threshold,
+            "mask": mask,
+            "old_log_prob": _garbage(gen, old, mask),
+            "rollout_log_prob": _garbage(gen, rollout, mask),
         }
     return cases
 
 
 def _rejection_cases() -> dict[str, dict[str, Any]]:
     """Every rejection option alone and chained, with thresholds that keep some and reject some."""
-    specs = [("token_k1", "0.6_1.5"), ("token_k1", "2.0"), ("token_k2", "0.05"), ("token_k3", "0.04"),
-             ("seq_sum_k1", "0.3_3.0"), ("seq_sum_k2", "0.4"), ("seq_sum_k3", "0.3"), ("seq_mean_k1", "0.8_1.25"),
-             ("seq_mean_k2", "0.03"), ("seq_mean_k3", "0.03"), ("seq_max_k2", "0.2"), ("seq_max_k3", "0.15"),
-             ("token_k1,seq_mean_k3", "0.5_2.0,0.05"), ("token_k2,seq_max_k3,seq_sum_k1", "0.1,0.15,0.5_2.0")]
+    specs = [
+        ("token_k1", "0.6_1.5"),
+        ("token_k1", "2.0"),
+        ("token_k2", "0.05"),
+        ("token_k3", "0.04"),
+        ("seq_sum_k1", "0.3_3.0"),
+        ("seq_sum_k2", "0.4"),
+        ("seq_sum_k3", "0.3"),
+        ("seq_mean_k1", "0.8_1.25"),
+        ("seq_mean_k2", "0.03"),
+        ("seq_mean_k3", "0.03"),
+        ("seq_max_k2", "0.2"),
+        ("seq_max_k3", "0.15"),
+        ("token_k1,seq_mean_k3", "0.5_2.0,0.05"),
+        ("token_k2,seq_max_k3,seq_sum_k1", "0.1,0.15,0.5_2.0"),
+    ]
     cases = {}
     for seed, (options, threshold) in enumerate(specs):
         gen = torch.Generator().manual_seed(700 + seed)
         mask = _mask(gen, 12)
         rollout = -3.0 * torch.rand(12, WIDTH, generator=gen)
         old = rollout + 0.4 * torch.randn(12, WIDTH, generator=gen)
-        cases[f"{options}-{threshold}"] = {"kind": "rejection", "options": options, "threshold": threshold,
-                                           "mask": mask, "old_log_prob": _garbage(gen, old, mask),
-                                           "rollout_log_prob": _garbage(gen, rollout, mask)}
+        cases[f"{options}-{threshold}"] = {
+            "kind": "rejection",
+            "options": options,
+            "threshold": threshold,
+            "mask": mask,
+            "old_log_prob": _garbage(gen, old, mask),
+            "rollout_log_prob": _garbage(gen, rollout, mask),
+        }
     return cases
 
 
@@ -283,8 +337,12 @@ def verl_out(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, to
     """verl's outputs for every case, computed once in a subprocess."""
     tmp = tmp_path_factory.mktemp("verl")
     torch.save(CASES, tmp / "cases.pt")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp / "cases.pt"), str(tmp / "out.pt")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp / "cases.pt"), str(tmp / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return torch.load(tmp / "out.pt", weights_only=True)
 
@@ -300,8 +358,12 @@ def _ids(prefix: str, exclude: tuple[str, ...] = ()) -> list[str]:
 def _our_advantage(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """conveyor's estimator on a case."""
     return compute_advantage(
-        case["conveyor_name"], case["rewards"], case["mask"], group_index=torch.tensor(case["index"]),
-        norm_adv_by_std=case["norm_adv_by_std"], reward_baselines=case.get("reward_baselines"),
+        case["conveyor_name"],
+        case["rewards"],
+        case["mask"],
+        group_index=torch.tensor(case["index"]),
+        norm_adv_by_std=case["norm_adv_by_std"],
+        reward_baselines=case.get("reward_baselines"),
     )
 
 
@@ -313,10 +375,18 @@ def _our_policy_loss(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, 
         # A fresh generator seeded like verl's global one draws the same permutation.
         params["generator"] = torch.Generator().manual_seed(case["seed"])
     loss, metrics = get_policy_loss(case["name"])(
-        case["old_log_prob"], log_prob, case["advantages"], case["mask"],
-        clip_ratio_low=case["clip_ratio_low"], clip_ratio_high=case["clip_ratio_high"],
-        clip_ratio_c=case["clip_ratio_c"], loss_agg_mode=case["loss_agg_mode"], num_tokens=case["num_tokens"],
-        num_seqs=case["num_seqs"], loss_scale_factor=case["loss_scale_factor"], is_weights=case["is_weights"],
+        case["old_log_prob"],
+        log_prob,
+        case["advantages"],
+        case["mask"],
+        clip_ratio_low=case["clip_ratio_low"],
+        clip_ratio_high=case["clip_ratio_high"],
+        clip_ratio_c=case["clip_ratio_c"],
+        loss_agg_mode=case["loss_agg_mode"],
+        num_tokens=case["num_tokens"],
+        num_seqs=case["num_seqs"],
+        loss_scale_factor=case["loss_scale_factor"],
+        is_weights=case["is_weights"],
         **params,
     )
     loss.backward()
@@ -362,8 +432,14 @@ def test_ppo_kl_at_extreme_log_ratios_is_verls_clamped_one(case_id: str, verl_ou
 @pytest.mark.parametrize("case_id", _ids("agg/"))
 def test_aggregation_matches_verl(case_id: str, verl_out: dict) -> None:
     case = CASES[case_id]
-    ours = agg_loss(case["loss_mat"], case["mask"], case["loss_agg_mode"], num_tokens=case["num_tokens"],
-                    num_seqs=case["num_seqs"], loss_scale_factor=case["loss_scale_factor"])
+    ours = agg_loss(
+        case["loss_mat"],
+        case["mask"],
+        case["loss_agg_mode"],
+        num_tokens=case["num_tokens"],
+        num_seqs=case["num_seqs"],
+        loss_scale_factor=case["loss_scale_factor"],
+    )
     torch.testing.assert_close(ours, verl_out[case_id]["loss"], **TOL)
 
 
@@ -412,8 +488,12 @@ def test_importance_weights_and_their_metrics_match_verl(case_id: str, verl_out:
 @pytest.mark.parametrize("case_id", _ids("rejection/"))
 def test_rejection_sampling_and_its_metrics_match_verl(case_id: str, verl_out: dict) -> None:
     case = CASES[case_id]
-    keep, ours = compute_rejection_mask(case["old_log_prob"], case["rollout_log_prob"], case["mask"],
-                                        parse_rejection(case["options"], case["threshold"]))
+    keep, ours = compute_rejection_mask(
+        case["old_log_prob"],
+        case["rollout_log_prob"],
+        case["mask"],
+        parse_rejection(case["options"], case["threshold"]),
+    )
     theirs = verl_out[case_id]
     assert torch.equal(keep, theirs["mask"].bool() & case["mask"])
     assert 0 < int(keep.sum()) < int(case["mask"].sum()) or "," in case["options"]  # the bounds bite

@@ -84,8 +84,13 @@ def _policy_loss(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     )
     torch.manual_seed(case["seed"])  # clip_cov picks its tokens with the global generator
     loss, metrics = ca.get_policy_loss_fn(case["name"])(
-        case["old_log_prob"], log_prob, case["advantages"], case["mask"].float(),
-        loss_agg_mode=case["loss_agg_mode"], config=config, rollout_is_weights=case.get("is_weights"),
+        case["old_log_prob"],
+        log_prob,
+        case["advantages"],
+        case["mask"].float(),
+        loss_agg_mode=case["loss_agg_mode"],
+        config=config,
+        rollout_is_weights=case.get("is_weights"),
     )
     loss.backward()
     out = {"loss": loss.detach(), "grad": log_prob.grad}
@@ -96,8 +101,12 @@ def _policy_loss(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
 def _agg(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     """verl's agg_loss on one rank with the global normalisers given."""
     loss = ca.agg_loss(
-        case["loss_mat"], case["mask"].float(), case["loss_agg_mode"], dp_size=1,
-        batch_num_tokens=case["num_tokens"], global_batch_size=case["num_seqs"],
+        case["loss_mat"],
+        case["mask"].float(),
+        case["loss_agg_mode"],
+        dp_size=1,
+        batch_num_tokens=case["num_tokens"],
+        global_batch_size=case["num_seqs"],
         loss_scale_factor=case["loss_scale_factor"],
     )
     return {"loss": loss}
@@ -130,14 +139,22 @@ def _overlong(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     prompt = torch.ones(batch, 2, dtype=torch.long)
     response_mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     data = DataProto.from_dict(
-        tensors={"prompts": prompt, "responses": torch.ones(batch, width, dtype=torch.long),
-                 "attention_mask": torch.cat([torch.ones_like(prompt), response_mask], dim=1)},
-        non_tensors={"data_source": np.array(["synthetic"] * batch, dtype=object),
-                     "reward_model": np.array([{"ground_truth": "0"}] * batch, dtype=object)},
+        tensors={
+            "prompts": prompt,
+            "responses": torch.ones(batch, width, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones_like(prompt), response_mask], dim=1),
+        },
+        non_tensors={
+            "data_source": np.array(["synthetic"] * batch, dtype=object),
+            "reward_model": np.array([{"ground_truth": "0"}] * batch, dtype=object),
+        },
     )
     scores = iter(case["scores"].tolist())
     manager = DAPORewardManager(
-        tokenizer=_NoTextTokenizer(), num_examine=0, compute_score=lambda **_: next(scores), max_resp_len=width,
+        tokenizer=_NoTextTokenizer(),
+        num_examine=0,
+        compute_score=lambda **_: next(scores),
+        max_resp_len=width,
         overlong_buffer_cfg=_Config(enable=True, len=case["len"], penalty_factor=case["penalty_factor"], log=True),
     )
     return {"reward": manager(data).sum(-1)}
@@ -155,8 +172,9 @@ def _offpolicy(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     _offpolicy_stub()
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
 
-    metrics = compute_rollout_corr_metrics_from_logprobs(case["old_log_prob"], case["rollout_log_prob"],
-                                                         case["mask"].float())
+    metrics = compute_rollout_corr_metrics_from_logprobs(
+        case["old_log_prob"], case["rollout_log_prob"], case["mask"].float()
+    )
     return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
 
 
@@ -166,7 +184,9 @@ def _rollout_is(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
     weights, metrics = compute_rollout_correction_weights(
-        case["old_log_prob"] - case["rollout_log_prob"], case["mask"].float(), rollout_is=case["level"],
+        case["old_log_prob"] - case["rollout_log_prob"],
+        case["mask"].float(),
+        rollout_is=case["level"],
         rollout_is_threshold=case["threshold"],
     )
     out = {f"metric/rollout_corr/{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
@@ -179,7 +199,9 @@ def _rejection(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
 
     mask, metrics = compute_rollout_rejection_mask(
-        case["old_log_prob"] - case["rollout_log_prob"], case["mask"].float(), rollout_rs=case["options"],
+        case["old_log_prob"] - case["rollout_log_prob"],
+        case["mask"].float(),
+        rollout_rs=case["options"],
         rollout_rs_threshold=case["threshold"],
     )
     out = {f"metric/{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
@@ -190,9 +212,16 @@ def main(argv: list[str]) -> int:
     """Read the cases file, write verl's outputs per case id."""
     cases_path, out_path = argv
     ca = _load_core_algos()
-    run = {"advantage": _advantage, "policy_loss": _policy_loss, "agg": _agg, "kl": _kl, "overlong": _overlong,
-           "offpolicy": _offpolicy, "rollout_is": _rollout_is,
-           "rejection": _rejection}
+    run = {
+        "advantage": _advantage,
+        "policy_loss": _policy_loss,
+        "agg": _agg,
+        "kl": _kl,
+        "overlong": _overlong,
+        "offpolicy": _offpolicy,
+        "rollout_is": _rollout_is,
+        "rejection": _rejection,
+    }
     cases = torch.load(cases_path, weights_only=True)
     torch.save({case_id: run[case["kind"]](ca, case) for case_id, case in cases.items()}, out_path)
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from benchmark_scripts import load_script
 
 
@@ -49,10 +48,20 @@ def test_the_estimates_of_a_rollout_in_processes_of_its_own(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     rows = [
-        {"step": 1, "timing_s/step": 0.5, "off_policy/trainer_process_cpu_s": 0.3, "rollout/perf/cpu_s": 0.2,
-         "reward/perf/cpu_s": 0.2},
-        {"step": 2, "timing_s/step": 0.5, "off_policy/trainer_process_cpu_s": 0.4, "rollout/perf/cpu_s": 0.1,
-         "reward/perf/cpu_s": 0.1},
+        {
+            "step": 1,
+            "timing_s/step": 0.5,
+            "off_policy/trainer_process_cpu_s": 0.3,
+            "rollout/perf/cpu_s": 0.2,
+            "reward/perf/cpu_s": 0.2,
+        },
+        {
+            "step": 2,
+            "timing_s/step": 0.5,
+            "off_policy/trainer_process_cpu_s": 0.4,
+            "rollout/perf/cpu_s": 0.1,
+            "reward/perf/cpu_s": 0.1,
+        },
     ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     r = bench.read_run(run)
@@ -66,11 +75,22 @@ def test_the_cpu_sides_and_what_other_machines_would_give(tmp_path):
     sync.mkdir()
     own.mkdir()
     # A synchronous step: 60 ms of CPU, 20 of them on the rollout's side (prompts, gen, reward).
-    step = {"timing_s/step": 0.062, "timing_cpu_s/step": 0.060, "timing_cpu_s/prompts": 0.002,
-            "timing_cpu_s/gen": 0.014, "timing_cpu_s/reward": 0.004, "timing_cpu_s/update_actor": 0.030}
+    step = {
+        "timing_s/step": 0.062,
+        "timing_cpu_s/step": 0.060,
+        "timing_cpu_s/prompts": 0.002,
+        "timing_cpu_s/gen": 0.014,
+        "timing_cpu_s/reward": 0.004,
+        "timing_cpu_s/update_actor": 0.030,
+    }
     (sync / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, **step}) for s in range(1, 4)))
-    mine = {"timing_s/step": 0.05, "timing_cpu_s/step": 0.038, "off_policy/trainer_process_cpu_s": 0.050,
-            "rollout/perf/cpu_s": 0.018, "reward/perf/cpu_s": 0.004}
+    mine = {
+        "timing_s/step": 0.05,
+        "timing_cpu_s/step": 0.038,
+        "off_policy/trainer_process_cpu_s": 0.050,
+        "rollout/perf/cpu_s": 0.018,
+        "reward/perf/cpu_s": 0.004,
+    }
     (own / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, **mine}) for s in range(1, 4)))
     s, o = bench.cpu_sides(sync, skip=0), bench.cpu_sides(own, skip=0)
     assert abs(s["trainer"] - 40.0) < 1e-9 and abs(s["rollout"] - 20.0) < 1e-9
@@ -91,18 +111,39 @@ def test_the_cpu_sides_and_what_other_machines_would_give(tmp_path):
 
 def test_where_the_compositions_cpu_goes():
     bench = load_script("async")
-    sync = {"timing_cpu_s/step": 53.0, "timing_cpu_s/update_actor": 26.0, "timing_cpu_s/adv": 1.5,
-            "timing_cpu_s/prompts": 1.8, "timing_cpu_s/gen": 16.0}
-    own = {"timing_cpu_s/step": 41.0, "timing_cpu_s/update_actor": 30.0, "timing_cpu_s/adv": 2.0,
-           "timing_cpu_s/async/dispatch": 3.0, "timing_cpu_s/async/wait": 0.5, "timing_cpu_s/async/rollout_gen": 1.5,
-           "off_policy/trainer_cpu_s": 40.0, "off_policy/trainer_process_cpu_s": 50.0,
-           "off_policy/helper_cpu_s/data_plane": 3.0, "off_policy/helper_cpu_s/weights": 2.5,
-           "off_policy/helper_cpu_s/rollout": 1.5}
+    sync = {
+        "timing_cpu_s/step": 53.0,
+        "timing_cpu_s/update_actor": 26.0,
+        "timing_cpu_s/adv": 1.5,
+        "timing_cpu_s/prompts": 1.8,
+        "timing_cpu_s/gen": 16.0,
+    }
+    own = {
+        "timing_cpu_s/step": 41.0,
+        "timing_cpu_s/update_actor": 30.0,
+        "timing_cpu_s/adv": 2.0,
+        "timing_cpu_s/async/dispatch": 3.0,
+        "timing_cpu_s/async/wait": 0.5,
+        "timing_cpu_s/async/rollout_gen": 1.5,
+        "off_policy/trainer_cpu_s": 40.0,
+        "off_policy/trainer_process_cpu_s": 50.0,
+        "off_policy/helper_cpu_s/data_plane": 3.0,
+        "off_policy/helper_cpu_s/weights": 2.5,
+        "off_policy/helper_cpu_s/rollout": 1.5,
+    }
     items = bench.overhead_items(sync, own)
     # The rest of the step: own 41 - (30 + 2 + 0.5 + 3) = 5.5 against sync 53 - (26 + 1.5 + 1.8 + 16) = 7.7.
     assert items.pop("rest of the step") == pytest.approx(5.5 - 7.7)
-    assert items == {"adv": 0.5, "update_actor": 4.0, "async/wait": 0.5, "async/dispatch": 3.0,
-                     "rollout threads": 1.5, "data_plane threads": 3.0, "weights threads": 2.5, "other threads": 3.0}
+    assert items == {
+        "adv": 0.5,
+        "update_actor": 4.0,
+        "async/wait": 0.5,
+        "async/dispatch": 3.0,
+        "rollout threads": 1.5,
+        "data_plane threads": 3.0,
+        "weights threads": 2.5,
+        "other threads": 3.0,
+    }
 
 
 def test_figures_over_rounds_are_medians_of_those_every_round_has():

@@ -6,7 +6,6 @@ import math
 from types import ModuleType
 
 import pytest
-
 from benchmark_scripts import load_script
 
 
@@ -15,8 +14,20 @@ def load_benchmark() -> ModuleType:
     return load_script("data_plane")
 
 
-TINY = ["--samples", "8", "--seq-len", "16", "--small-samples", "12", "--small-fields", "3", "--reps", "2",
-        "--create-reps", "3"]
+TINY = [
+    "--samples",
+    "8",
+    "--seq-len",
+    "16",
+    "--small-samples",
+    "12",
+    "--small-fields",
+    "3",
+    "--reps",
+    "2",
+    "--create-reps",
+    "3",
+]
 
 
 def test_main_tiny_both_workloads(capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,8 +60,9 @@ def test_unwritten_backends_are_skipped_with_a_note(capsys: pytest.CaptureFixtur
     bench = load_benchmark()
     # One timed creation: a transferqueue plane takes ~13 s to start here, and --create-reps 3 would start it
     # five times (one for the workload, one warm-up and three timed).
-    result = bench.main([*TINY, "--workload", "dense", "--create-reps", "1", "--backends", "memory,ray",
-                         "transferqueue"])
+    result = bench.main(
+        [*TINY, "--workload", "dense", "--create-reps", "1", "--backends", "memory,ray", "transferqueue"]
+    )
     out = capsys.readouterr().out
     assert "memory" in result["backends"]
     for backend in ("ray", "transferqueue"):

@@ -19,8 +19,16 @@ def test_sweep_prints_each_pair_and_the_spread_and_fails_below_the_bar(tmp_path,
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"step": 0, "val/accuracy": 0.25}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "val/accuracy": 0.75}]))
+    (run / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"step": 0, "val/accuracy": 0.25},
+                {"step": 1, "reward/mean": 0.5},
+                {"step": 2, "val/accuracy": 0.75},
+            ]
+        )
+    )
     assert bench.val_accuracy(run) == [(0, 0.25), (2, 0.75)]
 
     finals = {(0, 0): 0.75, (1, 1): 0.5, (2, 2): 0.625}
@@ -28,9 +36,17 @@ def test_sweep_prints_each_pair_and_the_spread_and_fails_below_the_bar(tmp_path,
 
     def fake_run(model_seed, trainer_seed, out, threads, overrides, config):
         seen.append((model_seed, trainer_seed, threads, tuple(overrides), config))
-        return {"model_seed": model_seed, "trainer_seed": trainer_seed, "status": 0, "wall_s": 60.0 + model_seed,
-                "cpu_s": 50.0, "first": (0, 0.25), "last": (600, finals[(model_seed, trainer_seed)]),
-                "warm_start_steps": 400, "log": "x.log"}
+        return {
+            "model_seed": model_seed,
+            "trainer_seed": trainer_seed,
+            "status": 0,
+            "wall_s": 60.0 + model_seed,
+            "cpu_s": 50.0,
+            "first": (0, 0.25),
+            "last": (600, finals[(model_seed, trainer_seed)]),
+            "warm_start_steps": 400,
+            "log": "x.log",
+        }
 
     monkeypatch.setattr(bench, "run_pair", fake_run)
     args = ["--pairs", "0:0", "1:1", "2:2", "--parallel", "2", "--set", "trainer.test_freq=50", "--out", str(tmp_path)]

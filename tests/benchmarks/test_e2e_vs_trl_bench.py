@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/e2e_vs_trl.py: a tiny conveyor-vs-TRL pair runs end to end; its helpers compute the right figures."""
+"""Smoke test of benchmarks/e2e_vs_trl.py: a tiny conveyor-vs-TRL pair runs end to end; its helpers compute the right
+figures."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import statistics
 from types import ModuleType
 
 import pytest
-
 from benchmark_scripts import load_script
 
 
@@ -17,10 +17,31 @@ def load_benchmark() -> ModuleType:
 
 
 # No warm start and a small task keep the model build and both runs to seconds.
-TINY_TASK = ["--set", "actor_rollout_ref.model.tiny.warmstart_steps=0", "--set", "data.synthetic.num_train=64",
-             "--set", "data.synthetic.num_val=8"]
-TINY = ["--steps", "2", "--pairs", "1", "--warmup", "1", "--batch", "2", "--n", "2", "--max-new-tokens", "3",
-        "--threads", "1", *TINY_TASK]
+TINY_TASK = [
+    "--set",
+    "actor_rollout_ref.model.tiny.warmstart_steps=0",
+    "--set",
+    "data.synthetic.num_train=64",
+    "--set",
+    "data.synthetic.num_val=8",
+]
+TINY = [
+    "--steps",
+    "2",
+    "--pairs",
+    "1",
+    "--warmup",
+    "1",
+    "--batch",
+    "2",
+    "--n",
+    "2",
+    "--max-new-tokens",
+    "3",
+    "--threads",
+    "1",
+    *TINY_TASK,
+]
 
 
 @pytest.mark.slow
@@ -53,13 +74,23 @@ def test_main_tiny_pair(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["median_steps_ratio"] == pair["steps_ratio"]
     assert len(result["reward_curves"]["conveyor"]) == len(result["reward_curves"]["trl"]) == 2
     assert set(result["runs"]["conveyor"][0]["stage_s"]) >= {"gen", "update_actor"}
-    for text in ("ratio c/t", "median over pairs of the ratio conveyor/TRL", "reward per step", "target median steps/s ratio"):
+    for text in (
+        "ratio c/t",
+        "median over pairs of the ratio conveyor/TRL",
+        "reward per step",
+        "target median steps/s ratio",
+    ):
         assert text in out, text
 
 
 def test_summarize_run_leaves_out_the_warmup_steps() -> None:
-    run = {"step_s": [5.0, 0.5, 0.25, 0.25], "cpu_s": [4.0, 0.2, 0.2, 0.2], "tokens": [100.0, 40.0, 30.0, 30.0],
-           "reward": [0.0, 0.2, 0.4, 0.6], "peak_rss_bytes": 3 * 2**20}
+    run = {
+        "step_s": [5.0, 0.5, 0.25, 0.25],
+        "cpu_s": [4.0, 0.2, 0.2, 0.2],
+        "tokens": [100.0, 40.0, 30.0, 30.0],
+        "reward": [0.0, 0.2, 0.4, 0.6],
+        "peak_rss_bytes": 3 * 2**20,
+    }
     s = load_benchmark().summarize_run(run, warmup=1)
     assert s["timed_steps"] == 3
     assert s["steps_per_s"] == pytest.approx(3 / 1.0)
@@ -99,8 +130,25 @@ def test_reward_check_over_several_runs_uses_the_spread_of_their_late_rewards() 
 
 def test_shared_config_makes_one_optimizer_step_per_batch() -> None:
     bench = load_benchmark()
-    cfg = bench.shared_config(bench.parse_args(["--batch", "4", "--n", "3", "--max-new-tokens", "5", "--lr", "0.01",
-                                                "--steps", "7", "--seed", "3", *TINY_TASK]))
+    cfg = bench.shared_config(
+        bench.parse_args(
+            [
+                "--batch",
+                "4",
+                "--n",
+                "3",
+                "--max-new-tokens",
+                "5",
+                "--lr",
+                "0.01",
+                "--steps",
+                "7",
+                "--seed",
+                "3",
+                *TINY_TASK,
+            ]
+        )
+    )
     arr = cfg.actor_rollout_ref
     assert cfg.data.train_batch_size == 4 and arr.rollout.n == 3 and cfg.data.max_response_length == 5
     assert arr.actor.ppo_mini_batch_size == 4 and arr.actor.ppo_epochs == 1
@@ -127,16 +175,30 @@ def test_ordered_prompts_follow_the_trainer_order() -> None:
 
 def test_score_recorder_scores_with_the_registered_reward() -> None:
     recorder = load_benchmark().ScoreRecorder()
-    scores = recorder(prompts=["23+45="] * 3, completions=["68", "60", "x"], completion_ids=[[1, 2, 3], [1, 2], [1]],
-                      data_source=["synthetic/arithmetic"] * 3, ground_truth=["68"] * 3)
+    scores = recorder(
+        prompts=["23+45="] * 3,
+        completions=["68", "60", "x"],
+        completion_ids=[[1, 2, 3], [1, 2], [1]],
+        data_source=["synthetic/arithmetic"] * 3,
+        ground_truth=["68"] * 3,
+    )
     # Exact: 1.0; "60" vs "68": one of two right-aligned digits right, 0.5 * 1/2; not a number: 0.
     assert scores == [1.0, 0.25, 0.0]
     assert recorder.rewards == [pytest.approx(statistics.fmean([1.0, 0.25, 0.0]))]
     assert recorder.tokens == [6.0]
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "2", "--warmup", "2"], ["--pairs", "0"],
-                                 ["--batch", "0"], ["--lr", "0"], ["--threads", "-1"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--steps", "0"],
+        ["--steps", "2", "--warmup", "2"],
+        ["--pairs", "0"],
+        ["--batch", "0"],
+        ["--lr", "0"],
+        ["--threads", "-1"],
+    ],
+)
 def test_bad_flags_are_rejected(bad: list[str]) -> None:
     with pytest.raises(SystemExit):
         load_benchmark().parse_args(bad)

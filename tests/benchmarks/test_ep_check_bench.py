@@ -12,8 +12,13 @@ from benchmark_scripts import load_script, script_path
 
 
 def test_ep_of_size_one_through_the_ep_path_equals_the_plain_model() -> None:
-    done = subprocess.run([sys.executable, str(script_path("ep_check")), "--hidden", "64", "--seq", "16"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(script_path("ep_check")), "--hidden", "64", "--seq", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "ep check: ok" in done.stdout
     figures = dict(line.rsplit(None, 1) for line in done.stdout.splitlines() if line.startswith(("perf/", "moe/")))

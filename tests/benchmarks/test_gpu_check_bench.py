@@ -20,8 +20,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _steps(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script_path("gpu_steps")), *args], capture_output=True, text=True,
-                          timeout=300, env=ENV)
+    return subprocess.run(
+        [sys.executable, str(script_path("gpu_steps")), *args], capture_output=True, text=True, timeout=300, env=ENV
+    )
 
 
 @pytest.mark.parametrize("check", ["varlen", "fsdp-step", "packspeed"])
@@ -34,9 +35,16 @@ def test_each_device_check_passes_on_the_cpu(check: str) -> None:
 def _run_dir(root: Path, name: str, norm: float) -> Path:
     run = root / name
     run.mkdir()
-    rows = [{"step": 1, "actor/grad_norm": norm, "timing_s/step": 2.0, "actor/perf/update_actor/max_memory_gb": 1.5},
-            {"step": 2, "actor/grad_norm": norm / 2, "timing_s/step": 1.0, "actor/perf/update_actor/max_memory_gb": 1.25,
-             "actor/perf/max_memory_allocated_gb": 2.0}]
+    rows = [
+        {"step": 1, "actor/grad_norm": norm, "timing_s/step": 2.0, "actor/perf/update_actor/max_memory_gb": 1.5},
+        {
+            "step": 2,
+            "actor/grad_norm": norm / 2,
+            "timing_s/step": 1.0,
+            "actor/perf/update_actor/max_memory_gb": 1.25,
+            "actor/perf/max_memory_allocated_gb": 2.0,
+        },
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -55,8 +63,13 @@ def test_report_and_gradient_norm_agreement(tmp_path: Path) -> None:
 
 def test_the_script_runs_its_steps_and_stops_without_a_device(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh")], capture_output=True, text=True, timeout=300,
-                          env={**ENV, "OUT": str(out), "PY": sys.executable, "WHEELS": str(tmp_path / "none")})
+    done = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, "OUT": str(out), "PY": sys.executable, "WHEELS": str(tmp_path / "none")},
+    )
     summary = (out / "summary.md").read_text()
     assert summary.startswith("| step | result | seconds | figure |")
     assert "| env | pass |" in summary and "torch " in summary
@@ -64,8 +77,11 @@ def test_the_script_runs_its_steps_and_stops_without_a_device(tmp_path: Path) ->
 
 
 def test_the_carried_wheels_are_the_versions_the_suite_runs_with() -> None:
-    pins = dict(line.split("==") for line in (BENCHMARKS / "requirements-gpu-check.txt").read_text().splitlines()
-                if line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (BENCHMARKS / "requirements-gpu-check.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     # omegaconf is left out: 2.4 carries its own parser (2.3 needs the antlr4 runtime, which the image lacks),
     # and conveyor reads configs through the API both have.
     for name in ("transformers", "tensordict", "peft", "regex", "pyvers"):

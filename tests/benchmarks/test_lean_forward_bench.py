@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from benchmark_scripts import load_script
 
 

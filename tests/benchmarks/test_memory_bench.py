@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from benchmark_scripts import spawning_script
 
 PHASES = ("rollout", "old_log_prob", "ref", "update_actor")
@@ -40,21 +39,25 @@ def test_accounting_shrinks_with_the_ranks_and_counts_what_the_settings_move(ben
     assert "reference parameters" not in offloaded["ref"] and "optimizer state" not in offloaded["old_log_prob"]
     assert bench.total(offloaded["old_log_prob"]) < bench.total(two["old_log_prob"])
     # The meta-device count is the model's own.
-    assert lay.params == sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(
-        tiny_config("qwen3_moe", vocab_size=len(build_char_tokenizer()))).parameters())
+    assert lay.params == sum(
+        p.numel()
+        for p in __import__("transformers")
+        .AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=len(build_char_tokenizer())))
+        .parameters()
+    )
 
 
 def test_real_model_accounting_prints_both_models(bench, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--account", "--response-len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3-8B: 8.19B parameters" in out and "Qwen3-30B-A3B: 30.53B parameters" in out
-    moe = out[out.index("Qwen3-30B-A3B: 30.53B"):]
+    moe = out[out.index("Qwen3-30B-A3B: 30.53B") :]
     # The hf rollout's rows are docs/distributed.md's table as it was before the vllm rows came.
     cells = r"rollout\s+{}\s+old_log_prob\s+{}\s+ref\s+{}\s+update_actor\s+{}\s+"
     assert re.search(r"recipe\s+" + cells.format(88.3, 51.7, 51.7, 75.1) + "does not", moe)
     assert re.search(r"\+ optimizer_offload\s+" + cells.format(23.9, 19.6, 19.6, 61.1) + "fits", moe)
     # The vllm rows: the defaults' weights outgrow the engine's share; the example fits.
-    rows = moe[moe.index("vllm rollout"):].splitlines()
+    rows = moe[moe.index("vllm rollout") :].splitlines()
     assert re.search(r"rollout defaults.* weights\s+61.1 .*does not fit: the vLLM engine's weights", rows[1]), rows[1]
     assert re.search(r"tensor_model_parallel_size=4 .*trainer\s+45.8 .*rollout\s+85.8 .*does not fit", rows[2])
     assert re.search(r"the example: tp 4, utilization 0.6 .*weights\s+15.3 .*rollout\s+63.3 .*fits$", rows[4]), rows[4]

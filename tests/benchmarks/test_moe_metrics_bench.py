@@ -10,10 +10,9 @@ from types import ModuleType
 
 import pytest
 import torch
+from benchmark_scripts import load_script, script_path
 
 from conveyor.metrics.moe_load_balance import count_expert_assignments
-
-from benchmark_scripts import load_script, script_path
 
 SCRIPT = script_path("moe_metrics")
 
@@ -23,8 +22,22 @@ def load_benchmark() -> ModuleType:
     return load_script("moe_metrics")
 
 
-TINY = ["--batch", "3", "--seq-len", "24", "--response-len", "16", "--layers", "2", "--top-k", "2",
-        "--experts", "4", "--reps", "2"]
+TINY = [
+    "--batch",
+    "3",
+    "--seq-len",
+    "24",
+    "--response-len",
+    "16",
+    "--layers",
+    "2",
+    "--top-k",
+    "2",
+    "--experts",
+    "4",
+    "--reps",
+    "2",
+]
 
 
 def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from benchmark_scripts import spawning_script
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from benchmark_scripts import load_script
 from transformers import AutoModelForCausalLM
 
-from benchmark_scripts import load_script
 from conveyor.models import build_char_tokenizer
 from conveyor.models.tiny import tiny_config
 

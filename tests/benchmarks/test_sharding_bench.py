@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from benchmark_scripts import spawning_script
 
 

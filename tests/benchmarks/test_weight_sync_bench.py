@@ -1,11 +1,11 @@
-"""Smoke test: the weight-sync benchmark streams a tiny model between two gloo ranks, bit for bit, and prints its table."""
+"""Smoke test: the weight-sync benchmark streams a tiny model between two gloo ranks, bit for bit, and prints its
+table."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-
 from benchmark_scripts import spawning_script
 
 

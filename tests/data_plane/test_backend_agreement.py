@@ -13,7 +13,8 @@ so the backends cannot agree on the wrong rule.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,8 +42,7 @@ def _column(value: Any) -> tuple:
 
 def _normalise(result: Any) -> Any:
     if isinstance(result, KVBatchMeta):
-        return {"keys": result.keys, "partition_id": result.partition_id, "fields": result.fields,
-                "tags": result.tags}
+        return {"keys": result.keys, "partition_id": result.partition_id, "fields": result.fields, "tags": result.tags}
     if isinstance(result, TensorDict):
         return {"batch_size": tuple(result.batch_size), **{name: _column(result.get(name)) for name in result.keys()}}
     return result
@@ -103,19 +103,34 @@ def scenario(plane: DataPlane, pid: str, other: str) -> list[tuple[str, Outcome]
         "ragged_2d": _nested([torch.randn(n, 2, generator=gen).to(torch.float16) for n in (1, 3, 2, 2)]),
         "names": ["a", "héllo", "", "d"],
         "extras": [{"gt": "4", "n": [1, 2]}, None, (1, 2), 2.5],
-        "tensors": [torch.zeros(2, 3), torch.arange(4, dtype=torch.int8), torch.ones(1, 1, dtype=torch.bfloat16),
-                    torch.tensor(5)],
+        "tensors": [
+            torch.zeros(2, 3),
+            torch.arange(4, dtype=torch.int8),
+            torch.ones(1, 1, dtype=torch.bfloat16),
+            torch.tensor(5),
+        ],
     }
     step("put every kind of column", lambda: put(keys, pid, fields, tags=[{"seq_len": i} for i in range(4)]))
     step("get in another order, with a repeat", lambda: get(["k2", "k0", "k3", "k0", "k1"], pid, every))
-    step("overwrite two keys, no tags", lambda: put(["k2", "k1"], pid, {
-        "x": torch.randn(2, 3, generator=gen), "names": ["C", "B"],
-        "ragged": _nested([torch.arange(5, dtype=torch.int64), torch.arange(2, dtype=torch.int64)])}))
+    step(
+        "overwrite two keys, no tags",
+        lambda: put(
+            ["k2", "k1"],
+            pid,
+            {
+                "x": torch.randn(2, 3, generator=gen),
+                "names": ["C", "B"],
+                "ragged": _nested([torch.arange(5, dtype=torch.int64), torch.arange(2, dtype=torch.int64)]),
+            },
+        ),
+    )
     step("get after the overwrite", lambda: get(keys, pid, ["x", "names", "ragged", "ids"]))
     step("overwrite with tags", lambda: put(["k3"], pid, {"ids": torch.tensor([99])}, tags=[{"done": True}]))
     step("put of new keys with one field", lambda: put(["k4", "k5"], pid, {"x": torch.randn(2, 3, generator=gen)}))
-    step("a new field for some keys", lambda: put(["k0", "k4"], pid, {"score": torch.tensor([0.5, -1.0],
-                                                                                            dtype=torch.float64)}))
+    step(
+        "a new field for some keys",
+        lambda: put(["k0", "k4"], pid, {"score": torch.tensor([0.5, -1.0], dtype=torch.float64)}),
+    )
     step("get a field only some keys have", lambda: get(["k0", "k1", "k4"], pid, ["score"]))
     step("get it for the keys that have it", lambda: get(["k4", "k0"], pid, ["score", "x"]))
     step("a field of one key only", lambda: put(["k5"], pid, {"late": torch.ones(1, 2)}))
@@ -126,11 +141,15 @@ def scenario(plane: DataPlane, pid: str, other: str) -> list[tuple[str, Outcome]
     # Puts that change what a field holds: refused, whole.
     step("dtype change", lambda: put(["k0"], pid, {"x": torch.zeros(1, 3, dtype=torch.float64)}))
     step("row shape change", lambda: put(["k0"], pid, {"x": torch.zeros(1, 4)}))
-    step("dtype change overwriting every row",
-         lambda: put(["k0", "k1", "k2", "k3", "k4", "k5"], pid, {"x": torch.zeros(6, 3, dtype=torch.int64)}))
+    step(
+        "dtype change overwriting every row",
+        lambda: put(["k0", "k1", "k2", "k3", "k4", "k5"], pid, {"x": torch.zeros(6, 3, dtype=torch.int64)}),
+    )
     step("ragged dtype change", lambda: put(["k0"], pid, {"ragged": _nested([torch.ones(2)])}))
-    step("ragged row shape change", lambda: put(["k0"], pid, {"ragged_2d": _nested([torch.ones(2, 3,
-                                                                                             dtype=torch.float16)])}))
+    step(
+        "ragged row shape change",
+        lambda: put(["k0"], pid, {"ragged_2d": _nested([torch.ones(2, 3, dtype=torch.float16)])}),
+    )
     step("dense to list", lambda: put(["k0"], pid, {"x": [1]}))
     step("list to dense", lambda: put(["k0"], pid, {"names": torch.ones(1)}))
     step("dense to ragged", lambda: put(["k0"], pid, {"ids": _nested([torch.arange(3)])}))
@@ -138,8 +157,10 @@ def scenario(plane: DataPlane, pid: str, other: str) -> list[tuple[str, Outcome]
     # (on the ray backend, with three storage actors, no key of k1's actor has the field).
     step("dtype change on a key without the field", lambda: put(["k1"], pid, {"score": torch.ones(1)}))
     step("dtype change on a new key", lambda: put(["k9"], pid, {"late": torch.ones(1, 2, dtype=torch.int64)}))
-    step("refused put with a new key, a new field and tags", lambda: put(
-        ["k9", "k0"], pid, {"fresh": torch.ones(2), "x": torch.zeros(2, 4)}, tags=[{"t": 1}, {"t": 2}]))
+    step(
+        "refused put with a new key, a new field and tags",
+        lambda: put(["k9", "k0"], pid, {"fresh": torch.ones(2), "x": torch.zeros(2, 4)}, tags=[{"t": 1}, {"t": 2}]),
+    )
     step("the refused put wrote no key", lambda: plane.kv_list(pid))
     step("the refused put wrote no field", lambda: get(["k0"], pid, ["fresh"]))
     step("the refused put wrote no rows or tags", lambda: put(["k0"], pid, {"ids": torch.tensor([-1])}))
@@ -158,8 +179,10 @@ def scenario(plane: DataPlane, pid: str, other: str) -> list[tuple[str, Outcome]
 
     step("list keys", lambda: plane.kv_list(pid))
     step("list an unknown partition", lambda: plane.kv_list(pid + "-none"))
-    step("the same field name in another partition, another dtype and shape",
-         lambda: put(["k0"], other, {"x": torch.arange(5).reshape(1, 5)}))
+    step(
+        "the same field name in another partition, another dtype and shape",
+        lambda: put(["k0"], other, {"x": torch.arange(5).reshape(1, 5)}),
+    )
     step("get from the other partition", lambda: get(["k0"], other, ["x"]))
 
     step("clear some keys", lambda: plane.kv_clear(pid, ["k1", "k4", "absent"]))
@@ -174,8 +197,10 @@ def scenario(plane: DataPlane, pid: str, other: str) -> list[tuple[str, Outcome]
     step("clear the partition", lambda: plane.kv_clear(pid))
     step("list the cleared partition", lambda: plane.kv_list(pid))
     step("get from the cleared partition", lambda: get(["k0"], pid, ["x"]))
-    step("after clearing the partition a field may change", lambda: put(["k0", "k1"], pid, {
-        "x": torch.arange(10).reshape(2, 5), "names": torch.ones(2)}))
+    step(
+        "after clearing the partition a field may change",
+        lambda: put(["k0", "k1"], pid, {"x": torch.arange(10).reshape(2, 5), "names": torch.ones(2)}),
+    )
     step("get the changed fields", lambda: get(["k1", "k0"], pid, ["x", "names"]))
     step("clear the last key of a partition", lambda: plane.kv_clear(other, ["k0"]))
     step("list it", lambda: plane.kv_list(other))
@@ -207,8 +232,9 @@ def _make(backend: str) -> DataPlane:
         return make_data_plane("ray", num_storage_actors=3, actor_cpus=0.05)
     if backend == "transferqueue":
         pytest.importorskip("transfer_queue")
-        return make_data_plane("transferqueue", actor_cpus=0.05,
-                               tq_config={"backend": {"SimpleStorage": {"num_data_storage_units": 2}}})
+        return make_data_plane(
+            "transferqueue", actor_cpus=0.05, tq_config={"backend": {"SimpleStorage": {"num_data_storage_units": 2}}}
+        )
     return make_data_plane(backend)
 
 
@@ -252,29 +278,48 @@ def test_the_memory_plane_served_over_its_socket_agrees_with_itself(reference: l
 def test_reference_outcomes(reference: list) -> None:
     """The rule the backends agree on: changing a field's dtype, row shape or kind is refused, whole."""
     out = dict(reference)
-    for label in ("dtype change", "row shape change", "dtype change overwriting every row", "ragged dtype change",
-                  "ragged row shape change", "dense to list", "list to dense", "dense to ragged",
-                  "refused put with a new key, a new field and tags", "dtype change while the partition holds data",
-                  "dtype change on a key without the field", "dtype change on a new key",
-                  "the field keeps its record"):
+    for label in (
+        "dtype change",
+        "row shape change",
+        "dtype change overwriting every row",
+        "ragged dtype change",
+        "ragged row shape change",
+        "dense to list",
+        "list to dense",
+        "dense to ragged",
+        "refused put with a new key, a new field and tags",
+        "dtype change while the partition holds data",
+        "dtype change on a key without the field",
+        "dtype change on a new key",
+        "the field keeps its record",
+    ):
         kind, (error, message) = out[label]
         assert (kind, error) == ("raised", "ValueError"), label
         assert "in partition 'agree'" in message and "clear the partition" in message, label
-    assert out["dtype change"][1][1].startswith(
-        "field 'x' in partition 'agree'") and "holds rows of shape (3,) and dtype float32; this put gives (3,) float64" \
-        in out["dtype change"][1][1]
-    assert "holds ragged rows of shape (*, 2) and dtype float16; this put gives (*, 3) float16" \
+    assert (
+        out["dtype change"][1][1].startswith("field 'x' in partition 'agree'")
+        and "holds rows of shape (3,) and dtype float32; this put gives (3,) float64" in out["dtype change"][1][1]
+    )
+    assert (
+        "holds ragged rows of shape (*, 2) and dtype float16; this put gives (*, 3) float16"
         in out["ragged row shape change"][1][1]
+    )
     assert "was stored as dense; this put gives list" in out["dense to list"][1][1]
     assert out["the refused put wrote no key"] == ("returned", ["k0", "k1", "k2", "k3", "k4", "k5"])
     assert out["the refused put wrote no field"][1][0] == "FieldNotFoundError"
     assert out["the refused put wrote no rows or tags"][1]["tags"] == [{"seq_len": 0}]
-    for label in ("a list column takes any values", "nor changed one", "the same field name in another partition, "
-                  "another dtype and shape", "after clearing the partition a field may change",
-                  "its fields may change too"):
+    for label in (
+        "a list column takes any values",
+        "nor changed one",
+        "the same field name in another partition, another dtype and shape",
+        "after clearing the partition a field may change",
+        "its fields may change too",
+    ):
         assert out[label][0] == "returned", label
-    assert out["put of no keys"] == ("returned", {"keys": [], "partition_id": out["put of no keys"][1]["partition_id"],
-                                                  "fields": ["x", "ghost"], "tags": []})
+    assert out["put of no keys"] == (
+        "returned",
+        {"keys": [], "partition_id": out["put of no keys"][1]["partition_id"], "fields": ["x", "ghost"], "tags": []},
+    )
     assert out["the put of no keys created no field"][1][0] == "FieldNotFoundError"
     assert out["which stays unknown"][1][0] == "FieldNotFoundError"
     assert out["get a field only some keys have"][1][2:4] == (["score"], ["k1"])

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from data_plane_tensors import assert_same_tensor, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
@@ -18,7 +19,6 @@ from tensordict import NonTensorStack, TensorDict
 from conveyor.data_plane import BACKENDS, DataPlane, FieldNotFoundError, make_data_plane
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.protocol import KVBatchMeta
-from data_plane_tensors import assert_same_tensor, random_tensor
 
 DTYPES = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32]
 
@@ -200,11 +200,15 @@ def test_get_returns_rows_in_the_order_asked(put_sizes: list[int], seed: int, da
             keys = [f"k{start + i}" for i in range(size)]
             dense = random_tensor((size, 3), torch.int64, gen)
             ragged = [random_tensor((start + i + 1,), torch.float32, gen) for i in range(size)]
-            dp.kv_batch_put(keys, "p", {
-                "d": dense,
-                "r": torch.nested.nested_tensor(ragged, layout=torch.jagged),
-                "name": [k.upper() for k in keys],
-            })
+            dp.kv_batch_put(
+                keys,
+                "p",
+                {
+                    "d": dense,
+                    "r": torch.nested.nested_tensor(ragged, layout=torch.jagged),
+                    "name": [k.upper() for k in keys],
+                },
+            )
             expected_dense.update(zip(keys, dense))
             expected_ragged.update(zip(keys, ragged))
             start += size
@@ -458,12 +462,17 @@ def test_plain_columns_are_the_get_taken_apart():
     # (built without the TensorDict form, and the base class's default from that form agrees).
     dp = make_data_plane("memory")
     keys = [f"k{i}" for i in range(5)]
-    dp.kv_batch_put(keys, "p", {"x": torch.arange(10).reshape(5, 2), "uid": list("aabbc"),
-                                "ragged": [torch.arange(i + 1) for i in range(5)]})
+    dp.kv_batch_put(
+        keys,
+        "p",
+        {"x": torch.arange(10).reshape(5, 2), "uid": list("aabbc"), "ragged": [torch.arange(i + 1) for i in range(5)]},
+    )
     order = keys[::-1]
     td = dp.kv_batch_get(order, "p", ["x", "uid", "ragged"])
-    for columns in (dp.kv_batch_get_columns(order, "p", ["x", "uid", "ragged"]),
-                    DataPlane._get_columns(dp, order, "p", ["x", "uid", "ragged"])):
+    for columns in (
+        dp.kv_batch_get_columns(order, "p", ["x", "uid", "ragged"]),
+        DataPlane._get_columns(dp, order, "p", ["x", "uid", "ragged"]),
+    ):
         assert list(columns) == ["x", "uid", "ragged"]
         assert torch.equal(columns["x"], td["x"])
         assert columns["uid"] == list("cbbaa") == td["uid"].tolist()

@@ -55,8 +55,14 @@ def test_metrics_over_http(caplog: pytest.LogCaptureFixture) -> None:
         assert m[("conveyor_dataplane_get_bytes_total", MEM)] == 128
         assert m[("conveyor_dataplane_put_samples_total", MEM)] == 5
         assert m[("conveyor_dataplane_get_samples_total", MEM)] == 2
-        put_inf = ("conveyor_dataplane_op_latency_seconds_bucket", (("backend", "memory"), ("le", "+Inf"), ("op", "put")))
-        get_inf = ("conveyor_dataplane_op_latency_seconds_bucket", (("backend", "memory"), ("le", "+Inf"), ("op", "get")))
+        put_inf = (
+            "conveyor_dataplane_op_latency_seconds_bucket",
+            (("backend", "memory"), ("le", "+Inf"), ("op", "put")),
+        )
+        get_inf = (
+            "conveyor_dataplane_op_latency_seconds_bucket",
+            (("backend", "memory"), ("le", "+Inf"), ("op", "get")),
+        )
         assert m[put_inf] == 2 and m[get_inf] == 1
         assert m[("conveyor_dataplane_op_latency_seconds_count", (("backend", "memory"), ("op", "put")))] == 2
         assert m[("conveyor_dataplane_op_latency_seconds_sum", (("backend", "memory"), ("op", "put")))] > 0
@@ -128,7 +134,9 @@ def test_shared_registry_records_without_serving() -> None:
         plane.kv_batch_get(["a"], "p", ["x"])
         assert registry.get_sample_value("conveyor_dataplane_put_bytes_total", {"backend": "memory"}) == 12
         assert registry.get_sample_value("conveyor_dataplane_get_bytes_total", {"backend": "memory"}) == 6
-        assert registry.get_sample_value("conveyor_dataplane_live_samples", {"backend": "memory", "partition": "p"}) == 2
+        assert (
+            registry.get_sample_value("conveyor_dataplane_live_samples", {"backend": "memory", "partition": "p"}) == 2
+        )
     finally:
         plane.close()
 

@@ -11,9 +11,10 @@ from tensordict import NonTensorStack, TensorDict
 
 ray = pytest.importorskip("ray")
 
+from data_plane_tensors import assert_same_tensor, random_tensor  # noqa: E402
+
 from conveyor.data_plane import DataPlane, FieldNotFoundError, make_data_plane  # noqa: E402
 from conveyor.data_plane.ray_store import RayDataPlane, shard_of  # noqa: E402
-from data_plane_tensors import assert_same_tensor, random_tensor  # noqa: E402
 
 DTYPES = [torch.bool, torch.int8, torch.int16, torch.int64, torch.float16, torch.bfloat16, torch.float32]
 
@@ -140,10 +141,13 @@ def test_tensordict_input_and_tags(plane: DataPlane, pid: str) -> None:
 
 def test_empty_get_keeps_each_kind(plane: DataPlane, pid: str) -> None:
     plane.kv_batch_put(
-        ["a", "b"], pid,
-        {"x": torch.ones(2, 3, dtype=torch.int16),
-         "r": torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(1, 4)], layout=torch.jagged),
-         "s": ["u", "v"]},
+        ["a", "b"],
+        pid,
+        {
+            "x": torch.ones(2, 3, dtype=torch.int16),
+            "r": torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(1, 4)], layout=torch.jagged),
+            "s": ["u", "v"],
+        },
     )
     got = plane.kv_batch_get([], pid, ["x", "r", "s"])
     assert got.batch_size == torch.Size([0])

@@ -105,14 +105,17 @@ def test_a_client_whose_server_is_gone_says_so(served):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
 def test_a_killed_server_leaves_no_file_behind(tmp_path):
     # What SIGKILL does to a trainer serving its plane: no clean-up runs, so the socket must not be a file.
-    script = ("import sys\nfrom conveyor.data_plane import make_data_plane\n"
-              "from conveyor.data_plane.served import DataPlaneServer\n"
-              "s = DataPlaneServer(make_data_plane('memory'))\n"
-              "c = s.client(); c.kv_list('p')\n"  # a client connected: the socket is live
-              "print(repr(s.address), flush=True)\nsys.stdin.read()\n")
+    script = (
+        "import sys\nfrom conveyor.data_plane import make_data_plane\n"
+        "from conveyor.data_plane.served import DataPlaneServer\n"
+        "s = DataPlaneServer(make_data_plane('memory'))\n"
+        "c = s.client(); c.kv_list('p')\n"  # a client connected: the socket is live
+        "print(repr(s.address), flush=True)\nsys.stdin.read()\n"
+    )
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where a file-backed socket would go
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
     try:
         address = ast.literal_eval(proc.stdout.readline())
     finally:
@@ -161,7 +164,8 @@ def test_deferred_writes_of_one_batch_leave_as_one_put_and_are_read_where_they_w
 
 
 def test_deferred_writes_are_sent_before_anything_that_could_see_them_and_dropped_when_the_block_fails(
-        served, monkeypatch):
+    served, monkeypatch
+):
     plane, server = served
     client = server.client()
     ops = _counting(server, monkeypatch)

@@ -17,12 +17,12 @@ pytest.importorskip("transfer_queue")
 
 import ray  # noqa: E402  (the package needs Ray; importorskip first)
 import torch  # noqa: E402
+from data_plane_tensors import random_tensor  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
 from conveyor.data_plane import FieldNotFoundError, make_data_plane  # noqa: E402
 from conveyor.data_plane.prometheus import DataPlaneMetrics  # noqa: E402
 from conveyor.data_plane.transferqueue import NAMESPACE, SCHEMA_PREFIX, TransferQueueDataPlane  # noqa: E402
-from data_plane_tensors import random_tensor  # noqa: E402
 
 DTYPES = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32]
 
@@ -73,11 +73,15 @@ def test_ragged_round_trip_stays_ragged_even_when_rows_are_equal(plane, part) ->
     same = [torch.full((2, 3), float(i), dtype=torch.bfloat16) for i in range(4)]
     flags = [torch.tensor([True] * n + [False]) for n in (0, 2, 1, 3)]
     keys = ["a", "b", "c", "d"]
-    plane.kv_batch_put(keys, part, {
-        "ragged": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
-        "equal_rows": torch.nested.as_nested_tensor(same, layout=torch.jagged),
-        "flags": torch.nested.as_nested_tensor(flags, layout=torch.jagged),
-    })
+    plane.kv_batch_put(
+        keys,
+        part,
+        {
+            "ragged": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
+            "equal_rows": torch.nested.as_nested_tensor(same, layout=torch.jagged),
+            "flags": torch.nested.as_nested_tensor(flags, layout=torch.jagged),
+        },
+    )
     got = plane.kv_batch_get(["c", "a"], part, ["ragged", "equal_rows", "flags"])
     for name, want in (("ragged", rows), ("equal_rows", same), ("flags", flags)):
         value = got.get(name)
@@ -89,11 +93,19 @@ def test_ragged_round_trip_stays_ragged_even_when_rows_are_equal(plane, part) ->
 
 def test_python_values_and_mixed_tensors_come_back_exactly(plane, part) -> None:
     values = ["text", (1, 2), {"score": 0.5, "pair": (3, 4)}, None, 7, 2.5, {1, 2}]
-    tensors = [torch.ones(2), torch.zeros(1, 3, dtype=torch.float64), torch.tensor([9], dtype=torch.int8),
-               torch.tensor(5), torch.ones(3, dtype=torch.bool), torch.arange(4), torch.empty(0)]
+    tensors = [
+        torch.ones(2),
+        torch.zeros(1, 3, dtype=torch.float64),
+        torch.tensor([9], dtype=torch.int8),
+        torch.tensor(5),
+        torch.ones(3, dtype=torch.bool),
+        torch.arange(4),
+        torch.empty(0),
+    ]
     keys = [f"k{i}" for i in range(7)]
-    plane.kv_batch_put(keys, part, {"values": values, "tensors": NonTensorStack(*tensors, batch_size=[7]),
-                                    "same": ["x"] * 7})
+    plane.kv_batch_put(
+        keys, part, {"values": values, "tensors": NonTensorStack(*tensors, batch_size=[7]), "same": ["x"] * 7}
+    )
     order = [6, 0, 3, 1]
     got = plane.kv_batch_get([keys[i] for i in order], part, ["values", "tensors"])
     assert isinstance(got.get("values"), NonTensorStack)
@@ -145,8 +157,11 @@ def test_missing_keys_fields_and_partitions_name_what_is_missing(plane, part) ->
 
 def test_incompatible_put_is_refused_and_writes_nothing(plane, part) -> None:
     plane.kv_batch_put(["a", "b"], part, {"x": torch.zeros(2, 3), "names": ["p", "q"]})
-    with pytest.raises(ValueError, match=r"field 'x' in partition .* holds rows of shape \(3,\) and dtype float32; "
-                                         r"this put gives \(4,\) float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"field 'x' in partition .* holds rows of shape \(3,\) and dtype float32; "
+        r"this put gives \(4,\) float32",
+    ):
         plane.kv_batch_put(["c"], part, {"x": torch.zeros(1, 4)})
     with pytest.raises(ValueError, match="dtype float32; this put gives \\(3,\\) int64"):
         plane.kv_batch_put(["c"], part, {"x": torch.zeros(1, 3, dtype=torch.int64)})
@@ -174,11 +189,15 @@ def test_handle_lists_common_fields_and_tags_replace(plane, part) -> None:
 
 
 def test_get_of_no_keys_keeps_each_kind(plane, part) -> None:
-    plane.kv_batch_put(["a", "b"], part, {
-        "dense": torch.zeros(2, 3, dtype=torch.float16),
-        "ragged": torch.nested.as_nested_tensor([torch.ones(2, 4), torch.ones(1, 4)], layout=torch.jagged),
-        "names": ["u", "v"],
-    })
+    plane.kv_batch_put(
+        ["a", "b"],
+        part,
+        {
+            "dense": torch.zeros(2, 3, dtype=torch.float16),
+            "ragged": torch.nested.as_nested_tensor([torch.ones(2, 4), torch.ones(1, 4)], layout=torch.jagged),
+            "names": ["u", "v"],
+        },
+    )
     got = plane.kv_batch_get([], part, ["dense", "ragged", "names"])
     assert got.batch_size == torch.Size([0])
     assert got["dense"].shape == (0, 3) and got["dense"].dtype == torch.float16 and not got["dense"].is_nested
@@ -222,10 +241,14 @@ def test_metrics_count_samples_bytes_and_live_keys(plane, part) -> None:
     metrics = DataPlaneMetrics("transferqueue")
     plane.metrics = metrics
     try:
-        plane.kv_batch_put(["a", "b", "c"], part, {
-            "x": torch.zeros(3, 4),
-            "r": [torch.ones(2, dtype=torch.int16), "s", 1],
-        })
+        plane.kv_batch_put(
+            ["a", "b", "c"],
+            part,
+            {
+                "x": torch.zeros(3, 4),
+                "r": [torch.ones(2, dtype=torch.int16), "s", 1],
+            },
+        )
         plane.kv_batch_get(["a", "c"], part, ["x"])
         plane.kv_clear(part, ["a"])
     finally:
@@ -258,8 +281,11 @@ def test_pickled_copy_and_named_attach_share_the_store_and_own_nothing(plane, pa
 
 
 def test_config_mistakes_fail_fast_with_the_key_named(plane) -> None:
-    with pytest.raises(ValueError, match=r"transferqueue\.backend\.SimpleStorag is not a TransferQueue setting; "
-                                         r"did you mean transfer_queue\.transferqueue\.backend\.SimpleStorage\?"):
+    with pytest.raises(
+        ValueError,
+        match=r"transferqueue\.backend\.SimpleStorag is not a TransferQueue setting; "
+        r"did you mean transfer_queue\.transferqueue\.backend\.SimpleStorage\?",
+    ):
         TransferQueueDataPlane(tq_config={"backend": {"SimpleStorag": {}}})
     with pytest.raises(ValueError, match="storage_backend='Redis' is not a TransferQueue storage backend"):
         make_data_plane("transferqueue", tq_config={"backend": {"storage_backend": "Redis"}})

@@ -14,7 +14,10 @@ from conveyor.metrics.dumps import dump_path, format_generations, latest_generat
 def _rows():
     return [
         {
-            "prompt": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+3?"}],
+            "prompt": [
+                {"role": "system", "content": "Answer with a number."},
+                {"role": "user", "content": "What is 2+3?"},
+            ],
             "response": "5",
             "ground_truth": "5",
             "data_source": "arith",
@@ -31,7 +34,14 @@ def _rows():
             "reward": 0.0,
             "advantage": float("nan"),
         },
-        {"prompt": "2*2=", "response": "4", "ground_truth": None, "data_source": None, "reward": 0.5, "advantage": -0.25},
+        {
+            "prompt": "2*2=",
+            "response": "4",
+            "ground_truth": None,
+            "data_source": None,
+            "reward": 0.5,
+            "advantage": -0.25,
+        },
     ]
 
 
@@ -73,7 +83,9 @@ def test_errors_say_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match="no generation dump for step 18 .*nearest is step 20"):
         latest_generations(tmp_path, step=18)
     with pytest.raises(ValueError, match=r"rows\[1\] lacks ground_truth, reward"):
-        write_generations(tmp_path, 1, [_rows()[0], {"prompt": "p", "response": "r", "data_source": "d", "advantage": 0}])
+        write_generations(
+            tmp_path, 1, [_rows()[0], {"prompt": "p", "response": "r", "data_source": "d", "advantage": 0}]
+        )
     with pytest.raises(ValueError, match="rows is empty"):
         write_generations(tmp_path, 1, [])
     with pytest.raises(ValueError, match="step must be"):

@@ -132,8 +132,16 @@ def test_float_mask_is_accepted() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["routed_none", "mask_none", "num_experts_none", "num_experts_zero", "num_experts_negative", "nothing_selected",
-     "all_unknown", "empty_response"],
+    [
+        "routed_none",
+        "mask_none",
+        "num_experts_none",
+        "num_experts_zero",
+        "num_experts_negative",
+        "nothing_selected",
+        "all_unknown",
+        "empty_response",
+    ],
 )
 def test_silent_empty_cases(case: str, caplog: pytest.LogCaptureFixture) -> None:
     routed, mask = worked_example()
@@ -604,8 +612,14 @@ def test_fetch_against_the_memory_data_plane(caplog: pytest.LogCaptureFixture) -
 
 
 def tiny(config_cls: type, **kwargs: Any) -> Any:
-    base = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=32)
+    base = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+    )
     base.update(kwargs)
     return config_cls(**base)
 

@@ -108,9 +108,14 @@ def test_missing_metrics_drop_their_panels_and_figures(tmp_path):
 def test_ep_straggler_figure_draws_each_layer_when_logged(tmp_path):
     tracker = JsonlTracker(tmp_path / "metrics.jsonl")
     for s in range(1, 6):
-        tracker.log({"actor/pg_loss": -0.1 * s, "actor/moe/ep_tokens_received_max_over_mean": 1.3,
-                     **{f"actor/moe/ep_tokens_received_max_over_mean/layer_{i}": 1.0 + 0.1 * i + 0.01 * s
-                        for i in range(3)}}, s)
+        tracker.log(
+            {
+                "actor/pg_loss": -0.1 * s,
+                "actor/moe/ep_tokens_received_max_over_mean": 1.3,
+                **{f"actor/moe/ep_tokens_received_max_over_mean/layer_{i}": 1.0 + 0.1 * i + 0.01 * s for i in range(3)},
+            },
+            s,
+        )
     tracker.close()
     paths = plot_run(tmp_path)
     assert [p.name for p in paths] == ["losses.png", "moe_ep_tokens.png"]
@@ -132,10 +137,14 @@ def test_relative_load_and_most_imbalanced_layer_by_hand():
 def test_moe_reader_keeps_last_record_per_step_and_skips_bad_lines(tmp_path):
     path = tmp_path / "moe_expert_load.jsonl"
     path.write_text(
-        json.dumps({"step": 2, "num_experts": 2, "counts": [[1, 1]]}) + "\n"
-        + json.dumps({"step": 1, "num_experts": 2, "counts": [[5, 0]]}) + "\n"
-        + json.dumps({"step": 2, "num_experts": 2, "counts": [[0, 7]]}) + "\n"
-        + json.dumps({"step": 3, "num_experts": 3, "counts": [[1, 1]]}) + "\n"  # wrong width
+        json.dumps({"step": 2, "num_experts": 2, "counts": [[1, 1]]})
+        + "\n"
+        + json.dumps({"step": 1, "num_experts": 2, "counts": [[5, 0]]})
+        + "\n"
+        + json.dumps({"step": 2, "num_experts": 2, "counts": [[0, 7]]})
+        + "\n"
+        + json.dumps({"step": 3, "num_experts": 3, "counts": [[1, 1]]})
+        + "\n"  # wrong width
         + '{"step": 4, "num_e'  # torn by a crash
     )
     records = read_moe_expert_load(path)
@@ -163,8 +172,15 @@ def _long_run(steps=200, reward_band=(0.0, 1.0), kl=1e-8):
     for s in range(steps + 1):
         r = {"step": s}
         if s:
-            r.update({"reward/mean": 0.3 + 0.002 * s + 0.05 * rng.standard_normal(), "reward/min": reward_band[0],
-                      "reward/max": reward_band[1], "reward/accuracy": 0.1 + 0.002 * s, "actor/ppo_kl": kl * (-1) ** s})
+            r.update(
+                {
+                    "reward/mean": 0.3 + 0.002 * s + 0.05 * rng.standard_normal(),
+                    "reward/min": reward_band[0],
+                    "reward/max": reward_band[1],
+                    "reward/accuracy": 0.1 + 0.002 * s,
+                    "actor/ppo_kl": kl * (-1) ** s,
+                }
+            )
         if s % 50 == 0:
             r["val/accuracy"] = 0.1 + 0.003 * s
         records.append(r)

@@ -1,4 +1,5 @@
-"""Tracking against the real backends: files written by console, jsonl, TensorBoard, MLflow and W&B (offline) read back."""
+"""Tracking against the real backends: files written by console, jsonl, TensorBoard, MLflow and W&B (offline) read
+back."""
 
 from __future__ import annotations
 
@@ -136,7 +137,9 @@ def test_console_rows_average_their_window_and_validation_gets_a_row():
             metrics["val/accuracy"] = 0.5
         console.log(metrics, step)
     lines = out.getvalue().splitlines()
-    assert lines[0] == "   step    reward       acc   val_acc       len   entropy        kl      grad    s/step     tok/s"
+    assert (
+        lines[0] == "   step    reward       acc   val_acc       len   entropy        kl      grad    s/step     tok/s"
+    )
     # Rows: the step-0 validation, step 1, every 4 steps, the validation at 6, and the last step.
     rows = [ln.split() for ln in lines[1:]]
     assert [r[0] for r in rows] == ["0/10", "1/10", "4/10", "6/10", "8/10", "10/10"]
@@ -144,7 +147,9 @@ def test_console_rows_average_their_window_and_validation_gets_a_row():
     # A row holds the mean over the steps since the previous row: (2 + 3 + 4) / 3, then (5 + 6) / 2.
     assert rows[2][1] == "3.000" and rows[3][1] == "5.500" and rows[3][3] == "0.500"
     assert rows[2][3] == "-" and rows[5][1] == "9.500" and rows[5][-1] == "950"
-    assert lines[1] == "   0/10         -         -     0.125         -         -         -         -         -         -"
+    assert (
+        lines[1] == "   0/10         -         -     0.125         -         -         -         -         -         -"
+    )
     # A negative value in scientific notation fits its column: the columns stay aligned.
     assert len(console.format_line({"actor/ppo_kl": -3.3e-08}, 1)) == len(lines[0])
 
@@ -159,7 +164,7 @@ def test_console_header_repeats_and_full_table_on_request():
     assert [f for f in firsts if f == "step" or f.isdigit()] == ["step", "1", "2", "step", "3", "4"]
     # The full dump only when asked for: every metric grouped by section, keys and values aligned.
     assert [ln for ln in lines if ln.startswith("--- step")] == ["--- step 3: 3 metrics " + "-" * 20]
-    table = lines[lines.index("--- step 3: 3 metrics " + "-" * 20):]
+    table = lines[lines.index("--- step 3: 3 metrics " + "-" * 20) :]
     assert table[1] == "[actor]" and table[2] == "  pg_loss    -0.0123"
     assert table[3] == "[other]" and table[4] == "  lr       1.000e-06"
 
@@ -223,7 +228,8 @@ def test_mlflow_honours_tracking_uri(tmp_path, monkeypatch, shared_mlflow_store)
 
 
 def _read_wandb_records(path: Path):
-    """Protobuf records of a .wandb file (LevelDB-style log: 7-byte file header, 32 KiB blocks, 7-byte record headers)."""
+    """Protobuf records of a .wandb file (LevelDB-style log: 7-byte file header, 32 KiB blocks, 7-byte record
+    headers)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()

@@ -103,8 +103,16 @@ def test_grafana_dashboard_queries_name_exported_metrics():
             assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
     titles = {p["title"] for p in dashboard["panels"]}
     wanted_panels = (
-        "Reward", "Validation accuracy", "Accuracy", "Losses", "KL", "Entropy", "Throughput", "Step time",
-        "Bytes per second", "Operation latency (p50, p99)",
+        "Reward",
+        "Validation accuracy",
+        "Accuracy",
+        "Losses",
+        "KL",
+        "Entropy",
+        "Throughput",
+        "Step time",
+        "Bytes per second",
+        "Operation latency (p50, p99)",
     )
     for wanted in wanted_panels:
         assert wanted in titles

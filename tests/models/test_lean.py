@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
-from conveyor.rollout.base import SamplingParams
 from conveyor.models.lean import LeanForward, _group_rows, resolve_forward_impl, unsupported_reason
 from conveyor.models.moe_routing import MoELayer, RoutingRecorder, moe_info, moe_layers, replay_routing
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
 
 LEAN_ARCHS = ["qwen3_moe", "qwen3"]
@@ -38,18 +38,29 @@ def _shaped_config(name: str, tok) -> PretrainedConfig:
     sparse, without top-k renormalisation).
     """
     common = dict(
-        vocab_size=len(tok), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
     )
     moe = dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
     configs = {
         "qwen3_head_dim": lambda: Qwen3Config(num_hidden_layers=2, **common),
         "qwen3_moe_head_dim": lambda: Qwen3MoeConfig(num_hidden_layers=2, norm_topk_prob=True, **moe, **common),
         "qwen3_moe_mlp_only_layers": lambda: Qwen3MoeConfig(
-            num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True, **moe, **common),
+            num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True, **moe, **common
+        ),
         "qwen3_moe_sparse_step": lambda: Qwen3MoeConfig(
-            num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False, **moe, **common),
+            num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False, **moe, **common
+        ),
     }
     return configs[name]()
 
@@ -107,8 +118,9 @@ def _hf_response_logits(model, prompts, pmask, responses, rmask):
     ids = torch.cat([prompts, responses], dim=1)
     att = torch.cat([pmask, rmask], dim=1).long()
     pos = (att.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False,
-                logits_to_keep=responses.shape[1] + 1)
+    out = model(
+        input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False, logits_to_keep=responses.shape[1] + 1
+    )
     return out.logits[:, :-1]
 
 
@@ -229,8 +241,9 @@ def test_greedy_rollout_matches_the_hf_rollout(models, tok, arch):
     mask = enc["attention_mask"].repeat_interleave(3, 0)
     kwargs = SamplingParams(max_new_tokens=5, do_sample=False, capture_routing=arch in MOE_MODELS)
     ref = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, kwargs)
-    got = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                    lean=LeanForward(model)).generate(ids, mask, kwargs)
+    got = HFEngine(
+        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, lean=LeanForward(model)
+    ).generate(ids, mask, kwargs)
     assert torch.equal(got["responses"], ref["responses"])
     assert torch.equal(got["response_mask"], ref["response_mask"])
     torch.testing.assert_close(got["rollout_log_probs"], ref["rollout_log_probs"], rtol=1e-4, atol=1e-5)
@@ -244,13 +257,16 @@ def test_rows_that_finish_early_leave_the_cache_without_changing_the_others(mode
     model = models["qwen3_moe"]
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     ids, mask = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
-    never = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
+    never = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=10_000).generate(
+        ids, mask, SamplingParams(max_new_tokens=6, do_sample=False)
+    )
     # An EOS that some rows emit at their second token and others later or never.
     eos = int(never["responses"][0, 1])
     kwargs = SamplingParams(max_new_tokens=6, do_sample=False, capture_routing=True)
     ref = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=eos).generate(ids, mask, kwargs)
     got = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=eos, lean=LeanForward(model)).generate(
-        ids, mask, kwargs)
+        ids, mask, kwargs
+    )
     lengths = ref["response_mask"].sum(-1)
     assert lengths.min() < lengths.max(), "the test needs rows of different lengths"
     assert torch.equal(got["responses"], ref["responses"])
@@ -265,7 +281,9 @@ def test_sampled_rollout_log_probs_are_what_the_lean_training_forward_computes(m
     ids, mask = enc["input_ids"].repeat_interleave(4, 0), enc["attention_mask"].repeat_interleave(4, 0)
     lean = LeanForward(model)
     gen = torch.Generator().manual_seed(3)
-    out = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, lean=lean).generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=0.7), generator=gen)
+    out = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, lean=lean).generate(
+        ids, mask, SamplingParams(max_new_tokens=6, temperature=0.7), generator=gen
+    )
     with torch.no_grad():
         logits, _ = lean.response_logits(ids, mask, out["responses"], out["response_mask"])
     logp = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, out["responses"][..., None])[..., 0]
@@ -316,7 +334,9 @@ def test_which_models_the_lean_forward_runs(tok, caplog):
         resolve_forward_impl("lean", mixtral)
     checkpointed = build_tiny_model("qwen3", tok)
     # transformers 5 renamed gradient_checkpointing_enable (which now warns).
-    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
+    enable = (
+        getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
+    )
     enable()
     assert "gradient checkpointing" in unsupported_reason(checkpointed)
 
@@ -360,10 +380,13 @@ def _with_differing_qk_eps(model):
     model.model.layers[0].self_attn.k_norm.variance_epsilon *= 10
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    (_with_unknown_block, "layer 1: _UnknownSparseBlock is not a sparse MoE block"),
-    (_with_differing_qk_eps, "layer 0: q_norm and k_norm differ in eps"),
-])
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (_with_unknown_block, "layer 1: _UnknownSparseBlock is not a sparse MoE block"),
+        (_with_differing_qk_eps, "layer 0: q_norm and k_norm differ in eps"),
+    ],
+)
 def test_auto_falls_back_to_hf_and_logs_why_when_a_layer_is_outside_the_lean_forward(tok, caplog, change, reason):
     model = build_tiny_model("qwen3_moe", tok)
     change(model)
@@ -412,8 +435,9 @@ def test_the_lean_forward_and_the_hf_hooks_replay_through_one_function(models, t
     monkeypatch.setattr(MoELayer, "replay", counted)
     prompts, pmask, responses, rmask = _batch(tok)
     info = moe_info(model)
-    routed = torch.zeros(len(prompts), prompts.shape[1] + responses.shape[1], info.num_layers, info.top_k,
-                         dtype=torch.long)
+    routed = torch.zeros(
+        len(prompts), prompts.shape[1] + responses.shape[1], info.num_layers, info.top_k, dtype=torch.long
+    )
     routed[..., 1] = 1
     routers = [layer.router for layer in moe_layers(model)]
     with torch.no_grad():

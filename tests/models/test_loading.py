@@ -116,8 +116,9 @@ def _edit_config(path, **changes) -> None:
     (path / "config.json").write_text(json.dumps({**data, **changes}))
 
 
-def test_auto_map_of_a_known_model_type_loads_the_builtin_class_without_running_code(checkpoint, tmp_path,
-                                                                                      caplog) -> None:
+def test_auto_map_of_a_known_model_type_loads_the_builtin_class_without_running_code(
+    checkpoint, tmp_path, caplog
+) -> None:
     from conveyor.models.loading import load_model_config
 
     path = _copy(checkpoint, tmp_path, "known")
@@ -138,8 +139,11 @@ def test_auto_map_of_an_unknown_model_type_names_the_key_and_runs_nothing(checkp
     path = _copy(checkpoint, tmp_path, "custom")
     marker = tmp_path / "ran"
     (path / "custom_lm.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    _edit_config(path, model_type="conveyor_unknown_lm",
-                 auto_map={"AutoConfig": "custom_lm.Cfg", "AutoModelForCausalLM": "custom_lm.Model"})
+    _edit_config(
+        path,
+        model_type="conveyor_unknown_lm",
+        auto_map={"AutoConfig": "custom_lm.Cfg", "AutoModelForCausalLM": "custom_lm.Model"},
+    )
     for load in (load_causal_lm, load_model_config):
         with pytest.raises(ValueError, match=r"auto_map.*set actor_rollout_ref\.model\.trust_remote_code=true$"):
             load(path)
@@ -152,22 +156,28 @@ def test_a_tokenizer_that_ships_code_names_the_key(tmp_path) -> None:
     # A tokenizer directory of its own (tokenizer_path): no model type to fall back on, only the shipped code.
     marker = tmp_path / "ran"
     (tmp_path / "custom_tok.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "ConveyorCustomTokenizer", "auto_map": {"AutoTokenizer": ["custom_tok.Tok", None]}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "ConveyorCustomTokenizer", "auto_map": {"AutoTokenizer": ["custom_tok.Tok", None]}}
+        )
+    )
     path = tmp_path
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.trust_remote_code=true") as info:
         load_tokenizer(path)
     assert "\n" not in str(info.value) and not marker.exists()
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("bad_json", r"config\.json' is not valid JSON \(line 1, column 2"),
-    ("json_list", r"config\.json' holds a JSON list"),
-    ("no_weights", r"has no weights .*actor_rollout_ref\.model\.path"),
-    ("cut_weights", r"model\.safetensors' is cut short \(\d+ bytes; its header describes \d+\)"),
-    ("tiny_weights", r"model\.safetensors' is cut short \(4 bytes"),
-    ("missing_shard", r"model-00002-of-00002\.safetensors' is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("bad_json", r"config\.json' is not valid JSON \(line 1, column 2"),
+        ("json_list", r"config\.json' holds a JSON list"),
+        ("no_weights", r"has no weights .*actor_rollout_ref\.model\.path"),
+        ("cut_weights", r"model\.safetensors' is cut short \(\d+ bytes; its header describes \d+\)"),
+        ("tiny_weights", r"model\.safetensors' is cut short \(4 bytes"),
+        ("missing_shard", r"model-00002-of-00002\.safetensors' is missing"),
+    ],
+)
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(checkpoint, tmp_path, damage: str, message: str) -> None:
     import json
 
@@ -185,8 +195,10 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(checkpoint, tmp_path, 
         weights.write_bytes(b"\x00\x01\x02\x03")
     else:
         weights.rename(path / "model-00001-of-00002.safetensors")
-        index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                "b": "model-00002-of-00002.safetensors"}}
+        index = {
+            "metadata": {},
+            "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+        }
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=message) as info:
         load_causal_lm(path)

@@ -48,42 +48,70 @@ _COMMON = dict(
 ARCHS = {
     "qwen3_moe": (
         lambda: Qwen3MoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32,
-            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
         ),
         False,
     ),
     "qwen3_moe_norm": (
         lambda: Qwen3MoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32,
-            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
         ),
         True,
     ),
     "mixtral": (
         lambda: MixtralConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
         ),
         True,
     ),
     "olmoe": (
         lambda: OlmoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
             norm_topk_prob=False,
         ),
         False,
     ),
     "olmoe_norm": (
         lambda: OlmoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
             norm_topk_prob=True,
         ),
         True,
     ),
     "qwen2_moe": (
         lambda: Qwen2MoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
         ),
         True,
     ),
@@ -109,9 +137,7 @@ def input_ids(batch: int = B, seq: int = S, seed: int = 1) -> torch.Tensor:
 
 
 def hook_count(model: nn.Module) -> int:
-    return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()
-    )
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
 
 
 class ExpertInputs:
@@ -119,9 +145,7 @@ class ExpertInputs:
 
     def __init__(self, model: nn.Module) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._handles = [
-            experts.register_forward_pre_hook(self._hook) for _, experts in blocks_and_experts(model)
-        ]
+        self._handles = [experts.register_forward_pre_hook(self._hook) for _, experts in blocks_and_experts(model)]
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
         self.calls.append((args[1].clone(), args[2].detach().clone()))
@@ -369,10 +393,12 @@ def _hold_router_weights_apart(model: nn.Module) -> list:
         computed = router.weight
         held = nn.Parameter(torch.empty_like(computed, device="meta"))
         router._parameters["weight"] = held
-        handles.append(router.register_forward_pre_hook(
-            lambda m, args, w=computed: m._parameters.__setitem__("weight", w)))
-        handles.append(router.register_forward_hook(
-            lambda m, args, out, w=held: m._parameters.__setitem__("weight", w)))
+        handles.append(
+            router.register_forward_pre_hook(lambda m, args, w=computed: m._parameters.__setitem__("weight", w))
+        )
+        handles.append(
+            router.register_forward_hook(lambda m, args, out, w=held: m._parameters.__setitem__("weight", w))
+        )
     return handles
 
 
@@ -395,8 +421,11 @@ def test_replay_moves_recorded_ids_to_the_router_outputs_device(model: nn.Module
     """`MoELayer.replay` of a router output on one device and recorded ids on another: the output's device wins."""
     layer = moe_layers(model)[0]
     n, experts, top_k = 6, layer.router.num_experts, layer.router.top_k
-    output = (torch.randn(n, experts, device="meta"), torch.empty(n, top_k, device="meta"),
-              torch.empty(n, top_k, dtype=torch.long, device="meta"))
+    output = (
+        torch.randn(n, experts, device="meta"),
+        torch.empty(n, top_k, device="meta"),
+        torch.empty(n, top_k, dtype=torch.long, device="meta"),
+    )
     recorded = torch.arange(n * top_k).reshape(n, top_k) % experts  # on the CPU
     logits, weights, chosen = layer.replay(output, recorded)
     assert {t.device.type for t in (logits, weights, chosen)} == {"meta"}
@@ -432,9 +461,7 @@ def test_replay_rejects_bad_routing(model: nn.Module) -> None:
 def test_routing_agreement_hand_made() -> None:
     # B=1, S=3, L=2, K=2: six (token, layer) pairs.
     train = torch.tensor([[[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 0], [1, 2]]]], dtype=torch.int16)
-    rollout = torch.tensor(
-        [[[[1, 0], [2, 3]], [[1, 3], [-1, 3]], [[3, 0], [2, 1]]]], dtype=torch.int8
-    )
+    rollout = torch.tensor([[[[1, 0], [2, 3]], [[1, 3], [-1, 3]], [[3, 0], [2, 1]]]], dtype=torch.int8)
     # Pairs: (t0,l0) same set in other order -> agree; (t0,l1) agree; (t1,l0) differ;
     # (t1,l1) unknown -> excluded; (t2,l0) agree; (t2,l1) agree in other order.
     all_valid = torch.ones(1, 3, dtype=torch.bool)

@@ -10,8 +10,13 @@ from transformers import AutoModelForCausalLM
 
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.models.moe_routing import RoutingRecorder, moe_info, replay_routing
-from conveyor.models.packing import (PACKED_ATTENTION, PackedRows, enable_packing, packing_unsupported_reason,
-                                     resolve_remove_padding)
+from conveyor.models.packing import (
+    PACKED_ATTENTION,
+    PackedRows,
+    enable_packing,
+    packing_unsupported_reason,
+    resolve_remove_padding,
+)
 from conveyor.models.tiny import TINY_ARCHS, tiny_config
 from conveyor.models.value_head import ValueModel
 
@@ -38,8 +43,7 @@ def _batch(tool_tokens: bool = False) -> dict[str, torch.Tensor]:
         mask[0, 1:3] = False
     prompts[~prompt_mask] = 0
     responses[~span] = 0
-    return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": mask,
-            "span": span}
+    return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": mask, "span": span}
 
 
 def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,9 +56,10 @@ def _padded_log_probs(model, batch, routed=None, record=False):
     ids, attention, positions = _inputs(batch)
     recorder = RoutingRecorder(model) if record else None
     ctx = replay_routing(model, routed) if routed is not None else torch.enable_grad()
-    with ctx, (recorder if recorder else torch.enable_grad()):
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
-                       logits_to_keep=R + 1).logits[:, :-1]
+    with ctx, recorder if recorder else torch.enable_grad():
+        logits = model(
+            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=R + 1
+        ).logits[:, :-1]
         own = recorder.pop() if recorder else None
     lp, ent = logprobs_and_entropy(logits, batch["responses"], True, temperature=0.7)
     return lp * batch["response_mask"], ent * batch["response_mask"], own
@@ -65,7 +70,7 @@ def _packed_log_probs(model, batch, routed=None, record=False):
     packed = PackedRows.from_masks(attention, batch["span"])
     recorder = RoutingRecorder(model) if record else None
     ctx = replay_routing(model, packed.pack(routed)) if routed is not None else torch.enable_grad()
-    with ctx, (recorder if recorder else torch.enable_grad()):
+    with ctx, recorder if recorder else torch.enable_grad():
         logits = model(**packed.model_kwargs(ids, positions), use_cache=False, logits_to_keep=packed.predict).logits
         own = packed.unpack(recorder.pop(), -1) if recorder else None
     targets = batch["responses"][packed.rows, packed.cols][None]

@@ -29,8 +29,18 @@ def test_unknown_arch_lists_the_known_ones() -> None:
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_config_sizes(arch) -> None:
-    cfg = tiny_config(arch, vocab_size=50, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=1,
-                      intermediate_size=48, num_experts=4, top_k=1, max_position_embeddings=100)
+    cfg = tiny_config(
+        arch,
+        vocab_size=50,
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=48,
+        num_experts=4,
+        top_k=1,
+        max_position_embeddings=100,
+    )
     assert cfg.model_type == arch
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (50, 32, 3)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 1, 8)

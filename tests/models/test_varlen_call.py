@@ -27,9 +27,8 @@ from conveyor.models.packing import _PLAN_ATTR, PackedRows, VarlenCall, varlen_c
 # annotations left out). torch 2.11 is on the GPU check machine.
 SIGNATURES = {
     "2.11": "(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, "
-            "window_size=(-1, -1))",
-    "2.10": "(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, "
-            "is_causal=False)",
+    "window_size=(-1, -1))",
+    "2.10": "(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, is_causal=False)",
 }
 HALF = (torch.float16, torch.bfloat16)
 
@@ -55,8 +54,9 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor, cu: list[int], scale: flo
     return out, lse
 
 
-def _check_boundaries(query: Tensor, cum_seq_q: Tensor | None, cum_seq_k: Tensor | None, max_q: int,
-                      max_k: int) -> list[int]:
+def _check_boundaries(
+    query: Tensor, cum_seq_q: Tensor | None, cum_seq_k: Tensor | None, max_q: int, max_k: int
+) -> list[int]:
     """The flash kernels' contract on varlen boundaries; the boundaries as a list."""
     # The CUDA flash forward takes both boundaries or neither; its backward takes both (a Tensor in its schema).
     if cum_seq_q is None or cum_seq_k is None:
@@ -73,8 +73,15 @@ def _check_boundaries(query: Tensor, cum_seq_q: Tensor | None, cum_seq_k: Tensor
     return bounds
 
 
-def _check_inputs(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, is_causal: bool,
-                  window_left: int | None, window_right: int | None) -> None:
+def _check_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+) -> None:
     """The flash kernels' contract on q/k/v and the mask, as far as this packing uses them."""
     if query.dtype not in HALF or key.dtype != query.dtype or value.dtype != query.dtype:
         raise RuntimeError("flash attention takes float16 or bfloat16 query, key and value of one dtype")
@@ -89,9 +96,26 @@ def _check_inputs(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, i
         raise RuntimeError("the packed forward must be causal")
 
 
-def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                   return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
-                   seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+def _flash_forward(
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
+    num_splits=None,
+):
     """A CPU stand-in for aten::_flash_attention_forward's varlen path (its schema, its checks, its outputs)."""
     bounds = _check_boundaries(query, cum_seq_q, cum_seq_k, max_q, max_k)
     _check_inputs(query, key, value, dropout_p, is_causal, window_size_left, window_size_right)
@@ -101,8 +125,26 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
     return out.to(query.dtype), lse, seed, torch.zeros((), dtype=torch.uint64), query.new_empty(0)
 
 
-def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                    is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+def _flash_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    rng_state,
+    unused,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+):
     """A CPU stand-in for aten::_flash_attention_backward: the attention gradients from the saved out and lse."""
     bounds = _check_boundaries(query, cum_seq_q, cum_seq_k, max_q, max_k)
     _check_inputs(query, key, value, dropout_p, is_causal, window_size_left, window_size_right)
@@ -140,24 +182,29 @@ def flash_on_cpu() -> Iterator[None]:
         lib._destroy()
 
 
-def _packed_qkv(heads: int, kv_heads: int, lengths: list[int], dtype: torch.dtype, device: str = "cpu",
-                head_dim: int = 16) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _packed_qkv(
+    heads: int, kv_heads: int, lengths: list[int], dtype: torch.dtype, device: str = "cpu", head_dim: int = 16
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(1, H, T, D) query and (1, Hkv, T, D) key/value, as transformers hands them, and the sequences' `cu` (N+1,)."""
     total = sum(lengths)
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, h, total, head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-               for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(1, h, total, head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
     mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
     cu = PackedRows.from_masks(mask.long(), mask).cu_seq_lens.to(device)
     return q, k, v, cu
 
 
-def _varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                      window_size=(-1, -1)):
+def _varlen_attn_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     """torch 2.11's `varlen_attn` as its source has it: no `enable_gqa`, and its custom op called with 10 arguments."""
     is_causal = window_size == (-1, 0)
-    out, lse, _ = torch.ops.torch_attn._varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
-                                                    scale, list(window_size))
+    out, lse, _ = torch.ops.torch_attn._varlen_attn(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, list(window_size)
+    )
     return (out, lse) if return_aux is not None and return_aux.lse else out
 
 
@@ -173,10 +220,19 @@ def _check_against_sdpa(call: VarlenCall, heads: int, kv_heads: int, dtype: torc
     ref_q, ref_k, ref_v = (x.detach().float().requires_grad_() for x in (q, k, v))
     bounds = cu.tolist()
     # Autograd of float32 SDPA per sequence: independent of the stand-in's hand-written formulas.
-    ref_out = torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            ref_q[:, :, a:b], ref_k[:, :, a:b], ref_v[:, :, a:b], is_causal=True, scale=scale, enable_gqa=True,
-        )[0].transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])])  # (T, H, D)
+    ref_out = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                ref_q[:, :, a:b],
+                ref_k[:, :, a:b],
+                ref_v[:, :, a:b],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+    )  # (T, H, D)
     (ref_out * weights[0]).sum().backward()
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out[0].float(), ref_out.detach(), atol=tol, rtol=tol)
@@ -258,5 +314,7 @@ def test_a_signature_without_scale_or_causality_is_not_used():
     """torch 2.9's `varlen_attn` (no scale) or one with no causal keyword: the packed forward runs SDPA instead."""
     older = _signature("(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)")
     assert VarlenCall.of(varlen_attn, older) is None
-    assert VarlenCall.of(varlen_attn, _signature("(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, "
-                                                 "scale=None)")) is None
+    assert (
+        VarlenCall.of(varlen_attn, _signature("(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None)"))
+        is None
+    )

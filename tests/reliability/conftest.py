@@ -18,8 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -89,7 +90,7 @@ def main_in_process(argv: list[str], capsys: Any) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
-_CASES_DRIVER = r'''
+_CASES_DRIVER = r"""
 import contextlib, io, json, logging, sys, traceback
 
 from conveyor.cli import main
@@ -111,7 +112,7 @@ for case_id, argv in cases.items():
             err.write(traceback.format_exc())
     results[case_id] = {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
 open(sys.argv[2], "w").write(json.dumps(results))
-'''
+"""
 
 
 def run_cases_in_one_process(cases: dict[str, list[str]], tmp: Path, timeout: float = 600) -> dict[str, dict]:
@@ -125,8 +126,9 @@ def run_cases_in_one_process(cases: dict[str, list[str]], tmp: Path, timeout: fl
     """
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "driver.py").write_text(_CASES_DRIVER)
-    proc = _cli_server().run(str(tmp / "cases.json"), str(tmp / "results.json"), script=tmp / "driver.py", cwd=tmp,
-                             timeout=timeout)
+    proc = _cli_server().run(
+        str(tmp / "cases.json"), str(tmp / "results.json"), script=tmp / "driver.py", cwd=tmp, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp / "results.json").read_text())
     assert results.keys() == cases.keys()
@@ -171,7 +173,11 @@ class TrainProcess:
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "conveyor.cli", *train_args(run_dir, *extra)],
-                cwd=ROOT, env=cli_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                cwd=ROOT,
+                env=cli_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
             )
 
     @property

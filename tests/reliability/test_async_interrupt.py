@@ -1,4 +1,5 @@
-"""Ctrl-C in asynchronous training: the running step finishes and is saved, batches in flight are regenerated on resume."""
+"""Ctrl-C in asynchronous training: the running step finishes and is saved, batches in flight are regenerated on
+resume."""
 
 from __future__ import annotations
 

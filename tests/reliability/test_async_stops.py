@@ -18,8 +18,11 @@ import psutil
 import pytest
 
 # A staleness bound far beyond the run's length: the trainer still hands out only batches some step will train.
-ASYNC = ("trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1000",
-         "trainer.v1.separate_async.rollout_process=trainer")
+ASYNC = (
+    "trainer.v1.trainer_mode=separate_async",
+    "trainer.v1.sampler.max_off_policy_threshold=1000",
+    "trainer.v1.separate_async.rollout_process=trainer",
+)
 OWN = ASYNC[:2] + ("trainer.v1.separate_async.rollout_process=own", "ray.num_cpus=4")
 
 
@@ -48,10 +51,12 @@ def _kill_all(procs: list[psutil.Process]) -> None:
             pass
 
 
-@pytest.mark.parametrize("signum, status, last", [(signal.SIGINT, 130, "interrupted"),
-                                                  (signal.SIGTERM, 143, "stopped by SIGTERM")])
-def test_a_stop_during_start_up_ends_the_run(rel, base_model, tmp_path: Path, processes, signum: int, status: int,
-                                             last: str) -> None:
+@pytest.mark.parametrize(
+    "signum, status, last", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")]
+)
+def test_a_stop_during_start_up_ends_the_run(
+    rel, base_model, tmp_path: Path, processes, signum: int, status: int, last: str
+) -> None:
     # Before the first step: the workers, the rollout worker group and the data plane are being built.
     proc = rel.TrainProcess(tmp_path / "run", "trainer.total_training_steps=2", *ASYNC)
     processes.append(proc)
@@ -77,9 +82,15 @@ def _after_step_1(rel, processes, tmp_path: Path, mode: tuple[str, ...] = ASYNC)
     return proc
 
 
-@pytest.mark.parametrize("signum, status, last, mode", [
-    (signal.SIGINT, 130, "interrupted", ASYNC), (signal.SIGTERM, 143, "stopped by SIGTERM", ASYNC),
-    (signal.SIGTERM, 143, "stopped by SIGTERM", OWN)], ids=["sigint", "sigterm", "sigterm-own-process"])
+@pytest.mark.parametrize(
+    "signum, status, last, mode",
+    [
+        (signal.SIGINT, 130, "interrupted", ASYNC),
+        (signal.SIGTERM, 143, "stopped by SIGTERM", ASYNC),
+        (signal.SIGTERM, 143, "stopped by SIGTERM", OWN),
+    ],
+    ids=["sigint", "sigterm", "sigterm-own-process"],
+)
 def test_a_stop_with_batches_queued_ends_the_run_without_generating_them(
     rel, base_model, tmp_path: Path, processes, signum: int, status: int, last: str, mode: tuple[str, ...]
 ) -> None:
@@ -103,13 +114,18 @@ def test_a_stop_with_batches_queued_ends_the_run_without_generating_them(
 
 def test_a_reward_function_that_raises_in_async_mode_is_one_error(rel, base_model, tmp_path: Path) -> None:
     plugin = tmp_path / "raises.py"
-    plugin.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    raise RuntimeError('grader crashed on ' + repr(solution_str))\n")
-    done = rel.run_cli(*rel.train_args(tmp_path / "run", "trainer.total_training_steps=2", *ASYNC,
-                                       f"reward.custom_reward_function.path={plugin}"))
-    rel.assert_usage_error(done.returncode, done.stderr, ("compute_reward", "raises.py",
-                                                          "RuntimeError: grader crashed"))
-
+    plugin.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise RuntimeError('grader crashed on ' + repr(solution_str))\n"
+    )
+    done = rel.run_cli(
+        *rel.train_args(
+            tmp_path / "run", "trainer.total_training_steps=2", *ASYNC, f"reward.custom_reward_function.path={plugin}"
+        )
+    )
+    rel.assert_usage_error(
+        done.returncode, done.stderr, ("compute_reward", "raises.py", "RuntimeError: grader crashed")
+    )
 
 
 def test_sigkill_of_the_trainer_leaves_no_process_of_a_rollout_in_processes_of_its_own(

@@ -21,43 +21,53 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conveyor.data_plane import make_data_plane
 from conveyor.metrics.moe_load_balance import (
     RolloutMoELoadBalanceMetricsAccumulator,
     compute_moe_lb_metrics,
     compute_rollout_moe_load_balance_metrics,
     get_metric_data_with_optional_routed_experts,
 )
-from conveyor.data_plane import make_data_plane
 from conveyor.models.loading import load_tokenizer
 from conveyor.tasks.parquet import write_parquet_records
 from conveyor.tasks.synthetic import make_arithmetic_records
-
 
 # --------------------------------------------------------------------------- config mistakes: one process
 _BAD_YAML = "trainer:\n  total_training_steps: [3\n"
 _REMOVED_IN_YAML = "actor_rollout_ref:\n  rollout:\n    moe_load_balance_monitor_interval: 5\n"
 
 CONFIG_CASES = {
-    "misspelled_key": (["trainer.total_trainig_steps=3"], ("trainer.total_trainig_steps",
-                                                           "did you mean trainer.total_training_steps")),
-    "misspelled_nested_key": (["actor_rollout_ref.rollout.temprature=0.7"],
-                              ("did you mean actor_rollout_ref.rollout.temperature",)),
+    "misspelled_key": (
+        ["trainer.total_trainig_steps=3"],
+        ("trainer.total_trainig_steps", "did you mean trainer.total_training_steps"),
+    ),
+    "misspelled_nested_key": (
+        ["actor_rollout_ref.rollout.temprature=0.7"],
+        ("did you mean actor_rollout_ref.rollout.temperature",),
+    ),
     "unknown_section": (["trainr.seed=1"], ("trainr", "did you mean trainer")),
     "wrong_type_int": (["data.train_batch_size=abc"], ("data.train_batch_size", "expected int", "'abc'")),
     "wrong_type_bool": (["data.shuffle=maybe"], ("data.shuffle", "expected bool")),
     "section_given_a_value": (["--config", "{tmp}/scalar_section.yaml"], ("data", "expected a mapping")),
-    "negative_learning_rate": (["actor_rollout_ref.actor.optim.lr=-1e-3"],
-                               ("actor_rollout_ref.actor.optim.lr", "must be > 0", "-0.001")),
+    "negative_learning_rate": (
+        ["actor_rollout_ref.actor.optim.lr=-1e-3"],
+        ("actor_rollout_ref.actor.optim.lr", "must be > 0", "-0.001"),
+    ),
     "zero_critic_learning_rate": (["critic.optim.lr=0"], ("critic.optim.lr", "must be > 0")),
     "clip_ratio_zero": (["actor_rollout_ref.actor.clip_ratio=0"], ("actor_rollout_ref.actor.clip_ratio", "> 0")),
     "clip_ratio_negative": (["actor_rollout_ref.actor.clip_ratio=-0.2"], ("actor_rollout_ref.actor.clip_ratio",)),
-    "batch_not_divisible": (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
-                            ("actor_rollout_ref.actor.ppo_mini_batch_size", "data.train_batch_size=6", "divisible")),
-    "removed_key": (["actor_rollout_ref.rollout.moe_load_balance_monitor_interval=5"],
-                    ("moe_load_balance_monitor_interval",
-                     "actor_rollout_ref.rollout.moe_load_balance_metrics_interval")),
-    "negative_moe_interval": (["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=-1"],
-                              ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", ">= 0")),
+    "batch_not_divisible": (
+        ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", "data.train_batch_size=6", "divisible"),
+    ),
+    "removed_key": (
+        ["actor_rollout_ref.rollout.moe_load_balance_monitor_interval=5"],
+        ("moe_load_balance_monitor_interval", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
+    ),
+    "negative_moe_interval": (
+        ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=-1"],
+        ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", ">= 0"),
+    ),
     "unknown_truncation": (["data.truncation=middle"], ("data.truncation", "'error', 'left', 'right'")),
     "unknown_logger": (["trainer.logger=[foo]"], ("trainer.logger", "'foo'")),
     "misspelled_logger": (["trainer.logger=[consol]"], ("trainer.logger", "did you mean 'console'")),
@@ -67,8 +77,10 @@ CONFIG_CASES = {
     "config_file_missing": (["--config", "{tmp}/nope.yaml"], ("--config", "nope.yaml", "no such file")),
     "config_file_invalid_yaml": (["--config", "{tmp}/bad.yaml"], ("bad.yaml", "not valid YAML at line 3, column 1")),
     "config_file_not_a_mapping": (["--config", "{tmp}/list.yaml"], ("list.yaml", "must be a mapping")),
-    "config_file_removed_key": (["--config", "{tmp}/removed.yaml"],
-                                ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval",)),
+    "config_file_removed_key": (
+        ["--config", "{tmp}/removed.yaml"],
+        ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval",),
+    ),
 }
 
 
@@ -87,9 +99,14 @@ def config_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config_mistakes(rel, config_files: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every config case, run once through the command's entry point in one child process."""
     tmp = tmp_path_factory.mktemp("config-mistakes")
-    cases = {case: ["train", *[a.replace("{tmp}", str(config_files)) for a in args],
-                    f"trainer.default_local_dir={tmp / case / 'run'}"]
-             for case, (args, _) in CONFIG_CASES.items()}
+    cases = {
+        case: [
+            "train",
+            *[a.replace("{tmp}", str(config_files)) for a in args],
+            f"trainer.default_local_dir={tmp / case / 'run'}",
+        ]
+        for case, (args, _) in CONFIG_CASES.items()
+    }
     return {"dir": tmp, "results": rel.run_cases_in_one_process(cases, tmp, timeout=300)}
 
 
@@ -112,17 +129,14 @@ def test_config_mistake_in_a_process_of_its_own_is_one_line_and_status_2(rel, tm
 # --------------------------------------------------------------------------- mistakes found at run time: one process
 _REWARD_PLUGINS = {
     "raises.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                 "    raise RuntimeError('grader crashed on ' + repr(solution_str))\n",
-    "nan.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-              "    return float('nan')\n",
+    "    raise RuntimeError('grader crashed on ' + repr(solution_str))\n",
+    "nan.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n",
     # Finite as a Python float, infinite once stored as a float32 score.
-    "overflow.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                   "    return 1e39\n",
+    "overflow.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1e39\n",
     # Finite in float32, but a group mean of two of them overflows: the advantages become NaN.
-    "huge.py": "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-               "    return 3e38\n",
+    "huge.py": "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 3e38\n",
     "partial.py": "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                  "    return 1.0 if solution_str.strip() == str(ground_truth) else 0.25\n",
+    "    return 1.0 if solution_str.strip() == str(ground_truth) else 0.25\n",
 }
 
 
@@ -145,9 +159,14 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
     table = pa.Table.from_pylist(records)
     pq.write_table(table.drop_columns(["reward_model"]), tmp / "no_reward_model.parquet")
     pq.write_table(table.slice(0, 0), tmp / "empty.parquet")
-    pq.write_table(table.set_column(table.schema.get_field_index("prompt"), "prompt",
-                                    pa.array([str(r["prompt"][0]["content"]) for r in records])),
-                   tmp / "string_prompt.parquet")
+    pq.write_table(
+        table.set_column(
+            table.schema.get_field_index("prompt"),
+            "prompt",
+            pa.array([str(r["prompt"][0]["content"]) for r in records]),
+        ),
+        tmp / "string_prompt.parquet",
+    )
     (tmp / "no_config").mkdir()
     no_pad_no_eos = _make_model_dir(base_model, tmp / "no_pad_no_eos", pad=False, eos=False)
     eos_only = _make_model_dir(base_model, tmp / "eos_only", pad=False, eos=True)
@@ -155,16 +174,35 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
         (tmp / name).write_text(text)
 
     def run(case: str, *extra: str, model: str | Path = base_model) -> list[str]:
-        return ["train", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.synthetic.num_train=64",
-                "data.synthetic.num_val=4", "data.synthetic.max_operand=9", "trainer.total_training_steps=1",
-                "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
-                "trainer.progress_bar=false", "trainer.dump_freq=0", f"actor_rollout_ref.model.path={model}",
-                f"trainer.default_local_dir={tmp / 'runs' / case}", *extra]
+        return [
+            "train",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=4",
+            "data.synthetic.max_operand=9",
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "trainer.progress_bar=false",
+            "trainer.dump_freq=0",
+            f"actor_rollout_ref.model.path={model}",
+            f"trainer.default_local_dir={tmp / 'runs' / case}",
+            *extra,
+        ]
 
-    files = {name: f"data.train_files=[{tmp / name}]" for name in
-             ("good.parquet", "unknown_source.parquet", "no_reward_model.parquet", "empty.parquet",
-              "string_prompt.parquet")}
+    files = {
+        name: f"data.train_files=[{tmp / name}]"
+        for name in (
+            "good.parquet",
+            "unknown_source.parquet",
+            "no_reward_model.parquet",
+            "empty.parquet",
+            "string_prompt.parquet",
+        )
+    }
     custom = "reward.custom_reward_function.path={}".format
     cases = {
         "model_path_missing": run("model_path_missing", model=tmp / "no_such_model"),
@@ -182,15 +220,24 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
         "reward_function_raises": run("reward_function_raises", custom(tmp / "raises.py")),
         "reward_function_returns_nan": run("reward_function_returns_nan", custom(tmp / "nan.py")),
         "reward_overflows_float32": run("reward_overflows_float32", custom(tmp / "overflow.py")),
-        "huge_equal_rewards": run("huge_equal_rewards", custom(tmp / "huge.py"),
-                                     "reward.custom_reward_function.name=my_score"),
+        "huge_equal_rewards": run(
+            "huge_equal_rewards", custom(tmp / "huge.py"), "reward.custom_reward_function.name=my_score"
+        ),
         "custom_reward_file_missing": run("custom_reward_file_missing", custom(tmp / "missing.py")),
-        "custom_reward_name_missing": run("custom_reward_name_missing", custom(tmp / "nan.py"),
-                                          "reward.custom_reward_function.name=grade"),
-        "custom_reward_works": run("custom_reward_works", files["good.parquet"], custom(tmp / "partial.py"),
-                                   "reward.custom_reward_function.name=my_score"),
-        "resume_path_not_a_checkpoint": run("resume_path_not_a_checkpoint", "trainer.resume_mode=resume_path",
-                                            f"trainer.resume_from_path={tmp / 'no_checkpoint_here'}"),
+        "custom_reward_name_missing": run(
+            "custom_reward_name_missing", custom(tmp / "nan.py"), "reward.custom_reward_function.name=grade"
+        ),
+        "custom_reward_works": run(
+            "custom_reward_works",
+            files["good.parquet"],
+            custom(tmp / "partial.py"),
+            "reward.custom_reward_function.name=my_score",
+        ),
+        "resume_path_not_a_checkpoint": run(
+            "resume_path_not_a_checkpoint",
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={tmp / 'no_checkpoint_here'}",
+        ),
     }
     if not torch.cuda.is_available():
         cases["cuda_without_cuda"] = run("cuda_without_cuda", "trainer.device=cuda")
@@ -291,8 +338,9 @@ def test_out_of_range_expert_id_is_skipped_with_a_warning_and_does_not_poison_th
     acc = RolloutMoELoadBalanceMetricsAccumulator({"num_experts": 4})
     for step, routed in ((1, good), (2, bad)):
         plane.kv_batch_put(["s0"], f"train-{step}", {"routed_experts": routed, "response_mask": mask})
-        td = get_metric_data_with_optional_routed_experts(["s0"], f"train-{step}", ["response_mask"], 2, step, acc,
-                                                          plane.kv_batch_get)
+        td = get_metric_data_with_optional_routed_experts(
+            ["s0"], f"train-{step}", ["response_mask"], 2, step, acc, plane.kv_batch_get
+        )
         metrics = compute_moe_lb_metrics(td, 2, step, acc)
         plane.kv_clear(f"train-{step}")
     plane.close()
@@ -308,8 +356,17 @@ def test_replay_refuses_an_out_of_range_expert_id() -> None:
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
 
-    model = build_tiny_model("qwen3_moe", build_char_tokenizer(), hidden_size=16, num_layers=2, num_heads=2,
-                             num_kv_heads=1, intermediate_size=16, num_experts=4, top_k=2)
+    model = build_tiny_model(
+        "qwen3_moe",
+        build_char_tokenizer(),
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=16,
+        num_experts=4,
+        top_k=2,
+    )
     routed, _ = _worked_example()
     ids = torch.randint(0, 5, (1, 6), dtype=torch.long)
     with replay_routing(model, routed):  # in range (with -1 slots): accepted
@@ -329,22 +386,33 @@ def test_non_finite_rewards_reaching_the_trainer_name_the_step_and_field(rel, ba
     from conveyor.trainer.setup import load_prompt_records
     from conveyor.workers.placement.roles import build_worker_groups
 
-    cfg = load_config(None, rel.BASE_RUN + [f"actor_rollout_ref.model.path={base_model}",
-                                            f"trainer.default_local_dir={tmp_path}"])
+    cfg = load_config(
+        None, rel.BASE_RUN + [f"actor_rollout_ref.model.path={base_model}", f"trainer.default_local_dir={tmp_path}"]
+    )
     tok = load_tokenizer(base_model)
     train, val = load_prompt_records(cfg)
     plane = make_data_plane("memory")
     plan = build_run_plan(cfg, "cpu")
-    trainer = PPOTrainer(cfg, plan=plan, data_plane=plane, workers=build_worker_groups(cfg, plan, base_model, plane, tok),
-                         tokenizer=tok, train_records=train, val_records=val, tracking=None, run_dir=tmp_path)
+    trainer = PPOTrainer(
+        cfg,
+        plan=plan,
+        data_plane=plane,
+        workers=build_worker_groups(cfg, plan, base_model, plane, tok),
+        tokenizer=tok,
+        train_records=train,
+        val_records=val,
+        tracking=None,
+        run_dir=tmp_path,
+    )
     trainer.global_step = 7
     keys = ["a/s0", "a/s1", "b/s0", "b/s1"]
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     scores = torch.zeros(4, 3)
     scores[:, 0] = torch.tensor([1.0, 0.0, 0.5, 0.25])
     scores[1, 2] = float("inf")  # outside the response: ignored
-    meta = plane.kv_batch_put(keys, "train-7", {"rm_scores": scores, "response_mask": mask,
-                                                "uid": ["a", "a", "b", "b"]})
+    meta = plane.kv_batch_put(
+        keys, "train-7", {"rm_scores": scores, "response_mask": mask, "uid": ["a", "a", "b", "b"]}
+    )
     trainer._compute_advantage(meta)  # fine: the inf is masked out
     scores[2, 2] = float("nan")
     plane.kv_batch_put(keys, "train-7", {"rm_scores": scores})

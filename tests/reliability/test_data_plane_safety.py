@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from conveyor.data_plane import FieldNotFoundError, make_data_plane
 from conveyor.data_plane.memory import MemoryDataPlane
 
+
 @pytest.fixture(autouse=True)
 def _switch_threads_often():
     """Make the interpreter switch threads every few microseconds, so the races below really interleave."""
@@ -33,8 +34,18 @@ def _switch_threads_often():
     sys.setswitchinterval(old)
 
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 
 
 def _row_x(pid: str, key: str) -> torch.Tensor:
@@ -246,8 +257,13 @@ class MultiPartitionModel(RuleBasedStateMachine):
         if hasattr(self, "plane"):
             self.plane.close()
 
-    @rule(pid=st.sampled_from(_PARTS), keys=st.lists(st.sampled_from(_KEYS), min_size=1, max_size=4, unique=True),
-          field=st.sampled_from(_FIELDS), seed=st.integers(0, 2**16), data=st.data())
+    @rule(
+        pid=st.sampled_from(_PARTS),
+        keys=st.lists(st.sampled_from(_KEYS), min_size=1, max_size=4, unique=True),
+        field=st.sampled_from(_FIELDS),
+        seed=st.integers(0, 2**16),
+        data=st.data(),
+    )
     def put(self, pid: str, keys: list[str], field: str, seed: int, data: st.DataObject) -> None:
         spec = self.specs.get(pid, {}).get(field)
         if spec is None:
@@ -283,8 +299,11 @@ class MultiPartitionModel(RuleBasedStateMachine):
         for d in (self.keys, self.rows, self.specs):
             d.pop(pid, None)
 
-    @rule(pid=st.sampled_from(_PARTS), keys=st.lists(st.sampled_from(_KEYS), min_size=1, max_size=6, unique=True),
-          fields=st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=2, unique=True))
+    @rule(
+        pid=st.sampled_from(_PARTS),
+        keys=st.lists(st.sampled_from(_KEYS), min_size=1, max_size=6, unique=True),
+        fields=st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=2, unique=True),
+    )
     def get(self, pid: str, keys: list[str], fields: list[str]) -> None:
         cols = self.rows.get(pid, {})
         present = pid in self.keys and all(f in cols and all(k in cols[f] for k in keys) for f in fields)

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-VLLM = ["actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=1", "trainer.logger=[jsonl]",
-        "trainer.val_before_train=false", "trainer.progress_bar=false"]
-TINY = ["actor_rollout_ref.model.tiny.num_heads=2", "actor_rollout_ref.model.tiny.num_kv_heads=2",
-        "actor_rollout_ref.model.tiny.warmstart_steps=0"]
+VLLM = [
+    "actor_rollout_ref.rollout.name=vllm",
+    "trainer.total_training_steps=1",
+    "trainer.logger=[jsonl]",
+    "trainer.val_before_train=false",
+    "trainer.progress_bar=false",
+]
+TINY = [
+    "actor_rollout_ref.model.tiny.num_heads=2",
+    "actor_rollout_ref.model.tiny.num_kv_heads=2",
+    "actor_rollout_ref.model.tiny.warmstart_steps=0",
+]
 
 
 def _checkpoint(path: Path) -> Path:
@@ -25,21 +33,37 @@ def _checkpoint(path: Path) -> Path:
     return path
 
 
-def test_a_model_vllm_cannot_serve_is_refused_at_start_naming_what_to_change(rel, _conveyor_cache,
-                                                                             tmp_path: Path) -> None:
+def test_a_model_vllm_cannot_serve_is_refused_at_start_naming_what_to_change(
+    rel, _conveyor_cache, tmp_path: Path
+) -> None:
     ckpt = _checkpoint(tmp_path / "experts40")
     cases = {
-        "context": ["train", *VLLM, *TINY, "actor_rollout_ref.rollout.max_model_len=100000",
-                    f"trainer.default_local_dir={tmp_path / 'a'}"],
-        "expert_width": ["train", *VLLM, f"actor_rollout_ref.model.path={ckpt}",
-                         f"trainer.default_local_dir={tmp_path / 'b'}"],
+        "context": [
+            "train",
+            *VLLM,
+            *TINY,
+            "actor_rollout_ref.rollout.max_model_len=100000",
+            f"trainer.default_local_dir={tmp_path / 'a'}",
+        ],
+        "expert_width": [
+            "train",
+            *VLLM,
+            f"actor_rollout_ref.model.path={ckpt}",
+            f"trainer.default_local_dir={tmp_path / 'b'}",
+        ],
     }
     results = rel.run_cases_in_one_process(cases, tmp_path)
     context = results["context"]
-    rel.assert_usage_error(context["status"], context["stderr"], (
-        "actor_rollout_ref.rollout.max_model_len = 100000 tokens", "the tiny model", "set it to at most"))
+    rel.assert_usage_error(
+        context["status"],
+        context["stderr"],
+        ("actor_rollout_ref.rollout.max_model_len = 100000 tokens", "the tiny model", "set it to at most"),
+    )
     width = results["expert_width"]
-    rel.assert_usage_error(width["status"], width["stderr"], (
-        str(ckpt), "actor_rollout_ref.model.path", "moe_intermediate_size) 40", "actor_rollout_ref.rollout.name=hf"))
+    rel.assert_usage_error(
+        width["status"],
+        width["stderr"],
+        (str(ckpt), "actor_rollout_ref.model.path", "moe_intermediate_size) 40", "actor_rollout_ref.rollout.name=hf"),
+    )
     for result in results.values():
         assert "vLLM engine started" not in result["stderr"]

@@ -33,8 +33,9 @@ def test_sigkill_mid_step_then_resume_matches_the_uninterrupted_run(
 ) -> None:
     run_dir = tmp_path / "run"
     total, k = rel.TOTAL_STEPS, 3
-    proc = rel.TrainProcess(run_dir, f"trainer.total_training_steps={total}", "trainer.save_freq=1",
-                            "trainer.max_ckpt_to_keep=null")
+    proc = rel.TrainProcess(
+        run_dir, f"trainer.total_training_steps={total}", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null"
+    )
     processes.append(proc)
     # Step k-1 is logged and saved, so step k is running: kill it there.
     rel.wait_until(lambda: rel.has_checkpoint(run_dir, k - 1) and k - 1 in rel.logged_steps(run_dir), proc)
@@ -43,14 +44,17 @@ def test_sigkill_mid_step_then_resume_matches_the_uninterrupted_run(
     assert rel.logged_steps(run_dir) == list(range(1, k))
     # A kill during a write leaves half a line: the resumed run and the reader must cope.
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": %d, "reward/mean": 0.12' % k)
+        f.write(f'{{"step": {k}, "reward/mean": 0.12')
 
-    resumed = rel.run_cli(*rel.train_args(run_dir, f"trainer.total_training_steps={total}", "trainer.save_freq=1",
-                                          "trainer.max_ckpt_to_keep=null"))
+    resumed = rel.run_cli(
+        *rel.train_args(
+            run_dir, f"trainer.total_training_steps={total}", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null"
+        )
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {k - 1})" in resumed.stderr
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert lines[k - 1] == '{"step": %d, "reward/mean": 0.12' % k  # the torn line stayed on a line of its own
+    assert lines[k - 1] == f'{{"step": {k}, "reward/mean": 0.12'  # the torn line stayed on a line of its own
     assert rel.logged_steps(run_dir) == list(range(1, total + 1))
     rel.assert_same_steps(rel.read_steps(run_dir), reference_run, range(1, total + 1))
 

@@ -37,10 +37,19 @@ SLOW_FUZZ = settings(max_examples=20, deadline=None, suppress_health_check=_QUIE
 nasty_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=200) | st.sampled_from(
     ["\ud800", "\udfff", "\x00", "\x1b[2J", "\u202e", "{" * 3000, "[" * 3000 + "]", "#### 12", "1e400", "-0", ""]
 )
-json_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
-                | nasty_text | st.sampled_from([10**400, -(10**400), 2**63, 1e308, -1e308, 5e-324]))
-json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | nasty_text
+    | st.sampled_from([10**400, -(10**400), 2**63, 1e308, -1e308, 5e-324])
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=12,
+)
 
 
 def _assert_ok_or_one_error_line(status: int, err: str, *needles: str) -> None:
@@ -66,17 +75,35 @@ def _encode(line: Any) -> bytes:
 
 
 jsonl_lines = st.lists(
-    json_values | st.binary(max_size=40) | st.fixed_dictionaries(
-        {"step": json_scalars}, optional={"reward/mean": json_scalars, "actor/pg_loss": json_scalars}),
-    max_size=6)
+    json_values
+    | st.binary(max_size=40)
+    | st.fixed_dictionaries(
+        {"step": json_scalars}, optional={"reward/mean": json_scalars, "actor/pg_loss": json_scalars}
+    ),
+    max_size=6,
+)
 
 
 # --------------------------------------------------------------------------- config YAML and overrides
 
+
 @SLOW_FUZZ
-@given(body=st.binary(max_size=300) | nasty_text.map(lambda t: t.encode("utf-8", "surrogatepass"))
-       | st.sampled_from([b"- a\n", b"3\n", b"trainer: 5\n", b"trainer:\n  seed: 1e999\n", b"\xff\xfe\x00",
-                          b"a: &x [*x]\n", b"[" * 3000, b"trainer: {total_training_steps: 99999999999999999999}\n"]))
+@given(
+    body=st.binary(max_size=300)
+    | nasty_text.map(lambda t: t.encode("utf-8", "surrogatepass"))
+    | st.sampled_from(
+        [
+            b"- a\n",
+            b"3\n",
+            b"trainer: 5\n",
+            b"trainer:\n  seed: 1e999\n",
+            b"\xff\xfe\x00",
+            b"a: &x [*x]\n",
+            b"[" * 3000,
+            b"trainer: {total_training_steps: 99999999999999999999}\n",
+        ]
+    )
+)
 def test_config_yaml_of_any_bytes_is_read_or_one_error_line_naming_the_file(rel, capsys, body: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
@@ -93,14 +120,27 @@ def test_a_config_that_is_not_utf8_names_the_file_and_the_byte(rel, capsys, tmp_
     assert status == 2
 
 
-override_keys = st.sampled_from(["trainer.total_training_steps", "trainer.seed", "data.train_batch_size",
-                                 "actor_rollout_ref.rollout.temperature", "trainer.logger", "algorithm.adv_estimator",
-                                 "trainer.nope", "", "a..b", "+trainer.seed", "trainer"])
+override_keys = st.sampled_from(
+    [
+        "trainer.total_training_steps",
+        "trainer.seed",
+        "data.train_batch_size",
+        "actor_rollout_ref.rollout.temperature",
+        "trainer.logger",
+        "algorithm.adv_estimator",
+        "trainer.nope",
+        "",
+        "a..b",
+        "+trainer.seed",
+        "trainer",
+    ]
+)
 
 
 @SLOW_FUZZ
-@given(overrides=st.lists(st.tuples(override_keys, nasty_text).map(lambda kv: f"{kv[0]}={kv[1]}") | nasty_text,
-                          max_size=3))
+@given(
+    overrides=st.lists(st.tuples(override_keys, nasty_text).map(lambda kv: f"{kv[0]}={kv[1]}") | nasty_text, max_size=3)
+)
 def test_any_command_line_override_is_applied_or_one_error_line(rel, capsys, overrides: list[str]) -> None:
     overrides = [o for o in overrides if not o.startswith("-")]  # an option is argparse's, not an override
     status, err = rel.main_in_process(["config", *overrides], capsys)
@@ -108,6 +148,7 @@ def test_any_command_line_override_is_applied_or_one_error_line(rel, capsys, ove
 
 
 # --------------------------------------------------------------------------- metrics (plot) and dumps (show)
+
 
 @settings(max_examples=8, deadline=None, suppress_health_check=_QUIET)
 @given(lines=jsonl_lines)
@@ -124,10 +165,13 @@ def test_plot_of_any_metrics_file_plots_the_good_lines_or_says_what_is_missing(r
 
 def test_plot_skips_a_step_of_10_to_the_400_and_a_huge_value(rel, capsys, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n'
-                                            '{"step": 1%s, "reward/mean": 0.6}\n' % ("0" * 400)
-                                            + '{"step": 2, "reward/mean": 1%s}\n' % ("0" * 400)
-                                            + '{"step": 3, "reward/mean": 0.7}\n')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "reward/mean": 0.5}\n'
+        '{"step": 1%s, "reward/mean": 0.6}\n'
+        % ("0" * 400)
+        + '{"step": 2, "reward/mean": 1%s}\n' % ("0" * 400)
+        + '{"step": 3, "reward/mean": 0.7}\n'
+    )
     (tmp_path / "metrics.jsonl").open("ab").write(b'{"step": 4, "reward/mean": "\xff"}\n')
     status, err = rel.main_in_process(["plot", str(tmp_path)], capsys)
     assert status == 0, err[-3000:]
@@ -138,19 +182,40 @@ def test_plot_skips_a_step_of_10_to_the_400_and_a_huge_value(rel, capsys, tmp_pa
     assert "reward/mean" not in records[1]  # the value too large for a float is dropped, the step kept
 
 
-dump_rows = st.fixed_dictionaries({k: json_values for k in ("prompt", "response", "ground_truth", "data_source",
-                                                             "reward", "advantage")},
-                                  optional={"turns": json_values, "extra": json_values})
+dump_rows = st.fixed_dictionaries(
+    {k: json_values for k in ("prompt", "response", "ground_truth", "data_source", "reward", "advantage")},
+    optional={"turns": json_values, "extra": json_values},
+)
 
 
 def test_plot_draws_metrics_with_values_at_the_edge_of_a_double(rel, capsys, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for step, v in enumerate([1e308, -1e308, 5e-324, 0.5, float("inf"), 1.7e308, float("nan")]):
-            f.write(json.dumps({"step": step, **{k: v for k in ("reward/mean", "reward/max", "reward/min",
-                                                                 "actor/pg_loss", "actor/entropy", "val/accuracy",
-                                                                 "timing_s/step", "perf/throughput")}}) + "\n")
-    status, err = rel.main_in_process(["plot", str(tmp_path)], capsys)  # matplotlib refused the axis: "arange: cannot compute length"
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        **{
+                            k: v
+                            for k in (
+                                "reward/mean",
+                                "reward/max",
+                                "reward/min",
+                                "actor/pg_loss",
+                                "actor/entropy",
+                                "val/accuracy",
+                                "timing_s/step",
+                                "perf/throughput",
+                            )
+                        },
+                    }
+                )
+                + "\n"
+            )
+    status, err = rel.main_in_process(
+        ["plot", str(tmp_path)], capsys
+    )  # matplotlib refused the axis: "arange: cannot compute length"
     assert status == 0, err[-3000:]
 
 
@@ -175,6 +240,7 @@ def test_show_names_the_line_of_a_dump_that_is_not_an_object(rel, capsys, tmp_pa
 
 
 # --------------------------------------------------------------------------- checkpoint side files
+
 
 def _optimizer_groups() -> tuple[torch.nn.Module, torch.optim.Optimizer, list[dict]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -208,15 +274,23 @@ def test_an_emptied_param_groups_json_is_refused_when_the_checkpoint_loads(tmp_p
             load_shards(tmp_path / "actor", model, optim)
 
 
-model_files = st.binary(max_size=120) | json_values.map(lambda v: _encode(v)) | st.sampled_from(
-    [b"[" * 5000, b'{"weight_map": {"a": ["x"]}}', b'{"weight_map": 3}', b"\xff\xfe{}"])
+model_files = (
+    st.binary(max_size=120)
+    | json_values.map(lambda v: _encode(v))
+    | st.sampled_from([b"[" * 5000, b'{"weight_map": {"a": ["x"]}}', b'{"weight_map": 3}', b"\xff\xfe{}"])
+)
 
 
 @FUZZ
-@given(config=model_files, index=st.none() | model_files, weights=st.binary(max_size=64)
-       | st.sampled_from([(8).to_bytes(8, "little") + b"{" * 8, (2**63).to_bytes(8, "little") + b"{}"]))
-def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(config: bytes, index: Any,
-                                                                               weights: bytes) -> None:
+@given(
+    config=model_files,
+    index=st.none() | model_files,
+    weights=st.binary(max_size=64)
+    | st.sampled_from([(8).to_bytes(8, "little") + b"{" * 8, (2**63).to_bytes(8, "little") + b"{}"]),
+)
+def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(
+    config: bytes, index: Any, weights: bytes
+) -> None:
     from conveyor.models.loading import check_checkpoint_dir
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,17 +308,20 @@ def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(con
 def _stub_trainer(ckpt_path: Path) -> Any:
     """Just what `maybe_resume` touches: the real dataset, source, validation and RNG code, no model."""
     from conveyor.tasks.dataset import PromptDataset
-    from conveyor.trainer.validation import Validation
-
     from conveyor.trainer.sources import SyncSource
+    from conveyor.trainer.validation import Validation
 
     loaded: list[str] = []
     worker = SimpleNamespace(load_checkpoint=lambda path, state: loaded.append(path))
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(trainer=SimpleNamespace(resume_mode="resume_path", resume_from_path=str(ckpt_path))),
-        ckpt_root=ckpt_path.parent, workers=SimpleNamespace(actor=worker, critic=None), loaded=loaded,
-        train_data=PromptDataset([{"p": i} for i in range(8)], seed=1), validation=Validation([]),
-        kl_ctrl=SimpleNamespace(value=0.0), moe_acc=SimpleNamespace(counts=None, routed_experts_retry_step=0),
+        ckpt_root=ckpt_path.parent,
+        workers=SimpleNamespace(actor=worker, critic=None),
+        loaded=loaded,
+        train_data=PromptDataset([{"p": i} for i in range(8)], seed=1),
+        validation=Validation([]),
+        kl_ctrl=SimpleNamespace(value=0.0),
+        moe_acc=SimpleNamespace(counts=None, routed_experts_retry_step=0),
         global_step=0,
     )
     trainer.source = SyncSource(trainer, pipeline=None)  # the checkpoint's prompt order is the source's
@@ -255,16 +332,42 @@ def _good_state() -> dict[str, Any]:
     from conveyor.tasks.dataset import PromptDataset
     from conveyor.trainer.checkpoint import rng_state
 
-    return {"global_step": 2, "config": {}, "roles": {"actor": {}}, "dataset": PromptDataset(
-        [{"p": i} for i in range(8)], seed=1).state_dict(), "rng": rng_state(), "kl_coef": 0.001,
-        "moe_counts": None, "moe_retry_step": 0, "val_history": [(1, 0.5)]}
+    return {
+        "global_step": 2,
+        "config": {},
+        "roles": {"actor": {}},
+        "dataset": PromptDataset([{"p": i} for i in range(8)], seed=1).state_dict(),
+        "rng": rng_state(),
+        "kl_coef": 0.001,
+        "moe_counts": None,
+        "moe_retry_step": 0,
+        "val_history": [(1, 0.5)],
+    }
 
 
-state_edits = st.lists(st.tuples(
-    st.sampled_from(["global_step", "dataset", "rng", "kl_coef", "roles", "moe_retry_step", "val_history",
-                     "rng.python", "rng.numpy", "rng.torch", "dataset.epoch", "dataset.position"]),
-    st.none() | st.integers(-3, 3) | st.text(max_size=4) | st.just("<delete>") | st.just({}) | st.just([[1]])),
-    min_size=1, max_size=3)
+state_edits = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "global_step",
+                "dataset",
+                "rng",
+                "kl_coef",
+                "roles",
+                "moe_retry_step",
+                "val_history",
+                "rng.python",
+                "rng.numpy",
+                "rng.torch",
+                "dataset.epoch",
+                "dataset.position",
+            ]
+        ),
+        st.none() | st.integers(-3, 3) | st.text(max_size=4) | st.just("<delete>") | st.just({}) | st.just([[1]]),
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 @FUZZ
@@ -313,10 +416,22 @@ def test_a_state_file_without_its_rng_entry_is_refused_naming_it(tmp_path: Path)
 
 # --------------------------------------------------------------------------- tool YAML, tool outputs, tool calls
 
+
 @SLOW_FUZZ
-@given(body=st.binary(max_size=200) | st.sampled_from([
-    b"tools: 3\n", b"tools: []\n", b"tools:\n- name: x\n", b"tools:\n- name: x\n  path: no_such_module:f\n",
-    b"tools:\n- {name: x, path: 'conveyor.tools.calculator:calculate', extra: 1}\n", b"\xff\xfe", b"[" * 3000]))
+@given(
+    body=st.binary(max_size=200)
+    | st.sampled_from(
+        [
+            b"tools: 3\n",
+            b"tools: []\n",
+            b"tools:\n- name: x\n",
+            b"tools:\n- name: x\n  path: no_such_module:f\n",
+            b"tools:\n- {name: x, path: 'conveyor.tools.calculator:calculate', extra: 1}\n",
+            b"\xff\xfe",
+            b"[" * 3000,
+        ]
+    )
+)
 def test_a_tool_yaml_of_any_bytes_loads_or_names_the_key_and_file(body: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tools.yaml"
@@ -332,8 +447,12 @@ class _Unprintable(Exception):
         raise RuntimeError("no")
 
 
-tool_outputs = (json_values | st.binary(max_size=20) | st.tuples(nasty_text, json_scalars)
-                | st.sampled_from(["x" * 2_000_000, "\ud800 lone", ("ok", 10**400), object(), b"\xff"]))
+tool_outputs = (
+    json_values
+    | st.binary(max_size=20)
+    | st.tuples(nasty_text, json_scalars)
+    | st.sampled_from(["x" * 2_000_000, "\ud800 lone", ("ok", 10**400), object(), b"\xff"])
+)
 
 
 @FUZZ
@@ -359,12 +478,20 @@ def test_a_tool_that_raises_anything_but_a_stop_is_a_failed_call(raised: BaseExc
 
 
 @FUZZ
-@given(inner=json_values.map(lambda v: json.dumps(v)) | nasty_text,
-       depth=st.integers(0, 5000), opener=st.sampled_from(["[", "{", '{"a":']))
+@given(
+    inner=json_values.map(lambda v: json.dumps(v)) | nasty_text,
+    depth=st.integers(0, 5000),
+    opener=st.sampled_from(["[", "{", '{"a":']),
+)
 def test_tool_call_text_of_any_nesting_parses_or_is_a_tool_call_error(inner: str, depth: int, opener: str) -> None:
     hermes, hashed = get_format("hermes"), get_format("hash")
-    for text in (f"<tool_call>{inner}</tool_call>", f"<tool_call>{opener * depth}{inner}</tool_call>",
-                 f'<tool_call>{{"name": "t", "arguments": {opener * depth}1}}</tool_call>', f"#t {inner};", inner):
+    for text in (
+        f"<tool_call>{inner}</tool_call>",
+        f"<tool_call>{opener * depth}{inner}</tool_call>",
+        f'<tool_call>{{"name": "t", "arguments": {opener * depth}1}}</tool_call>',
+        f"#t {inner};",
+        inner,
+    ):
         for fmt in (hermes, hashed):
             try:
                 call = fmt.parse(text)
@@ -380,14 +507,19 @@ def test_a_tool_call_nested_3000_deep_is_refused_before_parsing() -> None:
 
 # --------------------------------------------------------------------------- reward results and data rows
 
+
 class _BadFloat:
     def __float__(self) -> float:
         raise RuntimeError("no float")
 
 
 @FUZZ
-@given(result=json_values | st.sampled_from([_BadFloat(), torch.tensor([1.0, 2.0]), torch.tensor(float("nan")),
-                                              torch.tensor(0.5), 10**400, object()]))
+@given(
+    result=json_values
+    | st.sampled_from(
+        [_BadFloat(), torch.tensor([1.0, 2.0]), torch.tensor(float("nan")), torch.tensor(0.5), 10**400, object()]
+    )
+)
 def test_a_reward_function_returning_anything_is_a_score_or_a_reward_function_error(result: Any) -> None:
     try:
         score = finite_score(result, "reward function f")
@@ -404,15 +536,28 @@ def test_a_reward_function_returning_anything_is_a_score_or_a_reward_function_er
         assert name in str(err)
 
 
-rows = st.fixed_dictionaries({
-    "data_source": st.sampled_from(["openai/gsm8k", "synthetic/arithmetic", "", "no/such"]) | nasty_text,
-    "prompt": st.sampled_from([[{"role": "user", "content": "What is 1+1?"}], [], [{"role": "", "content": "x"}],
-                               [{"role": "user", "content": ""}]]),
-    "ability": st.none() | st.text(max_size=5),
-    "reward_model": st.fixed_dictionaries({"ground_truth": st.none() | st.text(max_size=12)
-                                           | st.sampled_from(["42", "#### 7", "1,234", "seven", "nan", "1e999"])}),
-    "extra_info": st.just({"index": 0}),
-})
+rows = st.fixed_dictionaries(
+    {
+        "data_source": st.sampled_from(["openai/gsm8k", "synthetic/arithmetic", "", "no/such"]) | nasty_text,
+        "prompt": st.sampled_from(
+            [
+                [{"role": "user", "content": "What is 1+1?"}],
+                [],
+                [{"role": "", "content": "x"}],
+                [{"role": "user", "content": ""}],
+            ]
+        ),
+        "ability": st.none() | st.text(max_size=5),
+        "reward_model": st.fixed_dictionaries(
+            {
+                "ground_truth": st.none()
+                | st.text(max_size=12)
+                | st.sampled_from(["42", "#### 7", "1,234", "seven", "nan", "1e999"])
+            }
+        ),
+        "extra_info": st.just({"index": 0}),
+    }
+)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=_QUIET)
@@ -425,12 +570,19 @@ def test_parquet_rows_of_any_content_load_or_name_the_file_and_row(records: list
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.parquet"
         try:
-            write_parquet_records([{**r, "data_source": r["data_source"].encode("utf-8", "replace").decode()}
-                                   for r in records], path)
+            write_parquet_records(
+                [{**r, "data_source": r["data_source"].encode("utf-8", "replace").decode()} for r in records], path
+            )
         except ValueError:
             return  # what cannot be written as one table cannot be handed to a run either
-        cfg = load_config(None, [f"data.train_files=[{path}]", f"data.val_files=[{path}]",
-                                 "actor_rollout_ref.model.tiny.warmstart_steps=0"])
+        cfg = load_config(
+            None,
+            [
+                f"data.train_files=[{path}]",
+                f"data.val_files=[{path}]",
+                "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            ],
+        )
         try:
             load_prompt_records(cfg)
         except ValueError as err:
@@ -442,31 +594,50 @@ def test_a_gsm8k_row_whose_ground_truth_is_not_a_number_is_reported_at_load(tmp_
     from conveyor.tasks.parquet import write_parquet_records
     from conveyor.trainer.setup import load_prompt_records
 
-    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "How many?"}], "ability": "math",
-           "reward_model": {"ground_truth": "#### 3"}, "extra_info": {}}
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "How many?"}],
+        "ability": "math",
+        "reward_model": {"ground_truth": "#### 3"},
+        "extra_info": {},
+    }
     path = tmp_path / "gsm8k.parquet"
     write_parquet_records([row, {**row, "reward_model": {"ground_truth": "three apples"}}], path)
     cfg = load_config(None, [f"data.train_files=[{path}]", "actor_rollout_ref.model.tiny.warmstart_steps=0"])
-    with pytest.raises(ValueError, match=r"gsm8k.parquet', row 1: reward_model.ground_truth 'three apples' is not "
-                                         "a number"):
+    with pytest.raises(
+        ValueError,
+        match=r"gsm8k.parquet', row 1: reward_model.ground_truth 'three apples' is not "
+        "a number",
+    ):
         load_prompt_records(cfg)
     # A custom reward function decides for itself what a ground truth is.
-    (tmp_path / "score.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):"
-                                       "\n    return 0.0\n")
-    custom = load_config(None, [f"data.train_files=[{path}]", "actor_rollout_ref.model.tiny.warmstart_steps=0",
-                                f"reward.custom_reward_function.path={tmp_path / 'score.py'}"])
+    (tmp_path / "score.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
+    custom = load_config(
+        None,
+        [
+            f"data.train_files=[{path}]",
+            "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            f"reward.custom_reward_function.path={tmp_path / 'score.py'}",
+        ],
+    )
     assert len(load_prompt_records(custom)[0]) == 2
 
 
 # --------------------------------------------------------------------------- the command's boundary itself
 
-@pytest.mark.parametrize("raised, user_caused", [
-    (OSError(28, "No space left on device", "/full/metrics.jsonl"), True),
-    (RuntimeError("no cause"), False),
-    (OSError(9, "Bad file descriptor"), False),
-    (KeyError("bug"), False),
-    (RecursionError("bug"), False),
-])
+
+@pytest.mark.parametrize(
+    "raised, user_caused",
+    [
+        (OSError(28, "No space left on device", "/full/metrics.jsonl"), True),
+        (RuntimeError("no cause"), False),
+        (OSError(9, "Bad file descriptor"), False),
+        (KeyError("bug"), False),
+        (RecursionError("bug"), False),
+    ],
+)
 def test_the_command_turns_what_the_environment_caused_into_one_line_and_keeps_bugs_tracebacks(
     rel, capsys, monkeypatch, raised: BaseException, user_caused: bool
 ) -> None:

@@ -32,21 +32,34 @@ _NAN_YAML = "algorithm:\n  gamma: .nan\n"
 
 CONFIG_CASES = {
     # Today a NaN entropy coefficient makes every loss NaN: every optimizer step is skipped and the run exits 0.
-    "entropy_coeff_nan": (["actor_rollout_ref.actor.entropy_coeff=.nan"],
-                          ("actor_rollout_ref.actor.entropy_coeff", "finite", "nan")),
-    "entropy_coeff_nan_text": (["actor_rollout_ref.actor.entropy_coeff=nan"],
-                               ("actor_rollout_ref.actor.entropy_coeff", "finite")),
+    "entropy_coeff_nan": (
+        ["actor_rollout_ref.actor.entropy_coeff=.nan"],
+        ("actor_rollout_ref.actor.entropy_coeff", "finite", "nan"),
+    ),
+    "entropy_coeff_nan_text": (
+        ["actor_rollout_ref.actor.entropy_coeff=nan"],
+        ("actor_rollout_ref.actor.entropy_coeff", "finite"),
+    ),
     "lr_inf": (["actor_rollout_ref.actor.optim.lr=.inf"], ("actor_rollout_ref.actor.optim.lr", "finite", "inf")),
-    "lr_overflows_a_double": (["actor_rollout_ref.actor.optim.lr=1e400"], ("actor_rollout_ref.actor.optim.lr", "finite")),
-    "float_overflows_float32": (["actor_rollout_ref.actor.clip_ratio_c=1e39"],
-                                ("actor_rollout_ref.actor.clip_ratio_c", "overflows float32")),
+    "lr_overflows_a_double": (
+        ["actor_rollout_ref.actor.optim.lr=1e400"],
+        ("actor_rollout_ref.actor.optim.lr", "finite"),
+    ),
+    "float_overflows_float32": (
+        ["actor_rollout_ref.actor.clip_ratio_c=1e39"],
+        ("actor_rollout_ref.actor.clip_ratio_c", "overflows float32"),
+    ),
     "int_beyond_a_double_for_a_float": (["critic.optim.lr=1" + "0" * 400], ("critic.optim.lr", "too large")),
     "int_beyond_int64": (["trainer.seed=" + "9" * 30], ("trainer.seed", "too large")),
-    "nan_in_a_list": (["actor_rollout_ref.actor.optim.betas=[0.9,.nan]"], ("actor_rollout_ref.actor.optim.betas",
-                                                                          "finite")),
+    "nan_in_a_list": (
+        ["actor_rollout_ref.actor.optim.betas=[0.9,.nan]"],
+        ("actor_rollout_ref.actor.optim.betas", "finite"),
+    ),
     "nan_in_a_config_file": (["--config", "{tmp}/nan.yaml"], ("algorithm.gamma", "finite")),
-    "nan_through_interpolation": (["actor_rollout_ref.actor.kl_loss_coef=${algorithm.kl_ctrl.kl_coef}",
-                                   "algorithm.kl_ctrl.kl_coef=.nan"], ("finite",)),
+    "nan_through_interpolation": (
+        ["actor_rollout_ref.actor.kl_loss_coef=${algorithm.kl_ctrl.kl_coef}", "algorithm.kl_ctrl.kl_coef=.nan"],
+        ("finite",),
+    ),
     "zero_count": (["actor_rollout_ref.rollout.n=0"], ("actor_rollout_ref.rollout.n", "> 0")),
     "negative_size": (["data.max_response_length=-1"], ("data.max_response_length", "> 0")),
     "zero_micro_batch": (["critic.ppo_micro_batch_size_per_gpu=0"], ("critic.ppo_micro_batch_size_per_gpu",)),
@@ -54,20 +67,30 @@ CONFIG_CASES = {
     "discount_above_one": (["algorithm.gamma=2"], ("algorithm.gamma", "[0, 1]")),
     "unknown_estimator": (["algorithm.adv_estimator=grpoo"], ("algorithm.adv_estimator", "did you mean 'grpo'")),
     "unknown_dtype": (["actor_rollout_ref.model.dtype=float64"], ("actor_rollout_ref.model.dtype",)),
-    "betas_of_the_wrong_length": (["actor_rollout_ref.actor.optim.betas=[0.9]"],
-                                  ("actor_rollout_ref.actor.optim.betas", "two numbers")),
+    "betas_of_the_wrong_length": (
+        ["actor_rollout_ref.actor.optim.betas=[0.9]"],
+        ("actor_rollout_ref.actor.optim.betas", "two numbers"),
+    ),
     "betas_not_numbers": (["actor_rollout_ref.actor.optim.betas=[a,b]"], ("actor_rollout_ref.actor.optim.betas",)),
     "zero_target_kl": (["algorithm.kl_ctrl.target_kl=0"], ("algorithm.kl_ctrl.target_kl", "> 0")),
     "zero_critic_grad_clip": (["critic.grad_clip=0"], ("critic.grad_clip", "> 0")),
-    "zero_warmstart_lr": (["actor_rollout_ref.model.tiny.warmstart_lr=0"], ("actor_rollout_ref.model.tiny.warmstart_lr",)),
-    "heads_do_not_divide": (["actor_rollout_ref.model.tiny.num_kv_heads=3"], ("actor_rollout_ref.model.tiny.num_kv_heads",)),
+    "zero_warmstart_lr": (
+        ["actor_rollout_ref.model.tiny.warmstart_lr=0"],
+        ("actor_rollout_ref.model.tiny.warmstart_lr",),
+    ),
+    "heads_do_not_divide": (
+        ["actor_rollout_ref.model.tiny.num_kv_heads=3"],
+        ("actor_rollout_ref.model.tiny.num_kv_heads",),
+    ),
     "zero_ray_cpus": (["ray.num_cpus=0"], ("ray.num_cpus", "> 0")),
     "negative_reward_timeout": (["reward.timeout_s=-1"], ("reward.timeout_s", ">= 0")),
     "train_files_null": (["data.train_files=[null]"], ("data.train_files", "None", "not a file path")),
     "train_files_empty": (["data.train_files=[]"], ("data.train_files", "empty list")),
     # The run directory is runs/<experiment_name>: none of these may leave runs/.
-    "experiment_name_parent": (["trainer.experiment_name=../escaped"], ("trainer.experiment_name", "'../escaped'",
-                                                                       "trainer.default_local_dir")),
+    "experiment_name_parent": (
+        ["trainer.experiment_name=../escaped"],
+        ("trainer.experiment_name", "'../escaped'", "trainer.default_local_dir"),
+    ),
     "experiment_name_absolute": (["trainer.experiment_name={tmp}/escaped"], ("trainer.experiment_name",)),
     "experiment_name_nested": (["trainer.experiment_name=a/b"], ("trainer.experiment_name", "no '/'")),
     "experiment_name_dotdot": (["trainer.experiment_name=.."], ("trainer.experiment_name",)),
@@ -99,11 +122,11 @@ def test_config_number_name_or_list_mistake_is_one_line(rel, config_results: dic
 # --------------------------------------------------------------------------- checkpoints, data, reward functions
 _REWARDS = {
     "calls_exit.py": "import sys\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                     "    sys.exit(0)\n",
+    "    sys.exit(0)\n",
     "huge_int.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                   "    return 10 ** 400\n",
+    "    return 10 ** 400\n",
     "hangs.py": "import time\n\ndef slow_grader(data_source, solution_str, ground_truth, extra_info=None):\n"
-                "    time.sleep(3600)\n",
+    "    time.sleep(3600)\n",
 }
 
 
@@ -139,17 +162,31 @@ def _hostile_files(base_model: str, tmp: Path) -> None:
         pq.write_table(table.set_column(table.schema.get_field_index(name), name, values), tmp / path)
 
     truth = [r["reward_model"]["ground_truth"] for r in records]
-    with_column("reward_model", pa.array([{"style": "rule", "ground_truth": None if i == 3 else t}
-                                          for i, t in enumerate(truth)]), "null_truth.parquet")
-    with_column("reward_model", pa.array([{"style": "rule", "ground_truth": float("nan") if i == 5 else float(t)}
-                                          for i, t in enumerate(truth)]), "nan_truth.parquet")
+    with_column(
+        "reward_model",
+        pa.array([{"style": "rule", "ground_truth": None if i == 3 else t} for i, t in enumerate(truth)]),
+        "null_truth.parquet",
+    )
+    with_column(
+        "reward_model",
+        pa.array(
+            [{"style": "rule", "ground_truth": float("nan") if i == 5 else float(t)} for i, t in enumerate(truth)]
+        ),
+        "nan_truth.parquet",
+    )
     prompts = [r["prompt"] for r in records]
     with_column("prompt", pa.array([[] if i == 2 else p for i, p in enumerate(prompts)]), "empty_prompt.parquet")
     with_column("prompt", pa.array([None if i == 4 else p for i, p in enumerate(prompts)]), "null_prompt.parquet")
-    with_column("prompt", pa.array([[{"role": "user", "content": [{"type": "image", "url": "x.png"}]}]] * 16),
-                "image_prompt.parquet")
-    with_column("data_source", pa.array([None if i == 6 else r["data_source"] for i, r in enumerate(records)]),
-                "null_source.parquet")
+    with_column(
+        "prompt",
+        pa.array([[{"role": "user", "content": [{"type": "image", "url": "x.png"}]}]] * 16),
+        "image_prompt.parquet",
+    )
+    with_column(
+        "data_source",
+        pa.array([None if i == 6 else r["data_source"] for i, r in enumerate(records)]),
+        "null_source.parquet",
+    )
     # Row 15 is too long; with no shuffling, the one step run here never draws it, so only a check at load finds it.
     long_last = [*records[:15], {**records[15], "prompt": [{"role": "user", "content": "1+" * 40 + "1="}]}]
     write_parquet_records(long_last, tmp / "long_last_row.parquet")
@@ -163,13 +200,25 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
     _hostile_files(base_model, tmp)
 
     def run(case: str, *extra: str, model: str | Path | None = base_model) -> list[str]:
-        return ["train", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.synthetic.num_train=64",
-                "data.synthetic.num_val=4", "data.synthetic.max_operand=9", "trainer.total_training_steps=1",
-                "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
-                "trainer.progress_bar=false", "trainer.dump_freq=0", "data.shuffle=false",
-                f"actor_rollout_ref.model.path={'null' if model is None else model}",
-                f"trainer.default_local_dir={tmp / 'runs' / case}", *extra]
+        return [
+            "train",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=4",
+            "data.synthetic.max_operand=9",
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "trainer.progress_bar=false",
+            "trainer.dump_freq=0",
+            "data.shuffle=false",
+            f"actor_rollout_ref.model.path={'null' if model is None else model}",
+            f"trainer.default_local_dir={tmp / 'runs' / case}",
+            *extra,
+        ]
 
     def files(name: str) -> str:
         return f"data.train_files=[{tmp / name}]"
@@ -181,24 +230,37 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
         "weights_cut_in_half": run("weights_cut_in_half", model=tmp / "cut_weights"),
         "no_tokenizer": run("no_tokenizer", model=tmp / "no_tokenizer"),
         "lengths_beyond_the_model_positions": run("lengths_beyond_the_model_positions", "data.max_prompt_length=100"),
-        "huge_prompt_on_a_checkpoint": run("huge_prompt_on_a_checkpoint", files("huge_prompt.parquet"),
-                                           "data.max_prompt_length=200000", model=tmp / "long_context"),
+        "huge_prompt_on_a_checkpoint": run(
+            "huge_prompt_on_a_checkpoint",
+            files("huge_prompt.parquet"),
+            "data.max_prompt_length=200000",
+            model=tmp / "long_context",
+        ),
         # The tiny model built from config takes its positions from these lengths: only memory can stop it.
-        "huge_prompt_on_the_tiny_model": run("huge_prompt_on_the_tiny_model", files("huge_prompt.parquet"),
-                                             "data.max_prompt_length=200000",
-                                             "actor_rollout_ref.model.tiny.warmstart_steps=0", model=None),
+        "huge_prompt_on_the_tiny_model": run(
+            "huge_prompt_on_the_tiny_model",
+            files("huge_prompt.parquet"),
+            "data.max_prompt_length=200000",
+            "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            model=None,
+        ),
         "ground_truth_null": run("ground_truth_null", files("null_truth.parquet")),
         "ground_truth_nan": run("ground_truth_nan", files("nan_truth.parquet")),
         "prompt_empty_list": run("prompt_empty_list", files("empty_prompt.parquet")),
         "prompt_null": run("prompt_null", files("null_prompt.parquet")),
         "prompt_not_text": run("prompt_not_text", files("image_prompt.parquet")),
         "data_source_null": run("data_source_null", files("null_source.parquet"), custom(tmp / "huge_int.py")),
-        "prompt_too_long_found_at_load": run("prompt_too_long_found_at_load", files("long_last_row.parquet"),
-                                             "data.max_prompt_length=20"),
+        "prompt_too_long_found_at_load": run(
+            "prompt_too_long_found_at_load", files("long_last_row.parquet"), "data.max_prompt_length=20"
+        ),
         "reward_calls_sys_exit": run("reward_calls_sys_exit", custom(tmp / "calls_exit.py")),
         "reward_beyond_a_float": run("reward_beyond_a_float", custom(tmp / "huge_int.py")),
-        "reward_hangs": run("reward_hangs", custom(tmp / "hangs.py"), "reward.custom_reward_function.name=slow_grader",
-                            "reward.timeout_s=1"),
+        "reward_hangs": run(
+            "reward_hangs",
+            custom(tmp / "hangs.py"),
+            "reward.custom_reward_function.name=slow_grader",
+            "reward.timeout_s=1",
+        ),
     }
 
 
@@ -216,11 +278,13 @@ RUNTIME_ERRORS = {
     "prompt_null": ("null_prompt.parquet', row 4", "list of chat messages", "None"),
     "prompt_not_text": ("image_prompt.parquet', row 0", "not text"),
     "data_source_null": ("null_source.parquet', row 6", "'data_source' is None"),
-    "prompt_too_long_found_at_load": ("long_last_row.parquet', row 15", "data.max_prompt_length=20",
-                                      "data.truncation=left"),
+    "prompt_too_long_found_at_load": (
+        "long_last_row.parquet', row 15",
+        "data.max_prompt_length=20",
+        "data.truncation=left",
+    ),
     "reward_calls_sys_exit": ("calls_exit.py", "called sys.exit(0)", "sample 'train-1/p0/s0'"),
-    "reward_beyond_a_float": ("huge_int.py", "an int of 401 digits, too large for a float",
-                              "not a finite number"),
+    "reward_beyond_a_float": ("huge_int.py", "an int of 401 digits, too large for a float", "not a finite number"),
     "reward_hangs": ("slow_grader", "hangs.py", "reward.timeout_s=1s", "sample 'train-1/p0/s0'"),
 }
 
@@ -249,22 +313,34 @@ def test_hostile_file_or_function_is_a_usage_error_naming_the_culprit(rel, runti
 
 
 def test_a_checkpoint_that_ships_code_is_refused_without_asking(rel, tmp_path: Path) -> None:
-    """config.json's auto_map names code of its own and its model type is unknown: one line naming the key, no prompt."""
+    """config.json's auto_map names code of its own and its model type is unknown: one line naming the key, no
+    prompt."""
     model = tmp_path / "custom_model"
     model.mkdir()
     marker = tmp_path / "custom code ran"
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "conveyor_test_custom_lm",
-        "architectures": ["CustomLM"],
-        "auto_map": {"AutoConfig": "custom_lm.CustomConfig", "AutoModelForCausalLM": "custom_lm.CustomLM"},
-    }))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "conveyor_test_custom_lm",
+                "architectures": ["CustomLM"],
+                "auto_map": {"AutoConfig": "custom_lm.CustomConfig", "AutoModelForCausalLM": "custom_lm.CustomLM"},
+            }
+        )
+    )
     (model / "custom_lm.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     run_dir = tmp_path / "run"
     # The child's stdin is closed (rel.run_cli), as under a scheduler: a prompt would find no answer.
-    proc = rel.run_cli("train", f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run_dir}",
-                       "trainer.logger=[jsonl]", "trainer.progress_bar=false", timeout=120)
-    rel.assert_usage_error(proc.returncode, proc.stderr, ("custom_model", "auto_map",
-                                                          "actor_rollout_ref.model.trust_remote_code=true"))
+    proc = rel.run_cli(
+        "train",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[jsonl]",
+        "trainer.progress_bar=false",
+        timeout=120,
+    )
+    rel.assert_usage_error(
+        proc.returncode, proc.stderr, ("custom_model", "auto_map", "actor_rollout_ref.model.trust_remote_code=true")
+    )
     assert "[y/N]" not in proc.stdout + proc.stderr
     assert not marker.exists()
 
@@ -273,16 +349,38 @@ def test_a_checkpoint_that_ships_code_is_refused_without_asking(rel, tmp_path: P
 def test_show_escapes_terminal_control_characters(rel, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     response = "clear\x1b[2J bell\x07 back\x08 return\r over\x1b]0;title\x07 c1\x9b rtl\u202eevil"
-    write_generations(run_dir, 3, [{"prompt": "1+2=\x1b[31m", "response": response, "ground_truth": "3\r",
-                                    "data_source": "src\x1b[1m", "reward": 1.0, "advantage": 0.5,
-                                    "note": "del\x7f"}])
+    write_generations(
+        run_dir,
+        3,
+        [
+            {
+                "prompt": "1+2=\x1b[31m",
+                "response": response,
+                "ground_truth": "3\r",
+                "data_source": "src\x1b[1m",
+                "reward": 1.0,
+                "advantage": 0.5,
+                "note": "del\x7f",
+            }
+        ],
+    )
     proc = rel.run_cli("show", str(run_dir), timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # Nothing a terminal would act on: only newlines are left of the control characters.
     assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]", out), repr(out)
-    for shown in (r"clear\x1b[2J", r"bell\x07", r"back\x08", r"return\r", r"\x1b]0;title\x07", r"c1\x9b",
-                  r"rtl\u202eevil", r"1+2=\x1b[31m", r"ground truth: 3\r", r"source src\x1b[1m"):
+    for shown in (
+        r"clear\x1b[2J",
+        r"bell\x07",
+        r"back\x08",
+        r"return\r",
+        r"\x1b]0;title\x07",
+        r"c1\x9b",
+        r"rtl\u202eevil",
+        r"1+2=\x1b[31m",
+        r"ground truth: 3\r",
+        r"source src\x1b[1m",
+    ):
         assert shown in out, (shown, out)
 
 
@@ -296,8 +394,10 @@ def test_transferqueue_listens_on_127_0_0_1_only() -> None:
 
     from conveyor.data_plane import make_data_plane
 
-    plane = make_data_plane("transferqueue", tq_config={"backend": {"SimpleStorage": {"num_data_storage_units": 2}},
-                                                       "metrics": {"enabled": True}})
+    plane = make_data_plane(
+        "transferqueue",
+        tq_config={"backend": {"SimpleStorage": {"num_data_storage_units": 2}}, "metrics": {"enabled": True}},
+    )
     try:
         keys = ["a", "b", "c"]
         plane.kv_batch_put(keys, "p", {"x": torch.arange(3)})
@@ -307,8 +407,12 @@ def test_transferqueue_listens_on_127_0_0_1_only() -> None:
         # Ray's own worker port (token-authenticated, not TransferQueue's) is the one listener Ray opens per worker.
         ray_ports = {ray._private.state.actors(a._actor_id.hex())["Address"]["Port"] for a in actors}
         announced = set(plane._connection[0].ports.values())
-        listeners = [c.laddr for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN]
+        listeners = [
+            c.laddr
+            for pid in pids
+            for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
         assert announced <= {addr.port for addr in listeners}
         assert int(plane.tq_metrics_endpoint.rsplit(":", 1)[1]) in {addr.port for addr in listeners}
         exposed = [addr for addr in listeners if addr.ip != "127.0.0.1" and addr.port not in ray_ports]
@@ -329,22 +433,37 @@ def test_a_hung_reward_function_stops_the_step_after_reward_timeout_s(tmp_path: 
     from conveyor.workers.ranks.reward import RewardWorker, SampleRewardError
 
     (tmp_path / "hangs.py").write_text(_REWARDS["hangs.py"])
-    (tmp_path / "slowish.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
-                                         "extra_info=None):\n    time.sleep(0.05)\n    return 0.5\n")
+    (tmp_path / "slowish.py").write_text(
+        "import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None):\n    time.sleep(0.05)\n    return 0.5\n"
+    )
     plane = make_data_plane("memory")
-    fields = {"responses": torch.tensor([[5, 6], [7, 0]]), "response_mask": torch.tensor([[1, 1], [1, 0]]).bool(),
-              "data_source": ["s", "s"], "ground_truth": ["1", "2"]}
+    fields = {
+        "responses": torch.tensor([[5, 6], [7, 0]]),
+        "response_mask": torch.tensor([[1, 1], [1, 0]]).bool(),
+        "data_source": ["s", "s"],
+        "ground_truth": ["1", "2"],
+    }
     meta = plane.kv_batch_put(["k0", "k1"], "part", fields)
     tok = build_char_tokenizer()
-    slowish = RewardWorker(tokenizer=tok, data_plane=plane, custom_reward_path=str(tmp_path / "slowish.py"),
-                           timeout_s=5)
+    slowish = RewardWorker(
+        tokenizer=tok, data_plane=plane, custom_reward_path=str(tmp_path / "slowish.py"), timeout_s=5
+    )
     slowish.compute_reward(meta)  # slower than nothing, well within the limit: scored
     assert plane.kv_batch_get(["k0", "k1"], "part", ["acc"])["acc"].tolist() == [0.5, 0.5]
-    hung = RewardWorker(tokenizer=tok, data_plane=plane, custom_reward_path=str(tmp_path / "hangs.py"),
-                        custom_reward_name="slow_grader", timeout_s=0.5)
+    hung = RewardWorker(
+        tokenizer=tok,
+        data_plane=plane,
+        custom_reward_path=str(tmp_path / "hangs.py"),
+        custom_reward_name="slow_grader",
+        timeout_s=0.5,
+    )
     start = time.monotonic()
-    with pytest.raises(SampleRewardError, match=r"^sample 'k0': custom reward function slow_grader from .*hangs\.py "
-                                                r"did not return within reward\.timeout_s=0\.5s"):
+    with pytest.raises(
+        SampleRewardError,
+        match=r"^sample 'k0': custom reward function slow_grader from .*hangs\.py "
+        r"did not return within reward\.timeout_s=0\.5s",
+    ):
         hung.compute_reward(meta)
     assert time.monotonic() - start < 5
     plane.close()

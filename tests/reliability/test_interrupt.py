@@ -123,8 +123,16 @@ def test_interrupt_in_the_middle_of_a_step_saves_no_mislabelled_checkpoint(
     rel, base_model, tmp_path: Path, planes
 ) -> None:
     run_dir = tmp_path / "run"
-    cfg = load_config(None, rel.BASE_RUN + [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=3",
-                                            "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null"])
+    cfg = load_config(
+        None,
+        rel.BASE_RUN
+        + [
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
+            "trainer.max_ckpt_to_keep=null",
+        ],
+    )
     # Step 3's metrics read comes after its actor update: the model has moved, the step is not done.
     planes.interrupt_at = ("train-3", "returns")
     with pytest.raises(KeyboardInterrupt):

@@ -13,10 +13,11 @@ import errno
 import os
 import subprocess
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+
 
 def _mount(where: Path, size: str, read_only: bool = False) -> None:
     where.mkdir(parents=True, exist_ok=True)
@@ -73,6 +74,7 @@ def _no_temporaries(root: Path) -> None:
 
 # --------------------------------------------------------------------------- a real full disk during a run
 
+
 def test_a_full_disk_during_a_save_is_one_line_and_the_newest_checkpoint_stays_whole(
     rel, base_model: str, tmpfs, capsys
 ) -> None:
@@ -96,11 +98,15 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_newest_checkpoint_stays_w
 
     # Writers outside a run, onto the same full filesystem: one line each, nothing half-written left.
     out = fs / "export"
-    _one_error_line(rel, *rel.main_in_process(["export", str(run_dir), "--out", str(out)], capsys), "No space left on device")
+    _one_error_line(
+        rel, *rel.main_in_process(["export", str(run_dir), "--out", str(out)], capsys), "No space left on device"
+    )
     assert not out.exists()
     pytest.importorskip("matplotlib")
     fill(fs)
-    _one_error_line(rel, *rel.main_in_process(["plot", str(run_dir), "--out", str(fs / "plots")], capsys), "No space left on device")
+    _one_error_line(
+        rel, *rel.main_in_process(["plot", str(run_dir), "--out", str(fs / "plots")], capsys), "No space left on device"
+    )
 
     # Space freed, the same command resumes from the intact checkpoint and finishes.
     filler.unlink()
@@ -110,7 +116,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_newest_checkpoint_stays_w
 
     # A checkpoint from elsewhere whose model config is broken: transformers' OSError without an errno is named.
     (run_dir / "checkpoints" / "global_step_2" / "hf" / "config.json").write_bytes(b"{\xff")
-    _one_error_line(rel, *rel.main_in_process(["export", str(run_dir), "--out", str(fs / "model")], capsys), "hf/config.json")
+    _one_error_line(
+        rel, *rel.main_in_process(["export", str(run_dir), "--out", str(fs / "model")], capsys), "hf/config.json"
+    )
 
 
 def test_a_full_disk_for_the_model_cache_is_one_line_naming_conveyor_cache(rel, tmpfs, capsys, monkeypatch) -> None:
@@ -131,8 +139,14 @@ def test_a_full_disk_for_dumps_and_metrics_is_an_environment_error_and_leaves_no
     fs = tmpfs("1M")
     tracker = JsonlTracker(fs / "metrics.jsonl")
     fill(fs)
-    row = {"prompt": "1+1", "response": "2" * 100_000, "ground_truth": "2", "data_source": "d", "reward": 1.0,
-           "advantage": 0.0}
+    row = {
+        "prompt": "1+1",
+        "response": "2" * 100_000,
+        "ground_truth": "2",
+        "data_source": "d",
+        "reward": 1.0,
+        "advantage": 0.0,
+    }
     with pytest.raises(OSError) as dump_err:
         write_generations(fs, 1, [row])
     assert environment_error(dump_err.value) is not None  # what the command reports as one line
@@ -160,6 +174,7 @@ def test_a_cut_short_cached_model_says_to_delete_that_cache_entry(rel, tmp_path:
 
 # --------------------------------------------------------------------------- unusable folders
 
+
 def _metrics_run(tmp_path: Path) -> Path:
     run = tmp_path / "metrics-run"
     run.mkdir()
@@ -179,25 +194,41 @@ def unusable(request, tmp_path: Path, tmpfs) -> tuple[Path, str]:
 def test_plot_into_an_unusable_folder_is_one_line(rel, unusable, tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     folder, needle = unusable
-    _one_error_line(rel, *rel.main_in_process(["plot", str(_metrics_run(tmp_path)), "--out", str(folder)], capsys), "--out", needle)
+    _one_error_line(
+        rel, *rel.main_in_process(["plot", str(_metrics_run(tmp_path)), "--out", str(folder)], capsys), "--out", needle
+    )
 
 
-def test_export_into_an_unusable_folder_is_one_line_before_anything_is_built(rel, unusable, tmp_path: Path,
-                                                                            capsys) -> None:
+def test_export_into_an_unusable_folder_is_one_line_before_anything_is_built(
+    rel, unusable, tmp_path: Path, capsys
+) -> None:
     folder, needle = unusable
-    _one_error_line(rel, *rel.main_in_process(["export", str(_metrics_run(tmp_path)), "--out", str(folder / "model")], capsys),
-                    "--out", needle)
+    _one_error_line(
+        rel,
+        *rel.main_in_process(["export", str(_metrics_run(tmp_path)), "--out", str(folder / "model")], capsys),
+        "--out",
+        needle,
+    )
 
 
 def test_export_out_naming_a_file_is_one_line(rel, tmp_path: Path, capsys) -> None:
     (tmp_path / "taken").write_text("x")
-    _one_error_line(rel, *rel.main_in_process(["export", str(_metrics_run(tmp_path)), "--out", str(tmp_path / "taken")], capsys),
-                    "--out", "is a file")
+    _one_error_line(
+        rel,
+        *rel.main_in_process(["export", str(_metrics_run(tmp_path)), "--out", str(tmp_path / "taken")], capsys),
+        "--out",
+        "is a file",
+    )
 
 
-def test_a_model_cache_in_an_unusable_folder_is_one_line_naming_conveyor_cache(rel, unusable, capsys,
-                                                                               monkeypatch) -> None:
+def test_a_model_cache_in_an_unusable_folder_is_one_line_naming_conveyor_cache(
+    rel, unusable, capsys, monkeypatch
+) -> None:
     folder, needle = unusable
     monkeypatch.setenv("CONVEYOR_CACHE", str(folder))
-    _one_error_line(rel, *rel.main_in_process(["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"], capsys),
-                    "CONVEYOR_CACHE", needle)
+    _one_error_line(
+        rel,
+        *rel.main_in_process(["warmstart", "actor_rollout_ref.model.tiny.warmstart_steps=0"], capsys),
+        "CONVEYOR_CACHE",
+        needle,
+    )

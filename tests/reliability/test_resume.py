@@ -15,8 +15,9 @@ from conveyor.trainer.checkpoint import load_checkpoint
 
 def test_resume_in_a_new_process_repeats_the_uninterrupted_run(rel, reference_run, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
-                                        "trainer.max_ckpt_to_keep=1"))
+    first = rel.run_cli(
+        *rel.train_args(run_dir, "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=1")
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     # max_ckpt_to_keep=1: step 1's checkpoint was pruned when step 2's was written.
     assert rel.checkpoint_steps(run_dir) == [2]
@@ -27,8 +28,14 @@ def test_resume_in_a_new_process_repeats_the_uninterrupted_run(rel, reference_ru
 
     # resume_path: continue step 2 of this run in another run directory.
     other = tmp_path / "other"
-    branch = rel.run_cli(*rel.train_args(other, "trainer.total_training_steps=3", "trainer.resume_mode=resume_path",
-                                         f"trainer.resume_from_path={step2}"))
+    branch = rel.run_cli(
+        *rel.train_args(
+            other,
+            "trainer.total_training_steps=3",
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={step2}",
+        )
+    )
     assert branch.returncode == 0, branch.stderr[-3000:]
     assert "resumed from" in branch.stderr and "(step 2)" in branch.stderr
     assert rel.logged_steps(other) == [3] and rel.checkpoint_steps(other) == [3]
@@ -36,8 +43,15 @@ def test_resume_in_a_new_process_repeats_the_uninterrupted_run(rel, reference_ru
     assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in step2.iterdir()} == stamp  # only read
 
     # auto: the newest checkpoint of the run directory itself.
-    second = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=4", "trainer.save_freq=1",
-                                         "trainer.max_ckpt_to_keep=2", "trainer.resume_mode=auto"))
+    second = rel.run_cli(
+        *rel.train_args(
+            run_dir,
+            "trainer.total_training_steps=4",
+            "trainer.save_freq=1",
+            "trainer.max_ckpt_to_keep=2",
+            "trainer.resume_mode=auto",
+        )
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(step 2)" in second.stderr
     assert rel.checkpoint_steps(run_dir) == [3, 4]  # pruned to the newest two
@@ -46,4 +60,3 @@ def test_resume_in_a_new_process_repeats_the_uninterrupted_run(rel, reference_ru
     # Steps 3-4 carry a learning signal, so equality is not equality of zeros.
     assert any(reference_run[s]["actor/grad_norm"] > 0 for s in (3, 4))
     assert any(reference_run[s]["reward/mean"] > 0 for s in (3, 4))
-

@@ -31,8 +31,9 @@ def _sigterm_after_step(rel, processes, run_dir: Path, *extra: str) -> tuple[int
     return proc.wait(), proc.stderr
 
 
-def test_sigterm_saves_the_running_step_exits_143_and_resume_continues(rel, base_model, tmp_path: Path,
-                                                                       processes) -> None:
+def test_sigterm_saves_the_running_step_exits_143_and_resume_continues(
+    rel, base_model, tmp_path: Path, processes
+) -> None:
     run_dir = tmp_path / "run"
     status, err = _sigterm_after_step(rel, processes, run_dir)
     assert status == 143, err[-3000:]
@@ -57,7 +58,9 @@ def test_sigterm_under_ray_workers_saves_and_exits_143(rel, two_rank_runs: dict)
     assert k >= 4 and k == max(rel.logged_steps(run_dir))  # the running step was finished and saved
     # Two ranks wrote their shards of the same checkpoint.
     assert sorted(p.name for p in (run_dir / "checkpoints" / f"global_step_{k}" / "actor").glob("*.distcp")) == [
-        "__0_0.distcp", "__1_0.distcp"]
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
 
 def test_default_save_freq_bounds_what_a_crash_loses() -> None:
@@ -69,8 +72,11 @@ def test_default_save_freq_bounds_what_a_crash_loses() -> None:
 def finished_two_step_run(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-step run with checkpoints at steps 1 and 2 (made once; tests change copies of it)."""
     run_dir = tmp_path_factory.mktemp("two-step") / "run"
-    done = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
-                                       "trainer.max_ckpt_to_keep=null"))
+    done = rel.run_cli(
+        *rel.train_args(
+            run_dir, "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null"
+        )
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
@@ -82,9 +88,14 @@ def test_a_changed_setting_is_refused_naming_the_keys_and_can_be_accepted(rel, r
     assert (run_dir / "config.yaml").read_text() == before  # never overwritten by a config that does not match
     assert rel.logged_steps(run_dir) == [1, 2]
 
-    accepted = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3",
-                                           "actor_rollout_ref.actor.optim.lr=0.001",
-                                           "trainer.resume_accept_config_changes=true"))
+    accepted = rel.run_cli(
+        *rel.train_args(
+            run_dir,
+            "trainer.total_training_steps=3",
+            "actor_rollout_ref.actor.optim.lr=0.001",
+            "trainer.resume_accept_config_changes=true",
+        )
+    )
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert "resuming" in accepted.stderr and "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001" in accepted.stderr
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["actor_rollout_ref"]["actor"]["optim"]["lr"] == 0.001
@@ -136,26 +147,49 @@ def refusals(rel, finished_two_step_run: Path, tmp_path_factory: pytest.TempPath
     for damage in DAMAGES:
         needles[damage] = _damage(copy(damage) / "checkpoints" / "global_step_2", damage)
         cases[damage] = rel.train_args(dirs[damage], "trainer.total_training_steps=6")
-    cases["another_model"] = rel.train_args(copy("another_model"), "trainer.total_training_steps=3",
-                                            "actor_rollout_ref.model.tiny.hidden_size=32",
-                                            "trainer.resume_accept_config_changes=true")
+    cases["another_model"] = rel.train_args(
+        copy("another_model"),
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.model.tiny.hidden_size=32",
+        "trainer.resume_accept_config_changes=true",
+    )
     needles["another_model"] = ("global_step_2", "cannot load into this model")
     run_dir = copy("changed_setting")
     before = (run_dir / "config.yaml").read_text()
-    cases["changed_setting"] = rel.train_args(run_dir, "trainer.total_training_steps=3",
-                                              "actor_rollout_ref.actor.optim.lr=0.001", "actor_rollout_ref.rollout.n=2")
+    cases["changed_setting"] = rel.train_args(
+        run_dir,
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.actor.optim.lr=0.001",
+        "actor_rollout_ref.rollout.n=2",
+    )
     needles["changed_setting"] = (
-        str(run_dir / "checkpoints" / "global_step_2"), "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
-        "actor_rollout_ref.rollout.n: 4 -> 2", "trainer.resume_accept_config_changes=true")
+        str(run_dir / "checkpoints" / "global_step_2"),
+        "actor_rollout_ref.actor.optim.lr: 0.0006 -> 0.001",
+        "actor_rollout_ref.rollout.n: 4 -> 2",
+        "trainer.resume_accept_config_changes=true",
+    )
     older = copy("resume_older") / "checkpoints" / "global_step_1"
-    cases["resume_older"] = rel.train_args(dirs["resume_older"], "trainer.total_training_steps=3",
-                                           "trainer.resume_mode=resume_path", f"trainer.resume_from_path={older}")
-    needles["resume_older"] = (str(older), "is step 1", "newer checkpoints (global_step_2)",
-                               "trainer.default_local_dir", "trainer.resume_mode=auto")
-    cases["fresh_over_checkpoints"] = rel.train_args(copy("fresh_over_checkpoints"), "trainer.total_training_steps=3",
-                                                     "trainer.resume_mode=disable")
-    needles["fresh_over_checkpoints"] = ("trainer.resume_mode=disable", "global_step_1, global_step_2",
-                                         "trainer.default_local_dir")
+    cases["resume_older"] = rel.train_args(
+        dirs["resume_older"],
+        "trainer.total_training_steps=3",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={older}",
+    )
+    needles["resume_older"] = (
+        str(older),
+        "is step 1",
+        "newer checkpoints (global_step_2)",
+        "trainer.default_local_dir",
+        "trainer.resume_mode=auto",
+    )
+    cases["fresh_over_checkpoints"] = rel.train_args(
+        copy("fresh_over_checkpoints"), "trainer.total_training_steps=3", "trainer.resume_mode=disable"
+    )
+    needles["fresh_over_checkpoints"] = (
+        "trainer.resume_mode=disable",
+        "global_step_1, global_step_2",
+        "trainer.default_local_dir",
+    )
     (tmp / "a_file").write_text("")
     unusable = {"under_a_file": tmp / "a_file" / "run"}
     if _read_only_filesystem_here():
@@ -182,8 +216,9 @@ def test_a_damaged_checkpoint_is_refused_naming_it(rel, refusals: dict, damage: 
 
 
 @pytest.mark.parametrize("case", ["resume_older", "fresh_over_checkpoints"])
-def test_a_run_that_would_start_behind_newer_checkpoints_is_refused_and_deletes_nothing(rel, refusals: dict,
-                                                                                        case: str) -> None:
+def test_a_run_that_would_start_behind_newer_checkpoints_is_refused_and_deletes_nothing(
+    rel, refusals: dict, case: str
+) -> None:
     result, run_dir, needles = refusals[case]
     rel.assert_usage_error(result["status"], result["stderr"], needles)
     assert rel.checkpoint_steps(run_dir) == [1, 2] and rel.logged_steps(run_dir) == [1, 2]
@@ -193,8 +228,15 @@ def test_pruning_keeps_the_checkpoint_a_run_was_resumed_from(rel, finished_two_s
     run_dir = tmp_path / "run"
     shutil.copytree(finished_two_step_run, run_dir)
     step2 = run_dir / "checkpoints" / "global_step_2"
-    done = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=3", "trainer.max_ckpt_to_keep=1",
-                                       "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step2}"))
+    done = rel.run_cli(
+        *rel.train_args(
+            run_dir,
+            "trainer.total_training_steps=3",
+            "trainer.max_ckpt_to_keep=1",
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={step2}",
+        )
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # Step 1 is rotated out; step 2, only read, stays; step 3 is the newest, so a plain re-run continues it.
     assert rel.checkpoint_steps(run_dir) == [2, 3] and rel.logged_steps(run_dir) == [1, 2, 3]
@@ -209,8 +251,9 @@ def test_a_second_run_on_the_same_directory_is_refused_and_a_crash_leaves_no_sta
     processes.append(first)
     rel.wait_until(lambda: 1 in rel.logged_steps(run_dir), first, timeout=240)
     second = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=40"))
-    rel.assert_usage_error(second.returncode, second.stderr,
-                           (str(run_dir), "in use by another run", f"pid {first.proc.pid}"))
+    rel.assert_usage_error(
+        second.returncode, second.stderr, (str(run_dir), "in use by another run", f"pid {first.proc.pid}")
+    )
     first.proc.send_signal(signal.SIGKILL)
     first.wait()
     third = rel.run_cli(*rel.train_args(run_dir, "trainer.total_training_steps=1", "trainer.resume_mode=disable"))
@@ -218,13 +261,17 @@ def test_a_second_run_on_the_same_directory_is_refused_and_a_crash_leaves_no_sta
 
 
 # --------------------------------------------------------------------------- the disk
-def test_disk_full_while_saving_is_one_error_and_leaves_no_half_checkpoint(rel, base_model, tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_while_saving_is_one_error_and_leaves_no_half_checkpoint(
+    rel, base_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import conveyor.workers.training.shards as shards
 
     run_dir = tmp_path / "run"
-    cfg = load_config(None, rel.BASE_RUN + [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
-                                            "trainer.save_freq=1"])
+    cfg = load_config(
+        None,
+        rel.BASE_RUN
+        + [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2", "trainer.save_freq=1"],
+    )
     real_save = shards.dcp.save
     calls = {"n": 0}
 
@@ -293,8 +340,9 @@ def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         killed = rel.TrainProcess(run_dir, *ranks, "trainer.total_training_steps=4")
         started.append(killed)
-        rel.wait_until(lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), killed,
-                       timeout=240)
+        rel.wait_until(
+            lambda: 2 in rel.checkpoint_steps(run_dir) and 3 in rel.logged_steps(run_dir), killed, timeout=240
+        )
         left_after_kill = _kill_driver(killed.proc.pid)
         checkpoints_after_kill = rel.checkpoint_steps(run_dir)
         logged_before = len(rel.logged_steps(run_dir))
@@ -306,8 +354,14 @@ def two_rank_runs(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> 
     finally:
         for proc in started:
             proc.kill()
-    return {"reference": tmp / "reference", "run_dir": run_dir, "checkpoints_after_kill": checkpoints_after_kill,
-            "left_after_kill": left_after_kill, "sigterm_status": status, "sigterm_stderr": resumed.stderr}
+    return {
+        "reference": tmp / "reference",
+        "run_dir": run_dir,
+        "checkpoints_after_kill": checkpoints_after_kill,
+        "left_after_kill": left_after_kill,
+        "sigterm_status": status,
+        "sigterm_stderr": resumed.stderr,
+    }
 
 
 def test_sigkill_of_a_ray_driver_leaves_no_process_of_the_run(two_rank_runs: dict) -> None:
@@ -320,5 +374,4 @@ def test_two_ranks_killed_mid_run_resume_to_the_uninterrupted_run(rel, two_rank_
     steps of a run that was never stopped."""
     assert 2 in two_rank_runs["checkpoints_after_kill"] and 4 not in two_rank_runs["checkpoints_after_kill"]
     assert "(step 2)" in two_rank_runs["sigterm_stderr"]  # the resume started from the step-2 checkpoint
-    rel.assert_same_steps(rel.read_steps(two_rank_runs["run_dir"]), rel.read_steps(two_rank_runs["reference"]),
-                          [3, 4])
+    rel.assert_same_steps(rel.read_steps(two_rank_runs["run_dir"]), rel.read_steps(two_rank_runs["reference"]), [3, 4])

@@ -4,20 +4,19 @@ concurrent tools; tools that raise or time out."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
-from conveyor.rollout.base import SamplingParams
+from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.metrics.moe_load_balance import count_expert_assignments
 from conveyor.models.lean import LeanForward
 from conveyor.models.moe_routing import RoutingRecorder
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, truncate_text
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
-from conveyor.algos.trajectory import response_span, segments, span_lengths
 from conveyor.tools.base import make_tool
 from conveyor.tools.formats import CallFormat, ToolCall
 
@@ -42,12 +41,14 @@ def _echo(text: str) -> str:
 # A turn ends at a "7" or an "8" and calls `echo` with its text: with a random model, samples make 0, 1 or
 # several calls, which is what alignment must survive.
 DIGIT_CALLS = CallFormat(
-    "digits", stop_texts=("7", "8"),
+    "digits",
+    stop_texts=("7", "8"),
     parser=lambda turn: ToolCall("echo", text=turn) if turn.endswith(("7", "8")) else None,
 )
 # Every turn (ended early by any of many common characters) calls `slow`: many calls in one round.
-ALWAYS = CallFormat("always", stop_texts=tuple("0123456789abcdefghijklmnop"),
-                    parser=lambda turn: ToolCall("slow", text=turn))
+ALWAYS = CallFormat(
+    "always", stop_texts=tuple("0123456789abcdefghijklmnop"), parser=lambda turn: ToolCall("slow", text=turn)
+)
 
 
 def _prompts(tok, texts, repeat=1):
@@ -70,11 +71,17 @@ def _teacher_forced(model, ids, mask, out):
 
 @pytest.mark.parametrize("engine", ["hf", "lean"])
 def test_trajectories_align_with_a_teacher_forced_forward(engine, model, tok) -> None:
-    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                        lean=LeanForward(model) if engine == "lean" else None)
+    rollout = HFEngine(
+        model,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        lean=LeanForward(model) if engine == "lean" else None,
+    )
     loop = AgentLoop(rollout, tok, {"echo": make_tool(_echo)}, DIGIT_CALLS)
     ids, mask = _prompts(tok, PROMPTS, repeat=3)
-    out = loop.run(ids, mask, SamplingParams(max_new_tokens=40, capture_routing=True), generator=torch.Generator().manual_seed(3))
+    out = loop.run(
+        ids, mask, SamplingParams(max_new_tokens=40, capture_routing=True), generator=torch.Generator().manual_seed(3)
+    )
     resp, model_mask, lp = out["responses"], out["response_mask"], out["rollout_log_probs"]
     routed = out["routed_experts"]
     p = ids.shape[1]
@@ -90,7 +97,7 @@ def test_trajectories_align_with_a_teacher_forced_forward(engine, model, tok) ->
             if is_model:
                 turn = tok.decode(resp[i, a:b].tolist(), skip_special_tokens=True)
                 assert turn[-1] in "78"
-                assert tok.decode(resp[i, nxt[1]:nxt[2]].tolist()) == _echo(turn)
+                assert tok.decode(resp[i, nxt[1] : nxt[2]].tolist()) == _echo(turn)
         assert runs and runs[0][0] and runs[-1][0]  # starts and ends with the model's tokens
     assert {0, 1} <= set(calls_per_sample) and max(calls_per_sample) >= 2, calls_per_sample
 
@@ -120,7 +127,10 @@ def test_trajectories_align_with_a_teacher_forced_forward(engine, model, tok) ->
 
     m = out["metrics"]
     n = len(resp)
-    assert m["rollout/multi_turn/tool_calls@sum"] == sum(calls_per_sample) and m["rollout/multi_turn/tool_calls@count"] == n
+    assert (
+        m["rollout/multi_turn/tool_calls@sum"] == sum(calls_per_sample)
+        and m["rollout/multi_turn/tool_calls@count"] == n
+    )
     assert m["rollout/multi_turn/model_token_frac@sum"] == model_mask.sum()
     assert m["rollout/multi_turn/model_token_frac@count"] == span.sum()
     assert m["rollout/multi_turn/tool_errors@sum"] == 0
@@ -154,8 +164,13 @@ def test_tools_run_concurrently_across_samples(model, tok) -> None:
                 state["now"] -= 1
 
     rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    loop = AgentLoop(rollout, tok, {"slow": make_tool(slow)}, ALWAYS,
-                     AgentLoopSettings(max_user_turns=1, tool_workers=4, tool_timeout_s=30))
+    loop = AgentLoop(
+        rollout,
+        tok,
+        {"slow": make_tool(slow)},
+        ALWAYS,
+        AgentLoopSettings(max_user_turns=1, tool_workers=4, tool_timeout_s=30),
+    )
     ids, mask = _prompts(tok, PROMPTS)
     out = loop.run(ids, mask, SamplingParams(max_new_tokens=40), generator=torch.Generator().manual_seed(0))
     assert state["most"] >= 2
@@ -178,9 +193,13 @@ def test_a_tool_that_raises_or_times_out_answers_an_error_and_the_run_goes_on(mo
     try:
         for fn, expect in [(boom, "error: RuntimeError: boom"), (hang, "error: tool 'slow' timed out after 0.2s")]:
             # One worker: a call that hangs must give its slot up at its timeout, or the second would never run.
-            loop = AgentLoop(rollout, tok, {"slow": make_tool(fn)}, ALWAYS,
-                             AgentLoopSettings(max_user_turns=1, tool_timeout_s=0.2, max_tool_response_length=500,
-                                               tool_workers=1))
+            loop = AgentLoop(
+                rollout,
+                tok,
+                {"slow": make_tool(fn)},
+                ALWAYS,
+                AgentLoopSettings(max_user_turns=1, tool_timeout_s=0.2, max_tool_response_length=500, tool_workers=1),
+            )
             out = loop.run(ids, mask, SamplingParams(max_new_tokens=60), generator=torch.Generator().manual_seed(0))
             m = out["metrics"]
             assert m["rollout/multi_turn/tool_errors@sum"] == 2
@@ -188,7 +207,7 @@ def test_a_tool_that_raises_or_times_out_answers_an_error_and_the_run_goes_on(mo
             for row, rmask in zip(out["responses"], out["response_mask"]):
                 tool = [(a, b) for is_model, a, b in segments(rmask) if not is_model]
                 # The char tokenizer has no upper case: the message reads in lower case, unknown letters as <unk>.
-                text = tok.decode(row[tool[0][0]:tool[0][1]].tolist(), skip_special_tokens=True)
+                text = tok.decode(row[tool[0][0] : tool[0][1]].tolist(), skip_special_tokens=True)
                 assert text == "".join(c for c in expect if c in "abcdefghijklmnopqrstuvwxyz0123456789 :.'")
     finally:
         release.set()
@@ -201,7 +220,7 @@ def test_generate_stops_a_row_at_a_stop_sequence(model, tok) -> None:
     stop = free[0, 3:5].tolist()  # two tokens row 0 writes at steps 3 and 4
     out = rollout.generate(ids, mask, SamplingParams(max_new_tokens=12, do_sample=False, stop_sequences=[stop]))
     for row, full, rmask in zip(out["responses"].tolist(), free.tolist(), out["response_mask"]):
-        ends = [t + 2 for t in range(len(full) - 1) if full[t:t + 2] == stop]
+        ends = [t + 2 for t in range(len(full) - 1) if full[t : t + 2] == stop]
         n = ends[0] if ends else len(full)
         assert int(rmask.sum()) == n and row[:n] == full[:n]
     with pytest.raises(ValueError, match="stop sequence is empty"):

@@ -13,15 +13,21 @@ def test_sampling_params_are_checked_once_and_hold_tuples() -> None:
     assert p.stop_sequences == ((5, 6), (7,)) and hash(p)
     assert p.replace(max_new_tokens=2).max_new_tokens == 2 and p.max_new_tokens == 4
     assert SamplingParams(max_new_tokens=1, do_sample=False, temperature=0.0).greedy
-    for bad, match in [({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": 1, "top_p": 1.5}, "top_p"),
-                       ({"max_new_tokens": 1, "stop_sequences": [[]]}, "stop sequence is empty")]:
+    for bad, match in [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 1, "top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 1, "stop_sequences": [[]]}, "stop sequence is empty"),
+    ]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**bad)
 
 
 def test_an_output_reads_like_a_dict_of_the_fields_it_holds() -> None:
-    out = GenerationOutput(responses=torch.zeros(2, 3, dtype=torch.long), response_mask=torch.ones(2, 3, dtype=torch.bool),
-                        rollout_log_probs=torch.zeros(2, 3))
+    out = GenerationOutput(
+        responses=torch.zeros(2, 3, dtype=torch.long),
+        response_mask=torch.ones(2, 3, dtype=torch.bool),
+        rollout_log_probs=torch.zeros(2, 3),
+    )
     assert set(out) == {"responses", "response_mask", "rollout_log_probs"} and len(out) == 3
     assert "routed_experts" not in out and out.get("metrics") is None
     with pytest.raises(KeyError):
@@ -39,8 +45,10 @@ def test_the_routing_rule_marks_what_was_never_fed() -> None:
     routed[0, 1, 0] = 4  # a placeholder: both of its K ids equal
     out = mask_unfed_routing(routed, prompt_mask, spans)
     known = out[..., 0, 0] >= 0
-    assert known.tolist() == [[True, False, True, True, True, False],  # the placeholder; the last token
-                              [False, True, True, False, False, False]]  # the pad; the only token is the last
+    assert known.tolist() == [
+        [True, False, True, True, True, False],  # the placeholder; the last token
+        [False, True, True, False, False, False],
+    ]  # the pad; the only token is the last
     assert torch.equal(out[known], routed[known]) and bool((out[~known] == -1).all())
 
 
@@ -50,6 +58,9 @@ def test_the_registry_names_every_engine_and_refuses_others() -> None:
         caps = spec.capabilities("cpu")
         assert caps.stop_sequences and caps.multi_rank, name  # what the agent loop and several ranks need
     assert engine_spec("hf").capabilities("cpu").shares_trainer_modules
-    assert not engine_spec("vllm").capabilities("cpu").returns_routing and engine_spec("vllm").capabilities("cuda").returns_routing
+    assert (
+        not engine_spec("vllm").capabilities("cpu").returns_routing
+        and engine_spec("vllm").capabilities("cuda").returns_routing
+    )
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name: unknown 'sglang'; valid names are .*hf"):
         engine_spec("sglang")

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from test_hf_rollout import _teacher_forced_log_probs  # tests/rollout is on sys.path (rootdir import mode)
 
 from conveyor.models.moe_routing import moe_info
 from conveyor.models.tiny import build_tiny_model
@@ -23,7 +24,6 @@ from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.plugins import load_plugins
 from conveyor.rollout.base import ROLLOUT_ENGINES, EngineContext, GenerationOutput, SamplingParams, engine_spec
 from conveyor.rollout.hf import HFEngine
-from test_hf_rollout import _teacher_forced_log_probs  # tests/rollout is on sys.path (rootdir import mode)
 
 PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
 # float32 on both sides; what remains is the kernels' summation order. Measured on a 2-core x86 CPU:
@@ -41,8 +41,9 @@ def tok():
 
 
 def _model(tok):
-    return build_tiny_model("qwen3_moe", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2,
-                            initializer_range=0.3)
+    return build_tiny_model(
+        "qwen3_moe", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2, initializer_range=0.3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,22 @@ def built(tok, tmp_path_factory):
         """Each engine built on first use (a vLLM engine takes tens of seconds to start), then kept."""
 
         def __missing__(self, name: str):
-            engine = engine_spec(name).build(EngineContext(
-                model_path=str(path), model=model, tokenizer=tok, rollout=rollout, model_dtype="float32",
-                trust_remote_code=False, max_model_len=64, seed=0, rank=0, world_size=1, device=torch.device("cpu"),
-                moe=moe_info(model),
-            ))
+            engine = engine_spec(name).build(
+                EngineContext(
+                    model_path=str(path),
+                    model=model,
+                    tokenizer=tok,
+                    rollout=rollout,
+                    model_dtype="float32",
+                    trust_remote_code=False,
+                    max_model_len=64,
+                    seed=0,
+                    rank=0,
+                    world_size=1,
+                    device=torch.device("cpu"),
+                    moe=moe_info(model),
+                )
+            )
             engine.update_weights(model.state_dict().items(), version=0)
             self[name] = engine
             return engine
@@ -102,8 +114,9 @@ def test_every_engine_returns_the_same_fields_and_conventions(built, tok, name) 
     model, engines = built
     engine = engines[name]
     ids, mask = _prompts(tok)
-    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=7, capture_routing=True),
-                          generator=torch.Generator().manual_seed(0))
+    out = engine.generate(
+        ids, mask, SamplingParams(max_new_tokens=7, capture_routing=True), generator=torch.Generator().manual_seed(0)
+    )
     assert isinstance(out, GenerationOutput)
     routing = engine.capabilities.returns_routing
     assert set(out) == {"responses", "response_mask", "rollout_log_probs"} | ({"routed_experts"} if routing else set())
@@ -167,16 +180,20 @@ def test_stop_sequences_end_a_row_where_it_first_writes_one(built, tok, name) ->
     free = _greedy(engine, ids, mask, n=12)
     # A two-token stop whose second token row 0 also writes earlier without the first (vLLM stops at single
     # ids: it stops there and must go on), and one token row 1 writes at step 2.
-    row0 = free["responses"][0, :int(free["response_mask"][0].sum())].tolist()
-    pairs = [row0[j - 1:j + 1] for j in range(2, len(row0))
-             if any(row0[k] == row0[j] and (k == 0 or row0[k - 1] != row0[j - 1]) for k in range(j))]
+    row0 = free["responses"][0, : int(free["response_mask"][0].sum())].tolist()
+    pairs = [
+        row0[j - 1 : j + 1]
+        for j in range(2, len(row0))
+        if any(row0[k] == row0[j] and (k == 0 or row0[k - 1] != row0[j - 1]) for k in range(j))
+    ]
     assert pairs, f"row 0 ({row0}) repeats no token after a different one; pick other prompts"
     pair, single = pairs[0], free["responses"][1, 2:3].tolist()
     out = _greedy(engine, ids, mask, n=12, stop_sequences=[pair, single])
-    for row, full, rmask, fmask in zip(out["responses"].tolist(), free["responses"].tolist(), out["response_mask"],
-                                       free["response_mask"]):
-        full = full[:int(fmask.sum())]
-        ends = [t + len(s) for s in (pair, single) for t in range(len(full)) if full[t:t + len(s)] == s]
+    for row, full, rmask, fmask in zip(
+        out["responses"].tolist(), free["responses"].tolist(), out["response_mask"], free["response_mask"]
+    ):
+        full = full[: int(fmask.sum())]
+        ends = [t + len(s) for s in (pair, single) for t in range(len(full)) if full[t : t + len(s)] == s]
         n = min(ends) if ends else len(full)
         assert int(rmask.sum()) == n and row[:n] == full[:n]
     # Every engine agrees, token for token.
@@ -210,7 +227,8 @@ def test_an_engine_with_its_own_weights_serves_the_updated_policy_after_a_sync(b
     assert engine.weights_version == 1 and seconds < 30
     # The engine's greedy decode is the updated trainer's, token for token, with the trainer's log-probs ...
     ours = HFEngine(trained, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
-        ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))
+        ids, mask, SamplingParams(max_new_tokens=8, do_sample=False)
+    )
     _assert_same_greedy(after, ours, log_probs=False)
     assert bool((after["responses"][:, 0] == seven).all())
     recomputed = _teacher_forced_log_probs(trained, ids, mask, after, 1.0)[0] * after["response_mask"]

@@ -12,7 +12,8 @@ import pytest
 from conveyor.config import load_config
 from conveyor.rollout import base
 from conveyor.rollout.base import EngineContext, EngineSpec, GenerationOutput, SamplingParams
-from conveyor.rollout.hf import HFEngine, build_engine as build_hf
+from conveyor.rollout.hf import HFEngine
+from conveyor.rollout.hf import build_engine as build_hf
 from conveyor.trainer.run import run_training
 
 
@@ -32,20 +33,27 @@ def build_engine(context: EngineContext) -> HFEngine:
 
 @pytest.fixture
 def registered(monkeypatch):
-    monkeypatch.setitem(base.ROLLOUT_ENGINES, "test_no_routing",
-                        EngineSpec("test_no_routing", __name__, base.ROLLOUT_ENGINES["hf"].capabilities))
+    monkeypatch.setitem(
+        base.ROLLOUT_ENGINES,
+        "test_no_routing",
+        EngineSpec("test_no_routing", __name__, base.ROLLOUT_ENGINES["hf"].capabilities),
+    )
     return "test_no_routing"
 
 
 def test_an_engine_that_returns_no_routing_fails_the_first_r3_rollout(registered, tiny_run) -> None:
-    cfg = load_config(None, tiny_run + [f"actor_rollout_ref.rollout.name={registered}",
-                                        "actor_rollout_ref.actor.router_replay.mode=R3"])
+    cfg = load_config(
+        None,
+        tiny_run + [f"actor_rollout_ref.rollout.name={registered}", "actor_rollout_ref.actor.router_replay.mode=R3"],
+    )
     with pytest.raises(RuntimeError, match="returned no routed_experts.*router_replay.mode=R2") as info:
         run_training(cfg)
     assert "generate_sequences" in str(info.value)
 
 
 def test_the_config_takes_its_names_from_the_registry(registered) -> None:
-    assert load_config(None, [f"actor_rollout_ref.rollout.name={registered}"]).actor_rollout_ref.rollout.name == registered
+    assert (
+        load_config(None, [f"actor_rollout_ref.rollout.name={registered}"]).actor_rollout_ref.rollout.name == registered
+    )
     with pytest.raises(ValueError, match="test_no_routing"):
         load_config(None, ["actor_rollout_ref.rollout.name=nope"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.rollout.base import SamplingParams
 from conveyor.models.moe_routing import RoutingRecorder, moe_info
 from conveyor.models.tiny import TINY_ARCHS, build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine, _filter_top_k_top_p, _sample, _Sampler
 
 MOE_ARCHS = [a for a in TINY_ARCHS if a != "qwen3"]
@@ -52,7 +52,9 @@ def _teacher_forced_log_probs(model, ids, mask, out, temperature):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_shapes_dtypes_and_full_length(arch, models, tok) -> None:
     ids, mask = _prompts(tok)
-    out = _engine(models[arch], tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=5), generator=torch.Generator().manual_seed(0))
+    out = _engine(models[arch], tok, eos=NEVER_EOS).generate(
+        ids, mask, SamplingParams(max_new_tokens=5), generator=torch.Generator().manual_seed(0)
+    )
     assert set(out) == {"responses", "response_mask", "rollout_log_probs"}
     assert out["responses"].shape == (4, 5) and out["responses"].dtype == torch.long
     assert out["response_mask"].shape == (4, 5) and out["response_mask"].dtype == torch.bool
@@ -68,7 +70,9 @@ def test_shapes_dtypes_and_full_length(arch, models, tok) -> None:
 def test_eos_stops_rows_and_masks_after_it(models, tok) -> None:
     model = models["qwen3_moe"]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))[
+        "responses"
+    ]
     # Pick as EOS the token row 0 emits at step 2 (if it also appeared earlier, the first one counts).
     eos = int(free[0, 2])
     out = _engine(model, tok, eos=eos).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))
@@ -90,10 +94,14 @@ def test_eos_stops_rows_and_masks_after_it(models, tok) -> None:
 def test_stops_as_soon_as_every_row_is_done(models, tok) -> None:
     model = models["qwen3"]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=1, do_sample=False))["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=1, do_sample=False))[
+        "responses"
+    ]
     # Alone in its batch, a row whose first greedy token is the EOS ends the loop after one step.
     for b in range(ids.shape[0]):
-        out = _engine(model, tok, eos=int(free[b, 0])).generate(ids[b : b + 1], mask[b : b + 1], SamplingParams(max_new_tokens=10, do_sample=False))
+        out = _engine(model, tok, eos=int(free[b, 0])).generate(
+            ids[b : b + 1], mask[b : b + 1], SamplingParams(max_new_tokens=10, do_sample=False)
+        )
         assert out["responses"].shape == (1, 1)
         assert out["response_mask"].tolist() == [[True]]
 
@@ -102,7 +110,9 @@ def test_synced_decoding_rides_along_until_every_rank_is_done(models, tok) -> No
     """A rank that is done keeps stepping while another is not: its rows stay finished, masked and unchanged."""
     model = models["qwen3_moe"]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))[
+        "responses"
+    ]
     eos = int(free[0, 2])
     rows = [b for b in range(len(free)) if eos in free[b, :6].tolist()]  # every row here finishes early
     ids, mask = ids[rows], mask[rows]
@@ -117,9 +127,12 @@ def test_synced_decoding_rides_along_until_every_rank_is_done(models, tok) -> No
         def synced(done: bool) -> bool:
             asked.append(done)
             return done and len(asked) >= steps + extra
+
         return synced
 
-    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True), synced=other_rank_needs(2))
+    out = engine.generate(
+        ids, mask, SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True), synced=other_rank_needs(2)
+    )
     assert out["responses"].shape == (len(rows), steps + 2) and asked[steps - 1 :] == [True] * 3
     assert torch.equal(out["responses"][:, :steps], alone["responses"])
     assert out["responses"][:, steps:].eq(tok.pad_token_id).all() and not out["response_mask"][:, steps:].any()
@@ -172,7 +185,12 @@ def test_rollout_log_probs_match_a_teacher_forced_forward(arch, temperature, top
     model = models[arch]
     ids, mask = _prompts(tok)
     # A real EOS so that some rows may stop early and exercise the masking.
-    out = _engine(model, tok).generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p), generator=torch.Generator().manual_seed(1))
+    out = _engine(model, tok).generate(
+        ids,
+        mask,
+        SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p),
+        generator=torch.Generator().manual_seed(1),
+    )
     expected, logits = _teacher_forced_log_probs(model, ids, mask, out, temperature)
     m = out["response_mask"]
     # Scored under the full softmax(logits / T), before any top-k / top-p truncation.
@@ -198,7 +216,9 @@ def test_top_k_one_equals_greedy(arch, models, tok) -> None:
     ids, mask = _prompts(tok)
     engine = _engine(models[arch], tok)
     greedy = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
-    top1 = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, top_k=1), generator=torch.Generator().manual_seed(5))
+    top1 = engine.generate(
+        ids, mask, SamplingParams(max_new_tokens=6, top_k=1), generator=torch.Generator().manual_seed(5)
+    )
     for key in greedy:
         assert torch.equal(top1[key], greedy[key]), key
 
@@ -207,7 +227,8 @@ def test_seeded_generator_is_deterministic(models, tok) -> None:
     ids, mask = _prompts(tok)
     engine = _engine(models["olmoe"], tok, eos=NEVER_EOS)
     runs = [
-        engine.generate(ids, mask, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(s))
+        for s in (3, 3, 4)
     ]
     for key in runs[0]:
         assert torch.equal(runs[0][key], runs[1][key]), key
@@ -236,7 +257,9 @@ def _assert_frequencies(tokens, expected, keep) -> None:
     assert ((freq - expected).abs() <= 5 * se + 1e-3).all(), (freq, expected)
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.5, 3, 1.0), (0.6, 0, 1.0), (1.5, 0, 0.8), (1.0, 4, 0.5)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.5, 3, 1.0), (0.6, 0, 1.0), (1.5, 0, 0.8), (1.0, 4, 0.5)]
+)
 def test_sampler_follows_the_truncated_tempered_distribution(temperature, top_k, top_p, models, tok) -> None:
     ids, _ = _prompts(tok, ["1+2="])
     with torch.no_grad():
@@ -254,7 +277,12 @@ def test_generate_samples_from_the_truncated_tempered_distribution(models, tok) 
     model = models["qwen3_moe"]
     n, temperature, top_k = 2000, 0.5, 3
     ids, mask = _prompts(tok, ["1+2="])
-    out = _engine(model, tok).generate(ids.expand(n, -1), mask.expand(n, -1), SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k), generator=torch.Generator().manual_seed(0))
+    out = _engine(model, tok).generate(
+        ids.expand(n, -1),
+        mask.expand(n, -1),
+        SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k),
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, -1]
     expected, keep = _truncated_tempered(logits, temperature, top_k, 1.0)
@@ -282,9 +310,16 @@ def test_routed_experts_match_a_teacher_forced_forward(arch, models, tok) -> Non
     model = models[arch]
     info = moe_info(model)
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))[
+        "responses"
+    ]
     # An EOS that row 0 emits at step 1, so rows end at different steps.
-    out = _engine(model, tok, eos=int(free[0, 1])).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False, capture_routing=True), generator=torch.Generator().manual_seed(2))
+    out = _engine(model, tok, eos=int(free[0, 1])).generate(
+        ids,
+        mask,
+        SamplingParams(max_new_tokens=6, do_sample=False, capture_routing=True),
+        generator=torch.Generator().manual_seed(2),
+    )
     routed = out["routed_experts"]
     p, r = ids.shape[1], out["responses"].shape[1]
     assert routed.shape == (4, p + r, info.num_layers, info.top_k) and routed.dtype == torch.int16
@@ -396,7 +431,9 @@ ENGINES = [(arch, "hf") for arch in TINY_ARCHS] + [("qwen3", "lean"), ("qwen3_mo
 def test_an_interrupted_and_resumed_greedy_generation_equals_an_uninterrupted_one(arch, engine, models, tok) -> None:
     model = models[arch]
     ids, mask = _prompts(tok)
-    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))["responses"]
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=8, do_sample=False))[
+        "responses"
+    ]
     rollout = _rollout(engine, model, tok, eos=int(free[0, 2]))  # row 0 ends at step 2, the others run on
     params = SamplingParams(max_new_tokens=8, do_sample=False, capture_routing=True)
     whole = rollout.generate(ids, mask, params)
@@ -421,8 +458,9 @@ def test_an_interrupted_and_resumed_greedy_generation_equals_an_uninterrupted_on
 
 
 @pytest.mark.parametrize("engine", ["hf", "lean"])
-def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follow_the_new_weights(engine, models,
-                                                                                                     tok) -> None:
+def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follow_the_new_weights(
+    engine, models, tok
+) -> None:
     old = models["qwen3_moe"]
     model = build_tiny_model("qwen3_moe", tok, seed=0, initializer_range=0.3).eval()
     new_state = build_tiny_model("qwen3_moe", tok, seed=1, initializer_range=0.3).state_dict()
@@ -436,7 +474,13 @@ def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follo
             return True
         return False
 
-    out = rollout.generate(ids, mask, SamplingParams(max_new_tokens=7, do_sample=True, capture_routing=True), generator=torch.Generator().manual_seed(0), interrupt=interrupt)
+    out = rollout.generate(
+        ids,
+        mask,
+        SamplingParams(max_new_tokens=7, do_sample=True, capture_routing=True),
+        generator=torch.Generator().manual_seed(0),
+        interrupt=interrupt,
+    )
     # Each token's log-prob is that of the weights that sampled it: the old ones before the switch, the
     # new ones after, each as a teacher-forced forward over the final sequence computes it.
     before, _ = _teacher_forced_log_probs(old, ids, mask, out, 1.0)

@@ -14,12 +14,17 @@ import pytest
 from conveyor.config import ConfigError, load_config
 from conveyor.trainer.run import run_training
 
-VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
-        "actor_rollout_ref.model.tiny.num_kv_heads=2"]
+VLLM = [
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.model.tiny.num_heads=2",
+    "actor_rollout_ref.model.tiny.num_kv_heads=2",
+]
 SEPARATE = ["actor_rollout_ref.rollout.placement=separate"]
 # Untrained, the tiny model never answers right: one point per "1" written gives GRPO advantages to learn from.
-ONES_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-               "    return float(solution_str.count('1'))\n")
+ONES_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return float(solution_str.count('1'))\n"
+)
 
 
 def _rows(cfg) -> list[dict]:
@@ -33,8 +38,12 @@ def _train_rows(cfg) -> list[dict]:
 def test_a_separate_hf_rollout_trains_exactly_as_a_colocated_one(tiny_run, tmp_path) -> None:
     reward = tmp_path / "ones.py"
     reward.write_text(ONES_REWARD)
-    common = tiny_run + ["trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=3e-2",
-                         f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4"]
+    common = tiny_run + [
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.actor.optim.lr=3e-2",
+        f"reward.custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.n=4",
+    ]
     colocated = load_config(None, common)
     separate = load_config(None, common + SEPARATE + [f"trainer.default_local_dir={tmp_path / 'separate'}"])
     run_training(colocated)
@@ -49,10 +58,13 @@ def test_a_separate_hf_rollout_trains_exactly_as_a_colocated_one(tiny_run, tmp_p
     assert all("rollout/weight_sync_s" in r for r in b[1:])
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["actor_rollout_ref.rollout.placement=apart"], "actor_rollout_ref.rollout.placement"),
-    (SEPARATE + ["actor_rollout_ref.rollout.replicas=0"], "actor_rollout_ref.rollout.replicas"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["actor_rollout_ref.rollout.placement=apart"], "actor_rollout_ref.rollout.placement"),
+        (SEPARATE + ["actor_rollout_ref.rollout.replicas=0"], "actor_rollout_ref.rollout.replicas"),
+    ],
+)
 def test_placement_errors_name_the_key(overrides, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
@@ -60,12 +72,21 @@ def test_placement_errors_name_the_key(overrides, key) -> None:
 
 @pytest.fixture(scope="module")
 def hf_step0_validation(tiny_run_base, tmp_path_factory) -> dict:
-    """Greedy validation of the untrained vllm-shaped tiny model by the hf rollout on one rank (what vLLM must match)."""
+    """Greedy validation of the untrained vllm-shaped tiny model by the hf rollout on one rank (what vLLM must
+    match)."""
     root = tmp_path_factory.mktemp("hf")
     (root / "ones.py").write_text(ONES_REWARD)
-    cfg = load_config(None, tiny_run_base + VLLM[1:] + [
-        f"trainer.default_local_dir={root}", "trainer.total_training_steps=1", "actor_rollout_ref.rollout.n=4",
-        f"reward.custom_reward_function.path={root / 'ones.py'}"])
+    cfg = load_config(
+        None,
+        tiny_run_base
+        + VLLM[1:]
+        + [
+            f"trainer.default_local_dir={root}",
+            "trainer.total_training_steps=1",
+            "actor_rollout_ref.rollout.n=4",
+            f"reward.custom_reward_function.path={root / 'ones.py'}",
+        ],
+    )
     run_training(cfg)
     return next(r for r in _rows(cfg) if r["step"] == 0)
 
@@ -77,19 +98,30 @@ def test_several_replicas_in_one_process_are_refused_with_what_to_change(tiny_ru
 
 
 @pytest.mark.parametrize("placement, tp", [("separate", 1), ("colocated", 1), ("colocated", 2)])
-def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(placement, tp, tiny_run, tmp_path,
-                                                           hf_step0_validation) -> None:
+def test_vllm_with_two_fsdp2_ranks_on_ray_gets_every_update(
+    placement, tp, tiny_run, tmp_path, hf_step0_validation
+) -> None:
     """colocated with tp 2: one replica over both ranks, which gather their prompts and generate together."""
     # A high learning rate moves the policy visibly each step: were the engine a step behind, the
     # trainer's recomputed log-probs would differ from the engine's by far more than kernel noise.
     reward = tmp_path / "ones.py"
     reward.write_text(ONES_REWARD)
-    cfg = load_config(None, tiny_run + VLLM + [
-        f"actor_rollout_ref.rollout.placement={placement}", "trainer.num_cpu_workers=2",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}", "ray.num_cpus=4", "actor_rollout_ref.actor.strategy=fsdp2",
-        "trainer.total_training_steps=4", "actor_rollout_ref.actor.optim.lr=3e-2",
-        f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
-    ])
+    cfg = load_config(
+        None,
+        tiny_run
+        + VLLM
+        + [
+            f"actor_rollout_ref.rollout.placement={placement}",
+            "trainer.num_cpu_workers=2",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+            "ray.num_cpus=4",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "trainer.total_training_steps=4",
+            "actor_rollout_ref.actor.optim.lr=3e-2",
+            f"reward.custom_reward_function.path={reward}",
+            "actor_rollout_ref.rollout.n=4",
+        ],
+    )
     run_training(cfg)
     # Greedy on the same (untrained) weights, the engines on two ranks write the hf rollout's tokens: the
     # held-out rewards (one point per "1") and response lengths of step 0 are the same.
@@ -124,10 +156,18 @@ def test_a_separate_engine_that_misses_a_sync_fails_the_gap_check(tiny_run, tmp_
     monkeypatch.setattr(ReplicaGroup, "sync", first_only)
     reward = tmp_path / "ones.py"
     reward.write_text(ONES_REWARD)
-    cfg = load_config(None, tiny_run + VLLM + SEPARATE + [
-        "trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=3e-2",
-        f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
-    ])
+    cfg = load_config(
+        None,
+        tiny_run
+        + VLLM
+        + SEPARATE
+        + [
+            "trainer.total_training_steps=3",
+            "actor_rollout_ref.actor.optim.lr=3e-2",
+            f"reward.custom_reward_function.path={reward}",
+            "actor_rollout_ref.rollout.n=4",
+        ],
+    )
     run_training(cfg)
     steps = _train_rows(cfg)
     assert steps[0]["rollout_corr/log_prob_abs_diff/max"] < 1e-3  # the one sync it had

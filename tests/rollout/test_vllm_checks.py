@@ -16,8 +16,7 @@ KEY = "actor_rollout_ref.rollout.max_model_len"
 
 
 def _check(config, device: str = "cpu", max_model_len: int = 64) -> None:
-    engine_spec("vllm").check_model(config, device=device, max_model_len=max_model_len, source=SOURCE,
-                                    length_key=KEY)
+    engine_spec("vllm").check_model(config, device=device, max_model_len=max_model_len, source=SOURCE, length_key=KEY)
 
 
 def test_a_model_the_cpu_build_serves_is_accepted() -> None:
@@ -30,8 +29,11 @@ def test_a_model_the_cpu_build_serves_is_accepted() -> None:
 @pytest.mark.parametrize("hidden, heads", [(64, 4), (160, 4), (288, 2)])
 def test_a_head_width_the_cpu_attention_lacks_is_refused_naming_the_checkpoint(hidden: int, heads: int) -> None:
     config = tiny_config("qwen3_moe", vocab_size=64, hidden_size=hidden, num_heads=heads, num_kv_heads=heads)
-    with pytest.raises(ValueError, match=r"checkpoint /m .* heads \d+ wide .* serves head widths 32, 48, 64.*"
-                                         r"actor_rollout_ref.rollout.name=hf"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint /m .* heads \d+ wide .* serves head widths 32, 48, 64.*"
+        r"actor_rollout_ref.rollout.name=hf",
+    ):
         _check(config)
     _check(config, device="cuda")  # a GPU engine has other kernels: not refused here
 
@@ -45,8 +47,9 @@ def test_an_moe_hidden_width_the_cpu_experts_lack_is_refused() -> None:
 
 def test_an_expert_width_the_cpu_experts_lack_is_refused() -> None:
     # Measured: vLLM pads 40 to 64 at load and then fails at the first weight sync (128 vs 80 rows).
-    config = tiny_config("qwen3_moe", vocab_size=64, hidden_size=64, num_heads=2, num_kv_heads=2,
-                         moe_intermediate_size=40)
+    config = tiny_config(
+        "qwen3_moe", vocab_size=64, hidden_size=64, num_heads=2, num_kv_heads=2, moe_intermediate_size=40
+    )
     with pytest.raises(ValueError, match=r"expert width \(moe_intermediate_size\) 40.*divisible by 32"):
         _check(config)
     mixtral = tiny_config("mixtral", vocab_size=64, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=48)
@@ -57,8 +60,11 @@ def test_an_expert_width_the_cpu_experts_lack_is_refused() -> None:
 def test_a_context_beyond_the_model_is_refused_naming_the_key() -> None:
     config = tiny_config("qwen3_moe", vocab_size=64, num_heads=2, num_kv_heads=2, max_position_embeddings=512)
     for device in ("cpu", "cuda"):
-        with pytest.raises(ValueError, match=rf"{KEY} = 1024 tokens is beyond the 512 positions of checkpoint /m "
-                                             r".*max_position_embeddings=512.*at most 512"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{KEY} = 1024 tokens is beyond the 512 positions of checkpoint /m "
+            r".*max_position_embeddings=512.*at most 512",
+        ):
             _check(config, device=device, max_model_len=1024)
     _check(config, max_model_len=512)
 

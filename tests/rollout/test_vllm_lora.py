@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.rollout.base import SamplingParams
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
@@ -29,13 +29,21 @@ from update_batches import ragged_update_fields  # noqa: E402
 
 pytest.importorskip("vllm")
 
-VLLM_LORA = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
-             "actor_rollout_ref.model.tiny.num_kv_heads=2", "actor_rollout_ref.model.tiny.warmstart_steps=0",
-             "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-             "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]",
-             "actor_rollout_ref.actor.optim.lr=0.05", "actor_rollout_ref.actor.entropy_coeff=0.01",
-             "data.synthetic.num_train=64", "data.synthetic.num_val=8", "data.max_prompt_length=16",
-             "data.max_response_length=8"]
+VLLM_LORA = [
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.model.tiny.num_heads=2",
+    "actor_rollout_ref.model.tiny.num_kv_heads=2",
+    "actor_rollout_ref.model.tiny.warmstart_steps=0",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]",
+    "actor_rollout_ref.actor.optim.lr=0.05",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "data.synthetic.num_train=64",
+    "data.synthetic.num_val=8",
+    "data.max_prompt_length=16",
+    "data.max_response_length=8",
+]
 
 
 def test_engine_greedy_after_a_lora_update_equals_the_trainer(tmp_path) -> None:
@@ -46,13 +54,22 @@ def test_engine_greedy_after_a_lora_update_equals_the_trainer(tmp_path) -> None:
     try:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, 40, (6, 5), generator=gen)
-        call = GenerateCall(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, do_sample=False, seed=0,
-                            capture_routing=False, pad_to_max_new_tokens=True).to_extra_info()
+        call = GenerateCall(
+            max_new_tokens=8,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            do_sample=False,
+            seed=0,
+            capture_routing=False,
+            pad_to_max_new_tokens=True,
+        ).to_extra_info()
         keys = [f"g{i}" for i in range(6)]
 
         def engine_greedy(partition):
-            meta = plane.kv_batch_put(keys, partition, {"prompts": prompts,
-                                                        "prompt_mask": torch.ones_like(prompts, dtype=torch.bool)})
+            meta = plane.kv_batch_put(
+                keys, partition, {"prompts": prompts, "prompt_mask": torch.ones_like(prompts, dtype=torch.bool)}
+            )
             worker.generate_sequences(meta.with_extra_info(**call))
             return plane.kv_batch_get(keys, partition, ["responses", "response_mask"])
 
@@ -61,15 +78,18 @@ def test_engine_greedy_after_a_lora_update_equals_the_trainer(tmp_path) -> None:
         fields = ragged_update_fields(8, 5, 4, 40, gen)
         ukeys = [f"u{i}" for i in range(8)]
         meta = plane.kv_batch_put(ukeys, "u", fields)
-        worker.compute_log_prob(meta.with_extra_info(**LogProbCall(temperature=1.0,
-                                                                   calculate_entropy=False).to_extra_info()))
+        worker.compute_log_prob(
+            meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+        )
         for _ in range(2):
-            worker.update_actor(meta.with_extra_info(**UpdateCall(temperature=1.0,
-                                                                  calculate_entropy=False).to_extra_info()))
+            worker.update_actor(
+                meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+            )
         after = engine_greedy("after")
         assert worker.rollout.weights_version == worker.optim_steps == 2
-        ours = HFEngine(worker.model, pad_token_id=worker.tokenizer.pad_token_id,
-                         eos_token_id=worker.tokenizer.eos_token_id).generate(prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=8, do_sample=False))
+        ours = HFEngine(
+            worker.model, pad_token_id=worker.tokenizer.pad_token_id, eos_token_id=worker.tokenizer.eos_token_id
+        ).generate(prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=8, do_sample=False))
         width = ours["responses"].shape[1]
         mask = after["response_mask"][:, :width]
         assert torch.equal(mask, ours["response_mask"].bool())

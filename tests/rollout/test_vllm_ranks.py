@@ -19,9 +19,9 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from conveyor.rollout.base import SamplingParams
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
+from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
 from conveyor.rollout.vllm import replica_layout
 
@@ -70,26 +70,42 @@ def _rank_main(rank: int, port: int, root: str) -> None:
     ids, mask = _prompts(tok)
     for name, arch, tp in CASES:
         model = _model(arch, tok)
-        engine = VLLMEngine(str(Path(root) / arch), hf_config=model.config, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id, max_model_len=64, max_num_seqs=16, seed=0,
-                             tensor_model_parallel_size=tp)
-        out = {"replica": engine.replica, "replica_ranks": engine.replica_ranks, "num_replicas": engine.num_replicas,
-               "tp_ranks": parallel_state.get_tp_group().ranks, "start_s": engine.start_time_s,
-               "sum_after_start": _all_reduce_sum(rank), "llm_kwargs": engine.llm_kwargs}
+        engine = VLLMEngine(
+            str(Path(root) / arch),
+            hf_config=model.config,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            max_model_len=64,
+            max_num_seqs=16,
+            seed=0,
+            tensor_model_parallel_size=tp,
+        )
+        out = {
+            "replica": engine.replica,
+            "replica_ranks": engine.replica_ranks,
+            "num_replicas": engine.num_replicas,
+            "tp_ranks": parallel_state.get_tp_group().ranks,
+            "start_s": engine.start_time_s,
+            "sum_after_start": _all_reduce_sum(rank),
+            "llm_kwargs": engine.llm_kwargs,
+        }
         greedy = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
         out["before"] = engine.generate(ids, mask, greedy)
         rows = (ids.repeat(2, 1), mask.repeat(2, 1))
         # No generator: each request samples from the engine's seed, which is its replica's.
         out["sampled"] = engine.generate(*rows, SamplingParams(max_new_tokens=NEW_TOKENS))
         # Per-request seeds from the same generator on every rank: the same samples whatever the replica.
-        out["seeded"] = engine.generate(*rows, SamplingParams(max_new_tokens=NEW_TOKENS), generator=torch.Generator().manual_seed(5))
+        out["seeded"] = engine.generate(
+            *rows, SamplingParams(max_new_tokens=NEW_TOKENS), generator=torch.Generator().manual_seed(5)
+        )
         engine.update_weights(_perturbed(model).state_dict().items(), version=1)
         out["after"] = engine.generate(ids, mask, greedy)
         engine.close()
         out["sum_after_close"] = _all_reduce_sum(rank)
         out["trainer_world"] = tdist.is_initialized() and tdist.get_world_size()
-        out["vllm_groups_left"] = [g is not None for g in (parallel_state._WORLD, parallel_state._TP,
-                                                           parallel_state._DP, parallel_state._EP)]
+        out["vllm_groups_left"] = [
+            g is not None for g in (parallel_state._WORLD, parallel_state._TP, parallel_state._DP, parallel_state._EP)
+        ]
         torch.save(out, Path(root) / f"{name}_{rank}.pt")
     tdist.barrier()
     tdist.destroy_process_group()
@@ -107,14 +123,14 @@ def ranks(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_rank_main, args=(port, str(root)), nprocs=WORLD, join=True)
-    return {name: [torch.load(root / f"{name}_{r}.pt", weights_only=False) for r in range(WORLD)]
-            for name, *_ in CASES}
+    return {name: [torch.load(root / f"{name}_{r}.pt", weights_only=False) for r in range(WORLD)] for name, *_ in CASES}
 
 
 def _hf_greedy(model, tok):
     ids, mask = _prompts(tok)
     return HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
-        ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False))
+        ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    )
 
 
 def _masked(out):

@@ -1,4 +1,5 @@
-"""The vllm engine across weight syncs, on vLLM's real CPU build: what it serves after a sync, and when it holds weights.
+"""The vllm engine across weight syncs, on vLLM's real CPU build: what it serves after a sync, and when it holds
+weights.
 
 One engine serves the module, built through the registry as a worker builds it (`build_engine`: no checkpoint read,
 `load_format="dummy"`), over a tiny dense Qwen3 with 32-wide heads. Its prompts share a prefix of several full KV
@@ -13,6 +14,8 @@ import pickle
 
 import pytest
 import torch
+from test_conformance import LOGP_TOL  # tests/rollout is on sys.path (rootdir import mode)
+from test_hf_rollout import _teacher_forced_log_probs
 
 from conveyor.config.rollout import RolloutConfig
 from conveyor.models.tiny import build_tiny_model
@@ -21,14 +24,14 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import EngineContext, SamplingParams, engine_spec
 from conveyor.rollout.hf import HFEngine
 from conveyor.weights import cast_weights, engine_names, iter_weights
-from test_conformance import LOGP_TOL  # tests/rollout is on sys.path (rootdir import mode)
-from test_hf_rollout import _teacher_forced_log_probs
 
 pytest.importorskip("vllm")
 
 # 297 characters: with vLLM's CPU block size, several full blocks every prompt shares.
-PREFIX = ("you are a careful calculator. read the sum, add the numbers digit by digit, carry where needed, "
-          "and write the answer after the equals sign. " * 2)[:297]
+PREFIX = (
+    "you are a careful calculator. read the sum, add the numbers digit by digit, carry where needed, "
+    "and write the answer after the equals sign. " * 2
+)[:297]
 SUFFIXES = ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="]
 NEW_TOKENS = 8
 MAX_MODEL_LEN = 320
@@ -44,9 +47,19 @@ def _model(tok):
 
 
 def _context(model, tok, path, **rollout) -> EngineContext:
-    return EngineContext(model_path=str(path), model=model, tokenizer=tok, rollout=RolloutConfig(max_num_seqs=8,
-                         **rollout), model_dtype="float32", trust_remote_code=False, max_model_len=MAX_MODEL_LEN,
-                         seed=0, rank=0, world_size=1, device=torch.device("cpu"))
+    return EngineContext(
+        model_path=str(path),
+        model=model,
+        tokenizer=tok,
+        rollout=RolloutConfig(max_num_seqs=8, **rollout),
+        model_dtype="float32",
+        trust_remote_code=False,
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +104,8 @@ def _gap(engine, model, tok) -> tuple[float, bool]:
     out = _greedy(engine, ids, mask)
     ref = _teacher_forced_log_probs(model, ids, mask, out, 1.0)[0] * out["response_mask"]
     ours = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(
-        ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False))
+        ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    )
     same = torch.equal(out["responses"] * out["response_mask"], ours["responses"] * ours["response_mask"])
     return float((out["rollout_log_probs"] - ref).abs().max()), same
 
@@ -223,7 +237,7 @@ def test_workers_in_other_processes_get_picklable_buckets_of_whole_layers(built,
     engine.llm.reset_prefix_cache()
     assert len(calls) > 2
     layers = [{n.split(".layers.")[1].split(".")[0] for n in names if ".layers." in n} for names in calls]
-    assert all(not (a & b) for i, a in enumerate(layers) for b in layers[i + 1:])  # no layer in two calls
+    assert all(not (a & b) for i, a in enumerate(layers) for b in layers[i + 1 :])  # no layer in two calls
     gap, same = _gap(engine, trained, tok)
     assert gap < LOGP_TOL and same
     engine.update_weights(model.state_dict().items(), version=0)
@@ -235,8 +249,12 @@ def test_layer_buckets_keep_each_layer_whole_within_the_size() -> None:
     t = torch.zeros(256)  # 1 KiB
     named = [("model.embed_tokens.weight", t)] + [(f"model.layers.{i}.{p}", t) for i in range(3) for p in "abc"]
     out = list(layer_buckets(iter(named), 3 << 10))  # a layer fills a bucket; the embeddings do not
-    assert [[n for n, _ in b] for b in out] == [[named[0][0]], [n for n, _ in named[1:4]], [n for n, _ in named[4:7]],
-                                                [n for n, _ in named[7:]]]
+    assert [[n for n, _ in b] for b in out] == [
+        [named[0][0]],
+        [n for n, _ in named[1:4]],
+        [n for n, _ in named[4:7]],
+        [n for n, _ in named[7:]],
+    ]
     assert [len(b) for b in layer_buckets(iter(named), 1 << 20)] == [10]
     with pytest.raises(ValueError, match="model.layers.0 do not come together"):
         list(layer_buckets(iter(named + [("model.layers.0.d", t)]), 1 << 20))

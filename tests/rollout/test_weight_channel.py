@@ -16,8 +16,12 @@ from conveyor.weights import WeightChannel, free_address
 def _tensors() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     out = [(f"layer.{i}.weight", torch.randn(64, 48, generator=g)) for i in range(6)]
-    out += [("big", torch.randn(300, 200, generator=g)), ("ids", torch.arange(7, dtype=torch.int64)),
-            ("half", torch.randn(5, 3, generator=g).to(torch.bfloat16)), ("scalar", torch.tensor(2.5))]
+    out += [
+        ("big", torch.randn(300, 200, generator=g)),
+        ("ids", torch.arange(7, dtype=torch.int64)),
+        ("half", torch.randn(5, 3, generator=g).to(torch.bfloat16)),
+        ("scalar", torch.tensor(2.5)),
+    ]
     return out
 
 
@@ -66,7 +70,7 @@ def test_a_channel_streams_buckets_bit_for_bit_to_every_receiver() -> None:
     got = [o for o in out if o[0] == "got"]
     assert len(got) == 4
     largest = max(t.numel() * t.element_size() for t in want.values())
-    for _, rank, tensors, max_bucket, last in got:
+    for _, _rank, tensors, max_bucket, last in got:
         assert list(tensors) == list(want)
         for name, tensor in want.items():
             assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name

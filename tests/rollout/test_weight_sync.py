@@ -9,17 +9,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conveyor.rollout.base import SamplingParams
+from conveyor import weights as ws
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
-from conveyor import weights as ws
+from conveyor.rollout.base import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -68,8 +67,14 @@ def test_buckets_are_lazy_and_the_in_process_path_passes_the_tensors_themselves(
 
 
 def test_pack_is_one_aligned_copy_that_unpacks_bit_for_bit_as_views() -> None:
-    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
-             ("scalar", torch.tensor(2.5)), ("empty", torch.empty(0, 3)), ("t", torch.randn(4, 6).t())]
+    named = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),
+        ("c", torch.arange(4)),
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.empty(0, 3)),
+        ("t", torch.randn(4, 6).t()),
+    ]
     buffer, table = ws.pack(named)
     assert buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.device.type == "cpu"
     assert [name for name, *_ in table] == [name for name, _ in named]
@@ -84,10 +89,14 @@ def test_pack_is_one_aligned_copy_that_unpacks_bit_for_bit_as_views() -> None:
     assert not torch.equal(out[0][1], named[0][1])
 
 
-
 def test_shared_slots_hand_weights_to_another_mapping_and_never_overwrite_a_slot_in_use() -> None:
-    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
-             ("empty", torch.empty(0, 3)), ("t", torch.randn(4, 6).t())]
+    named = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),
+        ("c", torch.arange(4)),
+        ("empty", torch.empty(0, 3)),
+        ("t", torch.randn(4, 6).t()),
+    ]
     table, nbytes = ws.layout(named)
     slots = ws.SharedSlots(table, nbytes)
     try:
@@ -100,20 +109,21 @@ def test_shared_slots_hand_weights_to_another_mapping_and_never_overwrite_a_slot
         assert slots.write(named, table) is None  # both in use: the caller sends another way, it never waits
         for slot, add in ((first, 0), (second, 1)):
             _, _, offset, n, _ = slots.handle(slot)
-            for (name, want), (got_name, got) in zip(named, ws.unpack(mapped[offset:offset + n], table), strict=True):
+            for (name, want), (got_name, got) in zip(named, ws.unpack(mapped[offset : offset + n], table), strict=True):
                 assert got_name == name and torch.equal(got, want + add)
         slots.release(first)
         assert slots.write([(k, v * 0) for k, v in named], table) == first
         _, _, offset, n, _ = slots.handle(first)
-        assert all(not got.any() for _, got in ws.unpack(mapped[offset:offset + n], table))
+        assert all(not got.any() for _, got in ws.unpack(mapped[offset : offset + n], table))
         slots.release(second)
         assert slots.write(named[:1], ws.layout(named[:1])[0]) is None  # another layout is not this file's
         slots.unlink()
         slots.unlink()
         assert not os.path.exists(path)
-        assert torch.equal(next(ws.unpack(mapped[offset:offset + n], table))[1], named[0][1] * 0)  # still mapped
+        assert torch.equal(next(ws.unpack(mapped[offset : offset + n], table))[1], named[0][1] * 0)  # still mapped
     finally:
         slots.unlink()
+
 
 def test_staging_reuses_its_buffer_only_when_no_view_of_it_is_alive() -> None:
     staging = ws.Staging("cpu")
@@ -167,8 +177,13 @@ def ranks(tmp_path_factory) -> Path:
     """Both two-rank cases, run once in one pair of spawned gloo processes; the folder of what each rank wrote."""
     out = tmp_path_factory.mktemp("ranks")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "weight_sync_ranks.py"), "transport,fsdp2", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "weight_sync_ranks.py"), "transport,fsdp2", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -212,8 +227,9 @@ def test_fsdp2_two_ranks_stream_the_whole_state_dict_one_tensor_at_a_time(ranks,
 
 # ------------------------------------------------------------------ vLLM
 def _prompts(tok):
-    enc = tok(["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="], padding=True, padding_side="left",
-              return_tensors="pt")
+    enc = tok(
+        ["1+2=", "12+345=", "7*8=", "100-1=", "9+9=", "31+4="], padding=True, padding_side="left", return_tensors="pt"
+    )
     return enc["input_ids"], enc["attention_mask"]
 
 
@@ -222,8 +238,15 @@ def _engine(model, tok, path):
 
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return VLLMEngine(str(path), hf_config=model.config, pad_token_id=tok.pad_token_id,
-                       eos_token_id=tok.eos_token_id, max_model_len=64, max_num_seqs=8, seed=0)
+    return VLLMEngine(
+        str(path),
+        hf_config=model.config,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        max_model_len=64,
+        max_num_seqs=8,
+        seed=0,
+    )
 
 
 def _perturb(model, seed: int) -> None:
@@ -241,7 +264,8 @@ def _greedy_pair(engine, model, tok):
     theirs = engine.generate(ids, mask, greedy)
     ours = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).generate(ids, mask, greedy)
     same = torch.equal(theirs["response_mask"], ours["response_mask"]) and torch.equal(
-        theirs["responses"] * theirs["response_mask"], ours["responses"] * ours["response_mask"])
+        theirs["responses"] * theirs["response_mask"], ours["responses"] * ours["response_mask"]
+    )
     return same, theirs, ours
 
 
@@ -255,8 +279,9 @@ def _stream_into(engine, model, layout: str, bucket_bytes: int = 1 << 14) -> Non
 
 def test_vllm_qwen3_moe_serves_the_streamed_per_expert_weights(tok, tmp_path) -> None:
     pytest.importorskip("vllm")
-    model = build_tiny_model("qwen3_moe", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2,
-                             initializer_range=0.3)
+    model = build_tiny_model(
+        "qwen3_moe", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2, initializer_range=0.3
+    )
     engine = _engine(model, tok, tmp_path)
     try:
         before = _greedy_pair(engine, model, tok)[1]
@@ -275,8 +300,7 @@ def test_vllm_mixtral_refuses_fused_expert_names_and_serves_per_expert(tok, tmp_
     """The trainer's state-dict names (experts fused) fail on Mixtral, vLLM's module being block_sparse_moe; the
     engine's own update_weights sends them per expert and serves the trainer's policy."""
     pytest.importorskip("vllm")
-    model = build_tiny_model("mixtral", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2,
-                             initializer_range=0.3)
+    model = build_tiny_model("mixtral", tok, seed=0, hidden_size=64, num_heads=2, num_kv_heads=2, initializer_range=0.3)
     engine = _engine(model, tok, tmp_path)
     try:
         _perturb(model, seed=5)
@@ -291,4 +315,3 @@ def test_vllm_mixtral_refuses_fused_expert_names_and_serves_per_expert(tok, tmp_
         assert same, (theirs["responses"], ours["responses"])
     finally:
         engine.close()
-

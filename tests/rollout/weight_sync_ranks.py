@@ -2,7 +2,8 @@
 
     python weight_sync_ranks.py CASE[,CASE...] OUT_DIR
 
-The cases run in turn in the same two processes (starting them is most of the cost). A CASE is `transport` (rank 0 streams mixed tensors in small buckets to rank 1, which records what it
+The cases run in turn in the same two processes (starting them is most of the cost). A CASE is `transport` (rank 0
+streams mixed tensors in small buckets to rank 1, which records what it
 received and how many buckets' views were alive at once) or `fsdp2` (a tiny Qwen3-MoE sharded with
 FSDP2 over both ranks; each rank streams its whole state dict with `iter_weights`). Each rank writes
 OUT_DIR/<case>_<rank>.pt.
@@ -71,20 +72,28 @@ def _transport(rank: int, out: Path) -> None:
         lazy_refs.append(weakref.ref(tensor))
         lazy[name] = tensor.clone()
         del tensor
-    torch.save({"received": received, "alive_before": alive_before, "sizes": sizes, "buckets": stats.buckets,
-                "lazy": lazy, "lazy_alive": lazy_alive}, out / "transport_1.pt")
+    torch.save(
+        {
+            "received": received,
+            "alive_before": alive_before,
+            "sizes": sizes,
+            "buckets": stats.buckets,
+            "lazy": lazy,
+            "lazy_alive": lazy_alive,
+        },
+        out / "transport_1.pt",
+    )
 
 
 def _fsdp2(rank: int, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from conveyor import weights as ws
     from conveyor.models.tiny import build_tiny_model
     from conveyor.models.tokenizer import build_char_tokenizer
-    from conveyor import weights as ws
 
-    model = build_tiny_model("qwen3_moe", build_char_tokenizer(), seed=0, hidden_size=64, num_heads=2,
-                             num_kv_heads=2)
+    model = build_tiny_model("qwen3_moe", build_char_tokenizer(), seed=0, hidden_size=64, num_heads=2, num_kv_heads=2)
     mesh = init_device_mesh("cpu", (2,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)

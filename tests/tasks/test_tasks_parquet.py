@@ -94,9 +94,7 @@ def test_optional_columns_get_defaults_and_extra_columns_pass_through(tmp_path: 
 
 def test_missing_required_column_names_file_column_and_present_columns(tmp_path: Path) -> None:
     path = tmp_path / "bad.parquet"
-    pq.write_table(
-        pa.Table.from_pylist([{"data_source": "gsm8k", "question": "q", "ability": "math"}]), path
-    )
+    pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "question": "q", "ability": "math"}]), path)
     with pytest.raises(ValueError) as info:
         load_parquet_records(str(path))
     msg = str(info.value)
@@ -154,9 +152,7 @@ def test_prompt_must_be_chat_messages(tmp_path: Path) -> None:
         tmp_path / "ok.parquet",
     )
     pq.write_table(
-        pa.Table.from_pylist(
-            [{"data_source": "d", "prompt": "What is 1+1?", "reward_model": {"ground_truth": "2"}}]
-        ),
+        pa.Table.from_pylist([{"data_source": "d", "prompt": "What is 1+1?", "reward_model": {"ground_truth": "2"}}]),
         path,
     )
     assert len(load_parquet_records(tmp_path / "ok.parquet")) == 1
@@ -164,18 +160,25 @@ def test_prompt_must_be_chat_messages(tmp_path: Path) -> None:
         load_parquet_records(path)
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"reward_model": {"ground_truth": None}}, r"row 1: reward_model\.ground_truth is null"),
-    ({"reward_model": {"ground_truth": float("nan")}}, r"row 1: reward_model\.ground_truth is nan"),
-    ({"prompt": []}, r"row 1: 'prompt' is an empty list"),
-    ({"prompt": [{"role": "user", "content": None}]}, r"row 1: message 0 of 'prompt' has NoneType content"),
-    ({"prompt": [{"role": None, "content": "hi"}]}, r"row 1: message 0 of 'prompt' has role None"),
-    ({"data_source": None}, r"row 1: 'data_source' is None"),
-    ({"data_source": ""}, r"row 1: 'data_source' is ''"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"reward_model": {"ground_truth": None}}, r"row 1: reward_model\.ground_truth is null"),
+        ({"reward_model": {"ground_truth": float("nan")}}, r"row 1: reward_model\.ground_truth is nan"),
+        ({"prompt": []}, r"row 1: 'prompt' is an empty list"),
+        ({"prompt": [{"role": "user", "content": None}]}, r"row 1: message 0 of 'prompt' has NoneType content"),
+        ({"prompt": [{"role": None, "content": "hi"}]}, r"row 1: message 0 of 'prompt' has role None"),
+        ({"data_source": None}, r"row 1: 'data_source' is None"),
+        ({"data_source": ""}, r"row 1: 'data_source' is ''"),
+    ],
+)
 def test_a_row_with_a_hole_is_named_by_file_and_row(tmp_path: Path, row: dict, message: str) -> None:
     truth = 2.0 if isinstance(row.get("reward_model", {}).get("ground_truth"), float) else "2"  # one column type
-    good = {"data_source": "d", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": truth}}
+    good = {
+        "data_source": "d",
+        "prompt": [{"role": "user", "content": "1+1="}],
+        "reward_model": {"ground_truth": truth},
+    }
     pq.write_table(pa.Table.from_pylist([good, {**good, **row}]), tmp_path / "holes.parquet")
     with pytest.raises(ValueError, match=r"holes\.parquet', " + message):
         load_parquet_records(tmp_path / "holes.parquet")

@@ -14,8 +14,9 @@ from conveyor.tasks.synthetic import ARITHMETIC_ALPHABET, make_arithmetic_record
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     chars = sorted(set(ARITHMETIC_ALPHABET))
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}},
-                                     unk_token="<unk>"))
+    tok = Tokenizer(
+        models.WordLevel({"<pad>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}, unk_token="<unk>")
+    )
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
 
@@ -30,15 +31,21 @@ def test_a_shares_fields_are_the_rows_of_the_whole_batchs(tokenizer) -> None:
     encoder = PromptEncoder(tokenizer, max_prompt_length=32, truncation="error")
     whole, lengths = encoder.fields(records, uids, [i for i in range(5) for _ in range(3)])
     width = whole["prompts"].shape[1]
-    assert lengths[3] == 4 and lengths[3] < width and whole["prompt_mask"][3].tolist()[: width - 4] == [False] * (width - 4)
+    assert (
+        lengths[3] == 4
+        and lengths[3] < width
+        and whole["prompt_mask"][3].tolist()[: width - 4] == [False] * (width - 4)
+    )
     by_uid = dict(zip(uids, records))
     # Another process's encoder, over a share in any order, padded to the batch's width: the same rows.
     share = [7, 0, 13, 4]
     fields, share_lengths = PromptEncoder(tokenizer, 32, "error").for_keys([keys[i] for i in share], by_uid, width)
     assert share_lengths == [lengths[i] for i in share]
     for name, value in fields.items():
-        expected = whole[name][torch.tensor(share)] if isinstance(value, torch.Tensor) else [whole[name][i] for i in share]
-        assert (torch.equal(value, expected) if isinstance(value, torch.Tensor) else value == expected), name
+        expected = (
+            whole[name][torch.tensor(share)] if isinstance(value, torch.Tensor) else [whole[name][i] for i in share]
+        )
+        assert torch.equal(value, expected) if isinstance(value, torch.Tensor) else value == expected, name
     assert fields["uid"] == [uids[2], uids[0], uids[4], uids[1]]
     assert fields["ground_truth"] == [str(records[i]["reward_model"]["ground_truth"]) for i in (2, 0, 4, 1)]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -179,8 +179,9 @@ def test_register_rules() -> None:
     assert register_reward_fn("mine", "mine/alias")(a) is a
     assert REWARD_FNS["mine"] is a and REWARD_FNS["mine/alias"] is a
     register_reward_fn("mine")(a)  # registering the same function again is harmless
-    with pytest.raises(ValueError,
-                       match=r"reward function for data_source 'mine' is already registered .*\.a\).*overwrite=True"):
+    with pytest.raises(
+        ValueError, match=r"reward function for data_source 'mine' is already registered .*\.a\).*overwrite=True"
+    ):
         register_reward_fn("mine")(b)
     assert REWARD_FNS["mine"] is a
     register_reward_fn("mine", overwrite=True)(b)
@@ -247,7 +248,6 @@ def test_numeric_results_become_float(good: object, expected: float) -> None:
     register_reward_fn("num", overwrite=True)(lambda s, g, e=None: good)
     out = compute_score("num", "x", "y")
     assert type(out) is float and out == expected
-
 
 
 @pytest.mark.parametrize(

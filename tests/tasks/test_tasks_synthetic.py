@@ -88,11 +88,7 @@ def test_splits_partition_all_problems() -> None:
     train = {_triple(r) for r in _full_split("train", max_operand, ops)}
     test = {_triple(r) for r in _full_split("test", max_operand, ops)}
     everything = {
-        (a, op, b)
-        for op in ops
-        for a in range(max_operand + 1)
-        for b in range(max_operand + 1)
-        if op != "-" or a >= b
+        (a, op, b) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1) if op != "-" or a >= b
     }
     assert train.isdisjoint(test)
     assert train | test == everything

@@ -7,21 +7,21 @@ import math
 
 import pytest
 import torch
+from test_stages import make_trainer, step_partition  # tests/trainer is on sys.path (rootdir import mode)
 
 from conveyor.config import ConfigError, load_config
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 from conveyor.workers.ranks.reward import overlong_penalty
-from test_stages import make_trainer, step_partition  # tests/trainer is on sys.path (rootdir import mode)
 
 # Half the prompts (even answers) score the same whatever is generated: their groups
 # carry no signal. The others score the response's length parity, which varies.
-HALF_CONSTANT = '''
+HALF_CONSTANT = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if int(ground_truth) % 2 == 0:
         return 0.3
     return float(len(solution_str) % 2)
-'''
+"""
 
 
 @pytest.fixture
@@ -32,9 +32,15 @@ def half_constant_reward(tmp_path):
 
 
 def test_dynamic_sampling_trains_a_full_batch_of_varied_groups(tiny_run, half_constant_reward):
-    overrides = tiny_run + half_constant_reward + [
-        "algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
-    ]
+    overrides = (
+        tiny_run
+        + half_constant_reward
+        + [
+            "algorithm.filter_groups.enable=true",
+            "actor_rollout_ref.rollout.n=4",
+            "data.train_batch_size=4",
+        ]
+    )
     trainer, dp = make_trainer(overrides)
     meta, metrics = trainer._sample(step_partition("train-1"))
     assert len(meta) == 4 * 4  # full: train_batch_size groups of n samples
@@ -55,9 +61,14 @@ def test_dynamic_sampling_trains_a_full_batch_of_varied_groups(tiny_run, half_co
 def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tiny_run, tmp_path):
     path = tmp_path / "constant.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    trainer, _ = make_trainer(tiny_run + [f"reward.custom_reward_function.path={path}",
-                                          "algorithm.filter_groups.enable=true",
-                                          "algorithm.filter_groups.max_num_gen_batches=2"])
+    trainer, _ = make_trainer(
+        tiny_run
+        + [
+            f"reward.custom_reward_function.path={path}",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_num_gen_batches=2",
+        ]
+    )
     with pytest.raises(ValueError, match="after 2 generation batches only 0 of the 4"):
         trainer._sample(step_partition("train-1"))
 
@@ -65,8 +76,14 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tiny_run, tmp_path)
 def test_dynamic_sampling_without_a_limit_stops_after_an_epoch_of_constant_groups(tiny_run, tmp_path):
     path = tmp_path / "constant.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
-    trainer, _ = make_trainer(tiny_run + [f"reward.custom_reward_function.path={path}", "data.synthetic.num_train=16",
-                                          "algorithm.filter_groups.enable=true"])
+    trainer, _ = make_trainer(
+        tiny_run
+        + [
+            f"reward.custom_reward_function.path={path}",
+            "data.synthetic.num_train=16",
+            "algorithm.filter_groups.enable=true",
+        ]
+    )
     with pytest.raises(ValueError, match="a whole epoch of prompts"):
         trainer._sample(step_partition("train-1"))
 
@@ -104,9 +121,14 @@ def test_remax_baseline_is_the_greedy_response_reward(tiny_run):
 
 
 def test_overlong_shaping_moves_the_reward_not_the_accuracy(tiny_run):
-    trainer, dp = make_trainer(tiny_run + ["reward_model.overlong_buffer.enable=true",
-                                           "reward_model.overlong_buffer.len=3",
-                                           "reward_model.overlong_buffer.penalty_factor=2.0"])
+    trainer, dp = make_trainer(
+        tiny_run
+        + [
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=3",
+            "reward_model.overlong_buffer.penalty_factor=2.0",
+        ]
+    )
     meta, metrics = trainer._sample(step_partition("train-1"))
     td = dp.get(meta, ["rm_scores", "acc", "response_mask"])
     lengths = td["response_mask"].sum(-1)
@@ -122,32 +144,57 @@ def test_overlong_shaping_moves_the_reward_not_the_accuracy(tiny_run):
 # (and an aggregation or KL variant), so every name is trained in one of them.
 ALGORITHMS = {
     "gae+vanilla": ["algorithm.adv_estimator=gae"],
-    "grpo+gspo": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-                  "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-                  "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004"],
+    "grpo+gspo": [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+        "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+    ],
     # DAPO: clip-higher, token-mean, dynamic sampling, overlong shaping (a buffer
     # over every length, so groups of 4 whose lengths differ differ in reward).
-    "dapo": ["algorithm.filter_groups.enable=true", "reward_model.overlong_buffer.enable=true",
-             "reward_model.overlong_buffer.len=6", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-             "actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.rollout.n=4",
-             "data.synthetic.num_train=256"],
-    "dr_grpo+cispo": ["algorithm.norm_adv_by_std_in_grpo=false",
-                      "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
-                      "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"],
+    "dapo": [
+        "algorithm.filter_groups.enable=true",
+        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=6",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.rollout.n=4",
+        "data.synthetic.num_train=256",
+    ],
+    "dr_grpo+cispo": [
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=cispo",
+    ],
     "rloo+sapo": ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.policy_loss.loss_mode=sapo"],
-    "reinforce_plus_plus+clip_cov": ["algorithm.adv_estimator=reinforce_plus_plus",
-                                     "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
-                                     "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.05"],
-    "reinforce_plus_plus_baseline+kl_cov": ["algorithm.adv_estimator=reinforce_plus_plus_baseline",
-                                            "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
-                                            "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.05"],
+    "reinforce_plus_plus+clip_cov": [
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.05",
+    ],
+    "reinforce_plus_plus_baseline+kl_cov": [
+        "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.05",
+    ],
     "remax+geo_mean": ["algorithm.adv_estimator=remax", "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"],
-    "opo+token_sum+k3plus": ["algorithm.adv_estimator=opo", "actor_rollout_ref.actor.loss_agg_mode=token-sum",
-                             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k3+"],
-    "gpg+abs_plus_in_reward": ["algorithm.adv_estimator=gpg", "actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
-                               "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=abs+"],
-    "grpo_passk+k1plus": ["algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.actor.use_kl_loss=true",
-                          "actor_rollout_ref.actor.kl_loss_type=k1+"],
+    "opo+token_sum+k3plus": [
+        "algorithm.adv_estimator=opo",
+        "actor_rollout_ref.actor.loss_agg_mode=token-sum",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=k3+",
+    ],
+    "gpg+abs_plus_in_reward": [
+        "algorithm.adv_estimator=gpg",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=abs+",
+    ],
+    "grpo_passk+k1plus": [
+        "algorithm.adv_estimator=grpo_passk",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=k1+",
+    ],
 }
 
 # The default task at the smallest batch that still has groups: each algorithm's every update, advantage and
@@ -159,8 +206,13 @@ ALGORITHMS = {
 # DAPO's signal is its overlong shaping, which needs the random init's varied lengths (a warm-started model
 # answers at one length: every group is constant and dynamic sampling gives up), so it keeps the random init and
 # 200 steps, over which its entropy collapses from 4.0 to 0.7: the regime where a NaN would show.
-SMOKE = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
-         "actor_rollout_ref.rollout.n=2", "trainer.save_freq=0"]
+SMOKE = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "critic.ppo_mini_batch_size=2",
+    "actor_rollout_ref.rollout.n=2",
+    "trainer.save_freq=0",
+]
 WARM_START = ["actor_rollout_ref.model.tiny.warmstart_steps=40"]
 SMOKE_STEPS = {"dapo": 200}
 DEFAULT_SMOKE_STEPS = 100
@@ -182,10 +234,16 @@ def test_algorithm_trains_without_nan(name, tiny_run):
 
 
 def test_a_run_with_rollout_correction_logs_the_gap_icepop_weights_and_rejections(tiny_run):
-    cfg = load_config(None, tiny_run + ["algorithm.rollout_correction.rollout_is=token",
-                                        "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
-                                        "algorithm.rollout_correction.rollout_rs=token_k1,seq_mean_k3",
-                                        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0,0.01"])
+    cfg = load_config(
+        None,
+        tiny_run
+        + [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
+            "algorithm.rollout_correction.rollout_rs=token_k1,seq_mean_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0,0.01",
+        ],
+    )
     # Asking for a correction turns the old-log-prob forward on.
     assert build_run_plan(cfg, "cpu").old_log_probs == "forward"
     last = run_training(cfg)

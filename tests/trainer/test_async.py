@@ -37,11 +37,15 @@ def _weights(run_dir, out) -> dict[str, torch.Tensor]:
 
 
 def test_k0_is_the_synchronous_trainer_bit_for_bit(tmp_path, tiny_run):
-    common = ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
-              "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+    common = [
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        "actor_rollout_ref.model.tiny.warmstart_steps=20",
+    ]
     sync, sync_dir = _run(tmp_path, tiny_run, "sync", common)
-    async_, async_dir = _run(tmp_path, tiny_run, "async",
-                             common + [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0"])
+    async_, async_dir = _run(
+        tmp_path, tiny_run, "async", common + [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0"]
+    )
     strip = lambda rows: [{k: v for k, v in r.items() if not any(m in k for m in _MEASURED)} for r in rows]  # noqa: E731
     assert [r["step"] for r in sync] == [0, 1, 2, 3]
     assert strip(sync) == strip(async_)  # exact: same samples, same losses, same gradients
@@ -56,11 +60,18 @@ def test_k0_is_the_synchronous_trainer_bit_for_bit(tmp_path, tiny_run):
 def test_no_trained_sample_is_more_than_k_versions_old(tmp_path, tiny_run, k, strategy):
     steps = 8
     # Weights only every k + 1 updates: the slowest shipping the bound allows, so drop has something to drop.
-    metrics, run_dir = _run(tmp_path, tiny_run, "run", [
-        ASYNC, f"trainer.total_training_steps={steps}", f"trainer.v1.sampler.max_off_policy_threshold={k}",
-        f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
-        f"trainer.v1.separate_async.parameter_sync_step={k + 1}",
-    ])
+    metrics, run_dir = _run(
+        tmp_path,
+        tiny_run,
+        "run",
+        [
+            ASYNC,
+            f"trainer.total_training_steps={steps}",
+            f"trainer.v1.sampler.max_off_policy_threshold={k}",
+            f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
+            f"trainer.v1.separate_async.parameter_sync_step={k + 1}",
+        ],
+    )
     log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, steps + 1))
     staleness = []
@@ -87,10 +98,18 @@ def test_no_trained_sample_is_more_than_k_versions_old(tmp_path, tiny_run, k, st
 @pytest.fixture(scope="module")
 def off_policy_r3_run(tiny_run_base, tmp_path_factory) -> list[dict]:
     """The metrics of one 3-step run at k = 1 with R3 and the load-balance metrics, which two tests check."""
-    metrics, _ = _run(tmp_path_factory.mktemp("off-policy-r3"), tiny_run_base, "run", [
-        ASYNC, "trainer.total_training_steps=3", "trainer.v1.sampler.max_off_policy_threshold=1",
-        "actor_rollout_ref.actor.router_replay.mode=R3",
-        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    metrics, _ = _run(
+        tmp_path_factory.mktemp("off-policy-r3"),
+        tiny_run_base,
+        "run",
+        [
+            ASYNC,
+            "trainer.total_training_steps=3",
+            "trainer.v1.sampler.max_off_policy_threshold=1",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        ],
+    )
     return metrics
 
 
@@ -103,12 +122,17 @@ def test_off_policy_training_logs_the_importance_weights(off_policy_r3_run):
 
 def test_one_optimizer_step_per_batch_takes_the_proximal_policy_from_the_update(tmp_path, tiny_run):
     # ppo_mini_batch_size = train_batch_size, one epoch: the update's forward, before its only step, is pi_prox.
-    metrics, _ = _run(tmp_path, tiny_run, "run", [ASYNC, "trainer.total_training_steps=3",
-                                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    metrics, _ = _run(
+        tmp_path,
+        tiny_run,
+        "run",
+        [ASYNC, "trainer.total_training_steps=3", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+    )
     for row in metrics[1:]:
         assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0  # ratio to itself: exactly 1
         assert any(k.startswith("rollout_corr/") for k in row)
         assert "actor/entropy" in row
+
     def old(overrides):
         return build_run_plan(load_config(None, overrides), "cpu").old_log_probs
 
@@ -158,16 +182,21 @@ def test_a_crashing_rollout_is_one_error_naming_the_stage(tmp_path, tiny_run, mo
         _run(tmp_path, tiny_run, "run", [ASYNC])
 
 
-@pytest.mark.parametrize("override, key", [
-    (["trainer.v1.sampler.max_off_policy_threshold=-1"], "max_off_policy_threshold"),
-    # Up to k + 1 batches in memory: a bound of 10^9 would fill it before the first step.
-    (["trainer.v1.sampler.max_off_policy_threshold=1000000000"], "at most 1024"),
-    (["trainer.v1.sampler.max_off_policy_strategy=skip"], "max_off_policy_strategy"),
-    (["trainer.v1.trainer_mode=fully_async"], "trainer_mode"),
-    (["trainer.v1.sampler.max_off_policy_threshold=1", "trainer.v1.separate_async.parameter_sync_step=3"],
-     "parameter_sync_step"),
-    ([ASYNC, "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (["trainer.v1.sampler.max_off_policy_threshold=-1"], "max_off_policy_threshold"),
+        # Up to k + 1 batches in memory: a bound of 10^9 would fill it before the first step.
+        (["trainer.v1.sampler.max_off_policy_threshold=1000000000"], "at most 1024"),
+        (["trainer.v1.sampler.max_off_policy_strategy=skip"], "max_off_policy_strategy"),
+        (["trainer.v1.trainer_mode=fully_async"], "trainer_mode"),
+        (
+            ["trainer.v1.sampler.max_off_policy_threshold=1", "trainer.v1.separate_async.parameter_sync_step=3"],
+            "parameter_sync_step",
+        ),
+        ([ASYNC, "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode"),
+    ],
+)
 def test_async_settings_are_checked(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, override)
@@ -191,9 +220,15 @@ def test_a_resumed_run_trains_the_batches_that_were_in_flight(tmp_path, tiny_run
     import shutil
 
     base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")]
-    common = base + [ASYNC, "trainer.v1.sampler.max_off_policy_threshold=1", "trainer.total_training_steps=4",
-                     "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null", "trainer.dump_freq=1",
-                     "trainer.dump_num=8"]
+    common = base + [
+        ASYNC,
+        "trainer.v1.sampler.max_off_policy_threshold=1",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.max_ckpt_to_keep=null",
+        "trainer.dump_freq=1",
+        "trainer.dump_num=8",
+    ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_training(load_config(None, common + [f"trainer.default_local_dir={ref_dir}"]))
     run_training(load_config(None, common + [f"trainer.default_local_dir={run_dir}"]))
@@ -234,10 +269,19 @@ def test_partial_rollouts_continue_unfinished_samples_with_the_new_weights(tmp_p
         return sample(self, logits)
 
     monkeypatch.setattr(hf._Sampler, "__call__", slow)
-    metrics, run_dir = _run(tmp_path, tiny_run, "run", [
-        ASYNC, "trainer.v1.separate_async.partial_rollout=true", "trainer.total_training_steps=4",
-        "data.max_response_length=24", "actor_rollout_ref.actor.router_replay.mode=R3",
-        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    metrics, run_dir = _run(
+        tmp_path,
+        tiny_run,
+        "run",
+        [
+            ASYNC,
+            "trainer.v1.separate_async.partial_rollout=true",
+            "trainer.total_training_steps=4",
+            "data.max_response_length=24",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        ],
+    )
     check_partial_rollouts(metrics, run_dir)
 
 
@@ -268,13 +312,27 @@ def test_ray_workers_train_and_ship_their_weights_to_the_rollout(tmp_path, tiny_
     # Two actor ranks on Ray; the rollout process gets rank 0's full weights. k = 0 takes the rollout's
     # log-probs as the old policy, and one mini-batch per step makes the update's ratio compare them with
     # the trained weights before they change: a rollout a version behind shows a KL of ~1e-2 here.
-    metrics, run_dir = _run(tmp_path, tiny_run, "run", [
-        ASYNC, "trainer.v1.sampler.max_off_policy_threshold=0", "trainer.num_cpu_workers=2", "ray.num_cpus=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.model.tiny.warmstart_steps=20",
-        "trainer.total_training_steps=4"])
+    metrics, run_dir = _run(
+        tmp_path,
+        tiny_run,
+        "run",
+        [
+            ASYNC,
+            "trainer.v1.sampler.max_off_policy_threshold=0",
+            "trainer.num_cpu_workers=2",
+            "ray.num_cpus=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.model.tiny.warmstart_steps=20",
+            "trainer.total_training_steps=4",
+        ],
+    )
     rows = {r["step"]: r for r in metrics}
-    assert [r["trained_at"] for r in map(json.loads, (run_dir / "async_versions.jsonl").read_text().splitlines())] \
-        == [0, 1, 2, 3]
+    assert [r["trained_at"] for r in map(json.loads, (run_dir / "async_versions.jsonl").read_text().splitlines())] == [
+        0,
+        1,
+        2,
+        3,
+    ]
     assert sum(rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3)) >= 2  # the weights did change
     for s in (1, 2, 3, 4):
         assert abs(rows[s]["actor/ppo_kl"]) < 1e-5, (s, rows[s]["actor/ppo_kl"])

@@ -18,16 +18,22 @@ from conveyor.trainer.run import run_training
 ASYNC = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=1"]
 
 # Odd ground truths score 0 or 1 by the sample's first character, even ones always 1: half the groups are constant.
-HALF_CONSTANT = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                 "    if int(ground_truth) % 2 == 0:\n"
-                 "        return 1.0\n"
-                 "    return float(solution_str[:1] in '13579')\n")
+HALF_CONSTANT = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if int(ground_truth) % 2 == 0:\n"
+    "        return 1.0\n"
+    "    return float(solution_str[:1] in '13579')\n"
+)
 
 # An untrained model calls the calculator whenever a turn ends at a digit (frequent): tool turns without a warm start.
-register_call_format(CallFormat(
-    "test_async_digit_calls", stop_texts=tuple("0123456789"),
-    parser=lambda turn: ToolCall("calc", text=turn) if turn[-1:].isdigit() else None,
-), overwrite=True)
+register_call_format(
+    CallFormat(
+        "test_async_digit_calls",
+        stop_texts=tuple("0123456789"),
+        parser=lambda turn: ToolCall("calc", text=turn) if turn[-1:].isdigit() else None,
+    ),
+    overwrite=True,
+)
 
 
 def _versions(run_dir) -> list[dict]:
@@ -37,19 +43,30 @@ def _versions(run_dir) -> list[dict]:
 def test_dynamic_sampling_in_async_mode_trains_full_batches_of_varied_groups(tiny_run, tmp_path):
     reward = tmp_path / "half.py"
     reward.write_text(HALF_CONSTANT)
-    run_training(load_config(None, tiny_run + ASYNC + [
-        f"reward.custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
-        "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=3", "trainer.dump_freq=1",
-        "trainer.dump_num=16",
-    ]))
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + ASYNC
+            + [
+                f"reward.custom_reward_function.path={reward}",
+                "algorithm.filter_groups.enable=true",
+                "actor_rollout_ref.rollout.n=4",
+                "trainer.total_training_steps=3",
+                "trainer.dump_freq=1",
+                "trainer.dump_num=16",
+            ],
+        )
+    )
     rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]
     assert len(rows) == 3
     for r in rows:
         assert r["train/num_gen_batches"] >= 1 and 0 < r["train/filter_groups/kept_frac"] <= 1
     assert sum(r["train/num_gen_batches"] for r in rows) > 3  # constant groups were dropped and replaced
     for step in (1, 2, 3):
-        dumped = [json.loads(line) for line in (tmp_path / "generations" / f"step_{step:06d}.jsonl").read_text()
-                  .splitlines()]
+        dumped = [
+            json.loads(line) for line in (tmp_path / "generations" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        ]
         assert len(dumped) == 16  # a full batch: 4 varied groups of 4
         assert all(int(d["ground_truth"]) % 2 == 1 for d in dumped)  # every constant (even) group was dropped
     log = _versions(tmp_path)
@@ -58,9 +75,9 @@ def test_dynamic_sampling_in_async_mode_trains_full_batches_of_varied_groups(tin
 
 
 def test_remax_in_async_mode_takes_its_greedy_baseline_from_the_generating_weights(tiny_run, tmp_path, monkeypatch):
-    from conveyor.trainer import sources
-
     import threading
+
+    from conveyor.trainer import sources
 
     seen: list[str] = []
     baseline = sources.GreedyBaseline.__call__
@@ -70,8 +87,9 @@ def test_remax_in_async_mode_takes_its_greedy_baseline_from_the_generating_weigh
         return baseline(self, *args, **kwargs)
 
     monkeypatch.setattr(sources.GreedyBaseline, "__call__", record)
-    run_training(load_config(None, tiny_run + ASYNC + ["algorithm.adv_estimator=remax",
-                                                       "trainer.total_training_steps=3"]))
+    run_training(
+        load_config(None, tiny_run + ASYNC + ["algorithm.adv_estimator=remax", "trainer.total_training_steps=3"])
+    )
     rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]
     assert len(rows) == 3
     for r in rows:
@@ -85,12 +103,26 @@ def test_multi_turn_with_tools_in_async_mode(tiny_run, tmp_path):
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - name: calc\n    path: conveyor.tools.calculator:calculate\n")
     mt = "actor_rollout_ref.rollout.multi_turn"
-    run_training(load_config(None, tiny_run + ASYNC + [
-        "data.synthetic.task=arithmetic_tool", "data.synthetic.ops=['*']", "data.synthetic.max_operand=99",
-        "data.max_response_length=24", f"{mt}.enable=true", f"{mt}.format=test_async_digit_calls",
-        f"{mt}.tool_config_path={tools}", f"{mt}.max_user_turns=3", "trainer.total_training_steps=3",
-        "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
-    ]))
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + ASYNC
+            + [
+                "data.synthetic.task=arithmetic_tool",
+                "data.synthetic.ops=['*']",
+                "data.synthetic.max_operand=99",
+                "data.max_response_length=24",
+                f"{mt}.enable=true",
+                f"{mt}.format=test_async_digit_calls",
+                f"{mt}.tool_config_path={tools}",
+                f"{mt}.max_user_turns=3",
+                "trainer.total_training_steps=3",
+                "actor_rollout_ref.actor.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+            ],
+        )
+    )
     rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]
     assert len(rows) == 3
     assert sum(r["rollout/multi_turn/tool_calls"] for r in rows) > 0

@@ -28,17 +28,27 @@ from conveyor.workers.placement.group import WorkerError
 pytest.importorskip("ray")
 
 # Wall-clock and memory readings differ from run to run by nature, and the sides' CPU and idle figures with them.
-_MEASURED = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_",
-             "off_policy/helper_", "weight_sync_s",
-             "weight_load_s", "weight_send", "weight_sync_gb", "weight_sync_buckets")
+_MEASURED = (
+    "timing_s/",
+    "timing_cpu_s/",
+    "perf/",
+    "gen_time_s",
+    "off_policy/trainer_",
+    "off_policy/rollout_",
+    "off_policy/helper_",
+    "weight_sync_s",
+    "weight_load_s",
+    "weight_send",
+    "weight_sync_gb",
+    "weight_sync_buckets",
+)
 ASYNC = "trainer.v1.trainer_mode=separate_async"
 OWN, THREAD = "trainer.v1.separate_async.rollout_process=own", "trainer.v1.separate_async.rollout_process=trainer"
 
 
 def _run(tmp_path, tiny_run_base: list[str], name: str, extra: list[str]) -> tuple[list[dict], object]:
     run_dir = tmp_path / name
-    run_training(load_config(None, tiny_run_base + [f"trainer.default_local_dir={run_dir}", "ray.num_cpus=4",
-                                                    *extra]))
+    run_training(load_config(None, tiny_run_base + [f"trainer.default_local_dir={run_dir}", "ray.num_cpus=4", *extra]))
     return read_metrics_jsonl(run_dir / "metrics.jsonl"), run_dir
 
 
@@ -70,8 +80,12 @@ def _same_weights(a_dir, b_dir, tmp_path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-COMMON = ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
-          "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+COMMON = [
+    "trainer.total_training_steps=3",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+    "actor_rollout_ref.actor.router_replay.mode=R3",
+    "actor_rollout_ref.model.tiny.warmstart_steps=20",
+]
 
 
 def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_path, tiny_run_base):
@@ -84,10 +98,14 @@ def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_pa
     assert json.loads((thread_dir / "plan.json").read_text())["rollout_process"] == "trainer"
     assert _strip(own) == _strip(thread)
     assert own[-1]["off_policy/staleness_max"] == 1.0 and own[-1]["rollout/moe/routed_experts_found"] == 1.0
-    versions = [(r["trained_at"], r["sample_versions"], r["token_version_range"])
-                for r in map(json.loads, (own_dir / "async_versions.jsonl").read_text().splitlines())]
-    assert versions == [(r["trained_at"], r["sample_versions"], r["token_version_range"])
-                        for r in map(json.loads, (thread_dir / "async_versions.jsonl").read_text().splitlines())]
+    versions = [
+        (r["trained_at"], r["sample_versions"], r["token_version_range"])
+        for r in map(json.loads, (own_dir / "async_versions.jsonl").read_text().splitlines())
+    ]
+    assert versions == [
+        (r["trained_at"], r["sample_versions"], r["token_version_range"])
+        for r in map(json.loads, (thread_dir / "async_versions.jsonl").read_text().splitlines())
+    ]
     assert [v for _, v, _ in versions] == [[0] * 8, [0] * 8, [1] * 8]  # v0, v0, then the weights of update 1
     # The syncs reached the replica through shared memory: packed here, loaded there, no sending thread.
     assert any(k == "rollout/weight_sync_s" for r in own for k in r)
@@ -104,8 +122,9 @@ def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_pa
 
 def test_k0_with_the_rollout_in_its_own_process_is_the_synchronous_trainer(tmp_path, tiny_run_base):
     sync, sync_dir = _run(tmp_path, tiny_run_base, "sync", COMMON)
-    own, own_dir = _run(tmp_path, tiny_run_base, "own", COMMON + [ASYNC, OWN,
-                                                                  "trainer.v1.sampler.max_off_policy_threshold=0"])
+    own, own_dir = _run(
+        tmp_path, tiny_run_base, "own", COMMON + [ASYNC, OWN, "trainer.v1.sampler.max_off_policy_threshold=0"]
+    )
     assert [r["step"] for r in sync] == [0, 1, 2, 3]
     strip_async = [{k: v for k, v in r.items() if not k.startswith("off_policy/")} for r in _strip(own)]
     assert _strip(sync) == strip_async
@@ -122,13 +141,15 @@ def test_a_crashing_rollout_in_its_own_process_is_one_error_naming_the_stage(tmp
         f"if os.getpid() != {os.getpid()}:\n"
         "    def generate_sequences(self, meta):\n"
         "        raise RuntimeError('rollout exploded')\n"
-        "    ReplicaWorker.generate_sequences = generate_sequences\n")
+        "    ReplicaWorker.generate_sequences = generate_sequences\n"
+    )
     with pytest.raises(WorkerError, match="rollout rank 0 failed in generate_sequences.*rollout exploded"):
         _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"trainer.plugins=[{plugin}]"])
 
 
 def test_partial_rollouts_in_a_process_of_its_own_continue_samples_with_the_weights_staged_beside_them(
-        tmp_path, tiny_run_base):
+    tmp_path, tiny_run_base
+):
     # The replica samples slower than the trainer updates (10 ms per token, in the replica's process only), so a sync
     # staged beside a generation is loaded between two of its tokens; R3 replays the routing across the switch.
     from test_async import check_partial_rollouts
@@ -142,12 +163,23 @@ def test_partial_rollouts_in_a_process_of_its_own_continue_samples_with_the_weig
         "    def slow(self, logits):\n"
         "        time.sleep(0.01)\n"
         "        return sample(self, logits)\n"
-        "    hf._Sampler.__call__ = slow\n")
-    metrics, run_dir = _run(tmp_path, tiny_run_base, "run", [
-        ASYNC, OWN, "trainer.v1.separate_async.partial_rollout=true", f"trainer.plugins=[{plugin}]",
-        "trainer.total_training_steps=4", "data.max_response_length=24",
-        "actor_rollout_ref.actor.router_replay.mode=R3",
-        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+        "    hf._Sampler.__call__ = slow\n"
+    )
+    metrics, run_dir = _run(
+        tmp_path,
+        tiny_run_base,
+        "run",
+        [
+            ASYNC,
+            OWN,
+            "trainer.v1.separate_async.partial_rollout=true",
+            f"trainer.plugins=[{plugin}]",
+            "trainer.total_training_steps=4",
+            "data.max_response_length=24",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        ],
+    )
     assert json.loads((run_dir / "plan.json").read_text())["rollout_process"] == "own"
     check_partial_rollouts(metrics, run_dir)
 
@@ -159,9 +191,14 @@ def test_remax_and_dynamic_sampling_compose_the_same_in_a_process_of_its_own(tmp
 
     reward = tmp_path / "half.py"
     reward.write_text(HALF_CONSTANT)
-    extra = [ASYNC, "algorithm.adv_estimator=remax", "algorithm.filter_groups.enable=true",
-             f"reward.custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=4",
-             "trainer.total_training_steps=3"]
+    extra = [
+        ASYNC,
+        "algorithm.adv_estimator=remax",
+        "algorithm.filter_groups.enable=true",
+        f"reward.custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.n=4",
+        "trainer.total_training_steps=3",
+    ]
     thread, thread_dir = _run(tmp_path, tiny_run_base, "thread", extra + [THREAD])
     own, own_dir = _run(tmp_path, tiny_run_base, "own", extra + [OWN])
     assert _strip(own) == _strip(thread)
@@ -177,12 +214,24 @@ def test_a_reward_that_fails_in_the_replicas_process_is_the_users_error_naming_t
     from conveyor.workers.placement.group import WorkerUserError
 
     reward = tmp_path / "broken.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    raise ValueError('no score for ' + ground_truth)\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('no score for ' + ground_truth)\n"
+    )
     with pytest.raises(WorkerUserError, match=r"reward rank 0 failed in compute_reward.*no score for"):
         # No validation first: its reward call is not chained, and the first failure must be the chained one's.
-        _run(tmp_path, tiny_run_base, "run", [ASYNC, OWN, f"reward.custom_reward_function.path={reward}",
-                                               "trainer.total_training_steps=2", "trainer.val_before_train=false"])
+        _run(
+            tmp_path,
+            tiny_run_base,
+            "run",
+            [
+                ASYNC,
+                OWN,
+                f"reward.custom_reward_function.path={reward}",
+                "trainer.total_training_steps=2",
+                "trainer.val_before_train=false",
+            ],
+        )
 
 
 def test_replicas_render_the_prompts_the_trainer_would_have_put(tmp_path, tiny_run_base, monkeypatch):

@@ -57,12 +57,16 @@ def test_crafted_shard_metadata_runs_nothing_and_is_refused(tmp_path: Path) -> N
 
 
 def test_non_tensor_entries_in_shards_are_refused(tmp_path: Path) -> None:
-    """DCP would load a non-tensor entry with torch.load(weights_only=False): conveyor never writes one, and refuses it."""
+    """DCP would load a non-tensor entry with torch.load(weights_only=False): conveyor never writes one, and refuses
+    it."""
     import torch.distributed.checkpoint as dcp
 
     shards = tmp_path / "actor"
-    dcp.save({"model": {"weight": torch.zeros(2)}, "extra": {"note": "any python object"}}, checkpoint_id=str(shards),
-             no_dist=True)
+    dcp.save(
+        {"model": {"weight": torch.zeros(2)}, "extra": {"note": "any python object"}},
+        checkpoint_id=str(shards),
+        no_dist=True,
+    )
     with pytest.raises(CheckpointFormatError, match="non-tensor entries"):
         load_model_weights(shards, torch.nn.Linear(1, 2, bias=False))
 
@@ -74,8 +78,13 @@ def test_saved_parts_round_trip_under_weights_only(tmp_path: Path) -> None:
     np.random.normal()  # leave a cached gaussian in NumPy's state
     state = ckpt.rng_state()
     want = (random.random(), float(np.random.rand()), float(np.random.normal()), float(torch.rand(1)))
-    trainer_state = {"global_step": 2, "rng": state, "val_history": [(0, 0.1), (2, 0.5)],
-                     "moe_counts": torch.ones(2, 4, dtype=torch.long), "kl_coef": 0.001}
+    trainer_state = {
+        "global_step": 2,
+        "rng": state,
+        "val_history": [(0, 0.1), (2, 0.5)],
+        "moe_counts": torch.ones(2, 4, dtype=torch.long),
+        "kl_coef": 0.001,
+    }
     path = ckpt.save_checkpoint(tmp_path / "checkpoints", 2, lambda tmp: trainer_state)
     loaded = ckpt.load_checkpoint(path)
     assert torch.equal(loaded["trainer_state"]["moe_counts"], trainer_state["moe_counts"])

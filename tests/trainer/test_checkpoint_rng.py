@@ -31,8 +31,9 @@ def cuda(monkeypatch) -> dict:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: fake["initialized"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
-    monkeypatch.setattr(torch.cuda, "set_rng_state",
-                        lambda state, device="cuda": fake["calls"].append(("set", device, state.clone())))
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device="cuda": fake["calls"].append(("set", device, state.clone()))
+    )
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", refuse)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", refuse)
     return fake

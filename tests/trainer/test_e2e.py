@@ -14,13 +14,31 @@ from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.trainer.run import run_training
 
 STEP_KEYS = [
-    "reward/mean", "reward/max", "reward/min",
-    "response_length/mean", "response_length/max", "response_length/clip_ratio",
-    "advantages/mean", "advantages/max", "advantages/min", "returns/mean",
-    "actor/entropy", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
-    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/step", "perf/throughput",
-    "actor/perf/max_memory_allocated_gb", "actor/perf/max_memory_reserved_gb", "actor/perf/cpu_memory_used_gb",
+    "reward/mean",
+    "reward/max",
+    "reward/min",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "advantages/mean",
+    "advantages/max",
+    "advantages/min",
+    "returns/mean",
+    "actor/entropy",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+    "actor/perf/max_memory_allocated_gb",
+    "actor/perf/max_memory_reserved_gb",
+    "actor/perf/cpu_memory_used_gb",
 ]
 
 
@@ -50,29 +68,53 @@ def test_grpo_run_logs_every_promised_metric(tiny_run, tmp_path):
 
 
 def test_gae_with_critic_and_kl_logs_critic_metrics(tiny_run, tmp_path):
-    run_training(load_config(None, tiny_run + ["algorithm.adv_estimator=gae", "algorithm.gamma=0.99",
-                                               "algorithm.lam=0.95", "actor_rollout_ref.actor.use_kl_loss=true",
-                                               "algorithm.rollout_correction.bypass_mode=false"]))
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + [
+                "algorithm.adv_estimator=gae",
+                "algorithm.gamma=0.99",
+                "algorithm.lam=0.95",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "algorithm.rollout_correction.bypass_mode=false",
+            ],
+        )
+    )
     rows = _rows(tmp_path)
     for step in (1, 2):
         row = rows[step]
         # With the old-log-prob forward on, the sampler and the trainer agree on every log-prob.
         assert 0 <= row["rollout_corr/log_prob_abs_diff/max"] < 1e-4
-        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "values/mean",
-                    "timing_s/values", "timing_s/update_critic", "timing_s/ref", "actor/kl_loss"):
+        for key in (
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/grad_norm",
+            "values/mean",
+            "timing_s/values",
+            "timing_s/update_critic",
+            "timing_s/ref",
+            "actor/kl_loss",
+        ):
             assert key in row and math.isfinite(row[key]), key
     assert (tmp_path / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
 def test_other_estimators_run(tiny_run, tmp_path, estimator):
-    run_training(load_config(None, tiny_run + [f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1"]))
+    run_training(
+        load_config(None, tiny_run + [f"algorithm.adv_estimator={estimator}", "trainer.total_training_steps=1"])
+    )
     assert 1 in _rows(tmp_path)
 
 
 def test_cli_train_prints_accuracy_line(tiny_run, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", *tiny_run, "trainer.logger=[console,jsonl]"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", "train", *tiny_run, "trainer.logger=[console,jsonl]"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert "held-out exact-match accuracy: step 0 = " in out.stdout
     assert "Traceback" not in out.stderr

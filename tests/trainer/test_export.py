@@ -12,12 +12,11 @@ from conveyor.cli import main
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.trainer.checkpoint import load_checkpoint
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.trainer.plan import build_run_plan
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.settings import actor_settings
-
 
 REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -28,8 +27,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_export_gives_the_trainers_logits(tiny_run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "reward.py").write_text(REWARD)
-    cfg = load_config(None, tiny_run + ["trainer.save_freq=1", "trainer.max_ckpt_to_keep=null",
-                                        f"reward.custom_reward_function.path={tmp_path / 'reward.py'}"])
+    cfg = load_config(
+        None,
+        tiny_run
+        + [
+            "trainer.save_freq=1",
+            "trainer.max_ckpt_to_keep=null",
+            f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+        ],
+    )
     run_training(cfg)
     out = tmp_path / "exported"
     assert main(["export", str(tmp_path), "--step", "1", "--out", str(out)]) == 0
@@ -39,8 +45,11 @@ def test_export_gives_the_trainers_logits(tiny_run, tmp_path: Path, capsys: pyte
     tokenizer = AutoTokenizer.from_pretrained(out)
 
     # The trainer's policy at step 1: a worker restored from that checkpoint.
-    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
-                          data_plane=make_data_plane("memory"))
+    worker = PolicyWorker(
+        actor_settings(cfg, build_run_plan(cfg, "cpu")),
+        model_path=prepare_default_model(cfg),
+        data_plane=make_data_plane("memory"),
+    )
     parts = load_checkpoint(tmp_path / "checkpoints" / "global_step_1")
     worker.load_checkpoint(str(parts["actor"]), parts["trainer_state"]["roles"]["actor"])
     ids = torch.tensor([tokenizer("12+34=")["input_ids"]])

@@ -6,19 +6,23 @@ import dataclasses
 
 import pytest
 import torch
+from test_stages import build_trainer  # tests/trainer is on sys.path (rootdir import mode)
 
 from conveyor.config import load_config
 from conveyor.models.lora import is_adapter_key
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.settings import reference_settings
 
-from test_stages import build_trainer  # tests/trainer is on sys.path (rootdir import mode)
-
-LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
-        "actor_rollout_ref.actor.optim.lr=0.01",
-        # Every reward of an untrained model is 0 (no advantage): the entropy bonus gives the update a gradient.
-        "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.rollout_correction.bypass_mode=false"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.1",
+    "actor_rollout_ref.actor.optim.lr=0.01",
+    # Every reward of an untrained model is 0 (no advantage): the entropy bonus gives the update a gradient.
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "algorithm.rollout_correction.bypass_mode=false",
+]
 
 
 def _trainer(overrides):
@@ -54,7 +58,7 @@ def test_lora_trains_adapters_and_the_reference_is_the_base(tiny_run):
     base = {n: p.detach().clone() for n, p in worker.model.named_parameters() if not p.requires_grad}
 
     trainer.global_step = 1
-    m1 = trainer.step()
+    trainer.step()
     trainer.global_step = 2
     m2 = trainer.step()
     assert "ref/perf/ref/max_memory_gb" in m2 and m2["actor/kl_loss"] > 0
@@ -71,8 +75,9 @@ def test_lora_trains_adapters_and_the_reference_is_the_base(tiny_run):
     model_cfg = dataclasses.replace(cfg.actor_rollout_ref.model, lora_rank=0, forward_impl="hf")
     settings = dataclasses.replace(reference_settings(cfg, plan), model=model_cfg)
     ref = ReferenceWorker(settings, model_path=path, data_plane=dp)
-    meta = meta.with_extra_info(temperature=cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False,
-                                compute_loss=False)
+    meta = meta.with_extra_info(
+        temperature=cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False, compute_loss=False
+    )
     ref.compute_log_prob(meta)
     separate = dp.kv_batch_get(keys=keys, partition_id="check", select_fields=["ref_log_prob"])["ref_log_prob"]
     assert torch.equal(separate, stored["ref_log_prob"])
@@ -93,8 +98,11 @@ def test_lora_checkpoint_holds_adapters_and_resumes(tiny_run, tmp_path):
     assert (ckpt / "actor" / "adapter_config.json").is_file()
     worker = trainer.workers.actor.ranks.worker
     want = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
-    want_opt = {n: worker.trained.optimizer.state[p]["exp_avg"].clone()
-                for n, p in worker.model.named_parameters() if p.requires_grad}
+    want_opt = {
+        n: worker.trained.optimizer.state[p]["exp_avg"].clone()
+        for n, p in worker.model.named_parameters()
+        if p.requires_grad
+    }
 
     resumed, *_ = _trainer(tiny_run + LORA + ["trainer.resume_mode=auto"])
     resumed.global_step = resumed.checkpoints.resume()
@@ -140,16 +148,21 @@ def test_asynchronous_lora_at_k0_is_the_synchronous_run(tmp_path, tiny_run):
     samples through the adapters instead, which rounds differently)."""
     import json
 
-    from conveyor.trainer.export import export_hf
-    from conveyor.trainer.run import run_training
     from safetensors.torch import load_file
 
-    base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")] + LORA + [
-        "trainer.total_training_steps=3", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+    from conveyor.trainer.export import export_hf
+    from conveyor.trainer.run import run_training
+
+    base = (
+        [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")]
+        + LORA
+        + ["trainer.total_training_steps=3", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+    )
     rows, weights = {}, {}
-    for name, extra in (("sync", ["actor_rollout_ref.rollout.placement=separate"]),
-                        ("async", ["trainer.v1.trainer_mode=separate_async",
-                                                 "trainer.v1.sampler.max_off_policy_threshold=0"])):
+    for name, extra in (
+        ("sync", ["actor_rollout_ref.rollout.placement=separate"]),
+        ("async", ["trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=0"]),
+    ):
         run_dir = tmp_path / name
         run_training(load_config(None, base + extra + [f"trainer.default_local_dir={run_dir}"]))
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()

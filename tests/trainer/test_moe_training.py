@@ -11,9 +11,9 @@ import torch
 from conveyor.config import load_config
 from conveyor.data_plane.memory import MemoryDataPlane
 from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 from conveyor.trainer.setup import prepare_default_model
-from conveyor.trainer.plan import build_run_plan
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.ranks.settings import actor_settings
@@ -22,8 +22,10 @@ LAYER_KEYS = ("max_vio", "min_vio", "avg_vio")
 
 
 def test_interval_two_logs_every_moe_key_on_even_steps(tiny_run, tmp_path):
-    cfg = load_config(None, tiny_run + ["trainer.total_training_steps=4",
-                                        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2"])
+    cfg = load_config(
+        None,
+        tiny_run + ["trainer.total_training_steps=4", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2"],
+    )
     run_training(cfg)
     rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")}
     for step in (1, 3):
@@ -46,9 +48,15 @@ def test_interval_two_logs_every_moe_key_on_even_steps(tiny_run, tmp_path):
 
 
 def test_dense_model_with_interval_warns_once_and_logs_no_layer_keys(tiny_run, tmp_path, caplog):
-    cfg = load_config(None, tiny_run + ["trainer.total_training_steps=4",
-                                        "actor_rollout_ref.model.tiny.arch=qwen3",
-                                        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2"])
+    cfg = load_config(
+        None,
+        tiny_run
+        + [
+            "trainer.total_training_steps=4",
+            "actor_rollout_ref.model.tiny.arch=qwen3",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2",
+        ],
+    )
     with caplog.at_level(logging.WARNING):
         run_training(cfg)
     rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")}
@@ -70,8 +78,10 @@ def _replay_batch():
 
 @pytest.mark.parametrize("impl", ["lean", "hf"])
 def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl):
-    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3",
-                                        f"actor_rollout_ref.model.forward_impl={impl}"])
+    cfg = load_config(
+        None,
+        tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3", f"actor_rollout_ref.model.forward_impl={impl}"],
+    )
     path = prepare_default_model(cfg)
     dp = MemoryDataPlane()
     worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=path, data_plane=dp)
@@ -80,11 +90,19 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
     seq = prompts.shape[1] + responses.shape[1]
     base = (torch.arange(seq).view(1, seq, 1, 1) + torch.tensor([0, 3]).view(1, 1, 1, 2)) % 8
     routed = base.expand(4, seq, 2, 2).clone().to(torch.int8)
-    dp.kv_batch_put(keys, "p", {
-        "prompts": prompts, "prompt_mask": pmask, "responses": responses, "response_mask": rmask,
-        "old_log_probs": torch.full((4, 3), -2.0), "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3, [0.5] * 3, [2.0] * 3]),
-        "routed_experts": routed,
-    })
+    dp.kv_batch_put(
+        keys,
+        "p",
+        {
+            "prompts": prompts,
+            "prompt_mask": pmask,
+            "responses": responses,
+            "response_mask": rmask,
+            "old_log_probs": torch.full((4, 3), -2.0),
+            "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3, [0.5] * 3, [2.0] * 3]),
+            "routed_experts": routed,
+        },
+    )
     from conveyor.protocol import KVBatchMeta
 
     meta = KVBatchMeta(keys, "p")
@@ -98,28 +116,42 @@ def test_r3_replay_uses_recorded_experts_and_router_gets_gradient(tiny_run, impl
 
     gate = [m for n, m in worker.model.named_modules() if n.endswith("mlp.gate")][0]
     before = gate.weight.detach().clone()
-    out = worker.update_actor(meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+    out = worker.update_actor(
+        meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+    )
     assert out.extra_info["actor/grad_norm"] > 0
     assert not torch.equal(before, gate.weight.detach()), "the router must be trained under replay"
 
 
 @pytest.mark.parametrize("impl", ["lean", "hf"])
 def test_r2_records_the_old_log_prob_forwards_routing_and_the_update_replays_it(tiny_run, impl):
-    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R2",
-                                        f"actor_rollout_ref.model.forward_impl={impl}"])
+    cfg = load_config(
+        None,
+        tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R2", f"actor_rollout_ref.model.forward_impl={impl}"],
+    )
     plan = build_run_plan(cfg, "cpu")
     assert plan.old_log_probs == "forward" and plan.forward_records_routing  # R2 needs the forward that records
     path = prepare_default_model(cfg)
     dp = MemoryDataPlane()
     worker = PolicyWorker(actor_settings(cfg, plan), model_path=path, data_plane=dp)
     keys, prompts, pmask, responses, rmask = _replay_batch()
-    dp.kv_batch_put(keys, "p", {"prompts": prompts, "prompt_mask": pmask, "responses": responses,
-                                "response_mask": rmask,
-                                "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3, [0.5] * 3, [2.0] * 3])})
+    dp.kv_batch_put(
+        keys,
+        "p",
+        {
+            "prompts": prompts,
+            "prompt_mask": pmask,
+            "responses": responses,
+            "response_mask": rmask,
+            "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3, [0.5] * 3, [2.0] * 3]),
+        },
+    )
     from conveyor.protocol import KVBatchMeta
 
     meta = KVBatchMeta(keys, "p")
-    out = worker.compute_log_prob(meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+    out = worker.compute_log_prob(
+        meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+    )
     assert "routed_experts" in out.fields
     td = dp.kv_batch_get(keys, "p", ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
     recorded = td["routed_experts"].long()
@@ -151,30 +183,49 @@ def test_r2_records_the_old_log_prob_forwards_routing_and_the_update_replays_it(
 
 
 def test_r2_in_a_run_logs_load_balance_from_the_trainers_forward(tiny_run):
-    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R2",
-                                        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    cfg = load_config(
+        None,
+        tiny_run
+        + [
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        ],
+    )
     last = run_training(cfg)
     assert last["rollout/moe/routed_experts_found"] == 1.0
     assert "actor/moe/routing_agreement" in last
     with pytest.raises(ValueError, match="R2 records the routing"):
-        load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R2",
-                           "algorithm.rollout_correction.bypass_mode=true"])
+        load_config(
+            None, ["actor_rollout_ref.actor.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"]
+        )
 
 
-PHASE_KEYS = ("actor/perf/rollout/max_memory_gb", "actor/perf/old_log_prob/max_memory_gb",
-              "ref/perf/ref/max_memory_gb", "critic/perf/values/max_memory_gb",
-              "critic/perf/update_critic/max_memory_gb", "actor/perf/update_actor/max_memory_gb",
-              "actor/perf/routing_agreement/max_memory_gb")
+PHASE_KEYS = (
+    "actor/perf/rollout/max_memory_gb",
+    "actor/perf/old_log_prob/max_memory_gb",
+    "ref/perf/ref/max_memory_gb",
+    "critic/perf/values/max_memory_gb",
+    "critic/perf/update_critic/max_memory_gb",
+    "actor/perf/update_actor/max_memory_gb",
+    "actor/perf/routing_agreement/max_memory_gb",
+)
 
 
 def test_r3_with_gradient_checkpointing_trains_and_every_phase_reports_its_memory(tiny_run, tmp_path):
     """R3 replay under activation checkpointing completes a run (the recompute replays too); with every phase on
     (old log-probs, reference, critic, routing agreement), each logs its own peak per rank."""
-    cfg = load_config(None, tiny_run + ["actor_rollout_ref.actor.router_replay.mode=R3",
-                                        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                                        "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                        "algorithm.rollout_correction.bypass_mode=false",
-                                        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1"])
+    cfg = load_config(
+        None,
+        tiny_run
+        + [
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "algorithm.rollout_correction.bypass_mode=false",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        ],
+    )
     run_training(cfg)
     rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")}
     for step in (1, 2):

@@ -38,13 +38,19 @@ def test_run_writes_tensorboard_and_mlflow(tiny_run, tmp_path, monkeypatch):
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "actor/pg_loss")
-    assert [(m.step, pytest.approx(m.value)) for m in history] == [(1, rows[1]["actor/pg_loss"]), (2, rows[2]["actor/pg_loss"])]
+    assert [(m.step, pytest.approx(m.value)) for m in history] == [
+        (1, rows[1]["actor/pg_loss"]),
+        (2, rows[2]["actor/pg_loss"]),
+    ]
     del mlflow
 
 
 def test_prometheus_endpoint_serves_reward_during_a_run(tiny_run, tmp_path, caplog):
-    cfg = load_config(None, tiny_run + ["trainer.total_training_steps=20", "trainer.prometheus.enabled=true",
-                                        "transfer_queue.metrics.enabled=true"])
+    cfg = load_config(
+        None,
+        tiny_run
+        + ["trainer.total_training_steps=20", "trainer.prometheus.enabled=true", "transfer_queue.metrics.enabled=true"],
+    )
     found: dict = {}
 
     def scrape():
@@ -54,7 +60,9 @@ def test_prometheus_endpoint_serves_reward_during_a_run(tiny_run, tmp_path, capl
         while time.time() < deadline and not found:
             if port is None:
                 for rec in caplog.records:
-                    m = re.search(r"training metrics for Prometheus at http://127\.0\.0\.1:(\d+)/metrics", rec.getMessage())
+                    m = re.search(
+                        r"training metrics for Prometheus at http://127\.0\.0\.1:(\d+)/metrics", rec.getMessage()
+                    )
                     if m:
                         port = int(m.group(1))
             if port is not None:
@@ -84,8 +92,11 @@ def test_plot_after_a_run(tiny_run, tmp_path):
 
     from conveyor.cli import main
 
-    run_training(load_config(None, tiny_run + ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
-                                               "trainer.test_freq=1"]))
+    run_training(
+        load_config(
+            None, tiny_run + ["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1", "trainer.test_freq=1"]
+        )
+    )
     assert main(["plot", str(tmp_path)]) == 0
     names = {p.name for p in (tmp_path / "plots").iterdir()}
     assert {"reward.png", "moe_expert_load.png", "moe_expert_load_over_time.png"} <= names

@@ -67,8 +67,9 @@ def _ray_processes() -> list:
 
 
 @pytest.mark.parametrize("where", ["local", "ray"])
-def test_user_reward_estimator_and_loss_reach_every_worker(where: str, tiny_run, wait_until, tmp_path: Path,
-                                                           caplog) -> None:
+def test_user_reward_estimator_and_loss_reach_every_worker(
+    where: str, tiny_run, wait_until, tmp_path: Path, caplog
+) -> None:
     if where == "ray":
         ray = pytest.importorskip("ray")
         pytest.importorskip("psutil")

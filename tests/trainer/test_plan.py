@@ -92,27 +92,36 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         capture, record_for_metrics = metrics and engine_routing, metrics and not engine_routing
     record = runs == "R2" or record_for_metrics  # the tiny model is MoE
     return {
-        "device": device, "engine": engine, "engine_returns_routing": engine_routing, "is_moe": True,
-        "old_log_probs": old, "replay_mode": runs, "replay_requested": replay,
+        "device": device,
+        "engine": engine,
+        "engine_returns_routing": engine_routing,
+        "is_moe": True,
+        "old_log_probs": old,
+        "replay_mode": runs,
+        "replay_requested": replay,
         "routing_source": "rollout" if capture else "forward" if record else "none",
-        "rollout_captures_routing": capture, "forward_records_routing": record,
-        "forward_replays_routing": runs == "R3", "update_replays_routing": runs != "disabled",
+        "rollout_captures_routing": capture,
+        "forward_records_routing": record,
+        "forward_replays_routing": runs == "R3",
+        "update_replays_routing": runs != "disabled",
         "load_balance_from_forward": metrics and (runs == "R2" or not engine_routing),
         "rollout_is_level": "token" if correction == "rollout_is" or off_policy else None,
-        "rollout_rs": correction == "rollout_rs", "off_policy": off_policy,
+        "rollout_rs": correction == "rollout_rs",
+        "off_policy": off_policy,
         # The asynchronous source generates on the rollout worker group while the actor trains.
         "rollout_placement": "colocated" if mode == "sync" else "separate",
         # auto: the rollout on a thread of the trainer's process (own is asked for; tests below).
         "rollout_process": "trainer",
-        "use_critic": role == "critic", "use_reference": role in ("kl_loss", "kl_reward"),
+        "use_critic": role == "critic",
+        "use_reference": role in ("kl_loss", "kl_reward"),
         "reference_from_actor": False,  # no LoRA in the table (tests/trainer/test_lora.py)
-        "actor_loss_scale": 6.0, "critic_loss_scale": 6.0,  # data.max_response_length
+        "actor_loss_scale": 6.0,
+        "critic_loss_scale": 6.0,  # data.max_response_length
         "engine_max_model_len": 64 + 6 if engine == "vllm" else None,
     }
 
 
-@pytest.mark.parametrize("engine, device, replay, bypass",
-                         list(itertools.product(ENGINES, DEVICES, REPLAYS, BYPASS)))
+@pytest.mark.parametrize("engine, device, replay, bypass", list(itertools.product(ENGINES, DEVICES, REPLAYS, BYPASS)))
 def test_truth_table(engine, device, replay, bypass) -> None:
     checked = 0
     for mode, correction, role, interval in itertools.product(MODES, CORRECTIONS, ROLES, INTERVALS):
@@ -136,8 +145,11 @@ def test_truth_table(engine, device, replay, bypass) -> None:
         assert bool(plan.replay_reason) == (plan.replay_mode != replay), case
         assert plan.decisions and all(isinstance(d, str) and d for d in plan.decisions), case
         checked += 1
-    assert checked or config_refuses(engine, replay, bypass, "sync") or (
-        replay == "R3" and bypass is True and engine == "vllm" and device == "cpu")
+    assert (
+        checked
+        or config_refuses(engine, replay, bypass, "sync")
+        or (replay == "R3" and bypass is True and engine == "vllm" and device == "cpu")
+    )
 
 
 @pytest.mark.parametrize("mini_batch, epochs", [(16, 1), (32, 2)])
@@ -146,8 +158,9 @@ def test_more_than_one_optimizer_step_per_batch_needs_the_old_log_prob_forward(m
     cfg.actor_rollout_ref.actor.ppo_epochs = epochs
     plan = build_run_plan(cfg, "cpu")
     assert plan.old_log_probs == "forward"
-    assert plan == RunPlan(**{**plan.__dict__, **expected("hf", "cpu", "disabled", None, "async_k1", "none",
-                                                          "plain", 0, one_step=False)})
+    assert plan == RunPlan(
+        **{**plan.__dict__, **expected("hf", "cpu", "disabled", None, "async_k1", "none", "plain", 0, one_step=False)}
+    )
 
 
 def test_loss_scales_fall_back_actor_then_response_length() -> None:
@@ -171,7 +184,9 @@ def test_critic_enable_overrides_the_estimator() -> None:
 
 
 def test_a_dense_model_records_and_replays_nothing() -> None:
-    cfg = load_config(None, ["actor_rollout_ref.model.tiny.arch=qwen3", "actor_rollout_ref.actor.router_replay.mode=R2"])
+    cfg = load_config(
+        None, ["actor_rollout_ref.model.tiny.arch=qwen3", "actor_rollout_ref.actor.router_replay.mode=R2"]
+    )
     plan = build_run_plan(cfg, "cpu")
     assert not plan.is_moe and plan.replay_mode == "R2" and plan.old_log_probs == "forward"
     assert not (plan.forward_records_routing or plan.forward_replays_routing or plan.update_replays_routing)
@@ -186,8 +201,15 @@ def test_moe_is_read_from_a_checkpoints_config_json(tmp_path: Path) -> None:
 
 
 def test_the_plan_is_plain_and_does_not_change_the_config() -> None:
-    cfg = load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
-                             "actor_rollout_ref.model.tiny.num_kv_heads=2", "actor_rollout_ref.actor.router_replay.mode=R3"])
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.tiny.num_heads=2",
+            "actor_rollout_ref.model.tiny.num_kv_heads=2",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+        ],
+    )
     before = copy.deepcopy(cfg)
     plan = build_run_plan(cfg, "cpu")
     assert cfg == before and plan.replay_mode == "R2"
@@ -201,13 +223,30 @@ def test_the_command_line_refuses_r3_with_bypass_on_the_vllm_cpu_engine_before_b
     """The run that used to fail at its first update with FieldNotFoundError: refused at start, exit status 2."""
     root = Path(__file__).resolve().parents[2]
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    env = {**os.environ, "CONVEYOR_CACHE": str(cache), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "CONVEYOR_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "conveyor.cli", "train", "--config", str(root / "examples" / "vllm_cpu.yaml"),
-         "actor_rollout_ref.actor.router_replay.mode=R3", "algorithm.rollout_correction.bypass_mode=true",
-         "trainer.total_training_steps=1", f"trainer.default_local_dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "conveyor.cli",
+            "train",
+            "--config",
+            str(root / "examples" / "vllm_cpu.yaml"),
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "algorithm.rollout_correction.bypass_mode=true",
+            "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "actor_rollout_ref.actor.router_replay.mode=R3" in done.stderr
@@ -230,26 +269,44 @@ def test_lora_makes_the_reference_the_actors_base(kl) -> None:
 
 def test_partial_rollouts_need_an_interruptible_engine() -> None:
     # The plan reads the capability: weights between two tokens need an engine that can stop between them.
-    cfg = load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.tiny.num_heads=2",
-                             "actor_rollout_ref.model.tiny.num_kv_heads=2", "trainer.v1.trainer_mode=separate_async",
-                             "trainer.v1.separate_async.partial_rollout=true"])
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.tiny.num_heads=2",
+            "actor_rollout_ref.model.tiny.num_kv_heads=2",
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.separate_async.partial_rollout=true",
+        ],
+    )
     with pytest.raises(ConfigError, match="interrupted between tokens.*partial_rollout=false"):
         build_run_plan(cfg, "cpu")
-    assert build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async",
-                                             "trainer.v1.separate_async.partial_rollout=true"]), "cpu")
+    assert build_run_plan(
+        load_config(None, ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.partial_rollout=true"]),
+        "cpu",
+    )
 
 
-@pytest.mark.parametrize("overrides, process, why", [
-    ([], "trainer", "rollout_process=auto"),
-    (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer", "rollout_process=auto"),
-    (["trainer.v1.separate_async.partial_rollout=true"], "trainer", "rollout_process=auto"),
-    (["trainer.v1.separate_async.rollout_process=trainer"], "trainer", "rollout_process=trainer"),
-    (["trainer.v1.separate_async.rollout_process=own"], "own", "rollout_process=own"),
-    (["trainer.v1.separate_async.rollout_process=own", "trainer.v1.sampler.max_off_policy_threshold=0"], "own",
-     "rollout_process=own"),
-    (["trainer.v1.separate_async.rollout_process=own", "trainer.v1.separate_async.partial_rollout=true"], "own",
-     "rollout_process=own"),
-])
+@pytest.mark.parametrize(
+    "overrides, process, why",
+    [
+        ([], "trainer", "rollout_process=auto"),
+        (["trainer.v1.sampler.max_off_policy_threshold=0"], "trainer", "rollout_process=auto"),
+        (["trainer.v1.separate_async.partial_rollout=true"], "trainer", "rollout_process=auto"),
+        (["trainer.v1.separate_async.rollout_process=trainer"], "trainer", "rollout_process=trainer"),
+        (["trainer.v1.separate_async.rollout_process=own"], "own", "rollout_process=own"),
+        (
+            ["trainer.v1.separate_async.rollout_process=own", "trainer.v1.sampler.max_off_policy_threshold=0"],
+            "own",
+            "rollout_process=own",
+        ),
+        (
+            ["trainer.v1.separate_async.rollout_process=own", "trainer.v1.separate_async.partial_rollout=true"],
+            "own",
+            "rollout_process=own",
+        ),
+    ],
+)
 def test_where_the_asynchronous_rollout_runs(overrides, process, why) -> None:
     plan = build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async", *overrides]), "cpu")
     assert plan.rollout_process == process

@@ -58,14 +58,17 @@ def test_an_address_where_no_ray_listens_fails_fast() -> None:
     assert time.monotonic() - t0 < 10 and not ray.is_initialized()
 
 
-@pytest.mark.parametrize("overrides,backend,why", [
-    (["trainer.num_cpu_workers=2"], "memory", "on this machine"),
-    (["trainer.nnodes=2"], "ray", "other machines"),
-    (["trainer.num_cpu_workers=2", "ray.address=auto"], "ray", "other machines"),
-    (["trainer.n_gpus_per_node=2"], "ray", "GPU workers"),
-    (["trainer.num_cpu_workers=2", "transfer_queue.backend=ray"], "ray", None),
-    ([], "memory", None),
-])
+@pytest.mark.parametrize(
+    "overrides,backend,why",
+    [
+        (["trainer.num_cpu_workers=2"], "memory", "on this machine"),
+        (["trainer.nnodes=2"], "ray", "other machines"),
+        (["trainer.num_cpu_workers=2", "ray.address=auto"], "ray", "other machines"),
+        (["trainer.n_gpus_per_node=2"], "ray", "GPU workers"),
+        (["trainer.num_cpu_workers=2", "transfer_queue.backend=ray"], "ray", None),
+        ([], "memory", None),
+    ],
+)
 def test_which_data_plane_workers_on_ray_reach(overrides, backend, why, caplog) -> None:
     from conveyor.ray_utils import data_plane_backend, serves_memory_plane
 
@@ -123,8 +126,9 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_unt
         assert not [p for p in placement_group_table().values() if p["state"] in ("PENDING", "CREATED")]
         pids = [int(p.read_text()) for p in pid_dir.iterdir()]
         assert len(pids) == 2
-        assert wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                     for p in pids))
+        assert wait_until(
+            lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        )
     finally:
         ray.shutdown()
 
@@ -134,8 +138,9 @@ def two_node_run(tiny_run_base: list[str], tmp_path_factory: pytest.TempPathFact
     """One run that two tests check (a Ray run costs ~25 s here, nearly all of it starting processes): the tiny run
     on two simulated nodes with a KL loss (the reference role) and GAE (the critic role), each rank's worker of
     every model role recording the pid of the process that built it."""
-    import conveyor.workers.placement.roles as roles
     from ray.cluster_utils import Cluster
+
+    import conveyor.workers.placement.roles as roles
 
     tmp = tmp_path_factory.mktemp("two-nodes")
     run_dir, pid_dir = tmp / "run", tmp / "pids"
@@ -165,21 +170,34 @@ def two_node_run(tiny_run_base: list[str], tmp_path_factory: pytest.TempPathFact
         try:
             cluster.add_node(num_cpus=2)
             cluster.wait_for_nodes()
-            run_training(load_config(None, tiny_run_base + [f"trainer.default_local_dir={run_dir}", "trainer.nnodes=2",
-                                                       f"ray.address={cluster.address}",
-                                                       "actor_rollout_ref.actor.use_kl_loss=true",
-                                                       "algorithm.adv_estimator=gae",
-                                                       # Token budgets on (every role's forwards fill micro-batches
-                                                       # by tokens): the stages' plumbing on two ranks.
-                                                       "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=140"]))
+            run_training(
+                load_config(
+                    None,
+                    tiny_run_base
+                    + [
+                        f"trainer.default_local_dir={run_dir}",
+                        "trainer.nnodes=2",
+                        f"ray.address={cluster.address}",
+                        "actor_rollout_ref.actor.use_kl_loss=true",
+                        "algorithm.adv_estimator=gae",
+                        # Token budgets on (every role's forwards fill micro-batches
+                        # by tokens): the stages' plumbing on two ranks.
+                        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=140",
+                    ],
+                )
+            )
             still_connected = ray.is_initialized()
         finally:
             cluster.shutdown()
             logger.removeHandler(handler)
             logger.setLevel(old_level)
-    return {"run_dir": run_dir, "messages": [r.getMessage() for r in records], "still_connected": still_connected,
-            "pids": {p.name: int(p.read_text()) for p in pid_dir.iterdir()}}
+    return {
+        "run_dir": run_dir,
+        "messages": [r.getMessage() for r in records],
+        "still_connected": still_connected,
+        "pids": {p.name: int(p.read_text()) for p in pid_dir.iterdir()},
+    }
 
 
 def test_two_simulated_nodes(two_node_run) -> None:
@@ -188,8 +206,9 @@ def test_two_simulated_nodes(two_node_run) -> None:
     assert all("actor/kl_loss" in row for row in _steps(run_dir).values() if row["step"] > 0)
     # One process per node, hosting that rank of the actor, of the reference and of the critic: the placement
     # spread the bundles over both nodes.
-    assert "actor+ref+critic: 2 rank(s) on 2 node(s), one process per rank" in two_node_run["messages"], \
-        [m for m in two_node_run["messages"] if "rank(s)" in m]
+    assert "actor+ref+critic: 2 rank(s) on 2 node(s), one process per rank" in two_node_run["messages"], [
+        m for m in two_node_run["messages"] if "rank(s)" in m
+    ]
     assert not two_node_run["still_connected"]  # run_training connected, so it disconnected
 
 
@@ -209,9 +228,13 @@ def test_a_reference_and_critic_run_on_two_ranks_hosts_every_model_role_in_one_p
         # Every split after the rollout balances prompt + response tokens over the two ranks, and says how well
         # (the old log-probs come from the rollout here: no actor forward).
         logged = sorted(k for k in steps[s] if k.endswith("/rank_token_imbalance"))
-        assert logged == ["actor/perf/generate_sequences/rank_token_imbalance",
-                          "actor/perf/update_actor/rank_token_imbalance", "critic/perf/compute_values/rank_token_imbalance",
-                          "critic/perf/update_critic/rank_token_imbalance", "ref/perf/compute_log_prob/rank_token_imbalance"]
+        assert logged == [
+            "actor/perf/generate_sequences/rank_token_imbalance",
+            "actor/perf/update_actor/rank_token_imbalance",
+            "critic/perf/compute_values/rank_token_imbalance",
+            "critic/perf/update_critic/rank_token_imbalance",
+            "ref/perf/compute_log_prob/rank_token_imbalance",
+        ]
         assert all(1.0 <= steps[s][k] < 1.5 for k in logged), {k: steps[s][k] for k in logged}
     assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before step 1
     assert (two_node_run["run_dir"] / "checkpoints" / "global_step_2" / "critic" / ".metadata").is_file()

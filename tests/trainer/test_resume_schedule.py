@@ -12,8 +12,13 @@ KEYS = ("actor/lr", "actor/pg_loss", "actor/grad_norm", "reward/mean", "actor/en
 
 
 def test_cosine_run_resumed_after_step_two_matches_the_uninterrupted_run(tiny_run, tmp_path):
-    common = ["trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null",
-              "actor_rollout_ref.actor.optim.lr_scheduler=cosine", "actor_rollout_ref.model.tiny.warmstart_steps=20"]
+    common = [
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.max_ckpt_to_keep=null",
+        "actor_rollout_ref.actor.optim.lr_scheduler=cosine",
+        "actor_rollout_ref.model.tiny.warmstart_steps=20",
+    ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_training(load_config(None, tiny_run + common + [f"trainer.default_local_dir={ref_dir}"]))
     run_training(load_config(None, tiny_run + common + [f"trainer.default_local_dir={run_dir}"]))

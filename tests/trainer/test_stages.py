@@ -28,12 +28,14 @@ MODEL_INPUT = frozenset({"prompts", "prompt_mask", "responses", "response_mask"}
 GENERATED = frozenset({"responses", "response_mask", "rollout_log_probs"})
 SCORED = frozenset({"rm_scores", "acc"})
 ADVANTAGES = frozenset({"token_level_rewards", "advantages", "returns"})
-METRICS_READ = frozenset({"rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask",
-                          "prompt_mask"})
+METRICS_READ = frozenset(
+    {"rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask"}
+)
 
 
 class RecordingDataPlane(MemoryDataPlane):
-    """The real memory store, noting which fields each get/put touched (per partition), and keeping what a clear drops."""
+    """The real memory store, noting which fields each get/put touched (per partition), and keeping what a clear
+    drops."""
 
     def __init__(self):
         super().__init__()
@@ -90,8 +92,18 @@ def build_trainer(overrides, *, with_model_config: bool = False):
     plan = build_run_plan(cfg, "cpu")
     workers = build_worker_groups(cfg, plan, path, dp, tok)
     extra = {"model_config": load_model_config(path)} if with_model_config else {}
-    trainer = PPOTrainer(cfg, plan=plan, data_plane=dp, workers=workers, tokenizer=tok, train_records=train,
-                         val_records=val, tracking=NullTracking(), run_dir=cfg.run_dir, **extra)
+    trainer = PPOTrainer(
+        cfg,
+        plan=plan,
+        data_plane=dp,
+        workers=workers,
+        tokenizer=tok,
+        train_records=train,
+        val_records=val,
+        tracking=NullTracking(),
+        run_dir=cfg.run_dir,
+        **extra,
+    )
     return trainer, dp, cfg, plan, path
 
 
@@ -130,8 +142,17 @@ def run_step(trainer, dp):
     assert dp.list_partitions() == [], "the step clears its partition"
     assert_written_before_read(dp, "train-1")
     assert metrics["training/global_step"] == 1.0
-    assert {"timing_s/step", "timing_s/prompts", "timing_s/gen", "timing_s/reward", "timing_s/adv",
-            "timing_s/update_actor", "timing_s/metrics", "perf/throughput", "perf/total_num_tokens"} <= set(metrics)
+    assert {
+        "timing_s/step",
+        "timing_s/prompts",
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/adv",
+        "timing_s/update_actor",
+        "timing_s/metrics",
+        "perf/throughput",
+        "perf/total_num_tokens",
+    } <= set(metrics)
     assert metrics["perf/total_num_tokens"] > 0
     # Every timed stage also has its thread's CPU seconds: never more than the thread could spend in its wall time.
     cpu = {k.removeprefix("timing_cpu_s/"): v for k, v in metrics.items() if k.startswith("timing_cpu_s/")}
@@ -155,8 +176,10 @@ def test_stage_fields_grpo(tiny_run):
         (frozenset({"rm_scores", "response_mask", "uid"}), ADVANTAGES),  # advantages
     }
     # The update reads its inputs (and writes nothing back); the metrics compare sampler and trainer log-probs.
-    assert update_reads == {MODEL_INPUT | {"old_log_probs", "advantages"},
-                            METRICS_READ | {"rollout_log_probs", "old_log_probs"}}
+    assert update_reads == {
+        MODEL_INPUT | {"old_log_probs", "advantages"},
+        METRICS_READ | {"rollout_log_probs", "old_log_probs"},
+    }
     assert "compute_log_prob" in calls and "update_actor" in calls
     assert metrics["actor/entropy"] > 0
     assert "actor/pg_loss" in metrics and "critic/vf_loss" not in metrics
@@ -165,23 +188,39 @@ def test_stage_fields_grpo(tiny_run):
 
 
 def test_stage_fields_gae_with_critic_and_kl(tiny_run):
-    trainer, dp = make_trainer(tiny_run + ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                           "algorithm.use_kl_in_reward=true",
-                                           "algorithm.rollout_correction.bypass_mode=false"])
+    trainer, dp = make_trainer(
+        tiny_run
+        + [
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.rollout_correction.bypass_mode=false",
+        ]
+    )
     metrics = run_step(trainer, dp)
     segments, update_reads = dp.stages("train-1")
     assert (MODEL_INPUT, frozenset({"ref_log_prob"})) in segments  # the reference
     assert (MODEL_INPUT, frozenset({"values"})) in segments  # the critic's values
-    assert (frozenset({"rm_scores", "response_mask", "uid", "old_log_probs", "ref_log_prob", "values"}),
-            ADVANTAGES) in segments  # advantages, after the in-reward KL penalty
+    assert (
+        frozenset({"rm_scores", "response_mask", "uid", "old_log_probs", "ref_log_prob", "values"}),
+        ADVANTAGES,
+    ) in segments  # advantages, after the in-reward KL penalty
     assert len(segments) == 7
     assert update_reads == {
         MODEL_INPUT | {"values", "returns"},  # the critic update
         MODEL_INPUT | {"old_log_probs", "advantages", "ref_log_prob"},  # the actor update, with its KL loss
         METRICS_READ | {"rollout_log_probs", "old_log_probs", "values"},
     }
-    assert {"critic/vf_loss", "critic/grad_norm", "actor/kl_loss", "actor/reward_kl_penalty",
-            "actor/reward_kl_penalty_coeff", "timing_s/ref", "timing_s/values", "timing_s/update_critic"} <= set(metrics)
+    assert {
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "actor/kl_loss",
+        "actor/reward_kl_penalty",
+        "actor/reward_kl_penalty_coeff",
+        "timing_s/ref",
+        "timing_s/values",
+        "timing_s/update_critic",
+    } <= set(metrics)
 
 
 def test_bypass_mode_copies_rollout_log_probs_without_a_forward(tiny_run):
@@ -215,9 +254,17 @@ def test_adaptive_kl_in_reward_counts_sequences_as_verl_does(tiny_run):
     import sys
     from pathlib import Path
 
-    trainer, dp = make_trainer(tiny_run + ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-                                           "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.01",
-                                           "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.rollout.n=4"])
+    trainer, dp = make_trainer(
+        tiny_run
+        + [
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.05",
+            "algorithm.kl_ctrl.target_kl=0.01",
+            "algorithm.kl_ctrl.horizon=100",
+            "actor_rollout_ref.rollout.n=4",
+        ]
+    )
     metrics = run_step(trainer, dp)
     current_kl = metrics["actor/reward_kl_penalty"]
     n_seqs = trainer.cfg.data.train_batch_size * trainer.cfg.actor_rollout_ref.rollout.n
@@ -237,8 +284,12 @@ def test_adaptive_kl_in_reward_counts_sequences_as_verl_does(tiny_run):
     )
     algos = Path(__file__).resolve().parents[1] / "algos"
     n_prompts = trainer.cfg.data.train_batch_size
-    proc = subprocess.run([sys.executable, "-c", script, str(algos), repr(current_kl), str(n_seqs), str(n_prompts)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(algos), repr(current_kl), str(n_seqs), str(n_prompts)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected, per_prompt = json.loads(proc.stdout.strip().splitlines()[-1])
     assert expected != pytest.approx(per_prompt)  # the case tells the two counts apart
@@ -282,8 +333,10 @@ def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
         return render_prompt(rec, tokenizer)
 
     monkeypatch.setattr(prompts_module, "render_prompt", counting)
-    records = [{"prompt": [{"role": "user", "content": c}], "data_source": "arith",
-                "reward_model": {"ground_truth": "1"}} for c in ("1+1=", "2+2=", "1+1=")]
+    records = [
+        {"prompt": [{"role": "user", "content": c}], "data_source": "arith", "reward_model": {"ground_truth": "1"}}
+        for c in ("1+1=", "2+2=", "1+1=")
+    ]
     first = trainer.stages.put_prompts(records, "a", n=2)
     again = trainer.stages.put_prompts([dict(r) for r in records], "b", n=1)
     assert rendered == ["1+1=", "2+2="]  # a message list seen before is not rendered again
@@ -292,8 +345,9 @@ def test_prompts_render_once_per_distinct_message_list(tiny_run, monkeypatch):
     raw = dp.kv_batch_get(keys=again.keys, partition_id="b", select_fields=["raw_prompt"])["raw_prompt"]
     assert list(raw) == [render_prompt(r, trainer.tokenizer) for r in records]
     # A different message list under the same content is a different prompt.
-    trainer.stages.put_prompts([{**records[0], "prompt": [{"role": "system", "content": "x"}, *records[0]["prompt"]]}],
-                               "c", n=1)
+    trainer.stages.put_prompts(
+        [{**records[0], "prompt": [{"role": "system", "content": "x"}, *records[0]["prompt"]]}], "c", n=1
+    )
     assert rendered == ["1+1=", "2+2=", "1+1="]
 
 

@@ -16,9 +16,10 @@ def _greedy_accuracy(model, tok, records) -> float:
     texts = [render_prompt(r, tok) for r in records]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
-    answers = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+        )
+    answers = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(a.strip() == r["reward_model"]["ground_truth"] for a, r in zip(answers, records)) / len(records)
 
 
@@ -27,18 +28,30 @@ def test_warm_start_stops_once_its_training_exact_match_reaches_the_target():
     records = make_arithmetic_records(40, seed=0, max_operand=9)
 
     def model():
-        return build_tiny_model("qwen3", tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                intermediate_size=64, max_position_embeddings=16)
+        return build_tiny_model(
+            "qwen3",
+            tok,
+            seed=0,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=16,
+        )
 
     stopped = model()
-    losses = supervised_warmstart(stopped, tok, records, steps=600, lr=1e-2, batch_size=32, until_accuracy=0.5,
-                                  accuracy_window=5)
+    losses = supervised_warmstart(
+        stopped, tok, records, steps=600, lr=1e-2, batch_size=32, until_accuracy=0.5, accuracy_window=5
+    )
     assert 5 <= len(losses) < 600
     # The logits' exact match is greedy decoding's: the stopped model decodes about that well.
     assert 0.3 <= _greedy_accuracy(stopped, tok, records) < 1.0
     # Without a target, all the steps run.
-    assert len(supervised_warmstart(model(), tok, records, steps=len(losses) + 3, lr=1e-2, batch_size=32)) == \
-        len(losses) + 3
+    assert (
+        len(supervised_warmstart(model(), tok, records, steps=len(losses) + 3, lr=1e-2, batch_size=32))
+        == len(losses) + 3
+    )
     with pytest.raises(ValueError, match=r"until_accuracy must be in \[0, 1\]"):
         supervised_warmstart(model(), tok, records, steps=1, lr=1e-2, until_accuracy=1.5)
 

@@ -54,7 +54,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     strategy = TrainingStrategy("fsdp2", world_size=WORLD, device=torch.device("cpu"), expert_parallel_size=EP)
     strategy.wrap(model)
     n = ROWS // WORLD
-    logits = model(input_ids=batch()[rank * n:(rank + 1) * n]).logits
+    logits = model(input_ids=batch()[rank * n : (rank + 1) * n]).logits
     (loss_of(logits) * strategy.loss_scale).backward()
     gathered = [torch.empty_like(logits) for _ in range(WORLD)]
     tdist.all_gather(gathered, logits.detach().contiguous())
@@ -64,9 +64,17 @@ def _rank(rank: int, port: int, out: str) -> None:
     params = {k: p.detach().full_tensor() for k, p in model.named_parameters()}
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     if rank == 0:
-        torch.save({"logits": torch.cat(gathered), "grads": grads, "norm": float(norm), "params": params,
-                    "expert_local_shape": tuple(experts.to_local().shape),
-                    "expert_mesh": tuple(experts.device_mesh.mesh_dim_names)}, Path(out) / "four_ranks.pt")
+        torch.save(
+            {
+                "logits": torch.cat(gathered),
+                "grads": grads,
+                "norm": float(norm),
+                "params": params,
+                "expert_local_shape": tuple(experts.to_local().shape),
+                "expert_mesh": tuple(experts.device_mesh.mesh_dim_names),
+            },
+            Path(out) / "four_ranks.pt",
+        )
     tdist.destroy_process_group()
 
 

@@ -65,8 +65,10 @@ def _case(rank: int, world: int, input_ids: torch.Tensor, case: dict) -> None:
             result = module(input_ids, mask)
         else:
             result = module(input_ids=input_ids, attention_mask=mask).logits
-    torch.save({"tensors": tensors, "local_param_bytes": local, "strategy": worker.trained.strategy.name},
-               out / f"tensors_{rank}.pt")
+    torch.save(
+        {"tensors": tensors, "local_param_bytes": local, "strategy": worker.trained.strategy.name},
+        out / f"tensors_{rank}.pt",
+    )
     torch.save(result, out / f"forward_{rank}.pt")
     tdist.barrier()
 

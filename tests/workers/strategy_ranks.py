@@ -32,7 +32,8 @@ groups' own `split_for_ranks`, and runs the jobs:
 
 A run may name its own `model_path` (a dense model beside the default MoE one).
 - `save:DIR` / `load:DIR`: a sharded checkpoint written or read by all ranks
-  (`load` reads the schedule state from `out/extra.pt`, else from `DIR.extra.pt`, which `save` writes; after it, rank 0 writes
+  (`load` reads the schedule state from `out/extra.pt`, else from `DIR.extra.pt`, which `save` writes; after it, rank 0
+  writes
   the parameters to `out/loaded.pt`).
 """
 
@@ -80,7 +81,9 @@ def _both_no_grad(worker, role: str, plane, share) -> dict:
             full = {"values": torch.cat([worker._values(td[sl]) for sl in micro_batches(len(td), 3)])}
         return {"sharded": sharded, "full": full}
     replay = worker.settings.forward_replays_routing
-    worker.compute_log_prob(share.with_extra_info(**LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()))
+    worker.compute_log_prob(
+        share.with_extra_info(**LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info())
+    )
     got = plane.kv_batch_get(share.keys, share.partition_id, ["old_log_probs", "entropy"])
     sharded = {"log_probs": got["old_log_probs"], "entropy": got["entropy"]}
     td = plane.kv_batch_get(share.keys, share.partition_id, fields + (["routed_experts"] if replay else []))
@@ -93,8 +96,11 @@ def _both_no_grad(worker, role: str, plane, share) -> dict:
             lps.append(lp)
             ents.append(ent)
     mask = td["response_mask"].bool()
-    return {"sharded": sharded, "full": {"log_probs": torch.cat(lps) * mask, "entropy": torch.cat(ents) * mask},
-            "replayed": bool(replay)}
+    return {
+        "sharded": sharded,
+        "full": {"log_probs": torch.cat(lps) * mask, "entropy": torch.cat(ents) * mask},
+        "replayed": bool(replay),
+    }
 
 
 def _layout(worker) -> dict:
@@ -105,10 +111,12 @@ def _layout(worker) -> dict:
         local = p.to_local() if hasattr(p, "to_local") else p
         moment = state.get(p, {}).get("exp_avg")
         moment_local = moment.to_local() if hasattr(moment, "to_local") else moment
-        out[name] = {"shape": tuple(local.shape),
-                     "dims": tuple(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else (),
-                     "placements": [str(pl) for pl in getattr(p, "placements", ())],
-                     "moment_shape": tuple(moment_local.shape) if moment_local is not None else None}
+        out[name] = {
+            "shape": tuple(local.shape),
+            "dims": tuple(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else (),
+            "placements": [str(pl) for pl in getattr(p, "placements", ())],
+            "moment_shape": tuple(moment_local.shape) if moment_local is not None else None,
+        }
     return out
 
 
@@ -118,11 +126,11 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     from conveyor.data_plane import make_data_plane
     from conveyor.protocol import KVBatchMeta
     from conveyor.trainer.plan import build_run_plan
+    from conveyor.workers.placement.group import split_for_ranks
     from conveyor.workers.ranks.actor import PolicyWorker
     from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
     from conveyor.workers.ranks.critic import CriticWorker
     from conveyor.workers.ranks.settings import actor_settings, critic_settings
-    from conveyor.workers.placement.group import split_for_ranks
 
     out = Path(run["out"])
     model_path = run.get("model_path", model_path)
@@ -139,11 +147,13 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     lp_share = KVBatchMeta(share.keys, "lp", share.fields, share.tags, {})
     plan = build_run_plan(cfg, "cpu")
     if run["role"] == "critic":
-        worker = CriticWorker(critic_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank,
-                              world_size=world)
+        worker = CriticWorker(
+            critic_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank, world_size=world
+        )
     else:
-        worker = PolicyWorker(actor_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank,
-                              world_size=world)
+        worker = PolicyWorker(
+            actor_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank, world_size=world
+        )
     for job in run["jobs"]:
         if job == "update":
             call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
@@ -153,25 +163,41 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             if rank == 0:
                 torch.save(params, out / "params.pt")
         elif job == "log_prob":
-            worker.compute_log_prob(lp_share.with_extra_info(**LogProbCall(temperature=1.0,
-                                                                           calculate_entropy=False).to_extra_info()))
+            worker.compute_log_prob(
+                lp_share.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+            )
             got = plane.kv_batch_get(share.keys, "lp", ["old_log_probs"])["old_log_probs"]
             torch.save(got, out / f"log_probs_{rank}.pt")
         elif job == "ref_log_prob":  # LoRA: the actor's forward with its adapters disabled
-            worker.compute_ref_log_prob(lp_share.with_extra_info(**LogProbCall(temperature=1.0,
-                                                                               calculate_entropy=False).to_extra_info()))
+            worker.compute_ref_log_prob(
+                lp_share.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+            )
             got = plane.kv_batch_get(share.keys, "lp", ["ref_log_prob"])["ref_log_prob"]
             torch.save(got, out / f"ref_log_probs_{rank}.pt")
         elif job == "generate":
-            call = GenerateCall(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, do_sample=False, seed=0,
-                                capture_routing=True, pad_to_max_new_tokens=False)
+            call = GenerateCall(
+                max_new_tokens=6,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                do_sample=False,
+                seed=0,
+                capture_routing=True,
+                pad_to_max_new_tokens=False,
+            )
             worker.generate_sequences(KVBatchMeta(share.keys, "gen", [], share.tags, call.to_extra_info()))
-            torch.save(dict(plane.kv_batch_get(share.keys, "gen", ["responses", "response_mask", "rollout_log_probs",
-                                                                   "routed_experts"]).items()),
-                       out / f"gen_{rank}.pt")
+            torch.save(
+                dict(
+                    plane.kv_batch_get(
+                        share.keys, "gen", ["responses", "response_mask", "rollout_log_probs", "routed_experts"]
+                    ).items()
+                ),
+                out / f"gen_{rank}.pt",
+            )
             # A forward outside inference mode after it (an old-log-prob pass) must still run on the same shards.
-            worker.compute_log_prob(lp_share.with_extra_info(**LogProbCall(temperature=1.0,
-                                                                           calculate_entropy=False).to_extra_info()))
+            worker.compute_log_prob(
+                lp_share.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+            )
         elif job == "no_grad_both":
             torch.save(_both_no_grad(worker, run["role"], plane, lp_share), out / f"both_{rank}.pt")
         elif job == "grads":

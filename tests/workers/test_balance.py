@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.training.balance import balanced_partition, imbalance, sequence_lengths, with_seq_lens
 from conveyor.workers.placement.group import split_for_ranks, split_metrics
+from conveyor.workers.training.balance import balanced_partition, imbalance, sequence_lengths, with_seq_lens
 
 
 def _best_max(weights: list[int], k: int, equal_size: bool) -> int:
@@ -60,8 +60,9 @@ def test_partition_edge_cases() -> None:
 
 def _meta(lengths: list[int]) -> KVBatchMeta:
     keys = [f"k{i}" for i in range(len(lengths))]
-    return KVBatchMeta(keys, "p", ["prompts"], [{"seq_len": v, "other": i} for i, v in enumerate(lengths)],
-                       {"temperature": 1.0})
+    return KVBatchMeta(
+        keys, "p", ["prompts"], [{"seq_len": v, "other": i} for i, v in enumerate(lengths)], {"temperature": 1.0}
+    )
 
 
 def test_split_for_ranks_balances_tokens_with_counts_within_one() -> None:
@@ -112,10 +113,15 @@ def test_tags_travel_through_the_merge_of_rank_results() -> None:
 def test_the_trainer_logs_the_imbalance_per_role_and_endpoint() -> None:
     from conveyor.trainer.ppo import _phase_memory
 
-    info = {"perf/compute_log_prob/rank_token_imbalance": [1.25, 1.25], "perf/old_log_prob/max_memory_gb": [1.0, 2.0],
-            "perf/cpu_memory_used_gb": [1.0, 1.0]}
-    assert _phase_memory(info, "ref") == {"ref/perf/compute_log_prob/rank_token_imbalance": 1.25,
-                                          "ref/perf/old_log_prob/max_memory_gb": 2.0}
+    info = {
+        "perf/compute_log_prob/rank_token_imbalance": [1.25, 1.25],
+        "perf/old_log_prob/max_memory_gb": [1.0, 2.0],
+        "perf/cpu_memory_used_gb": [1.0, 1.0],
+    }
+    assert _phase_memory(info, "ref") == {
+        "ref/perf/compute_log_prob/rank_token_imbalance": 1.25,
+        "ref/perf/old_log_prob/max_memory_gb": 2.0,
+    }
 
 
 def test_generation_tags_each_sample_with_its_prompt_and_response_tokens() -> None:
@@ -128,18 +134,33 @@ def test_generation_tags_each_sample_with_its_prompt_and_response_tokens() -> No
     from conveyor.workers.ranks.calls import GenerateCall
     from conveyor.workers.ranks.settings import actor_settings
 
-    cfg = load_config(None, ["data.synthetic.num_train=64", "data.synthetic.num_val=8",
-                             "actor_rollout_ref.model.tiny.warmstart_steps=0"])
+    cfg = load_config(
+        None,
+        ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"],
+    )
     plane = make_data_plane("memory")
-    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
-                          data_plane=plane)
+    worker = PolicyWorker(
+        actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg), data_plane=plane
+    )
     prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
     prompts = torch.randint(4, 40, (3, 4), generator=torch.Generator().manual_seed(0)) * prompt_mask
     keys = ["a", "b", "c"]
-    meta = plane.kv_batch_put(keys, "p", {"prompts": prompts, "prompt_mask": prompt_mask},
-                              tags=[{"seq_len": 2, "uid": "x"}, {"seq_len": 4, "uid": "y"}, {"seq_len": 3, "uid": "z"}])
-    call = GenerateCall(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, do_sample=True, seed=0,
-                        capture_routing=False, pad_to_max_new_tokens=False)
+    meta = plane.kv_batch_put(
+        keys,
+        "p",
+        {"prompts": prompts, "prompt_mask": prompt_mask},
+        tags=[{"seq_len": 2, "uid": "x"}, {"seq_len": 4, "uid": "y"}, {"seq_len": 3, "uid": "z"}],
+    )
+    call = GenerateCall(
+        max_new_tokens=5,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        do_sample=True,
+        seed=0,
+        capture_routing=False,
+        pad_to_max_new_tokens=False,
+    )
     out = worker.generate_sequences(meta.with_extra_info(**call.to_extra_info()))
     response_mask = plane.kv_batch_get(keys, "p", ["response_mask"])["response_mask"]
     want = (prompt_mask.sum(-1) + sequence_lengths(torch.zeros(3, 0), response_mask)).tolist()

@@ -7,11 +7,16 @@ import random
 
 import pytest
 import torch
-
 from tensordict import TensorDict
 
-from conveyor.workers.training.batching import (TokenBudget, in_row_order, plan_micro_batches, take, token_budget,
-                                        token_micro_batches)
+from conveyor.workers.training.batching import (
+    TokenBudget,
+    in_row_order,
+    plan_micro_batches,
+    take,
+    token_budget,
+    token_micro_batches,
+)
 
 KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
@@ -64,11 +69,20 @@ def test_ranks_agree_on_the_count() -> None:
 
 def test_outputs_come_back_in_row_order_and_width() -> None:
     prompt_mask = torch.tensor([[0, 1], [1, 1], [0, 1], [1, 1], [0, 1], [1, 1]], dtype=torch.bool)
-    response_mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]],
-                                 dtype=torch.bool)
-    td = TensorDict({"prompts": prompt_mask.long(), "prompt_mask": prompt_mask, "responses": response_mask.long(),
-                     "response_mask": response_mask, "advantages": response_mask.float() * torch.arange(6.0)[:, None],
-                     "routed_experts": torch.zeros(6, 6, 1, 1)}, batch_size=[6])
+    response_mask = torch.tensor(
+        [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool
+    )
+    td = TensorDict(
+        {
+            "prompts": prompt_mask.long(),
+            "prompt_mask": prompt_mask,
+            "responses": response_mask.long(),
+            "response_mask": response_mask,
+            "advantages": response_mask.float() * torch.arange(6.0)[:, None],
+            "routed_experts": torch.zeros(6, 6, 1, 1),
+        },
+        batch_size=[6],
+    )
     for budget in (None, TokenBudget(7, KEY)):
         batches = plan_micro_batches(prompt_mask, response_mask, 4, budget)
         outs = []

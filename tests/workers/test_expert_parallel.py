@@ -17,19 +17,34 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_strategies import (  # noqa: E501
+    BASE,
+    R3,
+    RANKS_SCRIPT,
+    UPDATE,
+    B,
+    _actor,
+    _assert_native_routing_differs,
+    _assert_same_params,
+    _batch,
+    _metrics,
+    _one_rank,
+    _update_grads,
+)
 
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.metrics.moe_load_balance import count_expert_assignments, load_balance_metrics_from_counts
+from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.calls import GenerateCall
 from conveyor.workers.training.shards import load_model_weights
-from conveyor.protocol import KVBatchMeta
-from test_strategies import (BASE, B, R3, RANKS_SCRIPT, UPDATE, _actor, _assert_native_routing_differs,  # noqa: E501
-                             _assert_same_params, _batch, _metrics, _one_rank, _update_grads)
 
-EP2 = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2",
-       "trainer.num_cpu_workers=2"]
+EP2 = [
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2",
+    "trainer.num_cpu_workers=2",
+]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 # HSDP in groups of one: each rank a replica (the `fsdp` dimension of size 1, `dp_replicate` of 2).
 HSDP = FSDP2 + ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.num_cpu_workers=2"]
@@ -78,12 +93,24 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, on
     spec_runs = []
     for name, (overrides, with_routing, jobs) in runs.items():
         (root / name).mkdir()
-        spec_runs.append({"role": "actor", "overrides": BASE + overrides, "jobs": jobs, "out": str(root / name),
-                          "batch": str(root / f"batch-{int(with_routing)}.pt")})
+        spec_runs.append(
+            {
+                "role": "actor",
+                "overrides": BASE + overrides,
+                "jobs": jobs,
+                "out": str(root / name),
+                "batch": str(root / f"batch-{int(with_routing)}.pt"),
+            }
+        )
     torch.save(one_rank_checkpoint["extra"], root / "ep-load-one" / "extra.pt")
     (root / "spec.json").write_text(json.dumps({"world": 2, "model_path": model_path, "runs": spec_runs}))
-    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return {name: root / name for name in runs} | {"root": root}
 
@@ -116,29 +143,30 @@ def test_forward_logits_and_log_probs_equal_one_rank(model_path: str, batches, r
     torch.testing.assert_close(lps, fields["old_log_probs"], atol=1e-5, rtol=0)
 
 
-def test_one_update_equals_one_rank_with_the_whole_model_grad_norm(model_path: str, batches, ranks,
-                                                                   one_rank_checkpoint) -> None:
+def test_one_update_equals_one_rank_with_the_whole_model_grad_norm(
+    model_path: str, batches, ranks, one_rank_checkpoint
+) -> None:
     want, one = _one_rank("actor", model_path, batches[False], [])
-    _assert_same_params(torch.load(ranks["ep"] / "params.pt", weights_only=True), want,
-                        one_rank_checkpoint["initial"])
+    _assert_same_params(torch.load(ranks["ep"] / "params.pt", weights_only=True), want, one_rank_checkpoint["initial"])
     metrics = _metrics(ranks["ep"])
     # The norm clipping uses is the whole model's (dense shards and both ranks' experts), on every rank.
     for m in metrics:
         assert m["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-5)
-    assert sum(m["actor/pg_loss@sum"] for m in metrics) == pytest.approx(one["actor/pg_loss@sum"], rel=1e-5,
-                                                                         abs=1e-7)
+    assert sum(m["actor/pg_loss@sum"] for m in metrics) == pytest.approx(one["actor/pg_loss@sum"], rel=1e-5, abs=1e-7)
     # The experts' parameters and AdamW moments: half of the whole model's per rank, and half of what one layer's
     # forward gathers under fsdp2 alone (every expert of the layer).
     for m in metrics:
-        for key in ("perf/expert_param_bytes_local", "perf/expert_optim_bytes_local",
-                    "perf/expert_param_bytes_gathered"):
+        for key in (
+            "perf/expert_param_bytes_local",
+            "perf/expert_optim_bytes_local",
+            "perf/expert_param_bytes_gathered",
+        ):
             # AdamW's step counters (8 bytes a parameter) are not split: the rest is exactly half.
             assert one[key] > 0 and abs(m[key] * 2 - one[key]) <= (32 if "optim" in key else 0), key
         # The tokens each rank's experts received per layer, max over mean across the two ranks: at least 1.
         assert m["moe/ep_tokens_received_max_over_mean"] >= 1.0
         assert m["perf/ep_tokens_received_local"] > 0
-    assert (metrics[0]["moe/ep_tokens_received_max_over_mean"]
-            == metrics[1]["moe/ep_tokens_received_max_over_mean"])
+    assert metrics[0]["moe/ep_tokens_received_max_over_mean"] == metrics[1]["moe/ep_tokens_received_max_over_mean"]
 
 
 def test_r3_replay_under_ep_gives_the_one_rank_gradients(model_path: str, batches, ranks) -> None:
@@ -157,8 +185,16 @@ def test_routing_capture_and_load_balance_under_ep_equal_one_rank(model_path: st
     keys = [f"s{i}" for i in range(B)]
     plane.kv_batch_put(keys, "gen", {k: fields[k] for k in ("prompts", "prompt_mask")})
     worker = _actor(load_config(None, BASE), model_path=model_path, data_plane=plane)
-    call = GenerateCall(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, do_sample=False, seed=0,
-                        capture_routing=True, pad_to_max_new_tokens=False)
+    call = GenerateCall(
+        max_new_tokens=6,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        do_sample=False,
+        seed=0,
+        capture_routing=True,
+        pad_to_max_new_tokens=False,
+    )
     worker.generate_sequences(KVBatchMeta(keys, "gen", [], [{} for _ in keys], call.to_extra_info()))
     want = plane.kv_batch_get(keys, "gen", ["responses", "response_mask", "routed_experts"])
     gens = [torch.load(ranks["ep-gen"] / f"gen_{r}.pt", weights_only=True) for r in range(2)]
@@ -168,10 +204,11 @@ def test_routing_capture_and_load_balance_under_ep_equal_one_rank(model_path: st
         assert width > 0
         assert torch.equal(got["responses"][:, :width], want["responses"][rows, :width]), rank
         re_w = want["routed_experts"][rows]
-        assert torch.equal(got["routed_experts"][:, :re_w.shape[1]], re_w[:, :got["routed_experts"].shape[1]]), rank
+        assert torch.equal(got["routed_experts"][:, : re_w.shape[1]], re_w[:, : got["routed_experts"].shape[1]]), rank
         assert (got["routed_experts"] >= 0).any()
-    ep_counts = count_expert_assignments(torch.cat([g["routed_experts"] for g in gens]).long(),
-                                         torch.cat([g["response_mask"] for g in gens]), 8)
+    ep_counts = count_expert_assignments(
+        torch.cat([g["routed_experts"] for g in gens]).long(), torch.cat([g["response_mask"] for g in gens]), 8
+    )
     one_counts = count_expert_assignments(want["routed_experts"].long(), want["response_mask"], 8)
     assert torch.equal(ep_counts, one_counts)
     ep_metrics = load_balance_metrics_from_counts(ep_counts)
@@ -204,14 +241,19 @@ def test_checkpoints_move_between_ep_and_plain_bitwise(model_path: str, ranks, o
     _assert_same_params(dict(bare.state_dict()), trained, atol=0)
     # EP=2 into two plain fsdp2 ranks, one rank into EP=2, and two fsdp2 ranks into EP=2.
     _assert_same_params(torch.load(ranks["fsdp2-load-ep"] / "loaded.pt", weights_only=True), trained, atol=0)
-    _assert_same_params(torch.load(ranks["ep-load-one"] / "loaded.pt", weights_only=True),
-                        one_rank_checkpoint["params"], one_rank_checkpoint["initial"], atol=0)
+    _assert_same_params(
+        torch.load(ranks["ep-load-one"] / "loaded.pt", weights_only=True),
+        one_rank_checkpoint["params"],
+        one_rank_checkpoint["initial"],
+        atol=0,
+    )
     fsdp2_trained = torch.load(ranks["fsdp2-save"] / "params.pt", weights_only=True)
     _assert_same_params(torch.load(ranks["ep-load-fsdp2"] / "loaded.pt", weights_only=True), fsdp2_trained, atol=0)
 
 
-def test_hsdp_replicates_over_dp_replicate_and_takes_the_one_rank_step(model_path: str, batches, ranks,
-                                                                       one_rank_checkpoint) -> None:
+def test_hsdp_replicates_over_dp_replicate_and_takes_the_one_rank_step(
+    model_path: str, batches, ranks, one_rank_checkpoint
+) -> None:
     want, one = _one_rank("actor", model_path, batches[False], [])
     out = ranks["hsdp"]
     _assert_same_params(torch.load(out / "params.pt", weights_only=True), want, one_rank_checkpoint["initial"])
@@ -232,8 +274,13 @@ def test_four_ranks_with_experts_also_fsdp_sharded_take_the_one_rank_step(tmp_pa
     strided expert shards in the clipping norm), against one rank's forward, gradients, clipped norm and step."""
     import ep_ranks  # tests/workers on sys.path
 
-    done = subprocess.run([sys.executable, str(Path(ep_ranks.__file__)), str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(Path(ep_ranks.__file__)), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     got = torch.load(tmp_path / "four_ranks.pt", weights_only=True)
     assert got["expert_mesh"] == ("efsdp", "ep") and got["expert_local_shape"][0] == 2  # 8 experts / (2 x 2)
@@ -250,15 +297,20 @@ def test_four_ranks_with_experts_also_fsdp_sharded_take_the_one_rank_step(tmp_pa
         torch.testing.assert_close(got["params"][k], p.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "must divide the 1 ranks"),
-    (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=3", "trainer.num_cpu_workers=3"],
-     "must divide actor_rollout_ref.model.tiny.num_experts=8"),
-    (EP2[1:] + ["actor_rollout_ref.actor.strategy=dp"], "set actor_rollout_ref.actor.strategy=fsdp2"),
-    (EP2 + ["actor_rollout_ref.model.tiny.arch=qwen3"], "needs a Mixture-of-Experts model"),
-    (HSDP + ["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "HSDP .* is not supported yet"),
-    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3", "trainer.num_cpu_workers=2"], "must divide the 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "must divide the 1 ranks"),
+        (
+            ["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=3", "trainer.num_cpu_workers=3"],
+            "must divide actor_rollout_ref.model.tiny.num_experts=8",
+        ),
+        (EP2[1:] + ["actor_rollout_ref.actor.strategy=dp"], "set actor_rollout_ref.actor.strategy=fsdp2"),
+        (EP2 + ["actor_rollout_ref.model.tiny.arch=qwen3"], "needs a Mixture-of-Experts model"),
+        (HSDP + ["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"], "HSDP .* is not supported yet"),
+        (["actor_rollout_ref.actor.fsdp_config.fsdp_size=3", "trainer.num_cpu_workers=2"], "must divide the 2 ranks"),
+    ],
+)
 def test_expert_parallel_size_errors_say_what_to_change(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_config(None, overrides)
@@ -266,9 +318,10 @@ def test_expert_parallel_size_errors_say_what_to_change(overrides: list[str], me
 
 def test_a_dense_model_or_uneven_experts_are_refused_at_wrap() -> None:
     """A real checkpoint's experts are known only when it loads: the strategy checks them there."""
-    from conveyor.workers.training.expert_parallel import check_expert_parallel
-    from conveyor.models.tiny import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from conveyor.models.tiny import tiny_config
+    from conveyor.workers.training.expert_parallel import check_expert_parallel
 
     dense = AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=32))
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts model"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
+from update_batches import ragged_update_fields
 
 import conveyor.workers.ranks.forward as forward_module
 from conveyor.algos.logprob import logprobs_and_entropy
@@ -14,7 +15,6 @@ from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.settings import actor_settings
-from update_batches import ragged_update_fields
 
 BASE = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"]
 
@@ -26,10 +26,19 @@ def td() -> TensorDict:
 
 
 def _worker(impl: str, packed: bool = False) -> PolicyWorker:
-    cfg = load_config(None, BASE + [f"actor_rollout_ref.model.forward_impl={impl}",
-                                    f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"])
-    return PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
-                        data_plane=make_data_plane("memory"))
+    cfg = load_config(
+        None,
+        BASE
+        + [
+            f"actor_rollout_ref.model.forward_impl={impl}",
+            f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
+        ],
+    )
+    return PolicyWorker(
+        actor_settings(cfg, build_run_plan(cfg, "cpu")),
+        model_path=prepare_default_model(cfg),
+        data_plane=make_data_plane("memory"),
+    )
 
 
 @pytest.mark.parametrize("impl", ["hf", "lean", "hf-packed"])

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as tdist
+from gpu_paths_ranks import add_lora, load_model  # tests/workers on sys.path
+from test_strategies import BASE
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from conveyor.config import load_config
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.training import strategy as strategy_mod
 from conveyor.workers.training.strategy import collective_device, process_group_backend
-from gpu_paths_ranks import add_lora, load_model  # tests/workers on sys.path
-from test_strategies import BASE
 
 RANKS_SCRIPT = Path(__file__).with_name("gpu_paths_ranks.py")
 
@@ -38,13 +38,16 @@ def test_a_cuda_role_maps_cpu_tensors_to_gloo() -> None:
     assert process_group_backend("cpu") == "gloo"
 
 
-@pytest.mark.parametrize("config, device, expected", [
-    ("cpu:gloo,cuda:nccl", "cuda", "cuda"),  # the strategy's counts and sums stay on the GPU
-    ("cpu:gloo,cuda:nccl", "cpu", "cpu"),
-    ("cuda:nccl", "cuda", "cuda"),
-    ("cpu:gloo,cuda:gloo", "cuda", "cpu"),  # gloo's collectives on GPU tensors copy through the host anyway
-    ("cpu:gloo,cuda:gloo", "cpu", "cpu"),
-])
+@pytest.mark.parametrize(
+    "config, device, expected",
+    [
+        ("cpu:gloo,cuda:nccl", "cuda", "cuda"),  # the strategy's counts and sums stay on the GPU
+        ("cpu:gloo,cuda:nccl", "cpu", "cpu"),
+        ("cuda:nccl", "cuda", "cuda"),
+        ("cpu:gloo,cuda:gloo", "cuda", "cpu"),  # gloo's collectives on GPU tensors copy through the host anyway
+        ("cpu:gloo,cuda:gloo", "cpu", "cpu"),
+    ],
+)
 def test_small_collectives_run_where_the_group_serves_them(monkeypatch, config, device, expected) -> None:
     monkeypatch.setattr(tdist, "get_backend_config", lambda group=None: config)
     assert collective_device(torch.device(device)) == torch.device(expected)
@@ -73,8 +76,13 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Path:
     out = tmp_path_factory.mktemp("gpu-paths")
-    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), model_path, str(out)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(RANKS_SCRIPT), model_path, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 
@@ -98,7 +106,10 @@ def test_the_root_is_gathered_once_per_training_micro_batch(ranks: Path) -> None
     # Each layer gathered for its forward and again for its backward; the root once, kept for the backward.
     expected = 2 * (2 * counts["layers"] + 1)
     assert {k: counts[k] for k in ("fresh", "sharded_no_grad", "full_params")} == {
-        "fresh": expected, "sharded_no_grad": expected, "full_params": expected}
+        "fresh": expected,
+        "sharded_no_grad": expected,
+        "full_params": expected,
+    }
 
 
 def test_streamed_lora_merge_equals_peft_merged_model(ranks: Path, model_path: str) -> None:

@@ -14,15 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_strategies import BASE, R3, RANKS_SCRIPT, UPDATE, B, _actor, _batch, _metrics  # tests/workers on sys.path
 
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.models.lora import is_adapter_key
 from conveyor.trainer.setup import prepare_default_model
-from test_strategies import BASE, B, R3, RANKS_SCRIPT, UPDATE, _actor, _batch, _metrics  # tests/workers on sys.path
 
-LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]",
+]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 KL = ["actor_rollout_ref.actor.use_kl_loss=true"]
 CASES = {"lora": (LORA, False), "lora-R3": (LORA + [R3], True)}
@@ -48,11 +51,23 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches) ->
     spec_runs = []
     for name, (overrides, routing, jobs) in runs.items():
         (root / name).mkdir()
-        spec_runs.append({"role": "actor", "overrides": BASE + overrides, "jobs": jobs, "out": str(root / name),
-                          "batch": str(root / f"batch-{int(routing)}.pt")})
+        spec_runs.append(
+            {
+                "role": "actor",
+                "overrides": BASE + overrides,
+                "jobs": jobs,
+                "out": str(root / name),
+                "batch": str(root / f"batch-{int(routing)}.pt"),
+            }
+        )
     (root / "spec.json").write_text(json.dumps({"world": 2, "model_path": model_path, "runs": spec_runs}))
-    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return {name: root / name for name in runs}
 
@@ -93,7 +108,8 @@ def test_fsdp2_lora_reference_is_the_base_model(model_path, batches, ranks) -> N
     keys = [f"s{i}" for i in range(B)]
     meta = plane.kv_batch_put(keys, "p", batches[False])
     _actor(cfg, model_path=model_path, data_plane=plane).compute_log_prob(
-        meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+        meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+    )
     want = plane.kv_batch_get(keys, "p", ["old_log_probs"])["old_log_probs"]
     got = torch.cat([torch.load(ranks["ref"] / f"ref_log_probs_{r}.pt", weights_only=True) for r in range(2)])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -53,9 +53,11 @@ def _lrs(optimizer: torch.optim.Optimizer, scheduler, n: int, param: torch.Tenso
 )
 def test_lr_sequence_is_the_documented_formula(scheduler: str, warmup: int, floor: float) -> None:
     total = 10
-    cfg = _optim_cfg(f"actor_rollout_ref.actor.optim.lr_scheduler={scheduler}",
-                     f"actor_rollout_ref.actor.optim.lr_warmup_steps={warmup}",
-                     f"actor_rollout_ref.actor.optim.min_lr_ratio={floor}")
+    cfg = _optim_cfg(
+        f"actor_rollout_ref.actor.optim.lr_scheduler={scheduler}",
+        f"actor_rollout_ref.actor.optim.lr_warmup_steps={warmup}",
+        f"actor_rollout_ref.actor.optim.min_lr_ratio={floor}",
+    )
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer, sched = build_optimizer([param], cfg, total)
     assert isinstance(sched, torch.optim.lr_scheduler.LRScheduler)
@@ -68,8 +70,9 @@ def test_lr_sequence_is_the_documented_formula(scheduler: str, warmup: int, floo
 
 
 def test_state_saved_mid_schedule_continues_identically() -> None:
-    cfg = _optim_cfg("actor_rollout_ref.actor.optim.lr_warmup_steps=2",
-                     "actor_rollout_ref.actor.optim.min_lr_ratio=0.1")
+    cfg = _optim_cfg(
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"
+    )
     total = 8
 
     def fresh():
@@ -151,8 +154,11 @@ def _put_batch(dp, vocab: int):
     response_mask[1, 2:] = False
     responses[~response_mask] = 0
     fields = {
-        "prompts": prompts, "prompt_mask": torch.ones(B, P, dtype=torch.bool), "responses": responses,
-        "response_mask": response_mask, "advantages": torch.randn(B, R, generator=gen) * response_mask,
+        "prompts": prompts,
+        "prompt_mask": torch.ones(B, P, dtype=torch.bool),
+        "responses": responses,
+        "response_mask": response_mask,
+        "advantages": torch.randn(B, R, generator=gen) * response_mask,
         "returns": torch.randn(B, R, generator=gen) * response_mask,
     }
     return dp.kv_batch_put([f"s{i}" for i in range(B)], "lr", fields)
@@ -162,8 +168,9 @@ def _update(worker, meta, n: int) -> list[dict]:
     if isinstance(worker, PolicyWorker):
         # The total is not a call parameter: a caller cannot pass one, the worker's own count drives the schedule.
         with pytest.raises(ValueError, match="total_optim_steps"):
-            worker.update_actor(meta.with_extra_info(temperature=1.0, calculate_entropy=False, compute_loss=True,
-                                                     total_optim_steps=1))
+            worker.update_actor(
+                meta.with_extra_info(temperature=1.0, calculate_entropy=False, compute_loss=True, total_optim_steps=1)
+            )
         call = meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
         return [dict(worker.update_actor(call).extra_info) for _ in range(n)]
     return [dict(worker.update_critic(meta).extra_info) for _ in range(n)]
@@ -183,7 +190,9 @@ def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, r
     first = make()
     meta = _put_batch(dp, first.model.config.vocab_size)
     if role == "actor":
-        first.compute_log_prob(meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+        first.compute_log_prob(
+            meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+        )
     else:
         first.compute_values(meta)
     head = _update(first, meta, 3)
@@ -204,4 +213,5 @@ def test_worker_resumed_mid_schedule_continues_like_the_uninterrupted_one(env, r
     assert lrs[2] > lrs[3] > lrs[4], "cosine decay, resumed half-way through"
     for got, want in zip(tail, tail_ref):
         assert {k: v for k, v in got.items() if "memory" not in k} == {
-            k: v for k, v in want.items() if "memory" not in k}
+            k: v for k, v in want.items() if "memory" not in k
+        }

@@ -32,10 +32,21 @@ def moe_config():
     """Qwen3-30B-A3B's config (counted on the meta device, no weights)."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-                          tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,24 +98,31 @@ def test_the_default_engine_is_refused_naming_the_keys(moe_config) -> None:
 
 def test_the_engine_awake_beside_adamw_is_refused_naming_the_offloads(moe, moe_config) -> None:
     # tp 4 fits the engine's share, but the trainer's float32 shards and AdamW (46 GB) stay beside its 40 GB.
-    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.5",
-                         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    cfg, plan = _example(
+        f"{RO}.gpu_memory_utilization=0.5", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false"
+    )
     found = misfits(moe, setup_of(cfg, plan, H100), H100)
     assert [m.what for m in found] == ["the vLLM engine awake beside what the trainer keeps on the GPU"]
     assert found[0].need / GB == pytest.approx(85.8, abs=0.05)
     with pytest.raises(ConfigError) as err:
         check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
     msg = str(err.value)
-    for key in (f"{RO}.gpu_memory_utilization (at most 0.43",
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
-                "actor_rollout_ref.actor.fsdp_config.param_offload=true", "trainer.n_gpus_per_node"):
+    for key in (
+        f"{RO}.gpu_memory_utilization (at most 0.43",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "trainer.n_gpus_per_node",
+    ):
         assert key in msg, msg
     assert "ref.fsdp_config.param_offload" not in msg  # the example's reference is on the host already
 
 
 def test_a_kv_cache_too_small_for_one_sequence_names_the_lengths(moe, moe_config) -> None:
-    cfg, plan = _example(f"{RO}.gpu_memory_utilization=0.2", "data.max_response_length=32000",
-                         "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    cfg, plan = _example(
+        f"{RO}.gpu_memory_utilization=0.2",
+        "data.max_response_length=32000",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    )
     found = misfits(moe, setup_of(cfg, plan, H100), H100)
     assert "cannot hold one sequence of max_model_len=32512" in found[0].what
     assert any("max_model_len" in k for k in found[0].keys)
@@ -144,8 +162,16 @@ def test_the_cli_refuses_a_layout_that_cannot_fit_with_exit_status_2(tiny_run, m
 
     monkeypatch.setattr(run, "resolve_device", lambda cfg: "cuda")
     monkeypatch.setattr(budget, "_gpu_capacity", lambda: H100)
-    status = main(["train", "--config", str(EXAMPLE.parent / "vllm_cpu.yaml"), *tiny_run,
-                   "actor_rollout_ref.model.tiny.warmstart_steps=0", f"{RO}.gpu_memory_utilization=0.0001"])
+    status = main(
+        [
+            "train",
+            "--config",
+            str(EXAMPLE.parent / "vllm_cpu.yaml"),
+            *tiny_run,
+            "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            f"{RO}.gpu_memory_utilization=0.0001",
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2, err
     assert "the vllm rollout does not fit a GPU of 80.0 GB" in err and f"{RO}.gpu_memory_utilization" in err

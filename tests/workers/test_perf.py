@@ -47,12 +47,16 @@ def test_allocator_defaults_leave_a_user_setting_alone(monkeypatch: pytest.Monke
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert allocator_env_defaults() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     set_allocator_defaults()
-    assert torch.cuda.is_available() or __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert (
+        torch.cuda.is_available() or __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    )
     assert allocator_env_defaults({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
 
 
 def test_a_worker_phase_that_allocates_more_reports_more(monkeypatch: pytest.MonkeyPatch):
     """An endpoint's perf/<phase>/max_memory_gb is the peak of that call alone: 256 MiB more inside it shows."""
+    from update_batches import ragged_update_fields
+
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
     from conveyor.trainer.plan import build_run_plan
@@ -60,16 +64,19 @@ def test_a_worker_phase_that_allocates_more_reports_more(monkeypatch: pytest.Mon
     from conveyor.workers.ranks.actor import PolicyWorker
     from conveyor.workers.ranks.calls import LogProbCall
     from conveyor.workers.ranks.settings import actor_settings
-    from update_batches import ragged_update_fields
 
-    cfg = load_config(None, ["data.synthetic.num_train=64", "data.synthetic.num_val=8",
-                             "actor_rollout_ref.model.tiny.warmstart_steps=0"])
+    cfg = load_config(
+        None,
+        ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"],
+    )
     plane = make_data_plane("memory")
     fields = ragged_update_fields(7, 4, 3, 40, torch.Generator().manual_seed(0))
     meta = plane.kv_batch_put([f"s{i}" for i in range(7)], "p", fields).with_extra_info(
-        **LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
-    worker = PolicyWorker(actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
-                          data_plane=plane)
+        **LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+    )
+    worker = PolicyWorker(
+        actor_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg), data_plane=plane
+    )
     key = "perf/old_log_prob/max_memory_gb"
     plain = worker.compute_log_prob(meta).extra_info[key]
     real = worker.forward.no_grad_log_probs

@@ -27,10 +27,17 @@ from conveyor.workers.training.loading import load_role_model, loads_from_rank0,
 RANKS_SCRIPT = Path(__file__).with_name("loading_ranks.py")
 WORLD = 2
 INPUT_IDS = [[5, 9, 12, 7, 3, 21], [8, 8, 14, 2, 30, 11]]
-STRATEGY = {"actor": "actor_rollout_ref.actor.strategy=fsdp2", "reference": "actor_rollout_ref.ref.strategy=fsdp2",
-            "critic": "critic.strategy=fsdp2"}
-CASES = {"dense-actor": ("dense", "actor"), "moe-actor": ("moe", "actor"), "moe-reference": ("moe", "reference"),
-         "moe-critic": ("moe", "critic")}
+STRATEGY = {
+    "actor": "actor_rollout_ref.actor.strategy=fsdp2",
+    "reference": "actor_rollout_ref.ref.strategy=fsdp2",
+    "critic": "critic.strategy=fsdp2",
+}
+CASES = {
+    "dense-actor": ("dense", "actor"),
+    "moe-actor": ("moe", "actor"),
+    "moe-reference": ("moe", "reference"),
+    "moe-critic": ("moe", "critic"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +48,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dense = build_tiny_model("qwen3", tok, seed=1, initializer_range=0.2, tie_word_embeddings=True)
     assert dense.lm_head.weight is dense.model.embed_tokens.weight
     moe = build_tiny_model("qwen3_moe", tok, seed=2, initializer_range=0.2)
-    return {"dense": save_pretrained_checkpoint(dense, tok, root / "dense"),
-            "moe": save_pretrained_checkpoint(moe, tok, root / "moe")}
+    return {
+        "dense": save_pretrained_checkpoint(dense, tok, root / "dense"),
+        "moe": save_pretrained_checkpoint(moe, tok, root / "moe"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +62,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Path]
         out = root / name
         out.mkdir()
         outs[name] = out
-        overrides = [f"actor_rollout_ref.model.path={checkpoints[model]}", "actor_rollout_ref.model.forward_impl=hf",
-                     STRATEGY[role]]
+        overrides = [
+            f"actor_rollout_ref.model.path={checkpoints[model]}",
+            "actor_rollout_ref.model.forward_impl=hf",
+            STRATEGY[role],
+        ]
         cases.append({"role": role, "model_path": str(checkpoints[model]), "overrides": overrides, "out": str(out)})
     (root / "spec.json").write_text(json.dumps({"world": WORLD, "input_ids": INPUT_IDS, "cases": cases}))
-    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")], capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")], capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return outs
 
@@ -111,18 +124,22 @@ def test_meta_build_matches_the_loaded_model(checkpoints) -> None:
         meta = build_causal_lm_on_meta(path, dtype="bfloat16")
         assert not meta.training
         assert {n: (p.shape, p.dtype) for n, p in meta.state_dict().items()} == {
-            n: (p.shape, p.dtype) for n, p in loaded.state_dict().items()}
+            n: (p.shape, p.dtype) for n, p in loaded.state_dict().items()
+        }
         assert {n: (b.shape, b.dtype) for n, b in non_persistent_buffers(meta).items()} == {
-            n: (b.shape, b.dtype) for n, b in non_persistent_buffers(loaded).items()}
+            n: (b.shape, b.dtype) for n, b in non_persistent_buffers(loaded).items()
+        }
         assert all(t.is_meta for t in meta.state_dict().values())
 
 
 def test_one_rank_and_dp_load_as_before(checkpoints) -> None:
     assert not loads_from_rank0("none", 1) and not loads_from_rank0("dp", 2) and not loads_from_rank0("fsdp2", 1)
     assert loads_from_rank0("fsdp2", 2)
-    model = load_role_model(checkpoints["moe"], strategy_name="dp", world_size=2, rank=1,
-                            device=torch.device("cpu"), dtype="float32")
+    model = load_role_model(
+        checkpoints["moe"], strategy_name="dp", world_size=2, rank=1, device=torch.device("cpu"), dtype="float32"
+    )
     assert not any(p.is_meta for p in model.parameters())
-    skeleton = load_role_model(checkpoints["moe"], strategy_name="fsdp2", world_size=2, rank=1,
-                               device=torch.device("cpu"), dtype="float32")
+    skeleton = load_role_model(
+        checkpoints["moe"], strategy_name="fsdp2", world_size=2, rank=1, device=torch.device("cpu"), dtype="float32"
+    )
     assert all(p.is_meta for p in skeleton.parameters())

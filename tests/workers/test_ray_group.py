@@ -13,20 +13,20 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group  # noqa: E402
+from update_batches import ragged_update_fields  # noqa: E402
 
 from conveyor.config import load_config  # noqa: E402
 from conveyor.data_plane import FieldNotFoundError, make_data_plane  # noqa: E402
 from conveyor.metrics.reduce import reduce_rank_metrics  # noqa: E402
 from conveyor.protocol import KVBatchMeta  # noqa: E402
-from conveyor.trainer.setup import prepare_default_model  # noqa: E402
-from conveyor.workers.ranks.actor import PolicyWorker  # noqa: E402
-from conveyor.workers.placement.group import LocalWorkerGroup, WorkerError, WorkerSpec, WorkerUserError  # noqa: E402
-from conveyor.workers.placement.ray_group import RankDied, RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
-from conveyor.workers.ranks.reference import ReferenceWorker  # noqa: E402
-from conveyor.workers.placement.roles import worker_specs  # noqa: E402
 from conveyor.trainer.plan import build_run_plan  # noqa: E402
+from conveyor.trainer.setup import prepare_default_model  # noqa: E402
+from conveyor.workers.placement.group import LocalWorkerGroup, WorkerError, WorkerUserError  # noqa: E402
+from conveyor.workers.placement.ray_group import RankDied, RayPlacement, RayWorkerGroup, build_ray_worker_groups  # noqa: E402
+from conveyor.workers.placement.roles import worker_specs  # noqa: E402
+from conveyor.workers.ranks.actor import PolicyWorker  # noqa: E402
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall  # noqa: E402
-from update_batches import ragged_update_fields  # noqa: E402
+from conveyor.workers.ranks.reference import ReferenceWorker  # noqa: E402
 
 OVERRIDES = [
     "data.train_batch_size=4",
@@ -85,9 +85,12 @@ def _put_batch(dp, partition: str, vocab: int) -> KVBatchMeta:
 def two_ranks(env):
     """The actor role as two Ray ranks (gloo process group), shut down after the module."""
     cfg, model_path, dp = env
-    group = RayWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
-                           world_size=2, num_cpus=0.5,
-                           timeout_s=60)
+    group = RayWorkerGroup(
+        worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
+        world_size=2,
+        num_cpus=0.5,
+        timeout_s=60,
+    )
     yield group
     group.shutdown()
 
@@ -106,8 +109,10 @@ def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path)
     local = LocalWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"])
     meta = _put_batch(dp, "dp-equivalence", local.worker.model.config.vocab_size)
     # old_log_probs from the (shared) initial policy, so the ratio starts at 1 as in training.
-    local.call(PolicyWorker.compute_log_prob,
-               meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+    local.call(
+        PolicyWorker.compute_log_prob,
+        meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()),
+    )
     initial = {k: v.clone() for k, v in local.worker.model.state_dict().items()}
     call = meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
 
@@ -147,18 +152,21 @@ def test_two_ranks_update_like_one_over_the_same_batch(env, two_ranks, tmp_path)
 
 def test_a_tagged_handle_is_split_by_tokens_and_logs_the_imbalance(env, two_ranks) -> None:
     """seq_len tags (prompt + response tokens) balance the ranks' shares; the call reports the split's imbalance."""
-    from conveyor.workers.training.balance import imbalance, sequence_lengths, with_seq_lens
     from conveyor.workers.placement.group import split_for_ranks
+    from conveyor.workers.training.balance import imbalance, sequence_lengths, with_seq_lens
 
     _, _, dp = env
     meta = _put_batch(dp, "balance", 40)
     td = dp.kv_batch_get(meta.keys, "balance", ["prompt_mask", "response_mask"])
     meta = with_seq_lens(meta, sequence_lengths(td["prompt_mask"], td["response_mask"]))
-    out = two_ranks.call(PolicyWorker.compute_log_prob,
-                         meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+    out = two_ranks.call(
+        PolicyWorker.compute_log_prob,
+        meta.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info()),
+    )
     assert sorted(out.keys) == sorted(meta.keys)
-    assert {k: t["seq_len"] for k, t in zip(out.keys, out.tags)} == {k: t["seq_len"] for k, t in zip(meta.keys,
-                                                                                                      meta.tags)}
+    assert {k: t["seq_len"] for k, t in zip(out.keys, out.tags)} == {
+        k: t["seq_len"] for k, t in zip(meta.keys, meta.tags)
+    }
     want = imbalance([sum(t["seq_len"] for t in c.tags) for c in split_for_ranks(meta, 2)])
     assert out.extra_info["perf/compute_log_prob/rank_token_imbalance"] == [pytest.approx(want)] * 2
 
@@ -171,8 +179,10 @@ def test_a_failing_rank_is_one_worker_error_and_stops_the_role(env, two_ranks) -
     t0 = time.monotonic()
     # Rank 0 has its rows and waits for rank 1 in the all-reduce of normalisers; rank 1 fails reading its rows.
     with pytest.raises(WorkerError) as info:
-        two_ranks.call(PolicyWorker.update_actor,
-                       meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+        two_ranks.call(
+            PolicyWorker.update_actor,
+            meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()),
+        )
     assert time.monotonic() - t0 < 60
     err = info.value
     assert not isinstance(err, WorkerUserError)
@@ -192,8 +202,12 @@ def test_a_crashed_rank_reports_the_end_of_its_stderr(env) -> None:
     # A rank whose process dies (here a segfault, as a native crash would) has no exception to send back: the error
     # says so and carries the Python stack `faulthandler` wrote to the process's stderr before it died.
     cfg, model_path, dp = env
-    group = RayWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
-                           world_size=1, num_cpus=0.5, timeout_s=60)
+    group = RayWorkerGroup(
+        worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
+        world_size=1,
+        num_cpus=0.5,
+        timeout_s=60,
+    )
     try:
         pid = group.rank_info()[0]["pid"]
         os.kill(pid, signal.SIGSEGV)
@@ -213,8 +227,12 @@ def test_a_rank_that_dies_behind_its_link_is_the_same_worker_error(env) -> None:
     # Calls over the ranks' links (the asynchronous rollout's hot path) fail as Ray tasks do: Ray is asked why the
     # rank is gone, and the error names the role, the rank and the call, with the end of the rank's stderr.
     cfg, model_path, dp = env
-    group = RayWorkerGroup(worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
-                           world_size=1, num_cpus=0.5, timeout_s=60)
+    group = RayWorkerGroup(
+        worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, dp, None, "cpu")["actor"],
+        world_size=1,
+        num_cpus=0.5,
+        timeout_s=60,
+    )
     try:
         group.ranks.open_links()
         empty = KVBatchMeta(keys=[], partition_id="none")
@@ -236,8 +254,15 @@ def test_a_rank_that_dies_behind_its_link_is_the_same_worker_error(env) -> None:
 def test_impossible_resources_fail_at_once_with_a_clear_message(env) -> None:
     cfg, model_path, dp = env
     # 4 prompts x 16 samples: a mini-batch has a sequence for each of the 64 ranks asked for.
-    big = load_config(None, OVERRIDES + ["trainer.n_gpus_per_node=64", "actor_rollout_ref.rollout.n=16",
-                                         "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    big = load_config(
+        None,
+        OVERRIDES
+        + [
+            "trainer.n_gpus_per_node=64",
+            "actor_rollout_ref.rollout.n=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ],
+    )
     live_before = {k for k, p in placement_group_table().items() if p["state"] in ("PENDING", "CREATED")}
     t0 = time.monotonic()
     with pytest.raises(ValueError) as info:
@@ -271,16 +296,16 @@ def test_memory_data_plane_is_refused(env) -> None:
     cfg, model_path, _ = env
     with make_data_plane("memory") as memory:
         with pytest.raises(ValueError, match="transfer_queue.backend=ray"):
-            build_ray_worker_groups(cfg, worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, memory, None, "cpu"),
-                                    memory)
+            build_ray_worker_groups(
+                cfg, worker_specs(cfg, build_run_plan(cfg, "cpu"), model_path, memory, None, "cpu"), memory
+            )
 
 
 def _ray_rank_actors() -> list[dict]:
     """The live rank actors (model roles' ranks and the reward's) of this Ray session."""
     from ray._private.state import actors as actor_table
 
-    return [a for a in actor_table().values()
-            if a["State"] == "ALIVE" and a["ActorClassName"].endswith("_RankActor")]
+    return [a for a in actor_table().values() if a["State"] == "ALIVE" and a["ActorClassName"].endswith("_RankActor")]
 
 
 def test_the_reference_lives_in_the_actors_processes_and_agrees_with_one_rank(env) -> None:
@@ -311,8 +336,7 @@ def test_the_reference_lives_in_the_actors_processes_and_agrees_with_one_rank(en
         groups["ref"].call(ReferenceWorker.compute_log_prob, on_ray)
         local.call(ReferenceWorker.compute_log_prob, in_process)
         got = dp.kv_batch_get(on_ray.keys, on_ray.partition_id, select_fields=["ref_log_prob"])["ref_log_prob"]
-        want = dp.kv_batch_get(in_process.keys, in_process.partition_id,
-                               select_fields=["ref_log_prob"])["ref_log_prob"]
+        want = dp.kv_batch_get(in_process.keys, in_process.partition_id, select_fields=["ref_log_prob"])["ref_log_prob"]
         assert got.dtype == torch.float32 and float(want.abs().max()) > 0
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
@@ -320,8 +344,10 @@ def test_the_reference_lives_in_the_actors_processes_and_agrees_with_one_rank(en
         upd = _put_batch(dp, "ref-colocated-update", vocab)
         groups["actor"].call(PolicyWorker.compute_log_prob, upd.with_extra_info(**call))
         groups["ref"].call(ReferenceWorker.compute_log_prob, upd.with_extra_info(**call))
-        out = groups["actor"].call(PolicyWorker.update_actor, upd.with_extra_info(
-            **UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()))
+        out = groups["actor"].call(
+            PolicyWorker.update_actor,
+            upd.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()),
+        )
         assert len(out.extra_info["actor/grad_norm"]) == 2
     finally:
         for group in groups.values():

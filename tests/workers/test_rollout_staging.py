@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_strategies import BASE  # tests/workers on sys.path
 
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
@@ -15,21 +16,25 @@ from conveyor.trainer.setup import prepare_default_model
 from conveyor.weights import StagedWeights
 from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.settings import rollout_settings
-from test_strategies import BASE  # tests/workers on sys.path
 
 
 @pytest.fixture(scope="module")
 def replica() -> ReplicaWorker:
     cfg = load_config(None, BASE)
-    return ReplicaWorker(rollout_settings(cfg, build_run_plan(cfg, "cpu")), model_path=prepare_default_model(cfg),
-                         data_plane=make_data_plane("memory"))
+    return ReplicaWorker(
+        rollout_settings(cfg, build_run_plan(cfg, "cpu")),
+        model_path=prepare_default_model(cfg),
+        data_plane=make_data_plane("memory"),
+    )
 
 
 def _new_weights(worker: ReplicaWorker) -> list[tuple[str, torch.Tensor]]:
     """The replica's own weights moved a little, as a sync would bring them (float32, the trainer's dtype)."""
     gen = torch.Generator().manual_seed(0)
-    return [(name, (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).float())
-            for name, p in worker.model.named_parameters()]
+    return [
+        (name, (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).float())
+        for name, p in worker.model.named_parameters()
+    ]
 
 
 @pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16])

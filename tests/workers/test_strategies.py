@@ -18,19 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from update_batches import ragged_update_fields
 
+from conveyor.algos.trajectory import span_lengths
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
-from conveyor.trainer.setup import prepare_default_model
 from conveyor.trainer.plan import build_run_plan
+from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.ranks.critic import CriticWorker
 from conveyor.workers.ranks.settings import actor_settings, critic_settings
-from conveyor.workers.training.strategy import TrainingStrategy, resolve_strategy
 from conveyor.workers.training.shards import load_model_weights
-from conveyor.algos.trajectory import span_lengths
-from update_batches import ragged_update_fields
+from conveyor.workers.training.strategy import TrainingStrategy, resolve_strategy
 
 RANKS_SCRIPT = Path(__file__).with_name("strategy_ranks.py")
 B, P, R = 7, 5, 4  # 7 rows: the ranks get 4 and 3, so with micro-batches of 3 they run 2 and 1 passes
@@ -52,12 +52,18 @@ BASE = [
 
 R3 = "actor_rollout_ref.actor.router_replay.mode=R3"
 FSDP2_CASES = {"actor": ("actor", []), "actor-R3": ("actor", [R3]), "critic": ("critic", [])}
-LEAN_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.model.forward_impl=lean",
-              "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-              "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
-MIXED_FLAGS = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
-               "actor_rollout_ref.actor.fsdp_config.reduce_dtype=float32"]
+LEAN_FLAGS = [
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.model.forward_impl=lean",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+]
+MIXED_FLAGS = [
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
+    "actor_rollout_ref.actor.fsdp_config.reduce_dtype=float32",
+]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 DENSE = ["actor_rollout_ref.model.tiny.arch=qwen3"]
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
@@ -104,6 +110,7 @@ def _actor(cfg, **kwargs) -> PolicyWorker:
 def _critic(cfg, **kwargs) -> CriticWorker:
     return CriticWorker(critic_settings(cfg, build_run_plan(cfg, "cpu")), **kwargs)
 
+
 @pytest.fixture(scope="module")
 def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches) -> dict:
     """A one-rank actor's checkpoint after one update: its folder, schedule state, weights and initial weights."""
@@ -119,8 +126,9 @@ def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_path: st
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path: str, batches,
-          one_rank_checkpoint) -> dict[str, Path]:
+def ranks(
+    tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path: str, batches, one_rank_checkpoint
+) -> dict[str, Path]:
     """Every test's multi-rank case, run by one spawn of two ranks; case name -> the folder of its outputs."""
     root = tmp_path_factory.mktemp("ranks")
     runs: dict[str, tuple[str, list[str], bool, list[str]]] = {}  # name -> role, overrides, with routing, jobs
@@ -133,15 +141,27 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
     runs["mixed"] = ("actor", MIXED_FLAGS, False, ["update"])
     runs["save"] = ("actor", FSDP2, False, ["update", f"save:{root / 'two-ranks'}"])
     runs["load"] = ("actor", FSDP2, False, [f"load:{one_rank_checkpoint['dir']}"])
-    runs["fsdp2-defer"] = ("actor", FSDP2 + ["actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"], False,
-                           ["update"])
-    runs["dp-defer"] = ("actor", ["actor_rollout_ref.actor.strategy=dp",
-                                  "actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"], False, ["update"])
+    runs["fsdp2-defer"] = (
+        "actor",
+        FSDP2 + ["actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"],
+        False,
+        ["update"],
+    )
+    runs["dp-defer"] = (
+        "actor",
+        ["actor_rollout_ref.actor.strategy=dp", "actor_rollout_ref.actor.fsdp_config.defer_grad_sync=true"],
+        False,
+        ["update"],
+    )
     runs["gen-shards"] = ("actor", FSDP2 + ["actor_rollout_ref.rollout.hf_whole_gather_max_gb=0"], False, ["generate"])
     runs["gen-whole"] = ("actor", FSDP2, False, ["generate"])
     # Chunks of 3: the ranks' 4 and 3 rows make 2 chunks and 1 (which the second rank pairs with a dropped repeat).
-    runs["gen-shards-chunks"] = ("actor", FSDP2 + ["actor_rollout_ref.rollout.hf_whole_gather_max_gb=0",
-                                                   "actor_rollout_ref.rollout.max_num_seqs=3"], False, ["generate"])
+    runs["gen-shards-chunks"] = (
+        "actor",
+        FSDP2 + ["actor_rollout_ref.rollout.hf_whole_gather_max_gb=0", "actor_rollout_ref.rollout.max_num_seqs=3"],
+        False,
+        ["generate"],
+    )
     runs["fsdp2-dynbsz"] = ("actor", FSDP2 + DYN, False, ["log_prob", "grads"])
     runs["fsdp2-critic-dynbsz"] = ("critic", ["critic.strategy=fsdp2"] + CRITIC_DYN, False, ["update"])
     runs["grads-R3"] = ("actor", FSDP2 + [R3], True, ["grads"])
@@ -157,15 +177,27 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
     spec_runs = []
     for name, (role, overrides, with_routing, jobs) in runs.items():
         (root / name).mkdir()
-        spec_runs.append({"role": role, "overrides": BASE + overrides, "jobs": jobs, "out": str(root / name),
-                          "batch": str(root / f"batch-{int(with_routing)}.pt")})
+        spec_runs.append(
+            {
+                "role": role,
+                "overrides": BASE + overrides,
+                "jobs": jobs,
+                "out": str(root / name),
+                "batch": str(root / f"batch-{int(with_routing)}.pt"),
+            }
+        )
         if name in paths:
             spec_runs[-1]["model_path"] = paths[name]
     torch.save(one_rank_checkpoint["extra"], root / "load" / "extra.pt")
     spec = {"world": 2, "model_path": model_path, "runs": spec_runs}
     (root / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(RANKS_SCRIPT), str(root / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return {name: root / name for name in runs}
 
@@ -264,8 +296,9 @@ def test_lean_forward_checkpointing_and_offload_under_fsdp2(model_path: str, bat
 
 def test_offload_on_cpu_is_accepted_and_says_it_does_nothing(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="conveyor")
-    strategy = TrainingStrategy("fsdp2", world_size=2, device=torch.device("cpu"), param_offload=True,
-                                optimizer_offload=True)
+    strategy = TrainingStrategy(
+        "fsdp2", world_size=2, device=torch.device("cpu"), param_offload=True, optimizer_offload=True
+    )
     assert not strategy.param_offload and not strategy.optimizer_offload
     assert any("no effect on a CPU run" in r.getMessage() for r in caplog.records)
 
@@ -418,8 +451,9 @@ def _plane_meta(fields: dict, extra: dict):
 def test_token_budget_update_takes_the_fixed_micro_batch_gradient(model_path: str, batches, replay: bool) -> None:
     """Micro-batches of at most 16 tokens (5 passes of 1 or 2 rows, regrouped, their padding columns dropped, with
     the routing they replay under R3) against 3 rows a pass: the same gradient."""
-    from conveyor.workers.training.batching import TokenBudget, plan_micro_batches, take
     from tensordict import TensorDict
+
+    from conveyor.workers.training.batching import TokenBudget, plan_micro_batches, take
 
     fields = batches[replay]
     budgeted = plan_micro_batches(fields["prompt_mask"], fields["response_mask"], 3, TokenBudget(16, "k"))
@@ -443,8 +477,9 @@ def test_token_budget_critic_update_takes_the_fixed_step(model_path: str, batche
 
 
 @pytest.mark.parametrize("impl,replay", [("hf", False), ("lean", False), ("hf", True)])
-def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: str, batches, impl: str,
-                                                                    replay: bool) -> None:
+def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(
+    model_path: str, batches, impl: str, replay: bool
+) -> None:
     """Old log-probs and entropy, reference log-probs and values, with micro-batches of at most 9 or 16 tokens
     (one or two rows each, not in row order, without their padding columns), equal the fixed micro-batches' at the
     same keys; under R3, replaying the rollout's routing over the kept columns."""
@@ -453,19 +488,24 @@ def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: 
 
     fields = batches[replay]
     entropy_call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
-    budget = ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9",
-              "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=16", "critic.use_dynamic_bsz=true",
-              "critic.forward_max_token_len_per_gpu=9"]
+    budget = [
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=16",
+        "critic.use_dynamic_bsz=true",
+        "critic.forward_max_token_len_per_gpu=9",
+    ]
     out = {}
     for name, overrides in (("fixed", []), ("budget", budget)):
-        cfg = load_config(None, BASE + overrides + [f"actor_rollout_ref.model.forward_impl={impl}"]
-                          + ([R3] if replay else []))
+        cfg = load_config(
+            None, BASE + overrides + [f"actor_rollout_ref.model.forward_impl={impl}"] + ([R3] if replay else [])
+        )
         plane, meta = _plane_meta(fields, entropy_call)
         _actor(cfg, model_path=model_path, data_plane=plane).compute_log_prob(meta)
-        ReferenceWorker(reference_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path,
-                        data_plane=plane).compute_log_prob(meta)
+        ReferenceWorker(
+            reference_settings(cfg, build_run_plan(cfg, "cpu")), model_path=model_path, data_plane=plane
+        ).compute_log_prob(meta)
         _critic(cfg, model_path=model_path, data_plane=plane).compute_values(meta)
         out[name] = plane.kv_batch_get(meta.keys, "p", ["old_log_probs", "entropy", "ref_log_prob", "values"])
     for key in ("old_log_probs", "entropy", "ref_log_prob", "values"):
@@ -476,8 +516,10 @@ def test_token_budget_forwards_write_the_fixed_outputs_in_row_order(model_path: 
 
 
 def test_a_sequence_longer_than_the_token_budget_names_the_key(model_path: str, batches) -> None:
-    cfg = load_config(None, BASE + ["actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8"])
+    cfg = load_config(
+        None,
+        BASE + ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8"],
+    )
     plane, meta = _plane_meta(batches[False], UPDATE)
     worker = _actor(cfg, model_path=model_path, data_plane=plane)
     key = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
@@ -511,11 +553,22 @@ def test_token_budget_under_two_fsdp2_ranks_takes_the_one_rank_step(model_path: 
 def test_token_budget_routing_agreement_is_the_fixed_one(model_path: str, batches) -> None:
     """The routing-agreement forward over token-budget micro-batches (columns trimmed) agrees as the fixed one does."""
     got = {}
-    for name, overrides in (("fixed", []), ("budget", ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-                                                       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9"])):
+    for name, overrides in (
+        ("fixed", []),
+        (
+            "budget",
+            [
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=9",
+            ],
+        ),
+    ):
         plane, meta = _plane_meta(batches[True], {})
-        info = _actor(load_config(None, BASE + overrides), model_path=model_path,
-                      data_plane=plane).compute_routing_agreement(meta).extra_info
+        info = (
+            _actor(load_config(None, BASE + overrides), model_path=model_path, data_plane=plane)
+            .compute_routing_agreement(meta)
+            .extra_info
+        )
         got[name] = (info["actor/moe/routing_agreement@sum"], info["actor/moe/routing_agreement@count"])
     assert got["budget"][1] == got["fixed"][1] > 0
     assert got["budget"][0] == pytest.approx(got["fixed"][0], rel=1e-6)

@@ -20,5 +20,10 @@ def ragged_update_fields(b: int, p: int, r: int, vocab: int, gen: torch.Generato
     response_mask[6:, 3:] = False
     responses[~response_mask] = 0
     advantages = torch.randn(b, r, generator=gen) * response_mask
-    return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
-            "advantages": advantages}
+    return {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "response_mask": response_mask,
+        "advantages": advantages,
+    }

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from conveyor.plugins import load_plugins
 from conveyor.protocol import BatchData, KVBatchMeta
@@ -101,7 +102,7 @@ class ColocatedWorker:
 
     def close(self, role: str | None = None) -> None:
         """Let `role`'s worker (every worker when None) release what it holds outside Python, if it says how."""
-        for name in ([role] if role is not None else list(self.workers)):
+        for name in [role] if role is not None else list(self.workers):
             close = getattr(self.workers.get(name), "close", None)
             if callable(close):
                 close()

@@ -36,30 +36,49 @@ Ray (`conveyor.ray_utils.ensure_ray`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import functools
 import os
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 
 from conveyor.protocol import BatchData, KVBatchMeta
-from conveyor.workers.placement.group import (MODEL_ROLES, Endpoint, WorkerGroup, WorkerSpec, split_for_ranks,
-                                    split_metrics, wrap_worker_error)
+from conveyor.workers.placement.group import (
+    MODEL_ROLES,
+    Endpoint,
+    WorkerGroup,
+    WorkerSpec,
+    split_for_ranks,
+    split_metrics,
+    wrap_worker_error,
+)
 from conveyor.workers.placement.ray_placement import RayPlacement
 from conveyor.workers.placement.ray_rank import remote_rank_class
 
-__all__ = ["Pending", "RankDied", "RayWorkerGroup", "RayRanks", "RayPlacement", "build_ray_worker_groups",
-           "build_ray_rollout_groups", "gather_together", "gather_with_local", "ray_worker_device"]
+__all__ = [
+    "Pending",
+    "RankDied",
+    "RayWorkerGroup",
+    "RayRanks",
+    "RayPlacement",
+    "build_ray_worker_groups",
+    "build_ray_rollout_groups",
+    "gather_together",
+    "gather_with_local",
+    "ray_worker_device",
+]
 
 logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- a rank's failure
 class RankDied(RuntimeError):
-    """A rank's process ended in a call (a crash, the kernel's OOM killer, a signal): Ray's report and its last words."""
+    """A rank's process ended in a call (a crash, the kernel's OOM killer, a signal): Ray's report and its last
+    words."""
 
 
 def _original(err: BaseException, ranks: RayRanks | None = None, rank: int = 0) -> BaseException:
@@ -81,8 +100,9 @@ def _stderr_tail(ranks: RayRanks, rank: int, lines: int = 40) -> str:
     try:
         pid = ranks.where[rank]["pid"]
         logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-        paths = [os.path.join(logs, f) for f in os.listdir(logs)
-                 if f.startswith("worker-") and f.endswith(f"-{pid}.err")]
+        paths = [
+            os.path.join(logs, f) for f in os.listdir(logs) if f.startswith("worker-") and f.endswith(f"-{pid}.err")
+        ]
         if not paths:
             return ""
         with open(paths[0], errors="replace") as f:  # faulthandler's list of loaded extension modules says nothing
@@ -131,8 +151,9 @@ class RayRanks:
             bundle = {"CPU": num_cpus, "GPU": math.ceil(num_gpus)}
             placement = RayPlacement(self.name, world_size, bundle, nnodes=nnodes, timeout_s=timeout_s)
         elif placement.world_size != world_size:
-            raise ValueError(f"{self.name}: world_size {world_size} differs from the placement's "
-                             f"{placement.world_size}")
+            raise ValueError(
+                f"{self.name}: world_size {world_size} differs from the placement's {placement.world_size}"
+            )
         placement.acquire(self.name)
         self.placement = placement
         first = self.roles[0]
@@ -148,24 +169,35 @@ class RayRanks:
                 if env:
                     extra["runtime_env"] = {"env_vars": env}
             self.actors = [
-                remote.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=placement.strategy_for(r),
-                               max_concurrency=concurrency, **extra)
-                .remote(self.name, r, world_size, int(round(num_cpus)))
+                remote.options(
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    scheduling_strategy=placement.strategy_for(r),
+                    max_concurrency=concurrency,
+                    **extra,
+                ).remote(self.name, r, world_size, int(round(num_cpus)))
                 for r in range(world_size)
             ]
             self.where = self.gather(first, "start", [a.where.remote() for a in self.actors])
             if world_size > 1 and process_group:
                 addr, port = self.gather(first, "init_process_group", [self.actors[0].master_address.remote()])[0]
                 device_type = "cuda" if num_gpus > 0 else "cpu"
-                self.gather(first, "init_process_group",
-                            [a.init_process_group.remote(addr, port, device_type) for a in self.actors])
+                self.gather(
+                    first,
+                    "init_process_group",
+                    [a.init_process_group.remote(addr, port, device_type) for a in self.actors],
+                )
             for spec in specs:  # in order, each role's ranks together (a strategy's wrap is a collective)
                 self.gather(spec.role, "__init__", [a.build.remote(spec) for a in self.actors])
         except BaseException:
             self.kill()
             raise
-        logger.info("%s: %d rank(s) on %d node(s), one process per rank", self.name, world_size,
-                    len({w["node_id"] for w in self.where}))
+        logger.info(
+            "%s: %d rank(s) on %d node(s), one process per rank",
+            self.name,
+            world_size,
+            len({w["node_id"] for w in self.where}),
+        )
 
     def group(self, role: str) -> RayWorkerGroup:
         """The worker group of `role` on these ranks."""
@@ -174,7 +206,8 @@ class RayRanks:
         return RayWorkerGroup._view(self, role)
 
     def open_links(self) -> None:
-        """From now on `call` and `call_chain` reach the ranks over a Unix socket each (`conveyor.workers.placement.link`), not a
+        """From now on `call` and `call_chain` reach the ranks over a Unix socket each
+        (`conveyor.workers.placement.link`), not a
         Ray task per call: for ranks on this machine whose every batch is one call (the asynchronous rollout's
         replicas in processes of their own). Other calls stay Ray's."""
         from conveyor.workers.placement.link import Link
@@ -287,8 +320,15 @@ class RayWorkerGroup(WorkerGroup):
         nnodes: int = 1,
         timeout_s: float = 60.0,
     ):
-        ranks = RayRanks([spec], world_size=world_size, num_cpus=num_cpus, num_gpus=num_gpus, placement=placement,
-                         nnodes=nnodes, timeout_s=timeout_s)
+        ranks = RayRanks(
+            [spec],
+            world_size=world_size,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            placement=placement,
+            nnodes=nnodes,
+            timeout_s=timeout_s,
+        )
         self._attach(ranks, spec.role)
 
     @classmethod
@@ -343,8 +383,9 @@ class RayWorkerGroup(WorkerGroup):
         # One copy in the object store for all ranks (a state dict is large), not one per call;
         # Ray resolves top-level refs before the method runs.
         args_ref, kwargs_ref = ray.put(args), ray.put(kwargs)
-        return self.ranks.gather(self.role, name, [a.call_args.remote(self.role, name, args_ref, kwargs_ref)
-                                                   for a in self.ranks.actors])
+        return self.ranks.gather(
+            self.role, name, [a.call_args.remote(self.role, name, args_ref, kwargs_ref) for a in self.ranks.actors]
+        )
 
     def submit_all(self, method: Endpoint, *args: Any, **kwargs: Any) -> Pending:
         """Start `method` on every rank without waiting (two roles' halves of one exchange must run together)."""
@@ -405,8 +446,12 @@ def gather_together(pending: Sequence[Pending]) -> list[list[Any]]:
     return [ray.get(p.refs) for p in pending]
 
 
-def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: str, local_method: str,
-                      ) -> tuple[Any, list[Any]]:
+def gather_with_local(
+    pending: Pending,
+    local: Callable[[], Any],
+    local_role: str,
+    local_method: str,
+) -> tuple[Any, list[Any]]:
     """`local()` here while `pending` runs on Ray (the two halves of one exchange); (its result, the Ray results).
 
     The local half runs on a thread of its own so that a failed Ray half is seen at once: its ranks are killed,
@@ -431,8 +476,9 @@ def gather_with_local(pending: Pending, local: Callable[[], Any], local_role: st
                     ray.get(ref)
                 except Exception as err:
                     pending.group.ranks.kill()
-                    raise wrap_worker_error(pending.group.role, owner[ref], pending.method,
-                                            _original(err, pending.group.ranks, owner[ref])) from err
+                    raise wrap_worker_error(
+                        pending.group.role, owner[ref], pending.method, _original(err, pending.group.ranks, owner[ref])
+                    ) from err
         return mine.result(), ray.get(pending.refs)
     finally:
         # Raising, the local half is let finish first (the killed ranks end its collective), as it always was.
@@ -452,15 +498,20 @@ def _local_halves() -> Any:
 
 # --------------------------------------------------------------------------- a run's roles
 def ray_worker_device(cfg: Any, device: str) -> str:
-    """The device of Ray worker ranks: cuda when the run asks for GPUs per node, else cpu (with a warning if cuda was meant)."""
+    """The device of Ray worker ranks: cuda when the run asks for GPUs per node, else cpu (with a warning if cuda was
+    meant)."""
     t = cfg.trainer
     gpu = t.n_gpus_per_node > 0
     if gpu and t.device == "cpu":
-        raise ValueError(f"trainer.device=cpu contradicts trainer.n_gpus_per_node={t.n_gpus_per_node}; "
-                         "set trainer.device=auto (or cuda), or trainer.n_gpus_per_node=0 for CPU workers")
+        raise ValueError(
+            f"trainer.device=cpu contradicts trainer.n_gpus_per_node={t.n_gpus_per_node}; "
+            "set trainer.device=auto (or cuda), or trainer.n_gpus_per_node=0 for CPU workers"
+        )
     if not gpu and device == "cuda":
-        logger.warning("trainer.n_gpus_per_node=0: the Ray workers get no GPU and run on CPU; "
-                       "set trainer.n_gpus_per_node to train on GPUs")
+        logger.warning(
+            "trainer.n_gpus_per_node=0: the Ray workers get no GPU and run on CPU; "
+            "set trainer.n_gpus_per_node to train on GPUs"
+        )
     return "cuda" if gpu else "cpu"
 
 
@@ -472,22 +523,35 @@ def build_ray_rollout_groups(cfg: Any, specs: dict[str, WorkerSpec], *, gpu: boo
     """
     cpus = cfg.ray.worker_cpus
     if "rollout" not in specs:
-        return {"reward": RayWorkerGroup(specs["reward"], world_size=1, num_cpus=cpus, nnodes=1,
-                                         timeout_s=cfg.ray.timeout_s)}
+        return {
+            "reward": RayWorkerGroup(
+                specs["reward"], world_size=1, num_cpus=cpus, nnodes=1, timeout_s=cfg.ray.timeout_s
+            )
+        }
     ro = cfg.actor_rollout_ref.rollout
     # Replicas of their own: a bundle each (tensor_model_parallel_size GPUs, or a CPU share), no process
     # group between them; the weights come over the channel from the actor's rank 0.
     gpus = float(ro.tensor_model_parallel_size) if gpu else 0.0
-    ranks = RayRanks([specs["rollout"], specs["reward"]], world_size=ro.replicas, num_cpus=cpus, num_gpus=gpus,
-                     nnodes=1, timeout_s=cfg.ray.timeout_s, process_group=False, concurrency=2)
+    ranks = RayRanks(
+        [specs["rollout"], specs["reward"]],
+        world_size=ro.replicas,
+        num_cpus=cpus,
+        num_gpus=gpus,
+        nnodes=1,
+        timeout_s=cfg.ray.timeout_s,
+        process_group=False,
+        concurrency=2,
+    )
     return {"rollout": ranks.group("rollout"), "reward": ranks.group("reward")}
 
 
 def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: Any) -> dict[str, RayWorkerGroup]:
     """Each role of `specs` as a Ray worker group: model roles with one rank per GPU or CPU worker, reward with one."""
     if getattr(data_plane, "backend", None) == "memory":
-        raise ValueError("workers on Ray cannot reach the memory data plane itself (it lives in the trainer's "
-                         "process): pass them its DataPlaneServer's client, or use transfer_queue.backend=ray")
+        raise ValueError(
+            "workers on Ray cannot reach the memory data plane itself (it lives in the trainer's "
+            "process): pass them its DataPlaneServer's client, or use transfer_queue.backend=ray"
+        )
     t = cfg.trainer
     gpu = t.n_gpus_per_node > 0
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
@@ -498,8 +562,14 @@ def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: 
     groups: dict[str, RayWorkerGroup] = {}
     placement = RayPlacement("+".join(model_roles), world, bundle, nnodes=t.nnodes, timeout_s=cfg.ray.timeout_s)
     try:
-        ranks = RayRanks([specs[r] for r in model_roles], world_size=world, num_cpus=cpus,
-                         num_gpus=1.0 if gpu else 0.0, placement=placement, timeout_s=cfg.ray.timeout_s)
+        ranks = RayRanks(
+            [specs[r] for r in model_roles],
+            world_size=world,
+            num_cpus=cpus,
+            num_gpus=1.0 if gpu else 0.0,
+            placement=placement,
+            timeout_s=cfg.ray.timeout_s,
+        )
         for role in model_roles:
             groups[role] = ranks.group(role)
         groups.update(build_ray_rollout_groups(cfg, specs, gpu=gpu))

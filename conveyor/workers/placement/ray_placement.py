@@ -41,15 +41,18 @@ def _cluster_summary() -> str:
     return f"{_fmt(total)} in total ({_fmt(free)} free) on {len(nodes)} node(s) [{per_node}]"
 
 
-_HOW_TO_FIX = ("lower trainer.n_gpus_per_node, trainer.num_cpu_workers, trainer.nnodes or ray.worker_cpus, "
-               "or give the cluster more (ray.num_cpus for a locally started Ray, more nodes with `ray start`)")
+_HOW_TO_FIX = (
+    "lower trainer.n_gpus_per_node, trainer.num_cpu_workers, trainer.nnodes or ray.worker_cpus, "
+    "or give the cluster more (ray.num_cpus for a locally started Ray, more nodes with `ray start`)"
+)
 
 
 class RayPlacement:
     """A placement group of one bundle per data-parallel rank, shared by the roles colocated on it."""
 
-    def __init__(self, name: str, world_size: int, bundle: dict[str, float], *, nnodes: int = 1,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self, name: str, world_size: int, bundle: dict[str, float], *, nnodes: int = 1, timeout_s: float = 60.0
+    ):
         self.name = name
         self.world_size = world_size
         self.bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": _MIN_BUNDLE_CPU}
@@ -77,8 +80,12 @@ class RayPlacement:
         self.bundle_of_rank = sorted(range(world_size), key=lambda b: (first_seen[nodes.get(b, "")], b))
         used = len(first_seen)
         if used != nnodes:
-            logger.warning("%s ranks were placed on %d node(s), not trainer.nnodes=%d "
-                           "(Ray puts bundles where they fit)", name, used, nnodes)
+            logger.warning(
+                "%s ranks were placed on %d node(s), not trainer.nnodes=%d (Ray puts bundles where they fit)",
+                name,
+                used,
+                nnodes,
+            )
 
     def _check_feasible(self) -> None:
         """Refuse at once what the cluster cannot ever hold (waiting would only end in a timeout)."""

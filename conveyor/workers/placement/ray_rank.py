@@ -54,12 +54,23 @@ class _RankActor:
 
         from conveyor.workers.training.strategy import process_group_backend
 
-        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-                           "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)})
+        os.environ.update(
+            {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+            }
+        )
         if device_type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU
-        tdist.init_process_group(backend=process_group_backend(device_type), init_method="env://", rank=self.rank,
-                                 world_size=self.world_size, timeout=timedelta(minutes=30))
+        tdist.init_process_group(
+            backend=process_group_backend(device_type),
+            init_method="env://",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(minutes=30),
+        )
 
     def build(self, spec: WorkerSpec) -> None:
         """Construct this rank's worker of `spec.role` in this process, next to the roles built before it."""
@@ -90,7 +101,8 @@ class _RankActor:
         return meta.with_extra_info(**info)
 
     def open_link(self) -> tuple[str, bytes]:
-        """Answer `call` and `call_chain` over a Unix socket too, on a thread of this process (`conveyor.workers.placement.link`:
+        """Answer `call` and `call_chain` over a Unix socket too, on a thread of this process
+        (`conveyor.workers.placement.link`:
         the hot path of a group whose every batch is one call); (address, key) to reach it."""
         from conveyor.workers.placement.link import serve
 

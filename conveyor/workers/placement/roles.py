@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,12 +31,19 @@ from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.weights import Endpoints, WeightShipper
+from conveyor.workers.placement.group import (
+    MODEL_ROLES,
+    ColocatedWorker,
+    LocalWorkerGroup,
+    WorkerGroup,
+    WorkerSpec,
+    use_ray,
+)
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
-from conveyor.workers.placement.group import MODEL_ROLES, ColocatedWorker, LocalWorkerGroup, WorkerGroup, WorkerSpec, use_ray
 from conveyor.workers.ranks.reference import ReferenceWorker
-from conveyor.workers.ranks.reward import RewardWorker
 from conveyor.workers.ranks.replica import ReplicaWorker
+from conveyor.workers.ranks.reward import RewardWorker
 from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 
 if TYPE_CHECKING:
@@ -56,27 +63,35 @@ __all__ = [
 ]
 
 
-def worker_specs(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any,
-                 device: str) -> dict[str, WorkerSpec]:
+def worker_specs(
+    cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any, device: str
+) -> dict[str, WorkerSpec]:
     """Each role this run uses -> its worker class and constructor arguments (rank and world size come later)."""
     plugins = tuple(cfg.trainer.plugins)
     where = {"model_path": model_path, "data_plane": data_plane, "device": device}
     specs = {"actor": WorkerSpec("actor", PolicyWorker, {"settings": actor_settings(cfg, plan), **where}, plugins)}
     if plan.use_reference and not plan.reference_from_actor:
-        specs["ref"] = WorkerSpec("ref", ReferenceWorker, {"settings": reference_settings(cfg, plan), **where},
-                                  plugins)
+        specs["ref"] = WorkerSpec("ref", ReferenceWorker, {"settings": reference_settings(cfg, plan), **where}, plugins)
     if plan.use_critic:
-        specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where},
-                                     plugins)
+        specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where}, plugins)
     if plan.rollout_placement == "separate":
-        specs["rollout"] = WorkerSpec("rollout", ReplicaWorker, {"settings": rollout_settings(cfg, plan), **where},
-                                      plugins)
+        specs["rollout"] = WorkerSpec(
+            "rollout", ReplicaWorker, {"settings": rollout_settings(cfg, plan), **where}, plugins
+        )
     custom = cfg.reward.custom_reward_function
-    specs["reward"] = WorkerSpec("reward", RewardWorker, {
-        "tokenizer": tokenizer, "data_plane": data_plane,
-        "custom_reward_path": custom.path, "custom_reward_name": custom.name, "timeout_s": cfg.reward.timeout_s,
-        "overlong_buffer": _overlong(cfg),
-    }, plugins)
+    specs["reward"] = WorkerSpec(
+        "reward",
+        RewardWorker,
+        {
+            "tokenizer": tokenizer,
+            "data_plane": data_plane,
+            "custom_reward_path": custom.path,
+            "custom_reward_name": custom.name,
+            "timeout_s": cfg.reward.timeout_s,
+            "overlong_buffer": _overlong(cfg),
+        },
+        plugins,
+    )
     return specs
 
 
@@ -155,9 +170,15 @@ class ReplicaGroup(_Role):
         here = isinstance(ranks, LocalWorkerGroup)
         # A replica in this process says its engine's dtype itself; one on Ray has it resolved from the config.
         engine = getattr(ranks.worker, "engine", None) if here else None
-        self.weights = WeightShipper(actor.ranks, ranks, WEIGHT_ENDPOINTS, bucket_bytes=bucket_bytes,
-                                     dtype=getattr(engine, "dtype", None) if engine is not None else dtype,
-                                     actor_here=isinstance(actor.ranks, LocalWorkerGroup), replicas_here=here)
+        self.weights = WeightShipper(
+            actor.ranks,
+            ranks,
+            WEIGHT_ENDPOINTS,
+            bucket_bytes=bucket_bytes,
+            dtype=getattr(engine, "dtype", None) if engine is not None else dtype,
+            actor_here=isinstance(actor.ranks, LocalWorkerGroup),
+            replicas_here=here,
+        )
 
     @property
     def served(self) -> int | None:
@@ -187,7 +208,8 @@ class ReplicaGroup(_Role):
         return self.weights.in_process
 
     def generate_sequences(self, meta: KVBatchMeta, *, sync: bool = True, score: bool = False) -> KVBatchMeta:
-        """Stage 2 on the replicas, after a sync if the actor has moved on (unless `sync` is False): the rollout's fields.
+        """Stage 2 on the replicas, after a sync if the actor has moved on (unless `sync` is False): the rollout's
+        fields.
 
         `score` (needs `colocated_reward`): stage 3 too, by the reward worker in each replica's process, in the same
         call: one round trip per batch instead of two, and the reward's metrics in the same `extra_info`.
@@ -196,8 +218,9 @@ class ReplicaGroup(_Role):
         with self.weights.loading(meta) as meta:  # weights staged last, loaded by the replicas before they generate
             if score:
                 assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
-                out = self.ranks.call_chain([("rollout", ReplicaWorker.generate_sequences),
-                                             ("reward", RewardWorker.compute_reward)], meta)
+                out = self.ranks.call_chain(
+                    [("rollout", ReplicaWorker.generate_sequences), ("reward", RewardWorker.compute_reward)], meta
+                )
             else:
                 out = self.ranks.call(ReplicaWorker.generate_sequences, meta)
         if metrics:  # one entry per rank, as every per-rank metric arrives
@@ -225,10 +248,14 @@ class ReplicaGroup(_Role):
 
 # The workers' weight endpoints, named for the shipper (which imports no worker).
 WEIGHT_ENDPOINTS = Endpoints(
-    version=PolicyWorker.weights_version, address=PolicyWorker.channel_address,
-    join_sender=PolicyWorker.join_weight_channel, send=PolicyWorker.send_weights,
-    join_receiver=ReplicaWorker.join_weight_channel, receive=ReplicaWorker.receive_weights,
-    take=ReplicaWorker.take_weights, between_tokens=ReplicaWorker.take_weights_between_tokens,
+    version=PolicyWorker.weights_version,
+    address=PolicyWorker.channel_address,
+    join_sender=PolicyWorker.join_weight_channel,
+    send=PolicyWorker.send_weights,
+    join_receiver=ReplicaWorker.join_weight_channel,
+    receive=ReplicaWorker.receive_weights,
+    take=ReplicaWorker.take_weights,
+    between_tokens=ReplicaWorker.take_weights_between_tokens,
 )
 
 
@@ -305,8 +332,9 @@ class WorkerGroups:
                 self.data_plane_server.close()
 
 
-def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any,
-                        device: str = "cpu") -> WorkerGroups:
+def build_worker_groups(
+    cfg: Config, plan: RunPlan, model_path: str, data_plane: DataPlane, tokenizer: Any, device: str = "cpu"
+) -> WorkerGroups:
     """Every role of the run from `worker_specs`: in this process, or as Ray actors for a multi-rank run."""
     server = None
     if use_ray(cfg):
@@ -336,9 +364,11 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
             if "rollout" in specs and "rollout" not in groups:  # its own engine and copy of the model, here
                 replicas = cfg.actor_rollout_ref.rollout.replicas
                 if replicas > 1:
-                    raise ValueError(f"actor_rollout_ref.rollout.replicas={replicas}: a run in one process holds one "
-                                     "replica; run on Ray (trainer.num_cpu_workers or n_gpus_per_node > 1, or "
-                                     "ray.address) or set replicas=1")
+                    raise ValueError(
+                        f"actor_rollout_ref.rollout.replicas={replicas}: a run in one process holds one "
+                        "replica; run on Ray (trainer.num_cpu_workers or n_gpus_per_node > 1, or "
+                        "ray.address) or set replicas=1"
+                    )
                 groups["rollout"] = LocalWorkerGroup(specs["rollout"])
         except BaseException:
             host.close()
@@ -355,8 +385,16 @@ def build_worker_groups(cfg: Config, plan: RunPlan, model_path: str, data_plane:
         ref=ref_group,
         critic=CriticGroup(critic) if critic is not None else None,
         reward=RewardGroup(groups["reward"]),
-        rollout=(ReplicaGroup(rollout, actor, bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
-                              << 20, dtype=_configured_engine_dtype(cfg, plan.device)) if rollout is not None else None),
+        rollout=(
+            ReplicaGroup(
+                rollout,
+                actor,
+                bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20,
+                dtype=_configured_engine_dtype(cfg, plan.device),
+            )
+            if rollout is not None
+            else None
+        ),
         data_plane_server=server,
     )
 
@@ -369,20 +407,29 @@ def _configured_engine_dtype(cfg: Config, device_type: str) -> torch.dtype | Non
     return getattr(torch, ro.engine_dtype(cfg.actor_rollout_ref.model.dtype, device_type))
 
 
-def _served(specs: dict[str, WorkerSpec], data_plane: DataPlane, roles: Iterable[str] | None = None,
-            ) -> tuple[Any, dict[str, WorkerSpec]]:
+def _served(
+    specs: dict[str, WorkerSpec],
+    data_plane: DataPlane,
+    roles: Iterable[str] | None = None,
+) -> tuple[Any, dict[str, WorkerSpec]]:
     """`data_plane` served to the workers of `roles` (all by default) in processes of their own: (the server, which
     the run closes after the workers, their specs with a client in place of the plane)."""
     from conveyor.data_plane.served import DataPlaneServer
 
     server = DataPlaneServer(data_plane)
     client = server.client()
-    return server, {role: dataclasses.replace(spec, kwargs={**spec.kwargs, "data_plane": client})
-                    for role, spec in specs.items() if roles is None or role in roles}
+    return server, {
+        role: dataclasses.replace(spec, kwargs={**spec.kwargs, "data_plane": client})
+        for role, spec in specs.items()
+        if roles is None or role in roles
+    }
 
 
-def _own_process_groups(cfg: Config, specs: dict[str, WorkerSpec], data_plane: DataPlane,
-                        ) -> tuple[Any, dict[str, Any]]:
+def _own_process_groups(
+    cfg: Config,
+    specs: dict[str, WorkerSpec],
+    data_plane: DataPlane,
+) -> tuple[Any, dict[str, Any]]:
     """The reward worker and the rollout group as Ray actors beside this process, on `data_plane` served to them:
     (the server, which the run closes after the workers, their groups)."""
     from conveyor.workers.placement.ray_group import build_ray_rollout_groups

@@ -40,21 +40,21 @@ from conveyor.algos.objective import compute_policy_objective, merge_objective_m
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
-from conveyor.models.packing import setup_packing
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
+from conveyor.models.packing import setup_packing
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
-from conveyor.workers.training.batching import plan_micro_batches, take
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
-from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
-from conveyor.workers.training.loading import load_role_model
-from conveyor.workers.ranks.settings import ActorSettings, role_strategy
-from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
+from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
+from conveyor.workers.ranks.settings import ActorSettings, role_strategy
+from conveyor.workers.training.batching import plan_micro_batches, take
+from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -88,36 +88,59 @@ class PolicyWorker(CheckpointEndpoints):
         trust = m.trust_remote_code
         strategy = role_strategy(acfg.strategy, acfg.fsdp_config, world_size, self.device)
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
-        self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
-                                     device=self.device, dtype=m.dtype, trust_remote_code=trust)
+        self.model = load_role_model(
+            model_path,
+            strategy_name=strategy.name,
+            world_size=world_size,
+            rank=rank,
+            device=self.device,
+            dtype=m.dtype,
+            trust_remote_code=trust,
+        )
         self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=trust)
         self.moe = moe_info(self.model)
-        routing = settings.forward_records_routing or settings.forward_replays_routing or settings.update_replays_routing
+        routing = (
+            settings.forward_records_routing or settings.forward_replays_routing or settings.update_replays_routing
+        )
         if routing and self.moe is None:
-            raise ValueError(f"actor_rollout_ref.model: the run plan records or replays MoE routing, but "
-                             f"{type(self.model).__name__} has no MoE layers conveyor can route; set "
-                             "actor_rollout_ref.actor.router_replay.mode=disabled")
+            raise ValueError(
+                f"actor_rollout_ref.model: the run plan records or replays MoE routing, but "
+                f"{type(self.model).__name__} has no MoE layers conveyor can route; set "
+                "actor_rollout_ref.actor.router_replay.mode=disabled"
+            )
         # LoRA: adapters injected in place, before the strategy wraps the model (fsdp2 shards them with their
         # layer; on rank 0 of a rank-0 load they are initialised and sent with the base weights).
         self.peft = None
         if m.lora_rank > 0:
             from conveyor.models.lora import apply_lora
 
-            self.peft = apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
-                                   seed=settings.seed, base_model_path=model_path)
+            self.peft = apply_lora(
+                self.model,
+                rank=m.lora_rank,
+                alpha=m.lora_alpha,
+                target_modules=m.target_modules,
+                seed=settings.seed,
+                base_model_path=model_path,
+            )
         if settings.serves_reference and self.peft is None:
-            raise ValueError("the run plan makes the actor serve the reference, which needs "
-                             "actor_rollout_ref.model.lora_rank > 0")
+            raise ValueError(
+                "the run plan makes the actor serve the reference, which needs actor_rollout_ref.model.lora_rank > 0"
+            )
         # Before wrapping: the lean forward keeps references to the model's own modules.
         # None: the Hugging Face forward (models the lean one does not cover, LoRA, or forward_impl=hf).
         self.lean = resolve_forward_impl(m.forward_impl, self.model)
         # The worker's own step count (from its settings): the schedule must not depend on what a caller passes.
         self.trained = TrainedModel(
-            self.model, strategy, trainable=True, optim_cfg=acfg.optim, total_steps=settings.total_optim_steps,
+            self.model,
+            strategy,
+            trainable=True,
+            optim_cfg=acfg.optim,
+            total_steps=settings.total_optim_steps,
             gradient_checkpointing=m.enable_gradient_checkpointing,
         )
-        self.forward = PolicyForward(self.model, self.trained, self.lean, self.moe,
-                                     packed=setup_packing(self.model, m.use_remove_padding))
+        self.forward = PolicyForward(
+            self.model, self.trained, self.lean, self.moe, packed=setup_packing(self.model, m.use_remove_padding)
+        )
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
         self.rollout: GenerationEngine | None = None
         self.agent_loop = None
@@ -131,11 +154,23 @@ class PolicyWorker(CheckpointEndpoints):
         settings, m, rank, world_size = self.settings, self.settings.model, self.rank, self.world_size
         trust = m.trust_remote_code
         spec = engine_spec(settings.rollout.name)
-        self.rollout = spec.build(EngineContext(
-            model_path=model_path, model=self.model, tokenizer=self.tokenizer, rollout=settings.rollout,
-            model_dtype=m.dtype, trust_remote_code=trust, max_model_len=settings.max_model_len, seed=settings.seed,
-            rank=rank, world_size=world_size, device=self.device, lean=self.lean, moe=self.moe,
-        ))
+        self.rollout = spec.build(
+            EngineContext(
+                model_path=model_path,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                rollout=settings.rollout,
+                model_dtype=m.dtype,
+                trust_remote_code=trust,
+                max_model_len=settings.max_model_len,
+                seed=settings.seed,
+                rank=rank,
+                world_size=world_size,
+                device=self.device,
+                lean=self.lean,
+                moe=self.moe,
+            )
+        )
         caps = self.rollout.capabilities
         if not caps.shares_trainer_modules and rank == 0:
             logger.info("%s rollout engine started in %.1f s", spec.name, getattr(self.rollout, "start_time_s", 0.0))
@@ -147,37 +182,65 @@ class PolicyWorker(CheckpointEndpoints):
         full_gb = _full_model_bytes(self.model) / 1e9
         # Under expert parallelism a gathered model still exchanges tokens in every forward, so the ranks must
         # decode in step: over the shards, whatever the size.
-        self.rollout_over_shards = (strategy.sharded and shares and self.agent_loop is None
-                                    and (full_gb > settings.rollout.hf_whole_gather_max_gb
-                                         or strategy.forward_communicates))
+        self.rollout_over_shards = (
+            strategy.sharded
+            and shares
+            and self.agent_loop is None
+            and (full_gb > settings.rollout.hf_whole_gather_max_gb or strategy.forward_communicates)
+        )
         if strategy.forward_communicates and shares and self.agent_loop is not None:
-            raise ValueError("actor_rollout_ref.rollout.multi_turn.enable: the multi-turn loop decodes each rank on "
-                             "its own, which expert parallelism (every forward an all-to-all) cannot do; set "
-                             "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=1 or use an engine with its "
-                             "own weights")
+            raise ValueError(
+                "actor_rollout_ref.rollout.multi_turn.enable: the multi-turn loop decodes each rank on "
+                "its own, which expert parallelism (every forward an all-to-all) cannot do; set "
+                "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=1 or use an engine with its "
+                "own weights"
+            )
         if self.lean is not None and strategy.sharded and rank == 0:
-            logger.info("strategy fsdp2: the update and the no-grad forwards (old log-probs, routing agreement) run the "
-                        "Hugging Face forward over the shards, one layer gathered at a time (the lean forward needs "
-                        "the whole model)")
+            logger.info(
+                "strategy fsdp2: the update and the no-grad forwards (old log-probs, routing agreement) run the "
+                "Hugging Face forward over the shards, one layer gathered at a time (the lean forward needs "
+                "the whole model)"
+            )
         elif self.lean is not None and (strategy.distributed or self.trained.checkpointing) and rank == 0:
-            logger.info("the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
-                        "no-grad log-probs keep the lean forward",
-                        f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing")
+            logger.info(
+                "the update runs the Hugging Face forward (the lean forward bypasses %s); the rollout and "
+                "no-grad log-probs keep the lean forward",
+                f"strategy {strategy.name}'s module hooks" if strategy.distributed else "activation checkpointing",
+            )
         if strategy.sharded and shares and rank == 0:
             if self.rollout_over_shards:
-                logger.info("strategy fsdp2 with the %s rollout: the model's %.2f GB exceed rollout."
-                            "hf_whole_gather_max_gb=%g, so generation decodes over the shards (one all-gather per "
-                            "layer and token; an engine with its own weights, e.g. rollout.name=vllm, decodes "
-                            "without them)", spec.name, full_gb, settings.rollout.hf_whole_gather_max_gb)
+                logger.info(
+                    "strategy fsdp2 with the %s rollout: the model's %.2f GB exceed rollout."
+                    "hf_whole_gather_max_gb=%g, so generation decodes over the shards (one all-gather per "
+                    "layer and token; an engine with its own weights, e.g. rollout.name=vllm, decodes "
+                    "without them)",
+                    spec.name,
+                    full_gb,
+                    settings.rollout.hf_whole_gather_max_gb,
+                )
             else:
-                logger.info("strategy fsdp2 with the %s rollout: generation gathers the whole model (%.2f GB) on every "
-                            "rank%s", spec.name, full_gb, " (the multi-turn loop needs it whole)"
-                            if self.agent_loop is not None else f" (at most rollout.hf_whole_gather_max_gb="
-                                                                 f"{settings.rollout.hf_whole_gather_max_gb:g})")
+                logger.info(
+                    "strategy fsdp2 with the %s rollout: generation gathers the whole model (%.2f GB) on every rank%s",
+                    spec.name,
+                    full_gb,
+                    " (the multi-turn loop needs it whole)"
+                    if self.agent_loop is not None
+                    else f" (at most rollout.hf_whole_gather_max_gb={settings.rollout.hf_whole_gather_max_gb:g})",
+                )
         self.generation = Generation(
-            self.rollout, agent_loop=self.agent_loop, tokenizer=self.tokenizer, moe=self.moe, rollout=settings.rollout,
-            engine_name=spec.name, strategy=strategy, passes=self.trained.passes, data_plane=data_plane, rank=rank,
-            world_size=world_size, device=self.device, over_shards=self.rollout_over_shards,
+            self.rollout,
+            agent_loop=self.agent_loop,
+            tokenizer=self.tokenizer,
+            moe=self.moe,
+            rollout=settings.rollout,
+            engine_name=spec.name,
+            strategy=strategy,
+            passes=self.trained.passes,
+            data_plane=data_plane,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            over_shards=self.rollout_over_shards,
         )
 
     def close(self) -> None:
@@ -220,8 +283,9 @@ class PolicyWorker(CheckpointEndpoints):
         if self.rank == 0:
             self.channel = WeightChannel(address, 0, size, device=self.device)
 
-    def send_weights(self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None,
-                     dtype: torch.dtype | None = None) -> dict[str, float]:
+    def send_weights(
+        self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, float]:
         """Stream the weights over the channel (rank 0 sends; every rank takes part in the gathers); metrics.
 
         `staged`: a copy of the weights taken earlier, sent instead of the current ones (one rank, in the caller's
@@ -242,26 +306,34 @@ class PolicyWorker(CheckpointEndpoints):
         return result_handle(meta, fields, metrics, self.device)
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
-        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                            select_fields=fields).to(self.device)
+        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(
+            self.device
+        )
 
     def _put(self, meta: KVBatchMeta, fields: dict[str, Any]) -> None:
         cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=cpu)
 
     def _forward(
-        self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
-        record_routing: bool = False, train: bool = False,
+        self,
+        td: TensorDict,
+        temperature: float,
+        with_entropy: bool,
+        routed_experts: torch.Tensor | None = None,
+        record_routing: bool = False,
+        train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
         return self.forward.log_probs(td, temperature, with_entropy, routed_experts, record_routing, train)
 
     # ------------------------------------------------------------------ endpoints
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Sample responses for the handle's prompts: writes responses, response_mask, rollout_log_probs (+ routed_experts)."""
+        """Sample responses for the handle's prompts: writes responses, response_mask, rollout_log_probs (+
+        routed_experts)."""
         if self.generation is None:
-            raise RuntimeError("actor_rollout_ref.rollout.placement=separate: the rollout workers generate, not the "
-                               "actor")
+            raise RuntimeError(
+                "actor_rollout_ref.rollout.placement=separate: the rollout workers generate, not the actor"
+            )
         return self.generation(meta, self._sync_engine())
 
     @property
@@ -288,8 +360,13 @@ class PolicyWorker(CheckpointEndpoints):
             fields.append("routed_experts")
         td = self._get(meta, fields)
         log_probs, entropy, routing = self.forward.no_grad_log_probs(
-            td, st.rollout.log_prob_micro_batch_size_per_gpu, float(call.temperature),
-            with_entropy=bool(call.calculate_entropy), replay=replay, record=record, budget=st.log_prob_budget,
+            td,
+            st.rollout.log_prob_micro_batch_size_per_gpu,
+            float(call.temperature),
+            with_entropy=bool(call.calculate_entropy),
+            replay=replay,
+            record=record,
+            budget=st.log_prob_budget,
         )
         metrics: dict[str, float] = {}
         out = {"old_log_probs": log_probs}
@@ -304,15 +381,20 @@ class PolicyWorker(CheckpointEndpoints):
 
     @torch.no_grad()
     def compute_ref_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """LoRA's reference: the forward with the adapters disabled (the frozen base model); writes ref_log_prob (B, R)."""
+        """LoRA's reference: the forward with the adapters disabled (the frozen base model); writes ref_log_prob (B,
+        R)."""
         assert self.peft is not None and self.settings.ref is not None, "the actor serves the reference under LoRA only"
         begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         # No replay: the reference's routing is its own, as the separate reference worker's is.
         with self.peft.disable_adapter():
-            log_probs, _, _ = self.forward.no_grad_log_probs(td, self.settings.ref.log_prob_micro_batch_size_per_gpu,
-                                                             float(call.temperature), budget=self.settings.ref_budget)
+            log_probs, _, _ = self.forward.no_grad_log_probs(
+                td,
+                self.settings.ref.log_prob_micro_batch_size_per_gpu,
+                float(call.temperature),
+                budget=self.settings.ref_budget,
+            )
         out = {"ref_log_prob": log_probs}
         self._put(meta, out)
         return self._result(meta, list(out), {}, "ref")
@@ -344,9 +426,14 @@ class PolicyWorker(CheckpointEndpoints):
         self.model.eval()
         total, count = 0.0, 0
         st = self.settings
-        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], st.rollout.log_prob_micro_batch_size_per_gpu,
-                                     st.log_prob_budget, agree=self.trained.strategy.agree_count,
-                                     packed=self.forward.packed)
+        batches = plan_micro_batches(
+            td["prompt_mask"],
+            td["response_mask"],
+            st.rollout.log_prob_micro_batch_size_per_gpu,
+            st.log_prob_budget,
+            agree=self.trained.strategy.agree_count,
+            packed=self.forward.packed,
+        )
         with self.trained.strategy.sharded_no_grad():
             routings = []
             for sl, real in self.trained.passes(batches):
@@ -392,8 +479,9 @@ class PolicyWorker(CheckpointEndpoints):
 
         if rejection:
             # verl's rollout_rs: rejected tokens leave the loss (and its token count) altogether.
-            keep, _ = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"],
-                                             rejection)
+            keep, _ = compute_rejection_mask(
+                td["old_log_probs"], td["rollout_log_probs"], td["response_mask"], rejection
+            )
             td.set("loss_mask", keep)
         loss_mask = "loss_mask" if rejection else "response_mask"
         # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
@@ -408,24 +496,34 @@ class PolicyWorker(CheckpointEndpoints):
         self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
-        passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
-                                                        acfg.ppo_micro_batch_size_per_gpu, st.update_budget,
-                                                        agree=self.trained.strategy.agree_count,
-                                                        packed=self.forward.packed))
+        passes = self.trained.passes(
+            plan_micro_batches(
+                td["prompt_mask"],
+                td["response_mask"],
+                acfg.ppo_micro_batch_size_per_gpu,
+                st.update_budget,
+                agree=self.trained.strategy.agree_count,
+                packed=self.forward.packed,
+            )
+        )
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
         for i, (sl, real) in enumerate(passes):
             mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
             routed = mb["routed_experts"].long() if replay_on else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
             with self.forward.update_replay(routed, mb):
-                log_prob, entropy, _ = self._forward(mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed,
-                                                     train=True)
+                log_prob, entropy, _ = self._forward(
+                    mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed, train=True
+                )
                 if proximal:
                     old = (log_prob.detach() * mb["response_mask"]).float()
                     if real:
                         proximal_lps[sl] = window.responses(old)
                 loss, mb_metrics = compute_policy_objective(
-                    old if proximal else mb["old_log_probs"], log_prob, mb["advantages"], mb[loss_mask].bool(),
+                    old if proximal else mb["old_log_probs"],
+                    log_prob,
+                    mb["advantages"],
+                    mb[loss_mask].bool(),
                     entropy=entropy,
                     ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
                     rollout_log_probs=mb["rollout_log_probs"] if rollout_is is not None else None,

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 __all__ = ["GenerateCall", "LogProbCall", "UpdateCall", "is_call_parameter"]
 
@@ -52,8 +53,7 @@ class _Call:
             if key not in names:
                 near = difflib.get_close_matches(key, names, n=1)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
-                raise ValueError(f"{cls.__name__}: unknown call parameter {key!r} in extra_info{hint}; "
-                                 f"valid: {names}")
+                raise ValueError(f"{cls.__name__}: unknown call parameter {key!r} in extra_info{hint}; valid: {names}")
         missing = [n for n in names if n not in given]
         if missing:
             raise ValueError(f"{cls.__name__}: extra_info lacks the call parameter(s) {missing}")

@@ -14,18 +14,18 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.losses import compute_value_loss
+from conveyor.algos.trajectory import response_span
 from conveyor.data_plane.base import DataPlane
-from conveyor.workers.training.loading import load_role_model
+from conveyor.metrics.reduce import weighted
 from conveyor.models.packing import PackedRows, setup_packing
 from conveyor.models.value_head import ValueModel
-from conveyor.algos.trajectory import response_span
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.training.batching import in_row_order, plan_micro_batches, take
 from conveyor.workers.ranks.forward import sequence_inputs
-from conveyor.workers.ranks.settings import CriticSettings, role_strategy
-from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
-from conveyor.metrics.reduce import weighted
+from conveyor.workers.ranks.settings import CriticSettings, role_strategy
+from conveyor.workers.training.batching import in_row_order, plan_micro_batches, take
+from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,16 @@ __all__ = ["CriticWorker"]
 class CriticWorker(CheckpointEndpoints):
     """One rank of the value model (a copy of the policy's backbone plus a scalar head)."""
 
-    def __init__(self, settings: CriticSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
-                 world_size: int = 1, device: str = "cpu"):
+    def __init__(
+        self,
+        settings: CriticSettings,
+        *,
+        model_path: str,
+        data_plane: DataPlane,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+    ):
         set_allocator_defaults()  # before the first CUDA allocation of this process
         self.settings = settings
         self.rank, self.world_size = rank, world_size
@@ -47,8 +55,15 @@ class CriticWorker(CheckpointEndpoints):
         fsdp = ccfg.fsdp_config
         strategy = role_strategy(ccfg.strategy, fsdp, world_size, self.device)
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
-        base = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
-                               device=self.device, dtype=model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
+        base = load_role_model(
+            model_path,
+            strategy_name=strategy.name,
+            world_size=world_size,
+            rank=rank,
+            device=self.device,
+            dtype=model_cfg.dtype,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
         # The body is taken, not copied: the causal LM is dropped here (its LM head with it).
         # Packed forwards are set up on the causal LM, whose config the body shares.
         self.packed = setup_packing(base, model_cfg.use_remove_padding)
@@ -56,7 +71,11 @@ class CriticWorker(CheckpointEndpoints):
         del base
         # The critic's own step count (its settings'): its mini-batch size and epochs may differ from the actor's.
         self.trained = TrainedModel(
-            self.model, strategy, trainable=True, optim_cfg=ccfg.optim, total_steps=settings.total_optim_steps,
+            self.model,
+            strategy,
+            trainable=True,
+            optim_cfg=ccfg.optim,
+            total_steps=settings.total_optim_steps,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
         )
 
@@ -66,8 +85,9 @@ class CriticWorker(CheckpointEndpoints):
         return self.trained.optim_steps
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
-        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                            select_fields=fields).to(self.device)
+        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(
+            self.device
+        )
 
     def _values(self, td: TensorDict, train: bool = False) -> torch.Tensor:
         """Values (B, R): the value of the state before each response token (`train`: through the strategy)."""
@@ -92,9 +112,14 @@ class CriticWorker(CheckpointEndpoints):
         begin_phase(self.device)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
         self.model.eval()
-        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"],
-                                     self.settings.critic.ppo_micro_batch_size_per_gpu, self.settings.forward_budget,
-                                     agree=self.trained.strategy.agree_count, packed=self.packed)
+        batches = plan_micro_batches(
+            td["prompt_mask"],
+            td["response_mask"],
+            self.settings.critic.ppo_micro_batch_size_per_gpu,
+            self.settings.forward_budget,
+            agree=self.trained.strategy.agree_count,
+            packed=self.packed,
+        )
         with self.trained.strategy.sharded_no_grad():
             # Every rank runs as many forwards as the busiest (each gathers layer by layer); extra ones are dropped.
             outs = []
@@ -119,17 +144,29 @@ class CriticWorker(CheckpointEndpoints):
         metrics: dict[str, float] = {"critic/vf_loss@sum": 0.0}
         clip_sum = vpred_sum = 0.0
         # Token-budget micro-batches regroup rows only: the normalisers above are the whole mini-batch's.
-        passes = self.trained.passes(plan_micro_batches(td["prompt_mask"], td["response_mask"],
-                                                        ccfg.ppo_micro_batch_size_per_gpu, self.settings.update_budget,
-                                                        agree=self.trained.strategy.agree_count,
-                                                        packed=self.packed))
+        passes = self.trained.passes(
+            plan_micro_batches(
+                td["prompt_mask"],
+                td["response_mask"],
+                ccfg.ppo_micro_batch_size_per_gpu,
+                self.settings.update_budget,
+                agree=self.trained.strategy.agree_count,
+                packed=self.packed,
+            )
+        )
         for k, (sl, real) in enumerate(passes):
             mb, _ = take(td, sl)
             mmask = mb["response_mask"].bool()
             vpreds = self._values(mb, train=True)
             vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds, mb["returns"], mb["values"], mmask, cliprange_value=ccfg.cliprange_value,
-                loss_agg_mode=ccfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                vpreds,
+                mb["returns"],
+                mb["values"],
+                mmask,
+                cliprange_value=ccfg.cliprange_value,
+                loss_agg_mode=ccfg.loss_agg_mode,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
                 loss_scale_factor=self.settings.loss_scale_factor,
             )
             self.trained.backward(vf_loss, real=real, last=k == len(passes) - 1)

@@ -32,9 +32,9 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy
-from conveyor.models.packing import PackedRows
-from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
 from conveyor.algos.trajectory import response_span
+from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
+from conveyor.models.packing import PackedRows
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.training.trained_model import TrainedModel
 
@@ -61,7 +61,8 @@ class PolicyForward:
         self._held_replay = False
 
     def uses_lean(self, train: bool = False) -> bool:
-        """Whether a forward runs the lean forward: not over FSDP2 shards, nor through training hooks or checkpointing."""
+        """Whether a forward runs the lean forward: not over FSDP2 shards, nor through training hooks or
+        checkpointing."""
         if self.lean is None or self.trained.strategy.sharded:
             return False
         return not (train and (self.trained.strategy.distributed or self.trained.checkpointing))
@@ -80,7 +81,8 @@ class PolicyForward:
         if self.packed:  # each packed token replays the experts recorded for it
             _, attention_mask, _ = sequence_inputs(td)
             routed_experts = PackedRows.from_masks(attention_mask, response_span(td["response_mask"])).pack(
-                routed_experts)
+                routed_experts
+            )
         with replay_routing(self.model, routed_experts):
             self._held_replay = True
             try:
@@ -110,7 +112,7 @@ class PolicyForward:
             keep = resp_len + 1  # only the positions that predict response tokens need the LM head
         replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
         recorder = RoutingRecorder(self.model) if record_routing else None
-        with replay, (recorder if recorder is not None else contextlib.nullcontext()):
+        with replay, recorder if recorder is not None else contextlib.nullcontext():
             module = self.trained.forward_module if train else self.model
             out = module(**kwargs, use_cache=False, logits_to_keep=keep)
             own_routing = recorder.pop() if recorder is not None else None
@@ -131,8 +133,12 @@ class PolicyForward:
         # neither of which the lean forward calls; FSDP2 shards are gathered only by the module's own forward.
         if self.uses_lean(train):
             return self.lean.response_logits(
-                td["prompts"], td["prompt_mask"], td["responses"], response_span(td["response_mask"]),
-                routed_experts=routed_experts, record_routing=record_routing,
+                td["prompts"],
+                td["prompt_mask"],
+                td["responses"],
+                response_span(td["response_mask"]),
+                routed_experts=routed_experts,
+                record_routing=record_routing,
             )
         logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
         if packed is not None:
@@ -146,8 +152,13 @@ class PolicyForward:
         return self._hf_forward(td, None, True, False)[1]
 
     def log_probs(
-        self, td: TensorDict, temperature: float, with_entropy: bool, routed_experts: torch.Tensor | None = None,
-        record_routing: bool = False, train: bool = False,
+        self,
+        td: TensorDict,
+        temperature: float,
+        with_entropy: bool,
+        routed_experts: torch.Tensor | None = None,
+        record_routing: bool = False,
+        train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
         if self.packed and not self.uses_lean(train):
@@ -164,8 +175,15 @@ class PolicyForward:
 
     @torch.no_grad()
     def no_grad_log_probs(
-        self, td: TensorDict, micro_batch_size: int, temperature: float, *, with_entropy: bool = False,
-        replay: bool = False, record: bool = False, budget: TokenBudget | None = None,
+        self,
+        td: TensorDict,
+        micro_batch_size: int,
+        temperature: float,
+        *,
+        with_entropy: bool = False,
+        replay: bool = False,
+        record: bool = False,
+        budget: TokenBudget | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Masked log-probs (B, R), masked entropy (B, R) or None, and the recorded routing (B, P+R, L, K) or None.
 
@@ -175,8 +193,14 @@ class PolicyForward:
         """
         self.model.eval()
         lps, ents, routings = [], [], []
-        batches = plan_micro_batches(td["prompt_mask"], td["response_mask"], micro_batch_size, budget,
-                                     agree=self.trained.strategy.agree_count, packed=self.packed)
+        batches = plan_micro_batches(
+            td["prompt_mask"],
+            td["response_mask"],
+            micro_batch_size,
+            budget,
+            agree=self.trained.strategy.agree_count,
+            packed=self.packed,
+        )
         with self.trained.strategy.sharded_no_grad():
             for sl, real in self.trained.passes(batches):
                 mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows

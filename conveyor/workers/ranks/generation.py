@@ -33,10 +33,10 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder
-from conveyor.workers.training.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
 from conveyor.workers.ranks.calls import GenerateCall
 from conveyor.workers.ranks.forward import micro_batches
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle
+from conveyor.workers.training.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
 
 __all__ = ["Generation", "pad_responses"]
 
@@ -72,10 +72,24 @@ def _replica_groups(replica_ranks: list[int], world_size: int) -> Any:
 class Generation:
     """The `generate_sequences` of one rank: its engine (and agent loop) over the rank's share of a handle."""
 
-    def __init__(self, engine: GenerationEngine, *, agent_loop: Any, tokenizer: Any, moe: Any, rollout: Any,
-                 engine_name: str, strategy: Any, passes: Callable[[list[slice]], list[tuple[slice, bool]]],
-                 data_plane: DataPlane, rank: int, world_size: int, device: torch.device,
-                 over_shards: bool = False, prompts: PromptEncoder | None = None) -> None:
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        *,
+        agent_loop: Any,
+        tokenizer: Any,
+        moe: Any,
+        rollout: Any,
+        engine_name: str,
+        strategy: Any,
+        passes: Callable[[list[slice]], list[tuple[slice, bool]]],
+        data_plane: DataPlane,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        over_shards: bool = False,
+        prompts: PromptEncoder | None = None,
+    ) -> None:
         self.engine, self.agent_loop, self.tokenizer, self.moe = engine, agent_loop, tokenizer, moe
         self.rollout, self.engine_name = rollout, engine_name
         self.strategy, self.passes = strategy, passes  # the rank's strategy (its collectives) and pass pairing
@@ -93,9 +107,12 @@ class Generation:
         self.replica_ranks = list(getattr(engine, "replica_ranks", [rank]))
         self.replica_group = _replica_groups(self.replica_ranks, world_size) if len(self.replica_ranks) > 1 else None
 
-    def __call__(self, meta: KVBatchMeta, sync_metrics: dict[str, float],
-                 extra_fields: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-                 ) -> KVBatchMeta:
+    def __call__(
+        self,
+        meta: KVBatchMeta,
+        sync_metrics: dict[str, float],
+        extra_fields: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> KVBatchMeta:
         """Sample the handle's prompts; writes the rollout's fields and returns the handle with this rank's metrics.
 
         `extra_fields(fields)`: more fields, derived from the rollout's, written in the same put.
@@ -104,11 +121,13 @@ class Generation:
         prompt_fields = self._render(meta) if RENDER_PROMPTS in meta.extra_info else {}
         call = GenerateCall.from_extra_info({k: v for k, v in meta.extra_info.items() if k != RENDER_PROMPTS})
         if prompt_fields:
-            td = TensorDict({k: prompt_fields[k] for k in ("prompts", "prompt_mask")},
-                            batch_size=[len(meta)]).to(self.device)
+            td = TensorDict({k: prompt_fields[k] for k in ("prompts", "prompt_mask")}, batch_size=[len(meta)]).to(
+                self.device
+            )
         else:
-            td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                              select_fields=["prompts", "prompt_mask"]).to(self.device)
+            td = self.data_plane.kv_batch_get(
+                keys=meta.keys, partition_id=meta.partition_id, select_fields=["prompts", "prompt_mask"]
+            ).to(self.device)
         generator = None
         if call.seed is not None:
             # One stream per rank, or per replica when a tensor-parallel replica spans ranks (they sample as one).
@@ -134,7 +153,8 @@ class Generation:
                 f"the {self.engine_name} rollout returned no routed_experts, which the run plan captures "
                 "(actor_rollout_ref.actor.router_replay.mode=R3, or rollout.moe_load_balance_metrics_interval > 0): "
                 "set router_replay.mode=R2 (the old-log-prob forward records the routing), or use an engine that "
-                "returns routing on this device")
+                "returns routing on this device"
+            )
         if "routed_experts" in out:
             from conveyor.models.moe_routing import routed_experts_dtype
 
@@ -167,15 +187,19 @@ class Generation:
         """The prompt fields of the handle's samples, from the records its call carries (`RENDER_PROMPTS`); checked
         against the prompt lengths the handle's tags say, when they say any (the trainer's rendering)."""
         if self.prompts is None:
-            raise ValueError(f"this {self.engine_name} rollout renders no prompts: put them into the data plane "
-                             "before the generation call")
+            raise ValueError(
+                f"this {self.engine_name} rollout renders no prompts: put them into the data plane "
+                "before the generation call"
+            )
         spec = meta.extra_info[RENDER_PROMPTS]
         fields, lengths = self.prompts.for_keys(meta.keys, spec["records"], spec["width"])
         said = [t.get(SEQ_LEN_TAG) for t in meta.tags]
         # The trainer rendered them too when several replicas share the batch (tags and width); else there is one.
         if any(v is not None for v in said) and (lengths != said or fields["prompts"].shape[1] != spec["width"]):
-            raise RuntimeError("the rollout replica renders the batch's prompts to other tokens than the trainer "
-                               "(another tokenizer or data.max_prompt_length): give both the same model.tokenizer_path")
+            raise RuntimeError(
+                "the rollout replica renders the batch's prompts to other tokens than the trainer "
+                "(another tokenizer or data.max_prompt_length): give both the same model.tokenizer_path"
+            )
         return fields
 
     def _as_replica(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None) -> GenerationOutput:
@@ -190,8 +214,9 @@ class Generation:
         # Left padding to the widest share: every rank of the replica feeds the engine the same batch.
         prompts = torch.cat([torch.nn.functional.pad(p, (width - p.shape[1], 0), value=pad_id) for p, _ in shares])
         masks = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0), value=0) for _, m in shares])
-        out = self._one(TensorDict({"prompts": prompts, "prompt_mask": masks}, batch_size=[len(prompts)]), call,
-                        generator)
+        out = self._one(
+            TensorDict({"prompts": prompts, "prompt_mask": masks}, batch_size=[len(prompts)]), call, generator
+        )
         index = self.replica_ranks.index(self.rank)
         start = sum(len(p) for p, _ in shares[:index])
         rows = slice(start, start + len(mine[0]))
@@ -203,8 +228,13 @@ class Generation:
         # is the replica's (sums and counts grow alike).
         return GenerationOutput(**fields, metrics=out.metrics)
 
-    def _in_chunks(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-                   synced: Callable[[bool], bool] | None = None) -> GenerationOutput:
+    def _in_chunks(
+        self,
+        td: TensorDict,
+        call: GenerateCall,
+        generator: torch.Generator | None,
+        synced: Callable[[bool], bool] | None = None,
+    ) -> GenerationOutput:
         """An engine over the trainer's modules at most `rollout.max_num_seqs` sequences at a time (its KV cache is
         bounded by them).
 
@@ -229,12 +259,23 @@ class Generation:
         padded = [pad_responses(dict(o), width, int(self.tokenizer.pad_token_id)) for o in outs]
         return GenerationOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
 
-    def _one(self, td: TensorDict, call: GenerateCall, generator: torch.Generator | None,
-             synced: Callable[[bool], bool] | None = None) -> GenerationOutput:
-        params = SamplingParams(max_new_tokens=int(call.max_new_tokens), temperature=float(call.temperature),
-                                top_p=float(call.top_p), top_k=int(call.top_k), do_sample=bool(call.do_sample),
-                                capture_routing=bool(call.capture_routing))
+    def _one(
+        self,
+        td: TensorDict,
+        call: GenerateCall,
+        generator: torch.Generator | None,
+        synced: Callable[[bool], bool] | None = None,
+    ) -> GenerationOutput:
+        params = SamplingParams(
+            max_new_tokens=int(call.max_new_tokens),
+            temperature=float(call.temperature),
+            top_p=float(call.top_p),
+            top_k=int(call.top_k),
+            do_sample=bool(call.do_sample),
+            capture_routing=bool(call.capture_routing),
+        )
         if self.agent_loop is not None:
             return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator)
-        return self.engine.generate(td["prompts"], td["prompt_mask"], params, generator=generator,
-                                    interrupt=self.interrupt, synced=synced)
+        return self.engine.generate(
+            td["prompts"], td["prompt_mask"], params, generator=generator, interrupt=self.interrupt, synced=synced
+        )

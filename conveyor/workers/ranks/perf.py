@@ -38,8 +38,18 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["memory_metrics", "reset_peak_memory", "peak_memory_bytes", "phase_memory_metrics", "result_handle",
-           "begin_phase", "allocator_env_defaults", "set_allocator_defaults", "freeze_heap", "frozen_heap"]
+__all__ = [
+    "memory_metrics",
+    "reset_peak_memory",
+    "peak_memory_bytes",
+    "phase_memory_metrics",
+    "result_handle",
+    "begin_phase",
+    "allocator_env_defaults",
+    "set_allocator_defaults",
+    "freeze_heap",
+    "frozen_heap",
+]
 
 # The environment a worker process gets unless the user set the variable already.
 _ALLOCATOR_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -153,7 +163,8 @@ def begin_phase(device: torch.device | str = "cpu") -> None:
 
 
 def phase_memory_metrics(phase: str, device: torch.device | str = "cpu") -> dict[str, float]:
-    """The peak of `phase` since its `reset_peak_memory`, as `perf/{phase}/max_memory_gb` (reduced over ranks by max)."""
+    """The peak of `phase` since its `reset_peak_memory`, as `perf/{phase}/max_memory_gb` (reduced over ranks by
+    max)."""
     return {f"perf/{phase}/max_memory_gb": peak_memory_bytes(device) / _GB}
 
 

@@ -20,14 +20,14 @@ from tensordict import TensorDict
 
 from conveyor.data_plane.base import DataPlane
 from conveyor.models.lean import resolve_forward_impl
-from conveyor.models.packing import setup_packing
 from conveyor.models.moe_routing import moe_info
+from conveyor.models.packing import setup_packing
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.ranks.calls import LogProbCall
 from conveyor.workers.ranks.forward import PolicyForward
-from conveyor.workers.training.loading import load_role_model
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.ranks.settings import ReferenceSettings, role_strategy
+from conveyor.workers.training.loading import load_role_model
 from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["ReferenceWorker"]
@@ -36,8 +36,16 @@ __all__ = ["ReferenceWorker"]
 class ReferenceWorker:
     """One rank of the frozen reference policy."""
 
-    def __init__(self, settings: ReferenceSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
-                 world_size: int = 1, device: str = "cpu"):
+    def __init__(
+        self,
+        settings: ReferenceSettings,
+        *,
+        model_path: str,
+        data_plane: DataPlane,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+    ):
         set_allocator_defaults()  # before the first CUDA allocation of this process
         self.settings = settings
         self.rank, self.world_size = rank, world_size
@@ -47,13 +55,21 @@ class ReferenceWorker:
         fsdp = ref.fsdp_config
         strategy = role_strategy(ref.strategy, fsdp, world_size, self.device)
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
-        self.model = load_role_model(model_path, strategy_name=strategy.name, world_size=world_size, rank=rank,
-                                     device=self.device, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+        self.model = load_role_model(
+            model_path,
+            strategy_name=strategy.name,
+            world_size=world_size,
+            rank=rank,
+            device=self.device,
+            dtype=m.dtype,
+            trust_remote_code=m.trust_remote_code,
+        )
         # Before wrapping: the lean forward keeps references to the model's own modules.
         lean = resolve_forward_impl(m.forward_impl, self.model)
         self.trained = TrainedModel(self.model, strategy, trainable=False)
-        self.forward = PolicyForward(self.model, self.trained, lean, moe_info(self.model),
-                                     packed=setup_packing(self.model, m.use_remove_padding))
+        self.forward = PolicyForward(
+            self.model, self.trained, lean, moe_info(self.model), packed=setup_packing(self.model, m.use_remove_padding)
+        )
 
     @property
     def optim_steps(self) -> int:
@@ -61,8 +77,9 @@ class ReferenceWorker:
         return self.trained.optim_steps
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
-        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                            select_fields=fields).to(self.device)
+        return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(
+            self.device
+        )
 
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -70,8 +87,12 @@ class ReferenceWorker:
         begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
-        log_probs, _, _ = self.forward.no_grad_log_probs(td, self.settings.ref.log_prob_micro_batch_size_per_gpu,
-                                                         call.temperature, budget=self.settings.log_prob_budget)
+        log_probs, _, _ = self.forward.no_grad_log_probs(
+            td,
+            self.settings.ref.log_prob_micro_batch_size_per_gpu,
+            call.temperature,
+            budget=self.settings.log_prob_budget,
+        )
         out: dict[str, Any] = {"ref_log_prob": log_probs.cpu()}
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=out)
         return result_handle(meta, list(out), phase_memory_metrics("ref", self.device), self.device)

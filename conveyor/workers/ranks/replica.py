@@ -47,8 +47,8 @@ from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, engine_spec
-from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
 from conveyor.tasks.prompts import PromptEncoder
+from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
 from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.perf import set_allocator_defaults
 from conveyor.workers.ranks.settings import ReplicaSettings
@@ -59,14 +59,22 @@ logger = logging.getLogger(__name__)
 __all__ = ["ReplicaWorker"]
 
 
-def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, dtype: str,
-                   trust_remote_code: bool) -> torch.nn.Module:
+def _forward_model(
+    model_path: str, *, own_weights: bool, device: torch.device, dtype: str, trust_remote_code: bool
+) -> torch.nn.Module:
     """The model an engine is built over: real weights for one that samples from it, a meta skeleton otherwise."""
     if own_weights:
         from conveyor.workers.training.loading import load_role_model
 
-        model = load_role_model(model_path, strategy_name="none", world_size=1, rank=0, device=device, dtype=dtype,
-                                trust_remote_code=trust_remote_code)
+        model = load_role_model(
+            model_path,
+            strategy_name="none",
+            world_size=1,
+            rank=0,
+            device=device,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        )
     else:
         # An engine with its own copy (vLLM) needs only the architecture: its config, its sparse layers.
         from conveyor.models.loading import build_causal_lm_on_meta
@@ -76,21 +84,28 @@ def _forward_model(model_path: str, *, own_weights: bool, device: torch.device, 
     return model.eval()
 
 
-
-
 class ReplicaWorker:
     """One engine replica: generate_sequences, and new weights by stream or channel."""
 
-    def __init__(self, settings: ReplicaSettings, *, model_path: str, data_plane: DataPlane, rank: int = 0,
-                 world_size: int = 1, device: str = "cpu"):
+    def __init__(
+        self,
+        settings: ReplicaSettings,
+        *,
+        model_path: str,
+        data_plane: DataPlane,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str = "cpu",
+    ):
         set_allocator_defaults()
         self.settings, self.rank, self.world_size = settings, rank, world_size
         self.device = torch.device(device)
         m, ro = settings.model, settings.rollout
         spec = engine_spec(ro.name)
         shares = spec.capabilities(self.device.type).shares_trainer_modules
-        self.model = _forward_model(model_path, own_weights=shares, device=self.device, dtype=m.dtype,
-                                    trust_remote_code=m.trust_remote_code)
+        self.model = _forward_model(
+            model_path, own_weights=shares, device=self.device, dtype=m.dtype, trust_remote_code=m.trust_remote_code
+        )
         self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=m.trust_remote_code)
         self.moe = moe_info(self.model)
         lean = None
@@ -98,18 +113,39 @@ class ReplicaWorker:
             from conveyor.models.lean import resolve_forward_impl
 
             lean = resolve_forward_impl(m.forward_impl, self.model)
-        self.engine = spec.build(EngineContext(
-            model_path=model_path, model=self.model, tokenizer=self.tokenizer, rollout=ro, model_dtype=m.dtype,
-            trust_remote_code=m.trust_remote_code, max_model_len=settings.max_model_len, seed=settings.seed,
-            rank=rank, world_size=world_size, device=self.device, lean=lean, moe=self.moe,
-        ))
+        self.engine = spec.build(
+            EngineContext(
+                model_path=model_path,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                rollout=ro,
+                model_dtype=m.dtype,
+                trust_remote_code=m.trust_remote_code,
+                max_model_len=settings.max_model_len,
+                seed=settings.seed,
+                rank=rank,
+                world_size=world_size,
+                device=self.device,
+                lean=lean,
+                moe=self.moe,
+            )
+        )
         agent_loop = build_agent_loop(ro.multi_turn, self.engine, self.tokenizer)
         # One replica, one engine: no collectives, so a single-rank strategy (its collectives are no-ops).
         strategy = TrainingStrategy("none", world_size=1, device=self.device)
         self.generation = Generation(
-            self.engine, agent_loop=agent_loop, tokenizer=self.tokenizer, moe=self.moe, rollout=ro,
-            engine_name=spec.name, strategy=strategy, passes=lambda slices: [(s, True) for s in slices],
-            data_plane=data_plane, rank=rank, world_size=world_size, device=self.device,
+            self.engine,
+            agent_loop=agent_loop,
+            tokenizer=self.tokenizer,
+            moe=self.moe,
+            rollout=ro,
+            engine_name=spec.name,
+            strategy=strategy,
+            passes=lambda slices: [(s, True) for s in slices],
+            data_plane=data_plane,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
             prompts=PromptEncoder(self.tokenizer, settings.max_prompt_length, settings.truncation),
         )
         self.channel: Any = None
@@ -123,13 +159,15 @@ class ReplicaWorker:
         self.staged = StagedWeights(getattr(torch, m.dtype if shares else ro.engine_dtype(m.dtype, self.device.type)))
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine), version-tagged."""
+        """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine),
+        version-tagged."""
         cpu0 = time.thread_time()
         loaded = {}
         if LOAD_STAGED in meta.extra_info:  # the replica's own parameters, not the generation's
             version, shared = meta.extra_info[LOAD_STAGED], meta.extra_info.get(LOAD_SHARED)
-            meta = dataclasses.replace(meta, extra_info={k: v for k, v in meta.extra_info.items()
-                                                         if k not in (LOAD_STAGED, LOAD_SHARED)})
+            meta = dataclasses.replace(
+                meta, extra_info={k: v for k, v in meta.extra_info.items() if k not in (LOAD_STAGED, LOAD_SHARED)}
+            )
             if shared is not None:
                 loaded = self.load_shared_weights(int(version), *shared)  # a sync packed into shared memory
             else:
@@ -159,8 +197,10 @@ class ReplicaWorker:
         the next call's `load_staged_weights` then finds loaded already.
         """
         if self.generation.replica_group is not None:
-            raise ValueError("trainer.v1.separate_async.partial_rollout: a replica spanning several ranks would "
-                             "switch weights on each rank at a different token; set partial_rollout=false")
+            raise ValueError(
+                "trainer.v1.separate_async.partial_rollout: a replica spanning several ranks would "
+                "switch weights on each rank at a different token; set partial_rollout=false"
+            )
         take = inbox.take if inbox is not None else (lambda: self.staged.newest_after(self.version))
 
         def hook(sampled: int) -> bool:
@@ -198,23 +238,31 @@ class ReplicaWorker:
             self.engine.update_weights(self.channel.received(), version=version)
             self.version = version
         got = self.channel.last
-        return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": got.bytes / 1e9,
-                "rollout/weight_sync_buckets": float(got.buckets)}
+        return {
+            "rollout/weight_sync_s": time.perf_counter() - t0,
+            "rollout/weight_sync_gb": got.bytes / 1e9,
+            "rollout/weight_sync_buckets": float(got.buckets),
+        }
 
     def take_weights(self, version: int, refs: list[Any], table: Table) -> dict[str, float]:
         """Stage a sync that came through Ray's object store as `version` (`refs[0]`: the packed weights, a byte
-        array `conveyor.weights.put_packed` stored; a list, so that Ray hands over the reference, not its value); metrics.
+        array `conveyor.weights.put_packed` stored; a list, so that Ray hands over the reference, not its value);
+        metrics.
 
         On one node the array is read from shared memory in place; the staged copy is this process's own.
         """
         t0 = time.perf_counter()
         buffer = get_packed(refs)
         self.staged.stage(version, unpack(buffer, table))
-        return {"rollout/weight_sync_s": time.perf_counter() - t0, "rollout/weight_sync_gb": buffer.numel() / 1e9,
-                "rollout/weight_sync_buckets": 1.0}
+        return {
+            "rollout/weight_sync_s": time.perf_counter() - t0,
+            "rollout/weight_sync_gb": buffer.numel() / 1e9,
+            "rollout/weight_sync_buckets": 1.0,
+        }
 
-    def load_shared_weights(self, version: int, path: str, size: int, offset: int, nbytes: int,
-                            table: Table) -> dict[str, float]:
+    def load_shared_weights(
+        self, version: int, path: str, size: int, offset: int, nbytes: int, table: Table
+    ) -> dict[str, float]:
         """Load the weights the trainer packed into a shared-memory slot (`SharedSlots`) as `version`, straight into
         the engine (the trainer writes that slot again only once this call has returned); metrics."""
         t0 = time.perf_counter()

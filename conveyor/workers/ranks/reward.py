@@ -22,10 +22,12 @@ call is abandoned (in a daemon thread), not stopped: the run ends instead.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from conveyor.algos.trajectory import span_lengths
 from conveyor.deadline import DeadlineExceeded, map_with_deadline
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.rewards import (
@@ -36,7 +38,6 @@ from conveyor.tasks.rewards import (
     get_reward_fn,
     reward_fn_name,
 )
-from conveyor.algos.trajectory import span_lengths
 from conveyor.user_code import is_file_source, user_attribute
 from conveyor.workers.ranks.perf import result_handle
 
@@ -66,9 +67,18 @@ def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable[..
 class RewardWorker:
     """Rule-based rewards from the task registry (or from the user's function, when one is configured)."""
 
-    def __init__(self, *, tokenizer, data_plane, rank: int = 0, world_size: int = 1,
-                 custom_reward_path: str | None = None, custom_reward_name: str = "compute_score",
-                 timeout_s: float = 30.0, overlong_buffer: tuple[int, int, float, bool] | None = None):
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        data_plane,
+        rank: int = 0,
+        world_size: int = 1,
+        custom_reward_path: str | None = None,
+        custom_reward_name: str = "compute_score",
+        timeout_s: float = 30.0,
+        overlong_buffer: tuple[int, int, float, bool] | None = None,
+    ):
         if not timeout_s >= 0:
             raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
         self.tokenizer = tokenizer
@@ -88,8 +98,10 @@ class RewardWorker:
             value = self._custom_score(source, text, truth)
         # Scores are stored as float32: a finite double beyond its range would become inf there.
         if abs(value) > _F32_MAX:
-            raise RewardFunctionError(f"the score {value!r} for data_source {source!r} overflows a float32 "
-                                      "'rm_scores' value; keep rewards within +-3.4e38")
+            raise RewardFunctionError(
+                f"the score {value!r} for data_source {source!r} overflows a float32 "
+                "'rm_scores' value; keep rewards within +-3.4e38"
+            )
         return value
 
     def _custom_score(self, source: str, text: str, truth: str) -> float:
@@ -109,8 +121,9 @@ class RewardWorker:
         except ValueError:
             return f"the reward function for data_source {source!r}"
 
-    def _score_all(self, keys: list[str], samples: list[tuple[str, str, str]],
-                   cpu: list[float] | None = None) -> list[float]:
+    def _score_all(
+        self, keys: list[str], samples: list[tuple[str, str, str]], cpu: list[float] | None = None
+    ) -> list[float]:
         """Every sample's score; a failed or hung call stops the run with a SampleRewardError naming the sample.
 
         The calls run in a daemon thread so that one that hangs past
@@ -119,13 +132,20 @@ class RewardWorker:
         error naming the function.
         """
         try:
-            return map_with_deadline(lambda i: self._score_one(keys[i], *samples[i]), range(len(samples)),
-                                     timeout_s=self.timeout_s, key="reward.timeout_s",
-                                     what=lambda i: self._function_label(samples[i][0]),
-                                     thread_name=f"reward-rank{self.rank}", cpu=cpu)
+            return map_with_deadline(
+                lambda i: self._score_one(keys[i], *samples[i]),
+                range(len(samples)),
+                timeout_s=self.timeout_s,
+                key="reward.timeout_s",
+                what=lambda i: self._function_label(samples[i][0]),
+                thread_name=f"reward-rank{self.rank}",
+                cpu=cpu,
+            )
         except DeadlineExceeded as err:
-            raise SampleRewardError(f"sample {keys[err.index]!r}: {err}; the run stops. "
-                                    "Fix the function, or raise reward.timeout_s if it is just slow") from err
+            raise SampleRewardError(
+                f"sample {keys[err.index]!r}: {err}; the run stops. "
+                "Fix the function, or raise reward.timeout_s if it is just slow"
+            ) from err
 
     def _score_one(self, key: str, source: str, text: str, truth: str) -> float:
         """`_score` of one sample, its failure a SampleRewardError naming `key`."""
@@ -138,7 +158,8 @@ class RewardWorker:
         """Writes `rm_scores` (B, R) and `acc` (B,) (the raw score) for the handle's samples."""
         cpu0 = time.thread_time()
         td = self.data_plane.kv_batch_get(
-            keys=meta.keys, partition_id=meta.partition_id,
+            keys=meta.keys,
+            partition_id=meta.partition_id,
             select_fields=["responses", "response_mask", "data_source", "ground_truth"],
         )
         responses, mask = td["responses"], td["response_mask"].bool()
@@ -149,8 +170,7 @@ class RewardWorker:
             [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
         )
         scoring_cpu: list[float] = []  # the calls run on a thread of their own: its CPU counts too
-        values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])),
-                                 scoring_cpu)
+        values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])), scoring_cpu)
         acc = torch.tensor(values, dtype=torch.float32)
         metrics: dict[str, float] = {}
         scores = acc
@@ -160,25 +180,34 @@ class RewardWorker:
             scores = acc + penalty
             n = float(len(lengths))
             if log:
-                metrics = {"reward/overlong_reward_mean@sum": float(penalty.sum()),
-                           "reward/overlong_reward_mean@count": n,
-                           "reward/overlong_frac@sum": float((penalty < 0).sum()), "reward/overlong_frac@count": n}
+                metrics = {
+                    "reward/overlong_reward_mean@sum": float(penalty.sum()),
+                    "reward/overlong_reward_mean@count": n,
+                    "reward/overlong_frac@sum": float((penalty < 0).sum()),
+                    "reward/overlong_frac@count": n,
+                }
         if "tool_rewards" in meta.fields:  # rewards returned by a multi-turn rollout's tools count in rm_scores
-            scores = scores + self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                                                           select_fields=["tool_rewards"])["tool_rewards"].float()
+            scores = (
+                scores
+                + self.data_plane.kv_batch_get(
+                    keys=meta.keys, partition_id=meta.partition_id, select_fields=["tool_rewards"]
+                )["tool_rewards"].float()
+            )
         rm_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)
         has_tokens = lengths > 0
         rm_scores[has_tokens, last[has_tokens]] = scores[has_tokens]
-        self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
-                                     fields={"rm_scores": rm_scores, "acc": acc})
+        self.data_plane.kv_batch_put(
+            keys=meta.keys, partition_id=meta.partition_id, fields={"rm_scores": rm_scores, "acc": acc}
+        )
         # Where a step's CPU goes (benchmarks/async.py): this thread's and the scoring thread's.
         metrics["reward/perf/cpu_s"] = time.thread_time() - cpu0 + sum(scoring_cpu)
         return result_handle(meta, ["rm_scores", "acc"], metrics)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_response_length: int, buffer_len: int,
-                     penalty_factor: float) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
     """DAPO's soft overlong punishment (B,): 0 up to max - buffer tokens, then linear down to -penalty_factor at max."""
     over = lengths.to(torch.float32) - (max_response_length - buffer_len)
     return torch.clamp(-over / buffer_len * penalty_factor, max=0.0)

@@ -29,8 +29,17 @@ if TYPE_CHECKING:
     from conveyor.config.plan import RunPlan
     from conveyor.workers.training.strategy import TrainingStrategy
 
-__all__ = ["ActorSettings", "ReferenceSettings", "CriticSettings", "ReplicaSettings", "actor_settings",
-           "reference_settings", "critic_settings", "rollout_settings", "role_strategy"]
+__all__ = [
+    "ActorSettings",
+    "ReferenceSettings",
+    "CriticSettings",
+    "ReplicaSettings",
+    "actor_settings",
+    "reference_settings",
+    "critic_settings",
+    "rollout_settings",
+    "role_strategy",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,23 +110,36 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
     correction = cfg.algorithm.rollout_correction
     upper, lower = correction.is_thresholds()
     return ActorSettings(
-        model=copy.deepcopy(arr.model), actor=copy.deepcopy(arr.actor), rollout=_placed(arr.rollout, plan),
+        model=copy.deepcopy(arr.model),
+        actor=copy.deepcopy(arr.actor),
+        rollout=_placed(arr.rollout, plan),
         seed=cfg.trainer.seed,
-        total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
-                                            arr.actor.ppo_mini_batch_size, arr.actor.ppo_epochs),
+        total_optim_steps=total_optim_steps(
+            cfg.trainer.total_training_steps,
+            cfg.data.train_batch_size,
+            arr.actor.ppo_mini_batch_size,
+            arr.actor.ppo_epochs,
+        ),
         replay_mode=plan.replay_mode,
         forward_records_routing=plan.forward_records_routing,
         forward_replays_routing=plan.forward_replays_routing,
         update_replays_routing=plan.update_replays_routing,
         update_writes_old_log_probs=plan.proximal_from_update,
-        rollout_is=plan.rollout_is_level, is_threshold=upper, is_threshold_lower=lower,
+        rollout_is=plan.rollout_is_level,
+        is_threshold=upper,
+        is_threshold_lower=lower,
         rejection=tuple(tuple(r) for r in correction.rejection()),
         loss_scale_factor=plan.actor_loss_scale,
         max_model_len=plan.engine_max_model_len,
-        update_budget=token_budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu, _ACTOR_MAX,
-                                   **_actor_defaults(arr)),
-        log_prob_budget=token_budget(arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu,
-                                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", **_actor_defaults(arr)),
+        update_budget=token_budget(
+            arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu, _ACTOR_MAX, **_actor_defaults(arr)
+        ),
+        log_prob_budget=token_budget(
+            arr.rollout.log_prob_use_dynamic_bsz,
+            arr.rollout.log_prob_max_token_len_per_gpu,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            **_actor_defaults(arr),
+        ),
         serves_reference=plan.reference_from_actor,
         ref=copy.deepcopy(arr.ref) if plan.reference_from_actor else None,
         ref_budget=_reference_budget(arr) if plan.reference_from_actor else None,
@@ -133,23 +155,33 @@ def _placed(rollout: Any, plan: RunPlan) -> Any:
 
 def _reference_budget(arr: Any) -> TokenBudget | None:
     """The reference forward's token budget (ref.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu)."""
-    return token_budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
-                        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", **_actor_defaults(arr))
+    return token_budget(
+        arr.ref.log_prob_use_dynamic_bsz,
+        arr.ref.log_prob_max_token_len_per_gpu,
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        **_actor_defaults(arr),
+    )
 
 
 def rollout_settings(cfg: Config, plan: RunPlan) -> ReplicaSettings:
     """The rollout worker's settings of a run of `cfg` (placement=separate)."""
     arr = cfg.actor_rollout_ref
-    return ReplicaSettings(model=copy.deepcopy(arr.model), rollout=_placed(arr.rollout, plan), seed=cfg.trainer.seed,
-                           max_model_len=plan.engine_max_model_len, max_prompt_length=cfg.data.max_prompt_length,
-                           truncation=cfg.data.truncation)
+    return ReplicaSettings(
+        model=copy.deepcopy(arr.model),
+        rollout=_placed(arr.rollout, plan),
+        seed=cfg.trainer.seed,
+        max_model_len=plan.engine_max_model_len,
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+    )
 
 
 def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:
     """The reference's settings of a run of `cfg` (the plan says whether there is one)."""
     arr = cfg.actor_rollout_ref
-    return ReferenceSettings(model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref),
-                             log_prob_budget=_reference_budget(arr))
+    return ReferenceSettings(
+        model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref), log_prob_budget=_reference_budget(arr)
+    )
 
 
 def critic_settings(cfg: Config, plan: RunPlan) -> CriticSettings:
@@ -157,17 +189,28 @@ def critic_settings(cfg: Config, plan: RunPlan) -> CriticSettings:
     c = cfg.critic
     arr_on = cfg.actor_rollout_ref.actor.use_dynamic_bsz  # critic.use_dynamic_bsz's default, as in verl
     return CriticSettings(
-        model=copy.deepcopy(cfg.actor_rollout_ref.model), critic=copy.deepcopy(c),
-        total_optim_steps=total_optim_steps(cfg.trainer.total_training_steps, cfg.data.train_batch_size,
-                                            c.ppo_mini_batch_size, c.ppo_epochs),
+        model=copy.deepcopy(cfg.actor_rollout_ref.model),
+        critic=copy.deepcopy(c),
+        total_optim_steps=total_optim_steps(
+            cfg.trainer.total_training_steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs
+        ),
         loss_scale_factor=plan.critic_loss_scale,
-        update_budget=token_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, "critic.ppo_max_token_len_per_gpu",
-                                   enabled_default=arr_on, max_tokens_default=c.ppo_max_token_len_per_gpu,
-                                   default_key="critic.ppo_max_token_len_per_gpu"),
-        forward_budget=token_budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
-                                    "critic.forward_max_token_len_per_gpu", enabled_default=arr_on,
-                                    max_tokens_default=c.ppo_max_token_len_per_gpu,
-                                    default_key="critic.ppo_max_token_len_per_gpu"),
+        update_budget=token_budget(
+            c.use_dynamic_bsz,
+            c.ppo_max_token_len_per_gpu,
+            "critic.ppo_max_token_len_per_gpu",
+            enabled_default=arr_on,
+            max_tokens_default=c.ppo_max_token_len_per_gpu,
+            default_key="critic.ppo_max_token_len_per_gpu",
+        ),
+        forward_budget=token_budget(
+            c.use_dynamic_bsz,
+            c.forward_max_token_len_per_gpu,
+            "critic.forward_max_token_len_per_gpu",
+            enabled_default=arr_on,
+            max_tokens_default=c.ppo_max_token_len_per_gpu,
+            default_key="critic.ppo_max_token_len_per_gpu",
+        ),
     )
 
 
@@ -176,17 +219,26 @@ _ACTOR_MAX = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
 def _actor_defaults(arr: Any) -> dict[str, Any]:
     """What a null log-prob budget key of the rollout or the reference stands for: the actor's (verl's defaults)."""
-    return {"enabled_default": arr.actor.use_dynamic_bsz, "max_tokens_default": arr.actor.ppo_max_token_len_per_gpu,
-            "default_key": _ACTOR_MAX}
+    return {
+        "enabled_default": arr.actor.use_dynamic_bsz,
+        "max_tokens_default": arr.actor.ppo_max_token_len_per_gpu,
+        "default_key": _ACTOR_MAX,
+    }
 
 
-def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> "TrainingStrategy":
+def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> TrainingStrategy:
     """The `TrainingStrategy` of one role's rank from its `strategy` name and `fsdp_config` section."""
     from conveyor.workers.training.strategy import TrainingStrategy
 
     return TrainingStrategy(
-        name, world_size=world_size, device=device, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,
-        param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-        defer_grad_sync=fsdp.defer_grad_sync, expert_parallel_size=fsdp.expert_parallel_size,
+        name,
+        world_size=world_size,
+        device=device,
+        param_dtype=fsdp.param_dtype,
+        reduce_dtype=fsdp.reduce_dtype,
+        param_offload=fsdp.param_offload,
+        optimizer_offload=fsdp.optimizer_offload,
+        defer_grad_sync=fsdp.defer_grad_sync,
+        expert_parallel_size=fsdp.expert_parallel_size,
         fsdp_size=fsdp.fsdp_size,
     )

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from conveyor.protocol import KVBatchMeta
 from conveyor.algos.trajectory import response_span
+from conveyor.protocol import KVBatchMeta
 
 __all__ = ["balanced_partition", "imbalance", "sequence_lengths", "with_seq_lens", "SEQ_LEN_TAG"]
 
@@ -63,11 +63,15 @@ class _State:
     def spread(self) -> int:
         return self.parts[0][0] - self.parts[-1][0]
 
-    def merge(self, other: "_State") -> "_State":
+    def merge(self, other: _State) -> _State:
         # The heaviest part of one with the lightest of the other: the difference of the two spreads remains.
         k = len(self.parts)
-        return _State([(self.parts[i][0] + other.parts[k - 1 - i][0], self.parts[i][1] + other.parts[k - 1 - i][1])
-                       for i in range(k)])
+        return _State(
+            [
+                (self.parts[i][0] + other.parts[k - 1 - i][0], self.parts[i][1] + other.parts[k - 1 - i][1])
+                for i in range(k)
+            ]
+        )
 
 
 def _karmarkar_karp(weights: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
@@ -93,8 +97,9 @@ def _karmarkar_karp(weights: Sequence[int], k: int, equal_size: bool) -> list[li
     return [items for _, items in heap[0][2].parts]
 
 
-def _polish(weights: Sequence[int], parts: list[list[int]], equal_size: bool, real: int,
-            rounds: int = 64) -> list[list[int]]:
+def _polish(
+    weights: Sequence[int], parts: list[list[int]], equal_size: bool, real: int, rounds: int = 64
+) -> list[list[int]]:
     """Swap (or, without equal sizes, move) items from the heaviest part to the lightest while that lowers the max.
 
     Items from `real` on are fillers: they never move, so no part gets a second one.

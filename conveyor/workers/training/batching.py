@@ -34,8 +34,16 @@ from tensordict import TensorDict
 
 from conveyor.algos.trajectory import span_lengths
 
-__all__ = ["TokenBudget", "Window", "token_budget", "token_micro_batches", "micro_batches", "plan_micro_batches",
-           "take", "in_row_order"]
+__all__ = [
+    "TokenBudget",
+    "Window",
+    "token_budget",
+    "token_micro_batches",
+    "micro_batches",
+    "plan_micro_batches",
+    "take",
+    "in_row_order",
+]
 
 # A micro-batch: a slice of rows (fixed size, in order) or a tensor of row indices (token budget).
 MicroBatch = slice | torch.Tensor
@@ -54,8 +62,15 @@ class TokenBudget:
     key: str
 
 
-def token_budget(enabled: bool | None, max_tokens: int | None, key: str, *, enabled_default: bool,
-                 max_tokens_default: int, default_key: str) -> TokenBudget | None:
+def token_budget(
+    enabled: bool | None,
+    max_tokens: int | None,
+    key: str,
+    *,
+    enabled_default: bool,
+    max_tokens_default: int,
+    default_key: str,
+) -> TokenBudget | None:
     """A role's budget from its keys, null meaning the key it defaults to (verl's interpolations); None when off."""
     on = enabled_default if enabled is None else bool(enabled)
     if not on:
@@ -75,8 +90,9 @@ class _Bin:
 
     __slots__ = ("rows", "prompt", "response", "tokens", "packed")
 
-    def __init__(self, rows: list[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-                 packed: bool = False):
+    def __init__(
+        self, rows: list[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int], packed: bool = False
+    ):
         self.rows = rows
         self.prompt = max(prompt_lengths[i] for i in rows)
         self.response = max(response_lengths[i] for i in rows)
@@ -98,8 +114,13 @@ class _Bin:
         return self.tokens if self.packed else _cost(len(self.rows), self.prompt, self.response)
 
 
-def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: TokenBudget,
-                        agree: Callable[[int], int] | None = None, packed: bool = False) -> list[list[int]]:
+def token_micro_batches(
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    budget: TokenBudget,
+    agree: Callable[[int], int] | None = None,
+    packed: bool = False,
+) -> list[list[int]]:
     """Row indices of micro-batches whose rows x (longest prompt + longest response) fit `budget.max_tokens`.
 
     `packed`: the forwards run on packed rows (`conveyor.models.packing`), so a micro-batch costs the sum of
@@ -117,9 +138,11 @@ def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequenc
         longest = max(range(n), key=lambda i: _cost(1, prompt_lengths[i], response_lengths[i]))
         tokens = _cost(1, prompt_lengths[longest], response_lengths[longest])
         if tokens > limit:
-            raise ValueError(f"a sequence of {tokens} tokens (prompt + response) exceeds {budget.key}={limit}; set "
-                             f"{budget.key} to at least {tokens} (verl's advice: at least 2 x "
-                             "(data.max_prompt_length + data.max_response_length))")
+            raise ValueError(
+                f"a sequence of {tokens} tokens (prompt + response) exceeds {budget.key}={limit}; set "
+                f"{budget.key} to at least {tokens} (verl's advice: at least 2 x "
+                "(data.max_prompt_length + data.max_response_length))"
+            )
     # Longest response first (responses vary most), then longest prompt: neighbours pad each other least.
     order = sorted(range(n), key=lambda i: (-response_lengths[i], -prompt_lengths[i], i))
     bins: list[_Bin] = []
@@ -140,8 +163,10 @@ def token_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequenc
             b = max(splittable, key=lambda x: x.cost)
             half = len(b.rows) // 2
             bins.remove(b)
-            bins += [_Bin(b.rows[:half], prompt_lengths, response_lengths, packed),
-                     _Bin(b.rows[half:], prompt_lengths, response_lengths, packed)]
+            bins += [
+                _Bin(b.rows[:half], prompt_lengths, response_lengths, packed),
+                _Bin(b.rows[half:], prompt_lengths, response_lengths, packed),
+            ]
     return [b.rows for b in bins]
 
 
@@ -150,9 +175,14 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, size: int,
-                       budget: TokenBudget | None, agree: Callable[[int], int] | None = None,
-                       packed: bool = False) -> list[MicroBatch]:
+def plan_micro_batches(
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    size: int,
+    budget: TokenBudget | None,
+    agree: Callable[[int], int] | None = None,
+    packed: bool = False,
+) -> list[MicroBatch]:
     """The micro-batches of rows (B,): slices of `size` rows without a budget, index tensors under one.
 
     `packed`: a micro-batch's cost is its tokens (packed forwards), not its rows x its widest row.
@@ -163,8 +193,10 @@ def plan_micro_batches(prompt_mask: torch.Tensor, response_mask: torch.Tensor, s
     prompt_lengths = prompt_mask.bool().sum(-1).tolist()
     response_lengths = span_lengths(response_mask).tolist()
     device = prompt_mask.device
-    return [torch.tensor(rows, dtype=torch.long, device=device)
-            for rows in token_micro_batches(prompt_lengths, response_lengths, budget, agree, packed)]
+    return [
+        torch.tensor(rows, dtype=torch.long, device=device)
+        for rows in token_micro_batches(prompt_lengths, response_lengths, budget, agree, packed)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,8 +37,13 @@ from torch import nn
 
 from conveyor.workers.training.mesh import Meshes, collective_device
 
-__all__ = ["check_expert_parallel", "expert_modules", "apply_expert_parallel",
-           "CountingAllToAll", "tokens_received_metrics"]
+__all__ = [
+    "check_expert_parallel",
+    "expert_modules",
+    "apply_expert_parallel",
+    "CountingAllToAll",
+    "tokens_received_metrics",
+]
 
 IMPLEMENTATION = "conveyor_all_to_all"
 
@@ -63,16 +68,20 @@ def check_expert_parallel(model: nn.Module, ep_size: int, world_size: int) -> di
         raise ValueError(f"{key}={ep_size} must divide the role's {world_size} ranks")
     experts = expert_modules(model)
     if not experts:
-        raise ValueError(f"{key}={ep_size} needs a Mixture-of-Experts model; {type(model).__name__} has no sparse "
-                         f"MoE layers: set {key}=1")
+        raise ValueError(
+            f"{key}={ep_size} needs a Mixture-of-Experts model; {type(model).__name__} has no sparse "
+            f"MoE layers: set {key}=1"
+        )
     for name, module in experts.items():
         n = int(getattr(module, "num_experts", 0))
         if n % ep_size:
             raise ValueError(f"{key}={ep_size} must divide the {n} experts of {name}; set it to a divisor of {n}")
         missing = [p for p in ("gate_up_proj", "down_proj") if not isinstance(getattr(module, p, None), nn.Parameter)]
         if missing:
-            raise ValueError(f"{key}: {name} ({type(module).__name__}) does not keep its experts as fused "
-                             f"gate_up_proj/down_proj parameters, which expert parallelism shards; set {key}=1")
+            raise ValueError(
+                f"{key}: {name} ({type(module).__name__}) does not keep its experts as fused "
+                f"gate_up_proj/down_proj parameters, which expert parallelism shards; set {key}=1"
+            )
     return experts
 
 

@@ -36,8 +36,14 @@ from torch import nn
 from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm, release_freed_host_memory
 from conveyor.workers.training.mesh import collective_device
 
-__all__ = ["HostWeights", "fill_shards", "load_role_model", "loads_from_rank0", "non_persistent_buffers",
-           "take_host_weights"]
+__all__ = [
+    "HostWeights",
+    "fill_shards",
+    "load_role_model",
+    "loads_from_rank0",
+    "non_persistent_buffers",
+    "take_host_weights",
+]
 
 
 def loads_from_rank0(strategy_name: str, world_size: int) -> bool:
@@ -45,8 +51,16 @@ def loads_from_rank0(strategy_name: str, world_size: int) -> bool:
     return strategy_name == "fsdp2" and world_size > 1
 
 
-def load_role_model(path: str | Path, *, strategy_name: str, world_size: int, rank: int, device: torch.device,
-                    dtype: str, trust_remote_code: bool = False) -> nn.Module:
+def load_role_model(
+    path: str | Path,
+    *,
+    strategy_name: str,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    dtype: str,
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """A role's causal LM: on `device` when each rank loads; else on the host on rank 0 and on meta elsewhere."""
     if not loads_from_rank0(strategy_name, world_size):
         return load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
@@ -80,8 +94,9 @@ def take_host_weights(model: nn.Module, rank: int) -> HostWeights:
     if rank != 0:
         return HostWeights()
     # detach(): new tensor objects over the same storage, which survive the module's conversion to meta.
-    weights = HostWeights(state=model.state_dict(),
-                          buffers={k: v.detach() for k, v in non_persistent_buffers(model).items()})
+    weights = HostWeights(
+        state=model.state_dict(), buffers={k: v.detach() for k, v in non_persistent_buffers(model).items()}
+    )
     # The conversion gives each module a new parameter: tied ones (embeddings and LM head) are tied again after it,
     # as the other ranks' skeletons have them.
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -101,8 +116,9 @@ def fill_shards(model: nn.Module, weights: HostWeights, device: torch.device) ->
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
-    set_model_state_dict(model, weights.state, options=StateDictOptions(full_state_dict=True,
-                                                                          broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, weights.state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     weights.state.clear()
     rank0 = tdist.get_rank() == 0
     via = collective_device(device)  # the device nccl serves, else the CPU (gloo, or the mapped cpu:gloo)

@@ -35,8 +35,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GB", "Layout", "Engine", "Setup", "Misfit", "layout_of", "account", "total", "engine_terms",
-           "misfits", "setup_of", "check_memory", "kv_bytes_per_token"]
+__all__ = [
+    "GB",
+    "Layout",
+    "Engine",
+    "Setup",
+    "Misfit",
+    "layout_of",
+    "account",
+    "total",
+    "engine_terms",
+    "misfits",
+    "setup_of",
+    "check_memory",
+    "kv_bytes_per_token",
+]
 
 GB = 1e9
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -79,8 +92,19 @@ def layout_of(config: Any, *, trust_remote_code: bool = False) -> Layout:
     ffn = top_k * config.moe_intermediate_size if top_k else config.intermediate_size
     biggest = layers[per_layer.index(max(per_layer))]
     experts = sum(p.numel() for n, p in biggest.named_parameters() if ".experts." in f".{n}")
-    return Layout(total_params, max(per_layer), total_params - sum(per_layer), config.hidden_size, len(layers),
-                  config.vocab_size, kv_heads * head_dim, ffn, experts, top_k or 1, kv_heads)
+    return Layout(
+        total_params,
+        max(per_layer),
+        total_params - sum(per_layer),
+        config.hidden_size,
+        len(layers),
+        config.vocab_size,
+        kv_heads * head_dim,
+        ffn,
+        experts,
+        top_k or 1,
+        kv_heads,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +177,10 @@ def engine_terms(lay: Layout, eng: Engine) -> dict[str, float]:
     # The profiling forward: hidden states and one MLP's intermediate (split over tp) of its tokens, and the
     # sampler's float32 logits of max_num_seqs positions (every rank gathers the full vocabulary).
     tokens = max(eng.batched_tokens, eng.max_num_seqs)
-    activations = (tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim / eng.tp) * eng.weight_bytes
-                   + eng.max_num_seqs * lay.vocab * 4)
+    activations = (
+        tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim / eng.tp) * eng.weight_bytes
+        + eng.max_num_seqs * lay.vocab * 4
+    )
     return {"engine weights": weights, "engine activations": activations, "KV cache": budget - weights - activations}
 
 
@@ -197,8 +223,11 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     rollout_logits = s.rollout_seqs * lay.vocab * 4  # one position per sequence, float32 for sampling
     no_grad = {"gathered weights": gathered, "activations": per_layer_act, "logits": logits}
     kept = lay.layers * tokens * lay.hidden * s.compute_bytes if s.checkpointing else lay.layers * per_layer_act
-    update = {"gathered weights": gathered, "activations kept": kept + per_layer_act,
-              "logits and their gradient": 2 * logits}
+    update = {
+        "gathered weights": gathered,
+        "activations kept": kept + per_layer_act,
+        "logits and their gradient": 2 * logits,
+    }
     trained = not s.lora and not s.param_offload  # frozen weights have no gradients; offloaded ones are the host's
     if trained:
         update = {"gathered weights": gathered, "gradients": shard * s.master_bytes, **update}
@@ -214,8 +243,12 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     eng = s.engine
     if eng is not None:
         rollout = {k: max(v, 0.0) for k, v in engine_terms(lay, eng).items()}
-    phases = {"rollout": rollout, "old_log_prob": dict(no_grad), "ref": dict(no_grad) if s.reference else {},
-              "update_actor": update}
+    phases = {
+        "rollout": rollout,
+        "old_log_prob": dict(no_grad),
+        "ref": dict(no_grad) if s.reference else {},
+        "update_actor": update,
+    }
     out = {p: {**state, **extra} for p, extra in phases.items() if extra or p != "ref"}
     if eng is not None and not eng.colocated:
         out["rollout"] = dict(rollout)  # the engine's GPUs hold nothing of the trainer's
@@ -243,7 +276,8 @@ class Misfit:
     def describe(self) -> str:
         """The reason in words, with the keys to change."""
         return f"{self.what} ({self.need / GB:.1f} GB needed, {self.have / GB:.1f} GB there); change " + ", ".join(
-            self.keys)
+            self.keys
+        )
 
 
 def _engine_sizes(lay: Layout, eng: Engine) -> tuple[float, float]:
@@ -291,8 +325,11 @@ def misfits(lay: Layout, s: Setup, capacity: float, ranks: int | None = None) ->
             keys.append(f"{ro}.dtype=bfloat16")
         if not keys:
             keys.append("trainer.n_gpus_per_node or trainer.nnodes (GPUs for a larger tensor_model_parallel_size)")
-        what = ("the vLLM engine's weights do not fit its share of the GPU" if fixed > budget else
-                f"the vLLM engine's KV cache cannot hold one sequence of max_model_len={eng.max_model_len}")
+        what = (
+            "the vLLM engine's weights do not fit its share of the GPU"
+            if fixed > budget
+            else f"the vLLM engine's KV cache cannot hold one sequence of max_model_len={eng.max_model_len}"
+        )
         if fixed <= budget:
             keys.append(f"{ro}.max_model_len (or data.max_prompt_length + data.max_response_length)")
         out.append(Misfit(what, fixed + seq, budget, tuple(keys)))
@@ -301,8 +338,10 @@ def misfits(lay: Layout, s: Setup, capacity: float, ranks: int | None = None) ->
     acc = account(lay, s)
     awake = total(state) + max(budget, fixed)  # vLLM claims its whole share when it starts and when it wakes
     if awake > capacity:
-        keys = [f"{ro}.gpu_memory_utilization (at most {(capacity - total(state)) / capacity:.2f} beside the "
-                f"trainer's {total(state) / GB:.1f} GB)"]
+        keys = [
+            f"{ro}.gpu_memory_utilization (at most {(capacity - total(state)) / capacity:.2f} beside the "
+            f"trainer's {total(state) / GB:.1f} GB)"
+        ]
         if "optimizer state" in state:
             keys.append(f"{_KEY}.actor.fsdp_config.optimizer_offload=true")
         if "actor parameters" in state:
@@ -312,13 +351,20 @@ def misfits(lay: Layout, s: Setup, capacity: float, ranks: int | None = None) ->
         if "critic parameters" in state:
             keys.append("critic.fsdp_config.param_offload=true or critic.fsdp_config.optimizer_offload=true")
         keys.append("trainer.n_gpus_per_node or trainer.nnodes (more ranks: smaller shards)")
-        out.append(Misfit("the vLLM engine awake beside what the trainer keeps on the GPU", awake, capacity,
-                          tuple(keys)))
+        out.append(
+            Misfit("the vLLM engine awake beside what the trainer keeps on the GPU", awake, capacity, tuple(keys))
+        )
     if not eng.sleeps:
         for phase, terms in acc.items():
             if phase != "rollout" and total(terms) > capacity:
-                out.append(Misfit(f"the {phase} phase beside a vLLM engine that does not sleep", total(terms),
-                                  capacity, (f"{ro}.free_cache_engine=true", f"{ro}.gpu_memory_utilization")))
+                out.append(
+                    Misfit(
+                        f"the {phase} phase beside a vLLM engine that does not sleep",
+                        total(terms),
+                        capacity,
+                        (f"{ro}.free_cache_engine=true", f"{ro}.gpu_memory_utilization"),
+                    )
+                )
     return out
 
 
@@ -339,22 +385,40 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
         micro = max(1, actor.ppo_max_token_len_per_gpu // seq_len)
     engine = None
     if plan.engine == "vllm":
-        engine = Engine(capacity=capacity, gpu_memory_utilization=ro.gpu_memory_utilization,
-                        tp=ro.tensor_model_parallel_size,
-                        weight_bytes=_BYTES[ro.engine_dtype(model.dtype, plan.device)],  # null: bf16 on CUDA
-                        max_model_len=plan.engine_max_model_len or seq_len, max_num_seqs=ro.max_num_seqs,
-                        batched_tokens=16384 if capacity >= 70 * 2**30 else 8192, sleeps=ro.free_cache_engine,
-                        colocated=plan.rollout_placement == "colocated")
+        engine = Engine(
+            capacity=capacity,
+            gpu_memory_utilization=ro.gpu_memory_utilization,
+            tp=ro.tensor_model_parallel_size,
+            weight_bytes=_BYTES[ro.engine_dtype(model.dtype, plan.device)],  # null: bf16 on CUDA
+            max_model_len=plan.engine_max_model_len or seq_len,
+            max_num_seqs=ro.max_num_seqs,
+            batched_tokens=16384 if capacity >= 70 * 2**30 else 8192,
+            sleeps=ro.free_cache_engine,
+            colocated=plan.rollout_placement == "colocated",
+        )
     reference = plan.use_reference and not plan.reference_from_actor
     critic = cfg.critic.fsdp_config
     share = max(1, d.train_batch_size * ro.n // max(ranks, 1))
-    return Setup(world=world, rollout_seqs=min(ro.max_num_seqs, share), seq_len=seq_len, micro_seqs=micro,
-                 master_bytes=master, compute_bytes=_BYTES[compute] if compute else master, reference=reference,
-                 ref_offload=arr.ref.fsdp_config.param_offload, optimizer_offload=actor.fsdp_config.optimizer_offload,
-                 param_offload=actor.fsdp_config.param_offload, checkpointing=model.enable_gradient_checkpointing,
-                 kv_bytes=_BYTES[compute] if compute else master, ep=actor.fsdp_config.expert_parallel_size,
-                 lora=model.lora_rank > 0, critic=plan.use_critic, critic_param_offload=critic.param_offload,
-                 critic_optimizer_offload=critic.optimizer_offload, engine=engine)
+    return Setup(
+        world=world,
+        rollout_seqs=min(ro.max_num_seqs, share),
+        seq_len=seq_len,
+        micro_seqs=micro,
+        master_bytes=master,
+        compute_bytes=_BYTES[compute] if compute else master,
+        reference=reference,
+        ref_offload=arr.ref.fsdp_config.param_offload,
+        optimizer_offload=actor.fsdp_config.optimizer_offload,
+        param_offload=actor.fsdp_config.param_offload,
+        checkpointing=model.enable_gradient_checkpointing,
+        kv_bytes=_BYTES[compute] if compute else master,
+        ep=actor.fsdp_config.expert_parallel_size,
+        lora=model.lora_rank > 0,
+        critic=plan.use_critic,
+        critic_param_offload=critic.param_offload,
+        critic_optimizer_offload=critic.optimizer_offload,
+        engine=engine,
+    )
 
 
 def _gpu_capacity() -> float | None:
@@ -384,11 +448,15 @@ def check_memory(cfg: Any, plan: Any, model_config: Any, device: str, capacity: 
     t = cfg.trainer
     found = misfits(lay, s, capacity, ranks=t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers))
     if found:
-        raise ConfigError(f"the vllm rollout does not fit a GPU of {capacity / GB:.1f} GB by the memory accounting "
-                          "(docs/distributed.md, python benchmarks/memory.py --account): "
-                          + "; ".join(m.describe() for m in found))
+        raise ConfigError(
+            f"the vllm rollout does not fit a GPU of {capacity / GB:.1f} GB by the memory accounting "
+            "(docs/distributed.md, python benchmarks/memory.py --account): " + "; ".join(m.describe() for m in found)
+        )
     worst = max(total(terms) for terms in account(lay, s).values())
     if capacity - worst < HEADROOM_GB * GB:
-        logger.warning("the vllm rollout fits a GPU of %.1f GB by the accounting with %.1f GB to spare; the "
-                       "allocator, the CUDA context and NCCL take several GB (docs/distributed.md)",
-                       capacity / GB, (capacity - worst) / GB)
+        logger.warning(
+            "the vllm rollout fits a GPU of %.1f GB by the accounting with %.1f GB to spare; the "
+            "allocator, the CUDA context and NCCL take several GB (docs/distributed.md)",
+            capacity / GB,
+            (capacity - worst) / GB,
+        )

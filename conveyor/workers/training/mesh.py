@@ -36,7 +36,8 @@ def process_group_backend(device_type: str) -> str:
 
 
 def collective_device(device: torch.device, group: Any = None) -> torch.device:
-    """Where a small collective of `group` (the default one when None) runs: `device` if nccl serves it, else the CPU."""
+    """Where a small collective of `group` (the default one when None) runs: `device` if nccl serves it, else the
+    CPU."""
     config = tdist.get_backend_config(group)  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo", ...
     backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     return device if backends.get(device.type) == "nccl" else torch.device("cpu")
@@ -67,8 +68,9 @@ class Meshes:
                 tdist.all_reduce(tensor, op=op, group=self.dense.get_group(name))
 
 
-def build_meshes(world_size: int, device_type: str, *, replicate: int = 1, ep_size: int = 1,
-                 expert: bool | None = None) -> Meshes:
+def build_meshes(
+    world_size: int, device_type: str, *, replicate: int = 1, ep_size: int = 1, expert: bool | None = None
+) -> Meshes:
     """The role's meshes over `world_size` ranks (every rank calls it, in the same order for every role).
 
     `replicate` > 1 adds a `dp_replicate` dimension (HSDP) outside `fsdp`; the expert mesh is built when
@@ -77,16 +79,21 @@ def build_meshes(world_size: int, device_type: str, *, replicate: int = 1, ep_si
     from torch.distributed.device_mesh import init_device_mesh
 
     if replicate < 1 or world_size % replicate:
-        raise ValueError(f"fsdp_config.fsdp_size must divide the role's {world_size} ranks (got groups of "
-                         f"{world_size / replicate:g}); set it to a divisor of {world_size}, or null for all of them")
+        raise ValueError(
+            f"fsdp_config.fsdp_size must divide the role's {world_size} ranks (got groups of "
+            f"{world_size / replicate:g}); set it to a divisor of {world_size}, or null for all of them"
+        )
     if ep_size < 1 or world_size % ep_size:
-        raise ValueError(f"fsdp_config.expert_parallel_size={ep_size} must divide the role's {world_size} ranks; "
-                         f"set it to a divisor of {world_size}")
+        raise ValueError(
+            f"fsdp_config.expert_parallel_size={ep_size} must divide the role's {world_size} ranks; "
+            f"set it to a divisor of {world_size}"
+        )
     if replicate == 1:
         dense = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
     else:
-        dense = init_device_mesh(device_type, (replicate, world_size // replicate),
-                                 mesh_dim_names=("dp_replicate", "fsdp"))
+        dense = init_device_mesh(
+            device_type, (replicate, world_size // replicate), mesh_dim_names=("dp_replicate", "fsdp")
+        )
     if not (ep_size > 1 if expert is None else expert):
         return Meshes(dense)
     expert_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("efsdp", "ep"))

@@ -68,15 +68,19 @@ def build_optimizer(
 ) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW over ``params`` and its ``LambdaLR`` schedule of ``total_steps`` optimizer steps, per ``optim``."""
     params = list(params)
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                                  **adamw_implementation(params))
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, **adamw_implementation(params)
+    )
     # A closure, not a callable object: LambdaLR saves only an object's attributes, so the
     # schedule's shape always comes from the config and a checkpoint restores just its position.
     scheduler = LambdaLR(
         optimizer,
         lambda step: lr_multiplier(
-            step, warmup_steps=optim.lr_warmup_steps, total_steps=total_steps,
-            scheduler=optim.lr_scheduler, min_lr_ratio=optim.min_lr_ratio,
+            step,
+            warmup_steps=optim.lr_warmup_steps,
+            total_steps=total_steps,
+            scheduler=optim.lr_scheduler,
+            min_lr_ratio=optim.min_lr_ratio,
         ),
     )
     return optimizer, scheduler

@@ -21,8 +21,9 @@ import io
 import json
 import pickle
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -51,8 +52,16 @@ class CheckpointFormatError(ValueError):
 # The classes DCP's metadata file is made of: nothing that can run code when rebuilt.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                 "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata")
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+        "BytesStorageMetadata",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -83,7 +92,9 @@ class SafeFileSystemReader(FileSystemReader):
             with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
         except FileNotFoundError as err:
-            raise CheckpointFormatError(f"{self.path}: no DCP metadata file ({err}); the checkpoint is incomplete")
+            raise CheckpointFormatError(
+                f"{self.path}: no DCP metadata file ({err}); the checkpoint is incomplete"
+            ) from err
         except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
             raise CheckpointFormatError(f"{self.path}: its metadata is not a conveyor checkpoint's ({err})") from err
         if not isinstance(metadata, Metadata):
@@ -91,8 +102,9 @@ class SafeFileSystemReader(FileSystemReader):
         # DCP loads non-tensor entries with torch.load(weights_only=False); conveyor writes none.
         odd = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
         if odd:
-            raise CheckpointFormatError(f"{self.path}: holds non-tensor entries {odd[:3]}, which conveyor never "
-                                        "writes and will not unpickle")
+            raise CheckpointFormatError(
+                f"{self.path}: holds non-tensor entries {odd[:3]}, which conveyor never writes and will not unpickle"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -112,8 +124,9 @@ def _split_optimizer(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dic
     return {"state": optim_sd["state"]}, optim_sd["param_groups"]
 
 
-def save_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                trainable_only: bool = False) -> None:
+def save_shards(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
+) -> None:
     """Write this rank's shards of `model` (and `optimizer`) under `path`; every rank of the role calls it.
 
     `trainable_only`: the parameters that train and nothing else (LoRA: the adapters; the frozen base is
@@ -138,20 +151,29 @@ def _check_param_groups(groups: Any, expected: list[dict[str, Any]], groups_file
 
     Checked here, at load: set_state_dict accepts them, and the next step then fails deep in the optimizer.
     """
-    ok = isinstance(groups, list) and len(groups) == len(expected) and all(
-        isinstance(g, dict) and set(e) <= set(g) and isinstance(g.get("params"), list)
-        and len(g["params"]) == len(e["params"])
-        for g, e in zip(groups, expected)
+    ok = (
+        isinstance(groups, list)
+        and len(groups) == len(expected)
+        and all(
+            isinstance(g, dict)
+            and set(e) <= set(g)
+            and isinstance(g.get("params"), list)
+            and len(g["params"]) == len(e["params"])
+            for g, e in zip(groups, expected)
+        )
     )
     if not ok:
         want = [sorted(e) for e in expected]
-        raise CheckpointFormatError(f"{groups_file} does not describe this optimizer ({len(expected)} groups with "
-                                    f"keys {want[0] if want else []}); it was emptied or edited: resume from another "
-                                    "checkpoint (trainer.resume_mode=resume_path)")
+        raise CheckpointFormatError(
+            f"{groups_file} does not describe this optimizer ({len(expected)} groups with "
+            f"keys {want[0] if want else []}); it was emptied or edited: resume from another "
+            "checkpoint (trainer.resume_mode=resume_path)"
+        )
 
 
-def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                trainable_only: bool = False) -> None:
+def load_shards(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
+) -> None:
     """Load `path` into `model` (and `optimizer`), resharding to this role's strategy and world size.
 
     `trainable_only`: the checkpoint holds the trained parameters only (`save_shards`); the rest is kept.
@@ -174,8 +196,13 @@ def load_shards(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         except (OSError, ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{groups_file}: missing or unreadable ({err})") from err
         _check_param_groups(groups, optim_sd["param_groups"], groups_file)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"]["state"], "param_groups": groups}, options=options)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict={"state": state["optim"]["state"], "param_groups": groups},
+            options=options,
+        )
     else:
         set_model_state_dict(model, state["model"])
 

@@ -58,8 +58,9 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -70,8 +71,19 @@ from conveyor.workers.training.mesh import collective_device, process_group_back
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "TrainingStrategy", "DataParallel", "FSDP2", "resolve_strategy",
-           "decoder_layers", "ensure_process_group", "process_group_backend", "collective_device", "mixed_precision"]
+__all__ = [
+    "STRATEGIES",
+    "STRATEGY_CLASSES",
+    "TrainingStrategy",
+    "DataParallel",
+    "FSDP2",
+    "resolve_strategy",
+    "decoder_layers",
+    "ensure_process_group",
+    "process_group_backend",
+    "collective_device",
+    "mixed_precision",
+]
 
 # Strategy name -> class, filled below the classes; `STRATEGIES` is a live view of its names (the config's choices).
 STRATEGY_CLASSES: dict[str, type[TrainingStrategy]] = {}
@@ -90,8 +102,9 @@ def resolve_strategy(name: str | None, world_size: int) -> str:
     return name
 
 
-def mixed_precision(strategy: str, param_dtype: str | None, reduce_dtype: str | None,
-                    device_type: str) -> tuple[str | None, str | None]:
+def mixed_precision(
+    strategy: str, param_dtype: str | None, reduce_dtype: str | None, device_type: str
+) -> tuple[str | None, str | None]:
     """The (param_dtype, reduce_dtype) an fsdp2 role computes and reduces in; None = the model's (master) dtype.
 
     What is set is kept. Unset, a GPU run under fsdp2 computes in bfloat16 and reduces gradients in float32
@@ -112,8 +125,7 @@ def ensure_process_group(device: torch.device) -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    tdist.init_process_group(process_group_backend(device.type), rank=0, world_size=1,
-                             timeout=timedelta(minutes=30))
+    tdist.init_process_group(process_group_backend(device.type), rank=0, world_size=1, timeout=timedelta(minutes=30))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -145,7 +157,7 @@ class TrainingStrategy:
 
     name = "none"
 
-    def __new__(cls, name: str | None = None, *, world_size: int = 1, **kwargs: Any) -> "TrainingStrategy":
+    def __new__(cls, name: str | None = None, *, world_size: int = 1, **kwargs: Any) -> TrainingStrategy:
         """The class of the strategy `name` resolves to, when called on the base."""
         if cls is TrainingStrategy:
             cls = lookup(STRATEGY_CLASSES, resolve_strategy(name, world_size), "strategy")
@@ -169,34 +181,45 @@ class TrainingStrategy:
         self.world_size = world_size
         self.device = device
         self.param_dtype, self.reduce_dtype = (
-            _DTYPES[d] if d else None for d in mixed_precision(self.name, param_dtype, reduce_dtype, device.type))
+            _DTYPES[d] if d else None for d in mixed_precision(self.name, param_dtype, reduce_dtype, device.type)
+        )
         # Offloading moves state to host memory between uses: on a CPU run it already is there.
         on_gpu = device.type == "cuda"
         self.param_offload = param_offload and on_gpu
         self.optimizer_offload = optimizer_offload and on_gpu
         if (param_offload or optimizer_offload) and not on_gpu:
-            logger.info("fsdp_config param_offload/optimizer_offload have no effect on a CPU run (state is in host "
-                        "memory already)")
+            logger.info(
+                "fsdp_config param_offload/optimizer_offload have no effect on a CPU run (state is in host "
+                "memory already)"
+            )
         if (param_dtype or reduce_dtype) and self.name != "fsdp2":
-            logger.warning("fsdp_config.param_dtype/reduce_dtype apply under strategy=fsdp2 only; this role runs %s",
-                           self.name)
+            logger.warning(
+                "fsdp_config.param_dtype/reduce_dtype apply under strategy=fsdp2 only; this role runs %s", self.name
+            )
         if (expert_parallel_size != 1 or expert_mesh) and self.name != "fsdp2":
-            raise ValueError(f"fsdp_config.expert_parallel_size={expert_parallel_size} needs strategy=fsdp2 (this "
-                             f"role runs {self.name} on {world_size} rank(s)); set the role's strategy to fsdp2 or "
-                             "expert_parallel_size to 1")
+            raise ValueError(
+                f"fsdp_config.expert_parallel_size={expert_parallel_size} needs strategy=fsdp2 (this "
+                f"role runs {self.name} on {world_size} rank(s)); set the role's strategy to fsdp2 or "
+                "expert_parallel_size to 1"
+            )
         self.expert_parallel_size = expert_parallel_size
         if fsdp_size not in (None, world_size) and self.name != "fsdp2":
-            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} shards within groups under strategy=fsdp2 only "
-                             f"(this role runs {self.name}); set the role's strategy to fsdp2 or fsdp_size to null")
+            raise ValueError(
+                f"fsdp_config.fsdp_size={fsdp_size} shards within groups under strategy=fsdp2 only "
+                f"(this role runs {self.name}); set the role's strategy to fsdp2 or fsdp_size to null"
+            )
         if fsdp_size is not None and (fsdp_size < 1 or world_size % fsdp_size):
-            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} must divide the role's {world_size} ranks, or be "
-                             "null (all of them)")
+            raise ValueError(
+                f"fsdp_config.fsdp_size={fsdp_size} must divide the role's {world_size} ranks, or be null (all of them)"
+            )
         # fsdp2 shards within groups of fsdp_size ranks and replicates across the groups (HSDP).
         self.replicate = 1 if fsdp_size is None else world_size // fsdp_size
         if self.replicate > 1 and (expert_parallel_size > 1 or expert_mesh):
-            raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} (HSDP) with expert_parallel_size="
-                             f"{expert_parallel_size} is not supported yet; set fsdp_size to null or "
-                             "expert_parallel_size to 1")
+            raise ValueError(
+                f"fsdp_config.fsdp_size={fsdp_size} (HSDP) with expert_parallel_size="
+                f"{expert_parallel_size} is not supported yet; set fsdp_size to null or "
+                "expert_parallel_size to 1"
+            )
         # The expert mesh and the all-to-all even at size 1: the one-GPU check runs the EP code path this way.
         self.expert_mesh = expert_mesh or expert_parallel_size > 1
         # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
@@ -232,8 +255,13 @@ class TrainingStrategy:
             ensure_process_group(self.device)
             # dp is all replicas: its one dimension is `dp_replicate` (with `fsdp` groups of one).
             replicate = self.world_size if self.name == "dp" else self.replicate
-            self._meshes = build_meshes(self.world_size, self.device.type, replicate=replicate,
-                                        ep_size=self.expert_parallel_size, expert=self.expert_parallel)
+            self._meshes = build_meshes(
+                self.world_size,
+                self.device.type,
+                replicate=replicate,
+                ep_size=self.expert_parallel_size,
+                expert=self.expert_parallel,
+            )
         return self._meshes
 
     # ------------------------------------------------------------------ wrapping
@@ -286,7 +314,8 @@ class TrainingStrategy:
 
     @contextlib.contextmanager
     def full_params(self) -> Iterator[None]:
-        """The hf rollout of a small model only: under fsdp2 gather the whole model once (no collective inside), re-shard after."""
+        """The hf rollout of a small model only: under fsdp2 gather the whole model once (no collective inside),
+        re-shard after."""
         yield
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -331,16 +360,23 @@ class TrainingStrategy:
             if p.grad is not None:
                 g = _local(p.grad)
                 grads += g.numel() * g.element_size()
-            moments = sum(_local(v).numel() * _local(v).element_size()
-                          for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
+            moments = sum(
+                _local(v).numel() * _local(v).element_size()
+                for v in state.get(p, {}).values()
+                if isinstance(v, torch.Tensor)
+            )
             optim += moments
             if id(p) in expert_ids:
                 expert_params += n
                 expert_optim += moments
-        return {"perf/param_bytes_local": float(params), "perf/grad_bytes_local": float(grads),
-                "perf/optim_bytes_local": float(optim), "perf/expert_param_bytes_local": float(expert_params),
-                "perf/expert_optim_bytes_local": float(expert_optim),
-                "perf/expert_param_bytes_gathered": float(gathered)}
+        return {
+            "perf/param_bytes_local": float(params),
+            "perf/grad_bytes_local": float(grads),
+            "perf/optim_bytes_local": float(optim),
+            "perf/expert_param_bytes_local": float(expert_params),
+            "perf/expert_optim_bytes_local": float(expert_optim),
+            "perf/expert_param_bytes_gathered": float(gathered),
+        }
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics the strategy gathered over an update (EP's tokens per rank); every rank calls it once per step."""
@@ -368,8 +404,11 @@ class DataParallel(TrainingStrategy):
         # Buffers (rotary tables) are built identically on every rank: syncing them each forward would only
         # cost a collective.
         self._ddp = DistributedDataParallel(
-            model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=False, forward_sync_buffers=False, process_group=meshes.dim_group("dp_replicate"),
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=False,
+            forward_sync_buffers=False,
+            process_group=meshes.dim_group("dp_replicate"),
         )
         return self._ddp
 

@@ -37,8 +37,16 @@ class TrainedModel:
     role's shards.
     """
 
-    def __init__(self, model: nn.Module, strategy: TrainingStrategy, *, trainable: bool,
-                 optim_cfg: Any = None, total_steps: int = 1, gradient_checkpointing: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: TrainingStrategy,
+        *,
+        trainable: bool,
+        optim_cfg: Any = None,
+        total_steps: int = 1,
+        gradient_checkpointing: bool = False,
+    ):
         from conveyor.workers.training.optim import build_optimizer
 
         self.checkpointing = gradient_checkpointing and trainable
@@ -46,12 +54,19 @@ class TrainedModel:
             # transformers 5 names it activation checkpointing (the old name warns); the value model forwards
             # the call to its backbone.
             enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-                model, "gradient_checkpointing_enable", None)
+                model, "gradient_checkpointing_enable", None
+            )
             if not callable(enable):
-                raise ValueError(f"actor_rollout_ref.model.enable_gradient_checkpointing: {type(model).__name__} "
-                                 "does not support gradient checkpointing")
+                raise ValueError(
+                    f"actor_rollout_ref.model.enable_gradient_checkpointing: {type(model).__name__} "
+                    "does not support gradient checkpointing"
+                )
             # Non-reentrant: works with FSDP2 and DDP, and with inputs that need no gradient.
-            kwarg = "activation_checkpointing_kwargs" if "activation" in enable.__name__ else "gradient_checkpointing_kwargs"
+            kwarg = (
+                "activation_checkpointing_kwargs"
+                if "activation" in enable.__name__
+                else "gradient_checkpointing_kwargs"
+            )
             enable(**{kwarg: {"use_reentrant": False}})
         if not trainable:
             model.requires_grad_(False)
@@ -71,8 +86,9 @@ class TrainedModel:
         self.optimizer = self.scheduler = None
         if trainable:
             # Only what trains: under LoRA the adapters, so AdamW's moments are the adapters' size.
-            self.optimizer, self.scheduler = build_optimizer([p for p in model.parameters() if p.requires_grad],
-                                                             optim_cfg, total_steps)
+            self.optimizer, self.scheduler = build_optimizer(
+                [p for p in model.parameters() if p.requires_grad], optim_cfg, total_steps
+            )
 
     @property
     def adapters_only(self) -> bool:
@@ -92,8 +108,10 @@ class TrainedModel:
         """
         n = self.strategy.agree_count(len(slices))
         if n > len(slices) and not slices:
-            raise ValueError("this rank got no samples while others did; give every rank at least one sequence "
-                             "(raise actor_rollout_ref.actor.ppo_mini_batch_size or lower the number of ranks)")
+            raise ValueError(
+                "this rank got no samples while others did; give every rank at least one sequence "
+                "(raise actor_rollout_ref.actor.ppo_mini_batch_size or lower the number of ranks)"
+            )
         return [(slices[i], True) if i < len(slices) else (slices[0], False) for i in range(n)]
 
     def backward(self, loss: torch.Tensor, *, real: bool, last: bool) -> None:
