@@ -5,8 +5,9 @@ Every engine is a `GenerationEngine` (`conveyor.rollout.base`): it takes `Sampli
 `actor_rollout_ref.rollout.name` chooses from. `HFEngine` (Hugging Face model, our own decode loop) is
 the default; `conveyor.rollout.vllm` serves with vLLM. `AgentLoop` runs multi-turn rollouts with tools
 over any engine that stops at token sequences (actor_rollout_ref.rollout.multi_turn; see docs/agent.md),
-and `trajectory` says where a response with tool tokens ends (the trainer's weights reach an engine
-through `conveyor.weights`). This package does not score responses or talk to the data plane; the workers do.
+and the trajectory masks it re-exports (`conveyor.algos.trajectory`) say where a response with tool tokens
+ends. The trainer's weights reach an engine through `conveyor.weights`. This package does not score
+responses or talk to the data plane; the workers do.
 """
 
 from conveyor.algos.trajectory import response_span, segments, span_lengths
