@@ -197,8 +197,9 @@ def _run_ranks(world: int, model_path: str, steps: int, extra: list[str] = ()) -
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def measure(hidden: int, layers: int, experts: int, steps: int, lora: int = 0) -> dict:
-    """Build and save the model, run 1 and 2 ranks (with `lora`: 1 rank in full and with adapters); the layout too."""
+def save_moe(folder: str, hidden: int, layers: int, experts: int, **config) -> tuple[Layout, str]:
+    """Build the benchmark's Qwen3-MoE from config (`config`: more of its keys) and save it under `folder`; its
+    layout and checkpoint path."""
     import transformers
 
     from conveyor.models.loading import save_pretrained_checkpoint
@@ -208,24 +209,28 @@ def measure(hidden: int, layers: int, experts: int, steps: int, lora: int = 0) -
     transformers.utils.logging.disable_progress_bar()
     tok = build_char_tokenizer()
     heads = max(4, hidden // 64)
+    model = build_tiny_model(
+        "qwen3_moe",
+        tok,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        intermediate_size=hidden,
+        num_experts=experts,
+        **config,
+    )
+    return layout_of(model.config), str(save_pretrained_checkpoint(model, tok, Path(folder) / "model"))
+
+
+def measure(hidden: int, layers: int, experts: int, steps: int, lora: int = 0) -> dict:
+    """Build and save the model, run 1 and 2 ranks (with `lora`: 1 rank in full and with adapters); the layout too."""
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(
-            "qwen3_moe",
-            tok,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=max(1, heads // 2),
-            intermediate_size=hidden,
-            num_experts=experts,
-        )
-        lay = layout_of(model.config)
-        path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
-        del model
+        lay, path = save_moe(tmp, hidden, layers, experts)
         if lora:
-            runs = {"1": _run_ranks(1, str(path), steps), "lora": _run_ranks(1, str(path), steps, lora_overrides(lora))}
+            runs = {"1": _run_ranks(1, path, steps), "lora": _run_ranks(1, path, steps, lora_overrides(lora))}
         else:
-            runs = {w: _run_ranks(w, str(path), steps) for w in (1, 2)}
+            runs = {w: _run_ranks(w, path, steps) for w in (1, 2)}
     return {"layout": dataclasses.asdict(lay), "runs": {str(w): r for w, r in runs.items()}}
 
 
@@ -239,38 +244,19 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
     peak exceeds its accounted bytes by more than half (the accounting would let a run that cannot fit
     through); on the CPU the resident set carries the allocator's and interpreter's own growth, so no bar.
     """
-    import transformers
-
     from conveyor.config import load_config
     from conveyor.data_plane import make_data_plane
-    from conveyor.models.loading import load_tokenizer, save_pretrained_checkpoint
-    from conveyor.models.tiny import build_tiny_model
-    from conveyor.models.tokenizer import build_char_tokenizer
+    from conveyor.models.loading import load_tokenizer
     from conveyor.trainer.plan import build_run_plan
     from conveyor.workers.placement.group import ColocatedWorker
     from conveyor.workers.placement.roles import worker_specs
     from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
     from conveyor.workers.ranks.perf import reset_peak_memory
 
-    transformers.utils.logging.disable_progress_bar()
     dev = torch.device(device)
-    tok = build_char_tokenizer()
-    heads = max(4, hidden // 64)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(
-            "qwen3_moe",
-            tok,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=max(1, heads // 2),
-            intermediate_size=hidden,
-            num_experts=experts,
-            max_position_embeddings=PROMPT_LEN + response_len,
-        )
-        lay = layout_of(model.config)
-        path = save_pretrained_checkpoint(model, tok, Path(tmp) / "model")
-        del model
+        lay, path = save_moe(tmp, hidden, layers, experts, max_position_embeddings=PROMPT_LEN + response_len)
+        tok = load_tokenizer(path)
         cfg = load_config(
             None,
             [
@@ -292,7 +278,7 @@ def long_responses(device: str, response_len: int, hidden: int, layers: int, exp
         )
         plan = build_run_plan(cfg, dev.type)
         plane = make_data_plane("memory")
-        specs = worker_specs(cfg, plan, str(path), plane, load_tokenizer(str(path)), dev.type)
+        specs = worker_specs(cfg, plan, path, plane, tok, dev.type)
         baseline = 0 if dev.type == "cuda" else _rss()
         had_group = tdist.is_initialized()  # fsdp2 makes a one-rank group; one made here is destroyed below
         host = ColocatedWorker(0, 1)
