@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,35 @@ def test_an_error_stays_one_printable_line() -> None:
     assert one_line("plain text, é 中") == "plain text, é 中"
     assert one_line("a\rb\nc\td\ud800") == "a\\rb\\nc\\td\\ud800"
     assert len(one_line("x=\r'").splitlines()) == 1
+
+
+def test_a_run_piped_into_a_reader_that_stops_early_finishes(tmp_path: Path) -> None:
+    # `conveyor train ... | head -c 50`: the console's reader leaves after the first bytes; the run must not.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "conveyor.cli",
+            "train",
+            "--config",
+            "examples/tiny_cpu.yaml",
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            "trainer.progress_bar=false",
+            f"trainer.default_local_dir={run_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout is not None and proc.stdout.read(50)
+    proc.stdout.close()  # the reader is gone: the next console line meets a broken pipe
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "its output is gone (BrokenPipeError" in err.decode()
+    assert (run_dir / "checkpoints" / "global_step_3").is_dir()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3

@@ -252,6 +252,16 @@ def console_interval(total_steps: int | None, every: int = 0) -> int:
     return max(i for i in _ROUND_INTERVALS if i <= max(1.0, target))
 
 
+def _discard_stdout() -> None:
+    """Point the process's stdout at /dev/null, so that nothing written later, nor the flush at exit, fails again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout (a test's stream): nothing to point
+        pass
+
+
 class ConsoleTracker:
     """A compact table on the console: a row every `every` steps (means over them) and at every validation.
 
@@ -288,12 +298,27 @@ class ConsoleTracker:
         self._rows = 0
         self._first = True
         self._step_width = max(4, len(str(total_steps)) if total_steps else 6)
+        self._gone = False  # the output stream failed once: nothing more is written to it
 
     def _write(self, text: str) -> None:
+        if self._gone:
+            return
         # Resolve sys.stdout at write time so redirection after construction is honoured.
         stream = self._stream if self._stream is not None else sys.stdout
-        stream.write(text + "\n")
-        stream.flush()
+        try:
+            stream.write(text + "\n")
+            stream.flush()
+        except (OSError, ValueError) as err:  # a reader that ended (EPIPE), a hung-up terminal, a closed file
+            # The console is a view of the run (DESIGN 19): losing it must not lose the run.
+            self._gone = True
+            logger.warning(
+                "console: its output is gone (%s: %s); the run goes on without it (metrics.jsonl and the "
+                "other trackers still have every step)",
+                type(err).__name__,
+                err,
+            )
+            if stream is sys.stdout:
+                _discard_stdout()
 
     def _step_label(self, step: int) -> str:
         if self._total:

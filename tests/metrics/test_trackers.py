@@ -337,3 +337,23 @@ def test_helpers():
     assert mlflow_safe_name("perf/max_memory (GB)") == "perf/max_memory _GB_"
     with pytest.raises(ValueError, match="metrics file .* does not exist"):
         read_metrics_jsonl("/nonexistent/metrics.jsonl")
+
+
+class _ReaderGone(io.StringIO):
+    """A console stream whose reader went away after the first line (a pipe into `head`, a closed terminal)."""
+
+    def write(self, text: str) -> int:
+        if self.getvalue():
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+
+def test_a_console_whose_reader_is_gone_stops_writing_and_the_run_goes_on(caplog):
+    stream = _ReaderGone()
+    console = ConsoleTracker(stream=stream, every=1, total_steps=5)
+    with caplog.at_level("WARNING", logger="conveyor.metrics.trackers"):
+        for step in range(1, 6):
+            console.log({"reward/mean": float(step)}, step)  # raises nothing
+    gone = [r for r in caplog.records if "its output is gone" in r.getMessage()]
+    assert len(gone) == 1 and "BrokenPipeError" in gone[0].getMessage()  # said once, not at every step
+    assert stream.getvalue().count("\n") == 1  # the header, written before the reader left; nothing after
