@@ -200,7 +200,7 @@ def _packed_qkv(
 def _varlen_attn_2_11(
     query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
 ):
-    """torch 2.11's `varlen_attn` as its source has it: no `enable_gqa`, and its custom op called with 10 arguments."""
+    """A stand-in with torch 2.11's `varlen_attn` signature (no `enable_gqa`) over the installed custom op."""
     is_causal = window_size == (-1, 0)
     out, lse, _ = torch.ops.torch_attn._varlen_attn(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, list(window_size)
