@@ -34,6 +34,7 @@ from torch import Tensor
 from conveyor.registry import lookup, registrar
 
 __all__ = [
+    "served_dtype",
     "EngineCapabilities",
     "EngineContext",
     "EngineSpec",
@@ -309,3 +310,11 @@ register_rollout_engine(EngineSpec("vllm", "conveyor.rollout.vllm", _vllm))
 def engine_spec(name: str) -> EngineSpec:
     """The registered engine `name`; a ValueError naming the key and the valid names otherwise."""
     return lookup(ROLLOUT_ENGINES, name, "actor_rollout_ref.rollout.name")
+
+
+def served_dtype(rollout: Any, model_dtype: str, device_type: str) -> str:
+    """The dtype `rollout.name`'s engine holds weights in on `device_type`: the model's where it samples from the
+    trainer's own modules (its capability says so), else its own (`rollout.dtype`, else bf16 on CUDA)."""
+    if engine_spec(rollout.name).capabilities(device_type).shares_trainer_modules:
+        return model_dtype
+    return rollout.engine_dtype(model_dtype, device_type)

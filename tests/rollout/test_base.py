@@ -64,3 +64,19 @@ def test_the_registry_names_every_engine_and_refuses_others() -> None:
     )
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name: unknown 'sglang'; valid names are .*hf"):
         engine_spec("sglang")
+
+
+def test_the_served_dtype_follows_the_engines_capability() -> None:
+    from conveyor.config import load_config
+    from conveyor.rollout.base import served_dtype
+
+    def ro(*overrides: str):
+        return load_config(None, list(overrides)).actor_rollout_ref.rollout
+
+    # hf samples from the trainer's own modules: the model's dtype, whatever rollout.dtype says.
+    assert served_dtype(ro("actor_rollout_ref.rollout.dtype=bfloat16"), "float32", "cuda") == "float32"
+    # An engine with weights of its own: rollout.dtype, else bf16 on CUDA and the model's on the CPU.
+    vllm = "actor_rollout_ref.rollout.name=vllm"
+    assert served_dtype(ro(vllm), "float32", "cuda") == "bfloat16"
+    assert served_dtype(ro(vllm), "float32", "cpu") == "float32"
+    assert served_dtype(ro(vllm, "actor_rollout_ref.rollout.dtype=float16"), "float32", "cuda") == "float16"

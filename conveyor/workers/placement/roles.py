@@ -400,11 +400,12 @@ def build_worker_groups(
 
 
 def _configured_engine_dtype(cfg: Config, device_type: str) -> torch.dtype | None:
-    """The dtype vllm replicas hold on the run's device (`rollout.dtype`, else bf16 on CUDA); None for hf replicas."""
-    ro = cfg.actor_rollout_ref.rollout
-    if ro.name != "vllm":
-        return None  # an hf replica holds the model's own dtype: nothing to cast
-    return getattr(torch, ro.engine_dtype(cfg.actor_rollout_ref.model.dtype, device_type))
+    """The dtype the replicas' engines hold on the run's device; None where it is the model's (nothing to cast)."""
+    from conveyor.rollout.base import served_dtype
+
+    model_dtype = cfg.actor_rollout_ref.model.dtype
+    dtype = served_dtype(cfg.actor_rollout_ref.rollout, model_dtype, device_type)
+    return None if dtype == model_dtype else getattr(torch, dtype)
 
 
 def _served(

@@ -46,7 +46,7 @@ from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
-from conveyor.rollout.base import EngineContext, engine_spec
+from conveyor.rollout.base import EngineContext, engine_spec, served_dtype
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
 from conveyor.workers.ranks.generation import Generation
@@ -155,8 +155,8 @@ class ReplicaWorker:
         self.version = -1
         self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
         # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded, at the
-        # engine's dtype: an hf replica's model's own; an engine with its own weights rollout.dtype, else bf16 on CUDA.
-        self.staged = StagedWeights(getattr(torch, m.dtype if shares else ro.engine_dtype(m.dtype, self.device.type)))
+        # dtype its engine holds.
+        self.staged = StagedWeights(getattr(torch, served_dtype(ro, m.dtype, self.device.type)))
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Sample responses for the handle's prompts (the actor's endpoint, on this replica's engine),

@@ -370,6 +370,7 @@ def misfits(lay: Layout, s: Setup, capacity: float, ranks: int | None = None) ->
 
 def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
     """The `Setup` of a run of `cfg` under `plan` on GPUs of `capacity` bytes (what a rank holds, per the config)."""
+    from conveyor.rollout.base import served_dtype
     from conveyor.workers.training.strategy import mixed_precision, resolve_strategy
 
     arr, t, d = cfg.actor_rollout_ref, cfg.trainer, cfg.data
@@ -389,7 +390,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
             capacity=capacity,
             gpu_memory_utilization=ro.gpu_memory_utilization,
             tp=ro.tensor_model_parallel_size,
-            weight_bytes=_BYTES[ro.engine_dtype(model.dtype, plan.device)],  # null: bf16 on CUDA
+            weight_bytes=_BYTES[served_dtype(ro, model.dtype, plan.device)],
             max_model_len=plan.engine_max_model_len or seq_len,
             max_num_seqs=ro.max_num_seqs,
             batched_tokens=16384 if capacity >= 70 * 2**30 else 8192,
