@@ -99,12 +99,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from conveyor.config import config_to_yaml, load_config
-
-    cfg = load_config(args.config, args.overrides)
     from conveyor.trainer.plan import build_run_plan
     from conveyor.trainer.setup import resolve_device
 
-    build_run_plan(cfg, resolve_device(cfg))  # what `train` refuses at its start (the engine's keys included)
+    cfg = load_config(args.config, args.overrides)
+    # What `train` refuses at its start (the engine's keys included), on the device the config names: a GPU
+    # run's config can be prepared and checked on a machine without one.
+    build_run_plan(cfg, cfg.trainer.device if cfg.trainer.device != "auto" else resolve_device(cfg))
     sys.stdout.write(config_to_yaml(cfg, with_help=args.describe))
     return 0
 

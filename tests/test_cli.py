@@ -221,3 +221,10 @@ def test_a_run_piped_into_a_reader_that_stops_early_finishes(tmp_path: Path) -> 
     assert "its output is gone (BrokenPipeError" in err.decode()
     assert (run_dir / "checkpoints" / "global_step_3").is_dir()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_config_checks_a_gpu_run_on_a_machine_without_one(run_cli) -> None:
+    # The plan is built for the device the config names, not the one this machine has.
+    proc = run_cli("config", "trainer.device=cuda")
+    assert proc.returncode == 0, proc.stderr
+    assert "device: cuda" in proc.stdout
