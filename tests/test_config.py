@@ -245,6 +245,7 @@ def test_removed_key_in_a_file(tmp_path: Path) -> None:
         (["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature"),
         (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p"),
         (["actor_rollout_ref.rollout.moe_load_balance_metrics_interval=-1"], NEW_MOE_KEY),
+        (["actor_rollout_ref.rollout.moe_near_tie_eps=0"], "actor_rollout_ref.rollout.moe_near_tie_eps"),
         (["algorithm.gamma=1.5"], "algorithm.gamma"),
         (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
         (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode"),
@@ -699,6 +700,7 @@ OLD_NEUTRAL_KEYS = (
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.model.forward_impl",
     "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
+    "actor_rollout_ref.rollout.moe_near_tie_eps",
     "data.val_files",
     "data.val_batch_size",
 )

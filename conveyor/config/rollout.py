@@ -114,6 +114,13 @@ class RolloutConfig:
         ge=0,
         resume_neutral=True,
     )
+    moe_near_tie_eps: float = F(
+        0.01,
+        "router margin (k-th minus (k+1)-th router logit) below which a (token, MoE layer) pair counts as a near "
+        "tie in rollout/moe/near_tie/* and actor/moe/near_tie/*",
+        gt=0,
+        resume_neutral=True,
+    )
     gpu_memory_utilization: float = F(
         0.5,
         "vllm: the share of GPU memory the engine may take (weights and KV "

@@ -12,6 +12,9 @@ Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
 - `throughput.png`: tokens/s; time per stage stacked, with the step time;
 - `moe_ep_tokens.png` (under expert parallelism): per MoE layer, the most
   tokens an EP rank received over the mean across the EP group;
+- `moe_router.png`: per MoE layer over the steps, the rollout's near-tie share
+  (`rollout/moe/near_tie/layer_i`) and the trainer's top-k flip rate
+  (`actor/moe/flip_rate/layer_i`);
 - `moe_expert_load.png`: layers x experts heatmap of the latest record;
 - `moe_expert_load_over_time.png`: experts x steps for the most imbalanced layer.
 
@@ -362,6 +365,13 @@ def _ep_tokens_panel(records, role: str) -> Panel | None:
     return draw
 
 
+def _per_layer_panel(records, family: str, title: str, ylabel: str) -> Panel | None:
+    """One line per MoE layer of the `{family}/layer_i` metrics, in layer order."""
+    prefix = f"{family}/layer_"
+    layers = sorted((k for k in _all_keys(records) if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+    return _lines_panel(records, layers, title, ylabel)
+
+
 def _num_or_zero(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
@@ -526,6 +536,21 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "moe_ep_tokens.png",
             "All-to-all straggler: tokens received per EP rank, max / mean",
             [_ep_tokens_panel(records, role) for role in ("actor", "critic")],
+        )
+    )
+
+    figures.append(
+        (
+            "moe_router.png",
+            "MoE router health by layer: near ties at the rollout, flips at the trainer",
+            [
+                _per_layer_panel(
+                    records, "rollout/moe/near_tie", "Near ties (margin < eps) at the rollout, by layer", "share"
+                ),
+                _per_layer_panel(
+                    records, "actor/moe/flip_rate", "Top-k flips, trainer vs rollout (actor/moe/flip_rate)", "share"
+                ),
+            ],
         )
     )
 

@@ -41,13 +41,21 @@ back.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from conveyor.models.moe_routing import MoELayer, check_routed_experts, moe_info, moe_layers, stack_routing
+from conveyor.models.moe_routing import (
+    MoELayer,
+    check_routed_experts,
+    moe_info,
+    moe_layers,
+    router_margin,
+    stack_routing,
+)
 
 __all__ = ["LeanForward", "LeanDecodeState", "unsupported_reason", "resolve_forward_impl"]
 
@@ -202,6 +210,8 @@ class LeanDecodeState:
     steps: int = 0
     routing: list[Tensor] = field(default_factory=list)  # (B, S_i, L, K) per forward, when recorded
     record: bool = False
+    margins: list[Tensor] = field(default_factory=list)  # (B, S_i, L) float32 per forward, NaN for rows not fed
+    record_margins: bool = False
 
     def keep(self, keep: Tensor) -> None:
         """Drop the cache rows where `keep` (A,) is false."""
@@ -278,8 +288,16 @@ class LeanForward:
         qk = qk * cos + _swap_halves(qk) * sin
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, heads:]
 
-    def _mlp(self, index: int, x: Tensor, replay: Tensor | None, record: list[Tensor] | None) -> Tensor:
-        """The residual stream `x` (N, H) after layer `index`'s MLP block; appends its top-k ids (N, K) to `record`."""
+    def _mlp(
+        self,
+        index: int,
+        x: Tensor,
+        replay: Tensor | None,
+        record: list[Tensor] | None,
+        margins: list[Tensor] | None = None,
+    ) -> Tensor:
+        """The residual stream `x` (N, H) after layer `index`'s MLP block; appends its top-k ids (N, K) to `record`
+        and its router margins (N,) to `margins`."""
         layer = self.layers[index]
         h = layer.post_attention_layernorm(x)
         if self._moe[index] is None:
@@ -289,9 +307,11 @@ class LeanForward:
         routing = moe.router(h)
         if replay is not None:
             routing = moe.replay(routing, replay[:, position])
-        _, weights, ids = routing
+        logits, weights, ids = routing
         if record is not None:
             record.append(ids.detach())
+        if margins is not None:
+            margins.append(router_margin(logits, ids.shape[-1]))
         return x + moe.block.experts(h, ids, weights)
 
     # ------------------------------------------------------------------ training forward
@@ -450,9 +470,17 @@ class LeanForward:
     # ------------------------------------------------------------------ rollout
     @torch.inference_mode()
     def prefill(
-        self, prompts: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, record_routing: bool = False
+        self,
+        prompts: Tensor,
+        prompt_mask: Tensor,
+        max_new_tokens: int,
+        *,
+        record_routing: bool = False,
+        record_margins: bool = False,
     ) -> tuple[Tensor, LeanDecodeState]:
-        """Last-position logits (B, V) of the left-padded `prompts` (B, P) and the state `decode` continues from."""
+        """Last-position logits (B, V) of the left-padded `prompts` (B, P) and the state `decode` continues from.
+
+        `record_margins` (with `record_routing`): also keep each token's router margins (`router_margin`)."""
         batch, plen = prompts.shape
         pr = self._distinct_prompts(prompts, prompt_mask, None)
         n_prompt = pr.count * plen
@@ -462,6 +490,7 @@ class LeanForward:
         total = plen + max_new_tokens
         keys, values = [], []
         per_layer: list[Tensor] | None = [] if record else None
+        margins: list[Tensor] | None = [] if record and record_margins else None
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             shape_p = (pr.count, plen, -1, self.head_dim)
@@ -469,7 +498,7 @@ class LeanForward:
             x = x + layer.self_attn.o_proj(
                 _attend(q.view(shape_p), kp, vp, pr.attn_mask, self.scale).reshape(n_prompt, -1)
             )
-            x = self._mlp(index, x, None, per_layer)
+            x = self._mlp(index, x, None, per_layer, margins)
             # The cache is (B, T, kvh, d): one row per sample, each a copy of its prompt's keys.
             cache_k = torch.empty((batch, total, self.num_kv_heads, self.head_dim), dtype=k.dtype, device=k.device)
             cache_v = torch.empty_like(cache_k)
@@ -490,10 +519,13 @@ class LeanForward:
             batch=batch,
             prompt_len=plen,
             record=record,
+            record_margins=margins is not None,
         )
         if per_layer is not None:
             stacked = stack_routing(per_layer)
             state.routing.append(stacked.view(pr.count, plen, *stacked.shape[1:])[pr.inv])
+        if margins is not None:
+            state.margins.append(torch.stack(margins, dim=1).view(pr.count, plen, -1)[pr.inv])
         return logits, state
 
     @torch.inference_mode()
@@ -516,6 +548,7 @@ class LeanForward:
         cos, sin = self._rotary(x, state.next_positions)
         mask = state.mask[..., : slot + 1]
         per_layer: list[Tensor] | None = [] if state.record else None
+        margins: list[Tensor] | None = [] if state.record_margins else None
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             state.keys[index][:, slot] = k
@@ -524,7 +557,7 @@ class LeanForward:
             values = state.values[index][:, : slot + 1]
             out = _attend(q[:, None], keys, values, mask, self.scale)
             x = x + layer.self_attn.o_proj(out.reshape(active, -1))
-            x = self._mlp(index, x, None, per_layer)
+            x = self._mlp(index, x, None, per_layer, margins)
         state.steps += 1
         state.next_positions = state.next_positions + 1
         logits = self.model.lm_head(self.inner.norm(x))
@@ -535,4 +568,9 @@ class LeanForward:
             if active < state.batch:
                 stacked = stacked.new_full((state.batch, *stacked.shape[1:]), -1).index_copy_(0, rows, stacked)
             state.routing.append(stacked[:, None])
+        if margins is not None:
+            gaps = torch.stack(margins, dim=1)
+            if active < state.batch:
+                gaps = gaps.new_full((state.batch, gaps.shape[1]), math.nan).index_copy_(0, rows, gaps)
+            state.margins.append(gaps[:, None])
         return logits

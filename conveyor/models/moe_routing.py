@@ -51,6 +51,9 @@ __all__ = [
     "check_routed_experts",
     "compute_routing_agreement",
     "routed_experts_dtype",
+    "router_margin",
+    "RouterStats",
+    "RouterStatsRecorder",
 ]
 
 
@@ -191,6 +194,19 @@ def stack_routing(per_layer: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([ids.to(device) for ids in per_layer], dim=1).to(torch.int16)
 
 
+def router_margin(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The gap between the k-th and the (k+1)-th largest router logit of each token: logits (N, E) -> (N,) float32.
+
+    Computed from the top-(k+1) values only. 0 is a tie: an arbitrarily small change of the hidden state may swap
+    the last chosen expert for the first one left out. With k = E (every expert chosen) there is no such expert and
+    the margin is +inf.
+    """
+    if top_k >= logits.shape[-1]:
+        return torch.full(logits.shape[:-1], math.inf, dtype=torch.float32, device=logits.device)
+    top = torch.topk(logits.detach().float(), top_k + 1, dim=-1).values
+    return top[..., top_k - 1] - top[..., top_k]
+
+
 def _block_hidden(args: tuple, kwargs: dict) -> torch.Tensor:
     hidden = args[0] if args else kwargs.get("hidden_states")
     assert isinstance(hidden, torch.Tensor) and hidden.dim() == 3, "sparse block input must be (B, S, H)"
@@ -200,13 +216,16 @@ def _block_hidden(args: tuple, kwargs: dict) -> torch.Tensor:
 class RoutingRecorder:
     """Context manager recording each forward's top-k expert ids per MoE layer; `pop()` gives (B, S, L, K)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, margins: bool = False) -> None:
         self._layers = _require_moe_layers(model)
         self._handles: list[RemovableHandle] = []
-        # The forward in progress: its (B, S) and one (B*S, K) tensor per layer.
+        # With `margins`, each layer also keeps its tokens' router margins (`router_margin`), for `pop_with_margins`.
+        self._margins = margins
+        # The forward in progress: its (B, S) and one (B*S, K) tensor per layer (and one (B*S,) margin per layer).
         self._shape: tuple[int, int] | None = None
         self._current: list[torch.Tensor] = []
-        self._done: list[tuple[tuple[int, int], list[torch.Tensor]]] = []
+        self._current_margins: list[torch.Tensor] = []
+        self._done: list[tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]] = []
 
     def __enter__(self) -> RoutingRecorder:
         if self._handles:
@@ -230,11 +249,13 @@ class RoutingRecorder:
         self._handles = []
         self._shape = None
         self._current = []
+        self._current_margins = []
 
     def _start_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = _block_hidden(args, kwargs)
         self._shape = (hidden.shape[0], hidden.shape[1])
         self._current = []
+        self._current_margins = []
 
     def _make_router_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
@@ -244,10 +265,13 @@ class RoutingRecorder:
             if self._shape is None or len(self._current) != index:
                 return
             self._current.append(output[2].detach())
+            if self._margins:
+                self._current_margins.append(router_margin(output[0], output[2].shape[-1]))
             if index == len(self._layers) - 1:
-                self._done.append((self._shape, self._current))
+                self._done.append((self._shape, self._current, self._current_margins))
                 self._shape = None
                 self._current = []
+                self._current_margins = []
 
         return hook
 
@@ -260,14 +284,95 @@ class RoutingRecorder:
         """Routing of the most recent complete forward, (B, S, L, K) int16 on the model's device; clears all."""
         if not self._done:
             raise RuntimeError("RoutingRecorder.pop: no complete forward was recorded since the last pop")
-        shape, per_layer = self._done[-1]
+        shape, per_layer, _ = self._done[-1]
         self._done = []
         return self._assemble(shape, per_layer)
+
+    def pop_with_margins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pop()` and the same forward's router margins (B, S, L) float32 (recorded with `margins=True`)."""
+        if not self._margins:
+            raise RuntimeError("RoutingRecorder.pop_with_margins: the recorder was made without margins=True")
+        if not self._done:
+            raise RuntimeError("RoutingRecorder.pop_with_margins: no complete forward was recorded since the last pop")
+        shape, per_layer, margins = self._done[-1]
+        self._done = []
+        return self._assemble(shape, per_layer), torch.stack(margins, dim=1).view(shape[0], shape[1], -1)
 
     def pop_all(self) -> list[torch.Tensor]:
         """Routing of every complete forward since the last pop, in order, each (B, S_i, L, K) int16; clears all."""
         done, self._done = self._done, []
-        return [self._assemble(shape, per_layer) for shape, per_layer in done]
+        return [self._assemble(shape, per_layer) for shape, per_layer, _ in done]
+
+
+@dataclass
+class RouterStats:
+    """What a `RouterStatsRecorder` saw of one forward's routers over N tokens (in the forward's flat order).
+
+    `ids` (N, L, K) int16 top-k ids; `margin` (N, L) float32 (`router_margin`); `entropy` (N, L) float32, nats, of
+    the router's softmax; `gate_mass` (L, E) float64, the softmax probabilities summed over the valid tokens.
+    """
+
+    ids: torch.Tensor
+    margin: torch.Tensor
+    entropy: torch.Tensor
+    gate_mass: torch.Tensor
+
+
+class RouterStatsRecorder:
+    """Context manager over one Hugging Face forward of N = B*S tokens: per MoE layer, its routing and router health.
+
+    `valid` (N,) bool marks the tokens whose softmax mass counts (pads do not). It reads the router's own logits,
+    so it costs a top-(k+1), a softmax and an (N, E) reduction per layer: meant for a metrics pass, not every
+    forward. The lean forward never calls the sparse block, so give this the Hugging Face forward.
+    """
+
+    def __init__(self, model: nn.Module, valid: torch.Tensor) -> None:
+        self._layers = _require_moe_layers(model)
+        self._valid = valid.reshape(-1)
+        self._handles: list[RemovableHandle] = []
+        self._per_layer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(
+            self._layers
+        )
+
+    def __enter__(self) -> RouterStatsRecorder:
+        for index, layer in enumerate(self._layers):
+            self._handles.append(layer.router.register_forward_hook(self._make_hook(index)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _make_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: tuple) -> None:
+            logits, _, ids = output
+            logits = logits.detach()
+            if logits.shape[0] != self._valid.shape[0]:
+                raise ValueError(
+                    f"RouterStatsRecorder: MoE layer {index} routes {logits.shape[0]} tokens but `valid` marks "
+                    f"{self._valid.shape[0]}; record an unpacked forward over the (B, S) it was given"
+                )
+            log_p = torch.log_softmax(logits.float(), dim=-1)
+            entropy = -(log_p.exp() * log_p).sum(dim=-1)
+            valid = self._valid.to(device=logits.device, dtype=torch.float32)
+            # (N,) @ (N, E): the mass summed over valid tokens without an (N, E) masked copy.
+            mass = (valid @ log_p.exp()).double()
+            self._per_layer[index] = (ids.detach(), router_margin(logits, ids.shape[-1]), entropy, mass)
+
+        return hook
+
+    def result(self) -> RouterStats:
+        """The recorded forward's `RouterStats` (on the device the routers computed on)."""
+        if any(entry is None for entry in self._per_layer):
+            raise RuntimeError("RouterStatsRecorder.result: not every MoE layer ran since the recorder was entered")
+        entries = [e for e in self._per_layer if e is not None]
+        return RouterStats(
+            ids=stack_routing([e[0] for e in entries]),
+            margin=torch.stack([e[1] for e in entries], dim=1),
+            entropy=torch.stack([e[2] for e in entries], dim=1),
+            gate_mass=torch.stack([e[3] for e in entries]),
+        )
 
 
 def check_routed_experts(

@@ -75,6 +75,7 @@ class SamplingParams:
     do_sample: bool = True
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     capture_routing: bool = False  # return routed_experts where the model is MoE and the engine can
+    capture_router_margins: bool = False  # with capture_routing: also router_margins, where the engine can
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples: the params are hashable and cannot change under an engine.
@@ -106,7 +107,9 @@ class GenerationOutput(Mapping):
 
     `responses` (B, R) long, right-padded with the pad token; `response_mask` (B, R) bool, through EOS (for
     multi-turn, the model's tokens); `rollout_log_probs` (B, R) float32, the sampled tokens' log-probs, 0 off
-    the mask; `routed_experts` (B, P+R, L, K) integer, -1 where unknown (see `mask_unfed_routing`), or None.
+    the mask; `routed_experts` (B, P+R, L, K) integer, -1 where unknown (see `mask_unfed_routing`), or None;
+    `router_margins` (B, P+R, L) float, each fed token's gap between its k-th and (k+1)-th router logit, NaN
+    where the routing is unknown, or None.
     The agent loop adds `tool_rewards` (B,) and `metrics`. R is the number of steps taken (<= max_new_tokens).
     """
 
@@ -114,6 +117,7 @@ class GenerationOutput(Mapping):
     response_mask: Tensor
     rollout_log_probs: Tensor
     routed_experts: Tensor | None = None
+    router_margins: Tensor | None = None
     tool_rewards: Tensor | None = None
     metrics: dict[str, float] | None = None
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -199,7 +200,8 @@ class HFEngine(GenerationEngine):
         model.eval()
         try:
             hooks = info is not None and lean is None
-            with RoutingRecorder(model) if hooks else contextlib.nullcontext() as recorder:
+            margins = info is not None and bool(params.capture_router_margins)
+            with RoutingRecorder(model, margins=margins) if hooks else contextlib.nullcontext() as recorder:
                 return self._decode(
                     input_ids,
                     prompt_mask,
@@ -211,6 +213,7 @@ class HFEngine(GenerationEngine):
                     interrupt,
                     synced,
                     lean,
+                    margins,
                 )
         finally:
             model.train(was_training)
@@ -249,6 +252,7 @@ class HFEngine(GenerationEngine):
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
         lean: LeanForward | None = None,
+        record_margins: bool = False,
     ) -> GenerationOutput:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
@@ -263,14 +267,17 @@ class HFEngine(GenerationEngine):
             routed = torch.full(
                 (batch, prompt_len + steps_max, info.num_layers, info.top_k), -1, dtype=torch.int16, device=device
             )
+        margins = None
+        if routed is not None and record_margins:
+            margins = torch.full((batch, prompt_len + steps_max, info.num_layers), math.nan, device=device)
         steps = 0
         # Not inference mode over FSDP2 shards: the all-gather buffers it would allocate there become inference
         # tensors, which the next forward outside inference mode (an old-log-prob pass) may not write into.
         with torch.no_grad() if synced is not None else torch.inference_mode():
-            engine = self._engine(input_ids, prompt_mask, steps_max, recorder, routed is not None, lean)
+            engine = self._engine(input_ids, prompt_mask, steps_max, recorder, routed is not None, lean, margins)
             logits = engine.prefill()
             if routed is not None:
-                routed[:, :prompt_len] = engine.pop_routing()
+                routed[:, :prompt_len] = engine.pop_routing(margins, slice(0, prompt_len))
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             pad = torch.full((batch,), self.pad_token_id, dtype=torch.long, device=device)
             for t in range(steps_max):
@@ -302,27 +309,36 @@ class HFEngine(GenerationEngine):
                     # tokens after EOS count as real here, which changes no unfinished row.
                     prefix = torch.cat([input_ids, responses[:, :steps]], dim=1)
                     prefix_mask = torch.cat([prompt_mask, prompt_mask.new_ones((batch, steps))], dim=1)
-                    engine = self._engine(prefix, prefix_mask, steps_max - steps, recorder, routed is not None, lean)
+                    engine = self._engine(
+                        prefix, prefix_mask, steps_max - steps, recorder, routed is not None, lean, margins
+                    )
                     logits = engine.prefill()
                     if routed is not None:
                         # Every position fed so far is routed again by the current weights: the routing of
                         # a position is always that of the cache the later tokens were sampled from.
-                        routed[:, : prompt_len + steps] = engine.pop_routing()
+                        routed[:, : prompt_len + steps] = engine.pop_routing(margins, slice(0, prompt_len + steps))
                     continue
                 logits = engine.step(token, finished)
                 if routed is not None:
-                    routed[:, prompt_len + t] = engine.pop_routing()[:, 0]
+                    at = prompt_len + t
+                    routed[:, at] = engine.pop_routing(margins, slice(at, at + 1))[:, 0]
 
         mask = response_mask[:, :steps].contiguous()
+        routed_out = (
+            mask_unfed_routing(routed[:, : prompt_len + steps], prompt_mask, mask.sum(dim=-1))
+            if routed is not None
+            else None
+        )
+        margins_out = None
+        if margins is not None and routed_out is not None:
+            # The routing rule decides what is known: a margin counts exactly where its token's routing does.
+            margins_out = margins[:, : prompt_len + steps].masked_fill((routed_out < 0).any(dim=-1), math.nan)
         return GenerationOutput(
             responses=responses[:, :steps].contiguous(),
             response_mask=mask,
             rollout_log_probs=log_probs[:, :steps].contiguous(),
-            routed_experts=(
-                mask_unfed_routing(routed[:, : prompt_len + steps], prompt_mask, mask.sum(dim=-1))
-                if routed is not None
-                else None
-            ),
+            routed_experts=routed_out,
+            router_margins=margins_out,
         )
 
     def _engine(
@@ -333,9 +349,10 @@ class HFEngine(GenerationEngine):
         recorder: RoutingRecorder | None,
         record: bool,
         lean: LeanForward | None,
+        margins: Tensor | None = None,
     ) -> _LeanSteps | _HFSteps:
         if lean is not None:
-            return _LeanSteps(lean, input_ids, prompt_mask, steps_max, record)
+            return _LeanSteps(lean, input_ids, prompt_mask, steps_max, record, margins is not None)
         return _HFSteps(self.model, self._cache_kw, input_ids, prompt_mask, steps_max, recorder)
 
 
@@ -381,10 +398,14 @@ class _HFSteps:
         self.next_pos = self.next_pos + 1
         return logits
 
-    def pop_routing(self) -> Tensor:
-        """Routing (B, S, L, K) of the latest forward."""
+    def pop_routing(self, margins: Tensor | None = None, columns: slice | None = None) -> Tensor:
+        """Routing (B, S, L, K) of the latest forward; its router margins go to `margins[:, columns]` when given."""
         assert self.recorder is not None
-        return self.recorder.pop()
+        if margins is None:
+            return self.recorder.pop()
+        routing, gaps = self.recorder.pop_with_margins()
+        margins[:, columns] = gaps
+        return routing
 
     def _can_pass_4d_mask(self) -> bool:
         """Whether decode steps may take a boolean (B, 1, 1, K) padding mask instead of the 2-D one."""
@@ -413,15 +434,27 @@ class _HFSteps:
 class _LeanSteps:
     """The prefill and decode forwards through `LeanForward`: each distinct prompt is prefilled once."""
 
-    def __init__(self, lean: LeanForward, input_ids: Tensor, prompt_mask: Tensor, steps_max: int, record: bool) -> None:
+    def __init__(
+        self,
+        lean: LeanForward,
+        input_ids: Tensor,
+        prompt_mask: Tensor,
+        steps_max: int,
+        record: bool,
+        record_margins: bool = False,
+    ) -> None:
         self.lean, self.input_ids, self.prompt_mask = lean, input_ids, prompt_mask
-        self.steps_max, self.record = steps_max, record
+        self.steps_max, self.record, self.record_margins = steps_max, record, record_margins
         self.state: LeanDecodeState | None = None
 
     def prefill(self) -> Tensor:
         """Last-position logits (B, V) of the prompts."""
         logits, self.state = self.lean.prefill(
-            self.input_ids, self.prompt_mask, self.steps_max, record_routing=self.record
+            self.input_ids,
+            self.prompt_mask,
+            self.steps_max,
+            record_routing=self.record,
+            record_margins=self.record_margins,
         )
         return logits
 
@@ -430,9 +463,11 @@ class _LeanSteps:
         assert self.state is not None, "prefill first"
         return self.lean.decode(self.state, token, finished)
 
-    def pop_routing(self) -> Tensor:
-        """Routing (B, S, L, K) of the latest forward."""
+    def pop_routing(self, margins: Tensor | None = None, columns: slice | None = None) -> Tensor:
+        """Routing (B, S, L, K) of the latest forward; its router margins go to `margins[:, columns]` when given."""
         assert self.state is not None and self.state.routing, "no routing was recorded"
+        if margins is not None:
+            margins[:, columns] = self.state.margins.pop()
         return self.state.routing.pop()
 
 

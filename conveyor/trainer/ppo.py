@@ -45,6 +45,12 @@ from conveyor.metrics.moe_load_balance import (
     compute_moe_lb_metrics,
     get_metric_data_with_optional_routed_experts,
 )
+from conveyor.metrics.moe_router import (
+    ACTOR_LAYER_FAMILIES,
+    RouterMarginAccumulator,
+    rollout_router_metrics,
+    summarise_layers,
+)
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PromptEncoder
@@ -123,6 +129,7 @@ class PPOTrainer:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
         self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
+        self.margin_acc = RouterMarginAccumulator(cfg.actor_rollout_ref.rollout.moe_near_tie_eps)
         # What the estimator needs beyond rewards: a greedy baseline rollout (ReMax), values.
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
         # Stages 1-3 and what they need: the one object the sources and validation are handed.
@@ -376,6 +383,7 @@ class PPOTrainer:
                 # Without an old-log-prob forward, the update's forward reports the entropy.
                 calculate_entropy=self.plan.old_log_probs in ("rollout", "update"),
                 compute_loss=True,
+                moe_metrics=self._moe_metrics_due(),
             )
             out = self.workers.actor.update_actor(mb.with_extra_info(**call.to_extra_info()))
             results.append(reduce_rank_metrics(out.extra_info))
@@ -422,6 +430,14 @@ class PPOTrainer:
             metrics.update({f"rollout_corr/{k}": v for k, v in rs.items()})
         with timer("moe_metrics", timings):
             moe = compute_moe_lb_metrics(td, interval, self.global_step, self.moe_acc)
+            if interval > 0 and "routed_experts" in td.keys():
+                due, counts = self._moe_metrics_due(), self.moe_acc.last_counts
+                get = self.data_plane.kv_batch_get
+                moe.update(
+                    rollout_router_metrics(
+                        self.margin_acc, get, meta.keys, meta.partition_id, td["response_mask"], due, counts
+                    )
+                )
         if moe:
             metrics.update(moe)
             if moe.get("rollout/moe/routed_experts_found"):
@@ -433,9 +449,15 @@ class PPOTrainer:
                     out = self.workers.actor.compute_routing_agreement(meta)
                 reduced = reduce_rank_metrics(out.extra_info)
                 metrics.update({k: v for k, v in reduced.items() if k.startswith("actor/moe/")})
+                metrics.update(summarise_layers(metrics, "actor/moe", ACTOR_LAYER_FAMILIES))
                 metrics.update(_phase_memory(out.extra_info, "actor"))
         metrics.update(timing_metrics(timings))
         return meta, metrics
+
+    def _moe_metrics_due(self) -> bool:
+        """Whether this step logs the MoE metrics (every `moe_load_balance_metrics_interval` steps)."""
+        interval = self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval
+        return interval > 0 and self.global_step % interval == 0
 
     # ================================================================ outputs
     def _log(self, metrics: dict[str, float], step: int) -> None:

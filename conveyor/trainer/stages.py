@@ -148,6 +148,8 @@ class Stages:
             seed=seed,
             capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,
             pad_to_max_new_tokens=pad,
+            # The margins feed rollout/moe/near_tie/*, which the load-balance metrics' interval turns on.
+            capture_router_margins=r.moe_load_balance_metrics_interval > 0,
         )
         out = generate(meta.with_extra_info(**call.to_extra_info()))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")

@@ -20,7 +20,7 @@ from conveyor.metrics.plots import (  # noqa: E402
     read_moe_expert_load,
     relative_expert_load,
 )
-from conveyor.metrics.trackers import JsonlTracker  # noqa: E402
+from conveyor.metrics.trackers import JsonlTracker, read_metrics_jsonl  # noqa: E402
 
 NUM_LAYERS, NUM_EXPERTS = 3, 4
 
@@ -120,6 +120,28 @@ def test_ep_straggler_figure_draws_each_layer_when_logged(tmp_path):
     paths = plot_run(tmp_path)
     assert [p.name for p in paths] == ["losses.png", "moe_ep_tokens.png"]
     _check_png(tmp_path / "plots" / "moe_ep_tokens.png", panels=1)  # the actor's; no critic panel
+
+
+def test_router_health_figure_draws_near_ties_and_flips_per_layer(tmp_path):
+    tracker = JsonlTracker(tmp_path / "metrics.jsonl")
+    for s in range(1, 31):
+        m = {"actor/pg_loss": -0.1 * s}
+        if s % 10 == 0:  # logged at the load-balance interval only
+            m.update({f"rollout/moe/near_tie/layer_{i}": 0.1 * (i + 1) + 0.001 * s for i in range(12)})
+            m.update({f"actor/moe/flip_rate/layer_{i}": 0.01 * (i + 1) for i in range(12)})
+            m["rollout/moe/near_tie/max"] = 9.0  # a summary, not a layer: not drawn
+        tracker.log(m, s)
+    tracker.close()
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["losses.png", "moe_router.png"]
+    _check_png(tmp_path / "plots" / "moe_router.png", panels=2)
+    # One line per layer, in layer order (layer_10 after layer_9), the summary keys left out.
+    from conveyor.metrics import plots
+
+    panel = plots._per_layer_panel(read_metrics_jsonl(tmp_path / "metrics.jsonl"), "rollout/moe/near_tie", "t", "y")
+    _, axes = plots._figure(1)
+    panel(axes[0])
+    assert axes[0].get_legend_handles_labels()[1] == [f"rollout/moe/near_tie/layer_{i}" for i in range(12)]
 
 
 def test_relative_load_and_most_imbalanced_layer_by_hand():

@@ -504,3 +504,31 @@ def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follo
         old(input_ids=seq, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0))
         stale = rec.pop()
     assert not torch.equal(stale[known], expected[known])  # the old weights route differently
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean"])
+def test_router_margins_match_a_teacher_forced_forward_where_the_routing_is_known(impl, models, tok) -> None:
+    from conveyor.models.lean import LeanForward
+    from conveyor.models.moe_routing import RouterStatsRecorder
+
+    model = models["qwen3_moe"]
+    ids, mask = _prompts(tok)
+    free = _engine(model, tok, eos=NEVER_EOS).generate(ids, mask, SamplingParams(max_new_tokens=6, do_sample=False))
+    lean = LeanForward(model) if impl == "lean" else None
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=int(free["responses"][0, 1]), lean=lean)
+    params = SamplingParams(max_new_tokens=6, do_sample=False, capture_routing=True)
+    assert "router_margins" not in engine.generate(ids, mask, params)  # asked for routing only
+    out = engine.generate(ids, mask, params.replace(capture_router_margins=True))
+    margins, routed = out["router_margins"], out["routed_experts"]
+    assert margins.shape == routed.shape[:3] and margins.dtype == torch.float32
+    known = (routed >= 0).all(-1)
+    assert torch.equal(~torch.isnan(margins), known)  # NaN exactly where the routing is unknown
+
+    seq = torch.cat([ids, out["responses"]], dim=1)
+    att = torch.cat([mask, out["response_mask"].long()], dim=1)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), RouterStatsRecorder(model, att.bool().flatten()) as rec:
+        model(input_ids=seq, attention_mask=att, position_ids=pos)
+    expected = rec.result().margin.view(*seq.shape, -1)
+    assert bool((margins[known] >= 0).all())
+    torch.testing.assert_close(margins[known], expected[known], atol=1e-5, rtol=1e-4)

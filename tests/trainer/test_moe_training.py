@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -24,12 +25,20 @@ LAYER_KEYS = ("max_vio", "min_vio", "avg_vio")
 def test_interval_two_logs_every_moe_key_on_even_steps(tiny_run, tmp_path):
     cfg = load_config(
         None,
-        tiny_run + ["trainer.total_training_steps=4", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2"],
+        tiny_run
+        + [
+            "trainer.total_training_steps=4",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2",
+            # A loss with a gradient whatever the rewards, so that every expert's gradient norm is measured,
+            # and steps too small to move the router (the agreement is measured after the update).
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+            "actor_rollout_ref.actor.optim.lr=1e-7",
+        ],
     )
     run_training(cfg)
     rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")}
     for step in (1, 3):
-        assert not [k for k in rows[step] if k.startswith("rollout/moe/")]
+        assert not [k for k in rows[step] if k.startswith(("rollout/moe/", "actor/moe/"))]
     for step in (2, 4):
         row = rows[step]
         assert row["rollout/moe/routed_experts_found"] == 1.0
@@ -40,11 +49,33 @@ def test_interval_two_logs_every_moe_key_on_even_steps(tiny_run, tmp_path):
             assert f"rollout/moe/{name}/max" in row and f"rollout/moe/{name}/avg" in row
         # The training forward agrees with the rollout's routing on (nearly) every token.
         assert row["actor/moe/routing_agreement"] > 0.9
+        _check_router_health(row)
     loads = [json.loads(line) for line in (tmp_path / "moe_expert_load.jsonl").read_text().splitlines()]
     assert [r["step"] for r in loads] == [2, 4]
     assert len(loads[0]["counts"]) == 2 and len(loads[0]["counts"][0]) == loads[0]["num_experts"] == 8
     # Two steps of counts: every response token, each layer, top-2 slots.
     assert sum(loads[0]["counts"][0]) == rows[2]["rollout/moe/routed_expert_assignments"] / 2
+
+
+def _check_router_health(row: dict) -> None:
+    """The router-health keys of a logging step of the tiny 2-layer, 8-expert, top-2 run, and their ranges."""
+    for layer in (0, 1):
+        for side in ("rollout", "actor"):
+            assert 0.0 <= row[f"{side}/moe/near_tie/layer_{layer}"] <= 1.0
+        assert 0.0 <= row[f"rollout/moe/dead_experts/layer_{layer}"] <= 8
+        assert 0.0 <= row[f"actor/moe/flip_rate/layer_{layer}"] <= 1.0
+        assert 0.0 < row[f"actor/moe/router_entropy/layer_{layer}"] <= math.log(8) + 1e-9
+        assert 0.0 <= row[f"actor/moe/gate_load_tv/layer_{layer}"] <= 1.0
+        assert 0.0 <= row[f"actor/moe/expert_grad_norm_min/layer_{layer}"]
+        assert (
+            row[f"actor/moe/expert_grad_norm_min/layer_{layer}"] <= row[f"actor/moe/expert_grad_norm_max/layer_{layer}"]
+        )
+    assert row["actor/moe/expert_grad_norm_max/max"] > 0.0
+    hist = [v for k, v in row.items() if k.startswith("rollout/moe/margin_hist/")]
+    assert len(hist) == 6 and sum(hist) == pytest.approx(1.0)
+    # Every layer is known at the same tokens, so the mean flip rate over layers is 1 - agreement.
+    assert row["actor/moe/flip_rate/avg"] == pytest.approx(1.0 - row["actor/moe/routing_agreement"])
+    assert row["rollout/moe/dead_experts/sum"] <= 2 * row["rollout/moe/dead_experts/max"]
 
 
 def test_dense_model_with_interval_warns_once_and_logs_no_layer_keys(tiny_run, tmp_path, caplog):

@@ -38,6 +38,13 @@ from tensordict import TensorDict
 from conveyor.algos.correction import compute_rejection_mask
 from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
 from conveyor.data_plane.base import DataPlane
+from conveyor.metrics.moe_router import (
+    expert_grad_norm_metrics,
+    expert_grad_norms,
+    expert_load,
+    flip_counts,
+    gate_load_tv,
+)
 from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.loading import load_tokenizer
@@ -419,13 +426,18 @@ class PolicyWorker(CheckpointEndpoints):
 
     @torch.no_grad()
     def compute_routing_agreement(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """How often this rank's own routing (no replay) picks the rollout's top-k set; writes nothing."""
+        """This rank's own routing (no replay) against the rollout's, and its router health; writes nothing.
+
+        Reports `actor/moe/routing_agreement` and, per MoE layer, the flip rate, the near-tie share (router margin
+        below `rollout.moe_near_tie_eps`), the router entropy and the gate mass's distance from the assigned load
+        (`conveyor.metrics.moe_router`), token-weighted over the ranks.
+        """
         assert self.moe is not None, "routing agreement needs an MoE model"
         begin_phase(self.device)
         td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
         self.model.eval()
-        total, count = 0.0, 0
         st = self.settings
+        eps = float(st.rollout.moe_near_tie_eps)
         batches = plan_micro_batches(
             td["prompt_mask"],
             td["response_mask"],
@@ -435,21 +447,46 @@ class PolicyWorker(CheckpointEndpoints):
             packed=self.forward.packed,
         )
         with self.trained.strategy.sharded_no_grad():
-            routings = []
+            passes = []
             for sl, real in self.trained.passes(batches):
                 mb, _ = take(td, sl)
-                own = self.forward.routing(mb)
+                stats = self.forward.router_stats(mb)
                 if real:
-                    routings.append((mb, own))
-        for mb, own in routings:
-            attention_mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1)
-            valid = attention_mask.bool()
-            frac = compute_routing_agreement(own.long(), mb["routed_experts"].long(), valid)
+                    passes.append((mb, stats))
+        layers, experts = self.moe.num_layers, self.moe.num_experts
+        total, count = 0.0, 0
+        sums = torch.zeros(4, layers, dtype=torch.float64)  # flips, flip pairs, near ties, entropy
+        known = torch.zeros(layers, dtype=torch.float64)  # pairs with a margin (and an entropy)
+        mass_load = torch.zeros(2, layers, experts, dtype=torch.float64, device=self.device)
+        for mb, stats in passes:
+            valid = torch.cat([mb["prompt_mask"], mb["response_mask"]], dim=1).bool()
+            frac = compute_routing_agreement(stats.ids.long(), mb["routed_experts"].long(), valid)
             if not math.isnan(frac):
                 n = int(valid.sum())
                 total += frac * n
                 count += n
+            flipped, pairs = flip_counts(stats.ids, mb["routed_experts"], valid)
+            has = ~torch.isnan(stats.margin) & valid[..., None]
+            sums[0] += flipped.double()
+            sums[1] += pairs.double()
+            sums[2] += (has & (stats.margin < eps)).sum(dim=(0, 1)).double().cpu()
+            sums[3] += stats.entropy.masked_fill(~has, 0.0).sum(dim=(0, 1)).double().cpu()
+            known += has.sum(dim=(0, 1)).double().cpu()
+            mass_load[0] += stats.gate_mass.to(mass_load.device)
+            mass_load[1] += expert_load(stats.ids.flatten(0, 1), valid.flatten(), experts).to(mass_load.device)
+        # The distance of two distributions is not a mean of per-rank distances: sum the mass and load first.
+        self.trained.strategy.all_reduce_sum(mass_load)
         metrics = weighted("actor/moe/routing_agreement", total, count) if count else {}
+        for i in range(layers):
+            if sums[1, i] > 0:
+                metrics.update(weighted(f"actor/moe/flip_rate/layer_{i}", float(sums[0, i]), float(sums[1, i])))
+            if known[i] > 0:
+                metrics.update(weighted(f"actor/moe/near_tie/layer_{i}", float(sums[2, i]), float(known[i])))
+                metrics.update(weighted(f"actor/moe/router_entropy/layer_{i}", float(sums[3, i]), float(known[i])))
+        tv = gate_load_tv(mass_load[0].cpu(), mass_load[1].cpu())
+        for i, value in enumerate(tv.tolist()):
+            if not math.isnan(value):
+                metrics[f"actor/moe/gate_load_tv/layer_{i}"] = value
         return self._result(meta, [], metrics, "routing_agreement")
 
     def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -554,6 +591,9 @@ class PolicyWorker(CheckpointEndpoints):
         metrics = {f"actor/{k}": v for k, v in sums.items()}
         if proximal:  # for the metrics stage, which compares them with the rollout's
             self._put(meta, {"old_log_probs": proximal_lps})
+        if call.moe_metrics and self.moe is not None:
+            # Before the step, which clips and then drops the gradients.
+            metrics.update(expert_grad_norm_metrics(expert_grad_norms(self.model), "actor/moe"))
         grad_norm, stepped, lr, memory = self.trained.step(acfg.grad_clip)
         if not stepped:
             logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)

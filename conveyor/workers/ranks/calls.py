@@ -72,6 +72,7 @@ class GenerateCall(_Call):
     seed: int | None  # None: the engine's own randomness
     capture_routing: bool  # ask the engine for routed_experts (training batches under the plan's routing)
     pad_to_max_new_tokens: bool  # pad the responses to max_new_tokens columns (batches sharing a partition)
+    capture_router_margins: bool = False  # with capture_routing: router_margins too, for the router-health metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +91,4 @@ class UpdateCall(_Call):
     temperature: float
     calculate_entropy: bool  # report the entropy of the update's forward (no old-log-prob forward ran)
     compute_loss: bool = True
+    moe_metrics: bool = False  # a step with MoE metrics: report each expert's gradient norm

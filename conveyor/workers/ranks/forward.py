@@ -26,6 +26,7 @@ whether routing is recorded or replayed (the caller's settings say).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -33,7 +34,13 @@ from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.algos.trajectory import response_span
-from conveyor.models.moe_routing import RoutingRecorder, replay_routing, routed_experts_dtype
+from conveyor.models.moe_routing import (
+    RouterStats,
+    RouterStatsRecorder,
+    RoutingRecorder,
+    replay_routing,
+    routed_experts_dtype,
+)
 from conveyor.models.packing import PackedRows
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.training.trained_model import TrainedModel
@@ -150,6 +157,35 @@ class PolicyForward:
         if self.uses_lean():
             return self.response_logits(td, None, record_routing=True)[1]
         return self._hf_forward(td, None, True, False)[1]
+
+    def router_stats(self, td: TensorDict) -> RouterStats:
+        """This forward's own routing and router health over `td` (no replay): `RouterStats` laid out (B, P+R, ...).
+
+        The Hugging Face forward with the LM head on one position: the routers' logits are read by hooks, which
+        the lean forward does not call. Pads carry -1 ids and NaN margins and entropies, and no gate mass.
+        """
+        input_ids, attention_mask, position_ids = sequence_inputs(td)
+        batch, seq = input_ids.shape
+        if self.packed:
+            packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
+            kwargs = packed.model_kwargs(input_ids, position_ids)
+            valid = torch.ones(kwargs["input_ids"].shape[1], dtype=torch.bool, device=input_ids.device)
+        else:
+            packed = None
+            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            valid = attention_mask.bool().reshape(-1)
+        with RouterStatsRecorder(self.model, valid) as recorder:
+            self.model(**kwargs, use_cache=False, logits_to_keep=1)
+        stats = recorder.result()
+        if packed is not None:
+            ids, margin = packed.unpack(stats.ids[None], -1), packed.unpack(stats.margin[None], math.nan)
+            entropy = packed.unpack(stats.entropy[None], math.nan)
+        else:
+            fed = valid.view(batch, seq, 1)
+            ids = stats.ids.view(batch, seq, *stats.ids.shape[1:]).masked_fill(fed[..., None].logical_not(), -1)
+            margin = stats.margin.view(batch, seq, -1).masked_fill(fed.logical_not(), math.nan)
+            entropy = stats.entropy.view(batch, seq, -1).masked_fill(fed.logical_not(), math.nan)
+        return RouterStats(ids=ids, margin=margin, entropy=entropy, gate_mass=stats.gate_mass)
 
     def log_probs(
         self,

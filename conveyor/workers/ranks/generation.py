@@ -22,6 +22,7 @@ does, before calling it) or decide what to capture (the run plan does).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,8 @@ def pad_responses(fields: dict[str, torch.Tensor], width: int, pad_token_id: int
     out["rollout_log_probs"] = pad(fields["rollout_log_probs"], (0, extra), value=0.0)
     if fields.get("routed_experts") is not None:  # (B, P+R, L, K): the new positions were never routed
         out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
+    if fields.get("router_margins") is not None:  # (B, P+R, L): nor have they margins
+        out["router_margins"] = pad(fields["router_margins"], (0, 0, 0, extra), value=math.nan)
     return out
 
 
@@ -159,6 +162,9 @@ class Generation:
             from conveyor.models.moe_routing import routed_experts_dtype
 
             fields["routed_experts"] = out["routed_experts"].to(routed_experts_dtype(self.moe.num_experts))
+        if "router_margins" in out and "routed_experts" in fields:
+            # float16 keeps small gaps (the ones that matter) to their full precision in half the bytes.
+            fields["router_margins"] = out["router_margins"].to(torch.float16)
         pad_id = int(self.tokenizer.pad_token_id)
         if call.pad_to_max_new_tokens or (self.world_size > 1 and not strategy.distributed):
             # Dynamic sampling's generation batches write into one partition, whose columns keep one width, at
@@ -221,9 +227,12 @@ class Generation:
         start = sum(len(p) for p, _ in shares[:index])
         rows = slice(start, start + len(mine[0]))
         cut = width - mine[0].shape[1]  # the routing's extra left-pad columns of this rank's rows
-        fields = {k: v[rows] for k, v in out.items() if isinstance(v, torch.Tensor) and k != "routed_experts"}
+        sequence = ("routed_experts", "router_margins")
+        fields = {k: v[rows] for k, v in out.items() if isinstance(v, torch.Tensor) and k not in sequence}
         if out.routed_experts is not None:
             fields["routed_experts"] = out.routed_experts[rows, cut:]
+        if out.router_margins is not None:
+            fields["router_margins"] = out.router_margins[rows, cut:]
         # The agent loop's metrics describe the whole replica's batch on each of its ranks: a mean over ranks
         # is the replica's (sums and counts grow alike).
         return GenerationOutput(**fields, metrics=out.metrics)
@@ -273,6 +282,7 @@ class Generation:
             top_k=int(call.top_k),
             do_sample=bool(call.do_sample),
             capture_routing=bool(call.capture_routing),
+            capture_router_margins=bool(call.capture_router_margins),
         )
         if self.agent_loop is not None:
             return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator)
