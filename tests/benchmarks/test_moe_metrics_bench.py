@@ -83,3 +83,12 @@ def test_inputs_mark_the_last_valid_slot_unknown() -> None:
 def test_bad_flags_are_rejected() -> None:
     with pytest.raises(SystemExit):
         load_benchmark().main(["--seq-len", "8", "--response-len", "16"])
+
+
+def test_overhead_mode_times_every_piece_against_a_short_default_run() -> None:
+    result = load_benchmark().main(["--overhead", "--steps", "2", "--reps", "1"])
+    for key in ("step_ms", "rollout_plain_ms", "rollout_margins_ms", "stats_pass_ms", "routing_pass_ms"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    assert result["grad_norms_ms"] > 0 and result["count_ms"] > 0
+    assert result["overhead_share"] == pytest.approx(result["overhead_ms"] / result["step_ms"])
+    assert result["overhead_ms"] == pytest.approx(result["per_step_ms"] + result["per_interval_ms"] / 10)
