@@ -21,6 +21,8 @@ groups' own `split_for_ranks`, and runs the jobs:
   (`full_params`); each rank writes both to `out/both_<rank>.pt`.
 - `generate`: greedy generate_sequences (6 tokens, routing captured) on the rank's share of the prompts;
   each rank writes the rollout's fields to `out/gen_<rank>.pt`.
+- `router`: compute_routing_agreement (router health included), then one update with `moe_metrics` on; each
+  rank writes the two calls' extra_info to `out/router_<rank>.json` and `out/router_update_<rank>.json`.
 - `grads`: one update whose gradients (gathered, before the step) rank 0 writes to `out/grads.pt`.
 
 - `logits`: the training model's logits (no grad, over the shards) on the rank's rows of `batch`'s prompts;
@@ -198,6 +200,12 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             worker.compute_log_prob(
                 lp_share.with_extra_info(**LogProbCall(temperature=1.0, calculate_entropy=False).to_extra_info())
             )
+        elif job == "router":
+            result = worker.compute_routing_agreement(share)
+            (out / f"router_{rank}.json").write_text(json.dumps(result.extra_info))
+            update = UpdateCall(temperature=1.0, calculate_entropy=False, moe_metrics=True).to_extra_info()
+            result = worker.update_actor(share.with_extra_info(**update))
+            (out / f"router_update_{rank}.json").write_text(json.dumps(result.extra_info))
         elif job == "no_grad_both":
             torch.save(_both_no_grad(worker, run["role"], plane, lp_share), out / f"both_{rank}.pt")
         elif job == "grads":

@@ -164,6 +164,7 @@ def ranks(
     )
     runs["fsdp2-dynbsz"] = ("actor", FSDP2 + DYN, False, ["log_prob", "grads"])
     runs["fsdp2-critic-dynbsz"] = ("critic", ["critic.strategy=fsdp2"] + CRITIC_DYN, False, ["update"])
+    runs["router"] = ("actor", FSDP2, True, ["router"])
     runs["grads-R3"] = ("actor", FSDP2 + [R3], True, ["grads"])
     runs["grads-R3-ckpt"] = ("actor", FSDP2 + [R3, CKPT], True, ["grads"])
     for name, (role, overrides, dense, with_routing) in NO_GRAD_CASES.items():
@@ -550,6 +551,32 @@ def test_token_budget_under_two_fsdp2_ranks_takes_the_one_rank_step(model_path: 
     _assert_same_params(torch.load(ranks["fsdp2-critic-dynbsz"] / "params.pt", weights_only=True), want)
 
 
+def test_router_health_over_two_fsdp2_ranks_is_the_one_rank_figures(model_path: str, batches, ranks) -> None:
+    """Two fsdp2 ranks: the router-health sums add up to one rank's, the gate-load distance (summed over ranks
+    before it is taken) and the per-expert gradient norms (reduced over the shards) are one rank's."""
+    out = ranks["router"]
+    two = [json.loads((out / f"router_{r}.json").read_text()) for r in range(2)]
+    two_update = [json.loads((out / f"router_update_{r}.json").read_text()) for r in range(2)]
+    plane, meta = _plane_meta(batches[True], {})
+    worker = _actor(load_config(None, BASE), model_path=model_path, data_plane=plane)
+    one = worker.compute_routing_agreement(meta).extra_info
+    one_update = worker.update_actor(
+        meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False, moe_metrics=True).to_extra_info())
+    ).extra_info
+    keys = [k for k in one if k.startswith("actor/moe/")]
+    assert any("flip_rate" in k for k in keys) and any("gate_load_tv" in k for k in keys)
+    for key in keys:
+        if key.endswith(("@sum", "@count")):
+            assert sum(rank[key] for rank in two) == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+        else:
+            assert two[0][key] == pytest.approx(one[key], rel=1e-5) and two[1][key] == two[0][key], key
+    norms = [k for k in one_update if "expert_grad_norm" in k]
+    assert len(norms) == 2 * 2 + 2 and one_update["actor/moe/expert_grad_norm_max/max"] > 0
+    for key in norms:
+        for rank in two_update:
+            assert rank[key] == pytest.approx(one_update[key], rel=1e-4, abs=1e-8), key
+
+
 def test_token_budget_routing_agreement_is_the_fixed_one(model_path: str, batches) -> None:
     """The routing-agreement forward over token-budget micro-batches (columns trimmed) agrees as the fixed one does."""
     got = {}
@@ -569,6 +596,10 @@ def test_token_budget_routing_agreement_is_the_fixed_one(model_path: str, batche
             .compute_routing_agreement(meta)
             .extra_info
         )
-        got[name] = (info["actor/moe/routing_agreement@sum"], info["actor/moe/routing_agreement@count"])
-    assert got["budget"][1] == got["fixed"][1] > 0
-    assert got["budget"][0] == pytest.approx(got["fixed"][0], rel=1e-6)
+        got[name] = {k: v for k, v in info.items() if k.startswith("actor/moe/")}
+    fixed, budget = got["fixed"], got["budget"]
+    assert budget["actor/moe/routing_agreement@count"] == fixed["actor/moe/routing_agreement@count"] > 0
+    # So do the router-health sums (flips, near ties, entropy per layer) and the gate mass against the load.
+    assert budget.keys() == fixed.keys() and "actor/moe/gate_load_tv/layer_1" in fixed
+    for key, value in fixed.items():
+        assert budget[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
