@@ -176,3 +176,19 @@ def test_rollout_router_metrics_read_margins_from_the_data_plane_and_tolerate_th
     out = rollout_router_metrics(acc, plane.kv_batch_get, keys, "q", mask, True, counts)
     assert out["rollout/moe/near_tie/layer_0"] == pytest.approx(2 / 3)
     assert out["rollout/moe/dead_experts/layer_0"] == 1.0
+
+
+def test_a_router_of_zeros_is_uniform_by_hand() -> None:
+    # Zero router weights: every logit 0, so each token's entropy is ln E, every margin a tie (0), and each
+    # expert's gate mass is (valid tokens) / E.
+    model = _tiny_moe(num_experts=4)
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            layer.router.weight.zero_()
+    valid = torch.tensor([True, True, False, True, True, True])
+    with torch.no_grad(), RouterStatsRecorder(model, valid) as rec:
+        model(input_ids=torch.arange(6).view(2, 3))
+    stats = rec.result()
+    torch.testing.assert_close(stats.entropy, torch.full((6, 2), math.log(4)))
+    assert bool((stats.margin == 0).all())
+    torch.testing.assert_close(stats.gate_mass, torch.full((2, 4), 5 / 4, dtype=torch.float64))
