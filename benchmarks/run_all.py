@@ -9,7 +9,9 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `served_plane.py`: what one asynchronous batch's data-plane requests cost the trainer's process
   when the rollout runs in a process of its own;
 - `rollout_call.py`: one batch's call to such a replica, a Ray task against the replica's link;
-- `moe_metrics.py --threads 1`: the MoE load-balance metrics;
+- `moe_metrics.py --threads 1`: the MoE load-balance metrics; `moe_metrics.py --overhead`: what the
+  router-health metrics add to the default run's step;
+- `router.py --threads 1`: does the rollout's router near-tie share predict the trainer's flips (bf16 vs float32);
 - `token_balance.py`: the ranks' token balance and the token-budget micro-batches (synthetic lengths);
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
@@ -52,6 +54,8 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("served_plane", ()),
     ("rollout_call", ()),
     ("moe_metrics", ("--threads", "1")),
+    ("moe_metrics", ("--overhead",)),
+    ("router", ("--threads", "1")),
     ("token_balance", ()),
     ("rollout", ("--threads", "1")),
     ("lean_forward", ("--threads", "1")),
