@@ -68,8 +68,10 @@ def model_is_moe(cfg: Config) -> bool:
         config = read_config_json(model.path)
     except ValueError:
         return False  # no readable config.json: the checkpoint check names the problem before anything loads
-    experts = infer_moe_num_experts(config)
-    return bool(experts) and experts > 0
+    # transformers 5 writes Qwen3-MoE's (and OLMoE's) expert count as num_local_experts, which
+    # infer_moe_num_experts reads for Mixtral and gpt-oss only (its documented contract).
+    experts = infer_moe_num_experts(config) or config.get("num_local_experts")
+    return isinstance(experts, int) and experts > 0
 
 
 def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]:

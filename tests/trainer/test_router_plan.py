@@ -86,3 +86,15 @@ def test_router_keys_are_checked() -> None:
         load_config(None, ["actor_rollout_ref.actor.router.aux_loss_coef=-1"])
     with pytest.raises(ConfigError, match="bias_update_rate: must be >= 0"):
         load_config(None, ["actor_rollout_ref.actor.router.bias_update_rate=-0.1"])
+
+
+def test_a_qwen3_moe_checkpoint_saved_by_transformers_is_moe(tmp_path) -> None:
+    """transformers 5 writes Qwen3-MoE's expert count as num_local_experts: the plan still sees routed experts."""
+    from conveyor.models.tiny import tiny_config
+    from conveyor.trainer.plan import model_is_moe
+
+    tiny_config("qwen3_moe", vocab_size=32).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tmp_path}"])
+    assert model_is_moe(cfg)
+    tiny_config("qwen3", vocab_size=32).save_pretrained(tmp_path)
+    assert not model_is_moe(cfg)
