@@ -89,12 +89,15 @@ def _router_inputs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return [h.reshape(-1, h.shape[-1])[keep] for h in seen]
 
 
-def skew_router(source: str, target: Path, *, expert: int = 0, margin: float = 0.5, seed: int = 0) -> list[float]:
+def skew_router(
+    source: str, target: Path, *, expert: int = 0, share: float = 0.99, margin: float = 0.5, seed: int = 0
+) -> tuple[list[float], list[float]]:
     """Copy the checkpoint `source` to `target` with each router's row of `expert` refitted into nearly every
-    token's top-k; the expert's share of tokens per layer after the fit.
+    token's top-k; per layer, the expert's share of tokens and its median logit lead over the k-th other.
 
     Layer by layer (a layer's inputs depend on the routing before it): Adam on that one row only, pushing the
-    expert's logit `margin` above the k-th largest of the others' on the task's text.
+    expert's logit `margin` above the k-th largest of the others' on the task's text, until it is in the top-k
+    of `share` of the tokens.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,7 +108,7 @@ def skew_router(source: str, target: Path, *, expert: int = 0, margin: float = 0
     tokenizer = AutoTokenizer.from_pretrained(source)
     batch = tokenizer(_task_texts(256, seed), return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    shares = []
+    shares, gaps = [], []
     for index, layer in enumerate(moe_layers(model)):
         h = _router_inputs(model, ids, mask)[index]
         weight = layer.router.weight
@@ -113,9 +116,13 @@ def skew_router(source: str, target: Path, *, expert: int = 0, margin: float = 0
         others = torch.cat([weight.detach()[:expert], weight.detach()[expert + 1 :]])
         k = int(layer.router.top_k)
         kth = torch.topk(h @ others.T, k, dim=-1).values[:, k - 1]
-        opt = torch.optim.Adam([row], lr=0.05)
-        for _ in range(300):
-            loss = torch.nn.functional.softplus(margin - (h @ row - kth)).mean()
+        opt = torch.optim.Adam([row], lr=0.01)
+        for _ in range(2000):
+            lead = h @ row - kth
+            # Stop once the expert is in the top-k of `share` of the tokens: the skew is no larger than it takes.
+            if float((lead > 0).float().mean()) >= share:
+                break
+            loss = torch.relu(margin - lead).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -123,8 +130,9 @@ def skew_router(source: str, target: Path, *, expert: int = 0, margin: float = 0
             weight[expert] = row.detach()
         chosen = layer.router(h)[2]
         shares.append(float((chosen == expert).any(dim=-1).float().mean()))
+        gaps.append(float((h @ row.detach() - kth).median()))
     model.save_pretrained(target, safe_serialization=True)
-    return shares
+    return shares, gaps
 
 
 def run(overrides: Sequence[str]) -> dict[int, dict[str, float]]:
@@ -155,8 +163,11 @@ def balance(
     source = prepare_default_model(_config(base, Path(tempfile.gettempdir())))
     results = []
     with tempfile.TemporaryDirectory(prefix="skewed-router-") as skewed:
-        shares = skew_router(source, Path(skewed))
-        print(f"skewed router: expert 0 in the top-k of {', '.join(f'{s:.3f}' for s in shares)} of tokens per layer")
+        shares, gaps = skew_router(source, Path(skewed))
+        print(
+            f"skewed router: expert 0 in the top-k of {', '.join(f'{s:.3f}' for s in shares)} of tokens per "
+            f"layer, its logit ahead of the k-th other's by a median {', '.join(f'{g:.2f}' for g in gaps)}"
+        )
         model = [f"actor_rollout_ref.model.path={skewed}"]
         for seed in seeds:
             arms = {}
@@ -226,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--part", choices=("balance", "replay", "both"), default="both")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="trainer.seed of each run pair")
     parser.add_argument("--steps", type=int, default=100, help="training steps of every run")
-    parser.add_argument("--rate", type=float, default=0.02, help="router.bias_update_rate of the balancing runs")
+    parser.add_argument("--rate", type=float, default=0.05, help="router.bias_update_rate of the balancing runs")
     parser.add_argument("--acc-tolerance", type=float, default=0.03, help="allowed held-out accuracy difference")
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides for every run (tests: smaller)")
     args = parser.parse_args(argv)

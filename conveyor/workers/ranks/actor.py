@@ -149,7 +149,12 @@ class PolicyWorker(CheckpointEndpoints):
         )
         # After wrapping (the bias is a plain buffer on the router's device) and before the engine is built over
         # the same modules: the rollout then chooses experts with the bias too.
-        self.router_controls = RouterControls(self.model, acfg.router) if self.moe is not None else None
+        rc = acfg.router
+        self.router_controls = (
+            RouterControls(self.model, rc)
+            if self.moe is not None and (rc.aux_loss_coef > 0 or rc.bias_update_rate > 0)
+            else None
+        )
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
         self.rollout: GenerationEngine | None = None
         self.agent_loop = None

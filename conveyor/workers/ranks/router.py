@@ -27,7 +27,8 @@ __all__ = ["RouterControls"]
 
 
 class RouterControls:
-    """The load-balancing loss and the loss-free balancing bias of one actor rank's routers (`router` section)."""
+    """The load-balancing loss and the loss-free balancing bias of one actor rank's routers (`router` section);
+    built only when one of them is on."""
 
     def __init__(self, model: nn.Module, router: Any) -> None:
         self.model = model
@@ -36,15 +37,13 @@ class RouterControls:
         self.aux_on, self.bias_on = self.aux_coef > 0, self.rate > 0
         if self.bias_on:
             install_selection_bias(model)
-        self._tap = (
-            RouterTap(model, keep_logits=self.aux_on, count=self.bias_on) if self.aux_on or self.bias_on else None
-        )
-        self.top_k = int(self._tap.layers[0].router.top_k) if self._tap is not None else 0
+        self._tap = RouterTap(model, keep_logits=self.aux_on, count=self.bias_on)
+        self.top_k = int(self._tap.layers[0].router.top_k)
 
     @contextlib.contextmanager
     def tap(self, rows: torch.Tensor | None, real: bool) -> Iterator[None]:
         """Tap the routers in the forward inside (a pass that only pairs up with other ranks' counts nothing)."""
-        if self._tap is None or not (real or self.aux_on):
+        if not (real or self.aux_on):
             yield
             return
         # A repeated pass's logits still make its (zero-weighted) loss; its choices are not this step's load.
@@ -56,7 +55,6 @@ class RouterControls:
 
         `sums` (a real pass's): gets the loss as a token-weighted `moe/aux_loss` metric.
         """
-        assert self._tap is not None
         aux = self._tap.aux_loss(self.top_k)
         if sums is not None:
             value = float(aux.detach())
@@ -66,6 +64,5 @@ class RouterControls:
 
     def update_bias(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """Move the biases by the load this update counted, summed over the role's ranks; metrics."""
-        assert self._tap is not None
         load = all_reduce_sum(self._tap.pop_load())
         return update_selection_bias(self.model, load, self.rate)
