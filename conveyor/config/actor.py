@@ -1,7 +1,7 @@
 """The `actor_rollout_ref.actor` and `actor_rollout_ref.ref` sections: the policy update and the reference.
 
 Also the sections they share with the critic (`optim`, `fsdp_config`) and the
-actor's own (`policy_loss`, `router_replay`). Choice lists (policy losses,
+actor's own (`policy_loss`, `router_replay`, `router`). Choice lists (policy losses,
 loss aggregations, KL estimators, strategies, LR schedules, replay modes) are
 read from the modules that implement them, when checked.
 
@@ -20,6 +20,7 @@ __all__ = [
     "OptimConfig",
     "FSDPConfig",
     "RouterReplayConfig",
+    "RouterConfig",
     "PolicyLossConfig",
     "ActorConfig",
     "RefConfig",
@@ -106,8 +107,32 @@ class RouterReplayConfig:
     mode: str = F(
         "disabled",
         "disabled; R3: training forwards use the experts recorded at rollout; R2: the "
-        "updates use the experts of the old-log-prob forward (any rollout engine)",
-        choices=registry("conveyor.models.moe_routing", "REPLAY_MODES"),
+        "updates use the experts of the old-log-prob forward (any rollout engine); auto: the run "
+        "plan picks one from how off-policy the updates are (docs/moe.md)",
+        choices=registry("conveyor.models.router_control", "REPLAY_CHOICES"),
+    )
+
+
+@dataclass
+class RouterConfig:
+    """Controls on the policy's MoE routers (docs/moe.md, "Controls")."""
+
+    freeze: bool = F(
+        False,
+        "keep every MoE router's weights as loaded (no gradient, no optimizer state) while the rest trains",
+    )
+    aux_loss_coef: float = F(
+        0.0,
+        "weight of the Switch-Transformer load-balancing loss added to the policy loss (transformers' "
+        "router_aux_loss_coef, OpenRLHF's aux_loss_coef; 0.001 is the usual value); 0 = off",
+        ge=0,
+    )
+    bias_update_rate: float = F(
+        0.0,
+        "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the router logits, used to "
+        "choose the experts only, moves by this much after every optimizer step against its expert's "
+        "excess load (DeepSeek-V3 used 0.001; torchtitan's load_balance_coeff); 0 = off",
+        ge=0,
     )
 
 
@@ -191,6 +216,9 @@ class ActorConfig:
     grad_clip: float = F(1.0, "gradient norm clip", gt=0)
     policy_loss: PolicyLossConfig = S(PolicyLossConfig, "policy loss")
     router_replay: RouterReplayConfig = S(RouterReplayConfig, "MoE routing replay")
+    router: RouterConfig = S(
+        RouterConfig, "MoE router controls: freezing, the load-balancing loss, loss-free balancing"
+    )
     strategy: str | None = F(
         None,
         "how ranks hold the model: fsdp2 (sharded), dp (replicas, DDP) or none (one "

@@ -57,6 +57,9 @@ class EngineCapabilities:
     interruptible: bool  # it calls a hook between tokens that may change the weights (partial rollouts)
     shares_trainer_modules: bool  # it samples from the very modules and numerics the actor trains
     multi_rank: bool  # one engine per actor rank works
+    # Its routers choose experts with the actor's loss-free balancing bias (router.bias_update_rate), which
+    # reaches it with the weights (a buffer beside each router's weight).
+    selection_bias: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +284,12 @@ class EngineSpec:
 
 def _hf(device: str) -> EngineCapabilities:
     return EngineCapabilities(
-        returns_routing=True, stop_sequences=True, interruptible=True, shares_trainer_modules=True, multi_rank=True
+        returns_routing=True,
+        stop_sequences=True,
+        interruptible=True,
+        shares_trainer_modules=True,
+        multi_rank=True,
+        selection_bias=True,
     )
 
 

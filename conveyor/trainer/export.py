@@ -11,12 +11,18 @@ A LoRA run's checkpoint holds the adapters and the path of the base
 checkpoint they adapt (PEFT's `adapter_config.json`): export merges them into
 the base weights, or with `adapter_only` writes the adapter in PEFT's format.
 
+A run with loss-free balancing (`actor_rollout_ref.actor.router.bias_update_rate`) trained routers whose
+top-k is chosen on logits plus a per-expert bias that no Hugging Face MoE class of these architectures holds
+and that cannot be folded into the router's weight: export writes the model without it (so a Hugging Face
+load routes by the logits alone), keeps the biases in `router_selection_bias.safetensors`, and says so.
+
 It deliberately exports only the policy: the critic's value head and the
 optimizer state stay in the checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -25,7 +31,12 @@ from pathlib import Path
 from conveyor.files import make_dir
 from conveyor.trainer import checkpoint as ckpt
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "SELECTION_BIAS_FILE"]
+
+logger = logging.getLogger(__name__)
+
+#: Where an export keeps the routers' loss-free balancing biases, which the exported model has no place for.
+SELECTION_BIAS_FILE = "router_selection_bias.safetensors"
 
 
 def _choose_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -65,6 +76,24 @@ def _lora_model(actor_dir: Path, config, dtype) -> tuple:
     return peft_model, model
 
 
+def _drop_selection_bias(biases: dict, out: Path, model_class: str) -> None:
+    """Write the routers' loss-free balancing biases beside the export, and say why the model goes without them."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in biases.items()}, str(out / SELECTION_BIAS_FILE))
+    largest = max(float(v.abs().max()) for v in biases.values())
+    logger.warning(
+        "export: the routers carry a loss-free balancing bias (actor_rollout_ref.actor.router.bias_update_rate; "
+        "largest |bias| %.4g); %s has no place for one, and it cannot be folded into the router's weight (a linear "
+        "map without a bias term, over an RMS-normalised input with no constant component), so the exported model "
+        "chooses its experts without it: a Hugging Face load routes differently from the trainer wherever the bias "
+        "changed a token's top-k. The biases are kept in %s (DeepSeek-V3's tensor names).",
+        largest,
+        model_class,
+        SELECTION_BIAS_FILE,
+    )
+
+
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, adapter_only: bool = False) -> Path:
     """Write the actor of `run_dir`'s newest checkpoint (or of `step`) to `out` as a Hugging Face checkpoint.
 
@@ -74,7 +103,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from conveyor.models.loading import read_config_json
-    from conveyor.workers.training.shards import load_model_weights
+    from conveyor.models.router_control import BIAS_NAME
+    from conveyor.workers.training.shards import load_model_tensors, load_model_weights
 
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
@@ -113,11 +143,14 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
         load_model_weights(parts["actor"], model)
     tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)
+    biases = load_model_tensors(actor_dir, "." + BIAS_NAME)
     # Written beside the target and renamed into place: an interrupted export leaves no half directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if biases:
+            _drop_selection_bias(biases, tmp, type(model).__name__)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

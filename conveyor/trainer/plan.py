@@ -49,6 +49,7 @@ import logging
 from conveyor.config import Config, ConfigError
 from conveyor.config.plan import OLD_LOG_PROB_SOURCES, RunPlan
 from conveyor.config.root import critic_in_use
+from conveyor.trainer.router_plan import auto_replay, check_router_controls
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,10 @@ def model_is_moe(cfg: Config) -> bool:
         config = read_config_json(model.path)
     except ValueError:
         return False  # no readable config.json: the checkpoint check names the problem before anything loads
-    experts = infer_moe_num_experts(config)
-    return bool(experts) and experts > 0
+    # transformers 5 writes Qwen3-MoE's (and OLMoE's) expert count as num_local_experts, which
+    # infer_moe_num_experts reads for Mixtral and gpt-oss only (its documented contract).
+    experts = infer_moe_num_experts(config) or config.get("num_local_experts")
+    return isinstance(experts, int) and experts > 0
 
 
 def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]:
@@ -159,8 +162,14 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             f"max_off_policy_threshold={v1.sampler.max_off_policy_threshold}"
         )
 
-    # ---- replay
+    # ---- router controls and replay (the rules of auto and of the bias: conveyor.trainer.router_plan)
+    bias_why = check_router_controls(cfg, caps, device, moe)
+    if bias_why:
+        why.append(bias_why)
     requested = actor.router_replay.mode
+    if requested == "auto":
+        requested, auto_why = auto_replay(cfg, caps, moe, device)
+        why.append(auto_why)
     replay, reason = requested, ""
     if requested == "R3" and not caps.returns_routing:
         replay = "R2"
@@ -294,7 +303,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         is_moe=moe,
         old_log_probs=old,
         replay_mode=replay,
-        replay_requested=requested,
+        replay_requested=actor.router_replay.mode,
         replay_reason=reason,
         routing_source=source,
         rollout_captures_routing=capture,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.models.packing import setup_packing
+from conveyor.models.router_control import freeze_routers
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, GenerationEngine, engine_spec
@@ -58,6 +60,7 @@ from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
 from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
+from conveyor.workers.ranks.router import RouterControls
 from conveyor.workers.ranks.settings import ActorSettings, role_strategy
 from conveyor.workers.training.batching import plan_micro_batches, take
 from conveyor.workers.training.loading import load_role_model
@@ -129,6 +132,9 @@ class PolicyWorker(CheckpointEndpoints):
                 seed=settings.seed,
                 base_model_path=model_path,
             )
+        # Before the strategy wraps the model and the optimizer is built: a frozen router gets neither.
+        if acfg.router.freeze:
+            freeze_routers(self.model)
         if settings.serves_reference and self.peft is None:
             raise ValueError(
                 "the run plan makes the actor serve the reference, which needs actor_rollout_ref.model.lora_rank > 0"
@@ -147,6 +153,14 @@ class PolicyWorker(CheckpointEndpoints):
         )
         self.forward = PolicyForward(
             self.model, self.trained, self.lean, self.moe, packed=setup_packing(self.model, m.use_remove_padding)
+        )
+        # After wrapping (the bias is a plain buffer on the router's device) and before the engine is built over
+        # the same modules: the rollout then chooses experts with the bias too.
+        rc = acfg.router
+        self.router_controls = (
+            RouterControls(self.model, rc)
+            if self.moe is not None and (rc.aux_loss_coef > 0 or rc.bias_update_rate > 0)
+            else None
         )
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
         self.rollout: GenerationEngine | None = None
@@ -544,14 +558,17 @@ class PolicyWorker(CheckpointEndpoints):
             )
         )
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
+        controls = self.router_controls
         for i, (sl, real) in enumerate(passes):
             mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
             routed = mb["routed_experts"].long() if replay_on else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
             with self.forward.update_replay(routed, mb):
-                log_prob, entropy, _ = self._forward(
-                    mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed, train=True
-                )
+                # Inside the replay: the tap reads each router's own choice before a replay hook replaces it.
+                with controls.tap(self.forward.router_rows(mb, train=True), real) if controls else nullcontext():
+                    log_prob, entropy, _ = self._forward(
+                        mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed, train=True
+                    )
                 if proximal:
                     old = (log_prob.detach() * mb["response_mask"]).float()
                     if real:
@@ -580,6 +597,9 @@ class PolicyWorker(CheckpointEndpoints):
                     loss_scale_factor=scale,
                     policy_loss_kwargs=loss_kwargs,
                 )
+                if controls is not None and controls.aux_on:
+                    # Weighted by the micro-batch's share of the mini-batch's tokens, as the policy loss is.
+                    loss = loss + controls.aux_loss(float(mb[loss_mask].sum()), num_tokens, sums if real else None)
                 self.trained.backward(loss, real=real, last=i == len(passes) - 1)
             if real:
                 merge_objective_metrics(sums, mb_metrics)
@@ -598,6 +618,8 @@ class PolicyWorker(CheckpointEndpoints):
         if not stepped:
             logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)
             metrics["actor/skipped_steps@sum"] = 1.0
+        if controls is not None and controls.bias_on:
+            metrics.update(controls.update_bias(self.trained.strategy.all_reduce_sum))
         metrics["actor/lr"] = lr
         metrics["actor/grad_norm"] = grad_norm
         metrics.update(memory)

@@ -152,6 +152,13 @@ class PolicyForward:
             logits = packed.responses(logits[0], td["responses"].shape[1])
         return logits, own_routing
 
+    def router_rows(self, td: TensorDict, train: bool = False) -> torch.Tensor | None:
+        """Which rows the routers of a forward over `td` see are real tokens: (B*(P+R),) bool for the padded
+        Hugging Face forward, None for the packed and the lean forwards (they feed real tokens only)."""
+        if self.packed or self.uses_lean(train):
+            return None
+        return sequence_inputs(td)[1].reshape(-1).bool()
+
     def routing(self, td: TensorDict) -> torch.Tensor:
         """This forward's own routing (B, P+R, L, K) over `td`, no replay (its logits are not widened to (B, R, V))."""
         if self.uses_lean():

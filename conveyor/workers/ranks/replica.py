@@ -108,6 +108,10 @@ class ReplicaWorker:
         )
         self.tokenizer = load_tokenizer(m.tokenizer_path or model_path, trust_remote_code=m.trust_remote_code)
         self.moe = moe_info(self.model)
+        if settings.selection_bias:  # the buffers the actor's stream fills (loss-free balancing)
+            from conveyor.models.router_control import install_selection_bias
+
+            install_selection_bias(self.model)
         lean = None
         if shares:
             from conveyor.models.lean import resolve_forward_impl

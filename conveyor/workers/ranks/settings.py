@@ -81,6 +81,7 @@ class ReplicaSettings:
     # data.max_prompt_length and data.truncation: a replica that renders its batches' prompts applies them too.
     max_prompt_length: int
     truncation: str
+    selection_bias: bool = False  # the actor's routers carry a loss-free balancing bias, streamed with the weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,7 @@ def rollout_settings(cfg: Config, plan: RunPlan) -> ReplicaSettings:
         max_model_len=plan.engine_max_model_len,
         max_prompt_length=cfg.data.max_prompt_length,
         truncation=cfg.data.truncation,
+        selection_bias=plan.is_moe and arr.actor.router.bias_update_rate > 0,
     )
 
 

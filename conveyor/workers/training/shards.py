@@ -40,7 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["save_shards", "load_shards", "load_model_weights", "CheckpointFormatError", "SafeFileSystemReader"]
+__all__ = [
+    "save_shards",
+    "load_shards",
+    "load_model_weights",
+    "load_model_tensors",
+    "CheckpointFormatError",
+    "SafeFileSystemReader",
+]
 
 _PARAM_GROUPS = "param_groups.json"
 
@@ -220,6 +227,19 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: bool =
     state = {"model": sd}
     _dcp_load(Path(path), state, no_dist=True)
     model.load_state_dict(state["model"], strict=not adapters_only)
+
+
+def load_model_tensors(path: str | Path, suffix: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a sharded checkpoint whose names end with `suffix`, whole, read in this process."""
+    metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wanted = {
+        k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if k.startswith("model.") and k.endswith(suffix)
+    }
+    if wanted:
+        _dcp_load(Path(path), {"model": wanted}, no_dist=True)
+    return wanted
 
 
 def _dcp_load(path: Path, state: dict[str, Any], no_dist: bool) -> None:
