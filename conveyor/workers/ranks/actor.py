@@ -139,7 +139,12 @@ class PolicyWorker(CheckpointEndpoints):
             gradient_checkpointing=m.enable_gradient_checkpointing,
         )
         self.forward = PolicyForward(
-            self.model, self.trained, self.lean, self.moe, packed=setup_packing(self.model, m.use_remove_padding)
+            self.model,
+            self.trained,
+            self.lean,
+            self.moe,
+            packed=setup_packing(self.model, m.use_remove_padding),
+            fused=m.use_fused_kernels,
         )
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
         self.rollout: GenerationEngine | None = None
