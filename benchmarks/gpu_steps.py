@@ -4,6 +4,7 @@
     python benchmarks/gpu_steps.py varlen --device cuda       # packed attention against per-sequence SDPA
     python benchmarks/gpu_steps.py fsdp-step --device cuda    # one fsdp2 step: bf16 compute, fused AdamW
     python benchmarks/gpu_steps.py packspeed --device cuda    # packed against padded forward+backward
+    python benchmarks/gpu_steps.py fused-logprob --device cuda  # a 16k-token packed update, fused log-prob vs logits
     python benchmarks/gpu_steps.py report RUN_DIR             # a run's per-phase peaks, step time, grad norm
     python benchmarks/gpu_steps.py same-grad-norm RUN_A RUN_B # step 1's gradient norms agree (R3 checkpointing)
 
@@ -315,12 +316,87 @@ def cmd_same_grad_norm(args: argparse.Namespace) -> int:
     return 0 if norms[0] > 0 and rel < args.tolerance else 1
 
 
+def cmd_fused_logprob(args: argparse.Namespace) -> int:
+    """A 16k-token packed update of a dense Qwen3 with Qwen3's vocabulary: the fused log-prob against the logits."""
+    from conveyor.algos.logprob import logprobs_and_entropy
+    from conveyor.models.fused_head import fused_lm_head, split_head_output
+    from conveyor.models.packing import PackedRows, enable_packing
+
+    device = torch.device(args.device)
+    big = device.type == "cuda"
+    vocab = 151936 if big else 2048
+    seqs, prompt, length = (4, 64, 4096) if big else (4, 8, 64)
+    model = _qwen3(
+        device,
+        torch.bfloat16 if big else torch.float32,
+        vocab_size=vocab,
+        hidden_size=1024 if big else 64,
+        num_layers=8 if big else 2,
+        num_heads=16 if big else 4,
+        num_kv_heads=8 if big else 2,
+        intermediate_size=2816 if big else 128,
+        max_position_embeddings=prompt + length + 1,
+    )
+    enable_packing(model)
+    gen = torch.Generator().manual_seed(0)
+    responses = torch.randint(1, vocab, (seqs, length), generator=gen).to(device)
+    ids = torch.cat([torch.randint(1, vocab, (seqs, prompt), generator=gen).to(device), responses], 1)
+    attention = torch.ones_like(ids)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    rows = PackedRows.from_masks(attention, torch.ones_like(responses))
+    labels = responses[rows.rows, rows.cols][None]
+    weights = torch.randn(labels.shape, generator=gen).to(device)
+
+    def update(fused: bool) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        if big:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        kwargs = {**rows.model_kwargs(ids, positions), "use_cache": False, "logits_to_keep": rows.predict}
+        if fused:
+            with fused_lm_head(model, labels, with_entropy=True, temperature=1.0):
+                lp, ent = split_head_output(model(**kwargs).logits, True)
+        else:
+            lp, ent = logprobs_and_entropy(model(**kwargs).logits, labels, True)
+        (lp * weights + 0.01 * ent).sum().backward()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() / 2**30 if big else 0.0
+        return lp.detach(), model.lm_head.weight.grad.detach().float().clone(), seconds, peak
+
+    update(True)  # warm-up: kernels, the allocator
+    lp_f, grad_f, t_f, m_f = update(True)
+    lp_l, grad_l, t_l, m_l = update(False)
+    diff = float((lp_f - lp_l).abs().max())
+    grad_rel = float((grad_f - grad_l).norm() / grad_l.norm())
+    tokens = seqs * (prompt + length)
+    print(
+        f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, vocabulary {vocab}, {tokens} packed "
+        f"tokens ({seqs} x {prompt} + {length}); fused {t_f:.3f} s {m_f:.2f} GiB, logits {t_l:.3f} s {m_l:.2f} GiB"
+    )
+    figure(
+        f"{tokens}-token packed update: fused peak {m_f:.2f} vs logits {m_l:.2f} GiB, {tokens / t_f:.0f} vs "
+        f"{tokens / t_l:.0f} tok/s, max |log-prob diff| {diff:.2e}, head grad rel. diff {grad_rel:.1e}"
+    )
+    # bf16: the same logits per block, up to the matmul's rounding for another row count.
+    ok = diff < (0.05 if big else 1e-5) and grad_rel < (2e-2 if big else 1e-5)
+    return 0 if ok and (not big or m_f < m_l) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit status is the check's verdict."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("env").set_defaults(fn=cmd_env)
-    for name, fn in (("varlen", cmd_varlen), ("fsdp-step", cmd_fsdp_step), ("packspeed", cmd_packspeed)):
+    checks = (
+        ("varlen", cmd_varlen),
+        ("fsdp-step", cmd_fsdp_step),
+        ("packspeed", cmd_packspeed),
+        ("fused-logprob", cmd_fused_logprob),
+    )
+    for name, fn in checks:
         p = sub.add_parser(name)
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--repeats", type=int, default=3)

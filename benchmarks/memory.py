@@ -477,6 +477,7 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
             ("+ rollout.max_num_seqs=32", dataclasses.replace(base, rollout_seqs=32)),
             ("+ micro-batches of 1", lean),
             ("+ optimizer_offload", dataclasses.replace(lean, optimizer_offload=True)),
+            ("+ fused log-prob", dataclasses.replace(lean, optimizer_offload=True, fused_logprob=True)),
         )
         for label, s in rows:
             acc = account(lay, s)
@@ -489,6 +490,68 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
         )
         if ep == 1:
             vllm_rows(name, lay, gpus, gpu_gb, response_len)
+
+
+def longest_response(lay: Layout, s: Setup, gpu_gb: float, step: int = 256, limit: int = 1 << 20) -> int:
+    """The longest response (a multiple of `step` tokens, prompt of 512 aside) whose trainer phases fit `gpu_gb`.
+
+    The trainer's phases only (old log-probs, reference, update): the rollout is the vLLM engine's, which sleeps
+    while they run and is sized on its own (`vllm_rows`).
+    """
+
+    def fits(response: int) -> bool:
+        acc = account(lay, dataclasses.replace(s, seq_len=512 + response))
+        return all(total(t) / GB <= gpu_gb for p, t in acc.items() if p != "rollout")
+
+    if not fits(step):
+        return 0
+    good, bad = step, None
+    while bad is None:
+        nxt = good * 2
+        if nxt > limit:
+            return good
+        if fits(nxt):
+            good = nxt
+        else:
+            bad = nxt
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if mid <= good:
+            break
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def longest_table(gpus: int, gpu_gb: float) -> dict[str, dict[str, int]]:
+    """Per model, the longest response one micro-batch of one sequence can train with, per step, with and without
+    the fused log-prob (bf16 compute over fp32 masters, AdamW's state offloaded, checkpointing, reference offloaded).
+    """
+    print(
+        f"\nlongest response per micro-batch of one sequence, {gpus} x {gpu_gb:g} GB (trainer phases; bf16 compute, "
+        "fp32 masters, optimizer_offload, gradient checkpointing, reference offloaded)"
+    )
+    print(f"  {'model':<16}{'logits path':>13}{'fused log-prob':>16}{'ratio':>8}")
+    out = {}
+    for name, make in REAL_MODELS.items():
+        lay = layout_of(make())
+        base = Setup(
+            world=gpus,
+            master_bytes=4,
+            compute_bytes=2,
+            kv_bytes=2,
+            reference=True,
+            ref_offload=True,
+            rollout_seqs=1,
+            seq_len=512,
+            micro_seqs=1,
+            checkpointing=True,
+            optimizer_offload=True,
+        )
+        plain = longest_response(lay, base, gpu_gb)
+        fused = longest_response(lay, dataclasses.replace(base, fused_logprob=True), gpu_gb)
+        out[name] = {"logits": plain, "fused": fused}
+        print(f"  {name:<16}{plain:>13}{fused:>16}{fused / max(plain, 1):>7.2f}x")
+    return out
 
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpu_moe_gsm8k.yaml"
@@ -576,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.account:
         for n in args.response_len:
             gpu_table(args.gpus, args.gpu_gb, n, args.ep)
+        longest_table(args.gpus, args.gpu_gb)
         return 0
     if args.smoke:
         args.hidden, args.layers, args.experts = 64, 2, 4

@@ -744,6 +744,8 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
             "actor_rollout_ref.rollout.hf_whole_gather_max_gb",
             "actor_rollout_ref.model.use_remove_padding",
             "actor_rollout_ref.rollout.enforce_eager",
+            # The fused LM head computes the same log-probs and gradients as the logits path (float rounding).
+            "actor_rollout_ref.model.use_fused_kernels",
         }
         | budgets
         | placement

@@ -101,6 +101,13 @@ class ModelConfig:
         "false = padded rows",
         resume_neutral=True,
     )
+    use_fused_kernels: bool = F(
+        True,
+        "compute the log-probs and entropy of the actor's and reference's forwards inside the LM head, block by "
+        "block, never holding the (tokens, vocabulary) logits in the forward or the backward (verl's key); "
+        "models whose head is not a plain linear layer (a LoRA adapter on lm_head) keep the logits path",
+        resume_neutral=True,
+    )
     enable_gradient_checkpointing: bool = F(
         False,
         "recompute activations in the backward instead of keeping them (actor and critic): less memory, "

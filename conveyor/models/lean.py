@@ -22,7 +22,9 @@ replayed, the prompt's recorded routing) are equal share one computation.
 Only the positions that are used are computed: the prompt, and the response
 tokens that predict a later response token (a response's last token predicts
 nothing the loss needs). The LM head runs on the R positions that predict
-response tokens.
+response tokens, in the batch's row order (so a fused head,
+`conveyor.models.fused_head`, can stand in for it with the responses as
+labels).
 
 The MoE router is the layer's own module (`block.gate`), called as the
 Hugging Face block calls it; replaying recorded routing and laying out the
@@ -415,6 +417,13 @@ class LeanForward:
         last = x[:n_prompt].view(pr.count, plen, -1)[:, -1][pr.inv]  # left padding: the last column is real
         # Positions that predict nothing (after a row's end) get zero hidden states; their logits are unused.
         hidden = torch.cat([last[:, None], pad(x[n_prompt:]).view(batch, fed, x.shape[-1])], dim=1)
+        restore = None
+        if order is not None:
+            restore = torch.empty_like(order)
+            restore[order] = torch.arange(batch, device=order.device)
+            # Rows back in the input order before the head: a fused head (`conveyor.models.fused_head`) holds labels
+            # in that order, and (B, R, H) is cheaper to permute than (B, R, V).
+            hidden = hidden[restore]
         logits = self.model.lm_head(self.inner.norm(hidden))
 
         routing = None
@@ -431,11 +440,8 @@ class LeanForward:
                     fed_part = fed_part.new_full((batch * fed, num_layers, top_k), -1).index_copy_(0, fed_idx, fed_part)
                 resp[:, :fed] = fed_part.view(batch, fed, num_layers, top_k)
             routing = torch.cat([prompt_part, resp], dim=1)
-        if order is not None:
-            restore = torch.empty_like(order)
-            restore[order] = torch.arange(batch, device=order.device)
-            logits = logits[restore]
-            routing = routing[restore] if routing is not None else None
+        if restore is not None and routing is not None:
+            routing = routing[restore]
         return logits, routing
 
     @staticmethod

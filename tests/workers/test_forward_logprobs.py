@@ -1,4 +1,5 @@
-"""The policy forward's log-probs and entropy come from the model's own logits, the temperature applied per block."""
+"""The policy forward's log-probs and entropy: from the model's own logits (the temperature applied per block), or
+from the fused LM head (`use_fused_kernels`, the default) with the same numbers and gradients."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ def td() -> TensorDict:
     return TensorDict(fields, batch_size=[5])
 
 
-def _worker(impl: str, packed: bool = False) -> PolicyWorker:
+def _worker(impl: str, packed: bool = False, fused: bool = True) -> PolicyWorker:
     cfg = load_config(
         None,
         BASE
         + [
             f"actor_rollout_ref.model.forward_impl={impl}",
             f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
+            f"actor_rollout_ref.model.use_fused_kernels={str(fused).lower()}",
         ],
     )
     return PolicyWorker(
@@ -58,9 +60,9 @@ def test_log_probs_equal_the_whole_logits_float32_formula(td: TensorDict, impl: 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
-    """The logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division); packed,
-    they are the (1, N, V) logits of the response tokens only."""
-    forward = _worker("hf", packed=packed).forward
+    """Unfused, the logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division);
+    packed, they are the (1, N, V) logits of the response tokens only."""
+    forward = _worker("hf", packed=packed, fused=False).forward
     assert forward.packed is packed
     seen = {}
     # The padded path's logits come from response_logits, the packed path's from the forward itself.
@@ -83,3 +85,27 @@ def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.Monke
     assert seen["given"] is seen["model"] and seen["temperature"] == 0.5
     if packed:  # responses here have no tool tokens: the span is the mask
         assert seen["model"].shape[:2] == (1, int(td["response_mask"].bool().sum()))
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean", "hf-packed"])
+def test_fused_head_gives_the_logits_path_log_probs_entropy_and_gradients(td: TensorDict, impl: str) -> None:
+    """The old-log-prob forward (no grad) and the update's forward (with grad) of the fused head against the logits
+    path, on the same weights: outputs at 1e-6, every parameter's gradient at 1e-6 (+1e-5 relative)."""
+    kind, packed = impl.removesuffix("-packed"), impl.endswith("-packed")
+    fused, plain = _worker(kind, packed, fused=True).forward, _worker(kind, packed, fused=False).forward
+    assert fused.fused and not plain.fused and fused.uses_lean() == (kind == "lean")
+    mask = td["response_mask"]
+    with torch.no_grad():
+        got = fused.log_probs(td, 0.7, True)
+        want = plain.log_probs(td, 0.7, True)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(g * mask, w * mask, atol=1e-6, rtol=1e-6)
+    grads = []
+    for forward in (fused, plain):
+        forward.model.zero_grad(set_to_none=True)
+        lp, ent, _ = forward.log_probs(td, 0.7, True, train=True)
+        ((lp * td["advantages"] + 0.01 * ent) * mask).sum().backward()
+        grads.append({n: p.grad for n, p in forward.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "lm_head.weight" in grads[1]
+    for name, want_grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], want_grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -175,3 +175,26 @@ def test_the_cli_refuses_a_layout_that_cannot_fit_with_exit_status_2(tiny_run, m
     err = capsys.readouterr().err
     assert status == 2, err
     assert "the vllm rollout does not fit a GPU of 80.0 GB" in err and f"{RO}.gpu_memory_utilization" in err
+
+
+def test_the_fused_log_prob_replaces_the_logits_with_one_block(moe) -> None:
+    """use_fused_kernels (on by default) reaches the setup; the (tokens, vocabulary) terms give way to one block,
+    which does not grow with the response, plus a float32 sum of the LM head's gradient under bf16 compute."""
+    cfg, plan = _example()
+    assert setup_of(cfg, plan, H100).fused_logprob
+    cfg, plan = _example("actor_rollout_ref.model.use_fused_kernels=false")
+    assert not setup_of(cfg, plan, H100).fused_logprob
+    from conveyor.algos.fused_logprob import DEFAULT_FUSED_CHUNK_ELEMENTS
+    from conveyor.workers.training.memory_budget import Setup
+
+    base = Setup(world=8, rollout_seqs=1, seq_len=8192, micro_seqs=1, compute_bytes=2)
+    plain, fused = account(moe, base), account(moe, dataclasses.replace(base, fused_logprob=True))
+    assert plain["update_actor"]["logits and their gradient"] == 2 * 8192 * moe.vocab * 2
+    block = DEFAULT_FUSED_CHUNK_ELEMENTS // moe.vocab * moe.vocab
+    assert "logits and their gradient" not in fused["update_actor"] and "logits" not in fused["old_log_prob"]
+    assert fused["update_actor"]["log-prob blocks"] == 4 * block * 4
+    assert fused["update_actor"]["LM head gradient (float32 sum)"] == moe.vocab * moe.hidden * 4
+    longer = account(moe, dataclasses.replace(base, seq_len=4 * 8192, fused_logprob=True))
+    assert longer["update_actor"]["log-prob blocks"] == fused["update_actor"]["log-prob blocks"]
+    for phase in ("old_log_prob", "update_actor"):
+        assert total(fused[phase]) < total(plain[phase])

@@ -152,7 +152,12 @@ class PolicyWorker(CheckpointEndpoints):
             gradient_checkpointing=m.enable_gradient_checkpointing,
         )
         self.forward = PolicyForward(
-            self.model, self.trained, self.lean, self.moe, packed=setup_packing(self.model, m.use_remove_padding)
+            self.model,
+            self.trained,
+            self.lean,
+            self.moe,
+            packed=setup_packing(self.model, m.use_remove_padding),
+            fused=m.use_fused_kernels,
         )
         # After wrapping (the bias is a plain buffer on the router's device) and before the engine is built over
         # the same modules: the rollout then chooses experts with the bias too.

@@ -15,9 +15,12 @@ reference's forward do, of a fixed number of rows or up to a token budget
 (`conveyor.workers.training.batching`); under a multi-rank strategy every rank runs as
 many micro-batches as the busiest one (the extra ones are dropped).
 
-Log-probs and entropy come from `logprobs_and_entropy` on the model's own
-logits, the temperature applied per block: no float32 copy of the
-full-vocabulary logits is made here.
+With `fused` (`actor_rollout_ref.model.use_fused_kernels`, on by default)
+the model's LM head computes the log-probs and entropy of the response tokens
+itself, block by block (`conveyor.models.fused_head`): no (tokens, vocabulary)
+logits exist in the forward or the backward. Otherwise log-probs and entropy
+come from `logprobs_and_entropy` on the model's own logits, the temperature
+applied per block: no float32 copy of the full-vocabulary logits is made here.
 
 What it deliberately does not do: read or write the data plane, or decide
 whether routing is recorded or replayed (the caller's settings say).
@@ -26,6 +29,7 @@ whether routing is recorded or replayed (the caller's settings say).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 
@@ -34,6 +38,7 @@ from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.algos.trajectory import response_span
+from conveyor.models.fused_head import fused_head_reason, fused_lm_head, split_head_output
 from conveyor.models.moe_routing import (
     RouterStats,
     RouterStatsRecorder,
@@ -46,6 +51,8 @@ from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_
 from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
+
+logger = logging.getLogger(__name__)
 
 
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,10 +67,23 @@ def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.T
 class PolicyForward:
     """Response logits and log-probs of `model` (held under `trained`), with `lean` the lean forward or None."""
 
-    def __init__(self, model: torch.nn.Module, trained: TrainedModel, lean: Any, moe: Any, packed: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        trained: TrainedModel,
+        lean: Any,
+        moe: Any,
+        packed: bool = False,
+        fused: bool = False,
+    ):
         self.model, self.trained, self.lean, self.moe = model, trained, lean, moe
         # The Hugging Face forwards run packed (`conveyor.models.packing`; the model's attention set up for it).
         self.packed = packed
+        reason = fused_head_reason(model) if fused else None
+        if reason is not None:
+            logger.info("actor_rollout_ref.model.use_fused_kernels: the log-probs come from the logits: %s", reason)
+        # The LM head computes the log-probs itself (`conveyor.models.fused_head`), never holding the logits.
+        self.fused = fused and reason is None
         # True while `update_replay` holds the replay hooks open (through the backward's recomputation).
         self._held_replay = False
 
@@ -98,12 +118,19 @@ class PolicyForward:
                 self._held_replay = False
 
     def _hf_forward(
-        self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool
+        self,
+        td: TensorDict,
+        routed_experts: torch.Tensor | None,
+        record_routing: bool,
+        train: bool,
+        fuse: tuple[bool, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, PackedRows | None]:
         """The Hugging Face forward: logits predicting the response tokens, its routing (B, P+R, L, K), the packing.
 
         Padded: logits (B, R, V). Packed (`self.packed`): logits (1, N, V) of the N response-span tokens, which
-        `PackedRows.responses` places; replayed and recorded routing follow each packed token.
+        `PackedRows.responses` places; replayed and recorded routing follow each packed token. `fuse`
+        (with_entropy, temperature): the LM head returns the response tokens' log-probs [and entropy] (.., 1|2)
+        in place of the logits.
         """
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
@@ -119,7 +146,15 @@ class PolicyForward:
             keep = resp_len + 1  # only the positions that predict response tokens need the LM head
         replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
         recorder = RoutingRecorder(self.model) if record_routing else None
-        with replay, recorder if recorder is not None else contextlib.nullcontext():
+        head: Any = contextlib.nullcontext()
+        if fuse is not None:
+            responses = td["responses"]
+            if packed is not None:
+                labels = responses[packed.rows, packed.cols][None]
+            else:  # the last kept position predicts nothing: any label, dropped below
+                labels = torch.cat([responses, responses.new_zeros(responses.shape[0], 1)], dim=1)
+            head = fused_lm_head(self.model, labels, with_entropy=fuse[0], temperature=fuse[1])
+        with replay, recorder if recorder is not None else contextlib.nullcontext(), head:
             module = self.trained.forward_module if train else self.model
             out = module(**kwargs, use_cache=False, logits_to_keep=keep)
             own_routing = recorder.pop() if recorder is not None else None
@@ -204,6 +239,8 @@ class PolicyForward:
         train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
+        if self.fused:
+            return self._fused_log_probs(td, temperature, with_entropy, routed_experts, record_routing, train)
         if self.packed and not self.uses_lean(train):
             logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
             targets = td["responses"][packed.rows, packed.cols][None]
@@ -215,6 +252,31 @@ class PolicyForward:
         # Upcast and temperature per block inside: the logits stay the model's own tensor.
         log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy, temperature=temperature)
         return log_probs, entropy, own_routing
+
+    def _fused_log_probs(
+        self,
+        td: TensorDict,
+        temperature: float,
+        with_entropy: bool,
+        routed_experts: torch.Tensor | None,
+        record_routing: bool,
+        train: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`log_probs` with the LM head fused into the log-softmax: the same outputs, no (tokens, vocabulary) logits."""
+        if self.uses_lean(train):
+            with fused_lm_head(self.model, td["responses"], with_entropy=with_entropy, temperature=temperature):
+                stats, own_routing = self.response_logits(td, routed_experts, record_routing, train)
+            log_probs, entropy = split_head_output(stats, with_entropy)
+            return log_probs, entropy, own_routing
+        stats, own_routing, packed = self._hf_forward(
+            td, routed_experts, record_routing, train, fuse=(with_entropy, temperature)
+        )
+        log_probs, entropy = split_head_output(stats, with_entropy)
+        if packed is None:
+            return log_probs, entropy, own_routing
+        width = td["responses"].shape[1]
+        entropy = packed.responses(entropy[0], width) if entropy is not None else None
+        return packed.responses(log_probs[0], width), entropy, own_routing
 
     @torch.no_grad()
     def no_grad_log_probs(

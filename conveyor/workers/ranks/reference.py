@@ -68,7 +68,12 @@ class ReferenceWorker:
         lean = resolve_forward_impl(m.forward_impl, self.model)
         self.trained = TrainedModel(self.model, strategy, trainable=False)
         self.forward = PolicyForward(
-            self.model, self.trained, lean, moe_info(self.model), packed=setup_packing(self.model, m.use_remove_padding)
+            self.model,
+            self.trained,
+            lean,
+            moe_info(self.model),
+            packed=setup_packing(self.model, m.use_remove_padding),
+            fused=m.use_fused_kernels,
         )
 
     @property

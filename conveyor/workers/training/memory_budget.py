@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from conveyor.algos.fused_logprob import DEFAULT_FUSED_CHUNK_ELEMENTS
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -146,6 +148,8 @@ class Setup:
     critic_param_offload: bool = False
     critic_optimizer_offload: bool = False
     engine: Engine | None = None  # a vLLM rollout; None = the hf rollout over the actor's own modules
+    # model.use_fused_kernels: log-probs inside the LM head a block at a time, no (tokens, vocabulary) logits
+    fused_logprob: bool = False
 
 
 def _state(lay: Layout, s: Setup) -> dict[str, float]:
@@ -203,7 +207,11 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     shards, a layer's unsharded gradient with the buffer it is
     reduce-scattered from (several ranks), and the activations kept for the
     backward (every layer's, or the layer boundaries only under gradient
-    checkpointing). Logits are one micro-batch's, in the compute dtype.
+    checkpointing). Logits are one micro-batch's, in the compute dtype; with
+    the fused log-prob (`fused_logprob`) only one block of them is alive
+    (float32, with the few block-sized temporaries of its log-softmax), and
+    the update adds a float32 accumulator of the LM head's gradient when the
+    compute dtype is lower.
 
     With a vLLM engine the rollout is the engine awake (`engine_terms`) beside
     the state, or the engine alone on GPUs of its own; an engine that does not
@@ -228,6 +236,15 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
         "activations kept": kept + per_layer_act,
         "logits and their gradient": 2 * logits,
     }
+    if s.fused_logprob:
+        block = min(tokens, max(1, DEFAULT_FUSED_CHUNK_ELEMENTS // lay.vocab)) * lay.vocab
+        # The forward holds a block's logits, their float32 copy and its exponentials; the backward adds the
+        # block's gradient (conveyor.algos.fused_logprob).
+        no_grad = {"gathered weights": gathered, "activations": per_layer_act, "log-prob blocks": 3 * block * 4}
+        update = {"gathered weights": gathered, "activations kept": kept + per_layer_act}
+        update["log-prob blocks"] = 4 * block * 4
+        if s.compute_bytes < 4 and not s.lora:
+            update["LM head gradient (float32 sum)"] = lay.vocab * lay.hidden * 4
     trained = not s.lora and not s.param_offload  # frozen weights have no gradients; offloaded ones are the host's
     if trained:
         update = {"gathered weights": gathered, "gradients": shard * s.master_bytes, **update}
@@ -419,6 +436,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
         critic_param_offload=critic.param_offload,
         critic_optimizer_offload=critic.optimizer_offload,
         engine=engine,
+        fused_logprob=model.use_fused_kernels,
     )
 
 
