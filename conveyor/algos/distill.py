@@ -56,7 +56,6 @@ __all__ = [
     "teacher_topk",
     "full_log_probs",
     "distillation_term",
-    "routing_agreement",
 ]
 
 # What a loss needs from the teacher, which decides what the teacher writes to the data plane.
@@ -368,17 +367,3 @@ def distillation_term(
         **norms,
     )
     return loss
-
-
-def routing_agreement(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> tuple[float, int]:
-    """(sum, count) of the fraction of each valid token's top-k experts the student and the teacher share.
-
-    `student`, `teacher`: routed experts (B, S, L, K), -1 where unknown; `valid` (B, S). Per token and layer the
-    overlap of the two expert sets over K, summed over layers and valid tokens; the count is tokens x layers.
-    """
-    if student.shape != teacher.shape:
-        raise ValueError(f"student routing {tuple(student.shape)} and teacher routing {tuple(teacher.shape)} differ")
-    s, t = student.long(), teacher.long()
-    known = (s >= 0).all(-1) & (t >= 0).all(-1) & valid.bool()[:, :, None]  # (B, S, L)
-    shared = (s[..., :, None] == t[..., None, :]).any(-1).sum(-1).to(torch.float64) / s.shape[-1]
-    return float(shared[known].sum()), int(known.sum())

@@ -21,7 +21,6 @@ from conveyor.algos.distill import (
     full_log_probs,
     full_reverse_kl,
     get_distill_loss,
-    routing_agreement,
     teacher_topk,
 )
 
@@ -225,11 +224,3 @@ def test_registry_names_and_unknown_mode():
 def test_mismatched_vocabularies_are_refused():
     with pytest.raises(ValueError, match="vocabulary"):
         full_reverse_kl(torch.zeros(1, 2, 5), torch.zeros(1, 2, 6))
-
-
-def test_routing_agreement_counts_shared_experts():
-    student = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [-1, -1]]]])  # (B=1, S=2, L=2, K=2)
-    teacher = torch.tensor([[[[1, 0], [2, 4]], [[5, 6], [2, 3]]]])
-    total, count = routing_agreement(student, teacher, torch.tensor([[True, True]]))
-    # token 0: layer 0 shares both (1.0), layer 1 shares one (0.5); token 1: layer 0 shares none, layer 1 unknown.
-    assert count == 3 and total == pytest.approx(1.5)
