@@ -8,6 +8,10 @@ checkpoint the way `conveyor export` writes one.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,20 +129,7 @@ def _batch(tokenizer, n: int) -> dict[str, torch.Tensor]:
 
 
 def test_each_sample_is_scored_by_exactly_its_teacher(tiny_run_base, teachers):
-    cfg = load_config(
-        None,
-        tiny_run_base
-        + [
-            "distillation.enabled=true",
-            f"distillation.teacher_models.ta.model_path={teachers[0]}",
-            "distillation.teacher_models.ta.key=a",
-            f"distillation.teacher_models.tb.model_path={teachers[1]}",
-            "distillation.teacher_models.tb.key=b",
-            "distillation.teacher_models.tb.log_prob_micro_batch_size_per_gpu=2",
-            f"{LOSS}.loss_mode=forward_kl_topk",
-            f"{LOSS}.topk=3",
-        ],
-    )
+    cfg = load_config(None, tiny_run_base + _keyed(teachers))
     plan = build_run_plan(cfg, "cpu")
     plane = make_data_plane("memory")
     worker = TeacherWorker(teacher_settings(cfg, plan), data_plane=plane)
@@ -176,6 +167,61 @@ def test_each_sample_is_scored_by_exactly_its_teacher(tiny_run_base, teachers):
     plane.kv_batch_put(keys=["x"], partition_id="q", fields={**_batch(tokenizer, 1), "data_source": ["c"]})
     with pytest.raises(ValueError, match="distillation.teacher_key=data_source.*'c'"):
         worker.compute_teacher_log_prob(meta.__class__(keys=["x"], partition_id="q").with_extra_info(**CALL))
+
+
+def _keyed(teachers, extra=()) -> list[str]:
+    """Two teachers keyed by data_source a and b, scoring for forward_kl_topk (top 3)."""
+    return [
+        "distillation.enabled=true",
+        f"distillation.teacher_models.ta.model_path={teachers[0]}",
+        "distillation.teacher_models.ta.key=a",
+        "distillation.teacher_models.ta.log_prob_micro_batch_size_per_gpu=1",
+        f"distillation.teacher_models.tb.model_path={teachers[1]}",
+        "distillation.teacher_models.tb.key=b",
+        f"{LOSS}.loss_mode=forward_kl_topk",
+        f"{LOSS}.topk=3",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_teachers_sharded_over_two_ranks_score_as_one_rank_does(tiny_run_base, teachers, tmp_path):
+    """fsdp2 over two gloo ranks, rank 1 holding no sample of teacher ta (its passes only pair up the gathers)."""
+    fields = _batch(build_char_tokenizer(), 5)  # data_source a, b, b, a, b
+    torch.save(fields, tmp_path / "batch.pt")
+    sharded = [
+        f"distillation.teacher_models.{t}.{k}"
+        for t in ("ta", "tb")
+        for k in ("strategy=fsdp2", "fsdp_config.param_offload=true")
+    ]
+    spec = {
+        "world": 2,
+        "overrides": tiny_run_base + _keyed(teachers, sharded),
+        "batch": str(tmp_path / "batch.pt"),
+        "shares": [[0, 3, 1], [2, 4]],
+        "out": str(tmp_path),
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    script = Path(__file__).parents[1] / "workers" / "teacher_ranks.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "spec.json")], env=env, capture_output=True, text=True, timeout=600
+    )
+    errors = [line for line in done.stderr.splitlines() if "it/s]" not in line]  # without the progress bars
+    assert done.returncode == 0, "\n".join(errors[-40:])
+    cfg = load_config(None, tiny_run_base + _keyed(teachers))
+    plane = make_data_plane("memory")
+    meta = plane.kv_batch_put(keys=[f"k{i}" for i in range(5)], partition_id="p", fields=fields)
+    one = TeacherWorker(teacher_settings(cfg, build_run_plan(cfg, "cpu")), data_plane=plane)
+    out = one.compute_teacher_log_prob(meta.with_extra_info(**CALL))
+    want = plane.kv_batch_get(keys=meta.keys, partition_id="p", select_fields=out.fields)
+    mask = fields["response_mask"].bool()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"teacher_{rank}.pt", weights_only=False)
+        rows = [int(k[1:]) for k in got["keys"]]
+        for name in ("teacher_log_probs", "teacher_topk_log_probs"):
+            torch.testing.assert_close(got[name][mask[rows]], want[name][rows][mask[rows]], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got["teacher_topk_ids"][mask[rows]], want["teacher_topk_ids"][rows][mask[rows]])
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_at_start(tiny_run, tmp_path, capsys):

@@ -187,6 +187,8 @@ class TeacherWorker:
                     )
                 if own is not None:
                     routings.append(own.cpu())
+        if not real_rows:
+            return {}, None
         fields = {name: torch.cat(values) for name, values in parts.items()}
         assert set(fields) == set(TEACHER_FIELDS[st.needs])
         routing = None
