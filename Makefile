@@ -11,7 +11,7 @@ BASE_STAMP := $(VENV)/.installed-base
 DEV_STAMP := $(VENV)/.installed-dev
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-dev train lint test test-fast bench gpu-wheels clean
+.PHONY: install install-dev train distill distill-teacher lint test test-fast bench gpu-wheels clean
 
 install: $(BASE_STAMP)
 install-dev: $(DEV_STAMP)
@@ -42,6 +42,17 @@ $(DEV_STAMP): $(BASE_STAMP) benchmarks/requirements-no-deps.txt requirements-vll
 # the same whatever the machine's core count.
 train: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor train --config examples/tiny_cpu.yaml $(ARGS)
+
+# On-policy distillation (docs/distillation.md): `make distill` trains examples/distill_tiny.yaml's student, after
+# building its teacher (the default run, exported) when runs/distill_teacher_hf is not there yet.
+DISTILL_TEACHER := runs/distill_teacher_hf
+distill-teacher: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor train --config examples/tiny_cpu.yaml \
+		trainer.default_local_dir=runs/distill_teacher trainer.save_freq=0
+	rm -rf $(DISTILL_TEACHER) && $(VENV)/bin/conveyor export runs/distill_teacher --out $(DISTILL_TEACHER)
+distill: install
+	@test -f $(DISTILL_TEACHER)/config.json || $(MAKE) distill-teacher
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor train --config examples/distill_tiny.yaml $(ARGS)
 
 # Lint and formatting first (rules in pyproject.toml's [tool.ruff]): `ruff format` and `ruff check --fix`
 # mend most of what they report.

@@ -22,6 +22,7 @@ from conveyor.config.algorithm import AlgorithmConfig
 from conveyor.config.critic import CriticConfig
 from conveyor.config.data import DataConfig
 from conveyor.config.data_plane import TransferQueueConfig
+from conveyor.config.distillation import DistillationConfig
 from conveyor.config.fields import S, check, check_tree
 from conveyor.config.model import ModelConfig
 from conveyor.config.ray import RayConfig
@@ -66,6 +67,7 @@ class Config:
     algorithm: AlgorithmConfig = S(AlgorithmConfig, "advantages and KL")
     reward: RewardConfig = S(RewardConfig, "reward functions")
     reward_model: RewardModelConfig = S(RewardModelConfig, "reward shaping")
+    distillation: DistillationConfig = S(DistillationConfig, "on-policy distillation from teachers")
     trainer: TrainerConfig = S(TrainerConfig, "the loop")
     transfer_queue: TransferQueueConfig = S(TransferQueueConfig, "the data plane", resume_neutral=True)
     ray: RayConfig = S(RayConfig, "Ray", resume_neutral=True)

@@ -530,6 +530,27 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             ],
         )
     )
+    figures.append(
+        (
+            "distillation.png",
+            "On-policy distillation: the student against its teachers",
+            [
+                _lines_panel(
+                    records,
+                    ["distill/kl_exact", "distill/kl_k3", "distill/kl_k1"],
+                    "Student's KL to the teacher on its own samples (distill/kl_*)",
+                    "nats / token",
+                ),
+                _lines_panel(records, ["distill/loss"], "Distillation loss (distill/loss)", "loss"),
+                _lines_panel(
+                    records,
+                    ["distill/moe/routing_agreement"],
+                    "Student and teacher pick the same experts (distill/moe/routing_agreement)",
+                    "fraction",
+                ),
+            ],
+        )
+    )
     figures.append(("throughput.png", "Throughput and step time", list(_throughput_panels(records))))
     figures.append(
         (

@@ -49,6 +49,7 @@ import logging
 from conveyor.config import Config, ConfigError
 from conveyor.config.plan import OLD_LOG_PROB_SOURCES, RunPlan
 from conveyor.config.root import critic_in_use
+from conveyor.trainer.distillation import distillation_decision
 from conveyor.trainer.router_plan import auto_replay, check_router_controls
 
 logger = logging.getLogger(__name__)
@@ -296,6 +297,10 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         max_model_len = ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         why.append(f"{ro.name} max_model_len={max_model_len}")
 
+    use_teacher = cfg.distillation.enabled
+    if use_teacher:
+        why.append(distillation_decision(cfg))
+
     return RunPlan(
         device=device,
         engine=ro.name,
@@ -323,4 +328,5 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         critic_loss_scale=critic_scale,
         engine_max_model_len=max_model_len,
         decisions=tuple(why),
+        use_teacher=use_teacher,
     )

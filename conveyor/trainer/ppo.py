@@ -54,6 +54,7 @@ from conveyor.metrics.moe_router import (
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PromptEncoder
+from conveyor.trainer.distillation import teacher_stage
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.sources import build_source
@@ -249,6 +250,8 @@ class PPOTrainer:
             meta = run("old_log_prob", self._compute_old_log_prob, meta)
             if self.plan.use_reference:
                 meta = run("ref", self._compute_ref_log_prob, meta)
+            if self.plan.use_teacher:
+                meta = run("teacher", self._compute_teacher_log_prob, meta)
             if self.plan.use_critic:
                 meta = run("values", self._compute_values, meta)
             meta = run("adv", self._compute_advantage, meta)
@@ -306,6 +309,10 @@ class PPOTrainer:
         )
         out = self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         return out, _phase_memory(out.extra_info, "ref")
+
+    def _compute_teacher_log_prob(self, meta: KVBatchMeta) -> StageResult:
+        """Stage 5b (on-policy distillation): each sample's teacher writes its log-probs."""
+        return teacher_stage(self.workers.teacher, meta, self.cfg.actor_rollout_ref.rollout.temperature)
 
     def _compute_values(self, meta: KVBatchMeta) -> StageResult:
         """Stage 6: values from the critic."""
@@ -392,7 +399,7 @@ class PPOTrainer:
             raise NonFiniteError(
                 f"step {self.global_step}: field 'actor/pg_loss' is not finite ({merged['actor/pg_loss']})"
             )
-        return meta, {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in merged.items()}
+        return meta, {(k if k.startswith(("actor/", "distill/")) else f"actor/{k}"): v for k, v in merged.items()}
 
     def _compute_metrics(self, meta: KVBatchMeta) -> StageResult:
         """Stage 9: data metrics of the step (and, every interval, MoE router load balance)."""

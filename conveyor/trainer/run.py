@@ -33,6 +33,7 @@ from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
 from conveyor.rollout.base import engine_spec
 from conveyor.trainer import checkpoint as ckpt
+from conveyor.trainer.distillation import check_teachers
 from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
 from conveyor.trainer.run_dir import check_no_newer_checkpoints, check_resume, open_run_dir, write_config
@@ -129,6 +130,8 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     check_memory(cfg, plan, model_config, device)  # before any worker claims GPU memory: no OOM at the first wake-up
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)
     train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
+    if plan.use_teacher:
+        check_teachers(cfg, tokenizer, model_config)  # a teacher with other tokens is refused before any worker
 
     registry = server = gauges = None
     if cfg.trainer.prometheus.enabled:

@@ -118,6 +118,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "actor_loss_scale": 6.0,
         "critic_loss_scale": 6.0,  # data.max_response_length
         "engine_max_model_len": 64 + 6 if engine == "vllm" else None,
+        "use_teacher": False,  # distillation is off in the table (tests/trainer/test_distillation.py)
     }
 
 

@@ -5,7 +5,7 @@ each role's worker class and constructor arguments (the role's settings,
 `conveyor.workers.ranks.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
 build their ranks from these specs, so a setting cannot reach workers in this
 process and miss those on Ray (or the reverse). The model roles
-(`MODEL_ROLES`: actor, reference, critic) are colocated: rank i of each is
+(`MODEL_ROLES`: actor, reference, critic, teacher) are colocated: rank i of each is
 built by one `ColocatedWorker` in one process, here or in rank i's Ray actor;
 the reward worker runs on its own.
 
@@ -41,10 +41,12 @@ from conveyor.workers.placement.group import (
 )
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
+from conveyor.workers.ranks.distill import teacher_settings
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.reward import RewardWorker
 from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings, rollout_settings
+from conveyor.workers.ranks.teacher import TeacherWorker
 
 if TYPE_CHECKING:
     from conveyor.config.plan import RunPlan
@@ -60,6 +62,7 @@ __all__ = [
     "CriticGroup",
     "RewardGroup",
     "ReplicaGroup",
+    "TeacherGroup",
 ]
 
 
@@ -74,6 +77,9 @@ def worker_specs(
         specs["ref"] = WorkerSpec("ref", ReferenceWorker, {"settings": reference_settings(cfg, plan), **where}, plugins)
     if plan.use_critic:
         specs["critic"] = WorkerSpec("critic", CriticWorker, {"settings": critic_settings(cfg, plan), **where}, plugins)
+    if plan.use_teacher:  # its own checkpoints (teacher_settings), never the actor's model_path
+        kwargs = {"settings": teacher_settings(cfg, plan), "data_plane": data_plane, "device": device}
+        specs["teacher"] = WorkerSpec("teacher", TeacherWorker, kwargs, plugins)
     if plan.rollout_placement == "separate":
         specs["rollout"] = WorkerSpec(
             "rollout", ReplicaWorker, {"settings": rollout_settings(cfg, plan), **where}, plugins
@@ -298,6 +304,14 @@ class CriticGroup(_Role):
         self.ranks.call_all(CriticWorker.load_checkpoint, path, extra)
 
 
+class TeacherGroup(_Role):
+    """The frozen teachers of on-policy distillation."""
+
+    def compute_teacher_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """On every rank: each sample's teacher writes its log-probs (and top-k or full-vocabulary ones)."""
+        return self.ranks.call(TeacherWorker.compute_teacher_log_prob, meta)
+
+
 class RewardGroup(_Role):
     """The reward functions."""
 
@@ -316,6 +330,7 @@ class WorkerGroups:
     reward: RewardGroup
     rollout: ReplicaGroup | None = None  # placement=separate; None: the actor's ranks generate
     data_plane_server: Any = None  # serves the data plane to workers in processes of their own (rollout_process=own)
+    teacher: TeacherGroup | None = None  # on-policy distillation's teachers; None when distillation is off
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
@@ -324,7 +339,7 @@ class WorkerGroups:
     def shutdown(self) -> None:
         """Release every role's ranks."""
         try:
-            for role in (self.rollout, self.actor, self.ref, self.critic, self.reward):
+            for role in (self.rollout, self.actor, self.ref, self.critic, self.teacher, self.reward):
                 if role is not None:
                     role.shutdown()
         finally:
@@ -396,6 +411,7 @@ def build_worker_groups(
             else None
         ),
         data_plane_server=server,
+        teacher=TeacherGroup(groups["teacher"]) if "teacher" in groups else None,
     )
 
 

@@ -57,6 +57,7 @@ from conveyor.rollout.agent_loop import build_agent_loop
 from conveyor.rollout.base import EngineContext, GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
+from conveyor.workers.ranks.distill import distill_objective, student_forward
 from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
 from conveyor.workers.ranks.generation import Generation
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
@@ -531,6 +532,9 @@ class PolicyWorker(CheckpointEndpoints):
             fields.append("rollout_log_probs")
         if replay_on:
             fields.append("routed_experts")
+        distill = st.distill
+        if distill is not None:
+            fields += distill.fields
         td = self._get(meta, fields)
 
         if rejection:
@@ -569,10 +573,16 @@ class PolicyWorker(CheckpointEndpoints):
             routed = mb["routed_experts"].long() if replay_on else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
             with self.forward.update_replay(routed, mb):
+                with_entropy = acfg.entropy_coeff != 0 or report_entropy
                 # Inside the replay: the tap reads each router's own choice before a replay hook replaces it.
                 with controls.tap(self.forward.router_rows(mb, train=True), real) if controls else nullcontext():
-                    log_prob, entropy, _ = self._forward(
-                        mb, temperature, acfg.entropy_coeff != 0 or report_entropy, routed, train=True
+                    log_prob, entropy, logits = student_forward(
+                        self.forward,
+                        mb,
+                        temperature,
+                        with_entropy,
+                        routed,
+                        distill is not None and distill.needs_logits,
                     )
                 if proximal:
                     old = (log_prob.detach() * mb["response_mask"]).float()
@@ -602,6 +612,21 @@ class PolicyWorker(CheckpointEndpoints):
                     loss_scale_factor=scale,
                     policy_loss_kwargs=loss_kwargs,
                 )
+                if distill is not None:
+                    term, distill_metrics = distill_objective(
+                        distill,
+                        mb,
+                        mb[loss_mask].bool(),
+                        log_prob,
+                        old if proximal else mb["old_log_probs"],
+                        logits,
+                        temperature,
+                        loss_agg_mode=acfg.loss_agg_mode,
+                        norms={"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": scale},
+                    )
+                    # Pure distillation (use_task_rewards=false) drops the policy loss, as verl does.
+                    loss = loss + term if distill.use_task_rewards else term
+                    mb_metrics.update(distill_metrics)
                 if controls is not None and controls.aux_on:
                     # Weighted by the micro-batch's share of the mini-batch's tokens, as the policy loss is.
                     loss = loss + controls.aux_loss(float(mb[loss_mask].sum()), num_tokens, sums if real else None)
@@ -613,7 +638,7 @@ class PolicyWorker(CheckpointEndpoints):
             # compute_log_prob already logged the old policy's entropy under this name.
             sums.pop("entropy@sum", None)
             sums.pop("entropy@count", None)
-        metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics = {(k if k.startswith("distill/") else f"actor/{k}"): v for k, v in sums.items()}
         if proximal:  # for the metrics stage, which compares them with the rollout's
             self._put(meta, {"old_log_probs": proximal_lps})
         if call.moe_metrics and self.moe is not None:

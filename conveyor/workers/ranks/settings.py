@@ -21,6 +21,7 @@ import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from conveyor.workers.ranks.distill import distill_settings
 from conveyor.workers.training.batching import TokenBudget, token_budget
 from conveyor.workers.training.optim import total_optim_steps
 
@@ -68,6 +69,7 @@ class ActorSettings:
     serves_reference: bool = False  # LoRA: the actor also writes ref_log_prob, with its adapters disabled
     ref: Any = None  # actor_rollout_ref.ref when it serves the reference (its micro-batch size)
     ref_budget: TokenBudget | None = None  # and that reference forward's token budget
+    distill: Any = None  # on-policy distillation's term (`conveyor.workers.ranks.distill.DistillSettings`), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,7 @@ def actor_settings(cfg: Config, plan: RunPlan) -> ActorSettings:
         serves_reference=plan.reference_from_actor,
         ref=copy.deepcopy(arr.ref) if plan.reference_from_actor else None,
         ref_budget=_reference_budget(arr) if plan.reference_from_actor else None,
+        distill=distill_settings(cfg) if plan.use_teacher else None,
     )
 
 
