@@ -9,7 +9,8 @@ them, each timed over `--trials` rounds (the median round is reported):
 - the sandbox (`conveyor.tasks.sandbox`) with `max_concurrent` 1, 2 and 4 (`--concurrency`): a fresh folder,
   cleared environment, rlimits, namespaces where the kernel allows them, everything killed after.
 
-Printed: executions per second of each, and each one's ratio to the bare subprocess. Every result is checked
+Printed: executions per second of each (median round), and each one's ratio to the bare subprocess of the
+same round (median, min and max over the rounds). Every result is checked
 (score 1.0), so a fast wrong sandbox cannot win.
 
     python benchmarks/rewards.py
@@ -88,16 +89,19 @@ def sandbox_section(args: argparse.Namespace) -> dict[str, float]:
         for c in args.concurrency:
             rounds[f"sandbox, max_concurrent={c}"].append(sandboxed(programs, sandbox, c))
     rates = {name: len(programs) / statistics.median(secs) for name, secs in rounds.items()}
-    base = rates["subprocess.run per sample"]
+    bare = rounds["subprocess.run per sample"]
+    # Each round's ratio against that round's bare run: the machine's load drifts between rounds, not within one.
+    ratios = {name: [b / s for b, s in zip(bare, secs)] for name, secs in rounds.items()}
     print(
         f"\nsandboxed code execution: {len(programs)} code-task programs, isolation={sandbox.isolation}, "
-        f"{os.cpu_count()} CPUs, median of {args.trials} rounds"
+        f"{os.cpu_count()} CPUs, {args.trials} rounds (median, and min..max of the per-round ratio)"
     )
-    print(f"  {'':34s} {'exec/s':>8s} {'x bare':>8s}")
+    print(f"  {'':34s} {'exec/s':>8s} {'x bare':>8s}  {'min..max':>11s}")
     for name, rate in rates.items():
-        print(f"  {name:34s} {rate:8.1f} {rate / base:8.2f}")
+        r = ratios[name]
+        print(f"  {name:34s} {rate:8.1f} {statistics.median(r):8.2f}  {min(r):5.2f}..{max(r):<5.2f}")
     figures = {f"{name} exec/s": rate for name, rate in rates.items()}
-    figures.update({f"{name} / bare": rate / base for name, rate in rates.items()})
+    figures.update({f"{name} / bare": statistics.median(r) for name, r in ratios.items()})
     figures["isolation=namespaces"] = float(sandbox.isolation == "namespaces")
     return figures
 

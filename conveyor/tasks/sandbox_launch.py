@@ -1,7 +1,7 @@
 """The sandbox's launcher: run by the base interpreter (``python -I -S``), it confines one program and reports.
 
-`conveyor.tasks.sandbox` starts this file as a script with one argument, a JSON
-object of settings, in a new session (its own process group), with a cleared
+`conveyor.tasks.sandbox` starts this file as a script with one argument, its
+settings (a dict, marshalled, in hex), in a new session (its own process group), with a cleared
 environment, in a fresh directory, stdout and stderr pointed at files, and the
 write end of a status pipe as file descriptor 3. It then:
 
@@ -13,25 +13,25 @@ write end of a status pipe as file descriptor 3. It then:
    ``/sandbox`` holding the program, and chroots into it; the network namespace
    has no interface up, and the PID namespace hides every process outside it;
 3. forks the program's process (under a supervisor), which sets the rlimits (CPU seconds, address
-   space, processes, open files, file size, no core), forbids new privileges and
-   execs the interpreter on the program: the exec drops every capability the
-   namespaces gave, since the program's user is not root there;
+   space, processes, open files, file size, no core), forbids new privileges,
+   clears every capability the namespaces gave, and runs the program as
+   ``__main__`` in this interpreter (started once, with ``-I -S``: a second
+   start per program would double what a short one costs);
 4. the program's parent, a small supervisor (init of the PID namespace), reports
    its wait status and CPU seconds; the launcher waits at most `wall_s`, then
    kills what is left: the namespace's init (the kernel then kills every process
    in the namespace) or, without namespaces, every descendant (it is their
    subreaper, so none escapes by double-forking);
-5. writes one JSON line to the status pipe: how the program ended.
+5. writes a marshalled dict to the status pipe: how the program ended.
 
 It imports only the standard library: it runs outside the trainer's environment,
 and before its own confinement is complete, so it must stay small enough to read.
 """
 
 import ctypes
-import json
+import marshal
 import os
 import resource
-import signal
 import sys
 import time
 
@@ -55,6 +55,7 @@ MS_RELATIME = 1 << 21
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
+SIGKILL = 9  # the signal module is not imported: its enums cost more than a short program
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
 # The interpreter's own symbols include libc's (ctypes.util.find_library would start ldconfig: slower than a run).
@@ -183,7 +184,7 @@ def _kill_all(child, namespaced):
     if namespaced:
         # Killing a PID namespace's init makes the kernel kill every process in the namespace.
         try:
-            os.kill(child, signal.SIGKILL)
+            os.kill(child, SIGKILL)
         except ProcessLookupError:
             pass
     else:
@@ -193,7 +194,7 @@ def _kill_all(child, namespaced):
                 break
             for pid in pids:
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, SIGKILL)
                 except ProcessLookupError:
                     pass
             while True:
@@ -210,38 +211,98 @@ def _kill_all(child, namespaced):
             break
 
 
-def _supervise(argv, cfg, report_fd):
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities():
+    """Clear every capability (those a new user namespace gives its creator; a root launcher has none left)."""
+    data = (_CapData * 2)()
+    _call("capset", ctypes.byref(_CapHeader(0x20080522, 0)), data)  # _LINUX_CAPABILITY_VERSION_3
+
+
+def _run_program(entry, env):
+    """Run `entry` as ``__main__`` in this interpreter (already started: a second start would double the cost of a
+    short program) and exit as ``python entry`` would."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [entry]
+    code = 0
+    try:
+        with open(entry, "rb") as f:
+            code = compile(f.read(), entry, "exec")
+        main = type(sys)("__main__")  # a fresh __main__ module, as `python entry` makes (runpy costs an import)
+        main.__file__ = entry
+        sys.modules["__main__"] = main
+        exec(code, main.__dict__)
+        code = 0
+    except MemoryError:
+        # Printing a traceback needs memory the program may still hold: the last line is what the report reads.
+        os.write(2, b"MemoryError\n")
+        os._exit(1)
+    except SystemExit as stop:
+        code = stop.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            os.write(2, f"{code}\n".encode(errors="replace"))
+            code = 1
+    except BaseException:  # noqa: BLE001 - any failure of the program is its exit status 1, as python's own
+        import traceback
+
+        try:
+            traceback.print_exc()
+        except BaseException:  # noqa: BLE001 - stderr past its size limit
+            pass
+        code = 1
+    try:
+        sys.stdout.flush()
+    except OSError as err:  # output past its size limit: said on stderr, as python's own exit would
+        os.write(2, f"OSError: {err}\n".encode())
+        code = code or 1
+    try:
+        sys.stderr.flush()
+    except OSError:
+        code = code or 1
+    os._exit(code & 0xFF)
+
+
+def _supervise(cfg, report_fd):
     """The program's parent (init of the PID namespace): run it under the limits, report how it ended, exit.
 
     Init of a PID namespace ignores signals it has no handler for, the kernel's SIGXCPU and SIGXFSZ included, so
     the program never runs as init; its exit also ends every process left in the namespace.
     """
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the launcher gone: nothing may outlive it
+    _libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # the launcher gone: nothing may outlive it
     program = os.fork()
     if program == 0:
         try:
             os.close(report_fd)
             _set_limits(cfg)
             _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            os.execve(argv[0], argv, cfg["env"])
+            _drop_capabilities()
         except BaseException as err:  # noqa: BLE001 - reported as the program's failure, whatever it was
             os.write(2, f"sandbox: cannot start the program: {err}\n".encode())
-        finally:
             os._exit(71)
+        _run_program(cfg["entry"], cfg["env"])
     while True:
         try:
             _, wait_status, usage = os.wait4(program, 0)
             break
         except InterruptedError:
             continue
-    os.write(report_fd, json.dumps([wait_status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss]).encode())
+    os.write(report_fd, marshal.dumps((wait_status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss), 4))
     os._exit(0)
 
 
 def main():
-    """Confine and run the program described by the JSON settings in argv[1]; report on their `status_fd`."""
-    cfg = json.loads(sys.argv[1])
-    status = os.fdopen(cfg["status_fd"], "w")
+    """Confine and run the program the settings in argv[1] describe (marshal, in hex); report on their `status_fd`."""
+    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))  # marshal is built in: json's import costs a short program's run
+    status = os.fdopen(cfg["status_fd"], "wb")
     try:
         namespaced = cfg["isolation"] == "namespaces"
         if namespaced:
@@ -254,10 +315,9 @@ def main():
         if not namespaced:
             _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except OSError as err:
-        status.write(json.dumps({"outcome": "sandbox_error", "detail": str(err)}) + "\n")
+        status.write(marshal.dumps({"outcome": "sandbox_error", "detail": str(err)}, 4))
         status.close()
         return 70
-    argv = [cfg["python"], "-I", "-S", "-B", cfg["entry"]]
     report_r, report_w = os.pipe()
     start = time.monotonic()
     supervisor = os.fork()
@@ -265,7 +325,7 @@ def main():
         try:
             status.close()
             os.close(report_r)
-            _supervise(argv, cfg, report_w)
+            _supervise(cfg, report_w)
         finally:
             os._exit(72)
     os.close(report_w)
@@ -278,17 +338,17 @@ def main():
         time.sleep(0.002)
     wall = time.monotonic() - start
     _kill_all(supervisor, namespaced)
-    with os.fdopen(report_r) as f:
+    with os.fdopen(report_r, "rb") as f:
         text = f.read()
     report = {"outcome": "timeout" if timed_out else "lost", "exit_code": None, "signal": None, "wall_s": wall}
     if text and not timed_out:
-        wait_status, cpu_s, rss = json.loads(text)
+        wait_status, cpu_s, rss = marshal.loads(text)
         report.update(cpu_s=cpu_s, max_rss_kb=rss)
         if os.WIFSIGNALED(wait_status):
             report.update(outcome="signal", signal=os.WTERMSIG(wait_status))
         else:
             report.update(outcome="exited", exit_code=os.WEXITSTATUS(wait_status))
-    status.write(json.dumps(report) + "\n")
+    status.write(marshal.dumps(report, 4))
     status.close()
     return 0
 

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import string
+import sys
 import threading
 
 import pytest
@@ -36,7 +37,7 @@ _LIMITS = {"timeout_s": 2.0, "cpu_limit_s": 1.0, "memory_limit_mb": 256, "max_pr
 def _python_for(mode: str) -> str | None:
     """An interpreter the mode can run: without namespaces a root trainer runs programs as nobody, who must reach
     the interpreter (a pyenv under /root is closed to it; the system's python3 is not)."""
-    py = os.path.realpath(os.sys.executable)
+    py = os.path.realpath(sys.executable)
     if mode == "namespaces" or os.geteuid() != 0:
         return None
     if all(os.stat(p).st_mode & 0o001 for p in _path_and_parents(py)):
@@ -110,7 +111,7 @@ def _hostile(tmp_path, port: int, mode: str) -> dict[str, str]:
     }
     if mode == "namespaces":  # what only namespaces contain (docs/RELIABILITY.md)
         cases["opens a socket"] = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"
-        cases["reads a world-readable file"] = f"assert open({os.path.abspath('pyproject.toml')!r}).read()"
+        cases["reads a world-readable file"] = f"assert open({os.path.abspath(__file__)!r}).read()"
         cases["writes to /tmp"] = "open('/tmp/conveyor-planted.txt', 'w').write('x')"
     elif os.geteuid() != 0:
         pytest.skip("without namespaces, a trainer that is not root shares its user (and its signals) with programs")
@@ -253,7 +254,7 @@ def test_a_sandbox_that_cannot_run_stops_the_run_naming_the_key(tmp_path):
     if os.geteuid() == 0:  # a root trainer runs programs as nobody, who cannot reach an interpreter under tmp_path
         tmp_path.chmod(0o700)
         python = tmp_path / "python3"
-        python.symlink_to(os.path.realpath(os.sys.executable))
+        python.symlink_to(os.path.realpath(sys.executable))
         closed = Sandbox(isolation="rlimits", python=str(python))
         closed.python = str(python)
         with pytest.raises(SandboxError, match="reward.sandbox.python"):
