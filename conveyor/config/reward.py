@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.config.fields import F, S, check
+from conveyor.config.sandbox import SandboxConfig
 
 __all__ = ["CustomRewardFunctionConfig", "RewardConfig", "OverlongBufferConfig", "RewardModelConfig"]
 
@@ -45,6 +46,7 @@ class RewardConfig:
         ge=0,
         hint="0 = no limit",
     )
+    sandbox: SandboxConfig = S(SandboxConfig, "the sandbox that runs programs for code-execution rewards")
 
 
 @dataclass

@@ -7,6 +7,7 @@ A prompt record is a plain dict in verl's format: ``data_source`` (str),
 """
 
 from conveyor.tasks.arithmetic_tool import ARITHMETIC_TOOL_DATA_SOURCE, make_arithmetic_tool_records
+from conveyor.tasks.code import CODE_DATA_SOURCE, code_tests_score, make_code_records
 from conveyor.tasks.dataset import TRUNCATION_MODES, PromptDataset, check_prompt_length, render_prompt
 from conveyor.tasks.parquet import load_parquet_records, write_parquet_records
 from conveyor.tasks.rewards import (
@@ -26,12 +27,17 @@ from conveyor.tasks.synthetic import (
 )
 
 #: data.synthetic.task -> the function making its records: fn(n, *, seed, max_operand, ops, split) -> list[dict].
-SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_records, "arithmetic_tool": make_arithmetic_tool_records}
+SYNTHETIC_TASKS = {
+    "arithmetic": make_arithmetic_records,
+    "arithmetic_tool": make_arithmetic_tool_records,
+    "code": make_code_records,
+}
 
 __all__ = [
     "ARITHMETIC_ALPHABET",
     "ARITHMETIC_DATA_SOURCE",
     "ARITHMETIC_TOOL_DATA_SOURCE",
+    "CODE_DATA_SOURCE",
     "REWARD_FNS",
     "SYNTHETIC_TASKS",
     "TRUNCATION_MODES",
@@ -39,6 +45,7 @@ __all__ = [
     "RewardFunctionError",
     "arithmetic_split",
     "check_prompt_length",
+    "code_tests_score",
     "compute_score",
     "extract_gsm8k_answer",
     "get_reward_fn",
@@ -46,6 +53,7 @@ __all__ = [
     "load_parquet_records",
     "make_arithmetic_records",
     "make_arithmetic_tool_records",
+    "make_code_records",
     "register_reward_fn",
     "render_prompt",
     "write_parquet_records",

@@ -191,18 +191,24 @@ def finite_score(result: Any, label: str, context: str = "") -> float:
     return value
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *, sandbox: Any = None
+) -> float:
     """Score one solution with the reward function for `data_source`, as a finite float.
 
-    Raises `ValueError` for an unknown data source and `RewardFunctionError`
-    when the function raises (or calls sys.exit) or returns something other
-    than a finite number.
+    A function marked `runs_code` (`conveyor.tasks.sandbox`) is given
+    `sandbox` to run the solution in. Raises `ValueError` for an unknown data
+    source and `RewardFunctionError` when the function raises (or calls
+    sys.exit) or returns something other than a finite number.
     """
     fn = get_reward_fn(data_source)
     preview = solution_str[:_SOLUTION_PREVIEW_CHARS] if isinstance(solution_str, str) else solution_str
     label = f"reward function {reward_fn_name(fn)} for data_source {data_source!r}"
     try:
-        result = fn(solution_str, ground_truth, extra_info)
+        if getattr(fn, "runs_code", False):
+            result = fn(solution_str, ground_truth, extra_info, sandbox=sandbox)
+        else:
+            result = fn(solution_str, ground_truth, extra_info)
     except (Exception, SystemExit) as e:  # sys.exit in a reward function must not end the run quietly
         raise RewardFunctionError(f"{label} {describe_failure(e)}; solution starts with {preview!r}") from e
     return finite_score(result, label, f"; solution starts with {preview!r}")

@@ -95,6 +95,7 @@ def worker_specs(
             "custom_reward_name": custom.name,
             "timeout_s": cfg.reward.timeout_s,
             "overlong_buffer": _overlong(cfg),
+            "sandbox": dataclasses.asdict(cfg.reward.sandbox),
         },
         plugins,
     )

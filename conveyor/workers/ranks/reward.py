@@ -17,6 +17,12 @@ A function that calls `sys.exit` is an error like one that raises, and one
 call that takes longer than `reward.timeout_s` stops the run with an error
 naming the function and the sample. Python cannot stop a thread, so the hung
 call is abandoned (in a daemon thread), not stopped: the run ends instead.
+
+A reward that runs the response as a program (marked `runs_code`, such as
+`synthetic/code`) is given a sandbox (`reward.sandbox`): its samples run
+`max_concurrent` at once, each killed past its own wall clock, and every
+execution is counted by how it ended (`reward/sandbox/<outcome>`); a hostile
+program scores 0 and the run goes on.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from conveyor.tasks.rewards import (
     get_reward_fn,
     reward_fn_name,
 )
+from conveyor.tasks.sandbox import SandboxPool, sandbox_metrics, sandbox_pool
 from conveyor.user_code import is_file_source, user_attribute
 from conveyor.workers.ranks.perf import result_handle
 
@@ -78,6 +85,7 @@ class RewardWorker:
         custom_reward_name: str = "compute_score",
         timeout_s: float = 30.0,
         overlong_buffer: tuple[int, int, float, bool] | None = None,
+        sandbox: dict[str, Any] | None = None,
     ):
         if not timeout_s >= 0:
             raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
@@ -89,11 +97,14 @@ class RewardWorker:
         self.custom_label = f"custom reward function {custom_reward_name} from {custom_reward_path}"
         # (max_response_length, buffer length, penalty factor, log): DAPO's soft overlong punishment.
         self.overlong_buffer = overlong_buffer
+        # The reward.sandbox keys; the pool is built when a sample's reward first runs code.
+        self.sandbox_settings = sandbox
+        self.sandbox: SandboxPool | None = None
 
     def _score(self, source: str, text: str, truth: str) -> float:
         """One sample's score, finite as a float32; RewardFunctionError when the function raises or returns junk."""
         if self.custom_fn is None:
-            value = compute_score(source, text, truth)
+            value = compute_score(source, text, truth, sandbox=self.sandbox.sandbox if self.sandbox else None)
         else:
             value = self._custom_score(source, text, truth)
         # Scores are stored as float32: a finite double beyond its range would become inf there.
@@ -107,7 +118,10 @@ class RewardWorker:
     def _custom_score(self, source: str, text: str, truth: str) -> float:
         """The user's function on one sample, checked like the registry's (raises or non-finite: an error)."""
         try:
-            result = self.custom_fn(source, text, truth, None)
+            if getattr(self.custom_fn, "runs_code", False):
+                result = self.custom_fn(source, text, truth, None, sandbox=self._pool().sandbox)
+            else:
+                result = self.custom_fn(source, text, truth, None)
         except (Exception, SystemExit) as err:  # sys.exit in a reward function must not end the run quietly
             raise RewardFunctionError(f"{self.custom_label} {describe_failure(err)}") from err
         return finite_score(result, self.custom_label)
@@ -121,16 +135,50 @@ class RewardWorker:
         except ValueError:
             return f"the reward function for data_source {source!r}"
 
+    def _runs_code(self, source: str) -> bool:
+        """Whether the reward of `source` runs the response as a program (marked `runs_code`)."""
+        if self.custom_fn is not None:
+            return bool(getattr(self.custom_fn, "runs_code", False))
+        try:
+            return bool(getattr(get_reward_fn(source), "runs_code", False))
+        except ValueError:
+            return False  # an unknown data source is reported, with the registered ones, when it is scored
+
+    def _pool(self) -> SandboxPool:
+        """The sandbox pool (reward.sandbox), built on first use."""
+        if self.sandbox is None:
+            if self.sandbox_settings is None:
+                raise ValueError("this reward worker has no reward.sandbox settings, so it cannot run code")
+            self.sandbox = sandbox_pool(self.sandbox_settings)
+        return self.sandbox
+
     def _score_all(
         self, keys: list[str], samples: list[tuple[str, str, str]], cpu: list[float] | None = None
     ) -> list[float]:
         """Every sample's score; a failed or hung call stops the run with a SampleRewardError naming the sample.
 
-        The calls run in a daemon thread so that one that hangs past
-        `timeout_s` can be given up on (`conveyor.deadline`): a thread cannot
-        be killed, so the call is left running while the run stops with an
-        error naming the function.
+        Rewards that run code go to the sandbox pool, `max_concurrent` at once: each execution has its own wall
+        clock and is killed past it, so none can hang. The other calls run in a daemon thread so that one that
+        hangs past `timeout_s` can be given up on (`conveyor.deadline`): a thread cannot be killed, so the call is
+        left running while the run stops with an error naming the function.
         """
+        code = [i for i, sample in enumerate(samples) if self._runs_code(sample[0])]
+        if not code:
+            return self._score_calls(keys, samples, cpu)
+        pool = self._pool()
+        scores: list[float] = [0.0] * len(samples)
+        for i, value in zip(code, pool.map(lambda i: self._score_one(keys[i], *samples[i]), code)):
+            scores[i] = value
+        in_sandbox = set(code)
+        rest = [i for i in range(len(samples)) if i not in in_sandbox]
+        for i, value in zip(rest, self._score_calls([keys[i] for i in rest], [samples[i] for i in rest], cpu)):
+            scores[i] = value
+        return scores
+
+    def _score_calls(
+        self, keys: list[str], samples: list[tuple[str, str, str]], cpu: list[float] | None = None
+    ) -> list[float]:
+        """Scores of rewards that run no code, each call under `timeout_s`."""
         try:
             return map_with_deadline(
                 lambda i: self._score_one(keys[i], *samples[i]),
@@ -200,6 +248,8 @@ class RewardWorker:
         self.data_plane.kv_batch_put(
             keys=meta.keys, partition_id=meta.partition_id, fields={"rm_scores": rm_scores, "acc": acc}
         )
+        if self.sandbox is not None:  # each program run, by how it ended: hostile ones are counted, not hidden
+            metrics.update(sandbox_metrics(*self.sandbox.sandbox.pop_counts()))
         # Where a step's CPU goes (benchmarks/async.py): this thread's and the scoring thread's.
         metrics["reward/perf/cpu_s"] = time.thread_time() - cpu0 + sum(scoring_cpu)
         return result_handle(meta, ["rm_scores", "acc"], metrics)
