@@ -46,6 +46,8 @@ class RunPlan:
     critic_loss_scale: float  # and of the critic's
     engine_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
     decisions: tuple[str, ...]  # what was decided and why, in words
+    use_reward_model: bool = False  # reward_model.enable: a reward model scores every response after the rule reward
+    reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
 
     @property
     def bypass(self) -> bool:
