@@ -738,6 +738,22 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
         "trainer.v1.separate_async.rollout_process",
     }
+    # The reward model's batching, strategy and placement move how and where it scores, not its scores (its
+    # FSDP section's training keys change nothing: it has no optimizer and no gradients).
+    reward_model = {
+        f"reward_model.{k}"
+        for k in (
+            "micro_batch_size_per_gpu",
+            "use_dynamic_bsz",
+            "forward_max_token_len_per_gpu",
+            "strategy",
+            "placement",
+            "num_workers",
+            "fsdp_config.param_offload",
+            "fsdp_config.optimizer_offload",
+            "fsdp_config.defer_grad_sync",
+        )
+    }
     later = (
         {
             "actor_rollout_ref.ref.fsdp_config.optimizer_offload",
@@ -749,6 +765,7 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
         }
         | budgets
         | placement
+        | reward_model
         | {
             f"{role}.fsdp_config.defer_grad_sync"
             for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")

@@ -3,7 +3,7 @@
 `PromptEncoder` renders each record's chat messages (`render_prompt`),
 tokenizes them, applies `data.truncation`, left-pads the batch into
 `prompts` / `prompt_mask` and fills the list fields later stages read
-(`uid`, `data_source`, `ground_truth`, `raw_prompt`). The trainer runs it to
+(`uid`, `data_source`, `ground_truth`, `raw_prompt`, `prompt_messages`). The trainer runs it to
 put a batch's prompts into the data plane; a rollout replica in a process
 of its own runs the same code on the records its generation call carries
 (`RENDER_PROMPTS`), and writes the prompts with the rollout's fields in one
@@ -27,7 +27,11 @@ import torch
 
 from conveyor.tasks.dataset import check_prompt_length, render_prompt
 
-__all__ = ["PromptEncoder", "RENDER_PROMPTS", "sample_keys", "uid_of"]
+__all__ = ["PromptEncoder", "RENDER_PROMPTS", "PROMPT_MESSAGES", "sample_keys", "uid_of"]
+
+#: The field of each sample's prompt as its record gives it (chat messages): a reward model with a
+#: chat template of its own renders the conversation from it.
+PROMPT_MESSAGES = "prompt_messages"
 
 # The `extra_info` entry of a generation call whose replica renders its prompts: {"records": {uid: record},
 # "width": the batch's prompt width}.
@@ -118,6 +122,7 @@ class PromptEncoder:
             "data_source": [records[i]["data_source"] for i in rows],
             "ground_truth": [str(records[i]["reward_model"]["ground_truth"]) for i in rows],
             "raw_prompt": [texts[i] for i in rows],
+            PROMPT_MESSAGES: [records[i].get("prompt") for i in rows],
         }
         return fields, [len(token_lists[i]) for i in rows]
 

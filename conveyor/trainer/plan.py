@@ -34,6 +34,8 @@ The rules:
   reference: whether a KL term (loss or reward) is on; with LoRA on
   (`actor_rollout_ref.model.lora_rank > 0`) it is the actor with its adapters
   disabled, and no reference model is built.
+- reward model: `reward_model.enable`; its ranks where `reward_model.placement` puts them, except that an
+  asynchronous run on Ray places them apart (`trainer/reward_plan.py`).
 - loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
   the critic's own, else the actor's.
 
@@ -50,6 +52,7 @@ from conveyor.config import Config, ConfigError
 from conveyor.config.plan import OLD_LOG_PROB_SOURCES, RunPlan
 from conveyor.config.root import critic_in_use
 from conveyor.trainer.distillation import distillation_decision
+from conveyor.trainer.reward_plan import reward_model_decision
 from conveyor.trainer.router_plan import auto_replay, check_router_controls
 
 logger = logging.getLogger(__name__)
@@ -301,7 +304,10 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     if use_teacher:
         why.append(distillation_decision(cfg))
 
+    rm_on, rm_placement = reward_model_decision(cfg, why)
     return RunPlan(
+        use_reward_model=rm_on,
+        reward_model_placement=rm_placement,
         device=device,
         engine=ro.name,
         engine_returns_routing=engine_routing,

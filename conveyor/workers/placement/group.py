@@ -43,7 +43,8 @@ __all__ = [
 ]
 
 # The roles that hold a copy of the model: rank i of each lives in one process (this one, or rank i's Ray actor).
-MODEL_ROLES = ("actor", "ref", "critic", "teacher")
+# The reward model ("rm") is one of them unless it is placed apart (reward_model.placement=separate).
+MODEL_ROLES = ("actor", "ref", "critic", "teacher", "rm")
 
 # An endpoint is named by the worker class's own method (`PolicyWorker.update_actor`), never by a string.
 Endpoint = Callable[..., Any]

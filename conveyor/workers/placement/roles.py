@@ -39,12 +39,14 @@ from conveyor.workers.placement.group import (
     WorkerSpec,
     use_ray,
 )
+from conveyor.workers.placement.reward_model import build_separate_reward_model, separate_reward_model
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
 from conveyor.workers.ranks.distill import teacher_settings
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.reward import RewardWorker
+from conveyor.workers.ranks.reward_model import RewardModelWorker, reward_model_settings
 from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings, rollout_settings
 from conveyor.workers.ranks.teacher import TeacherWorker
 
@@ -61,6 +63,7 @@ __all__ = [
     "RefGroup",
     "CriticGroup",
     "RewardGroup",
+    "RewardModelGroup",
     "ReplicaGroup",
     "TeacherGroup",
 ]
@@ -84,6 +87,10 @@ def worker_specs(
         specs["rollout"] = WorkerSpec(
             "rollout", ReplicaWorker, {"settings": rollout_settings(cfg, plan), **where}, plugins
         )
+    if plan.use_reward_model:
+        rm_kwargs = {"settings": reward_model_settings(cfg, plan), "policy_tokenizer": tokenizer, **where}
+        rm_kwargs.pop("model_path")
+        specs["rm"] = WorkerSpec("rm", RewardModelWorker, rm_kwargs, plugins)
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec(
         "reward",
@@ -321,6 +328,14 @@ class RewardGroup(_Role):
         return self.ranks.call(RewardWorker.compute_reward, meta)
 
 
+class RewardModelGroup(_Role):
+    """The reward model (reward_model.enable)."""
+
+    def compute_rm_score(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 3, after the rule reward: the model's score, summed into rm_scores with the rule reward."""
+        return self.ranks.call(RewardModelWorker.compute_rm_score, meta)
+
+
 @dataclasses.dataclass
 class WorkerGroups:
     """The roles of a run; ref and critic are None when unused."""
@@ -332,6 +347,7 @@ class WorkerGroups:
     rollout: ReplicaGroup | None = None  # placement=separate; None: the actor's ranks generate
     data_plane_server: Any = None  # serves the data plane to workers in processes of their own (rollout_process=own)
     teacher: TeacherGroup | None = None  # on-policy distillation's teachers; None when distillation is off
+    reward_model: RewardModelGroup | None = None  # reward_model.enable
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
@@ -340,7 +356,7 @@ class WorkerGroups:
     def shutdown(self) -> None:
         """Release every role's ranks."""
         try:
-            for role in (self.rollout, self.actor, self.ref, self.critic, self.teacher, self.reward):
+            for role in (self.rollout, self.actor, self.ref, self.critic, self.teacher, self.reward, self.reward_model):
                 if role is not None:
                     role.shutdown()
         finally:
@@ -360,18 +376,28 @@ def build_worker_groups(
         specs = worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
         if getattr(data_plane, "backend", None) == "memory":  # a Ray on this machine (`serves_memory_plane`)
             server, specs = _served(specs, data_plane)
+        specs, rm_apart = separate_reward_model(plan, specs)
         try:
             groups = build_ray_worker_groups(cfg, specs, server.client() if server is not None else data_plane)
+            try:
+                groups.update(build_separate_reward_model(cfg, rm_apart, ray=True))
+            except BaseException:
+                for group in groups.values():
+                    group.shutdown()
+                raise
         except BaseException:
             if server is not None:
                 server.close()
             raise
     else:
-        specs = worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
+        specs, rm_apart = separate_reward_model(
+            plan, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
+        )
         # The model roles share one process as they share a Ray rank's (`ColocatedWorker`, built in order).
         host = ColocatedWorker(0, 1, [spec for role, spec in specs.items() if role in MODEL_ROLES])
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
+            groups.update(build_separate_reward_model(cfg, rm_apart, ray=False))
             if plan.rollout_process == "own":
                 server, remote = _own_process_groups(cfg, specs, data_plane)
                 groups.update(remote)
@@ -413,6 +439,7 @@ def build_worker_groups(
         ),
         data_plane_server=server,
         teacher=TeacherGroup(groups["teacher"]) if "teacher" in groups else None,
+        reward_model=RewardModelGroup(groups["rm"]) if "rm" in groups else None,
     )
 
 

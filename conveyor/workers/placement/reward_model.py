@@ -1,0 +1,52 @@
+"""Where the reward model's ranks run when it is placed apart from the actor (`reward_model.placement=separate`).
+
+Colocated (the default), the reward model is one of the model roles (`MODEL_ROLES`): rank i lives in the
+actor's rank-i process, here or in a Ray actor, and shares its device. Placed apart, it gets ranks of its own:
+`reward_model.num_workers` Ray actors (a GPU each on a GPU run) with their own process group, so its fsdp2
+shards are spread over them; a run in one process builds its single rank beside the others.
+
+What it deliberately does not do: build the worker (`conveyor.workers.ranks.reward_model`) or decide the
+placement (`conveyor.trainer.reward_plan`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from conveyor.workers.placement.group import LocalWorkerGroup, WorkerGroup, WorkerSpec
+
+if TYPE_CHECKING:
+    from conveyor.config.plan import RunPlan
+
+__all__ = ["separate_reward_model", "build_separate_reward_model"]
+
+
+def separate_reward_model(
+    plan: RunPlan, specs: dict[str, WorkerSpec]
+) -> tuple[dict[str, WorkerSpec], WorkerSpec | None]:
+    """(`specs` without the reward model's when it is placed apart, that spec or None)."""
+    if "rm" not in specs or plan.reward_model_placement != "separate":
+        return specs, None
+    rest = dict(specs)
+    return rest, rest.pop("rm")
+
+
+def build_separate_reward_model(cfg: Any, spec: WorkerSpec | None, *, ray: bool) -> dict[str, WorkerGroup]:
+    """{"rm": its group} for a reward model placed apart (Ray actors of its own, or one rank here); {} otherwise."""
+    if spec is None:
+        return {}
+    if not ray:
+        return {"rm": LocalWorkerGroup(spec)}
+    from conveyor.workers.placement.ray_group import RayWorkerGroup
+
+    gpu = cfg.trainer.n_gpus_per_node > 0
+    return {
+        "rm": RayWorkerGroup(
+            spec,
+            world_size=cfg.reward_model.num_workers,
+            num_cpus=cfg.ray.worker_cpus,
+            num_gpus=1.0 if gpu else 0.0,
+            nnodes=1,
+            timeout_s=cfg.ray.timeout_s,
+        )
+    }
