@@ -70,12 +70,28 @@ def run_training(cfg: Config) -> dict[str, float]:
     stops = StopSignals(save_on_interrupt=False, step=lambda: 0).install()
     try:
         lock = open_run_dir(cfg)
+        log_file = _log_to_file(run_dir / "train.log")
         try:
             return _train_in(cfg, run_dir, device, plan)
         finally:
+            if log_file is not None:
+                logging.getLogger().removeHandler(log_file)
+                log_file.close()
             lock.release()
     finally:
         stops.restore()
+
+
+def _log_to_file(path: Path) -> logging.Handler | None:
+    """Copy the run's log into `path` (appended to on a resume): a terminal that goes away takes its stderr with it."""
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError:  # an unusable run directory is reported where the config is written, with the key to change
+        return None
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def _resume_check(cfg: Config, run_dir: Path) -> bool:
