@@ -206,4 +206,4 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
             server.shutdown()
         shutdown_ray(ray_started)  # after the data plane: its storage actors live in Ray
         if reaper is not None:
-            reaper.release()
+            reaper.release(sweep=failed)
