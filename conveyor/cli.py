@@ -214,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         return _usage_error(str(err))
     except Exception as err:
+        from conveyor.workers.placement.recovery import RunFailed
+
+        if isinstance(err, RunFailed) and not os.environ.get("CONVEYOR_DEBUG"):  # a fault the run cannot survive
+            _say(f"error: {one_line(str(err))}")
+            return 1
         # A full disk, a read-only or missing folder, a path under a file: the environment's fault, said in one
         # line. Any other exception is a bug and keeps its traceback.
         cause = environment_error(err)

@@ -43,6 +43,7 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopSignals
+from conveyor.workers.placement.recovery import stopped_by_fault
 from conveyor.workers.placement.roles import build_worker_groups
 from conveyor.workers.ranks.perf import frozen_heap
 from conveyor.workers.training.memory_budget import check_memory
@@ -191,8 +192,15 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
             model_config=model_config,
             prometheus=gauges,
         )
-        with frozen_heap():  # what is built now lives as long as the run: no garbage collection walks it again
-            result = trainer.fit()
+        try:
+            with frozen_heap():  # what is built now lives as long as the run: no garbage collection walks it again
+                result = trainer.fit()
+        except Exception as err:  # a replica past its restarts, a lost rank: one line naming the checkpoint
+            newest = ckpt.list_checkpoints(run_dir / "checkpoints")
+            fault = stopped_by_fault(err, str(newest[-1][1]) if newest else None)
+            if fault is None:
+                raise
+            raise fault from err
         failed = False
         return result
     finally:
