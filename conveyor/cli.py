@@ -169,8 +169,22 @@ def _usage_error(message: str) -> int:
     """Print `message` as the `error:` line of a user mistake (re-raise under CONVEYOR_DEBUG=1); exit status 2."""
     if os.environ.get("CONVEYOR_DEBUG"):
         raise  # noqa: PLE0704 - called only from an except block, to show the traceback asked for
-    print(f"error: {one_line(message)}", file=sys.stderr)
+    _say(f"error: {one_line(message)}")
     return EXIT_USAGE
+
+
+def _say(line: str) -> None:
+    """Write the command's last line to stderr; a stderr that is gone (a reader that ended, a closed terminal) loses
+    the line, never the exit status."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # EPIPE, a closed stream, no stderr at all (None)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)  # nor does the flush at exit fail on it again
+            os.close(devnull)
+        except OSError:
+            pass
 
 
 def one_line(text: str) -> str:
@@ -200,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         return _usage_error(str(err))
     except Exception as err:
+        from conveyor.workers.placement.recovery import RunFailed
+
+        if isinstance(err, RunFailed) and not os.environ.get("CONVEYOR_DEBUG"):  # a fault the run cannot survive
+            _say(f"error: {one_line(str(err))}")
+            return 1
         # A full disk, a read-only or missing folder, a path under a file: the environment's fault, said in one
         # line. Any other exception is a bug and keeps its traceback.
         cause = environment_error(err)
@@ -209,9 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as err:
         # 128 + the signal's number, as a shell reports a process a signal ended: 130 for Ctrl-C, 143 for SIGTERM.
         signum = getattr(err, "signum", signal.SIGINT)
-        print(
-            "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}", file=sys.stderr
-        )
+        _say("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
         return 128 + int(signum)
 
 

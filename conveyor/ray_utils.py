@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 from typing import Any
 
 from conveyor.workers.placement.group import use_ray
@@ -85,7 +87,7 @@ def ensure_ray(cfg: Any) -> bool:
         logger.info("connecting to the Ray cluster at %s", cfg.ray.address)
         _check_reachable(cfg.ray.address, cfg.ray.timeout_s)
         try:
-            ray.init(address=cfg.ray.address, **common)
+            _init_keeping_stop_handlers(ray, address=cfg.ray.address, **common)
         except ConnectionError as err:
             raise ValueError(
                 f"ray.address={cfg.ray.address!r}: cannot connect to a Ray cluster there ({err}); "
@@ -95,8 +97,41 @@ def ensure_ray(cfg: Any) -> bool:
         num_cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else os.cpu_count() or 1
         logger.info("starting a local Ray with %d logical CPUs", num_cpus)
         # address="local": a new Ray of our own, never a cluster some other process started on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
+        _init_keeping_stop_handlers(ray, address="local", num_cpus=num_cpus, include_dashboard=False, **common)
     return True
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _init_keeping_stop_handlers(ray: Any, **kwargs: Any) -> None:
+    """`ray.init(**kwargs)` with the process's SIGINT/SIGTERM handlers in place before and after it.
+
+    `ray.init` replaces the driver's SIGTERM handler with `sys.exit(15)` while it starts, and its core worker then
+    installs a native one that prints a stack and aborts: a stop in that window would exit 15 or 134 and skip the
+    run's clean-up. A SIGTERM that Ray's handler turned into `SystemExit` is handed to the handler that was in place,
+    and a Ray left half-started by any stop is shut down before the stop goes on.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        ray.init(**kwargs)
+        return
+    saved = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    try:
+        ray.init(**kwargs)
+    except BaseException as err:
+        _restore(saved)
+        ray.shutdown()  # what had started of it (a no-op when nothing had)
+        handler = saved[signal.SIGTERM]
+        if isinstance(err, SystemExit) and err.code == signal.SIGTERM and callable(handler):
+            handler(signal.SIGTERM, None)  # the run's own reaction to a SIGTERM (a stop with 143)
+        raise
+    _restore(saved)
+
+
+def _restore(saved: dict[int, Any]) -> None:
+    # signal.signal also replaces a native handler installed below Python (Ray's core worker installs one for SIGTERM).
+    for signum, handler in saved.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:

@@ -228,3 +228,57 @@ def test_config_checks_a_gpu_run_on_a_machine_without_one(run_cli) -> None:
     proc = run_cli("config", "trainer.device=cuda")
     assert proc.returncode == 0, proc.stderr
     assert "device: cuda" in proc.stdout
+
+
+def test_a_run_whose_stdout_and_stderr_readers_both_go_away_finishes_and_logs_it_to_its_file(tmp_path: Path) -> None:
+    # A terminal or ssh session that goes away takes both streams: the run goes on, and says so in train.log.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "conveyor.cli",
+            "train",
+            "--config",
+            "examples/tiny_cpu.yaml",
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "actor_rollout_ref.model.tiny.warmstart_steps=0",
+            "trainer.progress_bar=false",
+            f"trainer.default_local_dir={run_dir}",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stderr is not None and proc.stderr.read(20)
+    proc.stderr.close()  # gone before the first step: every later log line meets a broken pipe
+    assert proc.stdout is not None and proc.stdout.read(50)
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    assert (run_dir / "checkpoints" / "global_step_3").is_dir()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    log = (run_dir / "train.log").read_text()
+    assert "its output is gone (BrokenPipeError" in log and "Traceback" not in log
+
+
+def test_a_mistake_reported_to_a_stderr_that_is_gone_still_exits_2(tmp_path: Path) -> None:
+    # The `error:` line is lost with its reader; the exit status a script checks is not.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "conveyor.cli", "config", "trainer.no_such_key=1"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=write_end,
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 2

@@ -754,6 +754,9 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
             "fsdp_config.defer_grad_sync",
         )
     }
+    # Whether and how often a dead or hung rollout replica is replaced: the replacement generates the same samples
+    # (tests/reliability/test_replica_faults.py). The whole section is neutral: its prefix.
+    faults = {"actor_rollout_ref.rollout.fault_tolerance."}
     later = (
         {
             "actor_rollout_ref.ref.fsdp_config.optimizer_offload",
@@ -766,6 +769,7 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
         | budgets
         | placement
         | reward_model
+        | faults
         | {
             f"{role}.fsdp_config.defer_grad_sync"
             for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")

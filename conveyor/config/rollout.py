@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from conveyor.config.fields import F, S, check, registry
 from conveyor.config.model import DTYPES
 
-__all__ = ["PLACEMENTS", "TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "RolloutConfig"]
+__all__ = ["PLACEMENTS", "TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "FaultToleranceConfig", "RolloutConfig"]
 
 TRUNCATE_SIDES = ("left", "middle", "right")
 # Where the rollout engines run (actor_rollout_ref.rollout.placement).
@@ -67,6 +67,33 @@ class MultiTurnConfig:
             f"{prefix}.tool_config_path",
             f"{prefix}.enable=true needs a tool YAML; give its path (see docs/agent.md) or set {prefix}.enable=false",
         )
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Replicas in processes of their own that die or hang are replaced and their batch generated again."""
+
+    enable: bool = F(
+        True,
+        "replace a rollout replica whose process dies or hangs (rollout_process=own) and generate its batch again, "
+        "with the same seeds; false: the run stops at the first such fault",
+    )
+    health_check_interval_s: float = F(
+        1.0, "how often a replica's process is looked at while a call to it is outstanding", gt=0, le=60
+    )
+    timeout_s: float = F(
+        600.0,
+        "a replica that answers no call within this many seconds is taken as hung (stopped, deadlocked) and "
+        "replaced; longer than the slowest batch's generation",
+        gt=0,
+        le=86400,
+    )
+    max_restarts: int = F(
+        3,
+        "replacements a run may make; one more fault stops it with an error naming the replica",
+        ge=0,
+        le=1000,
+    )
 
 
 @dataclass
@@ -189,6 +216,11 @@ class RolloutConfig:
     )
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
+    fault_tolerance: FaultToleranceConfig = S(
+        FaultToleranceConfig,
+        "replacing rollout replicas (in processes of their own) that die or hang",
+        resume_neutral=True,
+    )
 
     def engine_dtype(self, model_dtype: str, device_type: str) -> str:
         """The dtype an engine with its own weights holds on `device_type`: `dtype`, else bf16 on CUDA, else the

@@ -52,6 +52,7 @@ from conveyor.config import Config, ConfigError
 from conveyor.config.plan import OLD_LOG_PROB_SOURCES, RunPlan
 from conveyor.config.root import critic_in_use
 from conveyor.trainer.distillation import distillation_decision
+from conveyor.trainer.faults import faults_survived
 from conveyor.trainer.reward_plan import reward_model_decision
 from conveyor.trainer.router_plan import auto_replay, check_router_controls
 
@@ -158,6 +159,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     process, process_why = rollout_process(cfg, device, placement)
     if placement == "separate":
         why.append(process_why)
+    why.append(faults_survived(cfg, placement, process, device))
 
     off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
     if off_policy:

@@ -44,6 +44,7 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopSignals
+from conveyor.workers.placement.recovery import stopped_by_fault
 from conveyor.workers.placement.roles import build_worker_groups
 from conveyor.workers.ranks.perf import frozen_heap
 from conveyor.workers.training.memory_budget import check_memory
@@ -71,12 +72,28 @@ def run_training(cfg: Config) -> dict[str, float]:
     stops = StopSignals(save_on_interrupt=False, step=lambda: 0).install()
     try:
         lock = open_run_dir(cfg)
+        log_file = _log_to_file(run_dir / "train.log")
         try:
             return _train_in(cfg, run_dir, device, plan)
         finally:
+            if log_file is not None:
+                logging.getLogger().removeHandler(log_file)
+                log_file.close()
             lock.release()
     finally:
         stops.restore()
+
+
+def _log_to_file(path: Path) -> logging.Handler | None:
+    """Copy the run's log into `path` (appended to on a resume): a terminal that goes away takes its stderr with it."""
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError:  # an unusable run directory is reported where the config is written, with the key to change
+        return None
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def _resume_check(cfg: Config, run_dir: Path) -> bool:
@@ -178,8 +195,15 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
             model_config=model_config,
             prometheus=gauges,
         )
-        with frozen_heap():  # what is built now lives as long as the run: no garbage collection walks it again
-            result = trainer.fit()
+        try:
+            with frozen_heap():  # what is built now lives as long as the run: no garbage collection walks it again
+                result = trainer.fit()
+        except Exception as err:  # a replica past its restarts, a lost rank: one line naming the checkpoint
+            newest = ckpt.list_checkpoints(run_dir / "checkpoints")
+            fault = stopped_by_fault(err, str(newest[-1][1]) if newest else None)
+            if fault is None:
+                raise
+            raise fault from err
         failed = False
         return result
     finally:
@@ -193,4 +217,4 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
             server.shutdown()
         shutdown_ray(ray_started)  # after the data plane: its storage actors live in Ray
         if reaper is not None:
-            reaper.release()
+            reaper.release(sweep=failed)

@@ -130,6 +130,8 @@ while os.getppid() == trainer:
             break
     noted.update(descendants([trainer]))
 if b"done" not in said:
+    if os.getppid() == trainer:  # swept by a trainer that failed: what it started since the last look
+        noted.update(descendants([trainer]))
     # Children started since the last look, of processes already noted (the trainer is gone: its own are orphans).
     alive = []
     for pid, start in noted:
@@ -161,12 +163,14 @@ class Reaper:
                 close_fds=True,
             )
 
-    def release(self) -> None:
-        """The processes were stopped in order: the watcher leaves them alone and exits."""
+    def release(self, sweep: bool = False) -> None:
+        """The processes were stopped in order: the watcher leaves them alone and exits (`sweep`: after a failure or a
+        stop, it kills any still running first, e.g. a Ray a signal stopped half-way through its start)."""
         if self._proc is None:
             return
         try:
-            self._proc.stdin.write(b"done")
+            if not sweep:
+                self._proc.stdin.write(b"done")
             self._proc.stdin.close()
         except OSError:
             pass

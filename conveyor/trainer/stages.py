@@ -153,7 +153,7 @@ class Stages:
         )
         out = generate(meta.with_extra_info(**call.to_extra_info()))
         metrics = reduce_rank_metrics(out.extra_info, prefix="")
-        gen = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
+        gen = {k: v for k, v in metrics.items() if k.startswith(("rollout/", "fault/"))}
         gen.update({f"actor/{k}": v for k, v in metrics.items() if k.startswith("perf/")})
         return out, gen
 

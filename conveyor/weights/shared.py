@@ -37,8 +37,12 @@ class SharedSlots:
         fd, self.path = tempfile.mkstemp(prefix="conveyor-weights-", dir=directory)
         try:
             os.ftruncate(fd, nbytes * slots)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        # Kept open: a replica started after the file was removed (one replacing a dead one) maps it through
+        # /proc/<this pid>/fd/<fd> (`handle`).
+        self._fd: int | None = fd
         self.table, self.nbytes, self.size = table, nbytes, nbytes * slots
         self.memory = map_shared(self.path, self.size)
         self._free = list(range(slots))
@@ -69,7 +73,8 @@ class SharedSlots:
 
     def handle(self, slot: int) -> tuple[str, int, int, int, Table]:
         """What a replica needs to read slot `slot`: (path, file size, byte offset, bytes, table)."""
-        return self.path, self.size, slot * self.nbytes, self.nbytes, self.table
+        path = self.path if self._linked or self._fd is None else f"/proc/{os.getpid()}/fd/{self._fd}"
+        return path, self.size, slot * self.nbytes, self.nbytes, self.table
 
     def unlink(self) -> None:
         """Remove the file (the mappings stay valid); safe to call twice."""
@@ -78,7 +83,16 @@ class SharedSlots:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
+    def close(self) -> None:
+        """Remove the file and let go of it (the mappings stay valid); safe to call twice."""
+        self.unlink()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
 
 def map_shared(path: str, size: int) -> Tensor:
     """The whole of a `SharedSlots` file, mapped (shared, so the trainer's later writes show) as uint8."""
+    if not os.path.exists(path):  # torch.from_file would create an empty file and load zeros from it, silently
+        raise FileNotFoundError(f"the weights' shared-memory file {path} is gone")
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)

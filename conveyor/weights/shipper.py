@@ -57,6 +57,7 @@ class Endpoints:
     receive: Callable[..., Any]  # replica: take one sync from the channel (into the engine, or staged)
     take: Callable[..., Any]  # replica: stage a sync packed into Ray's object store
     between_tokens: Callable[..., Any]  # replica: load new weights between two tokens (partial rollouts)
+    load_staged: Callable[..., Any] | None = None  # replica: load a staged sync now (restoring a replaced replica)
 
 
 class WeightShipper:
@@ -90,6 +91,11 @@ class WeightShipper:
         self._load_slot: int | None = None
         self._between_tokens = False  # partial rollouts: weights must reach a replica mid-generation
         self._on_this_machine: bool | None = None
+        # Replicas that may be replaced (`retain`): a packed copy of every sync from the one they serve on, so that a
+        # new replica gets its predecessor's weights (`restore`); the version they loaded last (None: the model's).
+        self.retain = False
+        self._retained: dict[int, tuple[torch.Tensor, Table]] = {}
+        self._replicas_loaded: int | None = None
 
     @property
     def in_process(self) -> bool:
@@ -116,6 +122,8 @@ class WeightShipper:
         self.served = None  # labelled by the caller: a later `sync` compares optimizer steps again
         if self.actor_here and not self.in_process and self.actor.worker.device.type == "cpu":
             named = list(cast_weights(self.actor.worker.weight_stream(), self.dtype))
+            if self.retain:
+                self._retained[label] = pack(named)  # a copy: the actor's tensors change with its next update
             if not self._between_tokens and self._same_machine():
                 # Replicas on this machine: one copy into a shared-memory slot, loaded by the next generation call
                 # (no object store, no call of its own); when both slots still wait for their loads, as below.
@@ -151,7 +159,7 @@ class WeightShipper:
     def loading(self, meta: Any) -> Iterator[Any]:
         """`meta` with the staged weights the replicas load before they generate, if any (where they are rides on
         the call); once the call returns, their shared-memory slot is free again."""
-        slot = self._load_slot
+        slot, loads = self._load_slot, self._load_next
         if self._load_next is not None:
             info: dict[str, Any] = {LOAD_STAGED: self._load_next}
             if slot is not None:  # ...from shared memory
@@ -161,6 +169,10 @@ class WeightShipper:
             self._load_next = self._load_slot = None
         try:
             yield meta
+            if loads is not None:
+                self._replicas_loaded = loads
+                for version in [v for v in self._retained if v < loads]:  # never to be served again
+                    del self._retained[version]
         finally:
             self._check_released()
             if slot is not None:
@@ -168,6 +180,36 @@ class WeightShipper:
                 self._slots.release(slot)  # loaded by every replica (or never to be: the call failed)
         if slot is not None:
             self._slots.unlink()  # every replica has mapped the file: nothing to leave behind in /dev/shm
+
+    @property
+    def can_restore(self) -> bool:
+        """Whether replaced replicas can be given their predecessors' weights: the actor here on CPUs packs every
+        sync (`retain`), replicas on Ray, whole generations (not partial rollouts)."""
+        return (
+            self.actor_here
+            and not self.replicas_here
+            and self.actor.worker.device.type == "cpu"
+            and not self._between_tokens
+            and self.ends.load_staged is not None
+        )
+
+    def restore(self, meta: Any) -> Any:
+        """After the replicas were replaced: load the weights their predecessors served and stage the ones `meta`'s
+        call was to load (from this process's copies, through Ray's object store); the handle to issue again."""
+        assert self.retain, "restore needs retain set before the first sync"
+        if self._replicas_loaded is not None:
+            self._hand_over(self._replicas_loaded)
+            self.replicas.call_all(self.ends.load_staged, self._replicas_loaded)
+        version = meta.extra_info.get(LOAD_STAGED)
+        if version is None:
+            return meta
+        self._hand_over(int(version))  # staged: the call loads it first, as it would have from shared memory
+        return dataclasses.replace(meta, extra_info={k: v for k, v in meta.extra_info.items() if k != LOAD_SHARED})
+
+    def _hand_over(self, version: int) -> None:
+        """Stage the retained copy of `version` in every replica."""
+        buffer, table = self._retained[version]
+        self.replicas.call_all(self.ends.take, version, put_packed(buffer), table)
 
     def take_between_tokens(self) -> None:
         """Partial rollouts: weights reach the replicas between two tokens of a generation: in this process from the
@@ -184,7 +226,7 @@ class WeightShipper:
             self._sender.shutdown(wait=False, cancel_futures=True)
             self._sender = None
         if self._slots is not None:
-            self._slots.unlink()
+            self._slots.close()
             self._slots = None
 
     def _check_released(self) -> None:

@@ -316,6 +316,46 @@ def test_where_the_asynchronous_rollout_runs(overrides, process, why) -> None:
     assert any(d.startswith("rollout process:") and why in d for d in plan.decisions), plan.decisions
 
 
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ([], "the rollout runs in the trainer's process, where a replica is not replaced: a fault stops the run"),
+        (["trainer.v1.separate_async.rollout_process=own"], "is replaced (at most 3 times"),
+        (
+            [
+                "trainer.v1.separate_async.rollout_process=own",
+                "actor_rollout_ref.rollout.fault_tolerance.max_restarts=5",
+                "actor_rollout_ref.rollout.fault_tolerance.timeout_s=30",
+            ],
+            "answers no call within 30 s is replaced (at most 5 times",
+        ),
+        (
+            ["trainer.v1.separate_async.rollout_process=own", "actor_rollout_ref.rollout.fault_tolerance.enable=false"],
+            "fault_tolerance.enable=false: a rollout replica that dies or hangs stops the run",
+        ),
+        (
+            ["trainer.v1.separate_async.rollout_process=own", "trainer.v1.separate_async.partial_rollout=true"],
+            "(partial rollouts: not replaced;",
+        ),
+    ],
+)
+def test_the_plan_says_which_faults_the_run_survives(overrides, says) -> None:
+    plan = build_run_plan(load_config(None, ["trainer.v1.trainer_mode=separate_async", *overrides]), "cpu")
+    faults = [d for d in plan.decisions if d.startswith("faults:")]
+    assert len(faults) == 1 and says in faults[0], plan.decisions
+    assert "resume from the last complete checkpoint" in faults[0]
+
+
+def test_fault_tolerance_keys_are_bounded_and_misspellings_suggest_the_key() -> None:
+    key = "actor_rollout_ref.rollout.fault_tolerance"
+    with pytest.raises(ConfigError, match=f"{key}.timeout_s"):
+        load_config(None, [f"{key}.timeout_s=0"])
+    with pytest.raises(ConfigError, match=f"{key}.max_restarts"):
+        load_config(None, [f"{key}.max_restarts=-1"])
+    with pytest.raises(ConfigError, match="max_restarts"):
+        load_config(None, [f"{key}.max_restart=2"])
+
+
 def test_the_rollout_in_its_own_process_is_refused_where_it_cannot_work(monkeypatch) -> None:
     own = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.rollout_process=own"]
     with pytest.raises(ConfigError, match="on cuda.*n_gpus_per_node"):

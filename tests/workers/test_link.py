@@ -85,3 +85,33 @@ def test_a_caller_with_the_wrong_key_is_refused() -> None:
     address, key = serve(_handler)
     with pytest.raises(multiprocessing.AuthenticationError):
         Link(address, bytes(len(key)))
+
+
+def _slow_handler(op: str, seconds: float = 0.0):
+    import time
+
+    time.sleep(seconds)
+    return op
+
+
+def test_an_answer_later_than_its_deadline_is_a_timeout_and_the_check_runs_while_waiting() -> None:
+    from conveyor.workers.placement.link import LinkTimeout
+
+    link = Link(*serve(_slow_handler))
+    looks = []
+    try:
+        link.request("quick", 0.0)
+        assert link.answer(timeout=5.0, check=lambda: looks.append(1), interval=0.05) == "quick"
+        link.request("hung", 2.0)  # a stopped or deadlocked replica: nothing comes within the deadline
+        with pytest.raises(LinkTimeout, match="no answer within 0.3 s"):
+            link.answer(timeout=0.3, check=lambda: looks.append(1), interval=0.05)
+        assert len(looks) >= 4  # looked at every interval while waiting
+
+        def gone() -> None:
+            raise LinkClosed("its process is gone")
+
+        link.request("dead", 2.0)
+        with pytest.raises(LinkClosed, match="process is gone"):  # a look that finds the process gone ends the wait
+            link.answer(timeout=10.0, check=gone, interval=0.05)
+    finally:
+        link.close()

@@ -39,7 +39,7 @@ from typing import Any
 
 from conveyor.data_plane.served import local_socket_address
 
-__all__ = ["serve", "Link", "LinkClosed", "RemoteTraceback", "THREAD_NAME"]
+__all__ = ["serve", "Link", "LinkClosed", "LinkTimeout", "RemoteTraceback", "THREAD_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ THREAD_NAME = "conveyor-link"
 
 class LinkClosed(ConnectionError):
     """The other end of a link is gone (its process ended)."""
+
+
+class LinkTimeout(RuntimeError):
+    """No answer came within the deadline (the other end is stopped, deadlocked or far slower than allowed)."""
 
 
 class RemoteTraceback(Exception):
@@ -117,11 +121,26 @@ class Link:
         except (EOFError, OSError) as err:
             raise LinkClosed(f"the link's other end is gone: {err}") from err
 
-    def answer(self) -> Any:
+    def answer(
+        self, timeout: float | None = None, check: Callable[[], None] | None = None, interval: float = 1.0
+    ) -> Any:
         """The answer to the oldest request not yet answered; what the handler raised is raised here (its cause: the
-        other end's traceback, a `RemoteTraceback`)."""
+        other end's traceback, a `RemoteTraceback`).
+
+        `timeout`: `LinkTimeout` when no answer has come within that many seconds (the link is then out of step:
+        close it). `check()` runs every `interval` seconds of waiting, to raise on what it finds (a process gone).
+        """
         try:
-            reply = pickle.loads(self._live().recv_bytes())
+            conn = self._live()
+            if timeout is not None or check is not None:
+                waited = 0.0
+                while not conn.poll(interval if timeout is None else max(0.0, min(interval, timeout - waited))):
+                    waited += interval
+                    if check is not None:
+                        check()
+                    if timeout is not None and waited >= timeout:
+                        raise LinkTimeout(f"no answer within {timeout:g} s")
+            reply = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError) as err:
             raise LinkClosed(f"the link's other end is gone: {err}") from err
         if reply[0] == "ok":

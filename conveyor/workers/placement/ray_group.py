@@ -62,6 +62,7 @@ from conveyor.workers.placement.ray_rank import remote_rank_class
 __all__ = [
     "Pending",
     "RankDied",
+    "RankHung",
     "RayWorkerGroup",
     "RayRanks",
     "RayPlacement",
@@ -112,6 +113,34 @@ def _stderr_tail(ranks: RayRanks, rank: int, lines: int = 40) -> str:
     return f"the end of its stderr ({paths[0]}):\n" + "".join(text).rstrip()
 
 
+class RankHung(RuntimeError):
+    """A rank answered no call within its deadline (a stopped or deadlocked process)."""
+
+
+def _process_alive(where: dict[str, Any] | None) -> bool:
+    """Whether the rank process `where` describes still runs (True when it is on another node: Ray tells then)."""
+    if where is None or where.get("node_ip") not in (None, ray.util.get_node_ip_address()):
+        return True
+    import psutil
+
+    try:
+        return psutil.Process(int(where["pid"])).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, ValueError):
+        return False
+
+
+def _kill_process(where: dict[str, Any] | None) -> None:
+    """SIGKILL a rank's process on this node (a stopped process ends too, which Ray's graceful kill would wait for)."""
+    if where is None or where.get("node_ip") != ray.util.get_node_ip_address():
+        return
+    import signal
+
+    try:
+        os.kill(int(where["pid"]), signal.SIGKILL)
+    except (OSError, KeyError, ValueError):
+        pass
+
+
 # --------------------------------------------------------------------------- the ranks and the groups
 class RayRanks:
     """One Ray actor (process) per rank hosting rank i of every colocated role, in one process group.
@@ -156,39 +185,14 @@ class RayRanks:
             )
         placement.acquire(self.name)
         self.placement = placement
-        first = self.roles[0]
+        self._specs = list(specs)
+        self._options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "concurrency": concurrency}
+        self._process_group = process_group
+        # (timeout_s, interval_s) of a linked call: an answer later than timeout_s is a hung rank (`LinkTimeout`),
+        # and its process is looked at every interval_s while the call is outstanding. None: wait as long as it takes.
+        self.deadline: tuple[float, float] | None = None
         try:
-            remote = remote_rank_class()
-            extra: dict[str, Any] = {}
-            if num_gpus > 0:
-                from conveyor.workers.ranks.perf import allocator_env_defaults
-
-                # Set before the process's first CUDA allocation, whatever runs first in it; the user's own
-                # PYTORCH_CUDA_ALLOC_CONF (inherited from the driver's environment) is left alone.
-                env = allocator_env_defaults()
-                if env:
-                    extra["runtime_env"] = {"env_vars": env}
-            self.actors = [
-                remote.options(
-                    num_cpus=num_cpus,
-                    num_gpus=num_gpus,
-                    scheduling_strategy=placement.strategy_for(r),
-                    max_concurrency=concurrency,
-                    **extra,
-                ).remote(self.name, r, world_size, int(round(num_cpus)))
-                for r in range(world_size)
-            ]
-            self.where = self.gather(first, "start", [a.where.remote() for a in self.actors])
-            if world_size > 1 and process_group:
-                addr, port = self.gather(first, "init_process_group", [self.actors[0].master_address.remote()])[0]
-                device_type = "cuda" if num_gpus > 0 else "cpu"
-                self.gather(
-                    first,
-                    "init_process_group",
-                    [a.init_process_group.remote(addr, port, device_type) for a in self.actors],
-                )
-            for spec in specs:  # in order, each role's ranks together (a strategy's wrap is a collective)
-                self.gather(spec.role, "__init__", [a.build.remote(spec) for a in self.actors])
+            self._start()
         except BaseException:
             self.kill()
             raise
@@ -198,6 +202,66 @@ class RayRanks:
             world_size,
             len({w["node_id"] for w in self.where}),
         )
+
+    def _start(self) -> None:
+        """Start one actor per rank on the placement's bundles, join them into a process group, build the workers."""
+        assert self.placement is not None
+        opts, first, world_size = self._options, self.roles[0], self.world_size
+        remote = remote_rank_class()
+        extra: dict[str, Any] = {}
+        if opts["num_gpus"] > 0:
+            from conveyor.workers.ranks.perf import allocator_env_defaults
+
+            # Set before the process's first CUDA allocation, whatever runs first in it; the user's own
+            # PYTORCH_CUDA_ALLOC_CONF (inherited from the driver's environment) is left alone.
+            env = allocator_env_defaults()
+            if env:
+                extra["runtime_env"] = {"env_vars": env}
+        self.actors = [
+            remote.options(
+                num_cpus=opts["num_cpus"],
+                num_gpus=opts["num_gpus"],
+                scheduling_strategy=self.placement.strategy_for(r),
+                max_concurrency=opts["concurrency"],
+                **extra,
+            ).remote(self.name, r, world_size, int(round(opts["num_cpus"])))
+            for r in range(world_size)
+        ]
+        self.where = self.gather(first, "start", [a.where.remote() for a in self.actors])
+        if world_size > 1 and self._process_group:
+            addr, port = self.gather(first, "init_process_group", [self.actors[0].master_address.remote()])[0]
+            device_type = "cuda" if opts["num_gpus"] > 0 else "cpu"
+            self.gather(
+                first,
+                "init_process_group",
+                [a.init_process_group.remote(addr, port, device_type) for a in self.actors],
+            )
+        for spec in self._specs:  # in order, each role's ranks together (a strategy's wrap is a collective)
+            self.gather(spec.role, "__init__", [a.build.remote(spec) for a in self.actors])
+
+    def restart(self) -> None:
+        """Kill every rank's process (dead, hung or alive) and start them again on the same bundles, built from the
+        same specs, with their links when they had them: fresh workers holding the model their spec loads."""
+        if self.placement is None or not self._users:
+            raise RuntimeError(f"the {self.name} ranks were shut down; they cannot be restarted")
+        linked = self.links is not None
+        for link in self.links or ():
+            link.close()
+        self.links = None
+        for rank, a in enumerate(self.actors):
+            _kill_process(self.where[rank] if rank < len(self.where) else None)  # a stopped one too (SIGKILL)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as err:  # already dead
+                logger.debug("%s rank %d already gone: %s", self.name, rank, err)
+        self.closed = False
+        try:
+            self._start()
+            if linked:
+                self.open_links()
+        except BaseException:
+            self.kill()
+            raise
 
     def group(self, role: str) -> RayWorkerGroup:
         """The worker group of `role` on these ranks."""
@@ -219,7 +283,7 @@ class RayRanks:
     def call_linked(self, role: str, method: str, requests: Sequence[tuple]) -> list[Any]:
         """One request per rank over the links (in rank order; `method` names the call in an error), their answers;
         the first rank to fail is raised as `gather` raises it, once every rank has answered."""
-        from conveyor.workers.placement.link import LinkClosed
+        from conveyor.workers.placement.link import LinkClosed, LinkTimeout
 
         assert self.links is not None, "open_links first"
         answers: list[Any] = []
@@ -234,18 +298,40 @@ class RayRanks:
                     failure = failure or (rank, self._why_gone(rank, err), err)
             for rank in sent:  # every answer read, so each link stays in step with its requests
                 try:
-                    answers.append(self.links[rank].answer())
+                    answers.append(self._answer(rank))
                 except LinkClosed as err:  # the rank's process ended: Ray says why, as a task's failure would
                     failure = failure or (rank, self._why_gone(rank, err), err)
+                except LinkTimeout as err:  # hung: the link is out of step with its requests from now on
+                    self.links[rank].close()
+                    failure = failure or (rank, RankHung(f"rank {rank} (pid {self._pid(rank)}): {err}"), err)
                 except Exception as err:
                     failure = failure or (rank, err, err)
         if failure is not None:
             rank, cause, err = failure
-            if self.world_size > 1:
+            if self.world_size > 1 and self._process_group:
                 self.kill()  # as `gather`: the others may wait in a collective with the failed one
             role, method = getattr(cause, "conveyor_step", (role, method))
             raise wrap_worker_error(role, rank, method, cause) from err
         return answers
+
+    def _pid(self, rank: int) -> Any:
+        return self.where[rank].get("pid", "?") if rank < len(self.where) else "?"
+
+    def _answer(self, rank: int) -> Any:
+        """Rank `rank`'s answer on its link, within `deadline` when one is set (its process looked at meanwhile)."""
+        assert self.links is not None
+        if self.deadline is None:
+            return self.links[rank].answer()
+        timeout, interval = self.deadline
+        where = self.where[rank]
+
+        def check() -> None:
+            if not _process_alive(where):
+                from conveyor.workers.placement.link import LinkClosed
+
+                raise LinkClosed(f"its process (pid {where.get('pid')}) is gone")
+
+        return self.links[rank].answer(timeout=timeout, check=check, interval=interval)
 
     def _why_gone(self, rank: int, err: BaseException) -> BaseException:
         """Why rank `rank`'s link closed: Ray's report of its death (with the end of its stderr), or `err`."""

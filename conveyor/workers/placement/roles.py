@@ -21,6 +21,7 @@ What it deliberately does not do: decide where ranks run (`group.py`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from conveyor.workers.placement.group import (
     WorkerSpec,
     use_ray,
 )
+from conveyor.workers.placement.recovery import fault_tolerant
 from conveyor.workers.placement.reward_model import build_separate_reward_model, separate_reward_model
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
@@ -178,7 +180,15 @@ class ReplicaGroup(_Role):
     lives in the replicas' processes (`colocated_reward`), a replica can generate and score a batch in one call.
     """
 
-    def __init__(self, ranks: WorkerGroup, actor: ActorGroup, *, bucket_bytes: int, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        ranks: WorkerGroup,
+        actor: ActorGroup,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        fault_tolerance: Any = None,
+    ):
         super().__init__(ranks)
         self.actor = actor
         here = isinstance(ranks, LocalWorkerGroup)
@@ -193,6 +203,8 @@ class ReplicaGroup(_Role):
             actor_here=isinstance(actor.ranks, LocalWorkerGroup),
             replicas_here=here,
         )
+        # Replicas in processes of their own that die or hang are replaced (`fault_tolerance.enable`).
+        self.recovery = fault_tolerant(ranks, self.weights, fault_tolerance)
 
     @property
     def served(self) -> int | None:
@@ -232,11 +244,11 @@ class ReplicaGroup(_Role):
         with self.weights.loading(meta) as meta:  # weights staged last, loaded by the replicas before they generate
             if score:
                 assert self.colocated_reward, "scoring in the generation call needs the reward worker on the replicas"
-                out = self.ranks.call_chain(
-                    [("rollout", ReplicaWorker.generate_sequences), ("reward", RewardWorker.compute_reward)], meta
-                )
+                steps = [("rollout", ReplicaWorker.generate_sequences), ("reward", RewardWorker.compute_reward)]
+                issue = functools.partial(self.ranks.call_chain, steps)
             else:
-                out = self.ranks.call(ReplicaWorker.generate_sequences, meta)
+                issue = functools.partial(self.ranks.call, ReplicaWorker.generate_sequences)
+            out = self.recovery.call(issue, meta) if self.recovery is not None else issue(meta)
         if metrics:  # one entry per rank, as every per-rank metric arrives
             out.extra_info.update({k: [v] * self.ranks.world_size for k, v in metrics.items()})
         return out
@@ -270,6 +282,7 @@ WEIGHT_ENDPOINTS = Endpoints(
     receive=ReplicaWorker.receive_weights,
     take=ReplicaWorker.take_weights,
     between_tokens=ReplicaWorker.take_weights_between_tokens,
+    load_staged=ReplicaWorker.load_staged_weights,
 )
 
 
@@ -433,6 +446,7 @@ def build_worker_groups(
                 actor,
                 bucket_bytes=cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20,
                 dtype=_configured_engine_dtype(cfg, plan.device),
+                fault_tolerance=cfg.actor_rollout_ref.rollout.fault_tolerance,
             )
             if rollout is not None
             else None
