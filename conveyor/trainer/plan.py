@@ -35,7 +35,7 @@ The rules:
   (`actor_rollout_ref.model.lora_rank > 0`) it is the actor with its adapters
   disabled, and no reference model is built.
 - reward model: `reward_model.enable`; its ranks where `reward_model.placement` puts them, except that an
-  asynchronous run on Ray places them apart (`trainer/reward_plan.py`).
+  asynchronous run on Ray places them apart (`trainer/reward_plan.py`); a judge: `reward_model.judge.enable`.
 - loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
   the critic's own, else the actor's.
 
@@ -290,10 +290,11 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         max_model_len = ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         why.append(f"{ro.name} max_model_len={max_model_len}")
 
-    rm_on, rm_placement = reward_model_decision(cfg, why)
+    rm_on, rm_placement, judge_on = reward_model_decision(cfg, why)
     return RunPlan(
         use_reward_model=rm_on,
         reward_model_placement=rm_placement,
+        use_judge=judge_on,
         device=device,
         engine=ro.name,
         engine_returns_routing=engine_routing,

@@ -120,6 +120,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "engine_max_model_len": 64 + 6 if engine == "vllm" else None,
         "use_reward_model": False,  # reward_model.enable is off in the table (tests/trainer/test_reward_model_runs.py)
         "reward_model_placement": "colocated",
+        "use_judge": False,
     }
 
 

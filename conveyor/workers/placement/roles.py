@@ -39,9 +39,10 @@ from conveyor.workers.placement.group import (
     WorkerSpec,
     use_ray,
 )
-from conveyor.workers.placement.reward_model import build_separate_reward_model, separate_reward_model
+from conveyor.workers.placement.reward_model import build_judge, build_separate_reward_model, separate_reward_model
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
+from conveyor.workers.ranks.judge import JudgeWorker, judge_settings
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.reward import RewardWorker
@@ -62,6 +63,7 @@ __all__ = [
     "CriticGroup",
     "RewardGroup",
     "RewardModelGroup",
+    "JudgeGroup",
     "ReplicaGroup",
 ]
 
@@ -85,6 +87,10 @@ def worker_specs(
         rm_kwargs = {"settings": reward_model_settings(cfg, plan), "policy_tokenizer": tokenizer, **where}
         rm_kwargs.pop("model_path")
         specs["rm"] = WorkerSpec("rm", RewardModelWorker, rm_kwargs, plugins)
+    if plan.use_judge:
+        judge_kwargs = {"settings": judge_settings(cfg, plan), "policy_tokenizer": tokenizer, **where}
+        judge_kwargs.pop("model_path")
+        specs["judge"] = WorkerSpec("judge", JudgeWorker, judge_kwargs, plugins)
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec(
         "reward",
@@ -321,6 +327,14 @@ class RewardModelGroup(_Role):
         return self.ranks.call(RewardModelWorker.compute_rm_score, meta)
 
 
+class JudgeGroup(_Role):
+    """The generative judge (reward_model.judge.enable)."""
+
+    def compute_judge_score(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 3, last: the judge's score, summed into rm_scores with the earlier rewards."""
+        return self.ranks.call(JudgeWorker.compute_judge_score, meta)
+
+
 @dataclasses.dataclass
 class WorkerGroups:
     """The roles of a run; ref and critic are None when unused."""
@@ -332,6 +346,7 @@ class WorkerGroups:
     rollout: ReplicaGroup | None = None  # placement=separate; None: the actor's ranks generate
     data_plane_server: Any = None  # serves the data plane to workers in processes of their own (rollout_process=own)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
+    judge: JudgeGroup | None = None  # reward_model.judge.enable
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
@@ -340,7 +355,15 @@ class WorkerGroups:
     def shutdown(self) -> None:
         """Release every role's ranks."""
         try:
-            for role in (self.rollout, self.actor, self.ref, self.critic, self.reward, self.reward_model):
+            for role in (
+                self.rollout,
+                self.actor,
+                self.ref,
+                self.critic,
+                self.reward,
+                self.reward_model,
+                self.judge,
+            ):
                 if role is not None:
                     role.shutdown()
         finally:
@@ -361,10 +384,12 @@ def build_worker_groups(
         if getattr(data_plane, "backend", None) == "memory":  # a Ray on this machine (`serves_memory_plane`)
             server, specs = _served(specs, data_plane)
         specs, rm_apart = separate_reward_model(plan, specs)
+        judge = specs.pop("judge", None)
         try:
             groups = build_ray_worker_groups(cfg, specs, server.client() if server is not None else data_plane)
             try:
                 groups.update(build_separate_reward_model(cfg, rm_apart, ray=True))
+                groups.update(build_judge(cfg, judge, ray=True))
             except BaseException:
                 for group in groups.values():
                     group.shutdown()
@@ -377,11 +402,13 @@ def build_worker_groups(
         specs, rm_apart = separate_reward_model(
             plan, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
         )
+        judge = specs.pop("judge", None)  # its own worker, beside the model roles' process
         # The model roles share one process as they share a Ray rank's (`ColocatedWorker`, built in order).
         host = ColocatedWorker(0, 1, [spec for role, spec in specs.items() if role in MODEL_ROLES])
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
             groups.update(build_separate_reward_model(cfg, rm_apart, ray=False))
+            groups.update(build_judge(cfg, judge, ray=False))
             if plan.rollout_process == "own":
                 server, remote = _own_process_groups(cfg, specs, data_plane)
                 groups.update(remote)
@@ -423,6 +450,7 @@ def build_worker_groups(
         ),
         data_plane_server=server,
         reward_model=RewardModelGroup(groups["rm"]) if "rm" in groups else None,
+        judge=JudgeGroup(groups["judge"]) if "judge" in groups else None,
     )
 
 

@@ -168,10 +168,9 @@ class RewardModelWorker:
         """Row indices of each forward: a fixed number of rows, or as many as fit the token budget."""
         n = len(lengths)
         if self.settings.budget is None:
-            return [
-                list(range(s.start, s.stop))
-                for s in micro_batches(n, self.settings.reward_model.micro_batch_size_per_gpu)
-            ]
+            # Longest first: rows of like lengths share a forward, so little of it is padding (scores are per row).
+            order = sorted(range(n), key=lambda i: (-lengths[i], i))
+            return [order[s] for s in micro_batches(n, self.settings.reward_model.micro_batch_size_per_gpu)]
         # A row of L tokens costs L: one "prompt" of L - 1 and one "response" token in the planner's terms.
         return token_micro_batches(
             [max(L - 1, 0) for L in lengths],
