@@ -95,7 +95,8 @@ def save_chain_judge(path: Path, chain: dict[str, list[str]]) -> Path:
     """
     tok = build_char_tokenizer()
     tok.chat_template = None
-    model = build_tiny_model("qwen3", tok, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+    # Heads of 32: a size vLLM's CPU attention serves too.
+    model = build_tiny_model("qwen3", tok, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
     vocab = len(tok)
     with torch.no_grad():
         for name, p in model.named_parameters():

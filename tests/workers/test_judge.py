@@ -99,3 +99,24 @@ def test_the_judge_never_takes_the_actors_weights_and_errors_name_keys(tmp_path,
     bad.write_text("rate {answer}")
     with pytest.raises(ValueError, match="reward_model.judge.prompt_template"):
         _worker(path, bad)
+
+
+@pytest.mark.slow  # a vLLM engine on the CPU: a minute or more to start
+def test_a_judge_on_the_vllm_engine_answers_from_its_own_checkpoint(tmp_path, template) -> None:
+    """vLLM builds from dummy weights; the judge loads its checkpoint into it once (random weights would not parse)."""
+    pytest.importorskip("vllm")
+    judge, dp, tok = _worker(
+        save_chain_judge(tmp_path / "j", MAYBE_YES),
+        template,
+        "reward_model.judge.engine=vllm",
+        "reward_model.judge.max_retries=12",
+        "actor_rollout_ref.rollout.max_num_seqs=8",
+    )
+    try:
+        meta = put_batch(dp, tok)
+        out = judge.compute_judge_score(meta)
+        scores = dp.kv_batch_get(keys=meta.keys, partition_id="p", select_fields=["rm_judge_score"])["rm_judge_score"]
+        assert scores.tolist() == [1.0] * 6
+        assert out.extra_info["reward/judge_unparsable_frac@sum"] == 0
+    finally:
+        judge.close()
