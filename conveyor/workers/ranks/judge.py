@@ -37,6 +37,7 @@ from conveyor.algos.trajectory import span_lengths
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.loading import build_causal_lm_on_meta, load_causal_lm, load_tokenizer
+from conveyor.models.reward_model import load_keyed
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import EngineContext, SamplingParams, engine_spec
 from conveyor.tasks.prompts import PROMPT_MESSAGES
@@ -165,18 +166,37 @@ class JudgeWorker:
                 f"reward_model.judge.prompt_template: {type(err).__name__}: {err}; its fields are {{question}}, "
                 "{response} and {ground_truth} (write {{ and }} for a literal brace)"
             ) from err
-        self.tokenizer = load_tokenizer(j.model.path, padding_side="left", trust_remote_code=j.model.trust_remote_code)
+        key = "reward_model.judge.model.path"
+        self.tokenizer = load_keyed(
+            key,
+            j.model.path,
+            load_tokenizer,
+            j.model.path,
+            padding_side="left",
+            trust_remote_code=j.model.trust_remote_code,
+        )
         spec = engine_spec(settings.rollout.name)
         own_modules = spec.capabilities(self.device.type).shares_trainer_modules
         # An engine that samples from the module it is given gets the loaded judge; one with its own copy
         # gets a weightless skeleton (for its config) and the checkpoint's tensors below.
         if own_modules:
-            model = load_causal_lm(
-                j.model.path, dtype=j.model.dtype, device=self.device, trust_remote_code=j.model.trust_remote_code
+            model = load_keyed(
+                key,
+                j.model.path,
+                load_causal_lm,
+                j.model.path,
+                dtype=j.model.dtype,
+                device=self.device,
+                trust_remote_code=j.model.trust_remote_code,
             ).eval()
         else:
-            model = build_causal_lm_on_meta(
-                j.model.path, dtype=j.model.dtype, trust_remote_code=j.model.trust_remote_code
+            model = load_keyed(
+                key,
+                j.model.path,
+                build_causal_lm_on_meta,
+                j.model.path,
+                dtype=j.model.dtype,
+                trust_remote_code=j.model.trust_remote_code,
             )
         self.engine = spec.build(
             EngineContext(
