@@ -14,10 +14,15 @@ Each side runs `--repeats` times, alternating; the figure is sequences per secon
 repeats), and the ratio role / loop of the medians. The two sides' scores are compared (max abs difference), so
 a fast wrong answer cannot pass.
 
+`--judge` measures the generative judge the same way: `JudgeWorker.compute_judge_score` (the hf engine, batches
+of `--micro-batch` judgements of `--judge-tokens` greedy tokens) against `model.generate` on one prompt at a time,
+on a tiny random causal LM (no retries: its judgements are noise, scored as unparsable), in judgements per second.
+
     python benchmarks/reward_model.py                 # the default size
     python benchmarks/reward_model.py --smoke         # a quick check
+    python benchmarks/reward_model.py --judge         # the judge's throughput
 
-`measure(...)` returns the figures as a dict, for another script to print beside its own
+`measure(...)` and `measure_judge(...)` return the figures as a dict, for another script to print beside its own
 (benchmarks/rewards.py).
 """
 
@@ -152,6 +157,109 @@ def measure(
     }
 
 
+def measure_judge(
+    *, samples: int = 64, hidden: int = 64, layers: int = 2, tokens: int = 16, micro_batch: int = 16, repeats: int = 3
+) -> dict[str, float]:
+    """Judgements/s of the judge worker and of a `generate` loop (median, min, max over `repeats`), their ratio, and
+    the share of judgements whose text differs between the two (greedy on both sides: 0 expected)."""
+    from transformers.utils import logging as hf_logging
+
+    from conveyor.config import load_config
+    from conveyor.data_plane import make_data_plane
+    from conveyor.models.tiny import build_tiny_model
+    from conveyor.models.tokenizer import build_char_tokenizer
+    from conveyor.tasks.prompts import PromptEncoder
+    from conveyor.workers.ranks.judge import JudgeWorker, judge_settings
+
+    hf_logging.disable_progress_bar()
+    tok = build_char_tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "judge"
+        model = build_tiny_model("qwen3", tok, hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden)
+        model.save_pretrained(str(path))
+        tok.save_pretrained(str(path))
+        cfg = load_config(
+            None,
+            [
+                "reward_model.judge.enable=true",
+                f"reward_model.judge.model.path={path}",
+                f"reward_model.judge.max_new_tokens={tokens}",
+                f"reward_model.judge.micro_batch_size={micro_batch}",
+                "reward_model.judge.max_retries=0",
+            ],
+        )
+        dp = make_data_plane("memory")
+        worker = JudgeWorker(judge_settings(cfg), policy_tokenizer=tok, data_plane=dp)
+        gen = torch.Generator().manual_seed(0)
+        records = [
+            {"prompt": [{"role": "user", "content": f"{int(a)}+{int(b)}="}], "reward_model": {"ground_truth": "0"}}
+            for a, b in torch.randint(0, 100, (samples, 2), generator=gen)
+        ]
+        for r in records:
+            r["data_source"] = "bench"
+        fields, _ = PromptEncoder(tok, 64, "error").fields(records, [f"j/p{i}" for i in range(samples)], range(samples))
+        responses = torch.randint(4, len(tok), (samples, 8), generator=gen)
+        fields.update(
+            {"responses": responses, "response_mask": torch.ones(samples, 8), "rm_scores": torch.zeros(samples, 8)}
+        )
+        meta = dp.kv_batch_put(keys=[f"j/p{i}/s0" for i in range(samples)], partition_id="j", fields=fields)
+        texts = tok.batch_decode(responses.tolist(), skip_special_tokens=True)
+        prompt_ids = worker.prompt_ids([r["prompt"][0]["content"] for r in records], texts, ["0"] * samples)
+        plain = model.eval()
+
+        def role() -> None:
+            worker.compute_judge_score(meta)
+
+        def loop() -> list[str]:
+            out = []
+            with torch.no_grad():
+                for ids in prompt_ids:
+                    seq = plain.generate(
+                        input_ids=torch.tensor([ids]),
+                        max_new_tokens=tokens,
+                        do_sample=False,
+                        pad_token_id=tok.pad_token_id,
+                        eos_token_id=tok.eos_token_id,
+                    )[0, len(ids) :]
+                    out.append(tok.decode(seq, skip_special_tokens=True))
+            return out
+
+        role(), loop()
+        rates: dict[str, list[float]] = {"role": [], "loop": []}
+        for _ in range(repeats):
+            for name, fn in (("role", role), ("loop", loop)):
+                t0 = time.perf_counter()
+                fn()
+                rates[name].append(samples / (time.perf_counter() - t0))
+        looped = loop()[:4]
+        batched = worker.judge(prompt_ids[:4], attempt=0)
+    role_s, loop_s = _spread(rates["role"]), _spread(rates["loop"])
+    return {
+        **{f"role_seq_per_s_{k}": v for k, v in role_s.items()},
+        **{f"loop_seq_per_s_{k}": v for k, v in loop_s.items()},
+        "ratio": role_s["median"] / loop_s["median"],
+        "differ_frac": sum(a != b for a, b in zip(looped, batched)) / len(looped),
+        "samples": float(samples),
+        "parameters": float(sum(p.numel() for p in model.parameters())),
+    }
+
+
+def report_judge(result: dict[str, float]) -> str:
+    """The judge's figures as printed lines."""
+    return "\n".join(
+        [
+            f"judge: {result['parameters'] / 1e6:.2f}M parameters, {int(result['samples'])} judgements",
+            "side        judgements/s median   (min - max)",
+            f"judge role  {result['role_seq_per_s_median']:10.1f}   ({result['role_seq_per_s_min']:.1f} - "
+            f"{result['role_seq_per_s_max']:.1f})",
+            f"generate    {result['loop_seq_per_s_median']:10.1f}   ({result['loop_seq_per_s_min']:.1f} - "
+            f"{result['loop_seq_per_s_max']:.1f})",
+            f"ratio judge role / generate loop: {result['ratio']:.2f}x   "
+            f"(texts differing: {result['differ_frac']:.2f})",
+        ]
+    )
+
+
 def report(result: dict[str, float]) -> str:
     """The figures as printed lines."""
     return "\n".join(
@@ -179,8 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help="a tiny size, one repeat")
+    ap.add_argument("--judge", action="store_true", help="measure the generative judge instead")
+    ap.add_argument("--judge-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.judge:
+        jsize = (
+            dict(samples=8, tokens=4, repeats=1) if args.smoke else dict(tokens=args.judge_tokens, repeats=args.repeats)
+        )
+        result = measure_judge(**jsize, micro_batch=args.micro_batch)
+        print(report_judge(result))
+        return 0
     size = dict(samples=args.samples, hidden=args.hidden, layers=args.layers, max_response=args.max_response)
     if args.smoke:
         size = dict(samples=24, hidden=64, layers=2, max_response=16)

@@ -225,7 +225,7 @@ class JudgeWorker:
         """Release the engine."""
         self.engine.close()
 
-    def _prompt_ids(self, questions: list[str], responses: list[str], truths: list[str]) -> list[list[int]]:
+    def prompt_ids(self, questions: list[str], responses: list[str], truths: list[str]) -> list[list[int]]:
         """The judge's prompt ids for each sample: the filled template as one user turn of its chat template."""
         filled = [
             self.template.format(question=q, response=r, ground_truth=t)
@@ -277,7 +277,7 @@ class JudgeWorker:
         texts = self.policy_tokenizer.batch_decode(
             [row[:n] for row, n in zip(td["responses"].tolist(), lengths.tolist())], skip_special_tokens=True
         )
-        prompt_ids = self._prompt_ids([_question(p) for p in td[PROMPT_MESSAGES]], texts, list(td["ground_truth"]))
+        prompt_ids = self.prompt_ids([_question(p) for p in td[PROMPT_MESSAGES]], texts, list(td["ground_truth"]))
         scores: list[float | None] = [None] * len(texts)
         outputs = [""] * len(texts)
         todo, retried = list(range(len(texts))), 0
