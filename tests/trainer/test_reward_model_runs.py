@@ -109,7 +109,7 @@ def test_an_asynchronous_run_on_ray_places_the_reward_model_apart() -> None:
     ],
     ids=["separate", "colocated"],
 )
-@pytest.mark.slow  # Ray and four worker processes: about a minute on a 2-core machine
+@pytest.mark.slow  # Ray and up to five worker processes: 5-7 minutes each on the shared 2-core machine
 def test_a_run_on_ray_scores_with_the_reward_model(tmp_path, tiny_run, rm_dirs, placement) -> None:
     pytest.importorskip("ray")
     extra = [

@@ -5,7 +5,7 @@ each role's worker class and constructor arguments (the role's settings,
 `conveyor.workers.ranks.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
 build their ranks from these specs, so a setting cannot reach workers in this
 process and miss those on Ray (or the reverse). The model roles
-(`MODEL_ROLES`: actor, reference, critic) are colocated: rank i of each is
+(`MODEL_ROLES`: actor, reference, critic, reward model) are colocated: rank i of each is
 built by one `ColocatedWorker` in one process, here or in rank i's Ray actor;
 the reward worker runs on its own.
 
