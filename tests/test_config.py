@@ -523,6 +523,8 @@ _SIGNED_KEYS = {
     # clip_cov bounds a covariance, which may be negative.
     "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
     "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
+    # A judgement that stays unparsable may be punished below any parsed score.
+    "reward_model.judge.unparsable_score",
 }
 
 
@@ -752,6 +754,7 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
             "fsdp_config.param_offload",
             "fsdp_config.optimizer_offload",
             "fsdp_config.defer_grad_sync",
+            "judge.micro_batch_size",
         )
     }
     # Whether and how often a dead or hung rollout replica is replaced: the replacement generates the same samples

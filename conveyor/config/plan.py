@@ -49,6 +49,7 @@ class RunPlan:
     use_teacher: bool = False  # on-policy distillation: the teacher role scores every batch (distillation.enabled)
     use_reward_model: bool = False  # reward_model.enable: a reward model scores every response after the rule reward
     reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
+    use_judge: bool = False  # reward_model.judge.enable: a generative judge scores every response, last
 
     @property
     def bypass(self) -> bool:

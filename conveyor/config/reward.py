@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from conveyor.config.actor import STRATEGY_CHOICES, FSDPConfig
 from conveyor.config.fields import F, S, check
+from conveyor.config.judge import JudgeConfig
 from conveyor.config.model import DTYPES
 from conveyor.config.sandbox import SandboxConfig
 
@@ -159,6 +160,7 @@ class RewardModelConfig:
         "score alone, as in verl",
         ge=0,
     )
+    judge: JudgeConfig = S(JudgeConfig, "a generative judge (LLM-as-a-judge) scoring every response")
     overlong_buffer: OverlongBufferConfig = S(OverlongBufferConfig, "overlong reward shaping (DAPO)")
 
     def validate(self, prefix: str) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "save_value_head_model",
     "import_external_lib",
     "build_tiny_reward_model",
+    "load_keyed",
 ]
 
 #: The value head's weights beside a causal LM checkpoint.
@@ -62,6 +63,17 @@ def import_external_lib(name: str | None) -> None:
         raise ValueError(
             f"reward_model.model.external_lib: cannot import {name!r} ({err}); install it or set the key to null"
         ) from err
+
+
+def load_keyed(key: str, path: Any, load: Any, *args: Any, **kwargs: Any) -> Any:
+    """`load(*args, **kwargs)`, its ValueError said again naming `key` (the loaders' own advice names the actor's)."""
+    try:
+        return load(*args, **kwargs)
+    except ValueError as err:
+        if key in str(err):
+            raise
+        what = str(err).split(";")[0]
+        raise ValueError(f"{key}={str(path)!r}: {what}; set {key} to a directory written by save_pretrained") from err
 
 
 def reward_model_head(path: str | Path, head: str = "auto") -> str:
@@ -104,6 +116,22 @@ def load_reward_model(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """The reward model at `path` in eval mode: on `device`, or (`meta`) a skeleton with no weights read."""
+    return load_keyed(
+        _PATH_KEY,
+        path,
+        _load_reward_model,
+        path,
+        head=head,
+        dtype=dtype,
+        device=device,
+        meta=meta,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def _load_reward_model(
+    path: str | Path, *, head: str, dtype: str, device: str | torch.device, meta: bool, trust_remote_code: bool
+) -> nn.Module:
     kind = reward_model_head(path, head)
     torch_dtype = resolve_dtype(dtype)
     if kind == "value_head":

@@ -35,7 +35,7 @@ The rules:
   (`actor_rollout_ref.model.lora_rank > 0`) it is the actor with its adapters
   disabled, and no reference model is built.
 - reward model: `reward_model.enable`; its ranks where `reward_model.placement` puts them, except that an
-  asynchronous run on Ray places them apart (`trainer/reward_plan.py`).
+  asynchronous run on Ray places them apart (`trainer/reward_plan.py`); a judge: `reward_model.judge.enable`.
 - loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
   the critic's own, else the actor's.
 
@@ -306,10 +306,11 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     if use_teacher:
         why.append(distillation_decision(cfg))
 
-    rm_on, rm_placement = reward_model_decision(cfg, why)
+    rm_on, rm_placement, judge_on = reward_model_decision(cfg, why)
     return RunPlan(
         use_reward_model=rm_on,
         reward_model_placement=rm_placement,
+        use_judge=judge_on,
         device=device,
         engine=ro.name,
         engine_returns_routing=engine_routing,

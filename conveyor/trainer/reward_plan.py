@@ -1,9 +1,10 @@
-"""The run plan's reward-model decision: whether a reward model scores the responses, and where its ranks run.
+"""The run plan's reward-model decisions: whether a reward model and a judge score the responses, and where.
 
 - on: `reward_model.enable`.
 - placement: `reward_model.placement`, except in an asynchronous run on Ray, where the rollout thread scores a
   batch while the actor's ranks train: a reward model in the actor's processes would queue its forwards behind
   (and between) the actor's collectives, in an order the ranks need not share, so it gets ranks of its own.
+- judge: `reward_model.judge.enable`; it always runs apart, on an engine of its own.
 
 What it deliberately does not do: check single keys (the config does) or build anything.
 """
@@ -18,8 +19,21 @@ if TYPE_CHECKING:
 __all__ = ["reward_model_decision"]
 
 
-def reward_model_decision(cfg: Config, why: list[str]) -> tuple[bool, str]:
-    """(whether a reward model runs, its placement); appends the reasons to `why`."""
+def reward_model_decision(cfg: Config, why: list[str]) -> tuple[bool, str, bool]:
+    """(whether a reward model runs, its placement, whether a judge runs); appends the reasons to `why`."""
+    rm = cfg.reward_model
+    judge = rm.judge
+    if judge.enable:
+        why.append(
+            f"judge: {judge.model.path} on the {judge.engine} engine ({judge.parser} parser); reward adds "
+            f"{judge.weight:g} x its score"
+        )
+    on, placement = _reward_model(cfg, why)
+    return on, placement, judge.enable
+
+
+def _reward_model(cfg: Config, why: list[str]) -> tuple[bool, str]:
+    """(whether a reward model runs, its placement)."""
     from conveyor.workers.placement.group import use_ray
 
     rm = cfg.reward_model

@@ -121,6 +121,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "use_teacher": False,  # distillation is off in the table (tests/trainer/test_distillation.py)
         "use_reward_model": False,  # reward_model.enable is off in the table (tests/trainer/test_reward_model_runs.py)
         "reward_model_placement": "colocated",
+        "use_judge": False,
     }
 
 

@@ -17,7 +17,7 @@ from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.run import run_training
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from reward_batches import other_tokenizer  # noqa: E402
+from reward_batches import MAYBE_YES, other_tokenizer, save_chain_judge  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,57 @@ def test_an_asynchronous_run_on_ray_places_the_reward_model_apart() -> None:
     assert plan.use_reward_model and plan.reward_model_placement == "separate"
     cfg.trainer.v1.trainer_mode = "sync"
     assert build_run_plan(cfg, "cpu").reward_model_placement == "colocated"
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        # Two ranks of their own, one fsdp2 process group between them, beside the actor's two.
+        ["reward_model.placement=separate", "reward_model.num_workers=2", "reward_model.strategy=fsdp2"],
+        # Sharded over the actor's two ranks, in their processes.
+        ["reward_model.placement=colocated"],
+    ],
+    ids=["separate", "colocated"],
+)
+@pytest.mark.slow  # Ray and up to five worker processes: 5-7 minutes each on the shared 2-core machine
+def test_a_run_on_ray_scores_with_the_reward_model(tmp_path, tiny_run, rm_dirs, placement) -> None:
+    pytest.importorskip("ray")
+    extra = [
+        "trainer.num_cpu_workers=2",
+        "ray.worker_cpus=0.25",  # a local Ray of 2 CPUs holds the actor's ranks, the reward worker and these
+        "reward_model.enable=true",
+        f"reward_model.model.path={rm_dirs['other']}",
+        "reward_model.rule_weight=1.0",
+        *placement,
+    ]
+    rows, run_dir = _run(tmp_path, tiny_run, extra)
+    assert [r["step"] for r in rows] == [1, 2]
+    _check_sum(rows, 1.0, 1.0)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["reward_model_placement"] == placement[0].split("=")[1]
+
+
+def test_a_run_with_a_reward_model_and_a_judge_sums_all_three(tmp_path, tiny_run, rm_dirs) -> None:
+    judge = save_chain_judge(tmp_path / "judge", MAYBE_YES)
+    template = tmp_path / "template.txt"
+    template.write_text("is {response} the answer to {question} ({ground_truth})? verdict:")
+    extra = [
+        "reward_model.enable=true",
+        f"reward_model.model.path={rm_dirs['same']}",
+        "reward_model.rule_weight=1.0",
+        "reward_model.model_weight=0.5",
+        "reward_model.judge.enable=true",
+        f"reward_model.judge.model.path={judge}",
+        f"reward_model.judge.prompt_template={template}",
+        "reward_model.judge.parser=yes_no",
+        "reward_model.judge.max_new_tokens=8",
+        "reward_model.judge.max_retries=12",
+        "reward_model.judge.weight=0.25",
+    ]
+    rows, run_dir = _run(tmp_path, tiny_run, extra)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["reward/judge_score"] == 1.0 and r["reward/judge_unparsable_frac"] == 0.0
+        want = 0.5 * r["reward/model_score"] + r["reward/rule_score"] + 0.25 * r["reward/judge_score"]
+        assert r["reward/mean"] == pytest.approx(want, abs=1e-5)
+    assert json.loads((run_dir / "plan.json").read_text())["use_judge"]

@@ -1,4 +1,4 @@
-"""Tiny reward models saved to a directory, a batch of scored samples in a data plane, and the scores a plain
+"""Tiny reward models and judges saved to a directory, a batch of scored samples in a data plane, and the scores a plain
 Hugging Face model gives them: shared by the reward-model tests and their multi-rank script."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from conveyor.models.reward_model import build_tiny_reward_model
+from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from conveyor.tasks.prompts import PromptEncoder, sample_keys
 
@@ -84,3 +85,34 @@ def reference_scores(path: Path, policy_tokenizer, rm_tokenizer=None, max_length
             with torch.no_grad():
                 scores.append(float(model(input_ids=torch.tensor([ids])).logits[0, 0]))
     return torch.tensor(scores)
+
+
+def save_chain_judge(path: Path, chain: dict[str, list[str]]) -> Path:
+    """A tiny causal LM that answers by a bigram chain: after character c it says one of chain[c] (tied if several).
+
+    Every layer's output projection is zeroed (the layers add nothing), the embedding is one-hot and the LM head maps
+    each character to its successors: generation follows the chain from the prompt's last character to <eos>.
+    """
+    tok = build_char_tokenizer()
+    tok.chat_template = None
+    # Heads of 32: a size vLLM's CPU attention serves too.
+    model = build_tiny_model("qwen3", tok, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    vocab = len(tok)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
+        model.lm_head.weight.zero_()
+        for src, dsts in chain.items():
+            for dst in dsts:
+                model.lm_head.weight[tok.convert_tokens_to_ids(dst), tok.convert_tokens_to_ids(src)] = 5.0
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+# After "verdict:" the judge says "mayes" (greedy: 'm' ties with 'y' and has the lower id) or "yes" (sampled).
+MAYBE_YES = {":": ["m", "y"], "m": ["a"], "a": ["y"], "y": ["e"], "e": ["s"], "s": ["<eos>"]}
+ALWAYS_MAYES = {":": ["m"], "m": ["a"], "a": ["y"], "y": ["e"], "e": ["s"], "s": ["<eos>"]}

@@ -162,7 +162,7 @@ def test_two_fsdp2_ranks_score_as_one_rank(tmp_path, same_rm, policy_tok) -> Non
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_config_errors_name_the_key(tmp_path, policy_tok) -> None:
+def test_config_errors_name_the_key(tmp_path, policy_tok, same_rm) -> None:
     with pytest.raises(ConfigError, match="reward_model.model.path"):
         load_config(None, ["reward_model.enable=true"])
     # A classifier of two labels is not a reward model.
@@ -173,3 +173,9 @@ def test_config_errors_name_the_key(tmp_path, policy_tok) -> None:
     build_tiny_model("qwen3", policy_tok).save_pretrained(str(tmp_path / "lm"))
     with pytest.raises(ValueError, match="reward_model.model.path"):
         load_reward_model(tmp_path / "lm")
+    # The loaders' own advice names the actor's keys: the reward model's errors name its own.
+    with pytest.raises(ValueError, match=r"^reward_model.model.path='/nowhere': .*set reward_model.model.path"):
+        load_reward_model("/nowhere")
+    with pytest.raises(ValueError, match=r"^reward_model.model.tokenizer_path=") as info:
+        _worker(same_rm, policy_tok, f"reward_model.model.tokenizer_path={tmp_path / 'lm'}")
+    assert "actor_rollout_ref" not in str(info.value)

@@ -1,9 +1,11 @@
-"""Where the reward model's ranks run when it is placed apart from the actor (`reward_model.placement=separate`).
+"""Where the reward model's ranks run when it is placed apart from the actor, and where the generative judge runs.
 
 Colocated (the default), the reward model is one of the model roles (`MODEL_ROLES`): rank i lives in the
 actor's rank-i process, here or in a Ray actor, and shares its device. Placed apart, it gets ranks of its own:
 `reward_model.num_workers` Ray actors (a GPU each on a GPU run) with their own process group, so its fsdp2
-shards are spread over them; a run in one process builds its single rank beside the others.
+shards are spread over them; a run in one process builds its single rank beside the others. The generative judge
+(`reward_model.judge.enable`) always runs apart: one worker with its engine, here or in one Ray actor (a GPU of
+its own on a GPU run).
 
 What it deliberately does not do: build the worker (`conveyor.workers.ranks.reward_model`) or decide the
 placement (`conveyor.trainer.reward_plan`).
@@ -18,7 +20,7 @@ from conveyor.workers.placement.group import LocalWorkerGroup, WorkerGroup, Work
 if TYPE_CHECKING:
     from conveyor.config.plan import RunPlan
 
-__all__ = ["separate_reward_model", "build_separate_reward_model"]
+__all__ = ["separate_reward_model", "build_separate_reward_model", "build_judge"]
 
 
 def separate_reward_model(
@@ -35,18 +37,28 @@ def build_separate_reward_model(cfg: Any, spec: WorkerSpec | None, *, ray: bool)
     """{"rm": its group} for a reward model placed apart (Ray actors of its own, or one rank here); {} otherwise."""
     if spec is None:
         return {}
+    return {"rm": _apart(cfg, spec, ray=ray, world_size=cfg.reward_model.num_workers)}
+
+
+def build_judge(cfg: Any, spec: WorkerSpec | None, *, ray: bool) -> dict[str, WorkerGroup]:
+    """{"judge": its group} when the run has a judge (one worker, here or in a Ray actor); {} otherwise."""
+    if spec is None:
+        return {}
+    return {"judge": _apart(cfg, spec, ray=ray, world_size=1)}
+
+
+def _apart(cfg: Any, spec: WorkerSpec, *, ray: bool, world_size: int) -> WorkerGroup:
+    """`spec`'s ranks on their own: one here, or `world_size` Ray actors (a GPU each on a GPU run)."""
     if not ray:
-        return {"rm": LocalWorkerGroup(spec)}
+        return LocalWorkerGroup(spec)
     from conveyor.workers.placement.ray_group import RayWorkerGroup
 
     gpu = cfg.trainer.n_gpus_per_node > 0
-    return {
-        "rm": RayWorkerGroup(
-            spec,
-            world_size=cfg.reward_model.num_workers,
-            num_cpus=cfg.ray.worker_cpus,
-            num_gpus=1.0 if gpu else 0.0,
-            nnodes=1,
-            timeout_s=cfg.ray.timeout_s,
-        )
-    }
+    return RayWorkerGroup(
+        spec,
+        world_size=world_size,
+        num_cpus=cfg.ray.worker_cpus,
+        num_gpus=1.0 if gpu else 0.0,
+        nnodes=1,
+        timeout_s=cfg.ray.timeout_s,
+    )

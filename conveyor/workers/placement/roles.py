@@ -5,7 +5,7 @@ each role's worker class and constructor arguments (the role's settings,
 `conveyor.workers.ranks.settings`). `LocalWorkerGroup` and `RayWorkerGroup` both
 build their ranks from these specs, so a setting cannot reach workers in this
 process and miss those on Ray (or the reverse). The model roles
-(`MODEL_ROLES`: actor, reference, critic, teacher) are colocated: rank i of each is
+(`MODEL_ROLES`: actor, reference, critic, teacher, reward model) are colocated: rank i of each is
 built by one `ColocatedWorker` in one process, here or in rank i's Ray actor;
 the reward worker runs on its own.
 
@@ -41,10 +41,11 @@ from conveyor.workers.placement.group import (
     use_ray,
 )
 from conveyor.workers.placement.recovery import fault_tolerant
-from conveyor.workers.placement.reward_model import build_separate_reward_model, separate_reward_model
+from conveyor.workers.placement.reward_model import build_judge, build_separate_reward_model, separate_reward_model
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
 from conveyor.workers.ranks.distill import teacher_settings
+from conveyor.workers.ranks.judge import JudgeWorker, judge_settings
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.replica import ReplicaWorker
 from conveyor.workers.ranks.reward import RewardWorker
@@ -66,6 +67,7 @@ __all__ = [
     "CriticGroup",
     "RewardGroup",
     "RewardModelGroup",
+    "JudgeGroup",
     "ReplicaGroup",
     "TeacherGroup",
 ]
@@ -93,6 +95,10 @@ def worker_specs(
         rm_kwargs = {"settings": reward_model_settings(cfg, plan), "policy_tokenizer": tokenizer, **where}
         rm_kwargs.pop("model_path")
         specs["rm"] = WorkerSpec("rm", RewardModelWorker, rm_kwargs, plugins)
+    if plan.use_judge:
+        judge_kwargs = {"settings": judge_settings(cfg, plan), "policy_tokenizer": tokenizer, **where}
+        judge_kwargs.pop("model_path")
+        specs["judge"] = WorkerSpec("judge", JudgeWorker, judge_kwargs, plugins)
     custom = cfg.reward.custom_reward_function
     specs["reward"] = WorkerSpec(
         "reward",
@@ -349,6 +355,14 @@ class RewardModelGroup(_Role):
         return self.ranks.call(RewardModelWorker.compute_rm_score, meta)
 
 
+class JudgeGroup(_Role):
+    """The generative judge (reward_model.judge.enable)."""
+
+    def compute_judge_score(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Stage 3, last: the judge's score, summed into rm_scores with the earlier rewards."""
+        return self.ranks.call(JudgeWorker.compute_judge_score, meta)
+
+
 @dataclasses.dataclass
 class WorkerGroups:
     """The roles of a run; ref and critic are None when unused."""
@@ -361,6 +375,7 @@ class WorkerGroups:
     data_plane_server: Any = None  # serves the data plane to workers in processes of their own (rollout_process=own)
     teacher: TeacherGroup | None = None  # on-policy distillation's teachers; None when distillation is off
     reward_model: RewardModelGroup | None = None  # reward_model.enable
+    judge: JudgeGroup | None = None  # reward_model.judge.enable
 
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Stage 2 where the engines are: the separate rollout group, or the actor's ranks (colocated)."""
@@ -369,7 +384,16 @@ class WorkerGroups:
     def shutdown(self) -> None:
         """Release every role's ranks."""
         try:
-            for role in (self.rollout, self.actor, self.ref, self.critic, self.teacher, self.reward, self.reward_model):
+            for role in (
+                self.rollout,
+                self.actor,
+                self.ref,
+                self.critic,
+                self.teacher,
+                self.reward,
+                self.reward_model,
+                self.judge,
+            ):
                 if role is not None:
                     role.shutdown()
         finally:
@@ -390,10 +414,12 @@ def build_worker_groups(
         if getattr(data_plane, "backend", None) == "memory":  # a Ray on this machine (`serves_memory_plane`)
             server, specs = _served(specs, data_plane)
         specs, rm_apart = separate_reward_model(plan, specs)
+        judge = specs.pop("judge", None)
         try:
             groups = build_ray_worker_groups(cfg, specs, server.client() if server is not None else data_plane)
             try:
                 groups.update(build_separate_reward_model(cfg, rm_apart, ray=True))
+                groups.update(build_judge(cfg, judge, ray=True))
             except BaseException:
                 for group in groups.values():
                     group.shutdown()
@@ -406,11 +432,13 @@ def build_worker_groups(
         specs, rm_apart = separate_reward_model(
             plan, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
         )
+        judge = specs.pop("judge", None)  # its own worker, beside the model roles' process
         # The model roles share one process as they share a Ray rank's (`ColocatedWorker`, built in order).
         host = ColocatedWorker(0, 1, [spec for role, spec in specs.items() if role in MODEL_ROLES])
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
             groups.update(build_separate_reward_model(cfg, rm_apart, ray=False))
+            groups.update(build_judge(cfg, judge, ray=False))
             if plan.rollout_process == "own":
                 server, remote = _own_process_groups(cfg, specs, data_plane)
                 groups.update(remote)
@@ -454,6 +482,7 @@ def build_worker_groups(
         data_plane_server=server,
         teacher=TeacherGroup(groups["teacher"]) if "teacher" in groups else None,
         reward_model=RewardModelGroup(groups["rm"]) if "rm" in groups else None,
+        judge=JudgeGroup(groups["judge"]) if "judge" in groups else None,
     )
 
 

@@ -33,7 +33,7 @@ from conveyor.algos.trajectory import span_lengths
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.loading import load_tokenizer
-from conveyor.models.reward_model import import_external_lib, load_reward_model, sequence_scores
+from conveyor.models.reward_model import import_external_lib, load_keyed, load_reward_model, sequence_scores
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PROMPT_MESSAGES
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
@@ -131,8 +131,10 @@ class RewardModelWorker:
         self.trained = TrainedModel(model, strategy, trainable=False)
         self.model = model
         self.policy_tokenizer = policy_tokenizer
-        self.tokenizer = load_tokenizer(
-            rm.model.tokenizer_path or rm.model.path, trust_remote_code=rm.model.trust_remote_code
+        tok_path = rm.model.tokenizer_path or rm.model.path
+        key = "reward_model.model.tokenizer_path" if rm.model.tokenizer_path else "reward_model.model.path"
+        self.tokenizer = load_keyed(
+            key, tok_path, load_tokenizer, tok_path, trust_remote_code=rm.model.trust_remote_code
         )
         # Same tokens: the policy's ids are the reward model's, and nothing is decoded (verl's input_tokenizer=null).
         self.retokenize = not same_tokenizer(policy_tokenizer, self.tokenizer)
@@ -168,10 +170,9 @@ class RewardModelWorker:
         """Row indices of each forward: a fixed number of rows, or as many as fit the token budget."""
         n = len(lengths)
         if self.settings.budget is None:
-            return [
-                list(range(s.start, s.stop))
-                for s in micro_batches(n, self.settings.reward_model.micro_batch_size_per_gpu)
-            ]
+            # Longest first: rows of like lengths share a forward, so little of it is padding (scores are per row).
+            order = sorted(range(n), key=lambda i: (-lengths[i], i))
+            return [order[s] for s in micro_batches(n, self.settings.reward_model.micro_batch_size_per_gpu)]
         # A row of L tokens costs L: one "prompt" of L - 1 and one "response" token in the planner's terms.
         return token_micro_batches(
             [max(L - 1, 0) for L in lengths],
