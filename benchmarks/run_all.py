@@ -11,6 +11,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `rollout_call.py`: one batch's call to such a replica, a Ray task against the replica's link;
 - `moe_metrics.py --threads 1`: the MoE load-balance metrics;
 - `token_balance.py`: the ranks' token balance and the token-budget micro-batches (synthetic lengths);
+- `rewards.py`: sandboxed code execution at `max_concurrent` 1, 2 and 4 against one `subprocess.run` per sample;
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
   forward, in training and in the rollout;
@@ -53,6 +54,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rollout_call", ()),
     ("moe_metrics", ("--threads", "1")),
     ("token_balance", ()),
+    ("rewards", ()),
     ("rollout", ("--threads", "1")),
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),
