@@ -13,6 +13,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
   router-health metrics add to the default run's step;
 - `router.py --threads 1`: does the rollout's router near-tie share predict the trainer's flips (bf16 vs float32);
 - `token_balance.py`: the ranks' token balance and the token-budget micro-batches (synthetic lengths);
+- `rewards.py`: sandboxed code execution at `max_concurrent` 1, 2 and 4 against one `subprocess.run` per sample;
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
   forward, in training and in the rollout;
@@ -57,6 +58,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moe_metrics", ("--overhead",)),
     ("router", ("--threads", "1")),
     ("token_balance", ()),
+    ("rewards", ()),
     ("rollout", ("--threads", "1")),
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),

@@ -1,17 +1,18 @@
 """The sandbox's launcher: run by the base interpreter (``python -I -S``), it confines one program and reports.
 
 `conveyor.tasks.sandbox` starts this file as a script with one argument, its
-settings (a dict, marshalled, in hex), in a new session (its own process group), with a cleared
-environment, in a fresh directory, stdout and stderr pointed at files, and the
-write end of a status pipe as file descriptor 3. It then:
+settings (a dict, marshalled, in hex), in a new session (its own process group),
+with a cleared environment, in a fresh directory, stdout and stderr pointed at
+files, and the write end of a status pipe (its number is `status_fd`). It then:
 
-1. when started as root, drops to an unprivileged user (`uid`, `gid`), so the
+1. with ``isolation == "namespaces"``, enters new mount, network, PID, IPC and
+   UTS namespaces (and a user namespace, unless it runs as root), builds a root
+   of read-only bind mounts (the system's library folders and the interpreter's
+   prefix) plus a size-limited tmpfs at ``/sandbox`` holding the program, and
+   chroots into it; the network namespace has no interface up, and the PID
+   namespace hides every process outside it;
+2. when started as root, drops to an unprivileged user (`uid`, `gid`), so the
    kernel enforces the process limit and the trainer's private files stay closed;
-2. with ``isolation == "namespaces"``, enters new user, mount, network, PID, IPC
-   and UTS namespaces, builds a root of read-only bind mounts (the system's
-   library folders and the interpreter's prefix) plus a size-limited tmpfs at
-   ``/sandbox`` holding the program, and chroots into it; the network namespace
-   has no interface up, and the PID namespace hides every process outside it;
 3. forks the program's process (under a supervisor), which sets the rlimits (CPU seconds, address
    space, processes, open files, file size, no core), forbids new privileges,
    clears every capability the namespaces gave, and runs the program as
