@@ -11,7 +11,7 @@ TINY = [
     "--seeds",
     "0",
     "--steps",
-    "4",
+    "2",
     "--set",
     "data.train_batch_size=4",
     "actor_rollout_ref.rollout.n=2",
@@ -19,7 +19,7 @@ TINY = [
     "data.synthetic.num_train=64",
     "data.synthetic.num_val=8",
     "actor_rollout_ref.model.tiny.warmstart_steps=0",
-    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
 ]
 
 
