@@ -209,20 +209,37 @@ def replay(seeds: Sequence[int], steps: int, extra: Sequence[str]) -> list[dict[
             t0 = time.perf_counter()
             rows = run(base + [f"actor_rollout_ref.actor.router_replay.mode={mode}", f"trainer.seed={seed}"])
             step_times = [r["timing_s/step"] for s, r in rows.items() if s > 1 and "timing_s/step" in r]
+            # The thread's CPU seconds per step: what a busy machine disturbs far less than wall time.
+            cpu_times = [r["timing_cpu_s/step"] for s, r in rows.items() if s > 1 and "timing_cpu_s/step" in r]
             arms[mode] = {
                 "acc": _last(rows, "val/accuracy"),
                 "step_s": statistics.median(step_times),
+                "cpu_step_s": statistics.median(cpu_times) if cpu_times else float("nan"),
                 "wall_s": time.perf_counter() - t0,
             }
         a, r3 = arms["auto"], arms["R3"]
-        results.append({"seed": seed, "auto": a, "R3": r3, "step_ratio": r3["step_s"] / a["step_s"]})
+        results.append(
+            {
+                "seed": seed,
+                "auto": a,
+                "R3": r3,
+                "step_ratio": r3["step_s"] / a["step_s"],
+                "cpu_ratio": r3["cpu_step_s"] / a["cpu_step_s"],
+            }
+        )
         print(
             f"seed {seed}: held-out accuracy step {steps} auto ({plan.replay_mode}) {a['acc']:.3f}, "
             f"R3 {r3['acc']:.3f}; "
             f"median step auto {a['step_s'] * 1e3:.1f} ms, R3 {r3['step_s'] * 1e3:.1f} ms "
-            f"(R3 / auto {r3['step_s'] / a['step_s']:.2f}x)"
+            f"(R3 / auto {r3['step_s'] / a['step_s']:.2f}x); CPU per step auto {a['cpu_step_s'] * 1e3:.1f} ms, "
+            f"R3 {r3['cpu_step_s'] * 1e3:.1f} ms ({r3['cpu_step_s'] / a['cpu_step_s']:.2f}x)"
         )
     if results:
+        cpu = [r["cpu_ratio"] for r in results]
+        print(
+            f"R3 / auto CPU time per step: median {statistics.median(cpu):.2f}x "
+            f"(min {min(cpu):.2f}, max {max(cpu):.2f})"
+        )
         ratios = [r["step_ratio"] for r in results]
         print(
             f"R3 / auto step time: median {statistics.median(ratios):.2f}x "

@@ -11,7 +11,7 @@ TINY = [
     "--seeds",
     "0",
     "--steps",
-    "4",
+    "2",
     "--set",
     "data.train_batch_size=4",
     "actor_rollout_ref.rollout.n=2",
@@ -19,7 +19,7 @@ TINY = [
     "data.synthetic.num_train=64",
     "data.synthetic.num_val=8",
     "actor_rollout_ref.model.tiny.warmstart_steps=0",
-    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2",
+    "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
 ]
 
 
@@ -34,6 +34,7 @@ def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert balance["off"]["vio_first"] > 2.0
     (replay,) = out["replay"]
     assert replay["auto"]["step_s"] > 0 and replay["R3"]["step_s"] > 0
+    assert replay["auto"]["cpu_step_s"] > 0 and replay["R3"]["cpu_step_s"] > 0
     assert "skewed router: expert 0 in the top-k of" in printed
     assert "router_replay.mode=auto: disabled" in printed  # one mini-batch per batch, one epoch: on-policy
 
