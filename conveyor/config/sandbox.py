@@ -39,7 +39,8 @@ class SandboxConfig:
     python: str | None = F(None, "interpreter that runs the programs; null = the trainer's base interpreter")
     user: int = F(
         65534,
-        "uid (and gid) the programs run as when the trainer runs as root (nobody); ignored otherwise",
+        "uid (and gid) the programs run as when the trainer runs as root (nobody; programs running at once take the "
+        "uids below it, one each, so no two share RLIMIT_NPROC); ignored otherwise",
         ge=1,
         hint="never 0: the programs must not run as root",
     )

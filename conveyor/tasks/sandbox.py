@@ -167,6 +167,9 @@ class Sandbox:
         self.read_only = [*_SYSTEM_DIRS, *([prefix] if not prefix.startswith(_SYSTEM_DIRS) else [])]
         self._isolation: str | None = None if isolation == "auto" else isolation
         self._lock = threading.Lock()
+        # RLIMIT_NPROC counts every process of a uid, so programs running at once as one uid would share one
+        # budget (a fork bomb in one would make the others' forks fail): each run at once gets a uid of its own.
+        self._uids_in_use: set[int] = set()
         self.counts: Counter[str] = Counter()
         self.exec_s = 0.0
 
@@ -201,14 +204,26 @@ class Sandbox:
         if isolation == "rlimits" and os.geteuid() == 0:
             self._check_reachable()
         work = Path(tempfile.mkdtemp(prefix="conveyor-sandbox-"))
+        uid = self._lease_uid()
         try:
-            result = self._run_in(work, files, entry, isolation)
+            result = self._run_in(work, files, entry, isolation, uid)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            with self._lock:
+                self._uids_in_use.discard(uid)
         with self._lock:
             self.counts[result.outcome] += 1
             self.exec_s += result.wall_s
         return result
+
+    def _lease_uid(self) -> int:
+        """The uid this run's program gets as root: `uid`, or the next one down that no run in flight holds."""
+        with self._lock:
+            uid = self.uid
+            while uid in self._uids_in_use:
+                uid -= 1
+            self._uids_in_use.add(uid)
+        return uid
 
     def _check_reachable(self) -> None:
         """Without namespaces, a root trainer runs programs as `uid`, which must be able to run the interpreter."""
@@ -220,7 +235,7 @@ class Sandbox:
                 "/usr/bin/python3), or use reward.sandbox.isolation=namespaces"
             )
 
-    def _run_in(self, work: Path, files: dict[str, str], entry: str, isolation: str) -> SandboxResult:
+    def _run_in(self, work: Path, files: dict[str, str], entry: str, isolation: str, uid: int) -> SandboxResult:
         lim = self.limits
         output_bytes = max(1, int(lim.max_output_mb * 2**20))
         root = work / "root"
@@ -234,11 +249,11 @@ class Sandbox:
             if as_root:  # the program runs as `uid`: it must reach and write its folder, nothing more
                 os.chmod(work, 0o711)
                 for path in [box, *(box / n for n in files)]:
-                    os.chown(path, self.uid, self.gid)
+                    os.chown(path, uid, self.gid)
         home = "/sandbox" if isolation == "namespaces" else str(box)
         settings = {
             "isolation": isolation,
-            "uid": self.uid,
+            "uid": uid,
             "gid": self.gid,
             "python": self.python,
             "entry": entry if isolation == "namespaces" else str(box / entry),

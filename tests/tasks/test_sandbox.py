@@ -275,3 +275,31 @@ def test_sandbox_keys_are_checked(override, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="programs get uids of their own only when the trainer runs as root")
+@pytest.mark.parametrize("mode", _modes())
+def test_a_fork_bomb_leaves_the_process_budget_of_programs_running_beside_it_alone(mode):
+    """RLIMIT_NPROC counts a uid's processes: runs at once get uids of their own, so a neighbour's fork bomb
+    cannot make another program's fork fail (it did when every run shared `reward.sandbox.user`)."""
+    sandbox = Sandbox(SandboxLimits(wall_s=4, max_processes=8), isolation=mode, python=_python_for(mode))
+    bomb = {
+        "main.py": "import os, time\nwhile True:\n    try:\n        os.fork()\n"
+        "    except OSError:\n        time.sleep(0.01)\n"
+    }
+    forker = {
+        "main.py": (
+            "import os, time\ntime.sleep(0.5)\n"  # the bomb has filled its budget by now
+            "pids = [os.fork() for _ in range(3)]\n"
+            "if 0 in pids:\n    os._exit(0)\n"
+            "for p in pids:\n    os.waitpid(p, 0)\nprint('forked')\n"
+        )
+    }
+    pool = SandboxPool(sandbox, 2)
+    try:
+        bombed, forked = pool.run_all([bomb, forker])
+    finally:
+        pool.close()
+    assert bombed.outcome != "ok"
+    assert forked.outcome == "ok" and forked.stdout.strip() == "forked", forked
+    assert not sandbox._uids_in_use  # every uid handed back
