@@ -13,6 +13,10 @@ Printed: executions per second of each (median round), and each one's ratio to t
 same round (median, min and max over the rounds). Every result is checked
 (score 1.0), so a fast wrong sandbox cannot win.
 
+Then, in the same run, the reward model's section (`benchmarks/reward_model.py`'s `measure`): sequences/s
+scored through the reward-model role against the same Hugging Face model called in a loop, and their ratio
+(`--no-reward-model` leaves it out; `--smoke` runs it at a tiny size).
+
     python benchmarks/rewards.py
     python benchmarks/rewards.py --programs 128 --concurrency 1 2 4 8
 """
@@ -114,11 +118,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--trials", type=int, default=3, help="rounds; the median is reported")
     ap.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "rlimits"])
     ap.add_argument("--python", default=None, help="interpreter for the programs (default: this one's base)")
+    ap.add_argument("--no-reward-model", action="store_true", help="leave out the reward model's section")
+    ap.add_argument("--smoke", action="store_true", help="the reward model's section at a tiny size, one repeat")
     args = ap.parse_args(argv)
     figures = sandbox_section(args)
-    # Reward-model scoring throughput (sequences/s against the same Hugging Face model called in a loop) is its
-    # own section, in benchmarks/reward_model.py: its figures join these here, in the same run.
+    if not args.no_reward_model:
+        figures.update(reward_model_section(args.smoke))
     return figures
+
+
+def reward_model_section(smoke: bool) -> dict[str, float]:
+    """Reward-model scoring through the role against the Hugging Face model in a loop (benchmarks/reward_model.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import reward_model
+
+    size = dict(samples=24, hidden=64, layers=2, max_response=16, repeats=1) if smoke else {}
+    result = reward_model.measure(**size)
+    print()
+    print(reward_model.report(result))
+    return {f"reward model {k}": v for k, v in result.items()}
 
 
 if __name__ == "__main__":
