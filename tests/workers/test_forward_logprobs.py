@@ -1,5 +1,5 @@
 """The policy forward's log-probs and entropy: from the model's own logits (the temperature applied per block), or
-from the fused LM head (`use_fused_kernels`, the default) with the same numbers and gradients."""
+from the fused LM head (`use_fused_kernels`) with the same numbers and gradients."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def td() -> TensorDict:
     return TensorDict(fields, batch_size=[5])
 
 
-def _worker(impl: str, packed: bool = False, fused: bool = True) -> PolicyWorker:
+def _worker(impl: str, packed: bool = False, fused: bool = False) -> PolicyWorker:
     cfg = load_config(
         None,
         BASE
@@ -45,9 +45,12 @@ def _worker(impl: str, packed: bool = False, fused: bool = True) -> PolicyWorker
 
 @pytest.mark.parametrize("impl", ["hf", "lean", "hf-packed"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_log_probs_equal_the_whole_logits_float32_formula(td: TensorDict, impl: str, temperature: float) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_log_probs_equal_the_whole_logits_float32_formula(
+    td: TensorDict, impl: str, temperature: float, fused: bool
+) -> None:
     """Against what the forward computed before: the whole logits upcast, divided by T, then log-softmaxed."""
-    forward = _worker(impl.removesuffix("-packed"), packed=impl.endswith("-packed")).forward
+    forward = _worker(impl.removesuffix("-packed"), packed=impl.endswith("-packed"), fused=fused).forward
     with torch.no_grad():
         lp, ent, _ = forward.log_probs(td, temperature, True)
         logits, _ = forward.response_logits(td, None, False)

@@ -178,12 +178,12 @@ def test_the_cli_refuses_a_layout_that_cannot_fit_with_exit_status_2(tiny_run, m
 
 
 def test_the_fused_log_prob_replaces_the_logits_with_one_block(moe) -> None:
-    """use_fused_kernels (on by default) reaches the setup; the (tokens, vocabulary) terms give way to one block,
-    which does not grow with the response, plus a float32 sum of the LM head's gradient under bf16 compute."""
+    """use_fused_kernels reaches the setup; the (tokens, vocabulary) terms give way to one block, which does not
+    grow with the response, plus a float32 sum of the LM head's gradient under bf16 compute."""
     cfg, plan = _example()
-    assert setup_of(cfg, plan, H100).fused_logprob
-    cfg, plan = _example("actor_rollout_ref.model.use_fused_kernels=false")
     assert not setup_of(cfg, plan, H100).fused_logprob
+    cfg, plan = _example("actor_rollout_ref.model.use_fused_kernels=true")
+    assert setup_of(cfg, plan, H100).fused_logprob
     from conveyor.algos.fused_logprob import DEFAULT_FUSED_CHUNK_ELEMENTS
     from conveyor.workers.training.memory_budget import Setup
 

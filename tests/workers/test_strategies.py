@@ -67,6 +67,7 @@ MIXED_FLAGS = [
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 DENSE = ["actor_rollout_ref.model.tiny.arch=qwen3"]
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+FUSED = "actor_rollout_ref.model.use_fused_kernels=true"
 PADDED = "actor_rollout_ref.model.use_remove_padding=false"
 LP_MICRO = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"  # ranks of 4 and 3 rows: 2 and 1 passes
 # Token budgets (rows of 6 to 9 tokens): the actor's 16 packs 1 or 2 rows a pass (5 passes on one rank); the
@@ -165,6 +166,7 @@ def ranks(
     runs["fsdp2-dynbsz"] = ("actor", FSDP2 + DYN, False, ["log_prob", "grads"])
     runs["fsdp2-critic-dynbsz"] = ("critic", ["critic.strategy=fsdp2"] + CRITIC_DYN, False, ["update"])
     runs["router"] = ("actor", FSDP2, True, ["router"])
+    runs["fsdp2-fused-R3-ckpt"] = ("actor", FSDP2 + [FUSED, R3, CKPT], True, ["update"])
     runs["grads-R3"] = ("actor", FSDP2 + [R3], True, ["grads"])
     runs["grads-R3-ckpt"] = ("actor", FSDP2 + [R3, CKPT], True, ["grads"])
     for name, (role, overrides, dense, with_routing) in NO_GRAD_CASES.items():
@@ -270,6 +272,13 @@ def test_fsdp2_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks,
     for key in ("perf/param_bytes_local", "perf/grad_bytes_local", "perf/optim_bytes_local"):
         for m in ranks_metrics:
             assert 0.4 <= m[key] / one_metrics[key] <= 0.6, (key, m[key], one_metrics[key])
+
+
+def test_fused_log_prob_under_fsdp2_takes_the_logits_step(model_path: str, batches, ranks) -> None:
+    """The fused LM head inside two fsdp2 ranks' packed, checkpointed, R3-replayed forward (its weight gathered by
+    the root unit, its gradient reduce-scattered) takes the one-rank step of the padded logits path."""
+    want, _ = _one_rank("actor", model_path, batches[True], [R3, PADDED])
+    _assert_same_params(torch.load(ranks["fsdp2-fused-R3-ckpt"] / "params.pt", weights_only=True), want)
 
 
 def test_dp_two_ranks_take_the_one_rank_step(model_path: str, batches, ranks) -> None:

@@ -15,7 +15,7 @@ reference's forward do, of a fixed number of rows or up to a token budget
 (`conveyor.workers.training.batching`); under a multi-rank strategy every rank runs as
 many micro-batches as the busiest one (the extra ones are dropped).
 
-With `fused` (`actor_rollout_ref.model.use_fused_kernels`, on by default)
+With `fused` (`actor_rollout_ref.model.use_fused_kernels`)
 the model's LM head computes the log-probs and entropy of the response tokens
 itself, block by block (`conveyor.models.fused_head`): no (tokens, vocabulary)
 logits exist in the forward or the backward. Otherwise log-probs and entropy
