@@ -46,6 +46,7 @@ class RunPlan:
     critic_loss_scale: float  # and of the critic's
     engine_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
     decisions: tuple[str, ...]  # what was decided and why, in words
+    forward_sum_pi_squared: bool = False  # the old-log-prob forward writes sum_pi_squared (the estimator reads it)
 
     @property
     def bypass(self) -> bool:

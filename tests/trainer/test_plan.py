@@ -118,6 +118,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "actor_loss_scale": 6.0,
         "critic_loss_scale": 6.0,  # data.max_response_length
         "engine_max_model_len": 64 + 6 if engine == "vllm" else None,
+        "forward_sum_pi_squared": False,  # no estimator in the table reads it (tests/trainer/test_estimator_inputs.py)
     }
 
 
