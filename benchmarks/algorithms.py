@@ -12,7 +12,7 @@ a run (with one thread, the CPU time is about the wall time on an idle
 machine, whatever else runs), and, for DAPO, the generation batches a step
 took.
 
-    python benchmarks/algorithms.py                          # 6 algorithms x 4 seeds, 2 runs at a time
+    python benchmarks/algorithms.py                          # 12 algorithms x 4 seeds, 2 runs at a time
     python benchmarks/algorithms.py --algorithms GRPO DAPO --seeds 0 1 --steps 50
     python benchmarks/algorithms.py --set data.train_batch_size=16   # any override, for every run
 
@@ -57,6 +57,24 @@ ALGORITHMS: dict[str, list[str]] = {
     ],
     "RLOO": ["algorithm.adv_estimator=rloo"],
     "REINFORCE++": ["algorithm.adv_estimator=reinforce_plus_plus"],
+    "GDPO": ["algorithm.adv_estimator=gdpo"],
+    "OTB": ["algorithm.adv_estimator=optimal_token_baseline"],
+    "TIR-OTB": ["algorithm.adv_estimator=tir_optimal_token_baseline"],
+    # verl's DPPO recipe: divergence thresholds 0.15 (TV) and 0.05 (binary KL), the ratio truncation off.
+    "DPPO-TV": [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv",
+        "actor_rollout_ref.actor.clip_ratio_low=0.15",
+        "actor_rollout_ref.actor.clip_ratio_high=0.15",
+        "actor_rollout_ref.actor.clip_ratio_c=10000",
+    ],
+    "DPPO-KL": [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
+        "actor_rollout_ref.actor.clip_ratio_low=0.05",
+        "actor_rollout_ref.actor.clip_ratio_high=0.05",
+        "actor_rollout_ref.actor.clip_ratio_c=10000",
+    ],
+    # verl has no DRO recipe and no default beta.
+    "DRO": ["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
 }
 
 

@@ -418,8 +418,12 @@ def test_choices_come_from_the_registries() -> None:
     for name in ADV_ESTIMATORS:
         cfg = load_config(None, [f"algorithm.adv_estimator={name}"])
         assert build_run_plan(cfg, "cpu").use_critic == (name in NEEDS_CRITIC)
+    # dro has no default coefficient (as in verl): it is selectable with one.
+    own_keys = {"dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]}
     for name in POLICY_LOSSES:
-        load_config(None, [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"])
+        load_config(None, [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}", *own_keys.get(name, [])])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.dro_beta: loss_mode=dro"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=dro"])
     for name in LOSS_AGG_MODES:
         load_config(None, [f"actor_rollout_ref.actor.loss_agg_mode={name}", f"critic.loss_agg_mode={name}"])
     for name in KL_KINDS:

@@ -62,6 +62,9 @@ __all__ = [
     "compute_opo_advantage",
     "compute_gpg_advantage",
     "compute_grpo_passk_advantage",
+    "compute_gdpo_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "compute_tir_optimal_token_baseline_advantage",
 ]
 
 AdvEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -80,6 +83,9 @@ class EstimatorNeeds:
     """It reads ``reward_baselines`` (B,): the reward of one greedy rollout per prompt (ReMax)."""
     min_group_size: int = 1
     """The fewest samples per prompt (``rollout.n``) it is defined for."""
+    sum_pi_squared: bool = False
+    """It reads ``old_log_probs`` and ``sum_pi_squared`` (B, T), the squared-probability mass of the old-log-prob
+    forward's distribution: choosing it runs that forward (no bypass) and makes it write ``sum_pi_squared``."""
 
 
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
@@ -94,6 +100,7 @@ def register_adv_estimator(
     needs_critic: bool = False,
     greedy_baseline: bool = False,
     min_group_size: int = 1,
+    sum_pi_squared: bool = False,
     overwrite: bool = False,
 ) -> Callable[[AdvEstimator], AdvEstimator]:
     """Decorator registering ``fn`` as the advantage estimator called ``name``, with what it needs
@@ -101,7 +108,12 @@ def register_adv_estimator(
     if min_group_size < 1:
         raise ValueError(f"advantage estimator {name!r}: min_group_size must be >= 1, got {min_group_size}")
     register = registrar(ADV_ESTIMATORS, name, "advantage estimator", overwrite=overwrite)
-    needs = EstimatorNeeds(needs_critic=needs_critic, greedy_baseline=greedy_baseline, min_group_size=min_group_size)
+    needs = EstimatorNeeds(
+        needs_critic=needs_critic,
+        greedy_baseline=greedy_baseline,
+        min_group_size=min_group_size,
+        sum_pi_squared=sum_pi_squared,
+    )
 
     def decorator(fn: AdvEstimator) -> AdvEstimator:
         register(fn)
@@ -136,15 +148,30 @@ def compute_advantage(
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
     reward_baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to estimator ``name``; returns ``(advantages (B, T), returns (B, T))``.
 
-    ``reward_baselines`` (B,) is the greedy-decoding reward ``remax`` subtracts.
+    ``reward_baselines`` (B,) is the greedy-decoding reward ``remax`` subtracts;
+    ``old_log_probs``, ``sum_pi_squared`` and ``rollout_is_weights`` (B, T) feed the
+    optimal token baselines; ``reward_components`` (B, K) and ``reward_weights`` (K,) ``gdpo``.
     """
     fn = get_adv_estimator(name)
-    # Passed only when given, so estimators registered before it existed (with
+    # Passed only when given, so estimators registered before they existed (with
     # an exact keyword list) keep working.
-    extra = {} if reward_baselines is None else {"reward_baselines": reward_baselines}
+    optional = {
+        "reward_baselines": reward_baselines,
+        "old_log_probs": old_log_probs,
+        "sum_pi_squared": sum_pi_squared,
+        "rollout_is_weights": rollout_is_weights,
+        "reward_components": reward_components,
+        "reward_weights": reward_weights,
+    }
+    extra = {k: v for k, v in optional.items() if v is not None}
     return fn(
         token_level_rewards,
         response_mask,
@@ -502,3 +529,208 @@ def compute_grpo_passk_advantage(
     if norm_adv_by_std:
         adv = adv / (g.std + epsilon)
     return _per_token(torch.where(winner, adv, torch.zeros_like(adv)), g, m, dtype)
+
+
+@register_adv_estimator("gdpo")
+def compute_gdpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (B, T): GRPO on each reward component (B, K) separately, their weighted sum, whitened over the batch.
+
+    Normalising each component within its group before adding them keeps a
+    dominant reward from drowning the others. Without ``reward_components``
+    the one component is the sequence's score (``token_level_rewards`` summed),
+    as in verl; ``reward_weights`` (K,) default to 1 each. A component counts in
+    its group's statistics even for a response without tokens. Returns = advantages.
+    """
+    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = _as_bool_mask(response_mask)
+    if reward_components is None:
+        components = _outcome_scores(token_level_rewards, m).unsqueeze(-1)
+    else:
+        components = reward_components.reshape(reward_components.shape[0], -1)
+        if components.shape[0] != m.shape[0]:
+            raise ValueError(f"reward_components has {components.shape[0]} rows but response_mask has {m.shape[0]}")
+    k = components.shape[1]
+    if reward_weights is None:
+        weights = [1.0] * k
+    else:
+        weights = [float(w) for w in reward_weights]
+        if len(weights) != k:
+            raise ValueError(f"reward_weights has {len(weights)} entries for {k} reward components")
+    dtype = _compute_dtype(token_level_rewards)
+    total = torch.zeros(m.shape, dtype=dtype, device=m.device)
+    ones = torch.ones((m.shape[0], 1), dtype=torch.bool, device=m.device)
+    for j in range(k):
+        # Each component as a one-token outcome reward: GRPO reads only the sequence's score.
+        adv, _ = compute_grpo_advantage(
+            components[:, j : j + 1].to(dtype),
+            ones,
+            group_index=group_index,
+            norm_adv_by_std=norm_adv_by_std,
+            epsilon=epsilon,
+        )
+        total = total + weights[j] * torch.where(m, adv, torch.zeros_like(adv))
+    adv = masked_whiten(total, m)
+    return adv, adv.clone()
+
+
+def _path_weights(
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    sum_pi_squared: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``W_t = Σ_{j≤t} (1 − 2π_j + Σπ²_j) ρ_j²`` over valid tokens (B, T): the cumulative path-variance proxy.
+
+    ``1 − 2π_j + Σπ²`` is ``‖e_y − π‖²``, the squared norm of the score function's
+    logit-space gradient at token j; ``ρ`` are the truncated importance weights (1 without them).
+    """
+    for name, t in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared)):
+        if t is None:
+            raise ValueError(
+                f"{name} (B, T) is required by the optimal token baselines (the old-log-prob forward writes it "
+                "when the estimator is chosen)"
+            )
+        _check_same_shape(name, t, response_mask)
+    zero = torch.zeros((), dtype=dtype, device=response_mask.device)
+    w = 1 - 2 * torch.exp(old_log_probs.to(dtype)) + sum_pi_squared.to(dtype)
+    if rollout_is_weights is not None:
+        _check_same_shape("rollout_is_weights", rollout_is_weights, response_mask)
+        w = w * rollout_is_weights.to(dtype) ** 2
+    return torch.where(response_mask, w, zero).cumsum(-1)
+
+
+def _reward_to_go(token_level_rewards: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Undiscounted sum of the valid rewards from each valid token on (B, T); 0 off the mask."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    rewards = torch.where(mask, token_level_rewards.to(dtype), zero)
+    return torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), zero)
+
+
+def _token_baseline(
+    returns: torch.Tensor,
+    w_cum: torch.Tensor,
+    mask: torch.Tensor,
+    ids: torch.Tensor,
+    members: torch.Tensor,
+    handle_zero_tail: bool,
+    epsilon: float,
+) -> torch.Tensor:
+    """Per position t and group, ``B_t = Σ G_t W_t / (Σ W_t + eps)`` over the group's members valid at t (B, T).
+
+    Positions are columns of the inputs (the caller aligns them). A group with one
+    member gets baseline 0; with ``handle_zero_tail``, a group's unique longest
+    member gets baseline 0 from the second-longest member's length on, where no
+    other member exists to compare with.
+    """
+    count = _per_group(members.to(torch.float64), ids, "sum")
+    num_groups = int(ids.max().item()) + 1
+    width = returns.shape[1]
+    zero = torch.zeros((), dtype=torch.float64, device=returns.device)
+    weight = torch.where(mask & members.unsqueeze(-1), w_cum.to(torch.float64), zero)
+    zeros = torch.zeros(num_groups, width, dtype=torch.float64, device=returns.device)
+    num = zeros.clone().index_add_(0, ids, returns.to(torch.float64) * weight)
+    den = zeros.index_add_(0, ids, weight)
+    baseline = (num / (den + epsilon))[ids]
+    keep = members & (count > 1)
+    baseline = torch.where(keep.unsqueeze(-1), baseline, torch.zeros_like(baseline))
+    if handle_zero_tail:
+        lengths = torch.where(members, mask.sum(-1).to(torch.float64), torch.full_like(count, -torch.inf))
+        top = _per_group(lengths, ids, "amax")
+        at_top = _per_group((lengths == top).to(torch.float64), ids, "sum")
+        second = _per_group(torch.where(lengths == top, torch.full_like(lengths, -torch.inf), lengths), ids, "amax")
+        alone_on_top = keep & (lengths == top) & (at_top == 1)
+        cols = torch.arange(width, device=returns.device, dtype=torch.float64)
+        tail = alone_on_top.unsqueeze(-1) & (cols.unsqueeze(0) >= second.unsqueeze(-1))
+        baseline = torch.where(tail, torch.zeros_like(baseline), baseline)
+    return baseline
+
+
+@register_adv_estimator("optimal_token_baseline", sum_pi_squared=True)
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline (B, T): ``A_t = G_t − Σ_G G_t W_t / (Σ_G W_t + 1e-8)`` per position t of each group.
+
+    ``G_t`` is the reward-to-go, ``W_t`` the cumulative path-variance proxy
+    (``_path_weights``, from ``old_log_probs`` and ``sum_pi_squared`` (B, T),
+    scaled by ``rollout_is_weights``² when given): the baseline that minimises
+    the variance of the per-token gradient, one per time step rather than one
+    per sequence. A lone sample keeps ``G_t``; ``handle_zero_tail`` as in
+    ``_token_baseline``. Returns = the reward-to-go.
+    """
+    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = _as_bool_mask(response_mask)
+    dtype = _compute_dtype(token_level_rewards)
+    returns = _reward_to_go(token_level_rewards, m, dtype)
+    w_cum = _path_weights(m, old_log_probs, sum_pi_squared, rollout_is_weights, dtype)
+    ids = _group_ids(group_index, m.shape[0], m.device)
+    if m.shape[0] == 0:
+        return returns.clone(), returns
+    members = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
+    baseline = _token_baseline(returns, w_cum, m, ids, members, handle_zero_tail, 1e-8)
+    adv = torch.where(m, returns - baseline.to(dtype), torch.zeros((), dtype=dtype, device=m.device))
+    return adv, returns
+
+
+@register_adv_estimator("tir_optimal_token_baseline", sum_pi_squared=True)
+def compute_tir_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor | Sequence[Hashable] | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline for tool-integrated (multi-turn) responses (B, T): positions are counted in model tokens.
+
+    As ``optimal_token_baseline``, but the baseline of a sample's k-th *valid*
+    token is taken over the k-th valid tokens of its group, so tool output
+    masked out between turns does not shift one sample's tokens against
+    another's; a response with no tokens is left out of its group. On
+    right-padded responses without holes it equals ``optimal_token_baseline``
+    (except for groups holding an empty response).
+    """
+    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = _as_bool_mask(response_mask)
+    dtype = _compute_dtype(token_level_rewards)
+    returns = _reward_to_go(token_level_rewards, m, dtype)
+    w_cum = _path_weights(m, old_log_probs, sum_pi_squared, rollout_is_weights, dtype)
+    ids = _group_ids(group_index, m.shape[0], m.device)
+    lengths = m.sum(-1)
+    width = int(lengths.max().item()) if lengths.numel() else 0
+    if width == 0:
+        return torch.zeros_like(returns), returns
+    # Compact each row's valid tokens to the front: column k is the sample's k-th model token.
+    rows, cols = torch.nonzero(m, as_tuple=True)
+    rank = (m.cumsum(-1) - 1)[rows, cols]
+    compact_mask = torch.arange(width, device=m.device).unsqueeze(0) < lengths.unsqueeze(-1)
+    compact_returns = torch.zeros(m.shape[0], width, dtype=dtype, device=m.device)
+    compact_w = torch.zeros_like(compact_returns)
+    compact_returns[rows, rank] = returns[rows, cols]
+    compact_w[rows, rank] = w_cum[rows, cols]
+    baseline = _token_baseline(compact_returns, compact_w, compact_mask, ids, lengths > 0, handle_zero_tail, 1e-8)
+    adv = torch.zeros_like(returns)
+    adv[rows, cols] = (compact_returns - baseline.to(dtype))[rows, rank]
+    return adv, returns

@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy"]
+__all__ = ["logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy", "sum_pi_squared_from_logits"]
 
 # About 256 MiB of float32 per block: large enough to keep kernels efficient,
 # small next to the logits of a real vocabulary.
@@ -209,3 +209,29 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Label log-probs (B, T) and, if ``with_entropy``, entropy (B, T) of softmax(logits / T), logits (B, T, V)."""
     return _run(logits, labels, with_entropy, chunk_elements, temperature)
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(
+    logits: torch.Tensor, *, chunk_elements: int | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """``Σ_v softmax(logits / T)_v²`` per token: logits (B, T, V) -> (B, T) float32, no gradient.
+
+    Computed as ``exp(logsumexp(2z) − 2 logsumexp(z))`` block by block (no
+    full-vocabulary probabilities are kept); the optimal token baselines read it.
+    """
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point (B, T, V) tensor, got {logits.dtype} {tuple(logits.shape)}")
+    chunk = DEFAULT_CHUNK_ELEMENTS if chunk_elements is None else int(chunk_elements)
+    if chunk <= 0:
+        raise ValueError(f"chunk_elements must be > 0, got {chunk_elements}")
+    temperature = float(temperature)
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    batch, length, vocab = logits.shape
+    dtype = _compute_dtype(logits)
+    out = torch.empty(batch, length, dtype=dtype, device=logits.device)
+    for idx in _blocks(batch, length, vocab, chunk):
+        z = _scaled(logits[idx], dtype, temperature)
+        out[idx] = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
+    return out

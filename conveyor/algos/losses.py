@@ -10,7 +10,8 @@ Without them the local counts are used, which is right for a single rank.
 
 Policy losses are chosen by name from a registry, under verl's names
 (``"vanilla"`` is PPO's clipped surrogate with dual clip; also ``gspo``,
-``sapo``, ``cispo``, ``gpg``, ``clip_cov``, ``kl_cov``, ``geo_mean``); a new
+``sapo``, ``cispo``, ``gpg``, ``clip_cov``, ``kl_cov``, ``geo_mean``,
+``dppo_tv``, ``dppo_kl``, ``dro``); a new
 variant is added by registering a function with ``compute_policy_loss``'s
 signature (hyperparameters of its own as extra keywords with defaults).
 
@@ -537,6 +538,109 @@ def compute_policy_loss_geo_mean(
         "pg_clipfrac_lower": masked_mean((clipped & (advantages < 0)).float(), mask),
         "ppo_kl": masked_mean(-log_ratio, mask),
     }
+
+
+def _dppo_loss(
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    clip_ratio_c: float,
+) -> TokenLossResult:
+    """DPPO's shared tail (B, T): ``-A sg(min(r, c)) log_prob`` on the tokens ``valid`` keeps, 0 elsewhere."""
+    if clip_ratio_c <= 0:
+        raise ValueError(f"clip_ratio_c (DPPO's truncation of the ratio) must be > 0, got {clip_ratio_c}")
+    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
+    ratio = torch.exp(log_ratio)
+    keep = valid.detach().to(log_prob.dtype)
+    # Truncated importance sampling in place of PPO's dual clip (DPPO section 5.4), detached like the mask.
+    pg_losses = -advantages * torch.clamp(ratio, max=clip_ratio_c).detach() * log_prob * keep
+    return pg_losses, {
+        "pg_clipfrac": masked_mean(1.0 - keep, mask),
+        "pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c).to(keep.dtype) * keep, mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("dppo_tv")
+@_policy_loss()
+def compute_policy_loss_dppo_tv(
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> TokenLossResult:
+    """DPPO-Binary-TV (B, T): REINFORCE with the truncated ratio, dropping tokens whose probability moved too far.
+
+    Per token ``-A sg(min(r, c)) log π_θ``, kept only where the change of the
+    sampled token's probability ``π_θ − π_old`` is at most ``clip_ratio_high``
+    (for ``A > 0``) or at least ``−clip_ratio_low`` (otherwise): the clip
+    ranges are total-variation thresholds here, not ratio ranges; ``c`` is
+    ``clip_ratio_c``. Metrics: ``pg_clipfrac`` (tokens dropped),
+    ``pg_clipfrac_lower`` (kept tokens whose ratio was truncated), ``ppo_kl``.
+    """
+    change = torch.exp(log_prob) - torch.exp(old_log_prob)
+    valid = torch.where(advantages > 0, change <= clip_ratio_high, change >= -clip_ratio_low)
+    return _dppo_loss(mask, old_log_prob, log_prob, advantages, valid, clip_ratio_c)
+
+
+@register_policy_loss("dppo_kl")
+@_policy_loss()
+def compute_policy_loss_dppo_kl(
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> TokenLossResult:
+    """DPPO-Binary-KL (B, T): as ``dppo_tv``, with the binary KL of the sampled token's probability as the divergence.
+
+    ``KL = p_old log(p_old / p) + (1 − p_old) log((1 − p_old + 1e-8) / (1 − p + 1e-8))``
+    over the sampled token's probability ``p`` (and ``p_old``); a token is
+    dropped when it exceeds ``clip_ratio_high`` while ``p`` rose (``A > 0``) or
+    ``clip_ratio_low`` while ``p`` fell (otherwise). Metrics as ``dppo_tv``.
+    """
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+    )
+    valid = torch.where(
+        advantages > 0,
+        (binary_kl <= clip_ratio_high) | (prob <= old_prob),
+        (binary_kl <= clip_ratio_low) | (prob >= old_prob),
+    )
+    return _dppo_loss(mask, old_log_prob, log_prob, advantages, valid, clip_ratio_c)
+
+
+@register_policy_loss("dro")
+@_policy_loss()
+def compute_policy_loss_dro(
+    mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    dro_beta: float | None = None,
+) -> TokenLossResult:
+    """DRO (B, T): ``−(A log π_θ − β/2 (log r)²)``, REINFORCE with a quadratic penalty on the log-ratio.
+
+    ``β`` is ``dro_beta`` (required, > 0; verl has no default either). No
+    ratio and no clip (the clip ranges are unused). Metrics: ``ppo_kl``.
+    """
+    if dro_beta is None or not dro_beta > 0:
+        raise ValueError(
+            f"dro_beta must be > 0 for the 'dro' loss (actor_rollout_ref.actor.policy_loss.dro_beta), got {dro_beta}"
+        )
+    log_ratio = log_prob - old_log_prob
+    return -(log_prob * advantages - 0.5 * dro_beta * log_ratio.square()), {"ppo_kl": masked_mean(-log_ratio, mask)}
 
 
 # --------------------------------------------------------------------------- value and entropy

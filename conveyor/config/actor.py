@@ -151,20 +151,27 @@ class PolicyLossConfig:
     clip_cov_ub: float = F(5.0, "clip_cov: upper bound of that covariance")
     kl_cov_ratio: float = F(0.0002, "kl_cov: share of tokens (highest covariance) given the KL penalty", gt=0, le=1)
     ppo_kl_coef: float = F(0.1, "kl_cov: coefficient of that |log ratio| penalty", ge=0)
+    dro_beta: float | None = F(
+        None, "dro: coefficient of the quadratic log-ratio penalty (required with loss_mode=dro)", gt=0
+    )
 
     def validate(self, prefix: str) -> None:
-        """clip_cov's bounds are ordered."""
+        """clip_cov's bounds are ordered; dro has its beta."""
         check(
             self.clip_cov_lb < self.clip_cov_ub,
             f"{prefix}.clip_cov_lb",
             f"must be below clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}",
         )
+        check(
+            self.loss_mode != "dro" or self.dro_beta is not None,
+            f"{prefix}.dro_beta",
+            "loss_mode=dro penalises (log ratio)^2 with this coefficient and has no default: set it (> 0, e.g. 0.1)",
+        )
 
-    def loss_kwargs(self) -> dict[str, float]:
+    def loss_kwargs(self) -> dict[str, float | None]:
         """The hyperparameters handed to the policy loss (each loss takes the ones it declares)."""
-        return {
-            k: getattr(self, k) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
-        }
+        keys = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+        return {k: getattr(self, k) for k in keys}
 
 
 @dataclass
@@ -209,6 +216,11 @@ class ActorConfig:
     )
     tau_pos: float = F(1.0, "sapo: temperature of the soft gate for positive advantages", gt=0)
     tau_neg: float = F(1.05, "sapo: temperature of the soft gate for negative advantages", gt=0)
+    calculate_sum_pi_squared: bool | None = F(
+        None,
+        "the old-log-prob forward also writes sum_pi_squared (Σ π² of each response token's distribution); "
+        "null = when algorithm.adv_estimator reads it (optimal_token_baseline, tir_optimal_token_baseline)",
+    )
     entropy_coeff: float = F(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = F(False, "add a KL(policy || reference) loss term")
     kl_loss_coef: float = F(0.001, "KL loss coefficient", ge=0)

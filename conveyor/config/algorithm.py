@@ -9,11 +9,12 @@ computes nothing: the trainer hands these values to the pure functions of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config.actor import KL_KIND_CHOICES
-from conveyor.config.fields import ConfigError, F, S, registry
+from conveyor.config.fields import ConfigError, F, S, check, registry
 
 __all__ = [
     "FILTER_GROUPS_METRICS",
@@ -134,3 +135,33 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = S(KLControlConfig, "in-reward KL controller")
     rollout_correction: RolloutCorrectionConfig = S(RolloutCorrectionConfig, "rollout correction")
     filter_groups: FilterGroupsConfig = S(FilterGroupsConfig, "dynamic sampling (DAPO)")
+    gdpo_reward_keys: list | None = F(
+        None,
+        "gdpo: the per-sample reward components to normalise one by one (fields the reward stage writes: "
+        "acc, or a key of the dict a reward function returns); null = the summed rm_scores as the one component",
+    )
+    gdpo_reward_weights: list | None = F(
+        None, "gdpo: one weight per gdpo_reward_keys entry in the weighted sum; null = 1 each"
+    )
+
+    def validate(self, prefix: str) -> None:
+        """GDPO's keys are distinct names, its weights numbers, one per key."""
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if keys is not None:
+            check(
+                len(keys) > 0 and all(isinstance(k, str) and k for k in keys) and len(set(keys)) == len(keys),
+                f"{prefix}.gdpo_reward_keys",
+                f"must be a non-empty list of distinct field names (e.g. [acc, format_reward]), got {keys}",
+            )
+        if weights is not None:
+            check(
+                keys is not None,
+                f"{prefix}.gdpo_reward_weights",
+                "weighs the components named by gdpo_reward_keys: set those too, or leave the weights null",
+            )
+            check(
+                all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights)
+                and len(weights) == len(keys),
+                f"{prefix}.gdpo_reward_weights",
+                f"must be {len(keys)} finite number(s), one per gdpo_reward_keys entry, got {weights}",
+            )

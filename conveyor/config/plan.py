@@ -50,6 +50,7 @@ class RunPlan:
     use_reward_model: bool = False  # reward_model.enable: a reward model scores every response after the rule reward
     reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
     use_judge: bool = False  # reward_model.judge.enable: a generative judge scores every response, last
+    forward_sum_pi_squared: bool = False  # the old-log-prob forward writes sum_pi_squared (the estimator reads it)
 
     @property
     def bypass(self) -> bool:

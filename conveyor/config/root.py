@@ -122,6 +122,7 @@ class Config:
                 "actor_rollout_ref.rollout.n",
                 f"algorithm.filter_groups.enable compares the samples of a prompt: set it to 2 or more, got {n}",
             )
+        self._check_sum_pi_squared(need.sum_pi_squared)
         check(
             n >= need.min_group_size,
             "actor_rollout_ref.rollout.n",
@@ -149,6 +150,23 @@ class Config:
                 "critic.ppo_mini_batch_size",
                 f"a mini-batch of {cmb} prompts x {n} samples is fewer sequences than the {world} ranks",
             )
+
+    def _check_sum_pi_squared(self, estimator_reads_it: bool) -> None:
+        """sum_pi_squared comes from the old-log-prob forward: on when the estimator reads it, never under bypass."""
+        key = self.actor_rollout_ref.actor.calculate_sum_pi_squared
+        algo = self.algorithm
+        check(
+            not (estimator_reads_it and key is False),
+            "actor_rollout_ref.actor.calculate_sum_pi_squared",
+            f"algorithm.adv_estimator={algo.adv_estimator} reads sum_pi_squared: set it to true or null",
+        )
+        check(
+            not ((estimator_reads_it or key) and algo.rollout_correction.bypass_mode is True),
+            "algorithm.rollout_correction.bypass_mode",
+            "sum_pi_squared (actor_rollout_ref.actor.calculate_sum_pi_squared"
+            + (f", read by adv_estimator={algo.adv_estimator}" if estimator_reads_it else "")
+            + ") is written by the old-log-prob forward, which bypass mode skips: set bypass_mode to null or false",
+        )
 
     def _check_expert_parallel(self, world: int) -> None:
         """Each role's fsdp_config.fsdp_size and expert_parallel_size fit its strategy, its ranks and its experts."""

@@ -19,7 +19,7 @@ The rules:
   refused: R2 needs the forward that bypass mode skips.
 - old log-probs: `"rollout"` (bypass: the rollout's log-probs, no forward)
   when bypass_mode says so, or when it is null, the run is on-policy, neither
-  R2, rollout_is nor rollout_rs needs the forward, and the engine samples from
+  R2, rollout_is, rollout_rs nor sum_pi_squared needs the forward, and the engine samples from
   the trainer's own modules (the hf rollout). Otherwise `"update"` when the
   run is off-policy with one optimizer step per batch and no stage needs them
   before the update (no KL in the reward, no rollout_rs, not R2): the
@@ -28,6 +28,9 @@ The rules:
   replays it or the load-balance metrics are on (and not R2). Otherwise, with
   the metrics on, the old-log-prob forward records it; R2 always records it
   there. The load-balance metrics then describe the trainer's forward.
+- sum_pi_squared: `actor_rollout_ref.actor.calculate_sum_pi_squared`, or when
+  null, whether the estimator reads it (the optimal token baselines); it
+  turns the old-log-prob forward on like R2 does.
 - importance weights: `algorithm.rollout_correction.rollout_is`, or token
   level when null and the run is off-policy.
 - critic: `critic.enable`, or when null, whether the estimator needs values;
@@ -120,6 +123,14 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     )
 
 
+def forward_writes_sum_pi_squared(cfg: Config) -> bool:
+    """Whether the old-log-prob forward writes sum_pi_squared: the actor's key, or when null, the estimator's need."""
+    from conveyor.algos.advantages import estimator_needs
+
+    asked = cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+    return asked if asked is not None else estimator_needs(cfg.algorithm.adv_estimator).sum_pi_squared
+
+
 def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
     """The plan of a run of `cfg` on `device` ("cpu" or "cuda"); a ConfigError for a contradictory combination.
 
@@ -198,18 +209,20 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         why.append(f"router replay {requested}")
 
     # ---- old log-probs
+    spp = forward_writes_sum_pi_squared(cfg)
     if correction.bypass_mode is not None:
         bypass = correction.bypass_mode
         bypass_why = f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}"
     elif off_policy:
         bypass, bypass_why = False, "the rollout's log-probs are an older policy's (off-policy)"
-    elif replay == "R2" or correction.rollout_is or correction.rollout_rs:
+    elif replay == "R2" or correction.rollout_is or correction.rollout_rs or spp:
         need = [
             n
             for n, on in (
                 ("R2", replay == "R2"),
                 ("rollout_is", bool(correction.rollout_is)),
                 ("rollout_rs", bool(correction.rollout_rs)),
+                ("sum_pi_squared", spp),
             )
             if on
         ]
@@ -228,6 +241,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         and not algo.use_kl_in_reward
         and correction.rollout_rs is None
         and replay != "R2"
+        and not spp
     )
     if bypass:
         old = "rollout"
@@ -241,6 +255,12 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     else:
         old = "forward"
         why.append(f"old log-probs: the old-log-prob forward ({bypass_why})")
+
+    if spp:
+        why.append(
+            "sum_pi_squared: written by the old-log-prob forward"
+            + ("" if actor.calculate_sum_pi_squared else f" (algorithm.adv_estimator={algo.adv_estimator} reads it)")
+        )
 
     # ---- routing
     interval = ro.moe_load_balance_metrics_interval
@@ -338,4 +358,5 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         engine_max_model_len=max_model_len,
         decisions=tuple(why),
         use_teacher=use_teacher,
+        forward_sum_pi_squared=spp,
     )

@@ -55,6 +55,7 @@ from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.trainer.distillation import teacher_stage
+from conveyor.trainer.estimator_inputs import estimator_fields, estimator_inputs
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.sources import build_source
@@ -293,7 +294,10 @@ class PPOTrainer:
         if self.plan.old_log_probs == "update":  # the update's own forward writes them (off-policy, one optimizer step)
             return meta, {}
         call = LogProbCall(
-            temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=True, compute_loss=False
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+            calculate_entropy=True,
+            compute_loss=False,
+            calculate_sum_pi_squared=self.plan.forward_sum_pi_squared,
         )
         out = self.workers.actor.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         reduced = reduce_rank_metrics(out.extra_info)
@@ -330,6 +334,7 @@ class PPOTrainer:
             fields += ["old_log_probs", "ref_log_prob"]
         if self.plan.use_critic:
             fields.append("values")
+        fields += [f for f in estimator_fields(self.plan, self.estimator) if f not in fields]
         td = self.data_plane.get(meta, fields)
         mask = td["response_mask"].bool()
         _check_finite(self.global_step, "rm_scores", td["rm_scores"], mask)
@@ -352,6 +357,7 @@ class PPOTrainer:
             lam=algo.lam,
             norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
             reward_baselines=td["reward_baselines"] if self.estimator.greedy_baseline else None,
+            **estimator_inputs(td, meta, self.data_plane, self.cfg, self.plan, self.estimator),
         )
         _check_finite(self.global_step, "advantages", advantages, mask)
         out = self.data_plane.put(meta, {"token_level_rewards": rewards, "advantages": advantages, "returns": returns})

@@ -284,12 +284,23 @@ def test_values_under_the_mask_change_nothing(name: str) -> None:
     mask[:, 0] = True
     # A lone sample in group 2, except for pass@k, which needs two per group.
     group = torch.tensor([0, 0, 0, 1, 1, 1 if name == "grpo_passk" else 2])
-    kwargs = dict(values=values, group_index=group, gamma=0.9, lam=0.95, reward_baselines=torch.randn(6, generator=gen))
+    old_log_probs = -torch.rand(6, 5, generator=gen)
+    sum_pi_squared = torch.exp(old_log_probs) ** 2 + 0.1
+    kwargs = dict(
+        values=values,
+        group_index=group,
+        gamma=0.9,
+        lam=0.95,
+        reward_baselines=torch.randn(6, generator=gen),
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+    )
     adv1, ret1 = compute_advantage(name, rewards, mask, **kwargs)
 
+    nan = torch.tensor(float("nan"))
     noisy_rewards = torch.where(mask, rewards, torch.full_like(rewards, 1e6))
-    noisy_values = torch.where(mask, values, torch.full_like(values, float("nan")))
-    kwargs["values"] = noisy_values
+    for key in ("values", "old_log_probs", "sum_pi_squared"):
+        kwargs[key] = torch.where(mask, kwargs[key], nan)
     adv2, ret2 = compute_advantage(name, noisy_rewards, mask, **kwargs)
     torch.testing.assert_close(adv1, adv2)
     torch.testing.assert_close(ret1, ret2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -180,8 +181,11 @@ def test_policy_loss_importance_weights_multiply_each_token() -> None:
         compute_policy_loss(old, new, adv, mask, is_weights=torch.ones(1, 4))
 
 
-def _seeded(name: str) -> dict[str, torch.Generator]:
-    """clip_cov picks tokens at random: a fresh seeded generator makes two calls pick the same ones."""
+def _seeded(name: str) -> dict[str, Any]:
+    """A loss's own keywords for a repeatable call: clip_cov's seeded generator (two calls pick the same tokens),
+    dro's coefficient."""
+    if name == "dro":  # no default coefficient, as in verl
+        return {"dro_beta": 0.5}
     return {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
 
 

@@ -115,6 +115,7 @@ def _advantage_cases() -> dict[str, dict[str, Any]]:
         cases[f"remax-{rewards}"] = _advantage_case(
             "remax", seed, WITH_LONE, rewards, reward_baselines=torch.randn(sum(WITH_LONE), generator=gen)
         )
+    cases.update(_newer_advantage_cases())
     # Deliberate differences, checked in their own tests below.
     cases["rloo-loop-lone"] = _advantage_case("rloo", 7, WITH_LONE, "normal")
     flat = _advantage_case("grpo", 8, [8, 7, 6, 3], "normal")
@@ -126,13 +127,71 @@ def _advantage_cases() -> dict[str, dict[str, Any]]:
     return cases
 
 
-LOSS_NAMES = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean")
+def _token_baseline_inputs(gen: torch.Generator, mask: torch.Tensor, with_is: bool) -> dict[str, torch.Tensor]:
+    """What the optimal token baselines read: old log-probs, Σπ² in (π², 1], IS weights; noise off the mask."""
+    old = -2.0 * torch.rand(mask.shape, generator=gen)
+    pi = torch.exp(old)
+    # Σπ² is at least π² of the sampled token and at most 1.
+    spp = pi**2 + (1 - pi**2) * torch.rand(mask.shape, generator=gen)
+    out = {"old_log_probs": _garbage(gen, old, mask), "sum_pi_squared": _garbage(gen, spp, mask)}
+    if with_is:
+        out["rollout_is_weights"] = torch.clamp(0.5 + torch.rand(mask.shape, generator=gen), max=1.3)
+    return out
+
+
+def _newer_advantage_cases() -> dict[str, dict[str, Any]]:
+    """gdpo (with and without reward components), optimal_token_baseline and its multi-turn form.
+
+    Masks: ragged right padding (with a single-token row), holes inside responses (tool output), and an
+    empty response; groups with a unique longest member and with tied longest members.
+    """
+    cases = {}
+    for seed, rewards in enumerate(("normal", "binary", "dense")):
+        for norm in (True, False):
+            cases[f"gdpo-{rewards}-std{norm}"] = _advantage_case(
+                "gdpo", 40 + seed, WITH_LONE, rewards, norm_adv_by_std=norm
+            )
+        gen = torch.Generator().manual_seed(50 + seed)
+        comps = torch.randn(sum(WITH_LONE), 3, generator=gen)
+        comps[:, 1] = (comps[:, 1] > 0).float()  # a 0/1 component: flat groups in it
+        cases[f"gdpo-components-{rewards}"] = _advantage_case(
+            "gdpo", 40 + seed, WITH_LONE, rewards, reward_components=comps, reward_weights=[1.0, 0.5, 2.0]
+        )
+        for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+            for with_is in (False, True):
+                case = _advantage_case(name, 60 + seed, WITH_LONE, rewards)
+                gen = torch.Generator().manual_seed(70 + seed)
+                case.update(_token_baseline_inputs(gen, case["mask"], with_is))
+                cases[f"{name}-{rewards}-is{with_is}"] = case
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"):
+        # Multi-turn: holes inside the responses (tool output), and one empty response.
+        case = _advantage_case(name, 80, WITH_LONE, "dense")
+        gen = torch.Generator().manual_seed(81)
+        holes = torch.rand(case["mask"].shape, generator=gen) < 0.3
+        holes[:, 0] = False
+        mask = case["mask"] & ~holes
+        mask[3] = False
+        case["mask"] = mask
+        case["rewards"] = case["rewards"] * mask
+        case.update(_token_baseline_inputs(gen, mask, False))
+        cases[f"{name}-holes-empty"] = case
+    return cases
+
+
+LOSS_NAMES = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro")
 # Hyperparameter settings beyond verl's defaults, per loss.
 LOSS_PARAMS: dict[str, list[dict[str, float]]] = {
     "sapo": [{"tau_pos": 0.8, "tau_neg": 1.3}],
     "clip_cov": [{"clip_cov_ratio": 0.05, "clip_cov_lb": 0.2, "clip_cov_ub": 4.0}],
     "kl_cov": [{"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.5}],
+    # dro has no default beta (verl's is null and refused): every case sets one.
+    "dro": [{"dro_beta": 0.05}, {"dro_beta": 2.0}],
+    # DPPO's clip ranges are divergence thresholds; tight ones drop many tokens, a small c truncates ratios.
+    "dppo_tv": [{"clip_ratio_low": 0.02, "clip_ratio_high": 0.03, "clip_ratio_c": 1.2}],
+    "dppo_kl": [{"clip_ratio_low": 0.002, "clip_ratio_high": 0.004, "clip_ratio_c": 1.2}],
 }
+# The losses with no defaults of their own: their cases run with LOSS_PARAMS only.
+NO_DEFAULT_CASE = ("dro",)
 
 
 # Log-ratios beyond the +-20 that vanilla, sapo and cispo clamp them to (in verl and here), on column 0 (every
@@ -146,6 +205,9 @@ def _policy_case(name: str, seed: int, mode: str, params: dict[str, float], extr
 
     With ``extreme``, a few tokens get log-ratios of 20 and more in size (EXTREME_LOG_RATIOS).
     """
+    clip = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+    clip.update({k: params[k] for k in clip if k in params})  # a case may set the common keywords too
+    params = {k: v for k, v in params.items() if k not in clip}
     gen = torch.Generator().manual_seed(seed)
     batch = 13
     mask = _mask(gen, batch)
@@ -165,9 +227,7 @@ def _policy_case(name: str, seed: int, mode: str, params: dict[str, float], extr
         "log_prob": _garbage(gen, new, mask),
         "advantages": _garbage(gen, torch.randn(batch, WIDTH, generator=gen), mask),
         "is_weights": 0.5 + torch.rand(batch, WIDTH, generator=gen) if with_weights else None,
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.28,
-        "clip_ratio_c": 3.0,
+        **clip,
         "loss_agg_mode": mode,
         "num_tokens": int(mask.sum()) + 7,
         # verl's geo_mean averages over the rows it is given (see the module docstring).
@@ -181,7 +241,7 @@ def _policy_cases() -> dict[str, dict[str, Any]]:
     cases = {}
     seed = 0
     for name in LOSS_NAMES:
-        for params in [{}, *LOSS_PARAMS.get(name, [])]:
+        for params in ([] if name in NO_DEFAULT_CASE else [{}]) + LOSS_PARAMS.get(name, []):
             for mode in LOSS_AGG_MODES:
                 seed += 1
                 suffix = "-".join(f"{k}{v}" for k, v in params.items())
@@ -364,6 +424,11 @@ def _our_advantage(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         group_index=torch.tensor(case["index"]),
         norm_adv_by_std=case["norm_adv_by_std"],
         reward_baselines=case.get("reward_baselines"),
+        old_log_probs=case.get("old_log_probs"),
+        sum_pi_squared=case.get("sum_pi_squared"),
+        rollout_is_weights=case.get("rollout_is_weights"),
+        reward_components=case.get("reward_components"),
+        reward_weights=case.get("reward_weights"),
     )
 
 
@@ -400,9 +465,14 @@ DIFFERENT = ("adv/rloo-loop-lone", "adv/grpo-flat-fractional")
 
 @pytest.mark.parametrize("case_id", _ids("adv/", exclude=DIFFERENT))
 def test_advantages_match_verl(case_id: str, verl_out: dict) -> None:
-    adv, ret = _our_advantage(CASES[case_id])
+    case = CASES[case_id]
+    adv, ret = _our_advantage(case)
+    theirs = verl_out[case_id]["returns"].float()
+    if case_id.endswith("-holes-empty"):
+        # verl's reward-to-go runs on through a hole in the mask; here masked positions are skipped (0).
+        theirs = theirs * case["mask"]
     torch.testing.assert_close(adv, verl_out[case_id]["advantages"].float(), **TOL)
-    torch.testing.assert_close(ret, verl_out[case_id]["returns"].float(), **TOL)
+    torch.testing.assert_close(ret, theirs, **TOL)
 
 
 @pytest.mark.parametrize("case_id", _ids("loss/"))

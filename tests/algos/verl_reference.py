@@ -49,10 +49,29 @@ def _advantage(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
         "index": np.array(case["index"]),
         "config": _Config(norm_adv_by_std_in_grpo=case["norm_adv_by_std"]),
     }
-    if case["name"] == "grpo":
+    if case["name"] in ("grpo", "gdpo"):
         kwargs["norm_adv_by_std_in_grpo"] = case["norm_adv_by_std"]
     if "reward_baselines" in case:
         kwargs["reward_baselines"] = case["reward_baselines"]
+    for name in ("old_log_probs", "sum_pi_squared", "rollout_is_weights"):
+        if name in case:
+            kwargs[name] = case[name]
+    if "reward_components" in case:
+        # verl reads GDPO's components from the batch's non-tensor fields, named by algorithm.gdpo_reward_keys,
+        # and places each on the last response token counted by the attention mask.
+        components = case["reward_components"]
+        keys = [f"component{j}" for j in range(components.shape[1])]
+        kwargs["config"] = _Config(
+            norm_adv_by_std_in_grpo=case["norm_adv_by_std"],
+            gdpo_reward_keys=keys,
+            gdpo_reward_weights=case.get("reward_weights"),
+        )
+        kwargs["non_tensor_batch"] = {k: components[:, j].numpy() for j, k in enumerate(keys)}
+        prompts = torch.ones(components.shape[0], 2, dtype=torch.long)
+        kwargs["batch"] = {
+            "prompts": prompts,
+            "attention_mask": torch.cat([torch.ones_like(prompts), case["mask"].long()], dim=1),
+        }
     adv, ret = ca.get_adv_estimator_fn(case["name"])(**kwargs)
     return {"advantages": adv, "returns": ret}
 
@@ -74,6 +93,7 @@ def _policy_loss(ca: types.ModuleType, case: dict) -> dict[str, torch.Tensor]:
             clip_cov_ub=params.get("clip_cov_ub", 5.0),
             kl_cov_ratio=params.get("kl_cov_ratio", 0.0002),
             ppo_kl_coef=params.get("ppo_kl_coef", 0.1),
+            dro_beta=params.get("dro_beta"),
         ),
         global_batch_info={
             "dp_size": 1,

@@ -195,6 +195,21 @@ ALGORITHMS = {
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_type=k1+",
     ],
+    "gdpo+dro": [
+        "algorithm.adv_estimator=gdpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=dro",
+        "actor_rollout_ref.actor.policy_loss.dro_beta=0.1",
+    ],
+    # The optimal token baselines read sum_pi_squared, which turns the old-log-prob forward on.
+    "optimal_token_baseline+dppo_tv": [
+        "algorithm.adv_estimator=optimal_token_baseline",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv",
+    ],
+    "tir_optimal_token_baseline+dppo_kl+is": [
+        "algorithm.adv_estimator=tir_optimal_token_baseline",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
+        "algorithm.rollout_correction.rollout_is=token",
+    ],
 }
 
 # The default task at the smallest batch that still has groups: each algorithm's every update, advantage and

@@ -122,6 +122,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "use_reward_model": False,  # reward_model.enable is off in the table (tests/trainer/test_reward_model_runs.py)
         "reward_model_placement": "colocated",
         "use_judge": False,
+        "forward_sum_pi_squared": False,  # no estimator in the table reads it (tests/trainer/test_estimator_inputs.py)
     }
 
 

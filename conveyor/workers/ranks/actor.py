@@ -375,7 +375,8 @@ class PolicyWorker(CheckpointEndpoints):
 
     @torch.no_grad()
     def compute_log_prob(self, meta: KVBatchMeta) -> KVBatchMeta:
-        """Forward without grad: writes old_log_probs (+ entropy, + routed_experts when the plan records them)."""
+        """Forward without grad: writes old_log_probs (+ entropy, + sum_pi_squared when asked, + routed_experts when
+        the plan records them)."""
         begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
         st = self.settings
@@ -386,17 +387,20 @@ class PolicyWorker(CheckpointEndpoints):
         if replay:
             fields.append("routed_experts")
         td = self._get(meta, fields)
-        log_probs, entropy, routing = self.forward.no_grad_log_probs(
+        log_probs, entropy, sum_pi_squared, routing = self.forward.no_grad_token_stats(
             td,
             st.rollout.log_prob_micro_batch_size_per_gpu,
             float(call.temperature),
             with_entropy=bool(call.calculate_entropy),
+            with_sum_pi_squared=bool(call.calculate_sum_pi_squared),
             replay=replay,
             record=record,
             budget=st.log_prob_budget,
         )
         metrics: dict[str, float] = {}
         out = {"old_log_probs": log_probs}
+        if sum_pi_squared is not None:
+            out["sum_pi_squared"] = sum_pi_squared
         if entropy is not None:
             out["entropy"] = entropy
             mask = td["response_mask"].bool()

@@ -82,6 +82,7 @@ class LogProbCall(_Call):
     temperature: float
     calculate_entropy: bool  # also write `entropy` (the actor only)
     compute_loss: bool = False
+    calculate_sum_pi_squared: bool = False  # also write `sum_pi_squared` (the actor only; verl's name)
 
 
 @dataclasses.dataclass(frozen=True)

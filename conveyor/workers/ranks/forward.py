@@ -31,12 +31,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
 
-from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.algos.logprob import logprobs_and_entropy, sum_pi_squared_from_logits
 from conveyor.algos.trajectory import response_span
 from conveyor.models.fused_head import fused_head_reason, fused_lm_head, split_head_output
 from conveyor.models.moe_routing import (
@@ -50,7 +50,17 @@ from conveyor.models.packing import PackedRows
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.training.trained_model import TrainedModel
 
-__all__ = ["PolicyForward", "sequence_inputs", "micro_batches"]
+__all__ = ["PolicyForward", "TokenStats", "sequence_inputs", "micro_batches"]
+
+
+class TokenStats(NamedTuple):
+    """What a no-grad forward gives per response token (B, R), each masked; optional ones None when not asked for."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    sum_pi_squared: torch.Tensor | None  # Σ_v π_v² of the (temperature-scaled) distribution
+    routing: torch.Tensor | None  # the recorded routing (B, P+R, L, K)
+
 
 logger = logging.getLogger(__name__)
 
@@ -239,19 +249,45 @@ class PolicyForward:
         train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
-        if self.fused:
-            return self._fused_log_probs(td, temperature, with_entropy, routed_experts, record_routing, train)
+        stats = self._token_stats(td, temperature, with_entropy, False, routed_experts, record_routing, train)
+        return stats.log_probs, stats.entropy, stats.routing
+
+    def _token_stats(
+        self,
+        td: TensorDict,
+        temperature: float,
+        with_entropy: bool,
+        with_sum_pi_squared: bool,
+        routed_experts: torch.Tensor | None,
+        record_routing: bool,
+        train: bool,
+    ) -> TokenStats:
+        """`log_probs`, plus Σπ² (B, R) from the same logits when asked for (unmasked here).
+
+        Σπ² needs every token's whole distribution, so a forward that asks for it takes the logits path even
+        with the fused head on; the others never hold the logits.
+        """
+        if self.fused and not with_sum_pi_squared:
+            log_probs, entropy, own_routing = self._fused_log_probs(
+                td, temperature, with_entropy, routed_experts, record_routing, train
+            )
+            return TokenStats(log_probs, entropy, None, own_routing)
+        spp = None
         if self.packed and not self.uses_lean(train):
             logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
             targets = td["responses"][packed.rows, packed.cols][None]
             log_probs, entropy = logprobs_and_entropy(logits, targets, with_entropy, temperature=temperature)
             width = td["responses"].shape[1]
             entropy = packed.responses(entropy[0], width) if entropy is not None else None
-            return packed.responses(log_probs[0], width), entropy, own_routing
+            if with_sum_pi_squared:
+                spp = packed.responses(sum_pi_squared_from_logits(logits, temperature=temperature)[0], width)
+            return TokenStats(packed.responses(log_probs[0], width), entropy, spp, own_routing)
         logits, own_routing = self.response_logits(td, routed_experts, record_routing, train)
         # Upcast and temperature per block inside: the logits stay the model's own tensor.
         log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy, temperature=temperature)
-        return log_probs, entropy, own_routing
+        if with_sum_pi_squared:
+            spp = sum_pi_squared_from_logits(logits, temperature=temperature)
+        return TokenStats(log_probs, entropy, spp, own_routing)
 
     def _fused_log_probs(
         self,
@@ -296,8 +332,27 @@ class PolicyForward:
         was fed (the rollout's convention). `budget`: micro-batches of at most that many tokens (rows x kept columns)
         instead of `micro_batch_size` rows (the outputs come back in row order and width either way).
         """
+        stats = self.no_grad_token_stats(
+            td, micro_batch_size, temperature, with_entropy=with_entropy, replay=replay, record=record, budget=budget
+        )
+        return stats.log_probs, stats.entropy, stats.routing
+
+    @torch.no_grad()
+    def no_grad_token_stats(
+        self,
+        td: TensorDict,
+        micro_batch_size: int,
+        temperature: float,
+        *,
+        with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
+        replay: bool = False,
+        record: bool = False,
+        budget: TokenBudget | None = None,
+    ) -> TokenStats:
+        """`no_grad_log_probs`, with Σπ² of each response token's distribution (masked) when asked for."""
         self.model.eval()
-        lps, ents, routings = [], [], []
+        lps, ents, spps, routings = [], [], [], []
         batches = plan_micro_batches(
             td["prompt_mask"],
             td["response_mask"],
@@ -310,18 +365,23 @@ class PolicyForward:
             for sl, real in self.trained.passes(batches):
                 mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
                 routed = mb["routed_experts"].long() if replay else None
-                lp, ent, own = self.log_probs(mb, temperature, with_entropy, routed, record_routing=record)
+                lp, ent, spp, own = self._token_stats(
+                    mb, temperature, with_entropy, with_sum_pi_squared, routed, record, False
+                )
                 if not real:  # a pass only to pair up with the other ranks' all-gathers
                     continue
                 lps.append(window.responses(lp))
                 if ent is not None:
                     ents.append(window.responses(ent))
+                if spp is not None:
+                    spps.append(window.responses(spp))
                 if record:
                     routings.append(window.sequence(own))
         mask = td["response_mask"].bool()
         entropy = in_row_order(ents, batches) * mask if ents else None
+        spp = in_row_order(spps, batches) * mask if spps else None
         routing = self._fed_routing(td, in_row_order(routings, batches)) if record else None
-        return in_row_order(lps, batches) * mask, entropy, routing
+        return TokenStats(in_row_order(lps, batches) * mask, entropy, spp, routing)
 
     def _fed_routing(self, td: TensorDict, routing: torch.Tensor) -> torch.Tensor:
         """A forward's routing (B, P+R, L, K) in the rollout's convention: -1 wherever no token was fed (pads)."""
