@@ -103,6 +103,11 @@ def try_once(signum: int, delay: float, work: Path) -> dict:
     try:
         _wait_for(lambda: _first_log_line(err_path), proc)
         time.sleep(delay)
+        if (run_dir / "metrics.jsonl").exists() or proc.poll() is not None:
+            # Start-up was over before the moment drawn (a busy machine runs slower or faster than the span measured):
+            # not a try of a stop during start-up; the caller draws again.
+            proc.wait(timeout=300)
+            return {"signal": signal.Signals(signum).name, "delay_s": delay, "missed": True, "ok": False}
         try:
             family = psutil.Process(proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -131,6 +136,7 @@ def try_once(signum: int, delay: float, work: Path) -> dict:
         "native_stack": "*** " in err or "logging.cc" in err,
         "left": [" ".join(p.cmdline())[:80] for p in alive if p.is_running()],
         "last_line": err.strip().splitlines()[-1] if err.strip() else "",
+        "missed": False,
     }
     result["ok"] = (
         status == EXPECTED[signum] and not result["traceback"] and not result["native_stack"] and not result["left"]
@@ -143,17 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tries", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--span", type=float, default=None, help="seconds of start-up to draw from (default: measured)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="startup-stops-") as tmp:
         work = Path(tmp)
-        span = start_up_span(work)
+        span = args.span if args.span is not None else start_up_span(work)
         print(f"start-up span (first log line to first step): {span:.1f} s")
         passed = {}
         for signum in (signal.SIGINT, signal.SIGTERM):
             ok = 0
-            for _ in range(args.tries):
+            done = 0
+            while done < args.tries:
                 r = try_once(signum, rng.uniform(0.0, span), work)
+                if r["missed"]:
+                    print(f"{r['signal']:7s} at {r['delay_s']:5.2f} s: start-up was already over; drawn again")
+                    span = r["delay_s"]  # draw within what start-up took this time
+                    continue
+                done += 1
                 ok += r["ok"]
                 print(
                     f"{r['signal']:7s} at {r['delay_s']:5.2f} s: exit {r['status']}, traceback {r['traceback']}, "

@@ -43,7 +43,7 @@ from conveyor.trainer.setup import (
     prepare_default_model,
     resolve_device,
 )
-from conveyor.trainer.signals import Reaper, StopSignals
+from conveyor.trainer.signals import Reaper, StopRequested, StopSignals
 from conveyor.workers.placement.recovery import stopped_by_fault
 from conveyor.workers.placement.roles import build_worker_groups
 from conveyor.workers.ranks.perf import frozen_heap
@@ -80,6 +80,12 @@ def run_training(cfg: Config) -> dict[str, float]:
                 logging.getLogger().removeHandler(log_file)
                 log_file.close()
             lock.release()
+    except KeyboardInterrupt as err:
+        # A library that catches the stop and raises a plain KeyboardInterrupt in its place (Ray's waits do) loses
+        # which signal it was: a SIGTERM must still end the run with 143.
+        if getattr(err, "signum", None) is None and stops.last:
+            raise StopRequested(stops.last) from err
+        raise
     finally:
         stops.restore()
 

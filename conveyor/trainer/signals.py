@@ -51,6 +51,7 @@ class StopSignals:
         self.save_on_interrupt = save_on_interrupt
         self._step = step
         self.requested = 0  # the signal that asked the loop to stop after this step (0: none)
+        self.last = 0  # the last stop signal received (0: none)
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
@@ -77,6 +78,7 @@ class StopSignals:
             raise StopRequested(self.requested)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        self.last = signum
         if self.requested or not self.save_on_interrupt:
             raise StopRequested(signum)
         self.requested = signum

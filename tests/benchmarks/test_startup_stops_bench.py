@@ -20,5 +20,7 @@ def test_a_sigterm_at_a_random_moment_of_start_up_ends_the_run_cleanly(tmp_path)
     # The first log line comes ~1 s before Ray starts; a step comes ~10 s after it on this machine.
     delay = random.uniform(0.5, 6.0)
     r = bench.try_once(signal.SIGTERM, delay, tmp_path)
+    if r["missed"]:  # start-up was over sooner than ever seen: a stop in the training loop is another test's
+        r = bench.try_once(signal.SIGTERM, delay / 4, tmp_path)
     assert r["ok"], r
     assert r["last_line"] == "stopped by SIGTERM", r
