@@ -24,7 +24,8 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `default_run.py`: the default run over 6 seed pairs, one at a time, each from an
   empty model cache: final held-out accuracy and wall time, min / median / max;
 - `algorithms.py --parallel 1`: the default run with GRPO, DAPO, Dr. GRPO, GSPO,
-  RLOO and REINFORCE++, 4 seeds each: final held-out accuracy and time per run.
+  RLOO and REINFORCE++, 4 seeds each: final held-out accuracy and time per run;
+- `distillation.py --parallel 1`: on-policy distillation against GRPO, 3 seeds: steps to the teacher's accuracy.
 
 Each script's output is printed as it runs, under a header; a summary line per
 script follows at the end. The exit status is 0 only when every script exited
@@ -67,6 +68,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory", ()),
     ("default_run", ()),
     ("algorithms", ("--parallel", "1")),
+    ("distillation", ("--parallel", "1")),
 )
 
 
