@@ -169,16 +169,21 @@ def read_bundle(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"{_KEY}: {path} is not a readable rollout bundle ({err})") from err
     if not isinstance(record, dict) or record.get("version") != BUNDLE_VERSION:
         raise ValueError(f"{_KEY}: {path} is not a rollout bundle of version {BUNDLE_VERSION}")
-    n = len(record["keys"])
     columns: dict[str, Any] = {}
-    for name, kind in record["kinds"].items():
-        if kind == "dense":
-            columns[name] = tensors[name]
-        elif kind == "list":
-            columns[name] = record["lists"][name]
-        else:
-            rows = [tensors[f"{name}/{i}"] for i in range(n)]
-            columns[name] = torch.nested.nested_tensor(rows, layout=torch.jagged) if kind == "nested" else rows
+    try:
+        n = len(record["keys"])
+        for name, kind in record["kinds"].items():
+            if kind == "dense":
+                columns[name] = tensors[name]
+            elif kind == "list":
+                columns[name] = record["lists"][name]
+            else:
+                rows = [tensors[f"{name}/{i}"] for i in range(n)]
+                columns[name] = torch.nested.nested_tensor(rows, layout=torch.jagged) if kind == "nested" else rows
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"{_KEY}: {path} is an incomplete rollout bundle (no {err}); it was edited or cut short"
+        ) from err
     return record, columns
 
 

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from conveyor.cli import main
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.export import export_hf
-from conveyor.trainer.rollout_dumps import list_bundles, read_bundle
+from conveyor.trainer.rollout_dumps import list_bundles, read_bundle, write_bundle
 from conveyor.trainer.run import run_training
 
 # Wall-clock and memory readings differ from run to run by nature; every other metric must not. Validation
@@ -207,3 +208,28 @@ def test_a_mismatched_bundle_is_refused_naming_the_key(
     )
     err = capsys.readouterr().err
     assert status == 2 and "the bundle of step 3 lacks reward_baselines" in err and "Traceback" not in err
+
+
+def test_a_bundle_reads_back_as_written_and_a_damaged_one_is_refused(tmp_path: Path) -> None:
+    meta = KVBatchMeta(keys=["a", "b"], partition_id="train-1", tags=[{"len": 3}, {"len": 1}])
+    columns = {
+        "responses": torch.tensor([[1, 2], [3, 4]], dtype=torch.int64),
+        "routed_experts": torch.tensor([[[0, -1]], [[1, 1]]], dtype=torch.int16),
+        "jagged": torch.nested.nested_tensor([torch.ones(3), torch.zeros(1)], layout=torch.jagged),
+        "ragged": [torch.arange(2.0), torch.arange(5.0)],
+        "raw_prompt": [[{"role": "user", "content": "1+1="}], [{"role": "user", "content": "2+2="}]],
+    }
+    path = write_bundle(tmp_path, 7, meta, columns, metrics={"rollout/x": 1.5, "timing_s/gen": 2.0}, info={})
+    record, back = read_bundle(path)
+    assert record["keys"] == ["a", "b"] and record["tags"] == [{"len": 3}, {"len": 1}]
+    assert record["metrics"] == {"rollout/x": 1.5}  # timings measure a machine, not the samples
+    for name in ("responses", "routed_experts"):
+        assert back[name].dtype == columns[name].dtype and torch.equal(back[name], columns[name])
+    assert [r.tolist() for r in back["jagged"].unbind(0)] == [[1.0, 1.0, 1.0], [0.0]]
+    assert [r.tolist() for r in back["ragged"]] == [[0.0, 1.0], [0.0, 1.0, 2.0, 3.0, 4.0]]
+    assert back["raw_prompt"] == columns["raw_prompt"]
+    assert list_bundles(tmp_path) == [7] and not list(tmp_path.glob(".*"))  # no temporary left behind
+    record["kinds"]["missing"] = "dense"
+    (path / "bundle.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="incomplete rollout bundle"):
+        read_bundle(path)
