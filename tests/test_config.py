@@ -764,6 +764,9 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
     # Whether and how often a dead or hung rollout replica is replaced: the replacement generates the same samples
     # (tests/reliability/test_replica_faults.py). The whole section is neutral: its prefix.
     faults = {"actor_rollout_ref.rollout.fault_tolerance."}
+    # Rollout bundles are written beside the run, and a replay trains on the recorded samples: a replay resumes
+    # from the recorded run's checkpoint (tests/trainer/test_rollout_replay.py).
+    dumps = {"trainer.dump_rollouts.", "trainer.replay_rollouts_from"}
     later = (
         {
             "actor_rollout_ref.ref.fsdp_config.optimizer_offload",
@@ -777,6 +780,7 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
         | placement
         | reward_model
         | faults
+        | dumps
         | {
             f"{role}.fsdp_config.defer_grad_sync"
             for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")

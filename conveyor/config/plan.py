@@ -37,7 +37,7 @@ class RunPlan:
     rollout_is_level: str | None  # importance weights: None, token or sequence
     rollout_rs: bool  # rejection sampling is on
     off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
-    rollout_placement: str  # where the engines run: colocated (the actor's ranks) or separate (the rollout group)
+    rollout_placement: str  # where the engines run: colocated (actor ranks), separate (rollout group), none (replay)
     rollout_process: str  # where the rollout group and the reward worker run: "trainer" (this process) or "own" (Ray)
     use_critic: bool
     use_reference: bool

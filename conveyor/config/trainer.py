@@ -22,6 +22,7 @@ __all__ = [
     "SamplerConfig",
     "SeparateAsyncConfig",
     "TrainerV1Config",
+    "DumpRolloutsConfig",
     "TrainerConfig",
 ]
 
@@ -135,6 +136,20 @@ class TrainerV1Config:
 
 
 @dataclass
+class DumpRolloutsConfig:
+    """Rollout bundles kept on disk: what a step's update read, to replay it (trainer.replay_rollouts_from)."""
+
+    freq: int = F(
+        0,
+        "write the step's rollout bundle (the fields the update reads, seeds, policy version) to "
+        "run_dir/rollouts every N steps (0 = off)",
+        ge=0,
+        resume_neutral=True,
+    )
+    window: int = F(3, "bundles kept on disk: the newest N (older ones are deleted)", gt=0, resume_neutral=True)
+
+
+@dataclass
 class TrainerConfig:
     """The loop: steps, logging, checkpoints, devices."""
 
@@ -181,6 +196,15 @@ class TrainerConfig:
     )
     dump_freq: int = F(100, "write sample generations every N steps (0 = off)", ge=0, resume_neutral=True)
     dump_num: int = F(8, "generations per dump", ge=0, resume_neutral=True)
+    dump_rollouts: DumpRolloutsConfig = S(
+        DumpRolloutsConfig, "rollout bundles to replay steps from", resume_neutral=True
+    )
+    replay_rollouts_from: str | None = F(
+        None,
+        "train from rollout bundles instead of generating: a bundle directory (one step) or a dump root "
+        "(run_dir/rollouts: its bundle of each step trained); no rollout engine is built (docs/RELIABILITY.md)",
+        resume_neutral=True,
+    )
     seed: int = F(0, "seed of sampling and of mini-batch shuffling")
     device: str = F(
         "auto", "where the workers compute (auto = cuda when available)", choices=DEVICES, resume_neutral=True

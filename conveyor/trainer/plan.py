@@ -167,10 +167,16 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             + (f" (trainer.v1.trainer_mode={v1.trainer_mode} generates while the actor trains)" if v1.is_async else "")
         )
 
-    process, process_why = rollout_process(cfg, device, placement)
-    if placement == "separate":
-        why.append(process_why)
-    why.append(faults_survived(cfg, placement, process, device))
+    if cfg.trainer.replay_rollouts_from:  # the update reads recorded samples: no engine, no rollout process
+        placement, process = "none", "trainer"
+        why.append(
+            f"rollout: none, samples replayed from {cfg.trainer.replay_rollouts_from} (trainer.replay_rollouts_from)"
+        )
+    else:
+        process, process_why = rollout_process(cfg, device, placement)
+        if placement == "separate":
+            why.append(process_why)
+        why.append(faults_survived(cfg, placement, process, device))
 
     off_policy = v1.is_async and v1.sampler.max_off_policy_threshold > 0
     if off_policy:

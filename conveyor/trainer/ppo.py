@@ -57,6 +57,7 @@ from conveyor.tasks.prompts import PromptEncoder
 from conveyor.trainer.distillation import teacher_stage
 from conveyor.trainer.estimator_inputs import estimator_fields, estimator_inputs
 from conveyor.trainer.plan import RunPlan
+from conveyor.trainer.rollout_dumps import ReplaySource, RolloutDumps
 from conveyor.trainer.signals import StopRequested, StopSignals
 from conveyor.trainer.sources import build_source
 from conveyor.trainer.stages import Stages
@@ -145,7 +146,15 @@ class PPOTrainer:
             run_dir=self.run_dir,
         )
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).
-        self.source = build_source(self.stages, greedy_baseline=self.estimator.greedy_baseline)
+        # Or recorded batches (trainer/rollout_dumps.py: no engine was built), to the last bundle's step; the lr
+        # schedule still spans the recorded run's trainer.total_training_steps.
+        if t.replay_rollouts_from:
+            self.source = ReplaySource(self.stages, greedy_baseline=self.estimator.greedy_baseline)
+            self.last_step = self.source.last_step
+        else:
+            self.source = build_source(self.stages, greedy_baseline=self.estimator.greedy_baseline)
+            self.last_step = t.total_training_steps
+        self.rollout_dumps = RolloutDumps(self.stages, self.run_dir)
         # What a checkpoint saves and restores, named: the loop hands it the step and takes the resumed one back.
         self.checkpoints = Checkpoints(
             cfg,
@@ -193,13 +202,13 @@ class PPOTrainer:
         saved_step = self.global_step  # a resumed run starts at a saved step
         stop = StopSignals(save_on_interrupt=t.save_on_interrupt, step=lambda: self.global_step).install()
         try:
-            while self.global_step < t.total_training_steps:
+            while self.global_step < self.last_step:
                 if stop.requested:
                     stopping = True
                     raise StopRequested(stop.requested)
                 self.global_step += 1
                 metrics = self.step()
-                is_last = self.global_step == t.total_training_steps
+                is_last = self.global_step == self.last_step
                 if self.validation.due(self.global_step, last=is_last):
                     metrics.update(self.validation.run(self.stages, self.source.generate))
                 # Logged before saved: a crash in between makes the resumed run repeat the
@@ -248,6 +257,8 @@ class PPOTrainer:
         try:
             meta = KVBatchMeta(keys=[], partition_id=part)  # the step's partition, empty
             meta = run(None, self._sample, meta)  # stages 1-3 (timed inside), repeated under dynamic sampling
+            if self.rollout_dumps.due(step):  # the batch as the update reads it, to replay the step from
+                self.rollout_dumps.write(step, meta, metrics)
             meta = run("old_log_prob", self._compute_old_log_prob, meta)
             if self.plan.use_reference:
                 meta = run("ref", self._compute_ref_log_prob, meta)

@@ -36,6 +36,7 @@ from conveyor.trainer import checkpoint as ckpt
 from conveyor.trainer.distillation import check_teachers
 from conveyor.trainer.plan import RunPlan, build_run_plan
 from conveyor.trainer.ppo import PPOTrainer
+from conveyor.trainer.rollout_dumps import check_replay
 from conveyor.trainer.run_dir import check_no_newer_checkpoints, check_resume, open_run_dir, write_config
 from conveyor.trainer.setup import (
     build_data_plane,
@@ -135,6 +136,8 @@ def _check_engine_serves(cfg: Config, plan: RunPlan, model_config: Any, device: 
 def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[str, float]:
     """run_training's body, with the run directory locked."""
     changed = _resume_check(cfg, run_dir)
+    if cfg.trainer.replay_rollouts_from:
+        check_replay(cfg)  # a bundle of another model or batch shape is refused before anything is built
     try:
         write_config(cfg, run_dir, keep_previous=changed)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
@@ -195,7 +198,8 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
             workers=workers,
             tokenizer=tokenizer,
             train_records=train_records,
-            val_records=val_records,
+            # Validation generates, and a replaying run has no rollout engine.
+            val_records=[] if cfg.trainer.replay_rollouts_from else val_records,
             tracking=tracking,
             run_dir=run_dir,
             model_config=model_config,
