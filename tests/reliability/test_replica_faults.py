@@ -39,6 +39,14 @@ OWN = (
     "ray.num_cpus=4",
 )
 
+# vLLM's CPU build as the engine: the tiny model with heads its CPU attention serves (32 wide), the engine in the
+# replica's process.
+VLLM = (
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.model.tiny.num_heads=2",
+    "actor_rollout_ref.model.tiny.num_kv_heads=2",
+)
+
 # Measured seconds (wall or CPU time, idle fractions) and the fault metrics themselves: all that may differ.
 _MEASURED = re.compile(r"^(timing_s/|timing_cpu_s/|fault/)|(^|/)perf/|_s$|_cpu_s/|_idle_frac$")
 
@@ -87,20 +95,43 @@ def reference(rel, base_model, tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def vllm_reference(rel, base_model, tmp_path_factory) -> Path:
+    """An uninterrupted 12-step run with vLLM's CPU build generating."""
+    pytest.importorskip("ray")
+    pytest.importorskip("vllm")
+    run_dir = tmp_path_factory.mktemp("untouched-vllm") / "run"
+    done = rel.run_cli(*rel.train_args(run_dir, *OWN, *VLLM), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "replacing it" not in done.stderr
+    return run_dir
+
+
 def test_sigkill_of_the_replica_in_steps_3_and_7_leaves_the_metrics_of_an_untouched_run(
     rel, reference: Path, tmp_path: Path, processes
 ) -> None:
-    run_dir = tmp_path / "run"
-    proc = rel.TrainProcess(run_dir, *OWN)
+    _kill_in_steps_3_and_7(rel, reference, tmp_path / "run", processes, OWN)
+
+
+def test_sigkill_of_a_vllm_replica_in_steps_3_and_7_leaves_the_metrics_of_an_untouched_run(
+    rel, vllm_reference: Path, tmp_path: Path, processes
+) -> None:
+    # The new replica starts a new engine, which gets the weights its predecessor served and generates the batch
+    # again with the same per-request seeds.
+    _kill_in_steps_3_and_7(rel, vllm_reference, tmp_path / "run", processes, (*OWN, *VLLM))
+
+
+def _kill_in_steps_3_and_7(rel, reference: Path, run_dir: Path, processes, overrides: tuple[str, ...]) -> None:
+    proc = rel.TrainProcess(run_dir, *overrides)
     processes.append(proc)
     killed = []
     for step in (3, 7):
-        rel.wait_until(lambda s=step: s - 1 in rel.logged_steps(run_dir), proc, timeout=300)
+        rel.wait_until(lambda s=step: s - 1 in rel.logged_steps(run_dir), proc, timeout=600)
         replica = _replica(proc)
         assert replica.pid not in killed  # the one started in place of the first
         os.kill(replica.pid, signal.SIGKILL)
         killed.append(replica.pid)
-    assert proc.wait(timeout=600) == 0, proc.stderr[-3000:]
+    assert proc.wait(timeout=900) == 0, proc.stderr[-3000:]
     err = proc.stderr
     assert "Traceback" not in err
     assert err.count("replacing it (restart") == 2, err[-3000:]
