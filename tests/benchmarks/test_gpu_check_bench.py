@@ -82,7 +82,12 @@ def test_the_carried_wheels_are_the_versions_the_suite_runs_with() -> None:
         for line in (BENCHMARKS / "requirements-gpu-check.txt").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    # omegaconf is left out: 2.4 carries its own parser (2.3 needs the antlr4 runtime, which the image lacks),
-    # and conveyor reads configs through the API both have.
-    for name in ("transformers", "tensordict", "peft", "regex", "pyvers"):
+    # The packages conveyor pins (pyproject.toml) are carried at the very version the suite runs with. The others
+    # float with the package index (a fresh install takes the newest regex, say), so the carried wheel need only
+    # be one the suite's requirement allows: same major version. omegaconf is left out: 2.4 carries its own
+    # parser (2.3 needs the antlr4 runtime, which the image lacks), and conveyor reads configs through the API
+    # both have.
+    for name in ("transformers", "peft"):
         assert pins[name] == version(name), name
+    for name in ("tensordict", "regex", "pyvers"):
+        assert pins[name].split(".")[0] == version(name).split(".")[0], (name, pins[name], version(name))
