@@ -1,14 +1,22 @@
 """Evidence for the MoE router controls (docs/moe.md, "Controls") on the default run's tiny Qwen3-MoE, on a CPU.
 
-Part `balance`: loss-free balancing against a skewed router. The default run's warm-started model gets each
-MoE layer's router row of one expert refitted (the other rows and every other weight untouched) until that
-expert is in the top-k of nearly every token of the task's text: about 4x its fair share of the assignments
+Part `balance`: loss-free balancing against a skewed router. The base model (`--base`) gets each MoE
+layer's router row of one expert refitted (the other rows and every other weight untouched) until that expert
+is in the top-k of nearly every token of the task's text: about 4x its fair share of the assignments
 (max_vio 3.0 with top-2 of 8 experts). Two runs of the default config start from that model, one with
 `actor_rollout_ref.actor.router.bias_update_rate` and one without, per seed (`trainer.seed`). Printed per
 seed: `rollout/moe/max_vio/max` over the first load-balance interval (steps 1-10 in the default run) and
 over the last, the held-out accuracy at the last step, and whether the bias run cut max_vio by at least half
 (against the run without it, whose max_vio stays where the skew put it) with its accuracy within
 `--acc-tolerance` of the run without it.
+
+The base: `--base default` is the default run's warm-started model. Its own routing is already far from
+balanced (max_vio about 2: the warm start has no balancing term, so a few experts took most tokens and the
+rest were barely trained), so any balancing sends tokens to experts that never learned the task, skew or no
+skew. `--base balanced` (the default) is the same tiny model warm-started the same way (same init seed,
+steps, learning rate and stopping accuracy) with the routers' load-balancing loss added
+(`--warmstart-aux-coef`), as MoE pre-training keeps every expert trained: what a skew then breaks, balancing
+can restore.
 
 Part `replay`: `router_replay.mode=auto` (which the plan resolves on the default run; its line is printed)
 against a fixed `R3`, per seed: held-out accuracy at the last step and the median step time
@@ -21,6 +29,7 @@ the ratios less.
 
     python benchmarks/router_control.py                                  # both parts, seeds 0 1 2, 100 steps
     python benchmarks/router_control.py --part balance --seeds 0 --steps 100 --rate 0.02
+    python benchmarks/router_control.py --part balance --base default      # skew the default warm start
     python benchmarks/router_control.py --part replay --seeds 0 1 --steps 200
 """
 
@@ -135,6 +144,48 @@ def skew_router(
     return shares, gaps
 
 
+def task_load(path: str) -> torch.Tensor:
+    """Each MoE layer's top-k assignments per expert, (L, E), of the checkpoint `path` over the task's text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.models.router_control import RouterTap
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    batch = AutoTokenizer.from_pretrained(path)(_task_texts(256, 0), return_tensors="pt", padding=True)
+    tap = RouterTap(model, keep_logits=False, count=True)
+    with torch.no_grad(), tap.active(batch["attention_mask"]):
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return tap.pop_load()
+
+
+def balanced_warmstart(cfg: Any, source: str, target: Path, coef: float) -> int:
+    """Write to `target` the tiny model of `cfg` warm-started as the default one is, plus `coef` x the routers'
+    load-balancing loss; how many warm-start steps it took."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.trainer.setup import load_prompt_records
+    from conveyor.trainer.warmstart import supervised_warmstart
+
+    tiny = cfg.actor_rollout_ref.model.tiny
+    shutil.copytree(source, target, dirs_exist_ok=True)  # the tokenizer and config; the weights are rewritten
+    train, _ = load_prompt_records(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny.seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        losses = supervised_warmstart(
+            model,
+            AutoTokenizer.from_pretrained(source),
+            train,
+            steps=tiny.warmstart_steps,
+            lr=tiny.warmstart_lr,
+            seed=tiny.seed,
+            until_accuracy=tiny.warmstart_until_accuracy,
+            aux_loss_coef=coef,
+        )
+    model.eval().save_pretrained(target, safe_serialization=True)
+    return len(losses)
+
+
 def run(overrides: Sequence[str]) -> dict[int, dict[str, float]]:
     """One training run of the default config with `overrides`; its metrics rows by step."""
     from conveyor.metrics.trackers import read_metrics_jsonl
@@ -154,16 +205,33 @@ def _first(rows: dict[int, dict[str, float]], key: str) -> float:
 
 
 def balance(
-    seeds: Sequence[int], steps: int, rate: float, tolerance: float, extra: Sequence[str]
+    seeds: Sequence[int],
+    steps: int,
+    rate: float,
+    tolerance: float,
+    extra: Sequence[str],
+    start: str = "balanced",
+    aux_coef: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Part `balance`: loss-free balancing from a skewed router, against the same run without it, per seed."""
     from conveyor.trainer.setup import prepare_default_model
 
     base = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", *extra]
-    source = prepare_default_model(_config(base, Path(tempfile.gettempdir())))
+    cfg = _config(base, Path(tempfile.gettempdir()))
+    source = prepare_default_model(cfg)
     results = []
-    with tempfile.TemporaryDirectory(prefix="skewed-router-") as skewed:
-        shares, gaps = skew_router(source, Path(skewed))
+    with tempfile.TemporaryDirectory(prefix="skewed-router-") as tmp:
+        skewed = Path(tmp) / "skewed"
+        if start == "balanced":
+            balanced = Path(tmp) / "balanced"
+            ws_steps = balanced_warmstart(cfg, source, balanced, aux_coef)
+            print(f"balanced warm start: {ws_steps} steps with load-balancing loss x {aux_coef}")
+            source = str(balanced)
+        load = task_load(source)
+        mean = load.mean(dim=1)
+        for i, (row, vio) in enumerate(zip(load.tolist(), ((load.max(dim=1).values - mean) / mean).tolist())):
+            print(f"base model ({start}) layer {i}: assignments per expert {[int(x) for x in row]}, max_vio {vio:.2f}")
+        shares, gaps = skew_router(source, skewed)
         print(
             f"skewed router: expert 0 in the top-k of {', '.join(f'{s:.3f}' for s in shares)} of tokens per "
             f"layer, its logit ahead of the k-th other's by a median {', '.join(f'{g:.2f}' for g in gaps)}"
@@ -255,6 +323,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="trainer.seed of each run pair")
     parser.add_argument("--steps", type=int, default=100, help="training steps of every run")
     parser.add_argument("--rate", type=float, default=0.05, help="router.bias_update_rate of the balancing runs")
+    parser.add_argument(
+        "--base", choices=("balanced", "default"), default="balanced", help="the model the skew is applied to"
+    )
+    parser.add_argument(
+        "--warmstart-aux-coef", type=float, default=1.0, help="load-balancing loss of the balanced warm start"
+    )
     parser.add_argument("--acc-tolerance", type=float, default=0.03, help="allowed held-out accuracy difference")
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides for every run (tests: smaller)")
     args = parser.parse_args(argv)
@@ -263,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"load average before: {_load()} ({os.cpu_count()} CPUs); seeds {args.seeds}, {args.steps} steps")
     out: dict[str, Any] = {}
     if args.part in ("balance", "both"):
-        out["balance"] = balance(args.seeds, args.steps, args.rate, args.acc_tolerance, args.set)
+        out["balance"] = balance(
+            args.seeds, args.steps, args.rate, args.acc_tolerance, args.set, args.base, args.warmstart_aux_coef
+        )
         passed = sum(r["pass"] for r in out["balance"])
         print(f"loss-free balancing: {passed}/{len(out['balance'])} seeds cut max_vio by half within accuracy")
     if args.part in ("replay", "both"):

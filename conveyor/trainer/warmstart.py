@@ -14,15 +14,23 @@ nothing. The supervised curve of a tiny model has a sharp, seed-dependent
 jump (it learns to carry), and a fixed step count lands before it on one CPU
 and after it on another; stopping at an accuracy hands RL the same starting
 point on every machine.
+
+With `aux_loss_coef` > 0 the loss also carries the routers' load-balancing loss (what MoE pre-training uses
+to keep every expert trained): a model whose experts all learned the task, for measuring a routing control
+against (`benchmarks/router_control.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from conveyor.models.moe_routing import moe_layers
+from conveyor.models.router_control import RouterTap
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +61,13 @@ def supervised_warmstart(
     seed: int = 0,
     until_accuracy: float = 0.0,
     accuracy_window: int = 20,
+    aux_loss_coef: float = 0.0,
 ) -> list[float]:
     """Train `model` in place with next-token loss on the answers for at most `steps` steps; returns the loss per step.
 
     With `until_accuracy` > 0 it stops as soon as the greedy exact-match accuracy
-    on the last `accuracy_window` training batches reaches it.
+    on the last `accuracy_window` training batches reaches it. With `aux_loss_coef` > 0 an MoE model's loss
+    adds that times the routers' load-balancing loss over the real tokens (`conveyor.models.router_control`).
     """
     if steps <= 0:
         return []
@@ -65,7 +75,10 @@ def supervised_warmstart(
         raise ValueError(f"until_accuracy must be in [0, 1], got {until_accuracy}; 0 runs all `steps`")
     if not records:
         raise ValueError("the warm start needs training records; data.synthetic.num_train must be > 0")
+    if aux_loss_coef < 0 or (aux_loss_coef > 0 and not moe_layers(model)):
+        raise ValueError(f"aux_loss_coef must be >= 0, and 0 for a model without MoE routers; got {aux_loss_coef}")
     pairs = _encode_pairs(tokenizer, records)
+    tap = RouterTap(model, keep_logits=True, count=False) if aux_loss_coef > 0 else None
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     pad = tokenizer.pad_token_id
@@ -85,10 +98,13 @@ def supervised_warmstart(
             attn[i, off:] = 1
             labels[i, off + len(p) :] = torch.tensor(a)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+        with tap.active(attn) if tap is not None else contextlib.nullcontext():
+            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         logits = out.logits[:, :-1].float()
         targets = labels[:, 1:]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if tap is not None:
+            loss = loss + aux_loss_coef * tap.aux_loss(int(tap.layers[0].router.top_k))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -36,6 +36,7 @@ def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert replay["auto"]["step_s"] > 0 and replay["R3"]["step_s"] > 0
     assert replay["auto"]["cpu_step_s"] > 0 and replay["R3"]["cpu_step_s"] > 0
     assert "skewed router: expert 0 in the top-k of" in printed
+    assert "balanced warm start: 0 steps with load-balancing loss" in printed  # --base balanced, the default
     assert "router_replay.mode=auto: disabled" in printed  # one mini-batch per batch, one epoch: on-policy
 
 

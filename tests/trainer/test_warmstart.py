@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.models.router_control import RouterTap
 from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.tasks.dataset import render_prompt
@@ -54,6 +55,41 @@ def test_warm_start_stops_once_its_training_exact_match_reaches_the_target():
     )
     with pytest.raises(ValueError, match=r"until_accuracy must be in \[0, 1\]"):
         supervised_warmstart(model(), tok, records, steps=1, lr=1e-2, until_accuracy=1.5)
+
+
+def test_the_load_balancing_loss_spreads_the_warm_start_over_the_experts():
+    tok = build_char_tokenizer()
+    records = make_arithmetic_records(64, seed=0, max_operand=9)
+
+    def model(arch: str = "qwen3_moe"):
+        return build_tiny_model(
+            arch,
+            tok,
+            seed=0,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=32,
+            num_experts=4,
+            top_k=2,
+            max_position_embeddings=16,
+        )
+
+    def balance_loss(m) -> float:
+        enc = tok([render_prompt(r, tok) for r in records], return_tensors="pt", padding=True, add_special_tokens=False)
+        tap = RouterTap(m, keep_logits=True, count=False)
+        with torch.no_grad(), tap.active(enc["attention_mask"]):
+            m(**enc)
+        return float(tap.aux_loss(2))
+
+    plain, balanced = model(), model()
+    supervised_warmstart(plain, tok, records, steps=30, lr=1e-2, batch_size=16)
+    supervised_warmstart(balanced, tok, records, steps=30, lr=1e-2, batch_size=16, aux_loss_coef=1.0)
+    # 2.0 is a perfectly balanced top-2 router; the loss term pulls the routers toward it.
+    assert balance_loss(balanced) < balance_loss(plain) - 0.05
+    with pytest.raises(ValueError, match="aux_loss_coef"):
+        supervised_warmstart(model("qwen3"), tok, records, steps=1, lr=1e-2, aux_loss_coef=1.0)
 
 
 def test_runs_whose_lengths_differ_do_not_share_a_cached_tiny_model() -> None:
