@@ -4,8 +4,8 @@ The teacher is the default tiny MoE after the default 600-step GRPO run
 (`conveyor train --config examples/tiny_cpu.yaml`, trainer seed 0), exported
 with `conveyor export`. The student starts from the same warm start (the same
 cached tiny model) and is trained by pure distillation
-(`distillation.distillation_loss.use_task_rewards=false`, loss `--loss-mode`, lr `--distill-lr`)
-for half the GRPO run's steps. GRPO's own runs (trainer seeds `--seeds`, the
+(`distillation.distillation_loss.use_task_rewards=false`, loss `--loss-mode`, lr `--distill-lr` on a cosine
+schedule down to `--distill-min-lr-ratio`) for half the GRPO run's steps. GRPO's own runs (trainer seeds `--seeds`, the
 first of which is the teacher's) are the baseline: for each curve the first
 validated step whose held-out exact-match accuracy is within `--margin` of the
 teacher's is its step count (the mean of it and the next two validations, so that one lucky validation of a
@@ -132,6 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the distillation runs' actor lr (GRPO's is 6e-4; 2e-3 made the student's accuracy dip early on)",
     )
     p.add_argument("--distill-warmup", type=int, default=0, help="the distillation runs' linear lr warm-up steps")
+    p.add_argument(
+        "--distill-scheduler",
+        default="cosine",
+        choices=["constant", "cosine"],
+        help="the distillation runs' lr schedule after warm-up (cosine: down to min_lr_ratio over the run)",
+    )
+    p.add_argument(
+        "--distill-min-lr-ratio", type=float, default=0.0, help="the distillation runs' cosine floor (a fraction of lr)"
+    )
     p.add_argument("--margin", type=float, default=0.05, help="within this much of the teacher's accuracy")
     p.add_argument(
         "--levels", type=float, nargs="*", default=[0.5, 0.55, 0.6], help="also print the steps to these accuracies"
@@ -163,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "distillation.distillation_loss.use_task_rewards=false",
         f"actor_rollout_ref.actor.optim.lr={args.distill_lr}",
         f"actor_rollout_ref.actor.optim.lr_warmup_steps={args.distill_warmup}",
+        f"actor_rollout_ref.actor.optim.lr_scheduler={args.distill_scheduler}",
+        f"actor_rollout_ref.actor.optim.min_lr_ratio={args.distill_min_lr_ratio}",
     ]
     jobs = [("grpo", s, grpo_steps) for s in others] + [("distill", s, distill) for s in args.seeds]
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -173,7 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"teacher: GRPO seed {teacher_seed} after {args.grpo_steps} steps, held-out accuracy {teacher_acc:.3f}")
     print(f"target: {target:.3f} (within {args.margin} of the teacher); validated every {args.test_freq} steps")
-    lr = f"lr {args.distill_lr:g} after {args.distill_warmup} warm-up steps"
+    lr = (
+        f"lr {args.distill_lr:g} ({args.distill_scheduler}, floor {args.distill_min_lr_ratio:g}) after "
+        f"{args.distill_warmup} warm-up steps"
+    )
     print(f"distillation: loss_mode={args.loss_mode}, use_task_rewards=false, {lr}, {distill_steps} steps")
     print(
         "| seed | GRPO steps to target | distillation steps to target | distill final acc | distill KL first -> last |"

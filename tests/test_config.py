@@ -743,6 +743,9 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
         "actor_rollout_ref.rollout.replicas",
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
         "trainer.v1.separate_async.rollout_process",
+        # Where the teachers' ranks run moves where they score, not their log-probs.
+        "distillation.placement",
+        "distillation.num_workers",
     }
     # The reward model's batching, strategy and placement move how and where it scores, not its scores (its
     # FSDP section's training keys change nothing: it has no optimizer and no gradients).

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from conveyor.config.actor import STRATEGY_CHOICES, FSDPConfig
 from conveyor.config.fields import F, S, check, check_tree, registry
 
-__all__ = ["DistillationConfig", "DistillationLossConfig", "TeacherModelConfig"]
+__all__ = ["DistillationConfig", "DistillationLossConfig", "TeacherModelConfig", "TEACHER_PLACEMENTS"]
+
+TEACHER_PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass
@@ -82,6 +84,16 @@ class DistillationConfig:
         {}, "the teachers by name: teacher_models.<name>.{key, model_path, ...}"
     )
     distillation_loss: DistillationLossConfig = S(DistillationLossConfig, "the loss")
+    placement: str = F(
+        "colocated",
+        "colocated: rank i of every teacher in the actor's rank-i process; separate: ranks of their own (Ray), "
+        "distillation.num_workers of them",
+        choices=TEACHER_PLACEMENTS,
+        resume_neutral=True,
+    )
+    num_workers: int = F(
+        1, "placement=separate on Ray: the teachers' ranks (a GPU each on a GPU run)", gt=0, resume_neutral=True
+    )
 
     def validate(self, prefix: str) -> None:
         """Every teacher's own keys; when enabled, at least one teacher with a checkpoint, and distinct keys."""

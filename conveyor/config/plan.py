@@ -47,6 +47,7 @@ class RunPlan:
     engine_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
     decisions: tuple[str, ...]  # what was decided and why, in words
     use_teacher: bool = False  # on-policy distillation: the teacher role scores every batch (distillation.enabled)
+    teacher_placement: str = "colocated"  # the teachers' ranks: in the actor's processes, or separate ones (Ray)
     use_reward_model: bool = False  # reward_model.enable: a reward model scores every response after the rule reward
     reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
     use_judge: bool = False  # reward_model.judge.enable: a generative judge scores every response, last

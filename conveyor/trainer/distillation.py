@@ -52,7 +52,12 @@ def distillation_decision(cfg: Config) -> str:
     )
     needs = get_distill_loss(loss.loss_mode).needs
     extra = f", top-{loss.topk}" if needs == "topk" else ""
-    return f"distillation: {who}; loss {loss.loss_mode}{extra} ({how}), {mix}"
+    where = (
+        f"ranks of their own ({d.num_workers} on Ray; distillation.placement=separate)"
+        if d.placement == "separate"
+        else "in the actor's processes"
+    )
+    return f"distillation: {who}, {where}; loss {loss.loss_mode}{extra} ({how}), {mix}"
 
 
 def _vocab_difference(student: Any, teacher: Any) -> str | None:

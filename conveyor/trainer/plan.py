@@ -364,5 +364,6 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         engine_max_model_len=max_model_len,
         decisions=tuple(why),
         use_teacher=use_teacher,
+        teacher_placement=cfg.distillation.placement,
         forward_sum_pi_squared=spp,
     )

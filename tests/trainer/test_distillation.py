@@ -270,3 +270,71 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tiny_run, tmp_path
 def test_config_errors_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_the_asynchronous_trainer_distils_from_stale_samples(tiny_run, tmp_path, teachers):
+    # k = 1: the rollout runs a version ahead, so the teacher scores samples of an older student than it trains.
+    steps = 4
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + [
+                "trainer.v1.trainer_mode=separate_async",
+                "trainer.v1.sampler.max_off_policy_threshold=1",
+                f"trainer.total_training_steps={steps}",
+                "distillation.enabled=true",
+                f"distillation.teacher_models.t.model_path={teachers[0]}",
+                f"{LOSS}.loss_mode=k3",
+                f"{LOSS}.use_task_rewards=true",
+            ],
+        )
+    )
+    rows = [r for r in _rows(tmp_path) if "distill/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        for key in ("distill/kl_k1", "distill/kl_k3", "distill/token_loss", "timing_s/teacher"):
+            assert key in r, key
+        assert r["distill/kl_k3"] > 0.0  # two different networks: the student is never the teacher
+        assert r["off_policy/staleness_max"] <= 1
+    assert max(r["off_policy/staleness_max"] for r in rows) == 1  # it did train on a stale batch
+    versions = [json.loads(line) for line in (tmp_path / "async_versions.jsonl").read_text().splitlines()]
+    assert len(versions) == steps
+
+
+def _separate_run(overrides: list[str], teacher: Path, steps: int) -> list[str]:
+    return overrides + [
+        f"trainer.total_training_steps={steps}",
+        "distillation.enabled=true",
+        f"distillation.teacher_models.t.model_path={teacher}",
+        f"{LOSS}.loss_mode=k1",
+        f"{LOSS}.use_task_rewards=false",
+        "distillation.placement=separate",
+    ]
+
+
+def test_a_teacher_placed_apart_in_one_process_is_a_rank_of_its_own(tiny_run, tmp_path, teachers):
+    run_training(load_config(None, _separate_run(tiny_run, teachers[0], 2)))
+    rows = [r for r in _rows(tmp_path) if "distill/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["distill/kl_k1"] == pytest.approx(r["distill/loss"], rel=1e-4) for r in rows)  # k1 alone
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["teacher_placement"] == "separate"
+    assert any("ranks of their own" in line for line in plan["decisions"])
+
+
+@pytest.mark.slow  # Ray and four worker processes: several minutes on the shared 2-core machine
+def test_a_run_on_ray_scores_with_teachers_on_ranks_of_their_own(tiny_run, tmp_path, teachers):
+    pytest.importorskip("ray")
+    extra = [
+        "trainer.num_cpu_workers=2",
+        "ray.worker_cpus=0.25",  # a local Ray of 2 CPUs holds the actor's ranks, the reward worker and the teachers'
+        "distillation.num_workers=2",
+        "distillation.teacher_models.t.strategy=fsdp2",  # one process group over the teachers' own two ranks
+    ]
+    run_training(load_config(None, _separate_run(tiny_run, teachers[0], 2) + extra))
+    rows = [r for r in _rows(tmp_path) if "distill/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["distill/kl_k1"] == pytest.approx(r["distill/loss"], rel=1e-4) for r in rows)
+    assert all("timing_s/teacher" in r for r in rows)
+    assert json.loads((tmp_path / "plan.json").read_text())["teacher_placement"] == "separate"

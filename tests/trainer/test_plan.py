@@ -119,6 +119,7 @@ def expected(engine, device, replay, bypass, mode, correction, role, interval, *
         "critic_loss_scale": 6.0,  # data.max_response_length
         "engine_max_model_len": 64 + 6 if engine == "vllm" else None,
         "use_teacher": False,  # distillation is off in the table (tests/trainer/test_distillation.py)
+        "teacher_placement": "colocated",
         "use_reward_model": False,  # reward_model.enable is off in the table (tests/trainer/test_reward_model_runs.py)
         "reward_model_placement": "colocated",
         "use_judge": False,

@@ -41,7 +41,13 @@ from conveyor.workers.placement.group import (
     use_ray,
 )
 from conveyor.workers.placement.recovery import fault_tolerant
-from conveyor.workers.placement.reward_model import build_judge, build_separate_reward_model, separate_reward_model
+from conveyor.workers.placement.reward_model import (
+    build_judge,
+    build_separate_reward_model,
+    build_separate_teacher,
+    separate_reward_model,
+    separate_teacher,
+)
 from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.critic import CriticWorker
 from conveyor.workers.ranks.distill import teacher_settings
@@ -414,11 +420,13 @@ def build_worker_groups(
         if getattr(data_plane, "backend", None) == "memory":  # a Ray on this machine (`serves_memory_plane`)
             server, specs = _served(specs, data_plane)
         specs, rm_apart = separate_reward_model(plan, specs)
+        specs, teacher_apart = separate_teacher(plan, specs)
         judge = specs.pop("judge", None)
         try:
             groups = build_ray_worker_groups(cfg, specs, server.client() if server is not None else data_plane)
             try:
                 groups.update(build_separate_reward_model(cfg, rm_apart, ray=True))
+                groups.update(build_separate_teacher(cfg, teacher_apart, ray=True))
                 groups.update(build_judge(cfg, judge, ray=True))
             except BaseException:
                 for group in groups.values():
@@ -432,12 +440,14 @@ def build_worker_groups(
         specs, rm_apart = separate_reward_model(
             plan, worker_specs(cfg, plan, model_path, data_plane, tokenizer, device)
         )
+        specs, teacher_apart = separate_teacher(plan, specs)
         judge = specs.pop("judge", None)  # its own worker, beside the model roles' process
         # The model roles share one process as they share a Ray rank's (`ColocatedWorker`, built in order).
         host = ColocatedWorker(0, 1, [spec for role, spec in specs.items() if role in MODEL_ROLES])
         groups = {role: LocalWorkerGroup.hosted(host, role) for role in host.roles}
         try:
             groups.update(build_separate_reward_model(cfg, rm_apart, ray=False))
+            groups.update(build_separate_teacher(cfg, teacher_apart, ray=False))
             groups.update(build_judge(cfg, judge, ray=False))
             if plan.rollout_process == "own":
                 server, remote = _own_process_groups(cfg, specs, data_plane)
