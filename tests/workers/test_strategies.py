@@ -9,6 +9,7 @@ the one-rank reference runs in this process on the same batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -537,7 +538,7 @@ def test_a_sequence_longer_than_the_token_budget_names_the_key(model_path: str, 
         worker.update_actor(meta)
     # The old-log-prob forward's own key when it is set, else the actor's that it defaults to.
     with pytest.raises(ValueError, match=key):
-        worker.compute_log_prob(meta.with_extra_info(**LOG_PROB))
+        worker.compute_log_prob(dataclasses.replace(meta, extra_info=dict(LOG_PROB)))
     cfg = load_config(None, BASE + ["critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=8"])
     critic = _critic(cfg, model_path=model_path, data_plane=plane)
     with pytest.raises(ValueError, match="critic.forward_max_token_len_per_gpu=8"):
