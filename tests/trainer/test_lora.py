@@ -10,6 +10,7 @@ from test_stages import build_trainer  # tests/trainer is on sys.path (rootdir i
 
 from conveyor.config import load_config
 from conveyor.models.lora import is_adapter_key
+from conveyor.workers.ranks.calls import LogProbCall
 from conveyor.workers.ranks.reference import ReferenceWorker
 from conveyor.workers.ranks.settings import reference_settings
 
@@ -75,9 +76,8 @@ def test_lora_trains_adapters_and_the_reference_is_the_base(tiny_run):
     model_cfg = dataclasses.replace(cfg.actor_rollout_ref.model, lora_rank=0, forward_impl="hf")
     settings = dataclasses.replace(reference_settings(cfg, plan), model=model_cfg)
     ref = ReferenceWorker(settings, model_path=path, data_plane=dp)
-    meta = meta.with_extra_info(
-        temperature=cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False, compute_loss=False
-    )
+    call = LogProbCall(temperature=cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False)
+    meta = meta.with_extra_info(**call.to_extra_info())
     ref.compute_log_prob(meta)
     separate = dp.kv_batch_get(keys=keys, partition_id="check", select_fields=["ref_log_prob"])["ref_log_prob"]
     assert torch.equal(separate, stored["ref_log_prob"])
