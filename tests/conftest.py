@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import pytest
+
+
+def _closed_stream_handlers() -> list[tuple[logging.Logger, logging.Handler]]:
+    """Every (logger, handler) whose stream is a closed file: a capture stream of a test that has ended."""
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    return [
+        (lg, h)
+        for lg in loggers
+        for h in lg.handlers
+        if isinstance(h, logging.StreamHandler) and getattr(getattr(h, "stream", None), "closed", False)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _no_handler_on_a_closed_stream():
+    """Many runs share this process: a library that binds a log handler to the stream a test captured (at its
+    first import, say) would make every later log line a `--- Logging error ---` traceback in another test's
+    output. Such handlers are dropped when the test that owned the stream ends."""
+    yield
+    for lg, h in _closed_stream_handlers():
+        lg.removeHandler(h)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -79,7 +79,7 @@ def test_a_worker_phase_that_allocates_more_reports_more(monkeypatch: pytest.Mon
     )
     key = "perf/old_log_prob/max_memory_gb"
     plain = worker.compute_log_prob(meta).extra_info[key]
-    real = worker.forward.no_grad_log_probs
+    real = worker.forward.no_grad_token_stats  # what compute_log_prob calls
 
     def allocating(*args, **kwargs):
         held = _touch(256 * 2**20)
@@ -87,7 +87,7 @@ def test_a_worker_phase_that_allocates_more_reports_more(monkeypatch: pytest.Mon
         del held
         return out
 
-    monkeypatch.setattr(worker.forward, "no_grad_log_probs", allocating)
+    monkeypatch.setattr(worker.forward, "no_grad_token_stats", allocating)
     heavy = worker.compute_log_prob(meta).extra_info[key]
     assert heavy - plain > 200 / 1024, (plain, heavy)
     assert worker.compute_log_prob(meta).extra_info[key] > 0
