@@ -191,49 +191,9 @@ def test_an_error_stays_one_printable_line() -> None:
     assert len(one_line("x=\r'").splitlines()) == 1
 
 
-def test_a_run_piped_into_a_reader_that_stops_early_finishes(tmp_path: Path) -> None:
-    # `conveyor train ... | head -c 50`: the console's reader leaves after the first bytes; the run must not.
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "conveyor.cli",
-            "train",
-            "--config",
-            "examples/tiny_cpu.yaml",
-            "trainer.total_training_steps=3",
-            "trainer.test_freq=0",
-            "trainer.val_before_train=false",
-            "actor_rollout_ref.model.tiny.warmstart_steps=0",
-            "trainer.progress_bar=false",
-            f"trainer.default_local_dir={run_dir}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.stdout is not None and proc.stdout.read(50)
-    proc.stdout.close()  # the reader is gone: the next console line meets a broken pipe
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()[-3000:]
-    assert "its output is gone (BrokenPipeError" in err.decode()
-    assert (run_dir / "checkpoints" / "global_step_3").is_dir()
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
-
-
-def test_config_checks_a_gpu_run_on_a_machine_without_one(run_cli) -> None:
-    # The plan is built for the device the config names, not the one this machine has.
-    proc = run_cli("config", "trainer.device=cuda")
-    assert proc.returncode == 0, proc.stderr
-    assert "device: cuda" in proc.stdout
-
-
-def test_a_run_whose_stdout_and_stderr_readers_both_go_away_finishes_and_logs_it_to_its_file(tmp_path: Path) -> None:
-    # A terminal or ssh session that goes away takes both streams: the run goes on, and says so in train.log.
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+def _piped_three_step_run(run_dir: Path) -> subprocess.Popen:
+    """`conveyor train` of the default config for three steps, its stdout and stderr pipes for the test to close."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -254,6 +214,32 @@ def test_a_run_whose_stdout_and_stderr_readers_both_go_away_finishes_and_logs_it
         cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def test_a_run_piped_into_a_reader_that_stops_early_finishes(tmp_path: Path) -> None:
+    # `conveyor train ... | head -c 50`: the console's reader leaves after the first bytes; the run must not.
+    run_dir = tmp_path / "run"
+    proc = _piped_three_step_run(run_dir)
+    assert proc.stdout is not None and proc.stdout.read(50)
+    proc.stdout.close()  # the reader is gone: the next console line meets a broken pipe
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "its output is gone (BrokenPipeError" in err.decode()
+    assert (run_dir / "checkpoints" / "global_step_3").is_dir()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_config_checks_a_gpu_run_on_a_machine_without_one(run_cli) -> None:
+    # The plan is built for the device the config names, not the one this machine has.
+    proc = run_cli("config", "trainer.device=cuda")
+    assert proc.returncode == 0, proc.stderr
+    assert "device: cuda" in proc.stdout
+
+
+def test_a_run_whose_stdout_and_stderr_readers_both_go_away_finishes_and_logs_it_to_its_file(tmp_path: Path) -> None:
+    # A terminal or ssh session that goes away takes both streams: the run goes on, and says so in train.log.
+    run_dir = tmp_path / "run"
+    proc = _piped_three_step_run(run_dir)
     assert proc.stderr is not None and proc.stderr.read(20)
     proc.stderr.close()  # gone before the first step: every later log line meets a broken pipe
     assert proc.stdout is not None and proc.stdout.read(50)
