@@ -17,7 +17,7 @@ from test_strategies import BASE, RANKS_SCRIPT, UPDATE, B, _actor, _batch  # tes
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.models.moe_routing import moe_layers
-from conveyor.models.router_control import BIAS_NAME, router_parameter_names, selection_biases
+from conveyor.models.router_control import BIAS_NAME, router_parameter_names, selection_bias_step, selection_biases
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.calls import GenerateCall
@@ -159,6 +159,20 @@ def test_loss_free_balancing_updates_the_bias_and_the_rollout_routes_with_it(mod
     replica = ReplicaWorker(rollout_settings(cfg, plan), model_path=model_path, data_plane=make_data_plane("memory"))
     replica.load_weights(worker.weight_stream(), version=1)
     assert torch.equal(selection_biases(replica.model), biases)
+
+
+def test_the_chosen_bias_update_rule_and_dead_band_reach_the_actor(model_path, batch) -> None:
+    rule = [
+        "actor_rollout_ref.actor.router.bias_update=proportional",
+        "actor_rollout_ref.actor.router.bias_dead_band=0.2",
+    ]
+    worker, meta = _worker(model_path, batch, BIAS + rule)
+    load = _own_load(worker, batch)
+    worker.update_actor(meta.with_extra_info(**UPDATE))
+    want = selection_bias_step(load, 0.01, "proportional", 0.2)
+    torch.testing.assert_close(selection_biases(worker.model), want)
+    # The band leaves some experts still and the rule moves others by less than the full rate.
+    assert bool((want == 0).any()) and bool(((want.abs() > 0) & (want.abs() < 0.01)).any())
 
 
 @pytest.fixture(scope="module")

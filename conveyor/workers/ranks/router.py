@@ -34,6 +34,7 @@ class RouterControls:
         self.model = model
         self.aux_coef = float(router.aux_loss_coef)
         self.rate = float(router.bias_update_rate)
+        self.rule, self.dead_band = str(router.bias_update), float(router.bias_dead_band)
         self.aux_on, self.bias_on = self.aux_coef > 0, self.rate > 0
         if self.bias_on:
             install_selection_bias(model)
@@ -65,4 +66,4 @@ class RouterControls:
     def update_bias(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """Move the biases by the load this update counted, summed over the role's ranks; metrics."""
         load = all_reduce_sum(self._tap.pop_load())
-        return update_selection_bias(self.model, load, self.rate)
+        return update_selection_bias(self.model, load, self.rate, self.rule, self.dead_band)
