@@ -10,7 +10,8 @@ is in the top-k of nearly every token of the task's text: about 4x its fair shar
 last, the held-out accuracy at the last step, the mean of `actor/moe/flip_rate/avg` (how much of the
 routing moved across each update), and whether the bias run cut max_vio by at least half (against the run
 without it) with its accuracy within `--acc-tolerance` of the run without it. `--no-skew` runs the same two
-arms from the base model itself: what balancing costs where there is no skew to undo.
+arms from the base model itself: what balancing costs where there is no skew to undo. `--aux-loss-coef`
+balances by the load-balancing loss at that weight instead of the bias, for comparison.
 
 The base: `--base default` is the default run's warm-started model. Its own routing is already far from
 balanced (max_vio about 2: the warm start has no balancing term, so a few experts took most tokens and the
@@ -224,6 +225,7 @@ def balance(
     update: str = "sign",
     dead_band: float = 0.0,
     skew: bool = True,
+    aux_loss_coef: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Part `balance`: loss-free balancing from a skewed router, against the same run without it, per seed."""
     from conveyor.trainer.setup import prepare_default_model
@@ -252,14 +254,13 @@ def balance(
         else:
             print("no skew: both arms start from the base model")
         model = [f"actor_rollout_ref.model.path={skewed if skew else source}"]
+        key = "actor_rollout_ref.actor.router"
+        bias = [f"{key}.bias_update_rate={rate}", f"{key}.bias_update={update}", f"{key}.bias_dead_band={dead_band}"]
+        if aux_loss_coef > 0:  # the balancing arm balances by the load-balancing loss instead
+            bias = [f"{key}.aux_loss_coef={aux_loss_coef}"]
+        print(f"balancing arm ('bias' below): {' '.join(bias)}")
         for seed in seeds:
             arms = {}
-            key = "actor_rollout_ref.actor.router"
-            bias = [
-                f"{key}.bias_update_rate={rate}",
-                f"{key}.bias_update={update}",
-                f"{key}.bias_dead_band={dead_band}",
-            ]
             for name, more in (("off", []), ("bias", bias)):
                 rows = run(base + model + [f"trainer.seed={seed}", *more])
                 arms[name] = {
@@ -354,6 +355,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--no-skew", dest="skew", action="store_false", help="start both arms from the base model, unskewed"
     )
     parser.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=0.0,
+        help="balance by router.aux_loss_coef at this weight instead of the bias (a control; 0 = the bias)",
+    )
+    parser.add_argument(
         "--base", choices=("balanced", "default"), default="balanced", help="the model the skew is applied to"
     )
     parser.add_argument(
@@ -382,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.update,
             args.dead_band,
             args.skew,
+            args.aux_loss_coef,
         )
         passed = sum(r["pass"] for r in out["balance"])
         print(f"loss-free balancing: {passed}/{len(out['balance'])} seeds cut max_vio by half within accuracy")

@@ -51,6 +51,15 @@ def test_balance_from_the_unskewed_base_with_a_chosen_rule(capsys: pytest.Captur
     assert math.isfinite(balance["bias"]["acc"]) and 0.0 <= balance["bias"]["flip"] <= 1.0
 
 
+def test_the_balancing_arm_can_be_the_load_balancing_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    (balance,) = load_script("router_control").main(
+        TINY + ["--part", "balance", "--no-skew", "--aux-loss-coef", "1.0"]
+    )["balance"]
+    printed = capsys.readouterr().out
+    assert "balancing arm ('bias' below): actor_rollout_ref.actor.router.aux_loss_coef=1.0" in printed
+    assert math.isfinite(balance["bias"]["vio_last"]) and math.isfinite(balance["bias"]["acc"])
+
+
 @pytest.mark.parametrize("argv", [["--steps", "1"], ["--update", "signum"]])
 def test_bad_flags_are_rejected(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
