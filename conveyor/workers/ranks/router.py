@@ -6,7 +6,8 @@ the same modules, so the rollout chooses with it too). During each real micro-ba
 collects the routers' logits and their own choices (`conveyor.models.router_control.RouterTap`);
 `aux_loss` turns the logits into the micro-batch's share of the load-balancing loss; after the optimizer
 step `update_bias` sums the counted load over every rank of the role (so each rank, under expert
-parallelism too, moves its biases by the global load and they stay equal) and moves the biases.
+parallelism too, moves its biases by the global load and they stay equal) and moves the biases by the
+section's rule (`bias_update`, `bias_dead_band`).
 
 What it deliberately does not do: freeze the routers (the actor does, before the optimizer is built), or
 decide which engines may serve a biased router (the run plan does).
