@@ -4,11 +4,14 @@ Part `balance`: loss-free balancing against a skewed router. The base model (`--
 layer's router row of one expert refitted (the other rows and every other weight untouched) until that expert
 is in the top-k of nearly every token of the task's text: about 4x its fair share of the assignments
 (max_vio 3.0 with top-2 of 8 experts). Two runs of the default config start from that model, one with
-`actor_rollout_ref.actor.router.bias_update_rate` and one without, per seed (`trainer.seed`). Printed per
-seed: `rollout/moe/max_vio/max` over the first load-balance interval (steps 1-10 in the default run) and
-over the last, the held-out accuracy at the last step, and whether the bias run cut max_vio by at least half
-(against the run without it, whose max_vio stays where the skew put it) with its accuracy within
-`--acc-tolerance` of the run without it.
+`actor_rollout_ref.actor.router.bias_update_rate` (`--rate`; its `bias_update` rule `--update`, its
+`bias_dead_band` `--dead-band`) and one without, per seed (`trainer.seed`). Printed per seed:
+`rollout/moe/max_vio/max` over the first load-balance interval (steps 1-10 in the default run) and over the
+last, the held-out accuracy at the last step, the mean of `actor/moe/flip_rate/avg` (how much of the
+routing moved across each update), and whether the bias run cut max_vio by at least half (against the run
+without it) with its accuracy within `--acc-tolerance` of the run without it. `--no-skew` runs the same two
+arms from the base model itself: what balancing costs where there is no skew to undo. `--aux-loss-coef`
+balances by the load-balancing loss at that weight instead of the bias, for comparison.
 
 The base: `--base default` is the default run's warm-started model. Its own routing is already far from
 balanced (max_vio about 2: the warm start has no balancing term, so a few experts took most tokens and the
@@ -29,6 +32,8 @@ the ratios less.
 
     python benchmarks/router_control.py                                  # both parts, seeds 0 1 2, 100 steps
     python benchmarks/router_control.py --part balance --seeds 0 --steps 100 --rate 0.02
+    python benchmarks/router_control.py --part balance --rate 0.05 --dead-band 0.5 --update proportional
+    python benchmarks/router_control.py --part balance --seeds 0 --no-skew  # balancing the base's own routing
     python benchmarks/router_control.py --part balance --base default      # skew the default warm start
     python benchmarks/router_control.py --part replay --seeds 0 1 --steps 200
 """
@@ -204,6 +209,11 @@ def _first(rows: dict[int, dict[str, float]], key: str) -> float:
     return next(rows[s][key] for s in sorted(rows) if key in rows[s] and s > 0)
 
 
+def _mean(rows: dict[int, dict[str, float]], key: str) -> float:
+    values = [r[key] for s, r in rows.items() if s > 0 and key in r]
+    return statistics.fmean(values) if values else float("nan")
+
+
 def balance(
     seeds: Sequence[int],
     steps: int,
@@ -212,6 +222,10 @@ def balance(
     extra: Sequence[str],
     start: str = "balanced",
     aux_coef: float = 1.0,
+    update: str = "sign",
+    dead_band: float = 0.0,
+    skew: bool = True,
+    aux_loss_coef: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Part `balance`: loss-free balancing from a skewed router, against the same run without it, per seed."""
     from conveyor.trainer.setup import prepare_default_model
@@ -231,21 +245,30 @@ def balance(
         mean = load.mean(dim=1)
         for i, (row, vio) in enumerate(zip(load.tolist(), ((load.max(dim=1).values - mean) / mean).tolist())):
             print(f"base model ({start}) layer {i}: assignments per expert {[int(x) for x in row]}, max_vio {vio:.2f}")
-        shares, gaps = skew_router(source, skewed)
-        print(
-            f"skewed router: expert 0 in the top-k of {', '.join(f'{s:.3f}' for s in shares)} of tokens per "
-            f"layer, its logit ahead of the k-th other's by a median {', '.join(f'{g:.2f}' for g in gaps)}"
-        )
-        model = [f"actor_rollout_ref.model.path={skewed}"]
+        if skew:
+            shares, gaps = skew_router(source, skewed)
+            print(
+                f"skewed router: expert 0 in the top-k of {', '.join(f'{s:.3f}' for s in shares)} of tokens per "
+                f"layer, its logit ahead of the k-th other's by a median {', '.join(f'{g:.2f}' for g in gaps)}"
+            )
+        else:
+            print("no skew: both arms start from the base model")
+        model = [f"actor_rollout_ref.model.path={skewed if skew else source}"]
+        key = "actor_rollout_ref.actor.router"
+        bias = [f"{key}.bias_update_rate={rate}", f"{key}.bias_update={update}", f"{key}.bias_dead_band={dead_band}"]
+        if aux_loss_coef > 0:  # the balancing arm balances by the load-balancing loss instead
+            bias = [f"{key}.aux_loss_coef={aux_loss_coef}"]
+        print(f"balancing arm ('bias' below): {' '.join(bias)}")
         for seed in seeds:
             arms = {}
-            for name, more in (("off", []), ("bias", [f"actor_rollout_ref.actor.router.bias_update_rate={rate}"])):
+            for name, more in (("off", []), ("bias", bias)):
                 rows = run(base + model + [f"trainer.seed={seed}", *more])
                 arms[name] = {
                     "vio_first": _first(rows, "rollout/moe/max_vio/max"),
                     "vio_last": _last(rows, "rollout/moe/max_vio/max"),
                     "acc": _last(rows, "val/accuracy"),
                     "acc0": rows[0]["val/accuracy"] if "val/accuracy" in rows.get(0, {}) else float("nan"),
+                    "flip": _mean(rows, "actor/moe/flip_rate/avg"),
                 }
             off, on = arms["off"], arms["bias"]
             cut = on["vio_last"] <= 0.5 * off["vio_last"] and on["vio_last"] <= 0.5 * off["vio_first"]
@@ -256,6 +279,7 @@ def balance(
                 f"last interval off {off['vio_last']:.3f} bias {on['vio_last']:.3f} "
                 f"({on['vio_last'] / max(off['vio_last'], 1e-9):.2f}x); held-out accuracy step 0 {off['acc0']:.3f}, "
                 f"step {steps} off {off['acc']:.3f} bias {on['acc']:.3f} (diff {on['acc'] - off['acc']:+.3f}); "
+                f"mean actor/moe/flip_rate/avg off {off['flip']:.4f} bias {on['flip']:.4f}; "
                 f"{'PASS' if ok else 'FAIL'}"
             )
     return results
@@ -324,6 +348,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=100, help="training steps of every run")
     parser.add_argument("--rate", type=float, default=0.05, help="router.bias_update_rate of the balancing runs")
     parser.add_argument(
+        "--update", default="sign", help="router.bias_update of the balancing runs (sign or proportional)"
+    )
+    parser.add_argument("--dead-band", type=float, default=0.0, help="router.bias_dead_band of the balancing runs")
+    parser.add_argument(
+        "--no-skew", dest="skew", action="store_false", help="start both arms from the base model, unskewed"
+    )
+    parser.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=0.0,
+        help="balance by router.aux_loss_coef at this weight instead of the bias (a control; 0 = the bias)",
+    )
+    parser.add_argument(
         "--base", choices=("balanced", "default"), default="balanced", help="the model the skew is applied to"
     )
     parser.add_argument(
@@ -334,11 +371,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (a first and a last load-balance interval)")
+    from conveyor.models.router_control import BIAS_UPDATES
+
+    if args.update not in BIAS_UPDATES:
+        parser.error(f"--update must be one of {', '.join(BIAS_UPDATES)} (router.bias_update), got {args.update!r}")
     print(f"load average before: {_load()} ({os.cpu_count()} CPUs); seeds {args.seeds}, {args.steps} steps")
     out: dict[str, Any] = {}
     if args.part in ("balance", "both"):
         out["balance"] = balance(
-            args.seeds, args.steps, args.rate, args.acc_tolerance, args.set, args.base, args.warmstart_aux_coef
+            args.seeds,
+            args.steps,
+            args.rate,
+            args.acc_tolerance,
+            args.set,
+            args.base,
+            args.warmstart_aux_coef,
+            args.update,
+            args.dead_band,
+            args.skew,
+            args.aux_loss_coef,
         )
         passed = sum(r["pass"] for r in out["balance"])
         print(f"loss-free balancing: {passed}/{len(out['balance'])} seeds cut max_vio by half within accuracy")

@@ -599,6 +599,7 @@ def test_optional_keys_with_a_range_take_null() -> None:
     [
         ("actor_rollout_ref.rollout.name", "conveyor.rollout.base", "ROLLOUT_ENGINES"),
         ("actor_rollout_ref.actor.router_replay.mode", "conveyor.models.router_control", "REPLAY_CHOICES"),
+        ("actor_rollout_ref.actor.router.bias_update", "conveyor.models.router_control", "BIAS_UPDATES"),
         ("algorithm.kl_ctrl.type", "conveyor.algos.kl", "KL_CONTROLLERS"),
         ("actor_rollout_ref.actor.optim.lr_scheduler", "conveyor.workers.training.optim", "LR_SCHEDULERS"),
         ("critic.optim.lr_scheduler", "conveyor.workers.training.optim", "LR_SCHEDULERS"),

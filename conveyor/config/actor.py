@@ -134,6 +134,28 @@ class RouterConfig:
         "excess load (DeepSeek-V3 used 0.001; torchtitan's load_balance_coeff); 0 = off",
         ge=0,
     )
+    bias_update: str = F(
+        "sign",
+        "how the bias moves from the load d = (mean - load) / mean of each expert: sign = rate x sign(d) "
+        "(DeepSeek-V3, Megatron-LM, torchtitan: the full rate every step, balanced or not); proportional = "
+        "rate x clip(d, -1, 1) (the same step far from balance, shrinking to 0 at balance)",
+        choices=registry("conveyor.models.router_control", "BIAS_UPDATES"),
+    )
+    bias_dead_band: float = F(
+        0.0,
+        "an expert whose |d| (its load's relative deviation from the layer's mean) is at most this keeps "
+        "its bias; 0 = every expert moves",
+        ge=0,
+    )
+
+    def validate(self, prefix: str) -> None:
+        """The update rule's keys act on loss-free balancing only: set without it they are a mistake."""
+        for key, unset in (("bias_update", self.bias_update == "sign"), ("bias_dead_band", self.bias_dead_band == 0)):
+            check(
+                unset or self.bias_update_rate > 0,
+                f"{prefix}.{key}",
+                "shapes loss-free balancing, which is off: set bias_update_rate > 0 (e.g. 0.05) or leave this key out",
+            )
 
 
 @dataclass

@@ -8,8 +8,10 @@
   name, a persistent float32 buffer: checkpoints and weight streams carry it) that shifts the logits for the
   choice of the top-k experts only; the gating weights stay the router's own softmax probabilities at the
   chosen experts. `RouterTap` counts each router's own choices over real tokens, and `update_selection_bias`
-  moves each bias by a fixed rate against the sign of its expert's deviation from the mean load (DeepSeek-V3's
-  auxiliary-loss-free balancing).
+  moves each bias against its expert's deviation from the mean load: by a fixed rate whatever the deviation
+  (`sign`, DeepSeek-V3's auxiliary-loss-free balancing), or by the rate times the deviation relative to the
+  mean, clipped to the rate (`proportional`, which stops moving as the load evens out); either with an optional
+  dead band of relative deviations inside which a bias stays where it is (`selection_bias_step`).
 
 The bias goes into the router's own forward (an instance attribute in place of the class's `forward`), not
 into a hook: a recorder then records the biased choice and a replay (`conveyor.models.moe_routing`) still
@@ -41,8 +43,13 @@ __all__ = [
     "has_selection_bias",
     "selection_biases",
     "update_selection_bias",
+    "selection_bias_step",
+    "BIAS_UPDATES",
     "RouterTap",
 ]
+
+#: actor_rollout_ref.actor.router.bias_update: how a selection bias moves from the measured load.
+BIAS_UPDATES: tuple[str, ...] = ("sign", "proportional")
 
 #: actor_rollout_ref.actor.router_replay.mode: a replay mode, or auto (the run plan picks one).
 REPLAY_CHOICES: tuple[str, ...] = (*REPLAY_MODES, "auto")
@@ -151,13 +158,34 @@ def selection_biases(model: nn.Module) -> torch.Tensor:
     return torch.stack([getattr(layer.router, BIAS_NAME).detach().float().cpu() for layer in moe_layers(model)])
 
 
-@torch.no_grad()
-def update_selection_bias(model: nn.Module, load: torch.Tensor, rate: float) -> dict[str, float]:
-    """Move each router's bias by `rate` toward balance from `load` (L, E) assignments; metrics of the update.
+def selection_bias_step(load: torch.Tensor, rate: float, rule: str = "sign", dead_band: float = 0.0) -> torch.Tensor:
+    """The change of each selection bias from the load `load` (L, E) of one update, (L, E) float32.
 
-    DeepSeek-V3's rule: an expert above the mean load of its layer loses `rate`, one below gains it (the sign
-    of the deviation, so the step is the same whatever the batch size). A layer that saw no token keeps its
-    bias. Every rank must pass the same (global) load so that their biases stay equal.
+    With `d = (mean - load) / mean`, an expert's deviation relative to its layer's mean load (positive when it
+    is under-loaded): `sign` moves by `rate * sign(d)` (DeepSeek-V3, Megatron-LM, torchtitan), `proportional` by
+    `rate * clip(d, -1, 1)` (the same step far from balance, a step that shrinks to nothing at balance). An
+    expert with `|d| <= dead_band` does not move, nor does any expert of a layer that saw no token.
+    """
+    if rule not in BIAS_UPDATES:
+        raise ValueError(f"selection_bias_step: rule must be one of {BIAS_UPDATES}, got {rule!r}")
+    load = load.float()
+    mean = load.mean(dim=1, keepdim=True)
+    dev = (mean - load) / mean.clamp_min(torch.finfo(torch.float32).tiny)
+    step = rate * (torch.sign(dev) if rule == "sign" else dev.clamp(-1.0, 1.0))
+    # `>` (not `>=`) so that dead_band=0 keeps an expert at exactly the mean still, as sign(0) does.
+    moving = (dev.abs() > dead_band) & (mean > 0)
+    return torch.where(moving, step, torch.zeros_like(step))
+
+
+@torch.no_grad()
+def update_selection_bias(
+    model: nn.Module, load: torch.Tensor, rate: float, rule: str = "sign", dead_band: float = 0.0
+) -> dict[str, float]:
+    """Move each router's bias toward balance from `load` (L, E) assignments (`selection_bias_step`); metrics.
+
+    The `sign` rule is DeepSeek-V3's: an expert above the mean load of its layer loses `rate`, one below gains
+    it (so the step is the same whatever the batch size). Every rank must pass the same (global) load so that
+    their biases stay equal.
     """
     layers = moe_layers(model)
     load = load.float()
@@ -166,12 +194,12 @@ def update_selection_bias(model: nn.Module, load: torch.Tensor, rate: float) -> 
             f"update_selection_bias: load has shape {tuple(load.shape)}, the model's routers need "
             f"({len(layers)}, {int(layers[0].router.num_experts)})"
         )
-    step = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
-    step = torch.where(load.sum(dim=1, keepdim=True) > 0, step, torch.zeros_like(step))
+    step = selection_bias_step(load, rate, rule, dead_band)
     for layer, delta in zip(layers, step):
         bias = getattr(layer.router, BIAS_NAME)
         bias.add_(delta.to(bias.device))
     biases = selection_biases(model)
+    moved = step.abs().max(dim=1).values
     mean = load.mean(dim=1)
     seen = mean > 0
     vio = ((load.max(dim=1).values - mean)[seen] / mean[seen]) if bool(seen.any()) else torch.zeros(1)
@@ -179,6 +207,8 @@ def update_selection_bias(model: nn.Module, load: torch.Tensor, rate: float) -> 
     return {
         "actor/moe/selection_bias/abs_max": float(biases.abs().max()),
         "actor/moe/update_max_vio/max": float(vio.max()),
+        # How far the update moved a bias this step: near the rate without settling, near 0 when settled.
+        "actor/moe/selection_bias/step_max": float(moved.max()),
     }
 
 

@@ -16,6 +16,7 @@ from conveyor.models.router_control import (
     install_selection_bias,
     load_balancing_loss,
     router_parameter_names,
+    selection_bias_step,
     selection_biases,
     update_selection_bias,
 )
@@ -160,7 +161,56 @@ def test_update_moves_each_bias_against_its_excess_load() -> None:
         update_selection_bias(model, torch.zeros(3, 8), 0.01)
 
 
-def test_balancing_bias_evens_out_a_skewed_selection() -> None:
+# Layer 0: mean 4, so d = (mean - load) / mean = [-1.5, 0.5, 0.75, 0.25, 0, -0.05, 0.05, 0];
+# layer 1 saw no token.
+LOAD = torch.tensor([[10.0, 2, 1, 3, 4, 4.2, 3.8, 4], [0.0] * 8])
+
+
+def test_sign_step_is_the_full_rate_against_any_deviation() -> None:
+    step = selection_bias_step(LOAD, 0.1, "sign")
+    want = torch.tensor([-0.1, 0.1, 0.1, 0.1, 0.0, -0.1, 0.1, 0.0])
+    torch.testing.assert_close(step[0], want)
+    assert torch.equal(step[1], torch.zeros(8))
+
+
+def test_proportional_step_follows_the_relative_deviation_clipped_to_the_rate() -> None:
+    step = selection_bias_step(LOAD, 0.1, "proportional")
+    # -1.5 is clipped to -1: never a larger step than the sign rule's.
+    want = torch.tensor([-0.1, 0.05, 0.075, 0.025, 0.0, -0.005, 0.005, 0.0])
+    torch.testing.assert_close(step[0], want)
+    assert torch.equal(step[1], torch.zeros(8))
+
+
+@pytest.mark.parametrize("rule", ["sign", "proportional"])
+def test_an_expert_inside_the_dead_band_keeps_its_bias(rule: str) -> None:
+    step = selection_bias_step(LOAD, 0.1, rule, dead_band=0.3)
+    inside = torch.tensor([False, False, False, True, True, True, True, True])  # |d| <= 0.3
+    assert torch.equal(step[0][inside], torch.zeros(int(inside.sum())))
+    torch.testing.assert_close(step[0][~inside], selection_bias_step(LOAD, 0.1, rule)[0][~inside])
+    # A band wider than every deviation stops the update altogether: a balanced enough layer stays still.
+    assert torch.equal(selection_bias_step(LOAD, 0.1, rule, dead_band=1.5), torch.zeros(2, 8))
+
+
+def test_a_balanced_load_moves_no_bias_and_an_unknown_rule_is_refused() -> None:
+    even = torch.full((2, 8), 5.0)
+    for rule in ("sign", "proportional"):
+        assert torch.equal(selection_bias_step(even, 0.1, rule), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="rule must be one of"):
+        selection_bias_step(even, 0.1, "signum")
+
+
+def test_update_applies_the_chosen_rule_and_reports_its_step() -> None:
+    model = _model()
+    install_selection_bias(model)
+    metrics = update_selection_bias(model, LOAD, 0.1, "proportional", dead_band=0.3)
+    want = selection_bias_step(LOAD, 0.1, "proportional", 0.3)
+    torch.testing.assert_close(selection_biases(model), want)
+    assert metrics["actor/moe/selection_bias/step_max"] == pytest.approx(0.1)
+    assert metrics["actor/moe/update_max_vio/max"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("rule", ["sign", "proportional"])
+def test_balancing_bias_evens_out_a_skewed_selection(rule: str) -> None:
     """Updated from each batch's load, a bias that starts far off (expert 3 in every top-k) comes back to balance."""
     model = _model()
     install_selection_bias(model)
@@ -180,6 +230,6 @@ def test_balancing_bias_evens_out_a_skewed_selection() -> None:
             model(input_ids=ids)
         load = tap.pop_load()
         vios.append(max_vio(load))
-        update_selection_bias(model, load, 0.1)
+        update_selection_bias(model, load, 0.1, rule)
     assert vios[0] == pytest.approx(3.0), vios
     assert max(vios[-10:]) < 1.5, vios

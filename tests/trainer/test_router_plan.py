@@ -86,6 +86,17 @@ def test_router_keys_are_checked() -> None:
         load_config(None, ["actor_rollout_ref.actor.router.aux_loss_coef=-1"])
     with pytest.raises(ConfigError, match="bias_update_rate: must be >= 0"):
         load_config(None, ["actor_rollout_ref.actor.router.bias_update_rate=-0.1"])
+    with pytest.raises(ConfigError, match="bias_dead_band: must be >= 0"):
+        load_config(None, ["actor_rollout_ref.actor.router.bias_dead_band=-0.5"])
+
+
+@pytest.mark.parametrize("key", ["bias_update=proportional", "bias_dead_band=0.5"])
+def test_a_bias_update_key_without_loss_free_balancing_is_refused(key: str) -> None:
+    router = "actor_rollout_ref.actor.router"
+    with pytest.raises(ConfigError, match=rf"^{router}\.{key.split('=')[0]}: .*set bias_update_rate > 0"):
+        load_config(None, [f"{router}.{key}"])
+    cfg = load_config(None, [f"{router}.{key}", f"{router}.bias_update_rate=0.05"])
+    assert cfg.actor_rollout_ref.actor.router.bias_update_rate == 0.05
 
 
 def test_a_qwen3_moe_checkpoint_saved_by_transformers_is_moe(tmp_path) -> None:

@@ -17,7 +17,7 @@ from test_strategies import BASE, RANKS_SCRIPT, UPDATE, B, _actor, _batch  # tes
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
 from conveyor.models.moe_routing import moe_layers
-from conveyor.models.router_control import BIAS_NAME, router_parameter_names, selection_biases
+from conveyor.models.router_control import BIAS_NAME, router_parameter_names, selection_bias_step, selection_biases
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.calls import GenerateCall
@@ -35,6 +35,7 @@ LORA = [
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 EP = FSDP2 + ["actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2", "trainer.num_cpu_workers=2"]
 HF = ["actor_rollout_ref.model.forward_impl=hf"]
+RULE = ["actor_rollout_ref.actor.router.bias_update=proportional", "actor_rollout_ref.actor.router.bias_dead_band=0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +162,22 @@ def test_loss_free_balancing_updates_the_bias_and_the_rollout_routes_with_it(mod
     assert torch.equal(selection_biases(replica.model), biases)
 
 
+def test_the_chosen_bias_update_rule_and_dead_band_reach_the_actor(model_path, batch) -> None:
+    worker, meta = _worker(model_path, batch, BIAS + RULE)
+    load = _own_load(worker, batch)
+    worker.update_actor(meta.with_extra_info(**UPDATE))
+    want = selection_bias_step(load, 0.01, "proportional", 0.2)
+    torch.testing.assert_close(selection_biases(worker.model), want)
+    # The band leaves some experts still and the rule moves others by less than the full rate.
+    assert bool((want == 0).any()) and bool(((want.abs() > 0) & (want.abs() < 0.01)).any())
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batch) -> dict[str, Path]:
     """Freeze under fsdp2 and loss-free balancing under expert parallelism, two gloo ranks, one spawn."""
     root = tmp_path_factory.mktemp("router-ranks")
     torch.save(batch, root / "batch.pt")
-    runs = {"freeze": FREEZE + FSDP2, "ep-bias": BIAS + EP}
+    runs = {"freeze": FREEZE + FSDP2, "ep-bias": BIAS + EP, "ep-proportional": BIAS + RULE + EP}
     spec = []
     for name, overrides in runs.items():
         (root / name).mkdir()
@@ -201,13 +212,15 @@ def test_fsdp2_two_ranks_freeze_the_routers(model_path, batch, ranks) -> None:
     assert any(not torch.equal(got[k], initial[k]) for k in initial if k not in routers)
 
 
-def test_expert_parallel_ranks_move_the_bias_by_the_global_load(model_path, batch, ranks) -> None:
-    # The one-rank actor sees the whole batch: its load is the sum of the two ranks' shares.
-    worker, meta = _worker(model_path, batch, BIAS + HF)
+@pytest.mark.parametrize("run", ["ep-bias", "ep-proportional"])
+def test_expert_parallel_ranks_move_the_bias_by_the_global_load(model_path, batch, ranks, run) -> None:
+    # The one-rank actor sees the whole batch: its load is the sum of the two ranks' shares. The proportional
+    # step follows the load's size, not only its sign: a rank that moved by its own share would differ.
+    worker, meta = _worker(model_path, batch, BIAS + HF + (RULE if run == "ep-proportional" else []))
     worker.update_actor(meta.with_extra_info(**UPDATE))
     want = selection_biases(worker.model)
-    got = torch.load(ranks["ep-bias"] / "params.pt", weights_only=True)
+    got = torch.load(ranks[run] / "params.pt", weights_only=True)
     names = [f"model.layers.{i}.mlp.gate.{BIAS_NAME}" for i in range(2)]
     torch.testing.assert_close(torch.stack([got[n] for n in names]), want, atol=0, rtol=0)
-    metrics = [json.loads((ranks["ep-bias"] / f"metrics_{r}.json").read_text()) for r in range(2)]
+    metrics = [json.loads((ranks[run] / f"metrics_{r}.json").read_text()) for r in range(2)]
     assert metrics[0]["actor/moe/update_max_vio/max"] == metrics[1]["actor/moe/update_max_vio/max"]

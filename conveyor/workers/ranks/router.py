@@ -6,7 +6,8 @@ the same modules, so the rollout chooses with it too). During each real micro-ba
 collects the routers' logits and their own choices (`conveyor.models.router_control.RouterTap`);
 `aux_loss` turns the logits into the micro-batch's share of the load-balancing loss; after the optimizer
 step `update_bias` sums the counted load over every rank of the role (so each rank, under expert
-parallelism too, moves its biases by the global load and they stay equal) and moves the biases.
+parallelism too, moves its biases by the global load and they stay equal) and moves the biases by the
+section's rule (`bias_update`, `bias_dead_band`).
 
 What it deliberately does not do: freeze the routers (the actor does, before the optimizer is built), or
 decide which engines may serve a biased router (the run plan does).
@@ -34,6 +35,7 @@ class RouterControls:
         self.model = model
         self.aux_coef = float(router.aux_loss_coef)
         self.rate = float(router.bias_update_rate)
+        self.rule, self.dead_band = str(router.bias_update), float(router.bias_dead_band)
         self.aux_on, self.bias_on = self.aux_coef > 0, self.rate > 0
         if self.bias_on:
             install_selection_bias(model)
@@ -65,4 +67,4 @@ class RouterControls:
     def update_bias(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """Move the biases by the load this update counted, summed over the role's ranks; metrics."""
         load = all_reduce_sum(self._tap.pop_load())
-        return update_selection_bias(self.model, load, self.rate)
+        return update_selection_bias(self.model, load, self.rate, self.rule, self.dead_band)
