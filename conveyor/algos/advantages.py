@@ -83,6 +83,9 @@ class EstimatorNeeds:
     """It reads ``reward_baselines`` (B,): the reward of one greedy rollout per prompt (ReMax)."""
     min_group_size: int = 1
     """The fewest samples per prompt (``rollout.n``) it is defined for."""
+    group_baseline: bool = False
+    """Its baseline is a statistic of the other samples of the same prompt: with one sample a prompt
+    (``rollout.n=1``) there is none, and the advantage is the raw score (or zero, for RLOO)."""
     sum_pi_squared: bool = False
     """It reads ``old_log_probs`` and ``sum_pi_squared`` (B, T), the squared-probability mass of the old-log-prob
     forward's distribution: choosing it runs that forward (no bypass) and makes it write ``sum_pi_squared``."""
@@ -100,6 +103,7 @@ def register_adv_estimator(
     needs_critic: bool = False,
     greedy_baseline: bool = False,
     min_group_size: int = 1,
+    group_baseline: bool = False,
     sum_pi_squared: bool = False,
     overwrite: bool = False,
 ) -> Callable[[AdvEstimator], AdvEstimator]:
@@ -112,6 +116,7 @@ def register_adv_estimator(
         needs_critic=needs_critic,
         greedy_baseline=greedy_baseline,
         min_group_size=min_group_size,
+        group_baseline=group_baseline or min_group_size > 1,
         sum_pi_squared=sum_pi_squared,
     )
 
@@ -368,7 +373,7 @@ def compute_gae_advantage(
     return masked_whiten(adv, m), returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", group_baseline=True)
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -387,7 +392,7 @@ def compute_grpo_advantage(
     return _per_token(adv, g, m, dtype)
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", group_baseline=True)
 def compute_rloo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -427,7 +432,7 @@ def compute_reinforce_plus_plus_advantage(
     return masked_whiten(returns, m), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", group_baseline=True)
 def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -471,7 +476,7 @@ def compute_remax_advantage(
     return adv, returns
 
 
-@register_adv_estimator("opo")
+@register_adv_estimator("opo", group_baseline=True)
 def compute_opo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -488,7 +493,7 @@ def compute_opo_advantage(
     return _per_token(g.scores - torch.where(g.lone, torch.zeros_like(baseline), baseline), g, m, dtype)
 
 
-@register_adv_estimator("gpg")
+@register_adv_estimator("gpg", group_baseline=True)
 def compute_gpg_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -531,7 +536,7 @@ def compute_grpo_passk_advantage(
     return _per_token(torch.where(winner, adv, torch.zeros_like(adv)), g, m, dtype)
 
 
-@register_adv_estimator("gdpo")
+@register_adv_estimator("gdpo", group_baseline=True)
 def compute_gdpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -656,7 +661,7 @@ def _token_baseline(
     return baseline
 
 
-@register_adv_estimator("optimal_token_baseline", sum_pi_squared=True)
+@register_adv_estimator("optimal_token_baseline", group_baseline=True, sum_pi_squared=True)
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -691,7 +696,7 @@ def compute_optimal_token_baseline_advantage(
     return adv, returns
 
 
-@register_adv_estimator("tir_optimal_token_baseline", sum_pi_squared=True)
+@register_adv_estimator("tir_optimal_token_baseline", group_baseline=True, sum_pi_squared=True)
 def compute_tir_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

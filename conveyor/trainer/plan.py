@@ -123,6 +123,23 @@ def rollout_process(cfg: Config, device: str, placement: str) -> tuple[str, str]
     )
 
 
+def lone_sample_warning(cfg: Config) -> str | None:
+    """What a group-baseline estimator does with one sample a prompt, when the task reward drives the update."""
+    from conveyor.algos.advantages import estimator_needs
+
+    algo, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+    pure_distillation = cfg.distillation.enabled and not cfg.distillation.distillation_loss.use_task_rewards
+    if n > 1 or pure_distillation or not estimator_needs(algo.adv_estimator).group_baseline:
+        return None
+    # verl accepts it too (a lone sample keeps its raw score), so it is said, not refused.
+    return (
+        f"advantages: algorithm.adv_estimator={algo.adv_estimator} compares the samples of a prompt, and "
+        "actor_rollout_ref.rollout.n=1 gives each prompt one: no baseline (each advantage is its raw score"
+        + (", zero for rloo" if algo.adv_estimator == "rloo" else "")
+        + "); set rollout.n to 2 or more for one"
+    )
+
+
 def forward_writes_sum_pi_squared(cfg: Config) -> bool:
     """Whether the old-log-prob forward writes sum_pi_squared: the actor's key, or when null, the estimator's need."""
     from conveyor.algos.advantages import estimator_needs
@@ -331,6 +348,10 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     use_teacher = cfg.distillation.enabled
     if use_teacher:
         why.append(distillation_decision(cfg))
+    lone = lone_sample_warning(cfg)
+    if lone:
+        logger.warning("%s", lone)
+        why.append(lone)
 
     rm_on, rm_placement, judge_on = reward_model_decision(cfg, why)
     return RunPlan(

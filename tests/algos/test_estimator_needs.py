@@ -16,8 +16,9 @@ from conveyor.algos.advantages import (
 def test_builtin_declarations():
     assert estimator_needs("gae") == EstimatorNeeds(needs_critic=True)
     assert estimator_needs("remax") == EstimatorNeeds(greedy_baseline=True)
-    assert estimator_needs("grpo_passk") == EstimatorNeeds(min_group_size=2)
-    assert estimator_needs("grpo") == EstimatorNeeds()
+    assert estimator_needs("grpo_passk") == EstimatorNeeds(min_group_size=2, group_baseline=True)
+    assert estimator_needs("grpo") == EstimatorNeeds(group_baseline=True)
+    assert estimator_needs("reinforce_plus_plus") == EstimatorNeeds()
     # The old set stays, as a view of the declarations.
     assert NEEDS_CRITIC == {name for name in ADV_ESTIMATORS if estimator_needs(name).needs_critic}
 

@@ -371,3 +371,33 @@ def test_the_rollout_in_its_own_process_is_refused_where_it_cannot_work(monkeypa
         build_run_plan(load_config(None, own), "cpu")
     # Synchronous runs keep the rollout in the trainer's process whatever the key says.
     assert build_run_plan(load_config(None, own[1:]), "cpu").rollout_process == "trainer"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["actor_rollout_ref.rollout.n=1"], "no baseline (each advantage is its raw score)"),
+        (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=rloo"], "zero for rloo"),
+        (["actor_rollout_ref.rollout.n=2"], None),
+        (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"], None),
+        (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae"], None),
+        (
+            [
+                "actor_rollout_ref.rollout.n=1",
+                "distillation.enabled=true",
+                "distillation.distillation_loss.use_task_rewards=false",
+                "distillation.teacher_models.t.model_path=/nonexistent/teacher",
+            ],
+            None,
+        ),
+    ],
+)
+def test_one_sample_a_prompt_under_a_group_baseline_is_said_in_the_plan(overrides, warned, caplog) -> None:
+    with caplog.at_level("WARNING", logger="conveyor.trainer.plan"):
+        plan = build_run_plan(load_config(None, overrides), device="cpu")
+    lines = [d for d in plan.decisions if d.startswith("advantages:")]
+    if warned is None:
+        assert lines == [] and not caplog.records
+    else:
+        assert len(lines) == 1 and warned in lines[0] and "set rollout.n to 2 or more" in lines[0]
+        assert caplog.records[0].getMessage() == lines[0]
