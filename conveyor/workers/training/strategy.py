@@ -177,6 +177,7 @@ class TrainingStrategy:
         expert_parallel_size: int = 1,
         expert_mesh: bool = False,
         fsdp_size: int | None = None,
+        ulysses_sequence_parallel_size: int = 1,
     ):
         self.world_size = world_size
         self.device = device
@@ -220,6 +221,13 @@ class TrainingStrategy:
                 f"{expert_parallel_size} is not supported yet; set fsdp_size to null or "
                 "expert_parallel_size to 1"
             )
+        if ulysses_sequence_parallel_size < 1 or world_size % ulysses_sequence_parallel_size:
+            raise ValueError(
+                f"ulysses_sequence_parallel_size={ulysses_sequence_parallel_size} must divide the role's "
+                f"{world_size} ranks; set it to a divisor of {world_size}"
+            )
+        # Ranks of one sequence-parallel group split each packed micro-batch by tokens (`sequence_parallel`).
+        self.sequence_parallel_size = ulysses_sequence_parallel_size
         # The expert mesh and the all-to-all even at size 1: the one-GPU check runs the EP code path this way.
         self.expert_mesh = expert_mesh or expert_parallel_size > 1
         # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
@@ -261,6 +269,7 @@ class TrainingStrategy:
                 replicate=replicate,
                 ep_size=self.expert_parallel_size,
                 expert=self.expert_parallel,
+                sp_size=self.sequence_parallel_size,
             )
         return self._meshes
 
