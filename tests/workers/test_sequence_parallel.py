@@ -34,11 +34,15 @@ from test_strategies import (  # noqa: E501
 
 from conveyor.config import ConfigError, load_config
 from conveyor.data_plane import make_data_plane
+from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.calls import LogProbCall
+from conveyor.workers.ranks.reference import ReferenceWorker
+from conveyor.workers.ranks.settings import reference_settings
 
 SP_ACTOR = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
 SP_CRITIC = "critic.ulysses_sequence_parallel_size=2"
+SP_REF = "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"
 R2 = "actor_rollout_ref.actor.router_replay.mode=R2"
 FUSED = "actor_rollout_ref.model.use_fused_kernels=true"
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
@@ -54,6 +58,7 @@ CASES: dict[str, tuple[int, str, list[str], bool, bool, list[str]]] = {
     "dense": (2, "actor", [], True, False, ["stats", "grads_update"]),
     "dense-dp": (2, "actor", ["actor_rollout_ref.actor.strategy=dp"], True, False, ["grads_update"]),
     "critic": (2, "critic", ["critic.optim.lr=0.05"], False, False, ["grads_update", "stats"]),
+    "ref": (2, "ref", ["actor_rollout_ref.ref.strategy=fsdp2"], False, False, ["stats"]),
     # 4 ranks: SP groups of 2 (ranks 0-1, 2-3), fsdp2 sharding over all 4 (dp=2), the rows split over dp.
     "4-moe-R3": (4, "actor", [R3], False, True, ["stats", "grads_update"]),
     "4-dense": (4, "actor", [], True, False, ["grads_update"]),
@@ -94,7 +99,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
             if w != world:
                 continue
             (root / name).mkdir()
-            sp = SP_CRITIC if role == "critic" else SP_ACTOR
+            sp = {"critic": SP_CRITIC, "ref": SP_REF}.get(role, SP_ACTOR)
             runs.append(
                 {
                     "role": role,
@@ -126,10 +131,14 @@ def _one_rank(case: str, path: str, fields: dict) -> dict:
     keys = [f"s{i}" for i in range(B)]
     meta = plane.kv_batch_put(keys, "p", fields)
     lp_meta = plane.kv_batch_put(keys, "lp", fields)
-    worker = (_critic if role == "critic" else _actor)(cfg, model_path=path, data_plane=plane)
-    out: dict = {"initial": {k: v.clone() for k, v in worker.model_state_dict().items()}}
+    if role == "ref":
+        worker = ReferenceWorker(reference_settings(cfg, build_run_plan(cfg, "cpu")), model_path=path, data_plane=plane)
+    else:
+        worker = (_critic if role == "critic" else _actor)(cfg, model_path=path, data_plane=plane)
+    out: dict = {}
     for job in jobs:
         if job == "grads_update":
+            out["initial"] = {k: v.clone() for k, v in worker.model_state_dict().items()}
             out["grads"] = _capture_grads(worker)
             result = (worker.update_critic if role == "critic" else worker.update_actor)(meta.with_extra_info(**UPDATE))
             out["metrics"] = dict(result.extra_info)
@@ -137,6 +146,11 @@ def _one_rank(case: str, path: str, fields: dict) -> dict:
         elif role == "critic":
             worker.compute_values(lp_meta)
             out["stats"] = dict(plane.kv_batch_get(keys, "lp", ["values"]).items())
+        elif role == "ref":
+            worker.compute_log_prob(
+                lp_meta.with_extra_info(**LogProbCall(temperature=0.7, calculate_entropy=False).to_extra_info())
+            )
+            out["stats"] = dict(plane.kv_batch_get(keys, "lp", ["ref_log_prob"]).items())
         else:
             call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
             result = worker.compute_log_prob(lp_meta.with_extra_info(**call))
