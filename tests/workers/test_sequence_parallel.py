@@ -48,12 +48,16 @@ FUSED = "actor_rollout_ref.model.use_fused_kernels=true"
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
 EP2 = "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2"]
+# A per-GPU token budget below the longest row (9 tokens): an SP group of 2 takes micro-batches of twice it, as
+# verl does; the one-rank reference runs at the group's budget.
+DYN = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=5"]
 
 # name -> (world, role, overrides beyond SP, dense model, batch with routing, jobs)
 CASES: dict[str, tuple[int, str, list[str], bool, bool, list[str]]] = {
     "moe": (2, "actor", [], False, False, ["stats", "grads_update"]),
     "moe-R3": (2, "actor", [R3], False, True, ["stats", "grads_update"]),
     "moe-R2-record": (2, "actor", [R2], False, False, ["stats"]),
+    "moe-dynbsz": (2, "actor", DYN, False, False, ["stats", "grads_update"]),
     "moe-R3-fused-ckpt": (2, "actor", [R3, FUSED, CKPT], False, True, ["stats", "grads_update"]),
     "dense": (2, "actor", [], True, False, ["stats", "grads_update"]),
     "dense-dp": (2, "actor", ["actor_rollout_ref.actor.strategy=dp"], True, False, ["grads_update"]),
@@ -126,7 +130,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
 def _one_rank(case: str, path: str, fields: dict) -> dict:
     """The one-rank worker of `case` (no SP, no EP): stats on a copy of the batch, then one update."""
     world, role, extra, dense, _, jobs = CASES[case]
-    cfg = load_config(None, BASE + [o for o in extra if o != EP2] + (DENSE if dense else []))
+    extra = [o.replace("len_per_gpu=5", "len_per_gpu=10") for o in extra if o != EP2]
+    cfg = load_config(None, BASE + extra + (DENSE if dense else []))
     plane = make_data_plane("memory")
     keys = [f"s{i}" for i in range(B)]
     meta = plane.kv_batch_put(keys, "p", fields)

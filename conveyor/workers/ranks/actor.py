@@ -65,7 +65,12 @@ from conveyor.workers.ranks.router import RouterControls
 from conveyor.workers.ranks.settings import ActorSettings, role_strategy
 from conveyor.workers.training.batching import plan_micro_batches, take
 from conveyor.workers.training.loading import load_role_model
-from conveyor.workers.training.sequence_parallel import check_sequence_parallel, count_once, group_share
+from conveyor.workers.training.sequence_parallel import (
+    check_sequence_parallel,
+    count_once,
+    group_budget,
+    group_share,
+)
 from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 
 logger = logging.getLogger(__name__)
@@ -483,7 +488,7 @@ class PolicyWorker(CheckpointEndpoints):
             td["prompt_mask"],
             td["response_mask"],
             st.rollout.log_prob_micro_batch_size_per_gpu,
-            st.log_prob_budget,
+            group_budget(st.log_prob_budget, self.sp),
             agree=self.trained.strategy.agree_count,
             packed=self.forward.packed,
         )
@@ -587,7 +592,7 @@ class PolicyWorker(CheckpointEndpoints):
                 td["prompt_mask"],
                 td["response_mask"],
                 acfg.ppo_micro_batch_size_per_gpu,
-                st.update_budget,
+                group_budget(st.update_budget, self.sp),
                 agree=self.trained.strategy.agree_count,
                 packed=self.forward.packed,
             )

@@ -29,6 +29,7 @@ from conveyor.workers.training.sequence_parallel import (
     SequenceParallel,
     check_sequence_parallel,
     count_once,
+    group_budget,
     group_share,
 )
 from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
@@ -135,7 +136,7 @@ class CriticWorker(CheckpointEndpoints):
             td["prompt_mask"],
             td["response_mask"],
             self.settings.critic.ppo_micro_batch_size_per_gpu,
-            self.settings.forward_budget,
+            group_budget(self.settings.forward_budget, self.sp),
             agree=self.trained.strategy.agree_count,
             packed=self.packed,
         )
@@ -170,7 +171,7 @@ class CriticWorker(CheckpointEndpoints):
                 td["prompt_mask"],
                 td["response_mask"],
                 ccfg.ppo_micro_batch_size_per_gpu,
-                self.settings.update_budget,
+                group_budget(self.settings.update_budget, self.sp),
                 agree=self.trained.strategy.agree_count,
                 packed=self.packed,
             )

@@ -54,7 +54,7 @@ from conveyor.models.moe_routing import (
 )
 from conveyor.models.packing import PackedRows
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
-from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard
+from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard, group_budget
 from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["PolicyForward", "TokenStats", "sequence_inputs", "micro_batches"]
@@ -420,7 +420,7 @@ class PolicyForward:
             td["prompt_mask"],
             td["response_mask"],
             micro_batch_size,
-            budget,
+            group_budget(budget, self.sp),
             agree=self.trained.strategy.agree_count,
             packed=self.packed,
         )

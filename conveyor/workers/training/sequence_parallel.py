@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from conveyor.models.packing import SEQUENCE_EXCHANGE, PackedRows
 from conveyor.protocol import KVBatchMeta
+from conveyor.workers.training.batching import TokenBudget
 
 __all__ = [
     "SequenceParallel",
@@ -48,6 +49,7 @@ __all__ = [
     "gather_tokens",
     "count_once",
     "group_share",
+    "group_budget",
 ]
 
 
@@ -240,6 +242,14 @@ def group_share(sp: SequenceParallel | None, meta: KVBatchMeta) -> tuple[KVBatch
     if sp is None:
         return meta, slice(None)
     return sp.group_meta(meta)
+
+
+def group_budget(budget: TokenBudget | None, sp: SequenceParallel | None) -> TokenBudget | None:
+    """A per-GPU token budget as the group's micro-batch budget: `sp` times it, each rank holding its share (verl's
+    `ppo_max_token_len_per_gpu * ulysses_sequence_parallel_size`)."""
+    if budget is None or sp is None:
+        return budget
+    return TokenBudget(budget.max_tokens * sp.size, budget.key)
 
 
 def count_once(metrics: dict[str, float], sp: SequenceParallel | None) -> dict[str, float]:
