@@ -65,9 +65,7 @@ CASES: dict[str, tuple[int, str, list[str], bool, bool, list[str]]] = {
     "ref": (2, "ref", ["actor_rollout_ref.ref.strategy=fsdp2"], False, False, ["stats"]),
     # 4 ranks: SP groups of 2 (ranks 0-1, 2-3), fsdp2 sharding over all 4 (dp=2), the rows split over dp.
     "4-moe-R3": (4, "actor", [R3], False, True, ["stats", "grads_update"]),
-    "4-dense": (4, "actor", [], True, False, ["grads_update"]),
     "4-moe-EP2": (4, "actor", [EP2], False, False, ["grads_update"]),
-    "4-critic": (4, "critic", ["critic.optim.lr=0.05"], False, False, ["grads_update", "stats"]),
 }
 
 
