@@ -23,6 +23,10 @@ rollout (`TrainingStrategy.full_params`), which keeps the lean forward and
 spares a collective per layer and token. The multi-turn loop always gathers
 it (its ranks run different numbers of turns).
 Every endpoint measures its phase's peak memory (`perf/<phase>/max_memory_gb`).
+Under `ulysses_sequence_parallel_size` > 1 the ranks of a sequence-parallel group
+read the group's samples, compute them together (each on its slice of every packed
+row) and write their own shares; only the group's first rank reports summed metrics
+(`conveyor.workers.training.sequence_parallel`).
 """
 
 from __future__ import annotations

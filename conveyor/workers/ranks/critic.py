@@ -3,7 +3,10 @@
 Under `fsdp2` the values' no-grad forward is the sharded module's own forward
 (one layer gathered at a time, every rank running as many micro-batches as the
 busiest); each endpoint reports its phase's peak memory
-(`perf/values/max_memory_gb`, `perf/update_critic/max_memory_gb`).
+(`perf/values/max_memory_gb`, `perf/update_critic/max_memory_gb`). Under
+`critic.ulysses_sequence_parallel_size` > 1 the ranks of a group compute the
+group's rows together, each on its slice of every packed row
+(`conveyor.workers.training.sequence_parallel`), and each writes its own share.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ at a time; DDP's all-reduce on `dp_replicate`) run on named dimensions:
   and FSDP2-sharded over `efsdp` = world / ep; a layer's forward then gathers only this
   rank's experts. Gradient clipping sums the squared norms of both meshes' shards.
 
+With `ulysses_sequence_parallel_size` = sp > 1 (any distributed strategy) the meshes gain `("dp",
+"sp")`: the ranks of an `sp` group split each packed micro-batch by tokens
+(`conveyor.workers.training.sequence_parallel`); the strategy itself shards and reduces as above.
+
 Losses are normalised by the *global* token or sequence count (see
 `conveyor.algos.losses`), so the ranks' gradients must be summed; DDP and FSDP2
 average them, so the loss a rank back-propagates is scaled by the world size
