@@ -10,7 +10,8 @@
 # Steps: the packed-attention call (torch's varlen kernel) against per-sequence SDPA in bf16 with grouped
 # heads, forward and backward; one fsdp2 step in bf16 with fused AdamW; 2 training steps of a small MoE with
 # R3, a KL loss and packed forwards (every phase's peak); packed against padded forward+backward; a 16k-token
-# packed update with Qwen3's vocabulary through the fused log-prob against the logits (peaks, speed); R3 with and
+# packed update with Qwen3's vocabulary through the fused log-prob against the logits (peaks, speed); an update
+# through the sequence-parallel path with a group of one (the all-to-alls and the gather on nccl); R3 with and
 # without gradient checkpointing in fp32 from a warm-started model (step-1 gradient norms agree); 4096-token
 # responses through the workers' endpoints against the memory accounting; expert parallelism of size 1
 # in fp32; the actor's parameter and optimizer offload with R3 and an offloaded reference; the hf rollout's
@@ -97,6 +98,7 @@ run_step moe_r3_kl_packed 110 "$R/moe" "${RUN[@]}" "${MODEL[@]}" \
 
 step packed_vs_padded 70 "$PY" benchmarks/gpu_steps.py packspeed --device cuda
 step fused_logprob_16k 45 "$PY" benchmarks/gpu_steps.py fused-logprob --device cuda
+step sp_size1_step 30 "$PY" benchmarks/gpu_steps.py sp-step --device cuda
 
 # R3 with and without checkpointing, fp32 compute, from the default example's warm-started tiny model (its
 # rewards vary, so the advantages and the step-1 gradient are not zero); the second run reuses the warm start.

@@ -5,6 +5,7 @@
     python benchmarks/gpu_steps.py fsdp-step --device cuda    # one fsdp2 step: bf16 compute, fused AdamW
     python benchmarks/gpu_steps.py packspeed --device cuda    # packed against padded forward+backward
     python benchmarks/gpu_steps.py fused-logprob --device cuda  # a 16k-token packed update, fused log-prob vs logits
+    python benchmarks/gpu_steps.py sp-step --device cuda      # an update through sequence parallelism of size 1
     python benchmarks/gpu_steps.py report RUN_DIR             # a run's per-phase peaks, step time, grad norm
     python benchmarks/gpu_steps.py same-grad-norm RUN_A RUN_B # step 1's gradient norms agree (R3 checkpointing)
 
@@ -385,6 +386,85 @@ def cmd_fused_logprob(args: argparse.Namespace) -> int:
     return 0 if ok and (not big or m_f < m_l) else 1
 
 
+def cmd_sp_step(args: argparse.Namespace) -> int:
+    """One packed update through the sequence-parallel path with a group of one rank (nccl on CUDA) against the
+    plain packed path, in float32: the split, the all-to-alls around attention and the gather, nothing divided."""
+    import torch.distributed as tdist
+
+    from conveyor.algos.logprob import logprobs_and_entropy
+    from conveyor.models.packing import PackedRows, enable_packing
+    from conveyor.workers.training.sequence_parallel import SequenceParallel
+    from conveyor.workers.training.strategy import ensure_process_group
+
+    device = torch.device(args.device)
+    ensure_process_group(device)
+    big = device.type == "cuda"
+    vocab = 32000 if big else 512
+    seqs, prompt, length = (4, 64, 2048) if big else (3, 6, 20)
+    model = _qwen3(
+        device,
+        torch.float32,
+        vocab_size=vocab,
+        hidden_size=1024 if big else 64,
+        num_layers=4 if big else 2,
+        num_heads=16 if big else 4,
+        num_kv_heads=8 if big else 2,
+        intermediate_size=2816 if big else 128,
+        max_position_embeddings=prompt + length + 1,
+    )
+    enable_packing(model)
+    gen = torch.Generator().manual_seed(0)
+    responses = torch.randint(1, vocab, (seqs, length), generator=gen).to(device)
+    ids = torch.cat([torch.randint(1, vocab, (seqs, prompt), generator=gen).to(device), responses], 1)
+    attention = torch.ones_like(ids)
+    attention[0, : prompt // 2] = 0  # a left-padded prompt: positions and bounds from the mask
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    rows = PackedRows.from_masks(attention, torch.ones_like(responses))
+    labels = responses[rows.rows, rows.cols]
+    weights = torch.randn(labels.shape, generator=gen).to(device)
+    group = SequenceParallel(tdist.group.WORLD, 1, 0)
+
+    def update(sp: bool) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        if big:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        if sp:
+            shard = group.shard(rows)
+            kwargs = {**shard.model_kwargs(ids, positions), "use_cache": False, "logits_to_keep": shard.keep}
+            lp, ent = logprobs_and_entropy(model(**kwargs).logits, labels[shard.mine][None], True)
+            both = shard.gather_predicted(torch.stack([lp[0], ent[0]], -1))
+            lp, ent = both[:, 0], both[:, 1]
+        else:
+            kwargs = {**rows.model_kwargs(ids, positions), "use_cache": False, "logits_to_keep": rows.predict}
+            lp, ent = logprobs_and_entropy(model(**kwargs).logits, labels[None], True)
+            lp, ent = lp[0], ent[0]
+        (lp * weights + 0.01 * ent).sum().backward()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() / 2**30 if big else 0.0
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return lp.detach(), grads, seconds, peak
+
+    update(True)  # warm-up: kernels, the allocator, the communicator
+    lp_s, grad_s, t_s, m_s = update(True)
+    lp_p, grad_p, t_p, m_p = update(False)
+    diff = float((lp_s - lp_p).abs().max())
+    grad_rel = float((grad_s - grad_p).norm() / grad_p.norm())
+    tokens = int(attention.sum())
+    print(
+        f"backend {tdist.get_backend()}, {tokens} packed tokens ({seqs} x {prompt} + {length}); "
+        f"SP path {t_s:.3f} s {m_s:.2f} GiB, plain {t_p:.3f} s {m_p:.2f} GiB"
+    )
+    figure(
+        f"{tokens}-token update, SP size 1 vs plain: peak {m_s:.2f} vs {m_p:.2f} GiB, {tokens / t_s:.0f} vs "
+        f"{tokens / t_p:.0f} tok/s, max |log-prob diff| {diff:.1e}, grad rel. diff {grad_rel:.1e}"
+    )
+    return 0 if diff < 1e-4 and grad_rel < 1e-4 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit status is the check's verdict."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -395,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         ("fsdp-step", cmd_fsdp_step),
         ("packspeed", cmd_packspeed),
         ("fused-logprob", cmd_fused_logprob),
+        ("sp-step", cmd_sp_step),
     )
     for name, fn in checks:
         p = sub.add_parser(name)

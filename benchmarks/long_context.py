@@ -26,12 +26,29 @@ logits path: (L, V) logits and their gradient). Three tables:
    sample above it, and by VmHWM checked after the update (a spike between
    samples still counts).
 
+Then Ulysses sequence parallelism (`--part sp`), on two gloo ranks under
+fsdp2 (so the parameters and AdamW's state are sharded alike both ways), for
+the dense model and a Qwen3-MoE of about 100M parameters with the same
+vocabulary (8 experts of width `--moe-intermediate`, top-2), each with the
+fused log-prob on and off:
+
+4. one update of an `--sp-tokens` (8192) token response per rank pair: SP=1
+   is dp=2 (each rank updates its own sequence of that length), SP=2 splits
+   one sequence over the two ranks; the peak resident set per rank (the
+   larger of the two), and tokens/s (the update's tokens over its wall time,
+   two cores either way);
+5. the longest response the pair updates under `--sp-cap-gb` per rank, each
+   rank process with its own watchdog (one over the cap ends both): the
+   search of table 3 per (model, log-prob, SP).
+
     python benchmarks/long_context.py            # long: each try is a whole update of up to 16k+ tokens
+    python benchmarks/long_context.py --part sp --models dense --fused on   # one slice of tables 4 and 5
     python benchmarks/long_context.py --smoke    # a small vocabulary, seconds (the suite runs it)
 
-Bar: the fused head cuts the 4096-token update's peak resident set (the whole
-process) by at least half; exit status 1 when missed (not checked under
---smoke).
+Bars: the fused head cuts the 4096-token update's peak resident set (the whole
+process) by at least half; SP=2 updates at least 1.8x the response length of
+SP=1 under the same per-rank cap. Exit status 1 when one measured is missed
+(not checked under --smoke).
 """
 
 from __future__ import annotations
@@ -49,6 +66,8 @@ from pathlib import Path
 
 GB = 1e9
 BAR = 2.0
+SP_BAR = 1.8
+RANKS = 2  # the sequence-parallel tables' gloo ranks
 PROMPT = 64
 OVER_CAP = 3  # a child's exit status when its resident set went over the cap
 
@@ -151,6 +170,132 @@ def child_update(model_path: str, tokens: int, fused: bool, updates: int, cap_gb
     }
 
 
+def _sp_overrides(fused: bool, tokens: int, sp: int) -> list[str]:
+    """A run of RANKS fsdp2 ranks with `sp`-way sequence parallelism (a mini-batch of RANKS sequences)."""
+    base = [o for o in _overrides(fused, tokens) if "mini_batch_size=" not in o and "train_batch_size=" not in o]
+    return base + [
+        f"trainer.num_cpu_workers={RANKS}",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={RANKS}",
+        f"data.train_batch_size={RANKS}",
+        f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}",
+    ]
+
+
+def child_rank(model_path: str, tokens: int, fused: bool, sp: int, cap_gb: float | None, rank: int, port: int) -> dict:
+    """One gloo rank of an fsdp2 pair: one update; SP=1 updates this rank's own sequence, SP=2 half of one."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as tdist
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    from conveyor.config import load_config
+    from conveyor.data_plane import make_data_plane
+    from conveyor.protocol import KVBatchMeta
+    from conveyor.trainer.plan import build_run_plan
+    from conveyor.workers.ranks.actor import PolicyWorker
+    from conveyor.workers.ranks.calls import UpdateCall
+    from conveyor.workers.ranks.settings import actor_settings
+
+    if cap_gb is not None:
+        _watch(cap_gb * GB)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    tdist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(hours=2))
+    cfg = load_config(None, _sp_overrides(fused, tokens, sp))
+    plane = make_data_plane("memory")
+    worker = PolicyWorker(
+        actor_settings(cfg, build_run_plan(cfg, "cpu")),
+        model_path=model_path,
+        data_plane=plane,
+        rank=rank,
+        world_size=RANKS,
+    )
+    assert worker.forward.fused is fused and worker.forward.packed
+    assert (worker.forward.sp.size if worker.forward.sp is not None else 1) == sp
+    fields = _batch(tokens, worker.model.config.vocab_size)
+    # SP=1: a sequence per rank (dp=2). SP=2: the group's one sequence, handed to rank 0; rank 1 reads it through
+    # the group's exchange of handles, as a rank of a group with fewer sequences than ranks does.
+    key = f"s{rank}" if sp == 1 else "s0"
+    plane.kv_batch_put([key], "p", fields)
+    mine = [key] if sp == 1 or rank == 0 else []
+    call = UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info()
+    meta = KVBatchMeta(mine, "p", list(fields), [{} for _ in mine], call)
+    before = _status_kb("VmRSS") * 1024
+    tdist.barrier()
+    start = time.perf_counter()
+    worker.update_actor(meta)
+    seconds = time.perf_counter() - start
+    peak = _status_kb("VmHWM") * 1024
+    tdist.barrier()
+    tdist.destroy_process_group()
+    return {
+        "tokens": tokens,
+        "fused": fused,
+        "sp": sp,
+        "rank": rank,
+        "peak": peak,
+        "added": peak - before,
+        "seconds": seconds,
+        "fits": cap_gb is None or peak <= cap_gb * GB,
+    }
+
+
+def ranks_update(model: str, tokens: int, fused: bool, sp: int, cap_gb: float | None) -> dict | None:
+    """One update on RANKS rank processes; the per-rank peak (max) and the update's time, or None over the cap."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cap = "none" if cap_gb is None else str(cap_gb)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, outs = [], []
+        for rank in range(RANKS):
+            out = Path(tmp) / f"rank{rank}"
+            outs.append(out)
+            args = [model, str(tokens), str(int(fused)), str(sp), cap, str(rank), str(port)]
+            with open(f"{out}.out", "w") as so, open(f"{out}.err", "w") as se:
+                procs.append(
+                    subprocess.Popen([sys.executable, __file__, "--child-rank", *args], stdout=so, stderr=se, env=env)
+                )
+        over = False
+        while True:
+            codes = [p.poll() for p in procs]
+            if OVER_CAP in codes or any(c not in (None, 0) for c in codes):
+                over = OVER_CAP in codes
+                for p in procs:  # the other rank would wait for its partner's collectives forever
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+                if not over:
+                    bad = next(i for i, c in enumerate(codes) if c not in (None, 0))
+                    raise RuntimeError(
+                        f"rank {bad} failed ({codes[bad]}):\n{Path(f'{outs[bad]}.err').read_text()[-3000:]}"
+                    )
+                return None
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        res = []
+        for out in outs:
+            lines = [line for line in Path(f"{out}.out").read_text().splitlines() if line.startswith("{")]
+            res.append(json.loads(lines[-1]))
+    peak = max(r["peak"] for r in res)
+    return {
+        "tokens": tokens,
+        "peak": peak,
+        "added": max(r["added"] for r in res),
+        "seconds": max(r["seconds"] for r in res),
+        # Tokens the pair updated: two sequences under dp=2, one split under SP=2.
+        "update_tokens": (tokens + PROMPT) * (RANKS // sp),
+        "fits": all(r["fits"] for r in res),
+    }
+
+
 def child_head(tokens: int, vocab: int, hidden: int, reps: int) -> dict:
     """The LM head alone, fused and from the logits, alternating: each one's median seconds per forward+backward."""
     import torch
@@ -197,8 +342,11 @@ def _child(args: list[str], timeout: float = 3600) -> tuple[int, dict | None]:
     return done.returncode, (json.loads(lines[-1]) if lines and done.returncode == 0 else None)
 
 
-def build_model(path: Path, vocab: int, hidden: int, layers: int, intermediate: int) -> int:
-    """Save the dense model and the char tokenizer at `path`; its parameter count."""
+def build_model(
+    path: Path, vocab: int, hidden: int, layers: int, intermediate: int, arch: str = "qwen3", experts: int = 8
+) -> int:
+    """Save the dense model (or, with `arch="qwen3_moe"`, `experts` of width `intermediate`, top-2) and the char
+    tokenizer at `path`; its parameter count."""
     import transformers
 
     from conveyor.models.loading import save_pretrained_checkpoint
@@ -208,8 +356,9 @@ def build_model(path: Path, vocab: int, hidden: int, layers: int, intermediate: 
     transformers.utils.logging.disable_progress_bar()
     tok = build_char_tokenizer()
     heads = max(4, hidden // 64)
+    moe = {"num_experts": experts, "top_k": 2} if arch == "qwen3_moe" else {}
     model = build_tiny_model(
-        "qwen3",
+        arch,
         tok,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -219,19 +368,29 @@ def build_model(path: Path, vocab: int, hidden: int, layers: int, intermediate: 
         intermediate_size=intermediate,
         max_position_embeddings=65536,
         tie_word_embeddings=True,
+        **moe,
     )
     params = sum(p.numel() for p in model.parameters())
     save_pretrained_checkpoint(model, tok, path)
     return params
 
 
-def longest(model: str, fused: bool, cap_gb: float, start: int, resolution: int, limit: int) -> tuple[int, list]:
-    """The longest response (tokens) whose update stays under the cap: doubling, then bisection; and every try."""
+def longest(
+    model: str, fused: bool, cap_gb: float, start: int, resolution: int, limit: int, sp: int | None = None
+) -> tuple[int, list]:
+    """The longest response (tokens) whose update stays under the cap: doubling, then bisection; and every try.
+
+    `sp` None: one rank (table 3); 1 or 2: the rank pair of tables 4 and 5, the cap per rank.
+    """
     tries = []
 
     def fits(tokens: int) -> bool:
-        status, res = _child(["--child-update", model, str(tokens), str(int(fused)), "1", str(cap_gb)])
-        ok = status == 0 and res is not None and res["fits"]
+        if sp is not None:
+            res = ranks_update(model, tokens, fused, sp, cap_gb)
+            ok = res is not None and res["fits"]
+        else:
+            status, res = _child(["--child-update", model, str(tokens), str(int(fused)), "1", str(cap_gb)])
+            ok = status == 0 and res is not None and res["fits"]
         tries.append((tokens, ok))
         return ok
 
@@ -253,14 +412,84 @@ def longest(model: str, fused: bool, cap_gb: float, start: int, resolution: int,
     return good, tries
 
 
+def fused_tables(ns: argparse.Namespace, model: str) -> float:
+    """Tables 1-3 (one rank: the fused head against the logits); the 4096-token update's peak cut."""
+    _, head = _child(["--child-head", str(ns.head_tokens), str(ns.vocab), str(ns.hidden), str(ns.reps)])
+    assert head is not None
+    print(f"\nLM head + log-prob + entropy, forward and backward, {ns.head_tokens} tokens (median of {ns.reps})")
+    print(f"{'logits s':>10}{'fused s':>10}{'fused speed':>13}")
+    print(f"{head['logits']:>10.3f}{head['fused']:>10.3f}{head['logits'] / head['fused']:>12.2f}x")
+
+    runs = {}
+    for fused in (False, True):
+        _, res = _child(["--child-update", model, str(ns.update_tokens), str(int(fused)), "1", "none"])
+        assert res is not None
+        runs[fused] = res
+    total = ns.update_tokens + PROMPT
+    print(f"\none update of a {ns.update_tokens}-token response")
+    print(f"{'log-prob':<10}{'peak GB':>9}{'added GB':>10}{'tokens/s':>10}")
+    for fused, res in runs.items():
+        name = "fused" if fused else "logits"
+        print(f"{name:<10}{res['peak'] / GB:>9.2f}{res['added'] / GB:>10.2f}{total / res['seconds']:>10.1f}")
+    cut = runs[False]["peak"] / runs[True]["peak"]
+    print(
+        f"peak cut {cut:.2f}x (added: {runs[False]['added'] / runs[True]['added']:.2f}x); "
+        f"tokens/s fused / logits {runs[False]['seconds'] / runs[True]['seconds']:.2f}x"
+    )
+
+    print(f"\nlongest response one rank updates under {ns.cap_gb} GB resident (to {ns.resolution} tokens)")
+    print(f"{'log-prob':<10}{'tokens':>8}  tries (tokens: fits)")
+    best = {}
+    for fused in (False, True):
+        best[fused], tries = longest(model, fused, ns.cap_gb, ns.start, ns.resolution, ns.limit)
+        name = "fused" if fused else "logits"
+        print(f"{name:<10}{best[fused]:>8}  " + ", ".join(f"{t}: {'y' if ok else 'n'}" for t, ok in tries))
+    if best[False]:
+        print(f"longest fused / logits: {best[True] / best[False]:.2f}x")
+    return cut
+
+
+def sp_tables(ns: argparse.Namespace, models: dict[str, str]) -> list[float]:
+    """Tables 4 and 5 (two gloo ranks: SP=1 against SP=2) per model and log-prob; each longest SP=2 / SP=1."""
+    ratios = []
+    for name, model in models.items():
+        for fused in ns.fused_modes:
+            mode = "fused" if fused else "logits"
+            print(f"\n{name}, {mode} log-prob, {RANKS} gloo ranks under fsdp2")
+            if ns.sp_tokens:
+                print(f"one update of a {ns.sp_tokens}-token response")
+                print(f"{'SP':<4}{'peak GB/rank':>13}{'added GB':>10}{'update s':>10}{'tokens/s':>10}")
+                for sp in (1, RANKS):
+                    res = ranks_update(model, ns.sp_tokens, fused, sp, None)
+                    assert res is not None
+                    print(
+                        f"{sp:<4}{res['peak'] / GB:>13.2f}{res['added'] / GB:>10.2f}{res['seconds']:>10.1f}"
+                        f"{res['update_tokens'] / res['seconds']:>10.1f}"
+                    )
+            if ns.sp_cap_gb is None:
+                continue
+            print(f"longest response under {ns.sp_cap_gb} GB resident per rank (to {ns.sp_resolution} tokens)")
+            print(f"{'SP':<4}{'tokens':>8}  tries (tokens: fits)")
+            best = {}
+            for sp in (1, RANKS):
+                best[sp], tries = longest(model, fused, ns.sp_cap_gb, ns.sp_start, ns.sp_resolution, ns.sp_limit, sp=sp)
+                print(f"{sp:<4}{best[sp]:>8}  " + ", ".join(f"{t}: {'y' if ok else 'n'}" for t, ok in tries))
+            if best[1]:
+                ratios.append(best[RANKS] / best[1])
+                print(f"longest SP={RANKS} / SP=1: {ratios[-1]:.2f}x")
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the three measurements and print their tables; 1 when the bar is missed (not under --smoke)."""
+    """Run the measurements and print their tables; 1 when a bar is missed (not under --smoke)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a small vocabulary and short responses: seconds")
+    ap.add_argument("--part", choices=("all", "fused", "sp"), default="all", help="tables 1-3, 4-5, or all")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--moe-intermediate", type=int, default=256, help="each expert's width (8 experts, top-2)")
     ap.add_argument("--head-tokens", type=int, default=512)
     ap.add_argument("--update-tokens", type=int, default=4096)
     ap.add_argument("--cap-gb", type=float, default=6.0)
@@ -268,9 +497,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolution", type=int, default=2048)
     ap.add_argument("--limit", type=int, default=65536)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--models", default="dense,moe", help="the SP tables' models: dense, moe or both")
+    ap.add_argument("--fused", default="on,off", help="the SP tables' log-prob: on (fused), off (logits) or both")
+    ap.add_argument("--sp-tokens", type=int, default=8192, help="table 4's response length (0: skip it)")
+    ap.add_argument("--sp-cap-gb", type=float, default=3.5, help="table 5's cap per rank (0: skip the table)")
+    ap.add_argument("--sp-start", type=int, default=2048)
+    ap.add_argument("--sp-resolution", type=int, default=512)
+    ap.add_argument("--sp-limit", type=int, default=65536)
     ns = ap.parse_args(argv)
+    ns.fused_modes = [{"on": True, "off": False}[m] for m in ns.fused.split(",")]
     if ns.smoke:
-        ns.vocab, ns.hidden, ns.layers, ns.intermediate = 4096, 64, 2, 128
+        ns.vocab, ns.hidden, ns.layers, ns.intermediate, ns.moe_intermediate = 4096, 64, 2, 128, 64
         ns.head_tokens, ns.update_tokens, ns.cap_gb, ns.start, ns.resolution, ns.limit, ns.reps = (
             256,
             256,
@@ -280,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
             256,
             1,
         )
+        ns.sp_tokens, ns.sp_cap_gb, ns.sp_start, ns.sp_resolution, ns.sp_limit = 128, float("inf"), 128, 128, 128
+        ns.models, ns.fused_modes = "dense,moe", [True]
+    ns.sp_cap_gb = ns.sp_cap_gb or None
+    cut, ratios = None, []
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
         params = build_model(Path(model), ns.vocab, ns.hidden, ns.layers, ns.intermediate)
@@ -288,47 +529,39 @@ def main(argv: list[str] | None = None) -> int:
             f"hidden {ns.hidden}, {ns.layers} layers; one rank, 1 thread, packed Hugging Face forward, "
             f"no activation checkpointing; prompt {PROMPT} tokens"
         )
-        _, head = _child(["--child-head", str(ns.head_tokens), str(ns.vocab), str(ns.hidden), str(ns.reps)])
-        assert head is not None
-        print(f"\nLM head + log-prob + entropy, forward and backward, {ns.head_tokens} tokens (median of {ns.reps})")
-        print(f"{'logits s':>10}{'fused s':>10}{'fused speed':>13}")
-        print(f"{head['logits']:>10.3f}{head['fused']:>10.3f}{head['logits'] / head['fused']:>12.2f}x")
-
-        runs = {}
-        for fused in (False, True):
-            _, res = _child(["--child-update", model, str(ns.update_tokens), str(int(fused)), "1", "none"])
-            assert res is not None
-            runs[fused] = res
-        total = ns.update_tokens + PROMPT
-        print(f"\none update of a {ns.update_tokens}-token response")
-        print(f"{'log-prob':<10}{'peak GB':>9}{'added GB':>10}{'tokens/s':>10}")
-        for fused, res in runs.items():
-            name = "fused" if fused else "logits"
-            print(f"{name:<10}{res['peak'] / GB:>9.2f}{res['added'] / GB:>10.2f}{total / res['seconds']:>10.1f}")
-        cut = runs[False]["peak"] / runs[True]["peak"]
-        print(
-            f"peak cut {cut:.2f}x (added: {runs[False]['added'] / runs[True]['added']:.2f}x); "
-            f"tokens/s fused / logits {runs[False]['seconds'] / runs[True]['seconds']:.2f}x"
-        )
-
-        print(f"\nlongest response one rank updates under {ns.cap_gb} GB resident (to {ns.resolution} tokens)")
-        print(f"{'log-prob':<10}{'tokens':>8}  tries (tokens: fits)")
-        best = {}
-        for fused in (False, True):
-            best[fused], tries = longest(model, fused, ns.cap_gb, ns.start, ns.resolution, ns.limit)
-            name = "fused" if fused else "logits"
-            print(f"{name:<10}{best[fused]:>8}  " + ", ".join(f"{t}: {'y' if ok else 'n'}" for t, ok in tries))
-        if best[False]:
-            print(f"longest fused / logits: {best[True] / best[False]:.2f}x")
+        if ns.part in ("all", "fused"):
+            cut = fused_tables(ns, model)
+        if ns.part in ("all", "sp"):
+            models = {}
+            for name in ns.models.split(","):
+                if name == "dense":
+                    models["dense"] = model
+                    continue
+                path = str(Path(tmp) / "moe")
+                n = build_model(Path(path), ns.vocab, ns.hidden, ns.layers, ns.moe_intermediate, "qwen3_moe")
+                print(f"moe: qwen3_moe {n / 1e6:.1f}M float32 parameters, 8 experts of width {ns.moe_intermediate}")
+                models[f"moe ({n / 1e6:.0f}M)"] = path
+            ratios = sp_tables(ns, models)
     if ns.smoke:
         return 0
-    print(f"bar: peak cut >= {BAR}x -> {'met' if cut >= BAR else 'MISSED'}")
-    return 0 if cut >= BAR else 1
+    ok = True
+    if cut is not None:
+        print(f"bar: peak cut >= {BAR}x -> {'met' if cut >= BAR else 'MISSED'}")
+        ok = cut >= BAR
+    if ratios:
+        met = min(ratios) >= SP_BAR
+        print(f"bar: longest SP={RANKS} / SP=1 >= {SP_BAR}x in every pair -> {'met' if met else 'MISSED'}")
+        ok = ok and met
+    return 0 if ok else 1
 
 
 def _child_main(argv: list[str]) -> int:
     """The entry of a child process: one measurement, printed as a JSON line."""
-    if argv[0] == "--child-update":
+    if argv[0] == "--child-rank":
+        model, tokens, fused, sp, cap, rank, port = argv[1:8]
+        cap_gb = None if cap == "none" else float(cap)
+        res = child_rank(model, int(tokens), bool(int(fused)), int(sp), cap_gb, int(rank), int(port))
+    elif argv[0] == "--child-update":
         model, tokens, fused, updates, cap = argv[1:6]
         res = child_update(model, int(tokens), bool(int(fused)), int(updates), None if cap == "none" else float(cap))
     else:

@@ -478,6 +478,10 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
             ("+ micro-batches of 1", lean),
             ("+ optimizer_offload", dataclasses.replace(lean, optimizer_offload=True)),
             ("+ fused log-prob", dataclasses.replace(lean, optimizer_offload=True, fused_logprob=True)),
+            (
+                f"+ sequence parallel, sp={sp_size(lay, gpus)}",
+                dataclasses.replace(lean, optimizer_offload=True, fused_logprob=True, sp=sp_size(lay, gpus)),
+            ),
         )
         for label, s in rows:
             acc = account(lay, s)
@@ -492,7 +496,7 @@ def gpu_table(gpus: int, gpu_gb: float, response_len: int, ep: int = 1) -> None:
             vllm_rows(name, lay, gpus, gpu_gb, response_len)
 
 
-def longest_response(lay: Layout, s: Setup, gpu_gb: float, step: int = 256, limit: int = 1 << 20) -> int:
+def longest_response(lay: Layout, s: Setup, gpu_gb: float, step: int = 256, limit: int = 1 << 23) -> int:
     """The longest response (a multiple of `step` tokens, prompt of 512 aside) whose trainer phases fit `gpu_gb`.
 
     The trainer's phases only (old log-probs, reference, update): the rollout is the vLLM engine's, which sleeps
@@ -522,15 +526,21 @@ def longest_response(lay: Layout, s: Setup, gpu_gb: float, step: int = 256, limi
     return good
 
 
+def sp_size(lay: Layout, gpus: int, most: int = 8) -> int:
+    """The largest sequence-parallel size up to `most` that divides the GPUs, the attention and the key/value heads."""
+    return max(n for n in range(1, most + 1) if gpus % n == 0 and lay.heads % n == 0 and lay.kv_heads % n == 0)
+
+
 def longest_table(gpus: int, gpu_gb: float) -> dict[str, dict[str, int]]:
     """Per model, the longest response one micro-batch of one sequence can train with, per step, with and without
-    the fused log-prob (bf16 compute over fp32 masters, AdamW's state offloaded, checkpointing, reference offloaded).
+    the fused log-prob and sequence parallelism (bf16 compute over fp32 masters, AdamW's state offloaded,
+    checkpointing, reference offloaded). SP is the largest size up to 8 the model's heads allow.
     """
     print(
         f"\nlongest response per micro-batch of one sequence, {gpus} x {gpu_gb:g} GB (trainer phases; bf16 compute, "
         "fp32 masters, optimizer_offload, gradient checkpointing, reference offloaded)"
     )
-    print(f"  {'model':<16}{'logits path':>13}{'fused log-prob':>16}{'ratio':>8}")
+    print(f"  {'model':<16}{'logits path':>13}{'fused log-prob':>16}{'SP':>4}{'SP, logits':>12}{'SP, fused':>11}")
     out = {}
     for name, make in REAL_MODELS.items():
         lay = layout_of(make())
@@ -547,10 +557,16 @@ def longest_table(gpus: int, gpu_gb: float) -> dict[str, dict[str, int]]:
             checkpointing=True,
             optimizer_offload=True,
         )
-        plain = longest_response(lay, base, gpu_gb)
-        fused = longest_response(lay, dataclasses.replace(base, fused_logprob=True), gpu_gb)
-        out[name] = {"logits": plain, "fused": fused}
-        print(f"  {name:<16}{plain:>13}{fused:>16}{fused / max(plain, 1):>7.2f}x")
+        sp = sp_size(lay, gpus)
+        row = {
+            "logits": longest_response(lay, base, gpu_gb),
+            "fused": longest_response(lay, dataclasses.replace(base, fused_logprob=True), gpu_gb),
+            "sp": sp,
+            "sp_logits": longest_response(lay, dataclasses.replace(base, sp=sp), gpu_gb),
+            "sp_fused": longest_response(lay, dataclasses.replace(base, sp=sp, fused_logprob=True), gpu_gb),
+        }
+        out[name] = row
+        print(f"  {name:<16}{row['logits']:>13}{row['fused']:>16}{sp:>4}{row['sp_logits']:>12}{row['sp_fused']:>11}")
     return out
 
 

@@ -789,6 +789,11 @@ def test_resume_neutral_keys_are_the_old_list() -> None:
             f"{role}.fsdp_config.defer_grad_sync"
             for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
         }
+        # Sequence parallelism takes the step it would take without (tests/workers/test_sequence_parallel.py).
+        | {
+            f"{role}.ulysses_sequence_parallel_size"
+            for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+        }
     )
     assert set(NEUTRAL_KEYS) == set(OLD_NEUTRAL_KEYS) | later
     assert len(NEUTRAL_KEYS) == len(set(NEUTRAL_KEYS))

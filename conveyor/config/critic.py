@@ -57,3 +57,12 @@ class CriticConfig:
         resume_neutral=True,
     )
     fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
+    ulysses_sequence_parallel_size: int = F(
+        1,
+        "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the "
+        "same rows, attention swaps the token split for a head split by all-to-all, so activations per rank are "
+        "1/size; must divide the role's ranks and the model's attention and key/value heads, and needs packed "
+        "forwards (actor_rollout_ref.model.use_remove_padding); 1 = off",
+        ge=1,
+        resume_neutral=True,
+    )

@@ -25,6 +25,7 @@ from conveyor.config.data_plane import TransferQueueConfig
 from conveyor.config.distillation import DistillationConfig
 from conveyor.config.fields import S, check, check_tree
 from conveyor.config.model import ModelConfig
+from conveyor.config.parallel import check_sequence_parallel_sizes
 from conveyor.config.ray import RayConfig
 from conveyor.config.reward import RewardConfig, RewardModelConfig
 from conveyor.config.rollout import RolloutConfig
@@ -83,6 +84,7 @@ class Config:
         world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
         n = self.actor_rollout_ref.rollout.n
         self._check_expert_parallel(world)
+        check_sequence_parallel_sizes(self, world)
         # Every rank needs at least one sequence of each mini-batch: a sharded update is a collective.
         check(
             mb * n >= world,

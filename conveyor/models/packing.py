@@ -61,6 +61,7 @@ __all__ = [
     "setup_packing",
     "sdpa_compatible",
     "REMOVE_PADDING_KEY",
+    "SEQUENCE_EXCHANGE",
     "VarlenCall",
     "varlen_call",
 ]
@@ -76,6 +77,11 @@ PACKED_ATTENTION = "conveyor_packed"
 # The per-call plan of a packed forward, kept on its `cu_seq_lens_q` tensor so that each layer reuses it
 # (one host read of the boundaries per forward, not per layer).
 _PLAN_ATTR = "_conveyor_packed_groups"
+
+#: The attribute of a packed forward's `cu_seq_lens_q` that holds a sequence-parallel head exchange (an object
+#: with `to_heads(x)` and `to_tokens(out)`): the attention then runs between the two. It rides on the bounds,
+#: not on a context, so that activation checkpointing's recomputation in the backward exchanges too.
+SEQUENCE_EXCHANGE = "_conveyor_sequence_exchange"
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,27 @@ def packed_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"a packed forward takes one row of packed tokens, got a batch of {query.shape[0]} rows")
+    exchange = getattr(cu, SEQUENCE_EXCHANGE, None)
+    if exchange is None:
+        return _packed_attention(module, query, key, value, cu, dropout, scaling, kwargs), None
+    # Sequence parallel: this rank's tokens with every head in, the whole row with this rank's heads attended.
+    query, key, value = exchange.to_heads(query), exchange.to_heads(key), exchange.to_heads(value)
+    return exchange.to_tokens(_packed_attention(module, query, key, value, cu, dropout, scaling, kwargs)), None
+
+
+def _packed_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu: Tensor,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict,
+) -> Tensor:
+    """Causal attention within each sequence of `cu` over (1, H, T, D) query/key/value; (1, T, H, D) out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     varlen = varlen_call()
     if (
         varlen is not None
@@ -197,7 +224,7 @@ def packed_attention_forward(
         and query.dtype in (torch.float16, torch.bfloat16)
         and not (module.training and dropout)
     ):
-        return varlen(query, key, value, cu, scaling), None
+        return varlen(query, key, value, cu, scaling)
     # (1, H, T, D) -> per length l: (n, H, l, D) for the n sequences of that length, one causal SDPA call each.
     total = query.shape[2]
     out = query.new_empty(1, total, query.shape[1], value.shape[-1])
@@ -222,7 +249,7 @@ def packed_attention_forward(
             **kwargs,
         )  # (n, l, H, D)
         out[0, flat] = part.reshape(-1, *part.shape[2:])
-    return out, None
+    return out
 
 
 def packed_attention_mask(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:

@@ -25,7 +25,7 @@ def _steps(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("check", ["varlen", "fsdp-step", "packspeed", "fused-logprob"])
+@pytest.mark.parametrize("check", ["varlen", "fsdp-step", "packspeed", "fused-logprob", "sp-step"])
 def test_each_device_check_passes_on_the_cpu(check: str) -> None:
     done = _steps(check, "--device", "cpu", "--repeats", "1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

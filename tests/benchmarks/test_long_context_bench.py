@@ -35,3 +35,12 @@ def test_the_cap_ends_a_child_that_goes_over_it(bench, model: str) -> None:
     status, res = bench._child(["--child-update", model, "64", "1", "1", "0.05"], timeout=300)
     assert status == bench.OVER_CAP and res is None
     assert Path(bench.__file__).name == "long_context.py"
+
+
+def test_two_ranks_update_one_sequence_split_or_one_each(bench, model: str) -> None:
+    """Tables 4 and 5's measurement: a pair of gloo ranks under fsdp2, SP=2 splitting one sequence over both
+    (rank 1 handed no keys of its own), SP=1 a sequence each; a cap below what a rank holds ends both ranks."""
+    split = bench.ranks_update(model, 64, True, 2, None)
+    assert split is not None and split["fits"] and split["peak"] > 0 and split["seconds"] > 0
+    assert split["update_tokens"] == 64 + bench.PROMPT
+    assert bench.ranks_update(model, 64, True, 2, 0.05) is None

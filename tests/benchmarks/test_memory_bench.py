@@ -56,6 +56,8 @@ def test_real_model_accounting_prints_both_models(bench, capsys: pytest.CaptureF
     cells = r"rollout\s+{}\s+old_log_prob\s+{}\s+ref\s+{}\s+update_actor\s+{}\s+"
     assert re.search(r"recipe\s+" + cells.format(88.3, 51.7, 51.7, 75.1) + "does not", moe)
     assert re.search(r"\+ optimizer_offload\s+" + cells.format(23.9, 19.6, 19.6, 61.1) + "fits", moe)
+    # Sequence parallelism of the largest size Qwen3-30B-A3B's 4 key/value heads allow: the no-grad phases shrink.
+    assert re.search(r"\+ sequence parallel, sp=4\s+" + cells.format(23.9, 19.2, 19.2, 61.1) + "fits", moe)
     # The vllm rows: the defaults' weights outgrow the engine's share; the example fits.
     rows = moe[moe.index("vllm rollout") :].splitlines()
     assert re.search(r"rollout defaults.* weights\s+61.1 .*does not fit: the vLLM engine's weights", rows[1]), rows[1]

@@ -4,8 +4,8 @@
 
 SPEC holds `world`, `model_path` and `runs`, a list run one after another by
 the same ranks (starting ranks costs far more than any run here: every rank
-imports torch, transformers and conveyor). Each run holds: `role` (actor or
-critic), `overrides` (config overrides), `batch` (a torch file of the batch's
+imports torch, transformers and conveyor). Each run holds: `role` (actor,
+critic, or ref for the `stats` job), `overrides` (config overrides), `batch` (a torch file of the batch's
 fields, loaded with weights_only), `jobs` (what to run, in order) and `out` (a
 folder). For every run each rank builds its own memory data plane holding the
 same batch and a fresh worker, takes its share of the keys with the worker
@@ -16,6 +16,9 @@ groups' own `split_for_ranks`, and runs the jobs:
 - `log_prob`: compute_log_prob; each rank's `old_log_probs` go to `out/log_probs_<rank>.pt`.
 - `ref_log_prob` (LoRA with a KL term): compute_ref_log_prob; each rank's `ref_log_prob` go to
   `out/ref_log_probs_<rank>.pt`.
+- `stats`: compute_log_prob with entropy at temperature 0.7 (the actor; with the routing when the plan
+  records it), the reference's compute_log_prob, or compute_values (the critic); each rank writes its keys,
+  its sequence-parallel size and the outputs to `out/stats_<rank>.pt`.
 - `no_grad_both`: the no-grad forward of the role's endpoint (compute_log_prob with entropy, or
   compute_values), over the shards layer by layer, and the same forward on the whole model gathered
   (`full_params`); each rank writes both to `out/both_<rank>.pt`.
@@ -23,7 +26,8 @@ groups' own `split_for_ranks`, and runs the jobs:
   each rank writes the rollout's fields to `out/gen_<rank>.pt`.
 - `router`: compute_routing_agreement (router health included), then one update with `moe_metrics` on; each
   rank writes the two calls' extra_info to `out/router_<rank>.json` and `out/router_update_<rank>.json`.
-- `grads`: one update whose gradients (gathered, before the step) rank 0 writes to `out/grads.pt`.
+- `grads`: one update whose gradients (gathered, before the step) rank 0 writes to `out/grads.pt`;
+  `grads_update` also writes what `update` does (parameters, metrics).
 
 - `logits`: the training model's logits (no grad, over the shards) on the rank's rows of `batch`'s prompts;
   each rank writes them to `out/logits_<rank>.pt`.
@@ -132,7 +136,8 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     from conveyor.workers.ranks.actor import PolicyWorker
     from conveyor.workers.ranks.calls import GenerateCall, LogProbCall, UpdateCall
     from conveyor.workers.ranks.critic import CriticWorker
-    from conveyor.workers.ranks.settings import actor_settings, critic_settings
+    from conveyor.workers.ranks.reference import ReferenceWorker
+    from conveyor.workers.ranks.settings import actor_settings, critic_settings, reference_settings
 
     out = Path(run["out"])
     model_path = run.get("model_path", model_path)
@@ -151,6 +156,10 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
     if run["role"] == "critic":
         worker = CriticWorker(
             critic_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank, world_size=world
+        )
+    elif run["role"] == "ref":
+        worker = ReferenceWorker(
+            reference_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank, world_size=world
         )
     else:
         worker = PolicyWorker(
@@ -206,14 +215,36 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             update = UpdateCall(temperature=1.0, calculate_entropy=False, moe_metrics=True).to_extra_info()
             result = worker.update_actor(share.with_extra_info(**update))
             (out / f"router_update_{rank}.json").write_text(json.dumps(result.extra_info))
+        elif job == "stats":
+            if run["role"] == "critic":
+                worker.compute_values(lp_share)
+                names = ["values"]
+            elif run["role"] == "ref":
+                worker.compute_log_prob(
+                    lp_share.with_extra_info(**LogProbCall(temperature=0.7, calculate_entropy=False).to_extra_info())
+                )
+                names = ["ref_log_prob"]
+            else:
+                call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
+                result = worker.compute_log_prob(lp_share.with_extra_info(**call))
+                names = [n for n in ("old_log_probs", "entropy", "routed_experts") if n in result.fields]
+            got = plane.kv_batch_get(share.keys, "lp", names)
+            sp = getattr(worker, "sp", None) if run["role"] == "critic" else worker.forward.sp
+            saved = {"keys": list(share.keys), "sp_size": sp.size if sp is not None else 1}
+            torch.save({**saved, **{n: got[n] for n in names}}, out / f"stats_{rank}.pt")
         elif job == "no_grad_both":
             torch.save(_both_no_grad(worker, run["role"], plane, lp_share), out / f"both_{rank}.pt")
-        elif job == "grads":
+        elif job in ("grads", "grads_update"):
             grads = _capture_grads(worker)
             call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
-            worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
+            result = worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
             if rank == 0:
                 torch.save(grads, out / "grads.pt")
+            if job == "grads_update":  # the update's outcome too, as `update` writes it
+                (out / f"metrics_{rank}.json").write_text(json.dumps(result.extra_info))
+                params = worker.model_state_dict()
+                if rank == 0:
+                    torch.save(params, out / "params.pt")
         elif job == "logits":
             prompts = plane.kv_batch_get(share.keys, "p", ["prompts"])["prompts"]
             with torch.no_grad(), worker.trained.strategy.sharded_no_grad():

@@ -198,3 +198,29 @@ def test_the_fused_log_prob_replaces_the_logits_with_one_block(moe) -> None:
     assert longer["update_actor"]["log-prob blocks"] == fused["update_actor"]["log-prob blocks"]
     for phase in ("old_log_prob", "update_actor"):
         assert total(fused[phase]) < total(plain[phase])
+
+
+def test_sequence_parallelism_divides_the_per_token_terms_only(moe) -> None:
+    """ulysses_sequence_parallel_size reaches the setup; a rank's activations and logits are its 1/sp of the tokens,
+    plus one attention's all-to-all buffers, while the state and the gathered layers stay what they were."""
+    cfg, plan = _example(
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4",
+    )
+    assert setup_of(cfg, plan, H100).sp == 4
+    from conveyor.workers.training.memory_budget import Setup
+
+    base = Setup(world=8, rollout_seqs=1, seq_len=8192, micro_seqs=1, compute_bytes=2, checkpointing=True)
+    one, four = account(moe, base), account(moe, dataclasses.replace(base, sp=4))
+    for phase, term in (("update_actor", "activations kept"), ("update_actor", "logits and their gradient")):
+        assert four[phase][term] == one[phase][term] / 4
+    assert four["old_log_prob"]["activations"] == one["old_log_prob"]["activations"] / 4
+    for term in ("actor parameters", "gathered weights", "gradients", "optimizer state"):
+        assert four["update_actor"][term] == one["update_actor"][term]
+    assert "sequence all-to-all buffers" not in one["update_actor"]
+    q_dim = moe.q_dim
+    assert q_dim == 32 * 128 != moe.hidden  # Qwen3-30B-A3B's attention is wider than its hidden size
+    assert four["update_actor"]["sequence all-to-all buffers"] == 2 * 2048 * (2 * q_dim + 2 * moe.kv_dim) * 2
+    assert total(four["update_actor"]) < total(one["update_actor"])
+    # The rollout is not split: its KV cache is the same either way.
+    assert four["rollout"] == one["rollout"]

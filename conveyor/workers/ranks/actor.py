@@ -23,6 +23,10 @@ rollout (`TrainingStrategy.full_params`), which keeps the lean forward and
 spares a collective per layer and token. The multi-turn loop always gathers
 it (its ranks run different numbers of turns).
 Every endpoint measures its phase's peak memory (`perf/<phase>/max_memory_gb`).
+Under `ulysses_sequence_parallel_size` > 1 the ranks of a sequence-parallel group
+read the group's samples, compute them together (each on its slice of every packed
+row) and write their own shares; only the group's first rank reports summed metrics
+(`conveyor.workers.training.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ from conveyor.workers.ranks.router import RouterControls
 from conveyor.workers.ranks.settings import ActorSettings, role_strategy
 from conveyor.workers.training.batching import plan_micro_batches, take
 from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.training.sequence_parallel import (
+    check_sequence_parallel,
+    count_once,
+    group_budget,
+    group_share,
+)
 from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 
 logger = logging.getLogger(__name__)
@@ -97,7 +107,9 @@ class PolicyWorker(CheckpointEndpoints):
         self.data_plane = data_plane
         m, acfg = settings.model, settings.actor
         trust = m.trust_remote_code
-        strategy = role_strategy(acfg.strategy, acfg.fsdp_config, world_size, self.device)
+        strategy = role_strategy(
+            acfg.strategy, acfg.fsdp_config, world_size, self.device, sp=acfg.ulysses_sequence_parallel_size
+        )
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         self.model = load_role_model(
             model_path,
@@ -160,6 +172,16 @@ class PolicyWorker(CheckpointEndpoints):
             packed=setup_packing(self.model, m.use_remove_padding),
             fused=m.use_fused_kernels,
         )
+        sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+        check_sequence_parallel(self.model, acfg.ulysses_sequence_parallel_size, sp_key, packed=self.forward.packed)
+        # The group's ranks read each other's samples; results are written, and metrics counted, once.
+        self.sp = self.forward.sp
+        if self.sp is not None and (acfg.router.aux_loss_coef > 0 or acfg.router.bias_update_rate > 0):
+            raise ValueError(
+                f"{sp_key}={self.sp.size}: the router's load-balancing controls count each rank's own tokens "
+                "of the whole group's rows, which sequence parallelism does not support yet; set "
+                f"actor_rollout_ref.actor.router.aux_loss_coef=0 and bias_update_rate=0, or {sp_key}=1"
+            )
         # After wrapping (the bias is a plain buffer on the router's device) and before the engine is built over
         # the same modules: the rollout then chooses experts with the bias too.
         rc = acfg.router
@@ -386,7 +408,8 @@ class PolicyWorker(CheckpointEndpoints):
         fields = ["prompts", "prompt_mask", "responses", "response_mask"]
         if replay:
             fields.append("routed_experts")
-        td = self._get(meta, fields)
+        group, own = group_share(self.sp, meta)
+        td = self._get(group, fields)
         log_probs, entropy, sum_pi_squared, routing = self.forward.no_grad_token_stats(
             td,
             st.rollout.log_prob_micro_batch_size_per_gpu,
@@ -403,11 +426,11 @@ class PolicyWorker(CheckpointEndpoints):
             out["sum_pi_squared"] = sum_pi_squared
         if entropy is not None:
             out["entropy"] = entropy
-            mask = td["response_mask"].bool()
-            metrics.update(weighted("actor/entropy", float(entropy.sum()), float(mask.sum())))
+            mask = td["response_mask"][own].bool()
+            metrics.update(weighted("actor/entropy", float(entropy[own].sum()), float(mask.sum())))
         if routing is not None:
             out["routed_experts"] = routing
-        self._put(meta, out)
+        self._put(meta, {k: v[own] for k, v in out.items()})
         return self._result(meta, list(out), metrics, "old_log_prob")
 
     @torch.no_grad()
@@ -417,7 +440,8 @@ class PolicyWorker(CheckpointEndpoints):
         assert self.peft is not None and self.settings.ref is not None, "the actor serves the reference under LoRA only"
         begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
-        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
+        group, own = group_share(self.sp, meta)
+        td = self._get(group, ["prompts", "prompt_mask", "responses", "response_mask"])
         # No replay: the reference's routing is its own, as the separate reference worker's is.
         with self.peft.disable_adapter():
             log_probs, _, _ = self.forward.no_grad_log_probs(
@@ -426,7 +450,7 @@ class PolicyWorker(CheckpointEndpoints):
                 float(call.temperature),
                 budget=self.settings.ref_budget,
             )
-        out = {"ref_log_prob": log_probs}
+        out = {"ref_log_prob": log_probs[own]}
         self._put(meta, out)
         return self._result(meta, list(out), {}, "ref")
 
@@ -458,7 +482,9 @@ class PolicyWorker(CheckpointEndpoints):
         """
         assert self.moe is not None, "routing agreement needs an MoE model"
         begin_phase(self.device)
-        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
+        # Under SP the group's ranks each compute the whole group's rows (no split here): counted once below.
+        group, _ = group_share(self.sp, meta)
+        td = self._get(group, ["prompts", "prompt_mask", "responses", "response_mask", "routed_experts"])
         self.model.eval()
         st = self.settings
         eps = float(st.rollout.moe_near_tie_eps)
@@ -466,7 +492,7 @@ class PolicyWorker(CheckpointEndpoints):
             td["prompt_mask"],
             td["response_mask"],
             st.rollout.log_prob_micro_batch_size_per_gpu,
-            st.log_prob_budget,
+            group_budget(st.log_prob_budget, self.sp),
             agree=self.trained.strategy.agree_count,
             packed=self.forward.packed,
         )
@@ -498,7 +524,10 @@ class PolicyWorker(CheckpointEndpoints):
             known += has.sum(dim=(0, 1)).double().cpu()
             mass_load[0] += stats.gate_mass.to(mass_load.device)
             mass_load[1] += expert_load(stats.ids.flatten(0, 1), valid.flatten(), experts).to(mass_load.device)
-        # The distance of two distributions is not a mean of per-rank distances: sum the mass and load first.
+        # The distance of two distributions is not a mean of per-rank distances: sum the mass and load first
+        # (an SP group's rows once: only its first rank's count).
+        if self.sp is not None and self.sp.rank != 0:
+            mass_load.zero_()
         self.trained.strategy.all_reduce_sum(mass_load)
         metrics = weighted("actor/moe/routing_agreement", total, count) if count else {}
         for i in range(layers):
@@ -511,7 +540,7 @@ class PolicyWorker(CheckpointEndpoints):
         for i, value in enumerate(tv.tolist()):
             if not math.isnan(value):
                 metrics[f"actor/moe/gate_load_tv/layer_{i}"] = value
-        return self._result(meta, [], metrics, "routing_agreement")
+        return self._result(meta, [], count_once(metrics, self.sp), "routing_agreement")
 
     def update_actor(self, meta: KVBatchMeta) -> KVBatchMeta:
         """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""
@@ -539,7 +568,8 @@ class PolicyWorker(CheckpointEndpoints):
         distill = st.distill
         if distill is not None:
             fields += distill.fields
-        td = self._get(meta, fields)
+        group, own = group_share(self.sp, meta)
+        td = self._get(group, fields)
 
         if rejection:
             # verl's rollout_rs: rejected tokens leave the loss (and its token count) altogether.
@@ -549,7 +579,8 @@ class PolicyWorker(CheckpointEndpoints):
             td.set("loss_mask", keep)
         loss_mask = "loss_mask" if rejection else "response_mask"
         # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
-        counts = torch.tensor([float(td[loss_mask].sum()), float(len(td))], dtype=torch.float64)
+        # This rank's own share only: an SP group's ranks all hold the group's rows.
+        counts = torch.tensor([float(td[loss_mask][own].sum()), float(len(td[loss_mask][own]))], dtype=torch.float64)
         self.trained.strategy.all_reduce_sum(counts)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
         scale = st.loss_scale_factor
@@ -565,7 +596,7 @@ class PolicyWorker(CheckpointEndpoints):
                 td["prompt_mask"],
                 td["response_mask"],
                 acfg.ppo_micro_batch_size_per_gpu,
-                st.update_budget,
+                group_budget(st.update_budget, self.sp),
                 agree=self.trained.strategy.agree_count,
                 packed=self.forward.packed,
             )
@@ -644,7 +675,7 @@ class PolicyWorker(CheckpointEndpoints):
             sums.pop("entropy@count", None)
         metrics = {(k if k.startswith("distill/") else f"actor/{k}"): v for k, v in sums.items()}
         if proximal:  # for the metrics stage, which compares them with the rollout's
-            self._put(meta, {"old_log_probs": proximal_lps})
+            self._put(meta, {"old_log_probs": proximal_lps[own]})
         if call.moe_metrics and self.moe is not None:
             # Before the step, which clips and then drops the gradients.
             metrics.update(expert_grad_norm_metrics(expert_grad_norms(self.model), "actor/moe"))
@@ -657,4 +688,4 @@ class PolicyWorker(CheckpointEndpoints):
         metrics["actor/lr"] = lr
         metrics["actor/grad_norm"] = grad_norm
         metrics.update(memory)
-        return self._result(meta, [], metrics, "update_actor")
+        return self._result(meta, [], count_once(metrics, self.sp), "update_actor")

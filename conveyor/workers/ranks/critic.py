@@ -3,7 +3,10 @@
 Under `fsdp2` the values' no-grad forward is the sharded module's own forward
 (one layer gathered at a time, every rank running as many micro-batches as the
 busiest); each endpoint reports its phase's peak memory
-(`perf/values/max_memory_gb`, `perf/update_critic/max_memory_gb`).
+(`perf/values/max_memory_gb`, `perf/update_critic/max_memory_gb`). Under
+`critic.ulysses_sequence_parallel_size` > 1 the ranks of a group compute the
+group's rows together, each on its slice of every packed row
+(`conveyor.workers.training.sequence_parallel`), and each writes its own share.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, resul
 from conveyor.workers.ranks.settings import CriticSettings, role_strategy
 from conveyor.workers.training.batching import in_row_order, plan_micro_batches, take
 from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.training.sequence_parallel import (
+    SequenceParallel,
+    check_sequence_parallel,
+    count_once,
+    group_budget,
+    group_share,
+)
 from conveyor.workers.training.trained_model import CheckpointEndpoints, TrainedModel
 
 logger = logging.getLogger(__name__)
@@ -53,7 +63,7 @@ class CriticWorker(CheckpointEndpoints):
         model_cfg = settings.model
         ccfg = settings.critic
         fsdp = ccfg.fsdp_config
-        strategy = role_strategy(ccfg.strategy, fsdp, world_size, self.device)
+        strategy = role_strategy(ccfg.strategy, fsdp, world_size, self.device, sp=ccfg.ulysses_sequence_parallel_size)
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         base = load_role_model(
             model_path,
@@ -67,6 +77,8 @@ class CriticWorker(CheckpointEndpoints):
         # The body is taken, not copied: the causal LM is dropped here (its LM head with it).
         # Packed forwards are set up on the causal LM, whose config the body shares.
         self.packed = setup_packing(base, model_cfg.use_remove_padding)
+        sp_key = "critic.ulysses_sequence_parallel_size"
+        check_sequence_parallel(base, ccfg.ulysses_sequence_parallel_size, sp_key, packed=self.packed)
         self.model = ValueModel.from_causal_lm(base, copy=False)
         del base
         # The critic's own step count (its settings'): its mini-batch size and epochs may differ from the actor's.
@@ -78,6 +90,8 @@ class CriticWorker(CheckpointEndpoints):
             total_steps=settings.total_optim_steps,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
         )
+        # The sequence-parallel group (None at size 1): packed rows are split by tokens over it.
+        self.sp = SequenceParallel.of(strategy)
 
     @property
     def optim_steps(self) -> int:
@@ -96,6 +110,14 @@ class CriticWorker(CheckpointEndpoints):
         module = self.trained.forward_module if train else self.model
         if self.packed:
             packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
+            if self.sp is not None:  # this rank's slice of the row; the values gathered into whole rows
+                shard = self.sp.shard(packed)
+                kwargs = shard.model_kwargs(input_ids, position_ids)
+                ids, positions = kwargs.pop("input_ids"), kwargs.pop("position_ids")
+                kwargs.pop("attention_mask")
+                local = module(ids, None, positions, **kwargs)[0, shard.keep]
+                values = packed.responses(shard.gather_predicted(local[:, None].float())[:, 0], resp_len)
+                return values * td["response_mask"]
             values = module(packed.pack(input_ids), None, packed.pack(position_ids), **packed.bounds())
             values = packed.responses(values[0, packed.predict], resp_len)
             return values.float() * td["response_mask"]
@@ -110,13 +132,14 @@ class CriticWorker(CheckpointEndpoints):
     def compute_values(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Writes `values` (B, R) for the handle's samples."""
         begin_phase(self.device)
-        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
+        group, own = group_share(self.sp, meta)
+        td = self._get(group, ["prompts", "prompt_mask", "responses", "response_mask"])
         self.model.eval()
         batches = plan_micro_batches(
             td["prompt_mask"],
             td["response_mask"],
             self.settings.critic.ppo_micro_batch_size_per_gpu,
-            self.settings.forward_budget,
+            group_budget(self.settings.forward_budget, self.sp),
             agree=self.trained.strategy.agree_count,
             packed=self.packed,
         )
@@ -126,7 +149,7 @@ class CriticWorker(CheckpointEndpoints):
             for sl, real in self.trained.passes(batches):
                 mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
                 outs.append((window.responses(self._values(mb)), real))
-        values = in_row_order([v for v, real in outs if real], batches)
+        values = in_row_order([v for v, real in outs if real], batches)[own]
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={"values": values.cpu()})
         return self._result(meta, ["values"], {}, "values")
 
@@ -134,9 +157,11 @@ class CriticWorker(CheckpointEndpoints):
         """One optimizer step of the clipped value loss over the handle's samples."""
         begin_phase(self.device)
         ccfg = self.settings.critic
-        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask", "values", "returns"])
+        group, own = group_share(self.sp, meta)
+        td = self._get(group, ["prompts", "prompt_mask", "responses", "response_mask", "values", "returns"])
         mask = td["response_mask"].bool()
-        counts = torch.tensor([float(mask.sum()), float(len(td))], dtype=torch.float64)
+        # This rank's own share only: an SP group's ranks all hold the group's rows.
+        counts = torch.tensor([float(mask[own].sum()), float(len(mask[own]))], dtype=torch.float64)
         self.trained.strategy.all_reduce_sum(counts)
         num_tokens, num_seqs = counts[0].item(), counts[1].item()
         self.model.train()
@@ -149,7 +174,7 @@ class CriticWorker(CheckpointEndpoints):
                 td["prompt_mask"],
                 td["response_mask"],
                 ccfg.ppo_micro_batch_size_per_gpu,
-                self.settings.update_budget,
+                group_budget(self.settings.update_budget, self.sp),
                 agree=self.trained.strategy.agree_count,
                 packed=self.packed,
             )
@@ -185,4 +210,4 @@ class CriticWorker(CheckpointEndpoints):
         metrics.update(weighted("critic/vf_clipfrac", clip_sum, local_tokens))
         metrics.update(weighted("critic/vpred_mean", vpred_sum, local_tokens))
         metrics["critic/grad_norm"] = grad_norm
-        return self._result(meta, [], metrics, "update_critic")
+        return self._result(meta, [], count_once(metrics, self.sp), "update_critic")

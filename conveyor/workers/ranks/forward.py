@@ -22,6 +22,12 @@ logits exist in the forward or the backward. Otherwise log-probs and entropy
 come from `logprobs_and_entropy` on the model's own logits, the temperature
 applied per block: no float32 copy of the full-vocabulary logits is made here.
 
+Under Ulysses sequence parallelism (the strategy's `sequence_parallel_size` > 1) each rank runs the
+packed forward on its slice of the row's tokens (`conveyor.workers.training.sequence_parallel`): the
+LM head (fused or not) sees only the slice's predicting positions, and the per-token log-probs,
+entropy, Σπ² and recorded routing are gathered over the group into whole rows. Replayed routing is
+cut the same way: each rank replays its own tokens' experts.
+
 What it deliberately does not do: read or write the data plane, or decide
 whether routing is recorded or replayed (the caller's settings say).
 """
@@ -48,6 +54,7 @@ from conveyor.models.moe_routing import (
 )
 from conveyor.models.packing import PackedRows
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
+from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard, group_budget
 from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["PolicyForward", "TokenStats", "sequence_inputs", "micro_batches"]
@@ -96,11 +103,13 @@ class PolicyForward:
         self.fused = fused and reason is None
         # True while `update_replay` holds the replay hooks open (through the backward's recomputation).
         self._held_replay = False
+        # The sequence-parallel group (None at size 1): packed rows are split by tokens over it.
+        self.sp = SequenceParallel.of(trained.strategy)
 
     def uses_lean(self, train: bool = False) -> bool:
         """Whether a forward runs the lean forward: not over FSDP2 shards, nor through training hooks or
         checkpointing."""
-        if self.lean is None or self.trained.strategy.sharded:
+        if self.lean is None or self.trained.strategy.sharded or self.sp is not None:
             return False
         return not (train and (self.trained.strategy.distributed or self.trained.checkpointing))
 
@@ -117,9 +126,10 @@ class PolicyForward:
             return
         if self.packed:  # each packed token replays the experts recorded for it
             _, attention_mask, _ = sequence_inputs(td)
-            routed_experts = PackedRows.from_masks(attention_mask, response_span(td["response_mask"])).pack(
-                routed_experts
-            )
+            packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
+            routed_experts = packed.pack(routed_experts)
+            if self.sp is not None:  # this rank's tokens only
+                routed_experts = self.sp.shard(packed).local(routed_experts)
         with replay_routing(self.model, routed_experts):
             self._held_replay = True
             try:
@@ -134,23 +144,30 @@ class PolicyForward:
         record_routing: bool,
         train: bool,
         fuse: tuple[bool, float] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedRows | None]:
-        """The Hugging Face forward: logits predicting the response tokens, its routing (B, P+R, L, K), the packing.
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedRows | None, SequenceShard | None]:
+        """The Hugging Face forward: logits predicting the response tokens, its routing (B, P+R, L, K), the packing
+        and, under sequence parallelism, this rank's slice of it.
 
         Padded: logits (B, R, V). Packed (`self.packed`): logits (1, N, V) of the N response-span tokens, which
-        `PackedRows.responses` places; replayed and recorded routing follow each packed token. `fuse`
-        (with_entropy, temperature): the LM head returns the response tokens' log-probs [and entropy] (.., 1|2)
-        in place of the logits.
+        `PackedRows.responses` places; replayed and recorded routing follow each packed token. Sequence parallel:
+        logits (1, n, V) of the n of them in this rank's slice (`SequenceShard.mine`); the routing is the whole
+        row's. `fuse` (with_entropy, temperature): the LM head returns the response tokens' log-probs [and
+        entropy] (.., 1|2) in place of the logits.
         """
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
         packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"])) if self.packed else None
+        shard = self.sp.shard(packed) if self.sp is not None and packed is not None else None
         held = routed_experts is None or self._held_replay  # `update_replay` installed the replay already
         if packed is not None:
             kwargs = packed.model_kwargs(input_ids, position_ids)
             keep: int | torch.Tensor = packed.predict  # the LM head runs on the predicting positions only
+            if shard is not None:  # ids and positions cut from the whole row, so positions stay the row's
+                kwargs, keep = shard.model_kwargs(input_ids, position_ids), shard.keep
             if not held:
                 routed_experts = packed.pack(routed_experts)
+                if shard is not None:
+                    routed_experts = shard.local(routed_experts)
         else:
             kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             keep = resp_len + 1  # only the positions that predict response tokens need the LM head
@@ -161,6 +178,8 @@ class PolicyForward:
             responses = td["responses"]
             if packed is not None:
                 labels = responses[packed.rows, packed.cols][None]
+                if shard is not None:
+                    labels = labels[:, shard.mine]
             else:  # the last kept position predicts nothing: any label, dropped below
                 labels = torch.cat([responses, responses.new_zeros(responses.shape[0], 1)], dim=1)
             head = fused_lm_head(self.model, labels, with_entropy=fuse[0], temperature=fuse[1])
@@ -169,10 +188,12 @@ class PolicyForward:
             out = module(**kwargs, use_cache=False, logits_to_keep=keep)
             own_routing = recorder.pop() if recorder is not None else None
         if packed is None:
-            return out.logits[:, :-1, :], own_routing, None
+            return out.logits[:, :-1, :], own_routing, None, None
         if own_routing is not None:
+            if shard is not None:
+                own_routing = shard.gather_row(own_routing)
             own_routing = packed.unpack(own_routing, -1)
-        return out.logits, own_routing, packed
+        return out.logits, own_routing, packed, shard
 
     def response_logits(
         self, td: TensorDict, routed_experts: torch.Tensor | None, record_routing: bool, train: bool = False
@@ -192,7 +213,13 @@ class PolicyForward:
                 routed_experts=routed_experts,
                 record_routing=record_routing,
             )
-        logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
+        if self.sp is not None:
+            raise ValueError(
+                "ulysses_sequence_parallel_size > 1 gathers per-token log-probs, never whole-vocabulary logits; "
+                "a forward that needs the logits (distillation over the vocabulary) runs with the role's "
+                "ulysses_sequence_parallel_size=1"
+            )
+        logits, own_routing, packed, _ = self._hf_forward(td, routed_experts, record_routing, train)
         if packed is not None:
             logits = packed.responses(logits[0], td["responses"].shape[1])
         return logits, own_routing
@@ -267,6 +294,10 @@ class PolicyForward:
         Σπ² needs every token's whole distribution, so a forward that asks for it takes the logits path even
         with the fused head on; the others never hold the logits.
         """
+        if self.sp is not None:
+            return self._sequence_parallel_stats(
+                td, temperature, with_entropy, with_sum_pi_squared, routed_experts, record_routing, train
+            )
         if self.fused and not with_sum_pi_squared:
             log_probs, entropy, own_routing = self._fused_log_probs(
                 td, temperature, with_entropy, routed_experts, record_routing, train
@@ -274,7 +305,7 @@ class PolicyForward:
             return TokenStats(log_probs, entropy, None, own_routing)
         spp = None
         if self.packed and not self.uses_lean(train):
-            logits, own_routing, packed = self._hf_forward(td, routed_experts, record_routing, train)
+            logits, own_routing, packed, _ = self._hf_forward(td, routed_experts, record_routing, train)
             targets = td["responses"][packed.rows, packed.cols][None]
             log_probs, entropy = logprobs_and_entropy(logits, targets, with_entropy, temperature=temperature)
             width = td["responses"].shape[1]
@@ -288,6 +319,38 @@ class PolicyForward:
         if with_sum_pi_squared:
             spp = sum_pi_squared_from_logits(logits, temperature=temperature)
         return TokenStats(log_probs, entropy, spp, own_routing)
+
+    def _sequence_parallel_stats(
+        self,
+        td: TensorDict,
+        temperature: float,
+        with_entropy: bool,
+        with_sum_pi_squared: bool,
+        routed_experts: torch.Tensor | None,
+        record_routing: bool,
+        train: bool,
+    ) -> TokenStats:
+        """`_token_stats` on this rank's slice of the packed row, each per-token result gathered into whole rows.
+
+        What crosses ranks is a few floats per response token (log-prob, entropy, Σπ²), never logits.
+        """
+        fuse = (with_entropy, temperature) if self.fused and not with_sum_pi_squared else None
+        out, own_routing, packed, shard = self._hf_forward(td, routed_experts, record_routing, train, fuse=fuse)
+        assert packed is not None and shard is not None, "sequence parallelism runs packed forwards only"
+        if fuse is not None:
+            columns = out[0]  # (n, 1|2): log-probs [, entropy] from the fused head
+        else:
+            targets = td["responses"][packed.rows, packed.cols][shard.mine][None]
+            log_probs, entropy = logprobs_and_entropy(out, targets, with_entropy, temperature=temperature)
+            parts = [log_probs[0]] + ([entropy[0]] if entropy is not None else [])
+            if with_sum_pi_squared:
+                parts.append(sum_pi_squared_from_logits(out, temperature=temperature)[0])
+            columns = torch.stack([p.float() for p in parts], -1)
+        whole = shard.gather_predicted(columns)  # (N, C) over the whole row
+        width = td["responses"].shape[1]
+        entropy = packed.responses(whole[:, 1], width) if with_entropy else None
+        spp = packed.responses(whole[:, -1], width) if with_sum_pi_squared else None
+        return TokenStats(packed.responses(whole[:, 0], width), entropy, spp, own_routing)
 
     def _fused_log_probs(
         self,
@@ -304,7 +367,7 @@ class PolicyForward:
                 stats, own_routing = self.response_logits(td, routed_experts, record_routing, train)
             log_probs, entropy = split_head_output(stats, with_entropy)
             return log_probs, entropy, own_routing
-        stats, own_routing, packed = self._hf_forward(
+        stats, own_routing, packed, _ = self._hf_forward(
             td, routed_experts, record_routing, train, fuse=(with_entropy, temperature)
         )
         log_probs, entropy = split_head_output(stats, with_entropy)
@@ -357,7 +420,7 @@ class PolicyForward:
             td["prompt_mask"],
             td["response_mask"],
             micro_batch_size,
-            budget,
+            group_budget(budget, self.sp),
             agree=self.trained.strategy.agree_count,
             packed=self.packed,
         )

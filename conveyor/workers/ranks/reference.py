@@ -28,6 +28,7 @@ from conveyor.workers.ranks.forward import PolicyForward
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.ranks.settings import ReferenceSettings, role_strategy
 from conveyor.workers.training.loading import load_role_model
+from conveyor.workers.training.sequence_parallel import check_sequence_parallel, group_share
 from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["ReferenceWorker"]
@@ -53,7 +54,7 @@ class ReferenceWorker:
         self.data_plane = data_plane
         m, ref = settings.model, settings.ref
         fsdp = ref.fsdp_config
-        strategy = role_strategy(ref.strategy, fsdp, world_size, self.device)
+        strategy = role_strategy(ref.strategy, fsdp, world_size, self.device, sp=ref.ulysses_sequence_parallel_size)
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         self.model = load_role_model(
             model_path,
@@ -75,6 +76,12 @@ class ReferenceWorker:
             packed=setup_packing(self.model, m.use_remove_padding),
             fused=m.use_fused_kernels,
         )
+        check_sequence_parallel(
+            self.model,
+            ref.ulysses_sequence_parallel_size,
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+            packed=self.forward.packed,
+        )
 
     @property
     def optim_steps(self) -> int:
@@ -91,13 +98,15 @@ class ReferenceWorker:
         """Forward without grad: writes ref_log_prob (B, R)."""
         begin_phase(self.device)
         call = LogProbCall.from_extra_info(meta.extra_info)
-        td = self._get(meta, ["prompts", "prompt_mask", "responses", "response_mask"])
+        # Under SP the group's ranks compute the group's rows together; each writes its own share.
+        group, own = group_share(self.forward.sp, meta)
+        td = self._get(group, ["prompts", "prompt_mask", "responses", "response_mask"])
         log_probs, _, _ = self.forward.no_grad_log_probs(
             td,
             self.settings.ref.log_prob_micro_batch_size_per_gpu,
             call.temperature,
             budget=self.settings.log_prob_budget,
         )
-        out: dict[str, Any] = {"ref_log_prob": log_probs.cpu()}
+        out: dict[str, Any] = {"ref_log_prob": log_probs[own].cpu()}
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=out)
         return result_handle(meta, list(out), phase_memory_metrics("ref", self.device), self.device)

@@ -231,8 +231,8 @@ def _actor_defaults(arr: Any) -> dict[str, Any]:
     }
 
 
-def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> TrainingStrategy:
-    """The `TrainingStrategy` of one role's rank from its `strategy` name and `fsdp_config` section."""
+def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any, sp: int = 1) -> TrainingStrategy:
+    """The `TrainingStrategy` of one role's rank from its `strategy` name, `fsdp_config` section and SP size."""
     from conveyor.workers.training.strategy import TrainingStrategy
 
     return TrainingStrategy(
@@ -246,4 +246,5 @@ def role_strategy(name: str | None, fsdp: Any, world_size: int, device: Any) -> 
         defer_grad_sync=fsdp.defer_grad_sync,
         expert_parallel_size=fsdp.expert_parallel_size,
         fsdp_size=fsdp.fsdp_size,
+        ulysses_sequence_parallel_size=sp,
     )

@@ -75,6 +75,8 @@ class Layout:
     layer_expert_params: int = 0  # the experts of the largest decoder layer (what expert parallelism splits)
     top_k: int = 1  # experts per token (rows each token sends through the all-to-all)
     kv_heads: int = 1  # key/value heads (what vLLM's tensor parallelism splits, down to one per rank)
+    q_dim: int = 0  # attention heads x head dim (0: the hidden size), what sequence parallelism's all-to-all moves
+    heads: int = 1  # attention heads (sequence parallelism's size must divide them and the key/value heads)
 
 
 def layout_of(config: Any, *, trust_remote_code: bool = False) -> Layout:
@@ -106,6 +108,8 @@ def layout_of(config: Any, *, trust_remote_code: bool = False) -> Layout:
         experts,
         top_k or 1,
         kv_heads,
+        config.num_attention_heads * head_dim,
+        config.num_attention_heads,
     )
 
 
@@ -150,6 +154,8 @@ class Setup:
     engine: Engine | None = None  # a vLLM rollout; None = the hf rollout over the actor's own modules
     # model.use_fused_kernels: log-probs inside the LM head a block at a time, no (tokens, vocabulary) logits
     fused_logprob: bool = False
+    # actor.ulysses_sequence_parallel_size: each micro-batch's tokens split over this many ranks
+    sp: int = 1
 
 
 def _state(lay: Layout, s: Setup) -> dict[str, float]:
@@ -211,7 +217,8 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     the fused log-prob (`fused_logprob`) only one block of them is alive
     (float32, with the few block-sized temporaries of its log-softmax), and
     the update adds a float32 accumulator of the LM head's gradient when the
-    compute dtype is lower.
+    compute dtype is lower. Under sequence parallelism (`sp`) every per-token term is
+    a rank's 1/sp of the tokens, plus the attention all-to-all's buffers.
 
     With a vLLM engine the rollout is the engine awake (`engine_terms`) beside
     the state, or the engine alone on GPUs of its own; an engine that does not
@@ -224,7 +231,9 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     # Under EP a layer gathers its dense part and its own experts (1/ep of them): the rest stay on their ranks.
     layer = lay.layer_params - lay.layer_expert_params * (1 - 1 / s.ep)
     gathered = (lay.root_params + 2 * layer) * s.compute_bytes if w > 1 else 0.0
-    tokens = s.micro_seqs * s.seq_len
+    # Under sequence parallelism a rank runs 1/sp of each micro-batch's tokens (padded to a multiple of sp): every
+    # activation, the logits and the fused blocks' tokens shrink with it; the state and gathered layers do not.
+    tokens = -(-s.micro_seqs * s.seq_len // s.sp)
     logits = tokens * lay.vocab * s.compute_bytes
     per_layer_act = tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim) * s.compute_bytes
     kv = s.rollout_seqs * s.seq_len * lay.layers * 2 * lay.kv_dim * s.kv_bytes
@@ -253,6 +262,10 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     if s.ep > 1:  # the rows a layer sends and receives (about top_k per token each way), and their outputs
         exchange = 2 * tokens * lay.top_k * lay.hidden * s.compute_bytes
         no_grad["all-to-all buffers"] = update["all-to-all buffers"] = exchange
+    if s.sp > 1:  # one attention's q, k, v and output, sent and received (the same bytes either side of the swap)
+        q_dim = lay.q_dim or lay.hidden
+        exchange = 2 * tokens * (2 * q_dim + 2 * lay.kv_dim) * s.compute_bytes
+        no_grad["sequence all-to-all buffers"] = update["sequence all-to-all buffers"] = exchange
     grads = shard * s.master_bytes
     if trained and s.optimizer_offload and optim + grads > total(update):
         update = {"gradients": grads, "optimizer state (in its step)": optim}  # the step outgrows the backward
@@ -437,6 +450,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
         critic_optimizer_offload=critic.optimizer_offload,
         engine=engine,
         fused_logprob=model.use_fused_kernels,
+        sp=actor.ulysses_sequence_parallel_size,
     )
 
 

@@ -7,7 +7,11 @@ expert plan is what conveyor applies under expert parallelism; verl's FSDP engin
   within groups of `fsdp_config.fsdp_size` ranks and replicates across them (HSDP; `dp` is the
   case of groups of one);
 - expert `("efsdp", "ep")` under expert parallelism: each MoE layer's experts split whole over `ep`,
-  FSDP2-sharded over `efsdp = ranks / ep`.
+  FSDP2-sharded over `efsdp = ranks / ep`;
+- sequence `("dp", "sp")` under Ulysses sequence parallelism (`ulysses_sequence_parallel_size` = sp > 1): the
+  `sp` ranks of a group share their rows and split each packed micro-batch by tokens, with the all-to-alls
+  around attention on `sp` (`conveyor.workers.training.sequence_parallel`); `dp = ranks / sp` groups take
+  different rows. FSDP2 still shards the parameters over every rank of the dense mesh, as verl does.
 
 Ranks are laid out row-major, so the inner dimension (`fsdp`, `ep`) groups consecutive ranks: one
 node's GPUs, where the frequent collectives (all-gathers, all-to-alls) then stay.
@@ -45,11 +49,13 @@ def collective_device(device: torch.device, group: Any = None) -> torch.device:
 
 @dataclass
 class Meshes:
-    """A role's named device meshes: `dense` always, `expert` ("efsdp", "ep") under expert parallelism."""
+    """A role's named device meshes: `dense` always, `expert` ("efsdp", "ep") under expert parallelism, `sequence`
+    ("dp", "sp") under sequence parallelism."""
 
     dense: Any
     expert: Any = None
     ep_size: int = 1
+    sequence: Any = None  # ("dp", "sp") under sequence parallelism
 
     @property
     def replicate(self) -> int:
@@ -58,7 +64,9 @@ class Meshes:
         return self.dense.size(names.index("dp_replicate")) if "dp_replicate" in names else 1
 
     def dim_group(self, name: str) -> Any:
-        """The process group of one named dimension of the dense mesh."""
+        """The process group of one named dimension of the dense mesh (or of the sequence mesh: "dp", "sp")."""
+        if self.sequence is not None and name in self.sequence.mesh_dim_names:
+            return self.sequence.get_group(name)
         return self.dense.get_group(name)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any) -> None:
@@ -69,12 +77,18 @@ class Meshes:
 
 
 def build_meshes(
-    world_size: int, device_type: str, *, replicate: int = 1, ep_size: int = 1, expert: bool | None = None
+    world_size: int,
+    device_type: str,
+    *,
+    replicate: int = 1,
+    ep_size: int = 1,
+    expert: bool | None = None,
+    sp_size: int = 1,
 ) -> Meshes:
     """The role's meshes over `world_size` ranks (every rank calls it, in the same order for every role).
 
     `replicate` > 1 adds a `dp_replicate` dimension (HSDP) outside `fsdp`; the expert mesh is built when
-    `ep_size` > 1, or when `expert` asks for it at size 1.
+    `ep_size` > 1, or when `expert` asks for it at size 1; the sequence mesh when `sp_size` > 1.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -88,13 +102,21 @@ def build_meshes(
             f"fsdp_config.expert_parallel_size={ep_size} must divide the role's {world_size} ranks; "
             f"set it to a divisor of {world_size}"
         )
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={sp_size} must divide the role's {world_size} ranks; "
+            f"set it to a divisor of {world_size}"
+        )
     if replicate == 1:
         dense = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
     else:
         dense = init_device_mesh(
             device_type, (replicate, world_size // replicate), mesh_dim_names=("dp_replicate", "fsdp")
         )
+    sequence = None
+    if sp_size > 1:
+        sequence = init_device_mesh(device_type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
     if not (ep_size > 1 if expert is None else expert):
-        return Meshes(dense)
+        return Meshes(dense, sequence=sequence)
     expert_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("efsdp", "ep"))
-    return Meshes(dense, expert_mesh, ep_size)
+    return Meshes(dense, expert_mesh, ep_size, sequence)

@@ -26,6 +26,10 @@ at a time; DDP's all-reduce on `dp_replicate`) run on named dimensions:
   and FSDP2-sharded over `efsdp` = world / ep; a layer's forward then gathers only this
   rank's experts. Gradient clipping sums the squared norms of both meshes' shards.
 
+With `ulysses_sequence_parallel_size` = sp > 1 (any distributed strategy) the meshes gain `("dp",
+"sp")`: the ranks of an `sp` group split each packed micro-batch by tokens
+(`conveyor.workers.training.sequence_parallel`); the strategy itself shards and reduces as above.
+
 Losses are normalised by the *global* token or sequence count (see
 `conveyor.algos.losses`), so the ranks' gradients must be summed; DDP and FSDP2
 average them, so the loss a rank back-propagates is scaled by the world size
@@ -177,6 +181,7 @@ class TrainingStrategy:
         expert_parallel_size: int = 1,
         expert_mesh: bool = False,
         fsdp_size: int | None = None,
+        ulysses_sequence_parallel_size: int = 1,
     ):
         self.world_size = world_size
         self.device = device
@@ -220,6 +225,13 @@ class TrainingStrategy:
                 f"{expert_parallel_size} is not supported yet; set fsdp_size to null or "
                 "expert_parallel_size to 1"
             )
+        if ulysses_sequence_parallel_size < 1 or world_size % ulysses_sequence_parallel_size:
+            raise ValueError(
+                f"ulysses_sequence_parallel_size={ulysses_sequence_parallel_size} must divide the role's "
+                f"{world_size} ranks; set it to a divisor of {world_size}"
+            )
+        # Ranks of one sequence-parallel group split each packed micro-batch by tokens (`sequence_parallel`).
+        self.sequence_parallel_size = ulysses_sequence_parallel_size
         # The expert mesh and the all-to-all even at size 1: the one-GPU check runs the EP code path this way.
         self.expert_mesh = expert_mesh or expert_parallel_size > 1
         # False: every micro-batch's backward communicates (sharded gradients under fsdp2); True: only the last's.
@@ -261,6 +273,7 @@ class TrainingStrategy:
                 replicate=replicate,
                 ep_size=self.expert_parallel_size,
                 expert=self.expert_parallel,
+                sp_size=self.sequence_parallel_size,
             )
         return self._meshes
 
