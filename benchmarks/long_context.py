@@ -501,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused", default="on,off", help="the SP tables' log-prob: on (fused), off (logits) or both")
     ap.add_argument("--sp-tokens", type=int, default=8192, help="table 4's response length (0: skip it)")
     ap.add_argument("--sp-cap-gb", type=float, default=3.5, help="table 5's cap per rank (0: skip the table)")
-    ap.add_argument("--sp-start", type=int, default=2048)
-    ap.add_argument("--sp-resolution", type=int, default=512)
-    ap.add_argument("--sp-limit", type=int, default=65536)
+    ap.add_argument("--sp-start", type=int, default=2048, help="table 5: the first length tried (tokens)")
+    ap.add_argument(
+        "--sp-resolution", type=int, default=512, help="table 5: stop halving the bracket at this many tokens"
+    )
+    ap.add_argument("--sp-limit", type=int, default=65536, help="table 5: the longest length tried (tokens)")
     ns = ap.parse_args(argv)
     ns.fused_modes = [{"on": True, "off": False}[m] for m in ns.fused.split(",")]
     if ns.smoke:
