@@ -21,6 +21,12 @@ divided by the temperature, then log-softmax and entropy; results match
 rounding, gradients included. Splitting the vocabulary merges per-block
 log-sum-exps online (the same numbers, summed in another order).
 
+When asked, the forward also gives Σ_v π_v² of each token's distribution (the
+optimal token baselines read it), summed block by block like the entropy's
+expected logit: over a split vocabulary a running sum of exp(2(z - lse)),
+rescaled by exp(2(old lse - new lse)) as the normaliser moves. It is data for
+the estimator, written by a no-grad forward, so it carries no gradient.
+
 It deliberately does not shift labels, mask positions or know which module
 holds the weight: hidden states, a weight and labels in, per-token numbers
 out (`conveyor.models.fused_head` puts it in place of a model's LM head).
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +84,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         bias: torch.Tensor | None,
         labels: torch.Tensor,
         with_entropy: bool,
+        with_sum_pi_squared: bool,
         rows: int,
         cols: int,
         temperature: float,
@@ -86,6 +94,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         log_probs = torch.empty(tokens, dtype=dtype, device=hidden.device)
         lse = torch.empty_like(log_probs)
         expected = torch.empty_like(log_probs) if with_entropy else None
+        spp = torch.empty_like(log_probs) if with_sum_pi_squared else None
         for t0, t1 in _spans(tokens, rows):
             h, y = hidden[t0:t1], labels[t0:t1]
             if cols >= vocab:  # the whole vocabulary in one block: exactly the unfused arithmetic
@@ -96,11 +105,14 @@ class _FusedLinearLogProb(torch.autograd.Function):
                     p = torch.exp(z - block_lse[:, None])
                     # p == 0 only where z == -inf; 0 * -inf would be NaN.
                     expected[t0:t1] = torch.where(p > 0, p * z, torch.zeros((), dtype=dtype, device=z.device)).sum(-1)
+                if spp is not None:
+                    spp[t0:t1] = torch.exp(2.0 * (z - block_lse[:, None])).sum(-1)
                 lse[t0:t1] = block_lse
                 log_probs[t0:t1] = label_logit - block_lse
                 continue
             run_lse = torch.full((t1 - t0,), -math.inf, dtype=dtype, device=hidden.device)
             run_mean = torch.zeros_like(run_lse)  # sum of p * z under the running normaliser
+            run_spp = torch.zeros_like(run_lse)  # sum of p² under the running normaliser
             label_logit = torch.zeros_like(run_lse)
             for v0, v1 in _spans(vocab, cols):
                 z = _block_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], dtype, temperature)
@@ -111,20 +123,30 @@ class _FusedLinearLogProb(torch.autograd.Function):
                 if expected is not None:
                     p = torch.exp(z - new_lse[:, None])
                     block_sum = torch.where(p > 0, p * z, torch.zeros((), dtype=dtype, device=z.device)).sum(-1)
-                    # Rescale what was summed under the old normaliser; exp(-inf) = 0 before the first block.
-                    run_mean = run_mean * torch.exp(run_lse - new_lse) + block_sum
+                    # Rescale what was summed under the old normaliser; exp(-inf) = 0 before the first block, and
+                    # 0, not NaN, while every logit so far is -inf (both normalisers -inf).
+                    run_mean = run_mean * torch.exp(run_lse - new_lse).nan_to_num(0.0) + block_sum
+                if spp is not None:
+                    # p² scales with the square of the normaliser's change (NaN while both are -inf: nothing summed).
+                    carry = torch.exp(2.0 * (run_lse - new_lse)).nan_to_num(0.0)
+                    run_spp = run_spp * carry + torch.exp(2.0 * (z - new_lse[:, None])).nan_to_num(0.0).sum(-1)
                 run_lse = new_lse
             lse[t0:t1] = run_lse
             log_probs[t0:t1] = label_logit - run_lse
             if expected is not None:
                 expected[t0:t1] = run_mean
+            if spp is not None:
+                spp[t0:t1] = run_spp
         ctx.set_materialize_grads(False)
         ctx.with_entropy, ctx.rows, ctx.cols, ctx.temperature = with_entropy, rows, cols, temperature
         ctx.has_bias = bias is not None
         ctx.save_for_backward(hidden, weight, bias, labels, lse, expected)
-        if expected is None:
-            return (log_probs,)
-        return log_probs, lse - expected
+        outputs = (log_probs,) if expected is None else (log_probs, lse - expected)
+        if spp is None:
+            return outputs
+        # Data for the estimator, written by a no-grad forward: no gradient flows back through it.
+        ctx.mark_non_differentiable(spp)
+        return *outputs, spp
 
     @staticmethod
     @once_differentiable
@@ -136,7 +158,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         grad_ent = grad_outputs[1] if ctx.with_entropy else None
         none = (None,) * 6
         if grad_lp is None and grad_ent is None:
-            return None, None, None, *none[:5]
+            return None, None, None, *none
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         tokens, vocab = hidden.shape[0], weight.shape[0]
         dtype = _compute_dtype(weight)
@@ -184,8 +206,38 @@ class _FusedLinearLogProb(torch.autograd.Function):
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,
             grad_b.to(bias.dtype) if grad_b is not None and ctx.has_bias else None,
-            *none[:5],
+            *none,
         )
+
+
+@overload
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    with_entropy: bool = ...,
+    with_sum_pi_squared: Literal[False] = ...,
+    temperature: float = ...,
+    chunk_elements: int | None = ...,
+    vocab_chunk: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@overload
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    with_entropy: bool = ...,
+    with_sum_pi_squared: Literal[True],
+    temperature: float = ...,
+    chunk_elements: int | None = ...,
+    vocab_chunk: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 
 
 def fused_linear_logprobs(
@@ -195,12 +247,15 @@ def fused_linear_logprobs(
     *,
     bias: torch.Tensor | None = None,
     with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
     temperature: float = 1.0,
     chunk_elements: int | None = None,
     vocab_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """log softmax(hidden @ weight.T / T)[label] and entropy, hidden (..., H), weight (V, H) -> (...) float32 each.
 
+    `with_sum_pi_squared`: a third output, Σ_v softmax(hidden @ weight.T / T)_v² per token (what
+    `conveyor.algos.logprob.sum_pi_squared_from_logits` gives on the logits), carrying no gradient.
     `chunk_elements`: logit elements per block (default `DEFAULT_FUSED_CHUNK_ELEMENTS`); `vocab_chunk`:
     vocabulary columns per block (None: the whole vocabulary; the token rows then fill the budget).
     """
@@ -227,7 +282,11 @@ def fused_linear_logprobs(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1).long()
     rows, cols = fused_chunk_shape(flat_h.shape[0], weight.shape[0], chunk, vocab_chunk)
-    outputs = _FusedLinearLogProb.apply(flat_h, weight, bias, flat_y, with_entropy, rows, cols, temperature)
+    outputs = _FusedLinearLogProb.apply(
+        flat_h, weight, bias, flat_y, with_entropy, with_sum_pi_squared, rows, cols, temperature
+    )
     log_probs = outputs[0].reshape(lead)
     entropy = outputs[1].reshape(lead) if with_entropy else None
+    if with_sum_pi_squared:
+        return log_probs, entropy, outputs[-1].reshape(lead)
     return log_probs, entropy

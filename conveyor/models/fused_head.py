@@ -9,8 +9,9 @@ own forward, so whatever wraps that forward still applies: FSDP2 has gathered
 the head's weight and reduces its gradient, DDP sees the weight used, tied
 embeddings receive both gradients, and the lean forward and the Hugging Face
 forward (padded or packed) need no second code path. The model's output in
-place of logits is (..., 1) log-probs, or (..., 2) log-probs and entropy
-stacked; `split_head_output` takes it apart.
+place of logits is the log-probs, then the entropy and Σπ² when asked, stacked
+in the last dim (..., 1|2|3); `split_head_output` and `head_sum_pi_squared`
+take it apart.
 
 `fused_head_reason(model)` says why a model's head cannot be fused: an
 architecture whose forward does something to the logits after the head
@@ -32,7 +33,7 @@ from torch import nn
 
 from conveyor.algos.fused_logprob import fused_linear_logprobs
 
-__all__ = ["FUSED_HEAD_MODEL_TYPES", "fused_head_reason", "fused_lm_head", "split_head_output"]
+__all__ = ["FUSED_HEAD_MODEL_TYPES", "fused_head_reason", "fused_lm_head", "head_sum_pi_squared", "split_head_output"]
 
 # Model types whose causal-LM forward hands the LM head's output straight back as the logits
 # (no soft-capping, scaling or bias added after it), so the head may return other numbers.
@@ -70,8 +71,9 @@ def fused_lm_head(
     with_entropy: bool,
     temperature: float,
     chunk_elements: int | None = None,
+    with_sum_pi_squared: bool = False,
 ) -> Iterator[None]:
-    """Within the block, `model`'s LM head maps hidden states (..., H) to log-probs of `labels` (...) [and entropy]."""
+    """Within the block, `model`'s LM head maps hidden states (..., H) to log-probs of `labels` (...) [entropy, Σπ²]."""
     reason = fused_head_reason(model)
     if reason is not None:
         raise ValueError(f"the LM head cannot be fused: {reason}")
@@ -84,16 +86,17 @@ def fused_lm_head(
                 f"shape {tuple(labels.shape)}"
             )
         # Read the weight at call time: FSDP2 puts the gathered one in place only for its forward.
-        log_probs, entropy = fused_linear_logprobs(
+        outputs = fused_linear_logprobs(
             hidden,
             head.weight,
             labels,
             bias=head.bias,
             with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
             temperature=temperature,
             chunk_elements=chunk_elements,
         )
-        return torch.stack([log_probs, entropy], -1) if entropy is not None else log_probs[..., None]
+        return torch.stack([o for o in outputs if o is not None], -1)
 
     # An instance attribute shadows the class's forward for this module only; removing it restores the class's
     # (or whatever instance forward was there before).
@@ -111,3 +114,8 @@ def fused_lm_head(
 def split_head_output(stats: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (...) and entropy (...) or None from what a fused head returned in place of logits (..., 1|2)."""
     return stats[..., 0], (stats[..., 1] if with_entropy else None)
+
+
+def head_sum_pi_squared(stats: torch.Tensor, with_sum_pi_squared: bool) -> torch.Tensor | None:
+    """Σπ² (...) or None from what a fused head returned in place of logits: its last column when asked for."""
+    return stats[..., -1] if with_sum_pi_squared else None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.algos.fused_logprob import fused_chunk_shape, fused_linear_logprobs
-from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.algos.logprob import logprobs_and_entropy, sum_pi_squared_from_logits
 
 N, H, V = 37, 16, 211
 
@@ -84,6 +84,41 @@ def test_token_and_vocab_blocks_equal_the_unfused_path(vocab_chunk, temperature:
             torch.testing.assert_close(g, w, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("vocab_chunk", [None, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sum_pi_squared_equals_the_logits_path_and_changes_nothing_else(vocab_chunk, temperature: float) -> None:
+    """Σπ² from the fused head (whole-vocabulary and split blocks, merged online) equals `sum_pi_squared_from_logits`
+    on the same logits at 1e-6 in float32; the log-probs, entropy and their gradients are those of a forward that
+    did not ask for it, bit for bit, and Σπ² itself carries no gradient."""
+    hidden, weight, bias, labels = _inputs(torch.float32)
+    kwargs = dict(bias=bias, with_entropy=True, temperature=temperature, vocab_chunk=vocab_chunk)
+    kwargs["chunk_elements"] = 5 * (V if vocab_chunk is None else vocab_chunk)
+    want = sum_pi_squared_from_logits(F.linear(hidden, weight, bias)[None].detach(), temperature=temperature)[0]
+    lp, ent, spp = fused_linear_logprobs(hidden, weight, labels, with_sum_pi_squared=True, **kwargs)
+    assert spp.dtype == torch.float32 and spp.shape == (N,) and not spp.requires_grad
+    torch.testing.assert_close(spp, want, atol=1e-6, rtol=1e-6)
+    plain = fused_linear_logprobs(hidden, weight, labels, **kwargs)
+    for g, w in zip((lp, ent), plain, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    for g, w in zip(_grads([lp, ent], (hidden, weight, bias)), _grads(plain, (hidden, weight, bias)), strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    alone = fused_linear_logprobs(
+        hidden[None], weight, labels[None], with_sum_pi_squared=True, **kwargs | {"with_entropy": False}
+    )
+    assert alone[1] is None
+    torch.testing.assert_close(alone[2], want[None], atol=1e-6, rtol=1e-6)
+
+
+def test_sum_pi_squared_of_split_blocks_in_float64() -> None:
+    """Many online merges (7-column blocks, 31 of them) in float64: the logits path's Σπ² to 1e-12."""
+    hidden, weight, bias, labels = _inputs(torch.float64)
+    want = sum_pi_squared_from_logits(F.linear(hidden, weight, bias)[None].detach(), temperature=1.3)[0]
+    *_, spp = fused_linear_logprobs(
+        hidden, weight, labels, bias=bias, with_sum_pi_squared=True, temperature=1.3, chunk_elements=35, vocab_chunk=7
+    )
+    torch.testing.assert_close(spp, want, atol=1e-12, rtol=1e-12)
+
+
 def test_one_output_alone_and_no_bias() -> None:
     """Only the log-probs, or only the entropy, carry a gradient; a head without a bias."""
     hidden, weight, _, labels = _inputs(torch.float64, bias=False)
@@ -108,6 +143,29 @@ def test_masked_vocabulary_entries_give_no_nan() -> None:
         torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
     grads = _grads(got, (hidden, weight))
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_a_masked_first_vocabulary_block_gives_no_nan() -> None:
+    """Logits that are all -inf in the first vocabulary blocks (both running normalisers -inf) merge to what the
+    logits path gives: the entropy and Σπ² stay finite."""
+    hidden, weight, bias, labels = _inputs(torch.float64)
+    banned = bias.detach().clone()
+    banned[:70] = float("-inf")
+    labels = labels.clamp(min=70)
+    want_lp, want_ent = _unfused(hidden, weight, banned, labels, True, 1.0)
+    want_spp = sum_pi_squared_from_logits(F.linear(hidden, weight, banned)[None].detach())[0]
+    got = fused_linear_logprobs(
+        hidden,
+        weight,
+        labels,
+        bias=banned,
+        with_entropy=True,
+        with_sum_pi_squared=True,
+        chunk_elements=96,
+        vocab_chunk=32,
+    )
+    for g, w in zip(got, (want_lp, want_ent, want_spp), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
 
 
 def test_bfloat16_weights_match_the_unfused_path() -> None:
@@ -139,7 +197,8 @@ class _Largest(TorchDispatchMode):
 
 @pytest.mark.parametrize("vocab_chunk", [None, 32])
 def test_no_tensor_of_tokens_by_vocabulary_is_ever_made(vocab_chunk) -> None:
-    """Forward and backward never hold more than one block of logits (the weight and its gradient aside)."""
+    """Forward and backward (and a forward asked for Σπ²) never hold more than one block of logits (the weight and
+    its gradient aside)."""
     n, vocab = 200, 1500
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, 8, generator=gen, requires_grad=True)
@@ -151,6 +210,17 @@ def test_no_tensor_of_tokens_by_vocabulary_is_ever_made(vocab_chunk) -> None:
             hidden, weight, labels, with_entropy=True, chunk_elements=chunk, vocab_chunk=vocab_chunk
         )
         (lp.sum() + ent.sum()).backward()
+    assert seen.largest <= max(chunk, weight.numel()) < n * vocab
+    with _Largest() as seen, torch.no_grad():  # the old-log-prob forward that also writes Σπ²
+        fused_linear_logprobs(
+            hidden,
+            weight,
+            labels,
+            with_entropy=True,
+            with_sum_pi_squared=True,
+            chunk_elements=chunk,
+            vocab_chunk=vocab_chunk,
+        )
     assert seen.largest <= max(chunk, weight.numel()) < n * vocab
     with _Largest() as unfused:
         lp, ent = _unfused(hidden, weight, None, labels, True, 1.0)

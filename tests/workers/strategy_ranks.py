@@ -225,9 +225,13 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
                 )
                 names = ["ref_log_prob"]
             else:
-                call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
+                call = LogProbCall(
+                    temperature=0.7, calculate_entropy=True, calculate_sum_pi_squared=True
+                ).to_extra_info()
                 result = worker.compute_log_prob(lp_share.with_extra_info(**call))
-                names = [n for n in ("old_log_probs", "entropy", "routed_experts") if n in result.fields]
+                names = [
+                    n for n in ("old_log_probs", "entropy", "sum_pi_squared", "routed_experts") if n in result.fields
+                ]
             got = plane.kv_batch_get(share.keys, "lp", names)
             sp = getattr(worker, "sp", None) if run["role"] == "critic" else worker.forward.sp
             saved = {"keys": list(share.keys), "sp_size": sp.size if sp is not None else 1}

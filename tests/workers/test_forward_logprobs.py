@@ -12,9 +12,11 @@ import conveyor.workers.ranks.forward as forward_module
 from conveyor.algos.logprob import logprobs_and_entropy
 from conveyor.config import load_config
 from conveyor.data_plane import make_data_plane
+from conveyor.protocol import KVBatchMeta
 from conveyor.trainer.plan import build_run_plan
 from conveyor.trainer.setup import prepare_default_model
 from conveyor.workers.ranks.actor import PolicyWorker
+from conveyor.workers.ranks.calls import LogProbCall
 from conveyor.workers.ranks.settings import actor_settings
 
 BASE = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"]
@@ -112,3 +114,40 @@ def test_fused_head_gives_the_logits_path_log_probs_entropy_and_gradients(td: Te
     assert grads[0].keys() == grads[1].keys() and "lm_head.weight" in grads[1]
     for name, want_grad in grads[1].items():
         torch.testing.assert_close(grads[0][name], want_grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean", "hf-packed"])
+def test_fused_head_writes_the_logits_path_sum_pi_squared(
+    td: TensorDict, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old-log-prob forward asked for Σπ² (the optimal token baselines' input): with the fused head on it writes
+    the same sum_pi_squared, old_log_probs and entropy as the logits path at 1e-6, and never computes the logits'
+    log-softmax or Σπ² (the fused head's forward never holds them)."""
+    kind, packed = impl.removesuffix("-packed"), impl.endswith("-packed")
+    names = ["old_log_probs", "entropy", "sum_pi_squared"]
+    call = LogProbCall(temperature=0.7, calculate_entropy=True, calculate_sum_pi_squared=True).to_extra_info()
+    keys = [f"s{i}" for i in range(td.batch_size[0])]
+    fields = {k: td[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")}
+    written = {}
+    for fused in (False, True):
+        worker = _worker(kind, packed, fused=fused)
+        assert worker.forward.fused is fused
+        if fused:
+            for name in ("logprobs_and_entropy", "sum_pi_squared_from_logits"):
+                monkeypatch.setattr(forward_module, name, _refused(name))
+        worker.data_plane.kv_batch_put(keys, "p", fields)
+        out = worker.compute_log_prob(KVBatchMeta(keys, "p").with_extra_info(**call))
+        assert set(names) <= set(out.fields)
+        written[fused] = worker.data_plane.kv_batch_get(keys, "p", names)
+    mask = td["response_mask"].bool()
+    assert bool((written[False]["sum_pi_squared"][mask] > 0).all())
+    for name in names:
+        got, want = written[True][name], written[False][name]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _refused(name: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the fused forward called {name} on logits")
+
+    return refuse

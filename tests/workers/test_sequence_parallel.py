@@ -155,9 +155,9 @@ def _one_rank(case: str, path: str, fields: dict) -> dict:
             )
             out["stats"] = dict(plane.kv_batch_get(keys, "lp", ["ref_log_prob"]).items())
         else:
-            call = LogProbCall(temperature=0.7, calculate_entropy=True).to_extra_info()
+            call = LogProbCall(temperature=0.7, calculate_entropy=True, calculate_sum_pi_squared=True).to_extra_info()
             result = worker.compute_log_prob(lp_meta.with_extra_info(**call))
-            names = [n for n in ("old_log_probs", "entropy", "routed_experts") if n in result.fields]
+            names = [n for n in ("old_log_probs", "entropy", "sum_pi_squared", "routed_experts") if n in result.fields]
             out["stats"] = dict(plane.kv_batch_get(keys, "lp", names).items())
             out["stats_metrics"] = dict(result.extra_info)
     return out
@@ -177,7 +177,7 @@ def _gathered_stats(folder: Path, world: int) -> dict[str, torch.Tensor]:
 def test_sequence_parallel_gives_the_one_rank_results(
     model_path: str, dense_path: str, batches, ranks, case: str
 ) -> None:
-    """Log-probs, entropy, recorded routing and values, and the parameters after one update, at 1e-5."""
+    """Log-probs, entropy, Σπ², recorded routing and values, and the parameters after one update, at 1e-5."""
     world, role, _, dense, with_routing, jobs = CASES[case]
     want = _one_rank(case, dense_path if dense else model_path, batches[with_routing])
     folder = ranks[case]
@@ -191,6 +191,8 @@ def test_sequence_parallel_gives_the_one_rank_results(
                 torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
         if "R2" in case:
             assert "routed_experts" in want["stats"], "the R2 case must record the forward's routing"
+        if role == "actor":
+            assert "sum_pi_squared" in want["stats"], "the actor's stats must include Σπ²"
     if "grads_update" in jobs:
         # The gradients themselves: Adam's first step moves a weight by about lr whatever its gradient's scale, so
         # equal parameters alone would not catch a gradient counted twice over the SP group.

@@ -17,8 +17,9 @@ many micro-batches as the busiest one (the extra ones are dropped).
 
 With `fused` (`actor_rollout_ref.model.use_fused_kernels`)
 the model's LM head computes the log-probs and entropy of the response tokens
-itself, block by block (`conveyor.models.fused_head`): no (tokens, vocabulary)
-logits exist in the forward or the backward. Otherwise log-probs and entropy
+(and Σπ², when the old-log-prob forward writes it) itself, block by block
+(`conveyor.models.fused_head`): no (tokens, vocabulary) logits exist in the
+forward or the backward. Otherwise log-probs and entropy
 come from `logprobs_and_entropy` on the model's own logits, the temperature
 applied per block: no float32 copy of the full-vocabulary logits is made here.
 
@@ -44,7 +45,7 @@ from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy, sum_pi_squared_from_logits
 from conveyor.algos.trajectory import response_span
-from conveyor.models.fused_head import fused_head_reason, fused_lm_head, split_head_output
+from conveyor.models.fused_head import fused_head_reason, fused_lm_head, head_sum_pi_squared, split_head_output
 from conveyor.models.moe_routing import (
     RouterStats,
     RouterStatsRecorder,
@@ -58,6 +59,14 @@ from conveyor.workers.training.sequence_parallel import SequenceParallel, Sequen
 from conveyor.workers.training.trained_model import TrainedModel
 
 __all__ = ["PolicyForward", "TokenStats", "sequence_inputs", "micro_batches"]
+
+
+class _Fuse(NamedTuple):
+    """What a fused LM head computes in place of the logits: its `fused_lm_head` settings."""
+
+    with_entropy: bool
+    with_sum_pi_squared: bool
+    temperature: float
 
 
 class TokenStats(NamedTuple):
@@ -143,7 +152,7 @@ class PolicyForward:
         routed_experts: torch.Tensor | None,
         record_routing: bool,
         train: bool,
-        fuse: tuple[bool, float] | None = None,
+        fuse: _Fuse | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, PackedRows | None, SequenceShard | None]:
         """The Hugging Face forward: logits predicting the response tokens, its routing (B, P+R, L, K), the packing
         and, under sequence parallelism, this rank's slice of it.
@@ -151,8 +160,8 @@ class PolicyForward:
         Padded: logits (B, R, V). Packed (`self.packed`): logits (1, N, V) of the N response-span tokens, which
         `PackedRows.responses` places; replayed and recorded routing follow each packed token. Sequence parallel:
         logits (1, n, V) of the n of them in this rank's slice (`SequenceShard.mine`); the routing is the whole
-        row's. `fuse` (with_entropy, temperature): the LM head returns the response tokens' log-probs [and
-        entropy] (.., 1|2) in place of the logits.
+        row's. `fuse`: the LM head returns the response tokens' log-probs [, entropy, Σπ²] (.., 1|2|3) in place
+        of the logits.
         """
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
@@ -182,7 +191,13 @@ class PolicyForward:
                     labels = labels[:, shard.mine]
             else:  # the last kept position predicts nothing: any label, dropped below
                 labels = torch.cat([responses, responses.new_zeros(responses.shape[0], 1)], dim=1)
-            head = fused_lm_head(self.model, labels, with_entropy=fuse[0], temperature=fuse[1])
+            head = fused_lm_head(
+                self.model,
+                labels,
+                with_entropy=fuse.with_entropy,
+                temperature=fuse.temperature,
+                with_sum_pi_squared=fuse.with_sum_pi_squared,
+            )
         with replay, recorder if recorder is not None else contextlib.nullcontext(), head:
             module = self.trained.forward_module if train else self.model
             out = module(**kwargs, use_cache=False, logits_to_keep=keep)
@@ -289,20 +304,18 @@ class PolicyForward:
         record_routing: bool,
         train: bool,
     ) -> TokenStats:
-        """`log_probs`, plus Σπ² (B, R) from the same logits when asked for (unmasked here).
+        """`log_probs`, plus Σπ² (B, R) of the same distributions when asked for (unmasked here).
 
-        Σπ² needs every token's whole distribution, so a forward that asks for it takes the logits path even
-        with the fused head on; the others never hold the logits.
+        With the fused head on, Σπ² comes from the head like the log-probs: no forward holds the logits.
         """
         if self.sp is not None:
             return self._sequence_parallel_stats(
                 td, temperature, with_entropy, with_sum_pi_squared, routed_experts, record_routing, train
             )
-        if self.fused and not with_sum_pi_squared:
-            log_probs, entropy, own_routing = self._fused_log_probs(
-                td, temperature, with_entropy, routed_experts, record_routing, train
+        if self.fused:
+            return self._fused_token_stats(
+                td, _Fuse(with_entropy, with_sum_pi_squared, temperature), routed_experts, record_routing, train
             )
-            return TokenStats(log_probs, entropy, None, own_routing)
         spp = None
         if self.packed and not self.uses_lean(train):
             logits, own_routing, packed, _ = self._hf_forward(td, routed_experts, record_routing, train)
@@ -334,11 +347,11 @@ class PolicyForward:
 
         What crosses ranks is a few floats per response token (log-prob, entropy, Σπ²), never logits.
         """
-        fuse = (with_entropy, temperature) if self.fused and not with_sum_pi_squared else None
+        fuse = _Fuse(with_entropy, with_sum_pi_squared, temperature) if self.fused else None
         out, own_routing, packed, shard = self._hf_forward(td, routed_experts, record_routing, train, fuse=fuse)
         assert packed is not None and shard is not None, "sequence parallelism runs packed forwards only"
         if fuse is not None:
-            columns = out[0]  # (n, 1|2): log-probs [, entropy] from the fused head
+            columns = out[0]  # (n, 1|2|3): log-probs [, entropy, Σπ²] from the fused head
         else:
             targets = td["responses"][packed.rows, packed.cols][shard.mine][None]
             log_probs, entropy = logprobs_and_entropy(out, targets, with_entropy, temperature=temperature)
@@ -352,30 +365,36 @@ class PolicyForward:
         spp = packed.responses(whole[:, -1], width) if with_sum_pi_squared else None
         return TokenStats(packed.responses(whole[:, 0], width), entropy, spp, own_routing)
 
-    def _fused_log_probs(
+    def _fused_token_stats(
         self,
         td: TensorDict,
-        temperature: float,
-        with_entropy: bool,
+        fuse: _Fuse,
         routed_experts: torch.Tensor | None,
         record_routing: bool,
         train: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`log_probs` with the LM head fused into the log-softmax: the same outputs, no (tokens, vocabulary) logits."""
+    ) -> TokenStats:
+        """`_token_stats` with the LM head fused into the log-softmax: the same outputs, no (tokens, vocabulary)
+        logits."""
         if self.uses_lean(train):
-            with fused_lm_head(self.model, td["responses"], with_entropy=with_entropy, temperature=temperature):
+            with fused_lm_head(
+                self.model,
+                td["responses"],
+                with_entropy=fuse.with_entropy,
+                temperature=fuse.temperature,
+                with_sum_pi_squared=fuse.with_sum_pi_squared,
+            ):
                 stats, own_routing = self.response_logits(td, routed_experts, record_routing, train)
-            log_probs, entropy = split_head_output(stats, with_entropy)
-            return log_probs, entropy, own_routing
-        stats, own_routing, packed, _ = self._hf_forward(
-            td, routed_experts, record_routing, train, fuse=(with_entropy, temperature)
-        )
-        log_probs, entropy = split_head_output(stats, with_entropy)
+            packed = None
+        else:
+            stats, own_routing, packed, _ = self._hf_forward(td, routed_experts, record_routing, train, fuse=fuse)
+        log_probs, entropy = split_head_output(stats, fuse.with_entropy)
+        spp = head_sum_pi_squared(stats, fuse.with_sum_pi_squared)
         if packed is None:
-            return log_probs, entropy, own_routing
+            return TokenStats(log_probs, entropy, spp, own_routing)
         width = td["responses"].shape[1]
         entropy = packed.responses(entropy[0], width) if entropy is not None else None
-        return packed.responses(log_probs[0], width), entropy, own_routing
+        spp = packed.responses(spp[0], width) if spp is not None else None
+        return TokenStats(packed.responses(log_probs[0], width), entropy, spp, own_routing)
 
     @torch.no_grad()
     def no_grad_log_probs(
