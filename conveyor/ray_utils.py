@@ -9,10 +9,12 @@ dependencies installed, and see the model checkpoint at the same path.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -116,16 +118,62 @@ def _init_keeping_stop_handlers(ray: Any, **kwargs: Any) -> None:
         ray.init(**kwargs)
         return
     saved = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    _without_native_failure_handler()
     try:
         ray.init(**kwargs)
     except BaseException as err:
         _restore(saved)
         ray.shutdown()  # what had started of it (a no-op when nothing had)
+        stopped_by = _stop_signal(err)
+        if stopped_by is not None:
+            atexit.register(_exit_before_teardown, 128 + stopped_by)
         handler = saved[signal.SIGTERM]
         if isinstance(err, SystemExit) and err.code == signal.SIGTERM and callable(handler):
             handler(signal.SIGTERM, None)  # the run's own reaction to a SIGTERM (a stop with 143)
         raise
     _restore(saved)
+
+
+def _without_native_failure_handler() -> None:
+    """Keep this driver's core worker from installing Ray's native failure-signal handler.
+
+    That handler takes SIGTERM too: a stop while `ray.init` connects printed a native stack
+    (`logging.cc ... *** SIGTERM received`) before the run's own handler was back. It is Ray's
+    `RAY_DISABLE_FAILURE_SIGNAL_HANDLER`, read from its constants module when the core worker starts; set here
+    for this process only (Ray's workers and raylet keep theirs), since the variable itself is read at import.
+    """
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without that module: its handler stays, and only the window's stack shows
+        return
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
+def _stop_signal(err: BaseException) -> int | None:
+    """The stop signal that `err` (raised out of `ray.init`) stands for, or None for any other failure."""
+    if isinstance(err, SystemExit) and err.code == signal.SIGTERM:  # Ray's own SIGTERM handler during init
+        return int(signal.SIGTERM)
+    if isinstance(err, KeyboardInterrupt):
+        return int(getattr(err, "signum", signal.SIGINT))
+    return None
+
+
+def _exit_before_teardown(status: int) -> None:
+    """At exit, after a stop cut `ray.init` short: run the other exit handlers, then end with `status` at once.
+
+    A core worker stopped half-way through its connection leaves native threads that the interpreter's teardown
+    aborts or crashes on (seen as status -6 or -11 instead of 143 on about one stop in five inside that window), so
+    the process ends before that teardown: everything of the run's own clean-up has run by then.
+    """
+    atexit.unregister(_exit_before_teardown)
+    atexit._run_exitfuncs()  # the handlers registered before this one, which os._exit would skip
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or gone console: nothing more can be said on it
+            pass
+    os._exit(status)
 
 
 def _restore(saved: dict[int, Any]) -> None:
