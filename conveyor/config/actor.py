@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from conveyor.config.fields import F, S, check, registry
 from conveyor.config.model import DTYPES
+from conveyor.config.parallel import ulysses_size_field
 
 __all__ = [
     "OptimConfig",
@@ -261,15 +262,7 @@ class ActorConfig:
         resume_neutral=True,
     )
     fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
-    ulysses_sequence_parallel_size: int = F(
-        1,
-        "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the "
-        "same rows, attention swaps the token split for a head split by all-to-all, so activations per rank are "
-        "1/size; must divide the role's ranks and the model's attention and key/value heads, and needs packed "
-        "forwards (actor_rollout_ref.model.use_remove_padding); 1 = off",
-        ge=1,
-        resume_neutral=True,
-    )
+    ulysses_sequence_parallel_size: int = ulysses_size_field()
 
 
 @dataclass
@@ -295,12 +288,4 @@ class RefConfig:
         resume_neutral=True,
     )
     fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
-    ulysses_sequence_parallel_size: int = F(
-        1,
-        "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the "
-        "same rows, attention swaps the token split for a head split by all-to-all, so activations per rank are "
-        "1/size; must divide the role's ranks and the model's attention and key/value heads, and needs packed "
-        "forwards (actor_rollout_ref.model.use_remove_padding); 1 = off",
-        ge=1,
-        resume_neutral=True,
-    )
+    ulysses_sequence_parallel_size: int = ulysses_size_field()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from conveyor.config.actor import LOSS_AGG_CHOICES, STRATEGY_CHOICES, FSDPConfig, OptimConfig
 from conveyor.config.fields import F, S
+from conveyor.config.parallel import ulysses_size_field
 
 __all__ = ["CriticConfig"]
 
@@ -57,12 +58,4 @@ class CriticConfig:
         resume_neutral=True,
     )
     fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
-    ulysses_sequence_parallel_size: int = F(
-        1,
-        "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the "
-        "same rows, attention swaps the token split for a head split by all-to-all, so activations per rank are "
-        "1/size; must divide the role's ranks and the model's attention and key/value heads, and needs packed "
-        "forwards (actor_rollout_ref.model.use_remove_padding); 1 = off",
-        ge=1,
-        resume_neutral=True,
-    )
+    ulysses_sequence_parallel_size: int = ulysses_size_field()

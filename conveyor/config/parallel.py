@@ -9,9 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.config.fields import check
+from conveyor.config.fields import F, check
 
-__all__ = ["check_sequence_parallel_sizes"]
+__all__ = ["check_sequence_parallel_sizes", "ulysses_size_field"]
+
+
+def ulysses_size_field() -> Any:
+    """The `ulysses_sequence_parallel_size` field of a role's config (actor, reference, critic alike)."""
+    return F(
+        1,
+        "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the "
+        "same rows, attention swaps the token split for a head split by all-to-all, so activations per rank are "
+        "1/size; must divide the role's ranks and the model's attention and key/value heads, and needs packed "
+        "forwards (actor_rollout_ref.model.use_remove_padding); 1 = off",
+        ge=1,
+        resume_neutral=True,
+    )
 
 
 def check_sequence_parallel_sizes(cfg: Any, world: int) -> None:
