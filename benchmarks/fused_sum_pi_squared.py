@@ -35,11 +35,12 @@ MB = 1 << 20
 
 
 def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    from conveyor.workers.ranks.perf import status_kb
+
+    kb = status_kb(field)
+    if kb is None:
+        raise RuntimeError(f"/proc/self/status has no {field}: these measurements need Linux")
+    return kb
 
 
 def child(way: str, tokens: int, vocab: int, hidden: int, reps: int, out: str | None) -> dict:

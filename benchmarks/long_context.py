@@ -73,11 +73,12 @@ OVER_CAP = 3  # a child's exit status when its resident set went over the cap
 
 
 def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    from conveyor.workers.ranks.perf import status_kb
+
+    kb = status_kb(field)
+    if kb is None:
+        raise RuntimeError(f"/proc/self/status has no {field}: these measurements need Linux")
+    return kb
 
 
 def _rss() -> int:

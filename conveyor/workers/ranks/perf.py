@@ -40,6 +40,7 @@ import torch
 
 __all__ = [
     "memory_metrics",
+    "status_kb",
     "reset_peak_memory",
     "peak_memory_bytes",
     "phase_memory_metrics",
@@ -87,7 +88,7 @@ def memory_metrics(device: torch.device | str = "cpu") -> dict[str, float]:
     }
 
 
-def _status_kb(field: str) -> int | None:
+def status_kb(field: str) -> int | None:
     """A `kB` line of /proc/self/status (VmHWM, VmRSS) in kB, or None where there is no such file (not Linux)."""
     try:
         with open("/proc/self/status") as f:
@@ -119,7 +120,7 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(device))
-    hwm = _status_kb("VmHWM")
+    hwm = status_kb("VmHWM")
     return hwm * 1024 if hwm is not None else _peak_rss_bytes()
 
 
