@@ -52,6 +52,7 @@ class RunPlan:
     reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
     use_judge: bool = False  # reward_model.judge.enable: a generative judge scores every response, last
     forward_sum_pi_squared: bool = False  # the old-log-prob forward writes sum_pi_squared (the estimator reads it)
+    warnings: tuple[str, ...] = ()  # decisions the run warns about at its start (also among `decisions`)
 
     @property
     def bypass(self) -> bool:
@@ -67,6 +68,7 @@ class RunPlan:
         """The plan as plain JSON-ready values (what plan.json holds)."""
         out = dataclasses.asdict(self)
         out["decisions"] = list(self.decisions)
+        out["warnings"] = list(self.warnings)
         return out
 
     def describe(self) -> str:

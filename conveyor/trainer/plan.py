@@ -348,10 +348,8 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     use_teacher = cfg.distillation.enabled
     if use_teacher:
         why.append(distillation_decision(cfg))
-    lone = lone_sample_warning(cfg)
-    if lone:
-        logger.warning("%s", lone)
-        why.append(lone)
+    warnings = tuple(w for w in (lone_sample_warning(cfg),) if w)
+    why.extend(warnings)
 
     rm_on, rm_placement, judge_on = reward_model_decision(cfg, why)
     return RunPlan(
@@ -387,4 +385,5 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         use_teacher=use_teacher,
         teacher_placement=cfg.distillation.placement,
         forward_sum_pi_squared=spp,
+        warnings=warnings,
     )

@@ -64,8 +64,9 @@ def run_training(cfg: Config) -> dict[str, float]:
     device = resolve_device(cfg)  # an unusable device fails before anything is built or written
     plan = build_run_plan(cfg, device)  # every decision of the run, once; a contradiction fails here
     logger.info("%s", plan.describe())
-    if plan.replay_reason:
-        logger.warning("%s", plan.replay_reason)
+    for warning in (plan.replay_reason, *plan.warnings):
+        if warning:
+            logger.warning("%s", warning)
     run_dir = cfg.run_dir
     # Outside the training loop (start-up, the last clean-up) a Ctrl-C or SIGTERM stops at once, through
     # every `finally` below: a SIGTERM's default action would end the process before any of them ran,
