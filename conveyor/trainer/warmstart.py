@@ -62,12 +62,14 @@ def supervised_warmstart(
     until_accuracy: float = 0.0,
     accuracy_window: int = 20,
     aux_loss_coef: float = 0.0,
+    aux_loss_tokens: str = "all",
 ) -> list[float]:
     """Train `model` in place with next-token loss on the answers for at most `steps` steps; returns the loss per step.
 
     With `until_accuracy` > 0 it stops as soon as the greedy exact-match accuracy
     on the last `accuracy_window` training batches reaches it. With `aux_loss_coef` > 0 an MoE model's loss
-    adds that times the routers' load-balancing loss over the real tokens (`conveyor.models.router_control`).
+    adds that times the routers' load-balancing loss (`conveyor.models.router_control`) over the real tokens, or
+    with `aux_loss_tokens="answer"` over the answer tokens only (the ones a rollout generates).
     """
     if steps <= 0:
         return []
@@ -77,6 +79,8 @@ def supervised_warmstart(
         raise ValueError("the warm start needs training records; data.synthetic.num_train must be > 0")
     if aux_loss_coef < 0 or (aux_loss_coef > 0 and not moe_layers(model)):
         raise ValueError(f"aux_loss_coef must be >= 0, and 0 for a model without MoE routers; got {aux_loss_coef}")
+    if aux_loss_tokens not in ("all", "answer"):
+        raise ValueError(f"aux_loss_tokens must be 'all' or 'answer', got {aux_loss_tokens!r}")
     pairs = _encode_pairs(tokenizer, records)
     tap = RouterTap(model, keep_logits=True, count=False) if aux_loss_coef > 0 else None
     rng = random.Random(seed)
@@ -98,7 +102,8 @@ def supervised_warmstart(
             attn[i, off:] = 1
             labels[i, off + len(p) :] = torch.tensor(a)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        with tap.active(attn) if tap is not None else contextlib.nullcontext():
+        rows = attn if aux_loss_tokens == "all" else (labels != -100).long()
+        with tap.active(rows) if tap is not None else contextlib.nullcontext():
             out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         logits = out.logits[:, :-1].float()
         targets = labels[:, 1:]

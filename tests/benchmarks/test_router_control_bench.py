@@ -38,6 +38,7 @@ def test_main_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert replay["auto"]["cpu_step_s"] > 0 and replay["R3"]["cpu_step_s"] > 0
     assert "skewed router: expert 0 in the top-k of" in printed
     assert "balanced warm start: 0 steps with load-balancing loss" in printed  # --base balanced, the default
+    assert "over answer tokens" in printed and "answer tokens: assignments per expert" in printed
     assert "router_replay.mode=auto: disabled" in printed  # one mini-batch per batch, one epoch: on-policy
 
 
@@ -64,3 +65,15 @@ def test_the_balancing_arm_can_be_the_load_balancing_loss(capsys: pytest.Capture
 def test_bad_flags_are_rejected(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         load_script("router_control").main(argv)
+
+
+def test_a_stronger_skew_over_a_base_balanced_on_every_token(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    args = ["--part", "balance", "--skew-lead", "2", "--warmstart-aux-tokens", "all", "--val", "8"]
+    (balance,) = load_script("router_control").main(TINY + args)["balance"]
+    printed = capsys.readouterr().out
+    assert "over all tokens" in printed
+    leads = re.search(r"its logit ahead of the k-th other's by a median ([0-9., ]+)", printed).group(1)
+    assert all(float(v) >= 2.0 for v in leads.split(", ")), leads  # the refit went on past the share
+    assert balance["off"]["vio_first"] > 2.0

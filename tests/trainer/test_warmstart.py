@@ -24,22 +24,28 @@ def _greedy_accuracy(model, tok, records) -> float:
     return sum(a.strip() == r["reward_model"]["ground_truth"] for a, r in zip(answers, records)) / len(records)
 
 
+def _tiny(tok, arch: str = "qwen3", **sizes):
+    """A one-layer tiny model of `arch` for these tests (hidden 32); `sizes` overrides the rest."""
+    kwargs = {"intermediate_size": 64, **sizes}
+    return build_tiny_model(
+        arch,
+        tok,
+        seed=0,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=16,
+        **kwargs,
+    )
+
+
 def test_warm_start_stops_once_its_training_exact_match_reaches_the_target():
     tok = build_char_tokenizer()
     records = make_arithmetic_records(40, seed=0, max_operand=9)
 
     def model():
-        return build_tiny_model(
-            "qwen3",
-            tok,
-            seed=0,
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=64,
-            max_position_embeddings=16,
-        )
+        return _tiny(tok)
 
     stopped = model()
     losses = supervised_warmstart(
@@ -62,19 +68,7 @@ def test_the_load_balancing_loss_spreads_the_warm_start_over_the_experts():
     records = make_arithmetic_records(64, seed=0, max_operand=9)
 
     def model(arch: str = "qwen3_moe"):
-        return build_tiny_model(
-            arch,
-            tok,
-            seed=0,
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=32,
-            num_experts=4,
-            top_k=2,
-            max_position_embeddings=16,
-        )
+        return _tiny(tok, arch, intermediate_size=32, num_experts=4, top_k=2)
 
     def balance_loss(m) -> float:
         enc = tok([render_prompt(r, tok) for r in records], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -90,6 +84,42 @@ def test_the_load_balancing_loss_spreads_the_warm_start_over_the_experts():
     assert balance_loss(balanced) < balance_loss(plain) - 0.05
     with pytest.raises(ValueError, match="aux_loss_coef"):
         supervised_warmstart(model("qwen3"), tok, records, steps=1, lr=1e-2, aux_loss_coef=1.0)
+
+
+def test_the_load_balancing_loss_can_count_the_answer_tokens_only():
+    """`aux_loss_tokens="answer"` balances the routing of the tokens a rollout generates, not the prompts'."""
+    from conveyor.trainer.warmstart import _encode_pairs
+
+    tok = build_char_tokenizer()
+    records = make_arithmetic_records(64, seed=0, max_operand=9)
+
+    def model():
+        return _tiny(tok, "qwen3_moe", intermediate_size=32, num_experts=8, top_k=2)
+
+    pairs = _encode_pairs(tok, records)
+    width = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), width), tok.pad_token_id, dtype=torch.long)
+    answer = torch.zeros((len(pairs), width), dtype=torch.long)
+    for i, (p, a) in enumerate(pairs):
+        ids[i, width - len(p) - len(a) :] = torch.tensor(p + a)
+        answer[i, width - len(a) :] = 1
+    attention = (ids != tok.pad_token_id).long()
+
+    def answer_max_vio(m) -> float:
+        tap = RouterTap(m, keep_logits=False, count=True)
+        with torch.no_grad(), tap.active(answer):
+            m(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0))
+        load = tap.pop_load()[0]
+        return float(load.max() / load.mean() - 1)
+
+    common = {"steps": 40, "lr": 1e-2, "batch_size": 16, "aux_loss_coef": 3.0}
+    everywhere, answers = model(), model()
+    supervised_warmstart(everywhere, tok, records, **common)
+    supervised_warmstart(answers, tok, records, aux_loss_tokens="answer", **common)
+    # Counting only the answers spreads their routing further than the same weight over every token does.
+    assert answer_max_vio(answers) < answer_max_vio(everywhere) - 0.2
+    with pytest.raises(ValueError, match="aux_loss_tokens must be 'all' or 'answer'"):
+        supervised_warmstart(model(), tok, records, steps=1, lr=1e-2, aux_loss_coef=1.0, aux_loss_tokens="prompt")
 
 
 def test_runs_whose_lengths_differ_do_not_share_a_cached_tiny_model() -> None:
