@@ -224,3 +224,52 @@ def test_sequence_parallelism_divides_the_per_token_terms_only(moe) -> None:
     assert total(four["update_actor"]) < total(one["update_actor"])
     # The rollout is not split: its KV cache is the same either way.
     assert four["rollout"] == one["rollout"]
+
+
+def test_colocated_teachers_and_reward_models_count_beside_the_engine(moe, moe_config, tmp_path) -> None:
+    """Their shards stay on the actor's GPUs: the check counts them and names the keys that move them off."""
+    moe_config.save_pretrained(tmp_path / "teacher")  # config.json is all the accounting reads
+    moe_config.save_pretrained(tmp_path / "rm")
+    roles = (
+        "distillation.enabled=true",
+        f"distillation.teacher_models.big.model_path={tmp_path / 'teacher'}",
+        "reward_model.enable=true",
+        f"reward_model.model.path={tmp_path / 'rm'}",
+        "reward_model.model.dtype=bfloat16",
+    )
+    cfg, plan = _example(*roles)
+    s = setup_of(cfg, plan, H100)
+    teacher, rm = s.frozen
+    # The teacher in the actor's float32, sharded over the 8 ranks; the reward model in bf16 without its LM head.
+    assert teacher.resident == pytest.approx(moe.params / 8 * 4)
+    assert rm.resident == pytest.approx((moe.params - moe.vocab * moe.hidden + moe.hidden) / 8 * 2)
+    state = account(moe, s)["rollout"]
+    assert state["teacher big parameters"] == teacher.resident and state["reward model parameters"] == rm.resident
+    (found,) = misfits(moe, s, H100)  # the example alone fits (above); beside both it does not
+    assert found.what == "the vLLM engine awake beside what the trainer keeps on the GPU"
+    alone = total(account(moe, dataclasses.replace(s, frozen=()))["rollout"])  # the example's state + the engine
+    assert found.need == pytest.approx(alone + teacher.resident + rm.resident)
+    with pytest.raises(ConfigError) as err:
+        check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
+    msg = str(err.value)
+    assert "distillation.teacher_models.big.fsdp_config.param_offload=true" in msg, msg
+    assert "reward_model.fsdp_config.param_offload=true" in msg, msg
+    # Offloaded (or on ranks of their own) they hold nothing here, and the example fits again.
+    for more in (
+        (
+            "distillation.teacher_models.big.fsdp_config.param_offload=true",
+            "reward_model.fsdp_config.param_offload=true",
+        ),
+        ("distillation.placement=separate", "reward_model.placement=separate", "trainer.v1.trainer_mode=sync"),
+    ):
+        cfg, plan = _example(*roles, *more)
+        assert setup_of(cfg, plan, H100).frozen == ()
+        check_memory(cfg, plan, moe_config, "cuda", capacity=H100)
+
+
+def test_a_teacher_whose_config_cannot_be_read_is_left_to_its_loader(tmp_path, caplog) -> None:
+    (tmp_path / "empty").mkdir()
+    cfg, plan = _example("distillation.enabled=true", f"distillation.teacher_models.t.model_path={tmp_path / 'empty'}")
+    with caplog.at_level("WARNING"):
+        assert setup_of(cfg, plan, H100).frozen == ()
+    assert f"memory check: distillation.teacher_models.t.model_path={tmp_path / 'empty'} not counted" in caplog.text

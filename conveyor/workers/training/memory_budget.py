@@ -2,7 +2,8 @@
 
 `account(layout, setup)` adds, per rank and phase, the resident state (the
 actor's parameter shards and AdamW's moments, the reference's and the
-critic's unless offloaded) and what the phase itself adds at its peak. The
+critic's, and colocated teachers' and reward model's, unless offloaded) and
+what the phase itself adds at its peak. The
 rollout phase is the hf rollout's (gathered layers, its KV cache) or, with a
 vLLM engine (`Setup.engine`), the engine awake beside what the trainer keeps
 on the GPU while it generates. `benchmarks/memory.py` checks the accounting
@@ -42,6 +43,7 @@ __all__ = [
     "Layout",
     "Engine",
     "Setup",
+    "Frozen",
     "Misfit",
     "layout_of",
     "account",
@@ -131,6 +133,22 @@ class Engine:
 
 
 @dataclasses.dataclass(frozen=True)
+class Frozen:
+    """A frozen model on the actor's GPUs (a colocated teacher or reward model) as memory sees it, per rank."""
+
+    name: str  # "teacher <name>" or "reward model"
+    params: int
+    bytes_per_param: int
+    world: int  # ranks its parameters are sharded over (1 for dp/none)
+    offload_key: str  # the key that keeps its shards on the host
+
+    @property
+    def resident(self) -> float:
+        """Bytes of its parameters one rank keeps on the GPU."""
+        return self.params / self.world * self.bytes_per_param
+
+
+@dataclasses.dataclass(frozen=True)
 class Setup:
     """A run's settings as memory sees them, per rank."""
 
@@ -156,6 +174,8 @@ class Setup:
     fused_logprob: bool = False
     # actor.ulysses_sequence_parallel_size: each micro-batch's tokens split over this many ranks
     sp: int = 1
+    # colocated teachers and reward model whose shards stay on the GPU (not param_offload)
+    frozen: tuple[Frozen, ...] = ()
 
 
 def _state(lay: Layout, s: Setup) -> dict[str, float]:
@@ -173,6 +193,8 @@ def _state(lay: Layout, s: Setup) -> dict[str, float]:
             state["critic parameters"] = shard * s.master_bytes
             if not s.critic_optimizer_offload:
                 state["critic optimizer state"] = 2 * shard * s.master_bytes
+    for model in s.frozen:
+        state[f"{model.name} parameters"] = model.resident
     return state
 
 
@@ -204,7 +226,8 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     """Bytes per rank by phase and term: resident state plus what the phase adds at its peak.
 
     State: the actor's parameter shards and AdamW's two moments (master dtype),
-    the reference's shards unless offloaded (and the critic's, when on). A
+    the reference's shards unless offloaded (and the critic's, when on; and
+    each colocated frozen model's, `Setup.frozen`). A
     phase adds what it gathers (under fsdp2 over several ranks: the root unit,
     and one decoder layer in flight plus the next one prefetched, in the
     compute dtype; with one rank nothing is gathered) and its activations: the
@@ -380,6 +403,7 @@ def misfits(lay: Layout, s: Setup, capacity: float, ranks: int | None = None) ->
             keys.append(f"{_KEY}.ref.fsdp_config.param_offload=true")
         if "critic parameters" in state:
             keys.append("critic.fsdp_config.param_offload=true or critic.fsdp_config.optimizer_offload=true")
+        keys.extend(model.offload_key for model in s.frozen)
         keys.append("trainer.n_gpus_per_node or trainer.nnodes (more ranks: smaller shards)")
         out.append(
             Misfit("the vLLM engine awake beside what the trainer keeps on the GPU", awake, capacity, tuple(keys))
@@ -451,7 +475,67 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
         engine=engine,
         fused_logprob=model.use_fused_kernels,
         sp=actor.ulysses_sequence_parallel_size,
+        frozen=colocated_frozen(cfg, plan, ranks),
     )
+
+
+def _sharded_over(strategy: str | None, fsdp: Any, ranks: int) -> int:
+    """Ranks a role's parameters are sharded over: fsdp_size (or all its ranks) under fsdp2, else 1."""
+    from conveyor.workers.training.strategy import resolve_strategy
+
+    return (fsdp.fsdp_size or ranks) if resolve_strategy(strategy, ranks) == "fsdp2" else 1
+
+
+def colocated_frozen(cfg: Any, plan: Any, ranks: int) -> tuple[Frozen, ...]:
+    """The teachers and reward model that share the actor's GPUs with their shards resident, counted from the
+    config.json of their checkpoints (built on the meta device; no weights read)."""
+    from transformers import AutoConfig
+
+    def config_of(path: str, key: str, remote: bool) -> Any | None:
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=remote)
+        except (OSError, ValueError) as err:  # its loader refuses the path later, with the key to change
+            logger.warning("memory check: %s=%s not counted (%s)", key, path, str(err).splitlines()[0])
+            return None
+
+    out = []
+    model = cfg.actor_rollout_ref.model
+    remote = bool(model.trust_remote_code)
+    if plan.use_teacher and plan.teacher_placement == "colocated":
+        for name, teacher in cfg.distillation.teacher_models.items():
+            if teacher.fsdp_config.param_offload:
+                continue
+            config = config_of(teacher.model_path, f"distillation.teacher_models.{name}.model_path", remote)
+            if config is None:
+                continue
+            out.append(
+                Frozen(
+                    f"teacher {name}",
+                    layout_of(config, trust_remote_code=remote).params,
+                    _BYTES[model.dtype],  # teachers load in the actor's model.dtype
+                    _sharded_over(teacher.strategy, teacher.fsdp_config, ranks),
+                    f"distillation.teacher_models.{name}.fsdp_config.param_offload=true",
+                )
+            )
+    rm = cfg.reward_model
+    if plan.use_reward_model and plan.reward_model_placement == "colocated" and not rm.fsdp_config.param_offload:
+        rm_remote = bool(rm.model.trust_remote_code)
+        config = config_of(rm.model.path, "reward_model.model.path", rm_remote)
+        if config is None:
+            return tuple(out)
+        lay = layout_of(config, trust_remote_code=rm_remote)
+        # A value head or a one-label classifier in place of the LM head: the body, without an untied LM head.
+        untied_head = 0 if getattr(config, "tie_word_embeddings", False) else lay.vocab * lay.hidden
+        out.append(
+            Frozen(
+                "reward model",
+                lay.params - untied_head + lay.hidden,
+                _BYTES[rm.model.dtype],
+                _sharded_over(rm.strategy, rm.fsdp_config, ranks),
+                "reward_model.fsdp_config.param_offload=true",
+            )
+        )
+    return tuple(out)
 
 
 def _gpu_capacity() -> float | None:
