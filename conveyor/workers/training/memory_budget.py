@@ -431,7 +431,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
     actor, ro, model = arr.actor, arr.rollout, arr.model
     ranks = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
     strategy = resolve_strategy(actor.strategy, ranks)
-    world = (actor.fsdp_config.fsdp_size or ranks) if strategy == "fsdp2" else 1
+    world = _sharded_over(actor.strategy, actor.fsdp_config, ranks)
     compute, _ = mixed_precision(strategy, actor.fsdp_config.param_dtype, None, plan.device)
     master = _BYTES[model.dtype]
     seq_len = d.max_prompt_length + d.max_response_length
