@@ -21,7 +21,7 @@ steps, learning rate and stopping accuracy) with the routers' load-balancing los
 `--warmstart-aux-coef` over `--warmstart-aux-tokens`, as MoE pre-training keeps every expert trained: what a
 skew then breaks, balancing can restore. The defaults (30, `answer`) balance the tokens `rollout/moe/max_vio`
 counts, the answers: the loss over every token (`all`, at 1, 3 or 10) leaves the answer digits' routing
-unbalanced (max_vio 0.9-2.3 per layer), so every expert learns the prompts but only a few the answers, and
+unbalanced (max_vio 0.8-2.3 per layer), so every expert learns the prompts but only a few the answers, and
 balancing the answers then costs accuracy whatever the control. The base's load per expert is printed over
 the task's whole problems and over their answer tokens.
 
@@ -212,6 +212,16 @@ def balanced_warmstart(cfg: Any, source: str, target: Path, coef: float, tokens:
     return len(losses)
 
 
+def _base(steps: int, val: int, extra: Sequence[str]) -> list[str]:
+    """The overrides every run of a part shares: `steps` steps, held-out accuracy on `val` problems at the end."""
+    return [
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        f"data.synthetic.num_val={val}",
+        *extra,
+    ]
+
+
 def run(overrides: Sequence[str]) -> dict[int, dict[str, float]]:
     """One training run of the default config with `overrides`; its metrics rows by step."""
     from conveyor.metrics.trackers import read_metrics_jsonl
@@ -244,7 +254,7 @@ def balance(
     start: str = "balanced",
     aux_coef: float = 30.0,
     update: str = "sign",
-    dead_band: float = 0.0,
+    dead_band: float = 0.3,
     skew: bool = True,
     aux_loss_coef: float = 0.0,
     skew_lead: float = 0.0,
@@ -254,12 +264,7 @@ def balance(
     """Part `balance`: loss-free balancing from a skewed router, against the same run without it, per seed."""
     from conveyor.trainer.setup import prepare_default_model
 
-    base = [
-        f"trainer.total_training_steps={steps}",
-        f"trainer.test_freq={steps}",
-        f"data.synthetic.num_val={val}",
-        *extra,
-    ]
+    base = _base(steps, val, extra)
     cfg = _config(base, Path(tempfile.gettempdir()))
     source = prepare_default_model(cfg)
     results = []
@@ -323,12 +328,7 @@ def replay(seeds: Sequence[int], steps: int, extra: Sequence[str], val: int = 10
     """Part `replay`: router_replay.mode=auto against R3 on the default run, per seed."""
     from conveyor.trainer.plan import build_run_plan
 
-    base = [
-        f"trainer.total_training_steps={steps}",
-        f"trainer.test_freq={steps}",
-        f"data.synthetic.num_val={val}",
-        *extra,
-    ]
+    base = _base(steps, val, extra)
     plan = build_run_plan(
         _config(base + ["actor_rollout_ref.actor.router_replay.mode=auto"], Path("/nonexistent")), "cpu"
     )
