@@ -288,4 +288,4 @@ class RefConfig:
         resume_neutral=True,
     )
     fsdp_config: FSDPConfig = S(FSDPConfig, "FSDP2 settings")
-    ulysses_sequence_parallel_size: int = ulysses_size_field()
+    ulysses_sequence_parallel_size: int | None = ulysses_size_field(follows_actor=True)

@@ -11,20 +11,28 @@ from typing import Any
 
 from conveyor.config.fields import F, check
 
-__all__ = ["check_sequence_parallel_sizes", "ulysses_size_field"]
+__all__ = ["check_sequence_parallel_sizes", "ref_sequence_parallel_size", "ulysses_size_field"]
+
+_HELP = (
+    "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the same rows, "
+    "attention swaps the token split for a head split by all-to-all, so activations per rank are 1/size; must "
+    "divide the role's ranks and the model's attention and key/value heads, and needs packed forwards "
+    "(actor_rollout_ref.model.use_remove_padding); 1 = off"
+)
 
 
-def ulysses_size_field() -> Any:
-    """The `ulysses_sequence_parallel_size` field of a role's config (actor, reference, critic alike)."""
-    return F(
-        1,
-        "ranks each packed micro-batch is split over by tokens (DeepSpeed-Ulysses, verl's key): they take the "
-        "same rows, attention swaps the token split for a head split by all-to-all, so activations per rank are "
-        "1/size; must divide the role's ranks and the model's attention and key/value heads, and needs packed "
-        "forwards (actor_rollout_ref.model.use_remove_padding); 1 = off",
-        ge=1,
-        resume_neutral=True,
-    )
+def ulysses_size_field(follows_actor: bool = False) -> Any:
+    """The `ulysses_sequence_parallel_size` field of a role's config (actor, critic; the reference's, which
+    `follows_actor`, defaults to null: the actor's size, as verl's does)."""
+    if follows_actor:
+        return F(None, f"{_HELP}; null = actor_rollout_ref.actor's", ge=1, resume_neutral=True)
+    return F(1, _HELP, ge=1, resume_neutral=True)
+
+
+def ref_sequence_parallel_size(arr: Any) -> int:
+    """The reference's SP size in the `actor_rollout_ref` section `arr`: its own, or the actor's when null."""
+    own = arr.ref.ulysses_sequence_parallel_size
+    return arr.actor.ulysses_sequence_parallel_size if own is None else own
 
 
 def check_sequence_parallel_sizes(cfg: Any, world: int) -> None:
@@ -36,8 +44,9 @@ def check_sequence_parallel_sizes(cfg: Any, world: int) -> None:
         ("actor_rollout_ref.ref", arr.ref),
         ("critic", cfg.critic),
     )
+    sizes = {"actor_rollout_ref.ref": ref_sequence_parallel_size(arr)}
     for prefix, role in roles:
-        sp = role.ulysses_sequence_parallel_size
+        sp = sizes.get(prefix, role.ulysses_sequence_parallel_size)
         if sp == 1:
             continue
         key = f"{prefix}.ulysses_sequence_parallel_size"

@@ -101,7 +101,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, dense_path:
             if w != world:
                 continue
             (root / name).mkdir()
-            sp = {"critic": SP_CRITIC, "ref": SP_REF}.get(role, SP_ACTOR)
+            # The reference's size is left null: it follows the actor's, as verl's does.
+            sp = SP_CRITIC if role == "critic" else SP_ACTOR
             runs.append(
                 {
                     "role": role,
@@ -232,3 +233,16 @@ def test_sequence_parallel_size_is_refused_where_it_cannot_run() -> None:
             + ["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "trainer.num_cpu_workers=2"]
             + ["actor_rollout_ref.model.use_remove_padding=false"],
         )
+
+
+def test_the_reference_follows_the_actors_size_unless_set() -> None:
+    """verl's default: `ref.ulysses_sequence_parallel_size` null means the actor's; a set value is the reference's."""
+    workers = ["trainer.num_cpu_workers=2", "actor_rollout_ref.ref.strategy=fsdp2"]
+    cfg = load_config(None, BASE + workers + [SP_ACTOR])
+    assert cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size is None
+    assert reference_settings(cfg, build_run_plan(cfg, "cpu")).sequence_parallel_size == 2
+    cfg = load_config(None, BASE + workers + [SP_ACTOR, SP_REF.replace("=2", "=1")])
+    assert reference_settings(cfg, build_run_plan(cfg, "cpu")).sequence_parallel_size == 1
+    # Followed, it is checked as the reference's own: a strategy without ranks to split over is refused by its key.
+    with pytest.raises(ConfigError, match="actor_rollout_ref.ref.ulysses_sequence_parallel_size: splits sequences"):
+        load_config(None, BASE + ["trainer.num_cpu_workers=2", SP_ACTOR, "actor_rollout_ref.ref.strategy=none"])

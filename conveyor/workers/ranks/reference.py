@@ -54,7 +54,8 @@ class ReferenceWorker:
         self.data_plane = data_plane
         m, ref = settings.model, settings.ref
         fsdp = ref.fsdp_config
-        strategy = role_strategy(ref.strategy, fsdp, world_size, self.device, sp=ref.ulysses_sequence_parallel_size)
+        sp = settings.sequence_parallel_size
+        strategy = role_strategy(ref.strategy, fsdp, world_size, self.device, sp=sp)
         # Under fsdp2 over several ranks only rank 0 reads the checkpoint (conveyor.workers.training.loading).
         self.model = load_role_model(
             model_path,
@@ -77,10 +78,7 @@ class ReferenceWorker:
             fused=m.use_fused_kernels,
         )
         check_sequence_parallel(
-            self.model,
-            ref.ulysses_sequence_parallel_size,
-            "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
-            packed=self.forward.packed,
+            self.model, sp, "actor_rollout_ref.ref.ulysses_sequence_parallel_size", packed=self.forward.packed
         )
 
     @property

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from conveyor.config.parallel import ref_sequence_parallel_size
 from conveyor.workers.ranks.distill import distill_settings
 from conveyor.workers.training.batching import TokenBudget, token_budget
 from conveyor.workers.training.optim import total_optim_steps
@@ -93,6 +94,7 @@ class ReferenceSettings:
     model: Any  # actor_rollout_ref.model
     ref: Any  # actor_rollout_ref.ref (micro-batch size, strategy, fsdp_config)
     log_prob_budget: TokenBudget | None = None  # ref.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu
+    sequence_parallel_size: int = 1  # ref.ulysses_sequence_parallel_size, null resolved to the actor's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +187,10 @@ def reference_settings(cfg: Config, plan: RunPlan) -> ReferenceSettings:
     """The reference's settings of a run of `cfg` (the plan says whether there is one)."""
     arr = cfg.actor_rollout_ref
     return ReferenceSettings(
-        model=copy.deepcopy(arr.model), ref=copy.deepcopy(arr.ref), log_prob_budget=_reference_budget(arr)
+        model=copy.deepcopy(arr.model),
+        ref=copy.deepcopy(arr.ref),
+        log_prob_budget=_reference_budget(arr),
+        sequence_parallel_size=ref_sequence_parallel_size(arr),
     )
 
 
