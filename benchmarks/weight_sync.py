@@ -176,6 +176,7 @@ def _rank(rank: int, port: int, sizes: list[str], bucket_bytes: int, dtype: str,
         rows.append(row)
         del model
     torch.save(rows, Path(out) / f"rank{rank}.pt")
+    tdist.barrier()  # every rank past its last collective before any tears the group down
     tdist.destroy_process_group()
 
 

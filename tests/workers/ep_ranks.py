@@ -75,6 +75,7 @@ def _rank(rank: int, port: int, out: str) -> None:
             },
             Path(out) / "four_ranks.pt",
         )
+    tdist.barrier()  # every rank past its last collective before any tears the group down
     tdist.destroy_process_group()
 
 

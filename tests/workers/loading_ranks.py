@@ -80,6 +80,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     input_ids = torch.tensor(spec["input_ids"], dtype=torch.long)
     for case in spec["cases"]:
         _case(rank, spec["world"], input_ids, case)
+    tdist.barrier()  # every rank past its last collective before any tears the group down
     tdist.destroy_process_group()
 
 

@@ -285,6 +285,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
     for run in spec["runs"]:
         _run(rank, world, spec["model_path"], run)
+    tdist.barrier()  # every rank past its last collective before any tears the group down
     tdist.destroy_process_group()
 
 
