@@ -121,8 +121,8 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], model_path: st
     Path(out, f"rank{rank}.json").write_text(
         json.dumps({k: result.extra_info[k] for k in KEYS + EXPERT_KEYS if k in result.extra_info})
     )
-    # Every rank past its last collective before any tears the group down (without it a rank aborted at the end,
-    # "terminate called without an active exception", about once in twenty runs).
+    # Every rank past its last collective before any tears the group down (without it a rank once aborted at the
+    # end of a full test run: "terminate called without an active exception").
     tdist.barrier()
     tdist.destroy_process_group()
 
