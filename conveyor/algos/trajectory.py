@@ -13,9 +13,10 @@ cut off by the budget) are left out: no model token follows them.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-__all__ = ["response_span", "span_lengths", "segments"]
+__all__ = ["response_span", "span_lengths", "segments", "session_heads", "spread_over_sessions"]
 
 
 def response_span(response_mask: Tensor) -> Tensor:
@@ -43,3 +44,25 @@ def segments(mask_row: list[bool] | Tensor) -> list[tuple[bool, int, int]]:
             runs.append((values[start], start, i))
             start = i
     return runs
+
+
+def session_heads(sessions: list[str]) -> tuple[list[int], list[int]]:
+    """For per-sample session names (B,): the index of each session's first sample, and each sample's session
+    (an index into those heads)."""
+    heads: list[int] = []
+    at: dict[str, int] = {}
+    owner = []
+    for i, name in enumerate(sessions):
+        if name not in at:
+            at[name] = len(heads)
+            heads.append(i)
+        owner.append(at[name])
+    return heads, owner
+
+
+def spread_over_sessions(head_values: Tensor, head_mask: Tensor, owner: list[int], mask: Tensor) -> Tensor:
+    """(B, R) values of every sample from its session head's: the head's mean over its tokens (`head_values`,
+    `head_mask`: (H, R')), on each of the sample's own tokens (`mask` (B, R))."""
+    m = head_mask.to(head_values.dtype)
+    per_head = (head_values * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return per_head[torch.tensor(owner, dtype=torch.long)].unsqueeze(-1) * mask.to(head_values.dtype)

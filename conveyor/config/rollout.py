@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from conveyor.config.fields import F, S, check, registry
 from conveyor.config.model import DTYPES
 
-__all__ = ["PLACEMENTS", "TRUNCATE_SIDES", "ValKwargs", "MultiTurnConfig", "FaultToleranceConfig", "RolloutConfig"]
+__all__ = [
+    "PLACEMENTS",
+    "TRUNCATE_SIDES",
+    "ValKwargs",
+    "MultiTurnConfig",
+    "AgentConfig",
+    "FaultToleranceConfig",
+    "RolloutConfig",
+]
 
 TRUNCATE_SIDES = ("left", "middle", "right")
 # Where the rollout engines run (actor_rollout_ref.rollout.placement).
@@ -66,6 +74,73 @@ class MultiTurnConfig:
             not self.enable or bool(self.tool_config_path),
             f"{prefix}.tool_config_path",
             f"{prefix}.enable=true needs a tool YAML; give its path (see docs/agent.md) or set {prefix}.enable=false",
+        )
+
+
+@dataclass
+class AgentConfig:
+    """Any agent that speaks the OpenAI API as the rollout, through the gateway (docs/agent.md)."""
+
+    command: str | None = F(
+        None,
+        "the agent's command line, run once per session (one sample of one prompt), split as a shell would and run "
+        "without one, in the directory the run started in; it reads its task as JSON on stdin and the gateway's "
+        "OPENAI_BASE_URL / OPENAI_API_KEY from its environment",
+        hint="none",
+    )
+    callable: str | None = F(
+        None,
+        "an in-process agent instead (module:function or file.py:function), called as "
+        "function(base_url, api_key, task) -> reward or None",
+        hint="none",
+    )
+    timeout_s: float = F(600.0, "wall clock of one session; past it the agent is stopped and the session failed", gt=0)
+    term_grace_s: float = F(2.0, "seconds between SIGTERM and SIGKILL for an agent past its timeout", gt=0, le=60)
+    max_concurrent: int = F(64, "sessions running at once per rollout rank", gt=0, le=4096)
+    host: str = F("127.0.0.1", "address the gateway listens on (loopback: only this machine's agents reach it)")
+    port: int = F(0, "the gateway's port (0 = pick a free one; each rollout rank serves on its own)", ge=0, le=65535)
+    api_key: str | None = F(None, "the key every request must carry (null = a random key per run)", hint="random")
+    batch_wait_s: float = F(
+        0.5,
+        "most seconds a request waits for the other running sessions' requests before the engine runs without "
+        "them (a batch runs at once when every running session has one waiting)",
+        ge=0,
+        le=600,
+    )
+    failure_reward: float | None = F(
+        0.0,
+        "the reward of a session whose agent failed (non-zero exit, timeout, error); null = scored like any other "
+        "(its reported reward, else the task's reward function on its last completion)",
+        hint="score it",
+    )
+    model_name: str | None = F(None, "the model name /v1/models reports (null = the model path's)", hint="path")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether an agent runs the rollout through the gateway."""
+        return self.command is not None or self.callable is not None
+
+    def validate(self, prefix: str) -> None:
+        """One of command and callable, and a command that splits."""
+        check(
+            not (self.command is not None and self.callable is not None),
+            f"{prefix}.callable",
+            f"give one of {prefix}.command and {prefix}.callable, not both",
+        )
+        if self.command is not None:
+            import shlex
+
+            try:
+                argv = shlex.split(self.command)
+            except ValueError as err:
+                argv, why = [], str(err)
+            else:
+                why = "it is empty"
+            check(bool(argv), f"{prefix}.command", f"cannot split {self.command!r} into a command line ({why})")
+        check(
+            self.callable is None or ":" in self.callable,
+            f"{prefix}.callable",
+            f"write module:function or file.py:function, got {self.callable!r}",
         )
 
 
@@ -216,6 +291,7 @@ class RolloutConfig:
     )
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
+    agent: AgentConfig = S(AgentConfig, "an OpenAI-API agent as the rollout, through the gateway")
     fault_tolerance: FaultToleranceConfig = S(
         FaultToleranceConfig,
         "replacing rollout replicas (in processes of their own) that die or hang",

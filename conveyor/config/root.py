@@ -138,6 +138,12 @@ class Config:
                 "reward_model.overlong_buffer.len",
                 f"must be at most data.max_response_length={self.data.max_response_length}, got {ob.len}",
             )
+        check(
+            not (self.actor_rollout_ref.rollout.agent.enabled and self.actor_rollout_ref.rollout.multi_turn.enable),
+            "actor_rollout_ref.rollout.multi_turn.enable",
+            "an agent through the gateway runs its own turns: set multi_turn.enable=false with "
+            "actor_rollout_ref.rollout.agent (the call format is still multi_turn.format)",
+        )
         if t.v1.is_async:
             self._check_async()
         if critic_in_use(self):
@@ -242,6 +248,13 @@ class Config:
             "trainer.v1.separate_async.partial_rollout",
             "weights that arrive between two tokens are counted within one engine call, and a multi-turn rollout "
             "makes one per turn: set partial_rollout=false with multi_turn.enable",
+        )
+        agent = self.actor_rollout_ref.rollout.agent
+        check(
+            not (self.trainer.v1.separate_async.partial_rollout and agent.enabled),
+            "trainer.v1.separate_async.partial_rollout",
+            "an agent's session spans many engine calls, which weights arriving between two tokens cannot be "
+            "counted over: set partial_rollout=false with actor_rollout_ref.rollout.agent",
         )
 
     @property

@@ -11,7 +11,7 @@ responses or talk to the data plane; the workers do.
 """
 
 from conveyor.algos.trajectory import response_span, segments, span_lengths
-from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, build_agent_loop
+from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings, build_agent_loop, build_rollout_loop
 from conveyor.rollout.base import (
     ROLLOUT_ENGINES,
     EngineCapabilities,
@@ -37,6 +37,7 @@ __all__ = [
     "GenerationOutput",
     "SamplingParams",
     "build_agent_loop",
+    "build_rollout_loop",
     "engine_spec",
     "mask_unfed_routing",
     "response_span",

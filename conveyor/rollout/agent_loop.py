@@ -52,7 +52,7 @@ from torch import Tensor
 from conveyor.algos.trajectory import response_span
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
-from conveyor.tools.base import Tool, ToolResult, release_all, run_call
+from conveyor.tools.base import Tool, ToolResult, release_all, run_call, truncate_text
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
 
 logger = logging.getLogger(__name__)
@@ -93,18 +93,6 @@ class _Sample:
     created: set[str] = field(default_factory=set)
     instance_id: str = ""
     done: bool = False
-
-
-def truncate_text(text: str, limit: int, side: str) -> str:
-    """`text` cut to `limit` characters on `side` (left, middle or right), the cut marked with "..."."""
-    if len(text) <= limit:
-        return text
-    if side == "left":
-        return "..." + text[len(text) - limit :]
-    if side == "right":
-        return text[:limit] + "..."
-    half = limit // 2
-    return text[:half] + "..." + text[len(text) - (limit - half) :]
 
 
 def _chat_prefix(tokenizer: Any) -> str:
@@ -424,3 +412,16 @@ def build_agent_loop(multi_turn: Any, rollout: GenerationEngine, tokenizer: Any)
     return AgentLoop(
         rollout, tokenizer, load_tools(multi_turn.tool_config_path), get_format(multi_turn.format), settings
     )
+
+
+def build_rollout_loop(rollout_cfg: Any, engine: GenerationEngine, tokenizer: Any, model_path: str = "") -> Any:
+    """What drives the engine past one call per batch: the agent gateway (`rollout.agent`), the tool loop
+    (`rollout.multi_turn`), or None for plain generation."""
+    if rollout_cfg.agent.enabled:
+        from conveyor.rollout.gateway.loop import build_gateway_loop
+
+        name = model_path.rstrip("/").rsplit("/", 1)[-1] if model_path else ""
+        return build_gateway_loop(
+            rollout_cfg.agent, rollout_cfg.multi_turn, engine, tokenizer, name or "conveyor-policy"
+        )
+    return build_agent_loop(rollout_cfg.multi_turn, engine, tokenizer)

@@ -114,6 +114,9 @@ class GenerationOutput(Mapping):
     `router_margins` (B, P+R, L) float, each fed token's gap between its k-th and (k+1)-th router logit, NaN
     where the routing is unknown, or None.
     The agent loop adds `tool_rewards` (B,) and `metrics`. R is the number of steps taken (<= max_new_tokens).
+    The agent gateway may return more rows than prompts (a session cut into several samples): `source_rows` (B',)
+    gives each row's prompt row, `prompts` / `prompt_mask` (B', P) each row's own prompt columns, and
+    `sample_fields` more per-row fields to write (tensors with B' rows, or lists of B' values).
     """
 
     responses: Tensor
@@ -123,6 +126,10 @@ class GenerationOutput(Mapping):
     router_margins: Tensor | None = None
     tool_rewards: Tensor | None = None
     metrics: dict[str, float] | None = None
+    prompts: Tensor | None = None
+    prompt_mask: Tensor | None = None
+    source_rows: Tensor | None = None
+    sample_fields: dict[str, Any] | None = None
 
     def _present(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]

@@ -123,6 +123,8 @@ class PromptEncoder:
             "ground_truth": [str(records[i]["reward_model"]["ground_truth"]) for i in rows],
             "raw_prompt": [texts[i] for i in rows],
             PROMPT_MESSAGES: [records[i].get("prompt") for i in rows],
+            # The record's own side data (verl's extra_info): an agent reads it with its task.
+            "extra_info": [records[i].get("extra_info") for i in rows],
         }
         return fields, [len(token_lists[i]) for i in rows]
 

@@ -41,7 +41,7 @@ from conveyor.files import read_text
 from conveyor.tools.formats import ToolCall
 from conveyor.user_code import describe_error, user_attribute
 
-__all__ = ["Tool", "ToolResult", "FunctionTool", "load_tools", "make_tool", "run_call", "release_all"]
+__all__ = ["Tool", "ToolResult", "FunctionTool", "load_tools", "make_tool", "run_call", "release_all", "truncate_text"]
 
 _KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 
@@ -207,3 +207,15 @@ def release_all(tools: dict[str, Tool], instance_id: str, created: set[str]) -> 
         except (Exception, SystemExit, asyncio.CancelledError) as err:
             failures.append(f"tool {name!r} release raised {describe_error(err)}")
     return failures
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """`text` cut to `limit` characters on `side` (left, middle or right), the cut marked with "..."."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return "..." + text[len(text) - limit :]
+    if side == "right":
+        return text[:limit] + "..."
+    half = limit // 2
+    return text[:half] + "..." + text[len(text) - (limit - half) :]

@@ -57,7 +57,7 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.models.packing import setup_packing
 from conveyor.models.router_control import freeze_routers
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.agent_loop import build_agent_loop
+from conveyor.rollout.agent_loop import build_rollout_loop
 from conveyor.rollout.base import EngineContext, GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
@@ -224,7 +224,7 @@ class PolicyWorker(CheckpointEndpoints):
         if not caps.shares_trainer_modules and rank == 0:
             logger.info("%s rollout engine started in %.1f s", spec.name, getattr(self.rollout, "start_time_s", 0.0))
         # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
-        self.agent_loop = build_agent_loop(settings.rollout.multi_turn, self.rollout, self.tokenizer)
+        self.agent_loop = build_rollout_loop(settings.rollout, self.rollout, self.tokenizer, model_path)
         # An engine over the trainer's modules under fsdp2 gathers the whole model once when it is small, else
         # decodes over the shards; an engine with its own copy of the weights needs neither.
         shares = caps.shares_trainer_modules
@@ -297,6 +297,9 @@ class PolicyWorker(CheckpointEndpoints):
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        if self.agent_loop is not None and hasattr(self.agent_loop, "close"):
+            self.agent_loop.close()  # the agent gateway's server
+            self.agent_loop = None
         if self.rollout is not None:
             self.rollout.close()
 

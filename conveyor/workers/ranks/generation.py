@@ -33,6 +33,7 @@ from tensordict import TensorDict
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams
+from conveyor.rollout.gateway.trajectory import TASK_FIELDS
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder
 from conveyor.workers.ranks.calls import GenerateCall
 from conveyor.workers.ranks.forward import micro_batches
@@ -131,6 +132,7 @@ class Generation:
             td = self.data_plane.kv_batch_get(
                 keys=meta.keys, partition_id=meta.partition_id, select_fields=["prompts", "prompt_mask"]
             ).to(self.device)
+        tasks = self._tasks(meta, prompt_fields) if getattr(self.agent_loop, "needs_tasks", False) else None
         generator = None
         if call.seed is not None:
             # One stream per rank, or per replica when a tensor-parallel replica spans ranks (they sample as one).
@@ -147,8 +149,10 @@ class Generation:
             # An engine over the trainer's modules decodes with the whole model gathered once (docs/distributed.md).
             gather = self.engine.capabilities.shares_trainer_modules
             with strategy.full_params() if gather else contextlib.nullcontext():
-                out = self._in_chunks(td, call, generator)
+                out = self._in_chunks(td, call, generator, tasks=tasks)
         elapsed = time.perf_counter() - t0
+        if out.source_rows is not None:  # the agent gateway: a session may have made several samples
+            meta, prompt_fields, td = self._session_rows(meta, out, prompt_fields, td, tasks)
         fields = {k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")}
         if call.capture_routing and self.moe is not None and "routed_experts" not in out:
             # Noticed at the first rollout, not at the update that finds nothing to replay.
@@ -176,9 +180,11 @@ class Generation:
             fields = pad_responses(fields, strategy.agree_count(int(fields["responses"].shape[1])), pad_id)
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
+        if out.sample_fields:  # the agent gateway's per-row fields (the session's reward, its last completion)
+            fields.update(out.sample_fields)
         if extra_fields is not None:
             fields.update(extra_fields(fields))
-        cpu = {k: v.cpu() for k, v in fields.items()}
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
         # Rendered prompts go in the same put as the rollout's fields (one write a batch).
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={**prompt_fields, **cpu})
         # The handle's seq_len tags become prompt + response tokens: later splits over ranks balance those.
@@ -188,6 +194,72 @@ class Generation:
         metrics.update(out.get("metrics") or {})  # the agent loop's rollout/multi_turn/*
         metrics.update(phase_memory_metrics("rollout", self.device))
         return result_handle(meta, list(prompt_fields) + list(fields), metrics, self.device)
+
+    def _tasks(self, meta: KVBatchMeta, prompt_fields: dict[str, Any]) -> list[dict]:
+        """Each sample's task, for an agent: its dataset row in verl's shape, and the prompt text it was rendered to."""
+        names = [f for f in TASK_FIELDS if f != "uid"]
+        if prompt_fields:
+            cols = {f: prompt_fields[f] for f in names if f in prompt_fields}
+        else:
+            have = [f for f in names if f in meta.fields] or names[:4]
+            got = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=have)
+            cols = {f: got[f] for f in have}
+        tasks = []
+        for i in range(len(meta)):
+            extra = cols["extra_info"][i] if "extra_info" in cols else None
+            tasks.append(
+                {
+                    "agent_task": {
+                        "prompt": cols["prompt_messages"][i],
+                        "data_source": cols["data_source"][i],
+                        "ground_truth": cols["ground_truth"][i],
+                        "extra_info": extra if isinstance(extra, dict) else {},
+                    },
+                    "raw_prompt": cols["raw_prompt"][i],
+                }
+            )
+        return tasks
+
+    def _session_rows(
+        self,
+        meta: KVBatchMeta,
+        out: GenerationOutput,
+        prompt_fields: dict[str, Any],
+        td: TensorDict,
+        tasks: list[dict] | None,
+    ) -> tuple[KVBatchMeta, dict[str, Any], TensorDict]:
+        """The handle, prompt fields and prompts of the gateway's rows: a session's first sample keeps its key, its
+        k-th later one is `<key>/t<k>` with the session's task fields copied; every row's prompt columns are its own."""
+        assert out.source_rows is not None and out.prompts is not None and out.prompt_mask is not None
+        rows = out.source_rows.tolist()
+        seen: dict[int, int] = {}
+        keys = []
+        for src in rows:
+            k = seen.get(src, 0)
+            seen[src] = k + 1
+            keys.append(meta.keys[src] if k == 0 else f"{meta.keys[src]}/t{k}")
+        fields: dict[str, Any] = {"prompts": out.prompts.cpu(), "prompt_mask": out.prompt_mask.cpu()}
+        fields["agent_session"] = [meta.keys[src] for src in rows]
+        if len(keys) > len(meta.keys):  # new samples: they carry their session's task fields
+            if prompt_fields:
+                base = {f: prompt_fields[f] for f in TASK_FIELDS if f in prompt_fields}
+            else:
+                have = [f for f in TASK_FIELDS if f in meta.fields]
+                got = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=have)
+                base = {f: got[f] for f in have}
+            for f, col in base.items():
+                fields[f] = [col[src] for src in rows]
+        elif prompt_fields:
+            fields.update({k: v for k, v in prompt_fields.items() if k not in fields})
+        new_meta = KVBatchMeta(
+            keys=keys,
+            partition_id=meta.partition_id,
+            fields=list(meta.fields),
+            tags=[dict(meta.tags[src]) if meta.tags else {} for src in rows],
+            extra_info=dict(meta.extra_info),
+        )
+        new_td = TensorDict({"prompts": out.prompts, "prompt_mask": out.prompt_mask}, batch_size=[len(keys)])
+        return new_meta, fields, new_td
 
     def _render(self, meta: KVBatchMeta) -> dict[str, Any]:
         """The prompt fields of the handle's samples, from the records its call carries (`RENDER_PROMPTS`); checked
@@ -243,6 +315,7 @@ class Generation:
         call: GenerateCall,
         generator: torch.Generator | None,
         synced: Callable[[bool], bool] | None = None,
+        tasks: list[dict] | None = None,
     ) -> GenerationOutput:
         """An engine over the trainer's modules at most `rollout.max_num_seqs` sequences at a time (its KV cache is
         bounded by them).
@@ -254,7 +327,7 @@ class Generation:
         size = self.rollout.max_num_seqs
         own = not self.engine.capabilities.shares_trainer_modules
         if self.agent_loop is not None or own or len(td) <= size and synced is None:
-            return self._one(td, call, generator, synced)
+            return self._one(td, call, generator, synced, tasks=tasks)
         slices = micro_batches(len(td), size)
         passes = self.passes(slices) if synced is not None else [(sl, True) for sl in slices]
         outs = []
@@ -274,6 +347,7 @@ class Generation:
         call: GenerateCall,
         generator: torch.Generator | None,
         synced: Callable[[bool], bool] | None = None,
+        tasks: list[dict] | None = None,
     ) -> GenerationOutput:
         params = SamplingParams(
             max_new_tokens=int(call.max_new_tokens),
@@ -285,7 +359,8 @@ class Generation:
             capture_router_margins=bool(call.capture_router_margins),
         )
         if self.agent_loop is not None:
-            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator)
+            extra = {"tasks": tasks} if tasks is not None else {}
+            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator, **extra)
         return self.engine.generate(
             td["prompts"], td["prompt_mask"], params, generator=generator, interrupt=self.interrupt, synced=synced
         )

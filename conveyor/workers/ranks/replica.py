@@ -45,7 +45,7 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.agent_loop import build_agent_loop
+from conveyor.rollout.agent_loop import build_rollout_loop
 from conveyor.rollout.base import EngineContext, engine_spec, served_dtype
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
@@ -134,7 +134,7 @@ class ReplicaWorker:
                 moe=self.moe,
             )
         )
-        agent_loop = build_agent_loop(ro.multi_turn, self.engine, self.tokenizer)
+        agent_loop = build_rollout_loop(ro, self.engine, self.tokenizer, model_path)
         # One replica, one engine: no collectives, so a single-rank strategy (its collectives are no-ops).
         strategy = TrainingStrategy("none", world_size=1, device=self.device)
         self.generation = Generation(
@@ -293,4 +293,7 @@ class ReplicaWorker:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        loop = getattr(self.generation, "agent_loop", None) if getattr(self, "generation", None) else None
+        if loop is not None and hasattr(loop, "close"):
+            loop.close()
         self.engine.close()

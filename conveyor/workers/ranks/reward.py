@@ -218,7 +218,27 @@ class RewardWorker:
             [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
         )
         scoring_cpu: list[float] = []  # the calls run on a thread of their own: its CPU counts too
-        values = self._score_all(list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])), scoring_cpu)
+        agent = None
+        if "agent_reward" in meta.fields:
+            # Agent sessions (the gateway): the session's reward where its agent reported one; else the task's reward
+            # function on the session's last completion, the same for each of its samples.
+            agent = self.data_plane.kv_batch_get(
+                keys=meta.keys, partition_id=meta.partition_id, select_fields=["agent_reward", "agent_completion"]
+            )
+            texts = list(agent["agent_completion"])
+            reported = agent["agent_reward"].float()
+            rule = [i for i in range(len(texts)) if not bool(torch.isfinite(reported[i]))]
+            sources, truths = td["data_source"], td["ground_truth"]
+            scored = self._score_all(
+                [meta.keys[i] for i in rule], [(sources[i], texts[i], truths[i]) for i in rule], scoring_cpu
+            )
+            values = reported.tolist()
+            for i, v in zip(rule, scored):
+                values[i] = v
+        else:
+            values = self._score_all(
+                list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])), scoring_cpu
+            )
         acc = torch.tensor(values, dtype=torch.float32)
         metrics: dict[str, float] = {}
         scores = acc
