@@ -137,6 +137,15 @@ class AgentConfig:
             else:
                 why = "it is empty"
             check(bool(argv), f"{prefix}.command", f"cannot split {self.command!r} into a command line ({why})")
+        if self.enabled:
+            import importlib.util
+
+            missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+            check(
+                not missing,
+                f"{prefix}.{'command' if self.command is not None else 'callable'}",
+                f"the agent gateway needs {' and '.join(missing)}: pip install 'conveyor[agent]'",
+            )
         check(
             self.callable is None or ":" in self.callable,
             f"{prefix}.callable",

@@ -40,8 +40,59 @@ SCHEMA = [
 ]
 
 
+def session(
+    client: openai.OpenAI,
+    task: dict,
+    *,
+    tools_yaml: str = str(TOOL_YAML),
+    call_format: str = "hash",
+    max_assistant_turns: int = 3,
+    max_user_turns: int = 2,
+    max_tool_chars: int = 16,
+) -> None:
+    """One session: turns until the model answers or a limit is reached (no reward: the task's rule scores it)."""
+    tools = load_tools(tools_yaml)
+    fmt = get_format(call_format)
+    created: set[str] = set()
+    messages = list(task["prompt"])
+    assistant = user = 0
+    try:
+        while True:
+            try:
+                reply = client.chat.completions.create(model="policy", messages=messages, tools=SCHEMA)
+            except openai.BadRequestError:
+                break  # the sample has no room left for another turn
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+            assistant += 1
+            if assistant >= max_assistant_turns or user >= max_user_turns:
+                break
+            if message.tool_calls:
+                call = message.tool_calls[0]
+                text = json.loads(call.function.arguments).get("text", "")
+                answer = run_call(tools, ToolCall(call.function.name, text=text), "session", created).text
+                call_id = call.id
+            else:
+                try:  # a turn whose call does not parse is answered with the parser's error, as the built-in loop does
+                    fmt.parse(message.content or "")
+                    break  # no call: the model has answered
+                except ToolCallError as err:
+                    answer, call_id = f"error: {err}", "malformed"
+            content = truncate_text(answer, max_tool_chars, "middle")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+            user += 1
+    finally:
+        release_all(tools, "session", created)
+
+
+def run(base_url: str, api_key: str, task: dict) -> float | None:
+    """The same agent in-process (actor_rollout_ref.rollout.agent.callable=examples/agents/arithmetic_agent.py:run)."""
+    session(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600), task)
+    return None
+
+
 def main() -> int:
-    """One session: the task from stdin, turns until the model answers or a limit is reached."""
+    """The agent as a command: its task from stdin, the gateway from the environment."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tools", default=str(TOOL_YAML), help="the tool YAML (multi_turn.tool_config_path's format)")
     ap.add_argument("--format", default="hash", help="the run's call format (multi_turn.format)")
@@ -55,39 +106,15 @@ def main() -> int:
 
         import_user_code(args.plugin, key="--plugin")
     task = json.loads(sys.stdin.readline())
-    client = openai.OpenAI(max_retries=0, timeout=600)
-    tools = load_tools(args.tools)
-    fmt = get_format(args.format)
-    created: set[str] = set()
-    messages = list(task["prompt"])
-    assistant = user = 0
-    try:
-        while True:
-            try:
-                reply = client.chat.completions.create(model="policy", messages=messages, tools=SCHEMA)
-            except openai.BadRequestError:
-                break  # the sample has no room left for another turn
-            message = reply.choices[0].message
-            messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
-            assistant += 1
-            if assistant >= args.max_assistant_turns or user >= args.max_user_turns:
-                break
-            if message.tool_calls:
-                call = message.tool_calls[0]
-                text = json.loads(call.function.arguments).get("text", "")
-                answer = run_call(tools, ToolCall(call.function.name, text=text), "session", created).text
-                call_id = call.id
-            else:
-                try:  # a turn whose call does not parse is answered with the parser's error, as the built-in loop does
-                    fmt.parse(message.content or "")
-                    break  # no call: the model has answered
-                except ToolCallError as err:
-                    answer, call_id = f"error: {err}", "malformed"
-            content = truncate_text(answer, args.max_tool_chars, "middle")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
-            user += 1
-    finally:
-        release_all(tools, "session", created)
+    session(
+        openai.OpenAI(max_retries=0, timeout=600),
+        task,
+        tools_yaml=args.tools,
+        call_format=args.format,
+        max_assistant_turns=args.max_assistant_turns,
+        max_user_turns=args.max_user_turns,
+        max_tool_chars=args.max_tool_chars,
+    )
     return 0
 
 

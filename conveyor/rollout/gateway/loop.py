@@ -65,7 +65,7 @@ class GatewaySettings:
     """`actor_rollout_ref.rollout.agent`, as the loop uses it."""
 
     command: str | None = None
-    callable: str | None = None
+    callable: Any = None  # "module:function" / "file.py:function", or the function itself
     timeout_s: float = 600.0
     term_grace_s: float = 2.0
     max_concurrent: int = 64
@@ -93,7 +93,9 @@ class GatewayLoop:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.argv = agents.split_command(settings.command) if settings.command else None
         self.fn = None
-        if settings.callable:
+        if callable(settings.callable):  # a function handed over directly (from Python, not from a config)
+            self.fn = settings.callable
+        elif settings.callable:
             from conveyor.user_code import user_attribute
 
             source, _, name = settings.callable.rpartition(":")
@@ -304,7 +306,9 @@ class GatewayLoop:
                 version,
             )
             with r.session.lock:
-                r.session.record(call, r.text, self.renderer.raw_text(call.completion) if r.text is not None else "")
+                # The text the sample's tokens now stand for ends with the completion as sampled, EOS included: a
+                # template that writes its own end-of-turn marker there extends it, one that writes none does not.
+                r.session.record(call, r.text, self.renderer.decode(call.completion, raw=True) if r.text else "")
                 r.session.last_completion = self.renderer.decode(call.completion)
             r.future.set_result(call)
 

@@ -1,0 +1,90 @@
+"""Training runs whose rollout is an agent through the gateway: the trainer's stages over its rows, sessions cut into
+several samples, rewards from each source, validation, R3 and the MoE metrics."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conveyor.config import ConfigError, load_config
+from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.trainer.run import run_training
+
+AG = "actor_rollout_ref.rollout.agent"
+TASK = [
+    "data.synthetic.task=arithmetic_tool",
+    "data.synthetic.ops=['*']",
+    "data.synthetic.max_operand=99",
+    "data.max_response_length=24",
+    "actor_rollout_ref.rollout.multi_turn.format=test_digit_calls",
+    "trainer.plugins=[tests/agent/digit_format.py]",
+]
+
+
+def _rows(path):
+    return {r["step"]: r for r in read_metrics_jsonl(path / "metrics.jsonl")}
+
+
+def test_training_through_the_gateway_with_r3_metrics_and_validation(tiny_run, tmp_path) -> None:
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + TASK
+            + [
+                f"{AG}.callable=tests/agent/agents.py:digits",
+                "actor_rollout_ref.actor.router_replay.mode=R3",
+                "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+                "trainer.test_freq=2",
+            ],
+        )
+    )
+    last = _rows(tmp_path)[2]
+    assert last["rollout/agent/ok"] == 8 and last["rollout/agent/reward_source_rule"] == 8
+    assert last["rollout/agent/calls_per_session"] > 1  # tool turns happened
+    assert last["rollout/agent/samples_per_session"] == 1  # every call extended the one before
+    assert last["rollout/moe/routed_experts_found"] == 1.0 and "rollout/moe/max_vio/max" in last
+    assert "val/accuracy" in last and "actor/pg_loss" in last
+
+
+def test_sessions_cut_into_samples_train_with_one_advantage_per_session(tiny_run, tmp_path) -> None:
+    run_training(load_config(None, tiny_run + TASK + [f"{AG}.callable=tests/agent/agents.py:forgetful"]))
+    last = _rows(tmp_path)[2]
+    assert last["rollout/agent/samples_per_session"] == 3  # three calls, none extending the one before
+    assert last["rollout/agent/cut_sessions"] == 16  # 8 sessions x 2 extra samples
+    assert last["rollout/agent/reward_source_return"] == 8 and last["reward/mean"] == pytest.approx(0.5)
+    # Every session scores the same: GRPO's advantages are 0 for each session, whatever its number of samples.
+    assert last["actor/pg_loss"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_agent_commands_report_rewards_on_stdout(tiny_run, tmp_path) -> None:
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + TASK
+            + ["trainer.total_training_steps=1", f"{AG}.command={sys.executable} tests/agent/agents.py stdout_reward"],
+        )
+    )
+    last = _rows(tmp_path)[1]
+    assert last["rollout/agent/reward_source_stdout"] == 8 and last["reward/mean"] == pytest.approx(0.75)
+
+
+def test_agent_keys_are_checked_at_start(tiny_run) -> None:
+    with pytest.raises(ConfigError, match="give one of actor_rollout_ref.rollout.agent.command and"):
+        load_config(None, tiny_run + [f"{AG}.command=x", f"{AG}.callable=a.py:f"])
+    with pytest.raises(ConfigError, match="multi_turn.enable"):
+        load_config(
+            None,
+            tiny_run
+            + [
+                f"{AG}.command=x",
+                "actor_rollout_ref.rollout.multi_turn.enable=true",
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path=examples/tools/calculator.yaml",
+            ],
+        )
+    with pytest.raises(ConfigError, match="cannot split"):
+        load_config(None, tiny_run + [f'{AG}.command="a \'b"'])
+    with pytest.raises(ConfigError, match="module:function or file.py:function"):
+        load_config(None, tiny_run + [f"{AG}.callable=nofunction"])
