@@ -201,7 +201,7 @@ def _alive(pid: int) -> bool:
 
 def test_failing_agents_are_counted_scored_and_leave_no_process(engine, tok, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AGENT_PID_DIR", str(tmp_path))
-    base = f"{sys.executable} tests/agent/agents.py"
+    base = f"{sys.executable} tests/agent/gateway_agents.py"
     prompts = ["1+2="] * 3
     results = {}
     for name, kw in [

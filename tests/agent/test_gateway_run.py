@@ -33,7 +33,7 @@ def test_training_through_the_gateway_with_r3_metrics_and_validation(tiny_run, t
             tiny_run
             + TASK
             + [
-                f"{AG}.callable=tests/agent/agents.py:digits",
+                f"{AG}.callable=tests/agent/gateway_agents.py:digits",
                 "actor_rollout_ref.actor.router_replay.mode=R3",
                 "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
                 "trainer.test_freq=2",
@@ -49,7 +49,7 @@ def test_training_through_the_gateway_with_r3_metrics_and_validation(tiny_run, t
 
 
 def test_sessions_cut_into_samples_train_with_one_advantage_per_session(tiny_run, tmp_path) -> None:
-    run_training(load_config(None, tiny_run + TASK + [f"{AG}.callable=tests/agent/agents.py:forgetful"]))
+    run_training(load_config(None, tiny_run + TASK + [f"{AG}.callable=tests/agent/gateway_agents.py:forgetful"]))
     last = _rows(tmp_path)[2]
     assert last["rollout/agent/samples_per_session"] == 3  # three calls, none extending the one before
     assert last["rollout/agent/cut_sessions"] == 16  # 8 sessions x 2 extra samples
@@ -64,7 +64,10 @@ def test_agent_commands_report_rewards_on_stdout(tiny_run, tmp_path) -> None:
             None,
             tiny_run
             + TASK
-            + ["trainer.total_training_steps=1", f"{AG}.command={sys.executable} tests/agent/agents.py stdout_reward"],
+            + [
+                "trainer.total_training_steps=1",
+                f"{AG}.command={sys.executable} tests/agent/gateway_agents.py stdout_reward",
+            ],
         )
     )
     last = _rows(tmp_path)[1]
@@ -88,3 +91,29 @@ def test_agent_keys_are_checked_at_start(tiny_run) -> None:
         load_config(None, tiny_run + [f'{AG}.command="a \'b"'])
     with pytest.raises(ConfigError, match="module:function or file.py:function"):
         load_config(None, tiny_run + [f"{AG}.callable=nofunction"])
+
+
+def test_training_through_the_gateway_on_vllm(tiny_run, tmp_path) -> None:
+    # vLLM's CPU build behind the gateway: agents' calls become its requests, with their stop texts; the engine's
+    # log-probs of the model's tokens agree with the trainer's as on the built-in loop.
+    vllm = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.model.tiny.num_heads=2",
+        "actor_rollout_ref.model.tiny.num_kv_heads=2",
+    ]
+    run_training(load_config(None, tiny_run + TASK + vllm + [f"{AG}.callable=tests/agent/gateway_agents.py:digits"]))
+    rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/agent/ok"] == 8 and r["rollout/agent/calls_per_session"] > 1
+        assert r["rollout_corr/log_prob_abs_diff/max"] < 1e-3
+
+
+def test_an_agent_on_the_openai_agents_sdk_trains(tiny_run, tmp_path) -> None:
+    run_training(load_config(None, tiny_run + TASK + [f"{AG}.callable=tests/agent/gateway_agents.py:sdk"]))
+    rows = [r for r in read_metrics_jsonl(tmp_path / "metrics.jsonl") if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        # Refused requests only where a history outgrew its sample (the SDK keeps every turn)
+        assert r["rollout/agent/ok"] == 8 and r["rollout/agent/bad_requests"] == r["rollout/agent/context_exceeded"]
+        assert r["rollout/agent/calls_per_session"] > 1  # the SDK ran tool turns

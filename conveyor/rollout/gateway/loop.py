@@ -108,6 +108,8 @@ class GatewayLoop:
         self.pad = int(engine.pad_token_id)
         self._cond = threading.Condition()
         self._pending: list[Request] = []
+        self._engine_s, self._engine_calls = 0.0, 0
+        self._warned: set[str] = set()  # the failure kinds already logged as warnings
         self._live: set[str] = set()
         self._prompt_width = 0
         self._budget = 0
@@ -121,6 +123,10 @@ class GatewayLoop:
             host=settings.host,
             port=settings.port,
         )
+        # In-process agents' HTTP clients log every request at INFO under the run's logging: keep them to warnings.
+        for name in ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "uvicorn", "uvicorn.error"):
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         self.server.start()
         logger.info(
             "agent gateway listening on http://%s:%d (sessions under /sessions/<id>/v1)",
@@ -169,6 +175,7 @@ class GatewayLoop:
         ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
         width = ids.shape[1]
         self._prompt_width, self._budget = width, int(params.max_new_tokens)
+        self._engine_s, self._engine_calls = 0.0, 0
         sessions = []
         for i, task in enumerate(tasks):
             sid = f"s{secrets.token_hex(8)}"
@@ -237,12 +244,17 @@ class GatewayLoop:
                 self._cond.notify_all()
         results[session.id] = result
         if result.outcome != agents.OK:
-            logger.debug(
-                "agent session %s: %s (exit %s) %s",
+            # The first failure of each kind is said, with what the agent last wrote to stderr; the rest are counted.
+            log = logger.debug if result.outcome in self._warned else logger.warning
+            self._warned.add(result.outcome)
+            log(
+                "agent session %s: %s (exit code %s; counted under rollout/agent/%s, further ones logged at debug "
+                "level)%s",
                 session.id,
                 result.outcome,
                 result.exit_code,
-                result.stderr_tail[-400:],
+                result.outcome,
+                f"; its last error output:\n{result.stderr_tail[-1500:]}" if result.stderr_tail else "",
             )
 
     def _serve_until_done(self, futures: list, params: SamplingParams, generator: torch.Generator | None) -> None:
@@ -279,12 +291,15 @@ class GatewayLoop:
         for row, r in enumerate(reqs):
             batch_ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt, dtype=torch.long)
             batch_mask[row, width - len(r.prompt) :] = 1
+        t0 = time.perf_counter()
         out = self.engine.generate(
             batch_ids,
             batch_mask,
             params.replace(max_new_tokens=max(r.max_new_tokens for r in reqs)),
             generator=generator,
         )
+        self._engine_s += time.perf_counter() - t0
+        self._engine_calls += 1
         responses = out["responses"].cpu()
         lengths = out["response_mask"].sum(-1).cpu().tolist()
         log_probs = out["rollout_log_probs"].cpu()
@@ -418,6 +433,9 @@ class GatewayLoop:
                 ),
                 f"{p}/session_time_s@count": n,
                 f"{p}/rollout_time_s": elapsed,
+                # The engine's share of it; the rest is the agents' and the gateway's (HTTP, rendering, waiting).
+                f"{p}/engine_time_s": self._engine_s,
+                f"{p}/engine_calls": float(self._engine_calls),
             }
         )
         self.server.unauthorized = self.server.unknown_session = 0

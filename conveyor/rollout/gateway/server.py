@@ -115,10 +115,17 @@ class GatewayServer:
     # ------------------------------------------------------------------ life
     def start(self) -> None:
         """Serve on a thread of its own (returns once the server accepts connections)."""
+        import importlib.util
+
         import uvicorn
 
+        # The C parsers and loop where installed (uvicorn[standard]): a few hundred microseconds less per request.
+        fast = {
+            "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+            "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        }
         config = uvicorn.Config(
-            self._app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30
+            self._app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, **fast
         )
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # the trainer owns the signals
@@ -247,7 +254,7 @@ class GatewayServer:
             body = self._chat_body(session, spec, call)
             if spec["stream"]:
                 return StreamingResponse(_chat_events(body), media_type="text/event-stream")
-            return body
+            return JSONResponse(body)  # plain JSON already: FastAPI's encoder would walk every token id again
 
         @app.post("/sessions/{sid}/v1/completions")
         async def completions(request: HttpRequest, sid: str):
@@ -264,7 +271,7 @@ class GatewayServer:
             body = self._completion_body(session, spec, call)
             if spec["stream"]:
                 return StreamingResponse(_completion_events(body), media_type="text/event-stream")
-            return body
+            return JSONResponse(body)
 
         return app
 

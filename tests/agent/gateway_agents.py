@@ -1,5 +1,5 @@
-"""Agents for the gateway's tests, loaded by file path (`agent.callable=tests/agent/agents.py:NAME`, or run as a
-command: `python tests/agent/agents.py NAME`). Each talks to the gateway through the real `openai` client."""
+"""Agents for the gateway's tests, loaded by file path (`agent.callable=tests/agent/gateway_agents.py:NAME`, or run as a
+command: `python tests/agent/gateway_agents.py NAME`). Each talks to the gateway through the real `openai` client."""
 
 from __future__ import annotations
 
@@ -79,3 +79,42 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def sdk(base_url: str, api_key: str, task: dict) -> None:
+    """An agent on the openai-agents SDK: its own tool loop (a calculator function tool), its own message history,
+    the policy as an `OpenAIChatCompletionsModel` at the session's base URL."""
+    import asyncio
+
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents.exceptions import MaxTurnsExceeded
+
+    from conveyor.tools.calculator import calculate
+
+    set_tracing_disabled(True)  # the SDK's tracing exports to a remote service
+
+    @function_tool
+    def calc(text: str) -> str:
+        """Evaluate one arithmetic expression."""
+        try:
+            return calculate(text)[:8]
+        except ValueError:
+            return "error"
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = Agent(
+        name="calculator",
+        instructions=None,
+        tools=[calc],
+        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+    )
+
+    async def go() -> None:
+        try:
+            await Runner.run(agent, input=task["prompt"][0]["content"], max_turns=3)
+        except (MaxTurnsExceeded, openai.BadRequestError):
+            pass  # the model kept calling its tool, or filled its sample: the session ends there, scored by the rule
+        finally:
+            await client.close()
+
+    asyncio.run(go())
