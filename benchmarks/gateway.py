@@ -43,18 +43,15 @@ TOOLS = str(ROOT / "examples" / "tools" / "calculator.yaml")
 PLUGIN = str(ROOT / "tests" / "agent" / "digit_format.py")
 
 
-_CLIENT: list = []
-
-
 def _agent(base_url: str, api_key: str, task: dict) -> None:
     import arithmetic_agent
-    import openai
 
-    # One HTTP client for every session (a client's creation costs tens of ms, its SSL context mostly): a pool of
-    # agents in one process would share one too. Each session gets its own base URL and key on it.
-    if not _CLIENT:
-        _CLIENT.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600))
-    client = _CLIENT[0].with_options(base_url=base_url, api_key=api_key)
+    # The example's in-process entry point with the benchmark's call format (one HTTP client for all sessions).
+    if not arithmetic_agent._CLIENT:
+        import openai
+
+        arithmetic_agent._CLIENT.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600))
+    client = arithmetic_agent._CLIENT[0].with_options(base_url=base_url, api_key=api_key)
     arithmetic_agent.session(client, task, tools_yaml=TOOLS, call_format=FORMAT)
 
 

@@ -85,9 +85,16 @@ def session(
         release_all(tools, "session", created)
 
 
+_CLIENT: list[openai.OpenAI] = []
+
+
 def run(base_url: str, api_key: str, task: dict) -> float | None:
     """The same agent in-process (actor_rollout_ref.rollout.agent.callable=examples/agents/arithmetic_agent.py:run)."""
-    session(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600), task)
+    # One HTTP client for all sessions, each with its own base URL and key: making a client costs tens of ms (its
+    # SSL context), more than a session's requests.
+    if not _CLIENT:
+        _CLIENT.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600))
+    session(_CLIENT[0].with_options(base_url=base_url, api_key=api_key), task)
     return None
 
 
