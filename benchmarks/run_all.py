@@ -15,6 +15,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `token_balance.py`: the ranks' token balance and the token-budget micro-batches (synthetic lengths);
 - `rewards.py`: sandboxed code execution at `max_concurrent` 1, 2 and 4 against one `subprocess.run` per sample;
 - `rollout.py --threads 1`: the rollout engine against `model.generate`;
+- `gateway.py`: the agent gateway against the built-in tool loop at 1, 8 and 64 sessions (same tokens);
 - `lean_forward.py --threads 1`: the lean forward against the Hugging Face
   forward, in training and in the rollout;
 - `sharding.py`: per-rank bytes of FSDP2 against DDP replicas on two gloo ranks;
@@ -61,6 +62,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("token_balance", ()),
     ("rewards", ()),
     ("rollout", ("--threads", "1")),
+    ("gateway", ()),
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),
     ("weight_sync", ()),
