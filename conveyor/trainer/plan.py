@@ -169,6 +169,18 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             "sequences, which ends a turn at a tool call; use an engine that does: "
             + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).stop_sequences)
         )
+    if ro.agent.enabled:
+        if not caps.stop_sequences:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.agent: the {ro.name} rollout does not stop at token sequences, which a "
+                "request's stop texts need; use an engine that does: "
+                + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).stop_sequences)
+            )
+        agent = f"command {ro.agent.command!r}" if ro.agent.command is not None else f"callable {ro.agent.callable}"
+        why.append(
+            f"rollout: agents through the OpenAI-compatible gateway on {ro.agent.host} ({agent}, at most "
+            f"{ro.agent.max_concurrent} sessions at once per rank; tool calls parsed as {ro.multi_turn.format})"
+        )
     if v1.is_async and v1.separate_async.partial_rollout and not caps.interruptible:
         raise ConfigError(
             f"trainer.v1.separate_async.partial_rollout: weights that reach the rollout mid-generation "

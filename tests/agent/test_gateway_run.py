@@ -117,3 +117,11 @@ def test_an_agent_on_the_openai_agents_sdk_trains(tiny_run, tmp_path) -> None:
         # Refused requests only where a history outgrew its sample (the SDK keeps every turn)
         assert r["rollout/agent/ok"] == 8 and r["rollout/agent/bad_requests"] == r["rollout/agent/context_exceeded"]
         assert r["rollout/agent/calls_per_session"] > 1  # the SDK ran tool turns
+
+
+def test_the_run_plan_says_the_rollout_is_an_agent() -> None:
+    from conveyor.trainer.plan import build_run_plan
+
+    plan = build_run_plan(load_config("examples/agent_gateway.yaml"), "cpu")
+    said = [d for d in plan.decisions if d.startswith("rollout: agents through the OpenAI-compatible gateway")]
+    assert len(said) == 1 and "examples/agents/arithmetic_agent.py:run" in said[0] and "hash" in said[0]
