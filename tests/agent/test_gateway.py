@@ -102,6 +102,10 @@ def test_gateway_reproduces_the_builtin_tool_loop_bitwise(engine, tok) -> None:
     m = out.metrics
     assert m["rollout/agent/ok@sum"] == len(prompts) and m["rollout/agent/reward_source_rule@sum"] == len(prompts)
     assert torch.isnan(out.sample_fields["agent_reward"]).all()
+    for row, calls in enumerate(out.sample_fields["agent_calls"]):  # each call as it happened, in order
+        model = int(out["response_mask"][row].sum())
+        assert sum(c["completion_tokens"] for c in calls) == model and all(c["version"] is None for c in calls)
+        assert calls[0]["prompt_tokens"] == int(mask[row].sum())
 
 
 def _run(gw, tok, prompts, max_new=12, seed=0, capture=False):

@@ -373,7 +373,13 @@ class GatewayLoop:
             prompts=prompts,
             prompt_mask=prompt_mask,
             source_rows=torch.tensor([s.index for s, _ in rows], dtype=torch.long),
-            sample_fields={"agent_reward": rewards, "agent_completion": completions},
+            # Per row: its session's reward (NaN: the rule scores agent_completion), and each of its calls as it
+            # happened (prompt and completion token counts, weights version).
+            sample_fields={
+                "agent_reward": rewards,
+                "agent_completion": completions,
+                "agent_calls": [list(sample.records) if sample is not None else [] for _, sample in rows],
+            },
             metrics=metrics,
         ).to(device)
 

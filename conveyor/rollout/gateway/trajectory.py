@@ -62,7 +62,8 @@ class Sample:
     log_probs: list[float] = field(default_factory=list)
     routing: Tensor | None = None  # (len(context) + len(tokens), L, K) int16, -1 unknown
     calls: int = 0
-    versions: list[int | None] = field(default_factory=list)
+    # Per call: its prompt's and completion's token counts and the weights version that sampled it.
+    records: list[dict] = field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:
@@ -127,7 +128,7 @@ class SessionTrajectories:
         elif call.routing is None:
             sample.routing = None  # one call without routing: the sample's routing is unknown as a whole
         sample.calls += 1
-        sample.versions.append(call.version)
+        sample.records.append({"prompt_tokens": len(prompt), "completion_tokens": n, "version": call.version})
         return sample
 
 
