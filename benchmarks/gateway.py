@@ -13,12 +13,21 @@ and the agents themselves. Printed for 1, 8 and 64 concurrent sessions: the roll
 
 A `command` agent pays its interpreter's start (about 1 s of CPU for Python with the openai package) once per
 session, which no server can hide; the callable measures the gateway itself.
+
+`--learn` instead trains the arithmetic tool task both ways (examples/agent_arithmetic_tool.yaml, the built-in
+loop, and examples/agent_gateway.yaml, the same agent through the gateway), for each `--seeds` trainer seed, one
+run at a time from one shared warm start, and prints held-out accuracy at steps 0 and 60 and the wall time:
+
+    OMP_NUM_THREADS=1 python benchmarks/gateway.py --learn --seeds 0 1 2 --out runs/gateway_learn
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,6 +142,37 @@ def measure(
     }
 
 
+def learn(seeds: list[int], out: Path) -> list[dict]:
+    """Train both examples for each trainer seed; held-out accuracy at the first and last validation, and seconds."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), CONVEYOR_CACHE=str(out / "cache"))
+    rows = []
+    for seed in seeds:
+        for name in ("agent_arithmetic_tool", "agent_gateway"):
+            run = out / f"{name}-{seed}"
+            cmd = [
+                sys.executable,
+                "-m",
+                "conveyor.cli",
+                "train",
+                "--config",
+                str(ROOT / "examples" / f"{name}.yaml"),
+                f"trainer.seed={seed}",
+                f"trainer.default_local_dir={run}",
+                "trainer.progress_bar=false",
+                "trainer.logger=[jsonl]",
+            ]
+            t0 = time.perf_counter()
+            subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+            seconds = time.perf_counter() - t0
+            vals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            acc = [(r["step"], r["val/accuracy"]) for r in vals if "val/accuracy" in r]
+            rows.append({"loop": name, "seed": seed, "start": acc[0][1], "end": acc[-1][1], "seconds": seconds})
+            print(
+                f"{name:>22} seed {seed}: held-out {acc[0][1]:.3f} -> {acc[-1][1]:.3f} in {seconds:.0f} s", flush=True
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the table for each session count."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -149,7 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         help="agent.batch_wait_s (60: every batch waits for the whole round, as the built-in loop's; smaller: the "
         "engine starts on the requests that are there, other batches, other tokens)",
     )
+    ap.add_argument("--learn", action="store_true", help="train the tool task through both loops instead")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gateway_learn")
     args = ap.parse_args(argv)
+    if args.learn:
+        rows = learn(args.seeds, args.out)
+        for seed in args.seeds:
+            a, b = (
+                next(r["end"] for r in rows if r["seed"] == seed and r["loop"] == n)
+                for n in ("agent_arithmetic_tool", "agent_gateway")
+            )
+            print(f"seed {seed}: built-in {a:.3f}, gateway {b:.3f}, difference {b - a:+.3f}")
+        return 0
     torch.set_num_threads(1)
     size = f"hidden {args.hidden}, {args.layers} layers" if args.hidden else "the tiny size"
     print(
