@@ -60,6 +60,9 @@ class EngineCapabilities:
     # Its routers choose experts with the actor's loss-free balancing bias (router.bias_update_rate), which
     # reaches it with the weights (a buffer beside each router's weight).
     selection_bias: bool = False
+    # It claims rollout.gpu_memory_utilization of each GPU for its own weights and KV cache (and sleeps to give it
+    # back when rollout.free_cache_engine): the memory accounting sizes it (workers/training/memory_budget.py).
+    claims_gpu_fraction: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +311,7 @@ def _vllm(device: str) -> EngineCapabilities:
         interruptible=False,
         shares_trainer_modules=False,
         multi_rank=True,
+        claims_gpu_fraction=True,
     )
 
 

@@ -273,3 +273,21 @@ def test_a_teacher_whose_config_cannot_be_read_is_left_to_its_loader(tmp_path, c
     with caplog.at_level("WARNING"):
         assert setup_of(cfg, plan, H100).frozen == ()
     assert f"memory check: distillation.teacher_models.t.model_path={tmp_path / 'empty'} not counted" in caplog.text
+
+
+def test_the_accounting_sizes_engines_by_their_declared_capability_not_their_name() -> None:
+    from types import SimpleNamespace
+
+    from conveyor.rollout.base import ROLLOUT_ENGINES, EngineCapabilities, EngineSpec, register_rollout_engine
+    from conveyor.workers.training.memory_budget import _claims_gpu_fraction
+
+    def caps(device: str) -> EngineCapabilities:
+        return EngineCapabilities(False, True, False, False, True, claims_gpu_fraction=True)
+
+    assert _claims_gpu_fraction(SimpleNamespace(engine="vllm", device="cuda"))
+    assert not _claims_gpu_fraction(SimpleNamespace(engine="hf", device="cuda"))
+    register_rollout_engine(EngineSpec("test_claiming_engine", "conveyor.rollout.vllm", caps))
+    try:
+        assert _claims_gpu_fraction(SimpleNamespace(engine="test_claiming_engine", device="cuda"))
+    finally:
+        ROLLOUT_ENGINES.pop("test_claiming_engine")

@@ -439,7 +439,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
     if actor.use_dynamic_bsz:
         micro = max(1, actor.ppo_max_token_len_per_gpu // seq_len)
     engine = None
-    if plan.engine == "vllm":
+    if _claims_gpu_fraction(plan):
         engine = Engine(
             capacity=capacity,
             gpu_memory_utilization=ro.gpu_memory_utilization,
@@ -538,6 +538,13 @@ def colocated_frozen(cfg: Any, plan: Any, ranks: int) -> tuple[Frozen, ...]:
     return tuple(out)
 
 
+def _claims_gpu_fraction(plan: Any) -> bool:
+    """Whether the plan's engine claims a fraction of each GPU of its own (its declared capability, not its name)."""
+    from conveyor.rollout.base import engine_spec
+
+    return engine_spec(plan.engine).capabilities(plan.device).claims_gpu_fraction
+
+
 def _gpu_capacity() -> float | None:
     """Bytes of memory of this process's current CUDA device, or None when none is visible."""
     if not torch.cuda.is_available():
@@ -553,7 +560,7 @@ def check_memory(cfg: Any, plan: Any, model_config: Any, device: str, capacity: 
     """
     from conveyor.config import ConfigError
 
-    if plan.engine != "vllm" or device != "cuda":
+    if not _claims_gpu_fraction(plan) or device != "cuda":
         return
     if capacity is None:
         capacity = _gpu_capacity()
