@@ -529,6 +529,8 @@ _SIGNED_KEYS = {
     "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
     # A judgement that stays unparsable may be punished below any parsed score.
     "reward_model.judge.unparsable_score",
+    # So may an agent session that failed.
+    "actor_rollout_ref.rollout.agent.failure_reward",
 }
 
 

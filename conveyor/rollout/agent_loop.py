@@ -124,7 +124,7 @@ class AgentLoop:
 
     def __init__(
         self,
-        rollout: GenerationEngine,
+        engine: GenerationEngine,
         tokenizer: Any,
         tools: dict[str, Tool],
         call_format: CallFormat,
@@ -134,18 +134,18 @@ class AgentLoop:
             raise ValueError(
                 "AgentLoop needs at least one tool (actor_rollout_ref.rollout.multi_turn.tool_config_path)"
             )
-        if not rollout.capabilities.stop_sequences:
+        if not engine.capabilities.stop_sequences:
             raise ValueError(
-                f"AgentLoop: {type(rollout).__name__} does not stop at token sequences, which ends a turn "
+                f"AgentLoop: {type(engine).__name__} does not stop at token sequences, which ends a turn "
                 "at a tool call; use an engine that does (actor_rollout_ref.rollout.name)"
             )
-        self.rollout = rollout
+        self.engine = engine
         self.tokenizer = tokenizer
         self.tools = tools
         self.format = call_format
         self.settings = settings
-        self.pad = rollout.pad_token_id
-        self.eos = rollout.eos_token_id
+        self.pad = engine.pad_token_id
+        self.eos = engine.eos_token_id
         self.stop_sequences = tuple(
             tuple(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in call_format.stop_texts
         )
@@ -211,9 +211,7 @@ class AgentLoop:
             batch_mask[row, width - len(ctx) :] = 1
         left = [budget - len(s.tokens) for s in active]
         params, generator = sampling
-        out = self.rollout.generate(
-            batch_ids, batch_mask, params.replace(max_new_tokens=max(left)), generator=generator
-        )
+        out = self.engine.generate(batch_ids, batch_mask, params.replace(max_new_tokens=max(left)), generator=generator)
         responses = out["responses"].cpu()
         lengths = out["response_mask"].sum(-1).cpu().tolist()
         log_probs = out["rollout_log_probs"].cpu()

@@ -337,8 +337,8 @@ class AsyncSource(SampleSource):
     def __init__(self, stages: Stages, pipeline: Pipeline, *, pad: bool = False):
         v1 = stages.cfg.trainer.v1
         self.stages, self.pipeline, self.pad = stages, pipeline, pad
-        self.rollout = stages.workers.rollout
-        assert self.rollout is not None, "the plan places the rollout in its own group under asynchronous training"
+        self.replicas = stages.workers.rollout
+        assert self.replicas is not None, "the plan places the rollout in its own group under asynchronous training"
         self.k = v1.sampler.max_off_policy_threshold
         self.strategy = v1.sampler.max_off_policy_strategy
         self.sync_every = v1.separate_async.parameter_sync_step
@@ -348,8 +348,8 @@ class AsyncSource(SampleSource):
         # Stage 1 of a batch: replicas in processes of their own render its prompts themselves (it rides on the
         # generation call), so the trainer's process neither tokenizes nor writes them; else the trainer puts them.
         self._prompts = (
-            functools.partial(stages.prompts_to_render, replicas=self.rollout.world_size)
-            if self.rollout.renders_prompts
+            functools.partial(stages.prompts_to_render, replicas=self.replicas.world_size)
+            if self.replicas.renders_prompts
             else stages.put_prompts
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -373,8 +373,8 @@ class AsyncSource(SampleSource):
         """Start the rollout thread; in one process the two threads share the cores' torch threads."""
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=ROLLOUT_THREAD)
         if self.partial:
-            self.rollout.take_weights_between_tokens()
-        if self.k > 0 and self.rollout.in_process:
+            self.replicas.take_weights_between_tokens()
+        if self.k > 0 and self.replicas.in_process:
             # Both threads compute at once: each op on one thread keeps them from spinning against each other.
             self._threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self._threads // 2))
@@ -443,13 +443,13 @@ class AsyncSource(SampleSource):
         """Validation: the trainer's current weights go to the rollout, which generates after the batches before it."""
         label = self.stages.global_step  # updates so far
         # Sent already when the step's update ended (`updated`): the rollout thread loads them before this call.
-        load = self.rollout.stage_weights(label) if self._sent_version != label else None
+        load = self.replicas.stage_weights(label) if self._sent_version != label else None
         self._sent_version = label
 
         def run() -> KVBatchMeta:
             if load is not None:
                 load()
-            return self.rollout.generate_sequences(meta, sync=False)
+            return self.replicas.generate_sequences(meta, sync=False)
 
         return self._submit(run).result()
 
@@ -509,7 +509,7 @@ class AsyncSource(SampleSource):
         """Send the weights of `version` (updates so far) to the rollout if `parameter_sync_step` updates have
         passed since the last ones sent; the rollout thread loads them after the batches handed out before."""
         if self._sent_version is None or version - self._sent_version >= self.sync_every:
-            self._syncs.append(self._submit(self.rollout.stage_weights(version)))
+            self._syncs.append(self._submit(self.replicas.stage_weights(version)))
             self._sent_version = version
 
     def _hand_out(self) -> None:
@@ -535,14 +535,14 @@ class AsyncSource(SampleSource):
         """On the rollout thread: the pipeline over the rollout group, with the weights loaded last; its seconds."""
         t0, c0 = time.perf_counter(), time.thread_time()
         # Replicas in processes of their own score what they generate in the same call (one round trip a batch).
-        scored = self.rollout.colocated_reward
+        scored = self.replicas.colocated_reward
         batch = self.pipeline(
             meta,
             records,
             seed,
             pad=self.pad,
             scored=scored,
-            generate=lambda m: self.rollout.generate_sequences(m, sync=False, score=scored),
+            generate=lambda m: self.replicas.generate_sequences(m, sync=False, score=scored),
         )
         # The generation endpoint tagged prompt + response tokens (later splits over ranks balance them), and every
         # later stage's handle keeps the tags.

@@ -86,7 +86,7 @@ def test_engine_greedy_after_a_lora_update_equals_the_trainer(tmp_path) -> None:
                 meta.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
             )
         after = engine_greedy("after")
-        assert worker.rollout.weights_version == worker.optim_steps == 2
+        assert worker.engine.weights_version == worker.optim_steps == 2
         ours = HFEngine(
             worker.model, pad_token_id=worker.tokenizer.pad_token_id, eos_token_id=worker.tokenizer.eos_token_id
         ).generate(prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=8, do_sample=False))

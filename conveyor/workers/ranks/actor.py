@@ -57,13 +57,12 @@ from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.models.packing import setup_packing
 from conveyor.models.router_control import freeze_routers
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.agent_loop import build_rollout_loop
-from conveyor.rollout.base import EngineContext, GenerationEngine, engine_spec
+from conveyor.rollout.base import GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.ranks.distill import distill_objective, student_forward
 from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
-from conveyor.workers.ranks.generation import Generation
+from conveyor.workers.ranks.generation import Generation, build_engine
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.ranks.router import RouterControls
 from conveyor.workers.ranks.settings import ActorSettings, role_strategy
@@ -191,7 +190,7 @@ class PolicyWorker(CheckpointEndpoints):
             else None
         )
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
-        self.rollout: GenerationEngine | None = None
+        self.engine: GenerationEngine | None = None
         self.agent_loop = None
         self.generation: Generation | None = None
         self.rollout_over_shards = False
@@ -200,31 +199,23 @@ class PolicyWorker(CheckpointEndpoints):
 
     def _build_generation(self, model_path: str, strategy: Any, data_plane: DataPlane) -> None:
         """This rank's engine, from the registry, in this process (placement=colocated), and the rollout over it."""
-        settings, m, rank, world_size = self.settings, self.settings.model, self.rank, self.world_size
-        trust = m.trust_remote_code
+        settings, rank, world_size = self.settings, self.rank, self.world_size
         spec = engine_spec(settings.rollout.name)
-        self.rollout = spec.build(
-            EngineContext(
-                model_path=model_path,
-                model=self.model,
-                tokenizer=self.tokenizer,
-                rollout=settings.rollout,
-                model_dtype=m.dtype,
-                trust_remote_code=trust,
-                max_model_len=settings.max_model_len,
-                seed=settings.seed,
-                rank=rank,
-                world_size=world_size,
-                device=self.device,
-                lean=self.lean,
-                moe=self.moe,
-            )
+        # The engine, and what drives it: the agent gateway (rollout.agent), the tool loop (rollout.multi_turn) or None.
+        self.engine, self.agent_loop = build_engine(
+            settings,
+            model_path,
+            self.model,
+            self.tokenizer,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            lean=self.lean,
+            moe=self.moe,
         )
-        caps = self.rollout.capabilities
+        caps = self.engine.capabilities
         if not caps.shares_trainer_modules and rank == 0:
-            logger.info("%s rollout engine started in %.1f s", spec.name, getattr(self.rollout, "start_time_s", 0.0))
-        # None unless actor_rollout_ref.rollout.multi_turn.enable: then generation runs the tool loop.
-        self.agent_loop = build_rollout_loop(settings.rollout, self.rollout, self.tokenizer, model_path)
+            logger.info("%s rollout engine started in %.1f s", spec.name, getattr(self.engine, "start_time_s", 0.0))
         # An engine over the trainer's modules under fsdp2 gathers the whole model once when it is small, else
         # decodes over the shards; an engine with its own copy of the weights needs neither.
         shares = caps.shares_trainer_modules
@@ -277,7 +268,7 @@ class PolicyWorker(CheckpointEndpoints):
                     else f" (at most rollout.hf_whole_gather_max_gb={settings.rollout.hf_whole_gather_max_gb:g})",
                 )
         self.generation = Generation(
-            self.rollout,
+            self.engine,
             agent_loop=self.agent_loop,
             tokenizer=self.tokenizer,
             moe=self.moe,
@@ -300,15 +291,15 @@ class PolicyWorker(CheckpointEndpoints):
         if self.agent_loop is not None and hasattr(self.agent_loop, "close"):
             self.agent_loop.close()  # the agent gateway's server
             self.agent_loop = None
-        if self.rollout is not None:
-            self.rollout.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def _sync_engine(self) -> dict[str, float]:
         """Give a colocated engine with its own weights the actor's current ones if it serves older ones; metrics."""
         version = self.trained.optim_steps
-        if self.rollout.capabilities.shares_trainer_modules or self.rollout.weights_version == version:
+        if self.engine.capabilities.shares_trainer_modules or self.engine.weights_version == version:
             return {}
-        return {"rollout/weight_sync_s": self.rollout.update_weights(self.weight_stream(), version=version)}
+        return {"rollout/weight_sync_s": self.engine.update_weights(self.weight_stream(), version=version)}
 
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's weights one tensor at a time, under Hugging Face names, as an engine loads them.

@@ -40,7 +40,45 @@ from conveyor.workers.ranks.forward import micro_batches
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle
 from conveyor.workers.training.balance import SEQ_LEN_TAG, sequence_lengths, with_seq_lens
 
-__all__ = ["Generation", "pad_responses"]
+__all__ = ["Generation", "build_engine", "pad_responses"]
+
+
+def build_engine(
+    settings: Any,
+    model_path: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    lean: Any = None,
+    moe: Any = None,
+) -> tuple[GenerationEngine, Any]:
+    """This rank's engine, from the registry (`settings.rollout.name`), and what drives it past one call a batch
+    (the agent gateway, the tool loop, or None): the one place the actor and the rollout workers build them."""
+    from conveyor.rollout.agent_loop import build_rollout_loop
+    from conveyor.rollout.base import EngineContext, engine_spec
+
+    m, ro = settings.model, settings.rollout
+    engine = engine_spec(ro.name).build(
+        EngineContext(
+            model_path=model_path,
+            model=model,
+            tokenizer=tokenizer,
+            rollout=ro,
+            model_dtype=m.dtype,
+            trust_remote_code=m.trust_remote_code,
+            max_model_len=settings.max_model_len,
+            seed=settings.seed,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            lean=lean,
+            moe=moe,
+        )
+    )
+    return engine, build_rollout_loop(ro, engine, tokenizer, model_path)
 
 
 def pad_responses(fields: dict[str, torch.Tensor], width: int, pad_token_id: int) -> dict[str, torch.Tensor]:

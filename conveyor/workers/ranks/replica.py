@@ -45,11 +45,10 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import moe_info
 from conveyor.protocol import KVBatchMeta
-from conveyor.rollout.agent_loop import build_rollout_loop
-from conveyor.rollout.base import EngineContext, engine_spec, served_dtype
+from conveyor.rollout.base import engine_spec, served_dtype
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.weights import LOAD_SHARED, LOAD_STAGED, StagedWeights, Table, WeightChannel, get_packed, unpack
-from conveyor.workers.ranks.generation import Generation
+from conveyor.workers.ranks.generation import Generation, build_engine
 from conveyor.workers.ranks.perf import set_allocator_defaults
 from conveyor.workers.ranks.settings import ReplicaSettings
 from conveyor.workers.training.strategy import TrainingStrategy
@@ -117,24 +116,17 @@ class ReplicaWorker:
             from conveyor.models.lean import resolve_forward_impl
 
             lean = resolve_forward_impl(m.forward_impl, self.model)
-        self.engine = spec.build(
-            EngineContext(
-                model_path=model_path,
-                model=self.model,
-                tokenizer=self.tokenizer,
-                rollout=ro,
-                model_dtype=m.dtype,
-                trust_remote_code=m.trust_remote_code,
-                max_model_len=settings.max_model_len,
-                seed=settings.seed,
-                rank=rank,
-                world_size=world_size,
-                device=self.device,
-                lean=lean,
-                moe=self.moe,
-            )
+        self.engine, agent_loop = build_engine(
+            settings,
+            model_path,
+            self.model,
+            self.tokenizer,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            lean=lean,
+            moe=self.moe,
         )
-        agent_loop = build_rollout_loop(ro, self.engine, self.tokenizer, model_path)
         # One replica, one engine: no collectives, so a single-rank strategy (its collectives are no-ops).
         strategy = TrainingStrategy("none", world_size=1, device=self.device)
         self.generation = Generation(
