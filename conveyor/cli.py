@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from conveyor import __version__
 from conveyor.files import describe_os_error, environment_error
 
 __all__ = ["main"]
@@ -37,6 +38,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     """The command's parser, and the subcommands' parsers that take `--config` and dotted overrides."""
     p = argparse.ArgumentParser(prog="conveyor", description="RL post-training of LLMs over a key-value data plane.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    # -v is taken by --verbose, so the version has the capital letter.
+    p.add_argument("-V", "--version", action="version", version=f"conveyor {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     t = sub.add_parser("train", help="run training (no arguments: the default tiny MoE GRPO run)")
@@ -122,8 +125,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from conveyor.metrics.dumps import format_generations, latest_generations
 
+    if args.n < 0:
+        raise ValueError(f"-n must be 0 or more (the samples to show), got {args.n}")
     step, rows = latest_generations(args.run_dir, step=args.step)
-    print(format_generations(step, rows[: args.n]))
+    print(format_generations(step, rows, max_samples=args.n))  # the summary counts the whole dump
     return 0
 
 

@@ -268,3 +268,29 @@ def test_a_mistake_reported_to_a_stderr_that_is_gone_still_exits_2(tmp_path: Pat
     finally:
         os.close(write_end)
     assert done.returncode == 2
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_package_version(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import conveyor
+
+    with pytest.raises(SystemExit) as done:
+        main([flag])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"conveyor {conveyor.__version__}"
+    # One version: the package's and the distribution's (pyproject.toml) agree.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'\nversion = "{conveyor.__version__}"\n' in pyproject
+
+
+def test_show_refuses_a_negative_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.metrics.dumps import write_generations
+
+    row = {"prompt": "1+1=", "response": "2", "ground_truth": "2", "data_source": "d", "reward": 1, "advantage": 0}
+    write_generations(tmp_path, 1, [row] * 3)
+    assert main(["show", str(tmp_path), "-n", "-2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: -n must be 0 or more") and len(err.strip().splitlines()) == 1
+    assert main(["show", str(tmp_path), "-n", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1: 3 samples" in out and "3 more samples not shown" in out

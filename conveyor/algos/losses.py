@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from conveyor.algos.advantages import masked_mean
+from conveyor.algos.group_stats import masked_mean
 from conveyor.registry import lookup, registrar
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def get_policy_loss(name: str) -> PolicyLoss:
 def _clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
     """log r = log_prob - old_log_prob (B, T), clamped to +-20 so exp(log r) stays finite.
 
-    The losses that clamp it this way in verl (vanilla, sapo, cispo) also report
+    The losses that clamp it this way in verl (vanilla, sapo, cispo, dppo_tv, dppo_kl) also report
     ``ppo_kl`` from the clamped value, so theirs do too: the metric saturates at
     20 per token where verl's does.
     """

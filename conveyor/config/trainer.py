@@ -194,7 +194,9 @@ class TrainerConfig:
         "in the log); false: such a resume is refused",
         resume_neutral=True,
     )
-    dump_freq: int = F(100, "write sample generations every N steps (0 = off)", ge=0, resume_neutral=True)
+    dump_freq: int = F(
+        100, "write sample generations every N steps and at the last step (0 = off)", ge=0, resume_neutral=True
+    )
     dump_num: int = F(8, "generations per dump", ge=0, resume_neutral=True)
     dump_rollouts: DumpRolloutsConfig = S(
         DumpRolloutsConfig, "rollout bundles to replay steps from", resume_neutral=True

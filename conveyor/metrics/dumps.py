@@ -1,6 +1,7 @@
 """Sample generations saved with a run, and their rendering for `conveyor show RUN_DIR`.
 
-Every `trainer.dump_freq` steps the trainer writes the step's samples to
+Every `trainer.dump_freq` steps, and at the run's last step (`dump_due`), the
+trainer writes the step's samples to
 `run_dir/generations/step_{step:06d}.jsonl`, one JSON object per sample with
 at least `prompt`, `response`, `ground_truth`, `data_source`, `reward` and
 `advantage` (values may be null), plus any extra keys it gives (a multi-turn
@@ -29,13 +30,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conveyor.metrics.trackers import to_json_value
+import yaml
+
+from conveyor.metrics.trackers import read_metrics_jsonl, to_json_value
 
 __all__ = [
     "REQUIRED_KEYS",
     "write_generations",
     "latest_generations",
     "format_generations",
+    "dump_due",
     "dump_path",
     "visible",
     "response_turns",
@@ -50,6 +54,13 @@ _DUMP_NAME = re.compile(r"^step_(\d+)\.jsonl$")
 # (half a UTF-16 pair, which a JSON file may hold escaped and no terminal can be sent).
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _HOW_TO_ENABLE = "set trainer.dump_freq=N (N > 0) to write generation dumps every N steps"
+
+
+def dump_due(step: int, freq: int, *, last: bool = False) -> bool:
+    """Whether the trainer dumps `step`'s generations: every `freq` steps (`trainer.dump_freq`, 0 = off), and at the
+    `last` step of the run."""
+    # The last step too: a run shorter than dump_freq (60 steps, dump_freq 100) would otherwise leave nothing to show.
+    return freq > 0 and (step % freq == 0 or last)
 
 
 def dump_path(run_dir: str | Path, step: int) -> Path:
@@ -141,7 +152,7 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
     gen_dir = run_dir / "generations"
     steps = _available_steps(gen_dir) if gen_dir.is_dir() else []
     if not steps:
-        raise ValueError(f"no generation dumps in {gen_dir}; {_HOW_TO_ENABLE}")
+        raise ValueError(f"no generation dumps in {gen_dir}; {_why_no_dumps(run_dir)}")
     if step is None:
         step = steps[-1]
     elif step not in steps:
@@ -168,7 +179,40 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
                     "object (one sample per line); it was not written by conveyor, or was edited"
                 )
             rows.append(row)
+    if not rows:
+        # conveyor never writes an empty dump: this one was cut short (a full disk, a copy that stopped) or emptied.
+        raise ValueError(
+            f"generation dump {path} holds no samples ({path.stat().st_size} bytes): it was truncated or emptied; "
+            "show another step with --step"
+        )
     return step, rows
+
+
+def _why_no_dumps(run_dir: Path) -> str:
+    """Why a run has no generation dumps, from its config.yaml and metrics.jsonl; how to turn them on when off."""
+    try:
+        trainer = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))["trainer"]
+        freq = int(trainer["dump_freq"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return _HOW_TO_ENABLE  # no readable config.yaml (not a run directory of conveyor's): the general advice
+    if freq <= 0:
+        return f"the run's config.yaml has trainer.dump_freq={freq}; {_HOW_TO_ENABLE}"
+    reached = _last_logged_step(run_dir / "metrics.jsonl")
+    return (
+        f"the run's trainer.dump_freq={freq} dumps every {freq} steps and at the last step"
+        + ("" if reached is None else f"; its metrics end at step {reached}")
+        + f": no step has reached a multiple of {freq} and the run has not reached its last step (it stopped early, "
+        "or is still running)"
+    )
+
+
+def _last_logged_step(path: Path) -> int | None:
+    """The last step in a metrics.jsonl, or None when it has none (or cannot be read)."""
+    try:
+        records = read_metrics_jsonl(path)
+    except (OSError, ValueError):
+        return None
+    return records[-1]["step"] if records and records[-1]["step"] > 0 else None  # sorted; step 0 is validation
 
 
 def visible(text: str) -> str:

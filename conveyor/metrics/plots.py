@@ -20,9 +20,12 @@ Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
 
 Per-step series are noisy (one batch each), so each is drawn as an
 exponential moving average (`ema_smooth`) over its raw values, which stay
-faint behind it. A min..max band is drawn only when it moves (the reward's is
-0..1 at every step of a binary task and would hide nothing but the axis), and
-a KL series that is float noise around 0 (an on-policy update) is left out.
+faint behind it. A min..max band is drawn only at the steps where it moves: a
+bound that sits at one value for most of the run (the reward's 0 and 1 in a
+binary task) says nothing there and would only stretch the axis, so the band
+is drawn where a bound leaves that value, and one step with `reward/min` 0
+does not draw a 0..1 band over the whole run. A
+KL series that is float noise around 0 (an on-policy update) is left out.
 A panel whose metrics were never logged is left out, and a figure with no
 panels is not written. Drawing goes through matplotlib's object API on the Agg
 canvas, so it never touches pyplot's global state or needs a display. This
@@ -207,13 +210,27 @@ def _smoothed(ax, steps: np.ndarray, values: np.ndarray, label: str, color: Any 
     return raw.get_color()
 
 
-def _band_moves(lo: np.ndarray, hi: np.ndarray) -> bool:
-    """Whether a min..max band says anything: not the same bounds at every step."""
-    return lo.size > 1 and (np.nanstd(lo) > 0 or np.nanstd(hi) > 0)
+def _pinned(values: np.ndarray) -> float | None:
+    """The value a band's bound sits at for more than half the steps (a task's floor or ceiling), or None."""
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return None
+    uniques, counts = np.unique(finite, return_counts=True)
+    most = int(counts.argmax())
+    return float(uniques[most]) if 2 * counts[most] > finite.size else None
+
+
+def _band_steps(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per step, whether the min..max band says something there: a bound that moves, or leaves the value it is
+    pinned at."""
+    lo_pin, hi_pin = _pinned(lo), _pinned(hi)
+    off_lo = np.ones(lo.shape, dtype=bool) if lo_pin is None else lo != lo_pin
+    off_hi = np.ones(hi.shape, dtype=bool) if hi_pin is None else hi != hi_pin
+    return off_lo | off_hi
 
 
 def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
-    """`{prefix}/mean` smoothed, over the smoothed `{prefix}/min`..`{prefix}/max` band when that band moves."""
+    """`{prefix}/mean` smoothed, over the smoothed `{prefix}/min`..`{prefix}/max` band where that band moves."""
     steps, mean = _series(records, f"{prefix}/mean")
     if steps.size == 0:
         return None
@@ -224,7 +241,9 @@ def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
         color = _smoothed(ax, steps, mean, f"{prefix}/mean")
         if lo_s.size and hi_s.size:
             common, i_lo, i_hi = np.intersect1d(lo_s, hi_s, return_indices=True)
-            if _band_moves(lo[i_lo], hi[i_hi]):
+            where = _band_steps(lo[i_lo], hi[i_hi])
+            # fill_between fills from one step to the next where both are marked: a lone step would draw nothing.
+            if (where[:-1] & where[1:]).any():
                 smooth = steps.size >= _SMOOTH_MIN_POINTS
                 lo_c = ema_smooth(lo[i_lo]) if smooth else lo[i_lo]
                 hi_c = ema_smooth(hi[i_hi]) if smooth else hi[i_hi]
@@ -232,6 +251,7 @@ def _band_panel(records, prefix: str, title: str, ylabel: str) -> Panel | None:
                     common,
                     lo_c,
                     hi_c,
+                    where=where,
                     color=color,
                     alpha=0.12,
                     linewidth=0,

@@ -185,6 +185,24 @@ class Sandbox:
                 )
         return self._isolation
 
+    def describe(self) -> str:
+        """The isolation mode in force and the limits of every program, in one line (resolves `auto`)."""
+        lim = self.limits
+        namespaced = self.isolation == "namespaces"
+        if namespaced:
+            how = "namespaces (user, mount, network, PID, IPC and UTS of its own, a chroot of read-only system folders)"
+        else:
+            how = "rlimits alone (no network, file or process isolation)"
+            if os.geteuid() == 0:
+                how += f", as uid {self.uid}"
+        return (
+            f"sandbox: isolation {how} (reward.sandbox.isolation={self.requested}); per program at most "
+            f"{lim.wall_s:g} s wall, {lim.cpu_s:g} s CPU, {lim.memory_mb} MB memory, {lim.max_processes} processes, "
+            f"{lim.max_open_files} open files, {lim.max_output_mb:g} MB output"
+            # The folder's size is a tmpfs's, which only the namespaces give.
+            + (f", {lim.disk_mb} MB disk" if namespaced else "")
+        )
+
     def pop_counts(self) -> tuple[Counter[str], float]:
         """Executions by outcome and their total wall seconds since the last call; both restart from zero."""
         with self._lock:
@@ -398,7 +416,10 @@ def sandbox_pool(settings: dict[str, Any]) -> SandboxPool:
         gid=settings["user"],
         python=settings["python"],
     )
-    return SandboxPool(sandbox, settings["max_concurrent"])
+    pool = SandboxPool(sandbox, settings["max_concurrent"])
+    # Once, as the run starts running code: what a hostile program meets here (auto resolves on this machine).
+    logger.info("%s; %d at once (reward.sandbox.max_concurrent)", sandbox.describe(), pool.max_concurrent)
+    return pool
 
 
 class SandboxPool:

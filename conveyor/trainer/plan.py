@@ -41,6 +41,12 @@ The rules:
   asynchronous run on Ray places them apart (`trainer/reward_plan.py`); a judge: `reward_model.judge.enable`.
 - loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
   the critic's own, else the actor's.
+- parallelism: one line with the trained roles' ranks, each role's strategy
+  and its Ulysses sequence-parallel and expert-parallel sizes above 1.
+- a replay (`trainer.replay_rollouts_from`) builds no engine: the configured
+  rollout stands for the one that recorded the samples, so the rules above
+  decide from it, and the lines say that the old log-probs (under bypass) and
+  the captured routing are the recorded ones in the replayed samples.
 
 What it deliberately does not do: check single settings (the config does),
 build anything, or change the config.
@@ -52,6 +58,7 @@ import importlib.util
 import logging
 
 from conveyor.config import Config, ConfigError
+from conveyor.config.parallel import ref_sequence_parallel_size
 from conveyor.config.plan import OLD_LOG_PROB_SOURCES, RunPlan
 from conveyor.config.root import critic_in_use
 from conveyor.trainer.distillation import distillation_decision
@@ -148,6 +155,30 @@ def forward_writes_sum_pi_squared(cfg: Config) -> bool:
     return asked if asked is not None else estimator_needs(cfg.algorithm.adv_estimator).sum_pi_squared
 
 
+def parallelism_decision(cfg: Config, *, use_reference: bool, reference_from_actor: bool, use_critic: bool) -> str:
+    """The plan's line of how the trained roles' ranks hold and split the work: each role's strategy, and its Ulysses
+    sequence-parallel and expert-parallel sizes when above 1."""
+    from conveyor.workers.training.strategy import resolve_strategy
+
+    t, arr = cfg.trainer, cfg.actor_rollout_ref
+    world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)  # every trained role has the same ranks
+    roles = [("actor", "actor_rollout_ref.actor", arr.actor, arr.actor.ulysses_sequence_parallel_size)]
+    if use_reference and not reference_from_actor:
+        roles.append(("reference", "actor_rollout_ref.ref", arr.ref, ref_sequence_parallel_size(arr)))
+    if use_critic:
+        roles.append(("critic", "critic", cfg.critic, cfg.critic.ulysses_sequence_parallel_size))
+    parts = []
+    for name, prefix, role, sp in roles:
+        part = f"{name}: strategy {resolve_strategy(role.strategy, world)}"
+        if sp > 1:  # said with its key: a long-context run checks here that SP is on
+            part += f", Ulysses sequence parallel {sp} ({prefix}.ulysses_sequence_parallel_size)"
+        ep = role.fsdp_config.expert_parallel_size
+        if ep > 1:
+            part += f", expert parallel {ep} ({prefix}.fsdp_config.expert_parallel_size)"
+        parts.append(part)
+    return f"training ranks: {world}; " + "; ".join(parts)
+
+
 def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
     """The plan of a run of `cfg` on `device` ("cpu" or "cuda"); a ConfigError for a contradictory combination.
 
@@ -196,7 +227,11 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             + (f" (trainer.v1.trainer_mode={v1.trainer_mode} generates while the actor trains)" if v1.is_async else "")
         )
 
-    if cfg.trainer.replay_rollouts_from:  # the update reads recorded samples: no engine, no rollout process
+    replaying = bool(cfg.trainer.replay_rollouts_from)
+    # A replay builds no engine: the configured one stands for the engine that recorded the samples (their log-probs
+    # and routing), and the lines below say so.
+    rollout_words = f"the {ro.name} rollout" + (" that recorded them" if replaying else "")
+    if replaying:  # the update reads recorded samples: no engine, no rollout process
         placement, process = "none", "trainer"
         why.append(
             f"rollout: none, samples replayed from {cfg.trainer.replay_rollouts_from} (trainer.replay_rollouts_from)"
@@ -265,9 +300,9 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     else:
         bypass = caps.shares_trainer_modules
         bypass_why = (
-            f"the {ro.name} rollout samples from the trainer's own modules"
+            f"{rollout_words} {'sampled' if replaying else 'samples'} from the trainer's own modules"
             if bypass
-            else f"the {ro.name} rollout's numerics are not the trainer's"
+            else f"the numerics of {rollout_words} are not the trainer's"
         )
     proximal = (
         off_policy
@@ -280,7 +315,8 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     )
     if bypass:
         old = "rollout"
-        why.append(f"old log-probs: the rollout's, no forward ({bypass_why})")
+        where = "the replayed samples' recorded rollout_log_probs" if replaying else "the rollout's"
+        why.append(f"old log-probs: {where}, no forward ({bypass_why})")
     elif proximal:
         old = "update"
         why.append(
@@ -306,11 +342,16 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     from_forward = interval > 0 and (replay == "R2" or not engine_routing)
     source = "rollout" if capture else "forward" if record else "none"
     if capture:
-        why.append(f"routing: captured by the {ro.name} rollout")
+        why.append(
+            f"routing: the replayed samples' recorded routed_experts, as {rollout_words} captured it"
+            if replaying
+            else f"routing: captured by the {ro.name} rollout"
+        )
     if replay == "R2" or record_for_metrics:
         why.append("routing: recorded by the old-log-prob forward" + ("" if moe else " (none: the model is dense)"))
     if from_forward:
-        cause = "router_replay.mode=R2" if replay == "R2" else f"the {ro.name} rollout returns no routing on {device}"
+        recorder = f"the {ro.name} rollout" + (" that recorded the samples" if replaying else "")
+        cause = "router_replay.mode=R2" if replay == "R2" else f"{recorder} returns no routing on {device}"
         why.append(f"MoE load-balance metrics describe the old-log-prob forward's routing ({cause})")
 
     # ---- correction, roles, scales
@@ -338,13 +379,18 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             f"reference policy: the actor with its LoRA adapters disabled (actor_rollout_ref.model.lora_rank="
             f"{arr.model.lora_rank}: the base weights are frozen), no reference model built"
         )
+    why.append(
+        parallelism_decision(
+            cfg, use_reference=use_reference, reference_from_actor=reference_from_actor, use_critic=use_critic
+        )
+    )
     if arr.model.lora_rank > 0:
         why.append(
             f"LoRA: rank {arr.model.lora_rank}, alpha {arr.model.lora_alpha:g}, target_modules="
             f"{arr.model.target_modules}; only the adapters train"
             + (
                 f"; the {ro.name} engine gets the merged weights after every update"
-                if not caps.shares_trainer_modules
+                if not caps.shares_trainer_modules and not replaying
                 else ""
             )
         )
@@ -355,7 +401,8 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     max_model_len = None
     if not caps.shares_trainer_modules:  # an engine with its own KV cache holds sequences up to a length
         max_model_len = ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
-        why.append(f"{ro.name} max_model_len={max_model_len}")
+        if not replaying:  # no engine is built to hold them
+            why.append(f"{ro.name} max_model_len={max_model_len}")
 
     use_teacher = cfg.distillation.enabled
     if use_teacher:

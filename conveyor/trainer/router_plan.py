@@ -92,7 +92,12 @@ def check_router_controls(cfg: Config, caps: Any, device: str, is_moe: bool) -> 
             "it would sample from routing the trainer does not use); set it to 0 or use "
             "actor_rollout_ref.rollout.name=hf"
         )
+    routes = (
+        "the replayed samples were drawn with the recorded run's bias"
+        if cfg.trainer.replay_rollouts_from
+        else f"the {name} rollout routes with it"
+    )
     return (
         f"loss-free balancing: each router's selection bias moves by {rate:g} per optimizer step against its "
-        f"expert's excess load (global over the actor's ranks); the {name} rollout routes with it"
+        f"expert's excess load (global over the actor's ranks); {routes}"
     )

@@ -194,10 +194,10 @@ LOSS_PARAMS: dict[str, list[dict[str, float]]] = {
 NO_DEFAULT_CASE = ("dro",)
 
 
-# Log-ratios beyond the +-20 that vanilla, sapo and cispo clamp them to (in verl and here), on column 0 (every
-# row has it) of the first rows; their ppo_kl is then the clamped value's mean.
+# Log-ratios beyond the +-20 that vanilla, sapo, cispo, dppo_tv and dppo_kl clamp them to (in verl and here), on
+# column 0 (every row has it) of the first rows; their ppo_kl is then the clamped value's mean.
 EXTREME_LOG_RATIOS = (25.0, -30.0, 21.5, -60.0, 45.0)
-CLAMPED_LOSSES = ("vanilla", "sapo", "cispo")
+CLAMPED_LOSSES = ("vanilla", "sapo", "cispo", "dppo_tv", "dppo_kl")
 
 
 def _policy_case(name: str, seed: int, mode: str, params: dict[str, float], extreme: bool = False) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.metrics.dumps import dump_path, format_generations, latest_generations, write_generations
+from conveyor.metrics.dumps import dump_due, dump_path, format_generations, latest_generations, write_generations
 
 
 def _rows():
@@ -135,3 +135,38 @@ def test_format_is_readable_and_truncates(tmp_path):
     assert "[2/3]" not in limited and limited.rstrip().endswith("... 2 more samples not shown")
     with pytest.raises(ValueError, match="width"):
         format_generations(step, back, width=10)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b"   \n"])
+def test_an_empty_dump_is_named_not_shown_as_empty(tmp_path, content):
+    write_generations(tmp_path, 4, _rows())
+    dump_path(tmp_path, 8).write_bytes(content)  # truncated to nothing after it was renamed into place
+    with pytest.raises(ValueError, match=r"step_000008\.jsonl holds no samples .*truncated"):
+        latest_generations(tmp_path)
+    assert len(latest_generations(tmp_path, step=4)[1]) == 3
+
+
+def test_a_truncated_last_line_is_named_with_its_line(tmp_path):
+    path = write_generations(tmp_path, 2, _rows())
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(ValueError, match=r"step_000002\.jsonl, line 3 is not valid JSON"):
+        latest_generations(tmp_path)
+
+
+def test_dump_due_every_freq_steps_and_at_the_last():
+    assert [s for s in range(1, 61) if dump_due(s, 100, last=s == 60)] == [60]
+    assert [s for s in range(1, 8) if dump_due(s, 3, last=s == 7)] == [3, 6, 7]
+    assert not any(dump_due(s, 0, last=s == 5) for s in range(1, 6))
+
+
+def test_no_dumps_says_why_from_the_runs_config(tmp_path):
+    (tmp_path / "config.yaml").write_text("trainer:\n  dump_freq: 100\n  total_training_steps: 60\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(ValueError) as err:
+        latest_generations(tmp_path)
+    message = str(err.value)
+    assert "trainer.dump_freq=100 dumps every 100 steps and at the last step" in message
+    assert "metrics end at step 2" in message and "N > 0" not in message
+    (tmp_path / "config.yaml").write_text("trainer:\n  dump_freq: 0\n")
+    with pytest.raises(ValueError, match=r"config\.yaml has trainer\.dump_freq=0; set trainer\.dump_freq=N \(N > 0\)"):
+        latest_generations(tmp_path)

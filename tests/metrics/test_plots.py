@@ -239,6 +239,25 @@ def test_reward_band_only_when_it_moves_and_raw_series_faint_behind_the_ema():
     assert len(ax.collections) == 1
 
 
+def test_one_step_off_the_rewards_bounds_draws_no_band_over_the_whole_run():
+    from conveyor.metrics.plots import _band_panel
+
+    records = _long_run(reward_band=(0.1, 1.0))
+    records[1]["reward/min"] = 0.0  # one step: a band that "moves", pinned at 0.1..1 everywhere else
+    ax = _axes()
+    _band_panel(records, "reward", "Reward", "reward")(ax)
+    assert not ax.collections
+    assert ax.get_ylim()[0] > 0.1 and ax.get_ylim()[1] < 1.0  # the axis follows the mean, not a 0..1 band
+
+    for r in records[100:151]:
+        r["reward/min"] = 0.3  # a stretch off the pinned bound: the band is drawn there, and only there
+    ax = _axes()
+    _band_panel(records, "reward", "Reward", "reward")(ax)
+    (band,) = ax.collections
+    spans = [(p.vertices[:, 0].min(), p.vertices[:, 0].max()) for p in band.get_paths()]
+    assert [span for span in spans if span[1] > span[0]] == [(100, 150)]  # (the lone step 1 fills nothing)
+
+
 def test_validation_accuracy_drawn_on_top_and_kl_noise_left_out():
     from conveyor.metrics.plots import _accuracy_panel, _kl_panel
 

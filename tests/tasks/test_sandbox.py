@@ -303,3 +303,20 @@ def test_a_fork_bomb_leaves_the_process_budget_of_programs_running_beside_it_alo
     assert bombed.outcome != "ok"
     assert forked.outcome == "ok" and forked.stdout.strip() == "forked", forked
     assert not sandbox._uids_in_use  # every uid handed back
+
+
+@pytest.mark.parametrize("mode", _modes())
+def test_the_isolation_in_force_and_the_limits_are_logged_once_when_the_pool_is_built(mode, caplog):
+    from conveyor.tasks.sandbox import sandbox_pool
+
+    settings = dataclasses.asdict(SandboxConfig(isolation=mode, python=_python_for(mode), **_LIMITS))
+    with caplog.at_level("INFO", logger="conveyor.tasks.sandbox"):
+        pool = sandbox_pool(settings)
+        pool.run_all([{"main.py": "pass"}] * 2)
+    pool.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sandbox: isolation")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"sandbox: isolation {mode}") and f"reward.sandbox.isolation={mode}" in lines[0]
+    for part in ("2 s wall", "1 s CPU", "256 MB memory", "8 processes", "64 open files", "0.25 MB output", "4 at once"):
+        assert part in lines[0], part
+    assert ("16 MB disk" in lines[0]) == (mode == "namespaces")  # a tmpfs of its own only with namespaces

@@ -78,10 +78,13 @@ def test_gae_with_critic_and_kl_logs_critic_metrics(tiny_run, tmp_path):
                 "algorithm.lam=0.95",
                 "actor_rollout_ref.actor.use_kl_loss=true",
                 "algorithm.rollout_correction.bypass_mode=false",
+                "trainer.dump_freq=100",
             ],
         )
     )
     rows = _rows(tmp_path)
+    # Two steps with dump_freq 100: no step is a multiple of it, and the last step is dumped all the same.
+    assert sorted(p.name for p in (tmp_path / "generations").iterdir()) == ["step_000002.jsonl"]
     for step in (1, 2):
         row = rows[step]
         # With the old-log-prob forward on, the sampler and the trainer agree on every log-prob.

@@ -401,3 +401,83 @@ def test_one_sample_a_prompt_under_a_group_baseline_is_said_in_the_plan(override
     else:
         assert len(lines) == 1 and warned in lines[0] and "set rollout.n to 2 or more" in lines[0]
         assert plan.warnings == (lines[0],)  # run.py logs the plan's warnings once, at the run's start
+
+
+@pytest.mark.parametrize("interval", [0, 1])
+def test_a_replay_plan_says_the_old_log_probs_and_routing_are_the_recorded_ones(interval) -> None:
+    cfg = load_config(
+        None,
+        [
+            "trainer.replay_rollouts_from=/runs/orig/rollouts",
+            f"actor_rollout_ref.rollout.moe_load_balance_metrics_interval={interval}",
+        ],
+    )
+    plan = build_run_plan(cfg, device="cpu")
+    text = "\n".join(plan.decisions)
+    assert plan.rollout_placement == "none" and "rollout: none, samples replayed from /runs/orig/rollouts" in text
+    # No engine samples in a replay: the lines name the recorded samples, not a rollout at work.
+    assert "the hf rollout samples from" not in text and "routing: captured by" not in text
+    olds = [d for d in plan.decisions if d.startswith("old log-probs:")]
+    assert plan.old_log_probs == "rollout"
+    assert olds == [
+        "old log-probs: the replayed samples' recorded rollout_log_probs, no forward (the hf rollout that recorded "
+        "them sampled from the trainer's own modules)"
+    ]
+    routing = [d for d in plan.decisions if d.startswith("routing:")]
+    if interval:
+        assert routing == [
+            "routing: the replayed samples' recorded routed_experts, as the hf rollout that recorded them captured it"
+        ]
+    else:
+        assert routing == []
+    assert not any(d.startswith("faults:") for d in plan.decisions)  # no rollout process to lose
+
+
+def test_a_replay_plan_names_no_engine_length_or_weight_sync() -> None:
+    overrides = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.model.tiny.num_heads=2",
+        "actor_rollout_ref.model.tiny.num_kv_heads=2",
+        "actor_rollout_ref.model.lora_rank=4",
+    ]
+    live = build_run_plan(load_config(None, overrides), device="cpu")
+    replay = build_run_plan(load_config(None, overrides + ["trainer.replay_rollouts_from=/r"]), device="cpu")
+    assert any(d.startswith("vllm max_model_len=") for d in live.decisions)
+    assert not any("max_model_len" in d or "merged weights" in d for d in replay.decisions)
+    assert (
+        "old log-probs: the old-log-prob forward (the numerics of the vllm rollout that recorded them are not the "
+        "trainer's)" in replay.decisions
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        ([], "training ranks: 1; actor: strategy none"),
+        (
+            [
+                "trainer.num_cpu_workers=2",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "algorithm.adv_estimator=gae",
+            ],
+            "training ranks: 2; actor: strategy fsdp2, Ulysses sequence parallel 2 "
+            "(actor_rollout_ref.actor.ulysses_sequence_parallel_size); reference: strategy fsdp2, Ulysses sequence "
+            "parallel 2 (actor_rollout_ref.ref.ulysses_sequence_parallel_size); critic: strategy fsdp2",
+        ),
+        (
+            [
+                "trainer.num_cpu_workers=2",
+                "actor_rollout_ref.actor.strategy=dp",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+            ],
+            "training ranks: 2; actor: strategy dp; reference: strategy fsdp2, Ulysses sequence parallel 2 "
+            "(actor_rollout_ref.ref.ulysses_sequence_parallel_size)",
+        ),
+    ],
+)
+def test_the_plan_names_each_roles_strategy_and_sequence_parallel_size(overrides, line) -> None:
+    plan = build_run_plan(load_config(None, overrides), device="cpu")
+    assert [d for d in plan.decisions if d.startswith("training ranks:")] == [line]
+    assert line in json.loads(json.dumps(plan.to_dict()))["decisions"]  # and so in plan.json
