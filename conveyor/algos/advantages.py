@@ -1,4 +1,4 @@
-"""Advantage estimators and the masked statistics they are built from.
+"""Advantage estimators: their registry, what each needs from the run, and the estimators themselves.
 
 Every estimator maps response-aligned token rewards ``(B, T)`` (plus values or
 group ids when it needs them) to ``(advantages, returns)``, both ``(B, T)`` and
@@ -24,6 +24,10 @@ Conventions shared by all estimators:
   signal, so every group-based estimator gives it advantages of exactly 0
   (even for float64 inputs, whose own mean can be a rounding step off).
 
+The masked and per-group statistics they are built from are
+`conveyor.algos.group_stats` (`masked_mean`, `masked_var` and `masked_whiten`
+are importable from here too).
+
 This module deliberately knows nothing about configs, the data plane or
 distributed training: advantages are computed once over the whole batch by the
 caller, and whitening statistics are batch-wide for that reason.
@@ -34,10 +38,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from conveyor.algos.group_stats import (
+    as_bool_mask,
+    centred,
+    check_same_shape,
+    compute_dtype,
+    group_ids,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    outcome_groups,
+    outcome_scores,
+    per_group,
+    per_token,
+)
 from conveyor.registry import lookup, registrar
 
 logger = logging.getLogger(__name__)
@@ -190,147 +208,6 @@ def compute_advantage(
     )
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Turn a bool or 0/1 mask into a bool tensor."""
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32, except float64 stays float64 (keeps gradcheck-style tests exact)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _check_same_shape(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
-    """Raise ValueError unless ``x`` has the shape of ``response_mask``."""
-    if x.shape != mask.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but response_mask has shape {tuple(mask.shape)}")
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` over positions where ``mask`` is set (all dims, or ``dim``); 0 when empty."""
-    m = _as_bool_mask(mask)
-    # where() rather than values * mask so NaN/inf under the mask cannot leak in.
-    total = torch.where(m, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    count = m.sum() if dim is None else m.sum(dim)
-    total = total.sum() if dim is None else total.sum(dim)
-    return total / count.clamp_min(1).to(total.dtype)
-
-
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``values`` over masked positions (Bessel-corrected when ``unbiased``); 0 with < 2 items."""
-    m = _as_bool_mask(mask)
-    mean = masked_mean(values, m)
-    var = masked_mean((values - mean) ** 2, m)
-    if unbiased:
-        n = m.sum().to(var.dtype)
-        # With a single item the unbiased estimate is undefined; 0 keeps whitening finite.
-        var = torch.where(n > 1, var * n / (n - 1).clamp_min(1), torch.zeros_like(var))
-    return var
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten ``values`` (B, T) over the mask (unit variance, zero mean if ``shift_mean``); 0 off it."""
-    m = _as_bool_mask(mask)
-    mean = masked_mean(values, m)
-    var = masked_var(values, m)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(m, whitened, torch.zeros_like(whitened))
-
-
-def _group_ids(group_index: Any, batch_size: int, device: torch.device) -> torch.Tensor:
-    """Map ``group_index`` (B,) ints or hashables to dense ids 0..G-1 as a long tensor on ``device``."""
-    if group_index is None:
-        raise ValueError("group_index is required by group-based estimators (grpo, rloo, opo, ...)")
-    if isinstance(group_index, torch.Tensor):
-        if group_index.dim() != 1 or group_index.shape[0] != batch_size:
-            raise ValueError(f"group_index must have shape ({batch_size},), got {tuple(group_index.shape)}")
-        _, inverse = torch.unique(group_index.to(device), return_inverse=True)
-        return inverse
-    items = list(group_index)
-    if len(items) != batch_size:
-        raise ValueError(f"group_index has {len(items)} entries, expected {batch_size}")
-    dense: dict[Hashable, int] = {}
-    ids = [dense.setdefault(item, len(dense)) for item in items]
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
-def _outcome_scores(token_level_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence outcome score (B,): sum of token rewards over the response mask."""
-    dtype = _compute_dtype(token_level_rewards)
-    zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
-    r = torch.where(mask, token_level_rewards.to(dtype), zero)
-    return r.sum(-1)
-
-
-class _Groups(NamedTuple):
-    """Float64 statistics of each sample's group, all (B,): see the module docstring for why float64."""
-
-    ids: torch.Tensor  # dense group id, long
-    scores: torch.Tensor  # the sample's own score, float64
-    count: torch.Tensor  # samples in the group
-    total: torch.Tensor  # sum of the group's scores
-    mean: torch.Tensor
-    std: torch.Tensor  # unbiased (Bessel-corrected), as torch.std; 0 for a lone sample
-    flat: torch.Tensor  # bool: two or more samples, all with the same score
-
-    @property
-    def lone(self) -> torch.Tensor:
-        """bool (B,): the sample is alone in its group."""
-        return self.count <= 1
-
-
-def _per_group(values: torch.Tensor, ids: torch.Tensor, reduce: str) -> torch.Tensor:
-    """``reduce`` ("sum", "amax" or "amin") of ``values`` (B,) over each group, broadcast back to (B,)."""
-    num_groups = int(ids.max().item()) + 1 if ids.numel() else 0
-    out = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
-    if reduce == "sum":
-        return out.index_add_(0, ids, values)[ids]
-    return out.scatter_reduce_(0, ids, values, reduce, include_self=False)[ids]
-
-
-def _group_stats(scores: torch.Tensor, group_index: Any) -> _Groups:
-    """Group ids from ``group_index`` and the float64 statistics of ``scores`` (B,) within each group."""
-    ids = _group_ids(group_index, scores.shape[0], scores.device)
-    x = scores.to(torch.float64)
-    count = _per_group(torch.ones_like(x), ids, "sum")
-    total = _per_group(x, ids, "sum")
-    mean = total / count
-    # Two-pass variance: subtracting the group mean first avoids cancellation.
-    sq = _per_group((x - mean) ** 2, ids, "sum")
-    std = torch.sqrt(sq / (count - 1).clamp_min(1))
-    flat = (count > 1) & (_per_group(x, ids, "amax") == _per_group(x, ids, "amin"))
-    return _Groups(ids, x, count, total, mean, std, flat)
-
-
-def _centred(groups: _Groups) -> torch.Tensor:
-    """Score minus its group mean (B,), float64; a lone sample keeps its raw score (verl's baseline 0)."""
-    return groups.scores - torch.where(groups.lone, torch.zeros_like(groups.mean), groups.mean)
-
-
-def _per_token(
-    adv: torch.Tensor, groups: _Groups, mask: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A per-sequence advantage (B,) as ``dtype`` on every valid token (B, T), 0 for flat groups; returns = it."""
-    adv = torch.where(groups.flat, torch.zeros_like(adv), adv).to(dtype)
-    adv_tok = torch.where(mask, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=adv.device))
-    return adv_tok, adv_tok.clone()
-
-
-def _outcome_groups(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: Any
-) -> tuple[torch.Tensor, _Groups, torch.dtype]:
-    """Shared start of the outcome estimators: the bool mask (B, T), the group statistics and the output dtype."""
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
-    scores = _outcome_scores(token_level_rewards, m)
-    return m, _group_stats(scores, group_index), scores.dtype
-
-
 # --------------------------------------------------------------------------- estimators
 
 
@@ -347,10 +224,10 @@ def compute_gae_advantage(
     """GAE over response tokens (B, T): returns = raw advantages + values, advantages then whitened."""
     if values is None:
         raise ValueError("values is required by the 'gae' estimator (it needs a critic)")
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    _check_same_shape("values", values, response_mask)
-    m = _as_bool_mask(response_mask)
-    dtype = _compute_dtype(token_level_rewards)
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    check_same_shape("values", values, response_mask)
+    m = as_bool_mask(response_mask)
+    dtype = compute_dtype(token_level_rewards)
     zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
     rewards = torch.where(m, token_level_rewards.to(dtype), zero)
     vals = torch.where(m, values.detach().to(dtype), zero)
@@ -384,12 +261,12 @@ def compute_grpo_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (B, T): (score - group mean) / (group std + eps) on each response token; returns = advantages."""
-    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
-    adv = _centred(g)
+    m, g, dtype = outcome_groups(token_level_rewards, response_mask, group_index)
+    adv = centred(g)
     if norm_adv_by_std:
         # A lone sample has no peers to compare with: std 1 keeps its raw score.
         adv = adv / (torch.where(g.lone, torch.ones_like(g.std), g.std) + epsilon)
-    return _per_token(adv, g, m, dtype)
+    return per_token(adv, g, m, dtype)
 
 
 @register_adv_estimator("rloo", group_baseline=True)
@@ -401,10 +278,10 @@ def compute_rloo_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (B, T): score minus the mean score of the other samples in its group; 0 for a lone sample."""
-    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    m, g, dtype = outcome_groups(token_level_rewards, response_mask, group_index)
     others_mean = (g.total - g.scores) / (g.count - 1).clamp_min(1)
     adv = torch.where(g.lone, torch.zeros_like(others_mean), g.scores - others_mean)
-    return _per_token(adv, g, m, dtype)
+    return per_token(adv, g, m, dtype)
 
 
 @register_adv_estimator("reinforce_plus_plus")
@@ -416,9 +293,9 @@ def compute_reinforce_plus_plus_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (B, T): discounted return-to-go over valid tokens; advantages = its masked whitening."""
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
-    dtype = _compute_dtype(token_level_rewards)
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = as_bool_mask(response_mask)
+    dtype = compute_dtype(token_level_rewards)
     zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
     rewards = torch.where(m, token_level_rewards.to(dtype), zero)
 
@@ -445,8 +322,8 @@ def compute_reinforce_plus_plus_baseline_advantage(
     The whitening subtracts the batch's token mean, so a flat group (exactly 0
     before it) ends at ``-mean / std`` like every other token shifted by it.
     """
-    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
-    tokens, _ = _per_token(_centred(g), g, m, dtype)
+    m, g, dtype = outcome_groups(token_level_rewards, response_mask, group_index)
+    tokens, _ = per_token(centred(g), g, m, dtype)
     adv = masked_whiten(tokens, m)
     return adv, adv.clone()
 
@@ -462,13 +339,13 @@ def compute_remax_advantage(
     """ReMax (B, T): undiscounted reward-to-go minus the greedy response's reward ``reward_baselines`` (B,)."""
     if reward_baselines is None:
         raise ValueError("reward_baselines (B,) is required by the 'remax' estimator (a greedy rollout's reward)")
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask)
     if reward_baselines.shape != token_level_rewards.shape[:1]:
         raise ValueError(
             f"reward_baselines must have shape ({token_level_rewards.shape[0]},), got {tuple(reward_baselines.shape)}"
         )
-    m = _as_bool_mask(response_mask)
-    dtype = _compute_dtype(token_level_rewards)
+    m = as_bool_mask(response_mask)
+    dtype = compute_dtype(token_level_rewards)
     zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
     rewards = torch.where(m, token_level_rewards.to(dtype), zero)
     returns = torch.where(m, rewards.flip(-1).cumsum(-1).flip(-1), zero)
@@ -485,12 +362,12 @@ def compute_opo_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (B, T): score minus the length-weighted mean score of its group; a lone sample keeps its raw score."""
-    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    m, g, dtype = outcome_groups(token_level_rewards, response_mask, group_index)
     lengths = m.sum(-1).to(torch.float64)
     # Weighting by length makes this the baseline that minimises the gradient's
     # variance when every token carries the sequence's advantage (the paper's result).
-    baseline = _per_group(lengths * g.scores, g.ids, "sum") / _per_group(lengths, g.ids, "sum").clamp_min(1)
-    return _per_token(g.scores - torch.where(g.lone, torch.zeros_like(baseline), baseline), g, m, dtype)
+    baseline = per_group(lengths * g.scores, g.ids, "sum") / per_group(lengths, g.ids, "sum").clamp_min(1)
+    return per_token(g.scores - torch.where(g.lone, torch.zeros_like(baseline), baseline), g, m, dtype)
 
 
 @register_adv_estimator("gpg", group_baseline=True)
@@ -502,11 +379,11 @@ def compute_gpg_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (B, T): alpha * (score - group mean), alpha = B / (samples with a non-zero score)."""
-    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    m, g, dtype = outcome_groups(token_level_rewards, response_mask, group_index)
     # alpha rescales the batch gradient up by the share of samples that carry
     # reward, so batches where few samples score are not drowned (GPG's correction).
     alpha = g.scores.shape[0] / torch.count_nonzero(g.scores).clamp_min(1).to(torch.float64)
-    return _per_token(alpha * _centred(g), g, m, dtype)
+    return per_token(alpha * centred(g), g, m, dtype)
 
 
 @register_adv_estimator("grpo_passk", min_group_size=2)
@@ -520,20 +397,20 @@ def compute_grpo_passk_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k GRPO (B, T): only each group's best sample gets (best - second best) [/ (group std + eps)]."""
-    m, g, dtype = _outcome_groups(token_level_rewards, response_mask, group_index)
+    m, g, dtype = outcome_groups(token_level_rewards, response_mask, group_index)
     if bool(g.lone.any()):
         raise ValueError("the 'grpo_passk' estimator needs at least 2 samples per group (rollout.n >= 2)")
     ids = g.ids
-    best = _per_group(g.scores, ids, "amax")
+    best = per_group(g.scores, ids, "amax")
     positions = torch.arange(ids.shape[0], device=ids.device)
     # One winner per group even on ties (the first best); a tie gives best - second = 0 anyway.
-    first_best = _per_group(torch.where(g.scores == best, positions, ids.shape[0]), ids, "amin")
+    first_best = per_group(torch.where(g.scores == best, positions, ids.shape[0]), ids, "amin")
     winner = positions == first_best
-    second = _per_group(torch.where(winner, torch.full_like(g.scores, -torch.inf), g.scores), ids, "amax")
+    second = per_group(torch.where(winner, torch.full_like(g.scores, -torch.inf), g.scores), ids, "amax")
     adv = best - second
     if norm_adv_by_std:
         adv = adv / (g.std + epsilon)
-    return _per_token(torch.where(winner, adv, torch.zeros_like(adv)), g, m, dtype)
+    return per_token(torch.where(winner, adv, torch.zeros_like(adv)), g, m, dtype)
 
 
 @register_adv_estimator("gdpo", group_baseline=True)
@@ -556,10 +433,10 @@ def compute_gdpo_advantage(
     as in verl; ``reward_weights`` (K,) default to 1 each. A component counts in
     its group's statistics even for a response without tokens. Returns = advantages.
     """
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = as_bool_mask(response_mask)
     if reward_components is None:
-        components = _outcome_scores(token_level_rewards, m).unsqueeze(-1)
+        components = outcome_scores(token_level_rewards, m).unsqueeze(-1)
     else:
         components = reward_components.reshape(reward_components.shape[0], -1)
         if components.shape[0] != m.shape[0]:
@@ -571,7 +448,7 @@ def compute_gdpo_advantage(
         weights = [float(w) for w in reward_weights]
         if len(weights) != k:
             raise ValueError(f"reward_weights has {len(weights)} entries for {k} reward components")
-    dtype = _compute_dtype(token_level_rewards)
+    dtype = compute_dtype(token_level_rewards)
     total = torch.zeros(m.shape, dtype=dtype, device=m.device)
     ones = torch.ones((m.shape[0], 1), dtype=torch.bool, device=m.device)
     for j in range(k):
@@ -606,11 +483,11 @@ def _path_weights(
                 f"{name} (B, T) is required by the optimal token baselines (the old-log-prob forward writes it "
                 "when the estimator is chosen)"
             )
-        _check_same_shape(name, t, response_mask)
+        check_same_shape(name, t, response_mask)
     zero = torch.zeros((), dtype=dtype, device=response_mask.device)
     w = 1 - 2 * torch.exp(old_log_probs.to(dtype)) + sum_pi_squared.to(dtype)
     if rollout_is_weights is not None:
-        _check_same_shape("rollout_is_weights", rollout_is_weights, response_mask)
+        check_same_shape("rollout_is_weights", rollout_is_weights, response_mask)
         w = w * rollout_is_weights.to(dtype) ** 2
     return torch.where(response_mask, w, zero).cumsum(-1)
 
@@ -638,7 +515,7 @@ def _token_baseline(
     member gets baseline 0 from the second-longest member's length on, where no
     other member exists to compare with.
     """
-    count = _per_group(members.to(torch.float64), ids, "sum")
+    count = per_group(members.to(torch.float64), ids, "sum")
     num_groups = int(ids.max().item()) + 1
     width = returns.shape[1]
     zero = torch.zeros((), dtype=torch.float64, device=returns.device)
@@ -651,9 +528,9 @@ def _token_baseline(
     baseline = torch.where(keep.unsqueeze(-1), baseline, torch.zeros_like(baseline))
     if handle_zero_tail:
         lengths = torch.where(members, mask.sum(-1).to(torch.float64), torch.full_like(count, -torch.inf))
-        top = _per_group(lengths, ids, "amax")
-        at_top = _per_group((lengths == top).to(torch.float64), ids, "sum")
-        second = _per_group(torch.where(lengths == top, torch.full_like(lengths, -torch.inf), lengths), ids, "amax")
+        top = per_group(lengths, ids, "amax")
+        at_top = per_group((lengths == top).to(torch.float64), ids, "sum")
+        second = per_group(torch.where(lengths == top, torch.full_like(lengths, -torch.inf), lengths), ids, "amax")
         alone_on_top = keep & (lengths == top) & (at_top == 1)
         cols = torch.arange(width, device=returns.device, dtype=torch.float64)
         tail = alone_on_top.unsqueeze(-1) & (cols.unsqueeze(0) >= second.unsqueeze(-1))
@@ -682,12 +559,12 @@ def compute_optimal_token_baseline_advantage(
     per sequence. A lone sample keeps ``G_t``; ``handle_zero_tail`` as in
     ``_token_baseline``. Returns = the reward-to-go.
     """
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
-    dtype = _compute_dtype(token_level_rewards)
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = as_bool_mask(response_mask)
+    dtype = compute_dtype(token_level_rewards)
     returns = _reward_to_go(token_level_rewards, m, dtype)
     w_cum = _path_weights(m, old_log_probs, sum_pi_squared, rollout_is_weights, dtype)
-    ids = _group_ids(group_index, m.shape[0], m.device)
+    ids = group_ids(group_index, m.shape[0], m.device)
     if m.shape[0] == 0:
         return returns.clone(), returns
     members = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
@@ -717,12 +594,12 @@ def compute_tir_optimal_token_baseline_advantage(
     right-padded responses without holes it equals ``optimal_token_baseline``
     (except for groups holding an empty response).
     """
-    _check_same_shape("token_level_rewards", token_level_rewards, response_mask)
-    m = _as_bool_mask(response_mask)
-    dtype = _compute_dtype(token_level_rewards)
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask)
+    m = as_bool_mask(response_mask)
+    dtype = compute_dtype(token_level_rewards)
     returns = _reward_to_go(token_level_rewards, m, dtype)
     w_cum = _path_weights(m, old_log_probs, sum_pi_squared, rollout_is_weights, dtype)
-    ids = _group_ids(group_index, m.shape[0], m.device)
+    ids = group_ids(group_index, m.shape[0], m.device)
     lengths = m.sum(-1)
     width = int(lengths.max().item()) if lengths.numel() else 0
     if width == 0:
