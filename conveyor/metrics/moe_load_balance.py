@@ -284,6 +284,17 @@ class RolloutMoELoadBalanceMetricsAccumulator:
         self.reset()
         return metrics
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the counts since the last log (L, E) or None, and the routed-experts retry step."""
+        return {"counts": self.counts, "retry_step": self.routed_experts_retry_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state_dict()`'s counts and retry step."""
+        counts, retry_step = state["counts"], int(state["retry_step"])
+        if counts is not None and (not isinstance(counts, torch.Tensor) or counts.dim() != 2):
+            raise ValueError(f"MoE load counts must be an (L, E) tensor or None, got {counts!r:.80}")
+        self.counts, self.routed_experts_retry_step = counts, retry_step
+
     def should_request_routed_experts(self, global_steps: int) -> bool:
         """Whether to ask the data plane for routed_experts at this step (False while a retry is deferred)."""
         return global_steps >= self.routed_experts_retry_step

@@ -149,6 +149,25 @@ class RouterMarginAccumulator:
         self.known = self.near = self.hist = None
         return out
 
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        """What a checkpoint keeps: the counts since the last log (None each when there are none)."""
+        return {"known": self.known, "near": self.near, "hist": self.hist}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Continue from `state_dict()`'s counts (None: none, as a checkpoint written before they were saved)."""
+        if state is None or state["known"] is None:
+            self.known = self.near = self.hist = None
+            return
+        known, near, hist = state["known"], state["near"], state["hist"]
+        layers, bins = known.shape[0], len(self.edges) - 1
+        # A wrong shape would only surface at the next log, steps after the resume: refused now.
+        if known.dim() != 1 or tuple(near.shape) != (layers,) or tuple(hist.shape) != (layers, bins):
+            raise ValueError(
+                f"router margin counts of shapes {tuple(known.shape)}, {tuple(near.shape)}, {tuple(hist.shape)} do "
+                f"not fit: expected (L,), (L,) and (L, {bins})"
+            )
+        self.known, self.near, self.hist = known.long(), near.long(), hist.long()
+
 
 def dead_expert_metrics(counts: torch.Tensor | None, prefix: str) -> dict[str, float]:
     """From per-layer load counts (L, E): `{prefix}/dead_experts/layer_i` (experts with no token), `/max`, `/sum`."""

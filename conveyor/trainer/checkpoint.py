@@ -5,12 +5,13 @@ A checkpoint is a directory `checkpoints/global_step_N/` holding one sharded
 `critic/` when a critic runs; every rank writes its own shards, no rank
 gathers the model, see `conveyor.workers.training.shards`), `hf/` (the model's config
 and tokenizer, so `conveyor export` needs nothing else), and
-`trainer_state.pt` (step, data order, RNG states, KL controller, MoE
-accumulator, each role's lr-schedule state). It appears under its final name
-only once complete (one `os.rename` of the directory, after `trainer_state.pt`
-is written and synced), so a kill during a save leaves the newest good
-checkpoint intact; half-written `*.tmp-*` directories are ignored and removed
-on the next save.
+`trainer_state.pt` (step, config, each role's lr-schedule state, and every
+trainer-side part registered with `trainer/state.py`'s `Checkpoints`: data
+order, RNG states, KL controller, MoE accumulators, validation history). It
+appears under its final name only once complete (one `os.rename` of the
+directory, after `trainer_state.pt` is written and synced), so a kill during a
+save leaves the newest good checkpoint intact; half-written `*.tmp-*`
+directories are ignored and removed on the next save.
 
 Loading never unpickles code: every part is read with `torch.load(...,
 weights_only=True)`, which rebuilds only tensors and plain containers of

@@ -37,9 +37,11 @@ import torch
 from conveyor.algos.advantages import compute_advantage, estimator_needs
 from conveyor.algos.correction import bypass_old_log_prob, compute_is_metrics, compute_rejection_mask
 from conveyor.algos.kl import apply_kl_penalty, make_kl_controller
+from conveyor.algos.trajectory import session_heads, spread_over_sessions
 from conveyor.config import Config
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.data import compute_data_metrics
+from conveyor.metrics.dumps import dump_due
 from conveyor.metrics.moe_load_balance import (
     RolloutMoELoadBalanceMetricsAccumulator,
     compute_moe_lb_metrics,
@@ -123,16 +125,41 @@ class PPOTrainer:
         self.workers = workers
         self.tokenizer = tokenizer
         self.val_records = val_records
-        t = cfg.trainer
-        self.validation = Validation(val_records, every=t.test_freq, before_train=t.val_before_train)
         self.tracking = tracking
         self.run_dir = Path(run_dir)
         self.prometheus = prometheus
         self.model_config = model_config
+        # What a checkpoint saves and restores: the roles' shards, and every part below that carries state from one
+        # step to the next, registered by name where it is built (saved under that name; trainer/state.py).
+        ck = self.checkpoints = Checkpoints(
+            cfg, ckpt_root=self.run_dir / "checkpoints", workers=workers, model_config=model_config, tokenizer=tokenizer
+        )
+        t = cfg.trainer
+        self.validation = ck.register(
+            "val_history",
+            Validation(val_records, every=t.test_freq, before_train=t.val_before_train),
+            older=lambda st: [],
+        )
         kc = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
-        self.moe_acc = RolloutMoELoadBalanceMetricsAccumulator(model_config)
-        self.margin_acc = RouterMarginAccumulator(cfg.actor_rollout_ref.rollout.moe_near_tie_eps)
+        # A registered controller need only have a `value` (conveyor.algos.kl): that is its state.
+        self.kl_ctrl = ck.register(
+            "kl_coef",
+            make_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon),
+            save=lambda: float(self.kl_ctrl.value),
+            load=lambda value: setattr(self.kl_ctrl, "value", float(value)),
+        )
+        # Checkpoints written before these had entries of their own kept the load counts under two flat keys, and
+        # no router margins (such a resume starts the margin counts afresh, as it always did).
+        self.moe_acc = ck.register(
+            "moe_load",
+            RolloutMoELoadBalanceMetricsAccumulator(model_config),
+            older=lambda st: {"counts": st.get("moe_counts"), "retry_step": st.get("moe_retry_step", 0)},
+        )
+        self.margin_acc = ck.register(
+            "router_margins",
+            RouterMarginAccumulator(cfg.actor_rollout_ref.rollout.moe_near_tie_eps),
+            older=lambda st: None,
+        )
         # What the estimator needs beyond rewards: a greedy baseline rollout (ReMax), values.
         self.estimator = estimator_needs(cfg.algorithm.adv_estimator)
         # Stages 1-3 and what they need: the one object the sources and validation are handed.
@@ -154,19 +181,15 @@ class PPOTrainer:
         else:
             self.source = build_source(self.stages, greedy_baseline=self.estimator.greedy_baseline)
             self.last_step = t.total_training_steps
-        self.rollout_dumps = RolloutDumps(self.stages, self.run_dir)
-        # What a checkpoint saves and restores, named: the loop hands it the step and takes the resumed one back.
-        self.checkpoints = Checkpoints(
-            cfg,
-            ckpt_root=self.run_dir / "checkpoints",
-            workers=workers,
-            source=self.source,
-            validation=self.validation,
-            kl_ctrl=self.kl_ctrl,
-            moe_acc=self.moe_acc,
-            model_config=model_config,
-            tokenizer=tokenizer,
+        # The prompt order (an asynchronous source's: before the oldest batch not yet trained); the step's seeds
+        # come from the checkpoint's step.
+        ck.register(
+            "dataset",
+            self.source,
+            save=lambda: self.source.state_dict()["dataset"],
+            load=lambda dataset: self.source.load_state_dict({"dataset": dataset}),
         )
+        self.rollout_dumps = RolloutDumps(self.stages, self.run_dir)
 
     @property
     def global_step(self) -> int:
@@ -272,7 +295,7 @@ class PPOTrainer:
             meta = run("update_actor", self._update_actor, meta)
             timings.update(self.source.updated())
             meta = run("metrics", self._compute_metrics, meta)
-            if self.cfg.trainer.dump_freq and step % self.cfg.trainer.dump_freq == 0:
+            if dump_due(step, self.cfg.trainer.dump_freq, last=step == self.last_step):
                 self._dump_generations(meta)
         finally:
             self.data_plane.kv_clear(part)
@@ -346,9 +369,19 @@ class PPOTrainer:
         if self.plan.use_critic:
             fields.append("values")
         fields += [f for f in estimator_fields(self.plan, self.estimator) if f not in fields]
+        if "agent_session" in meta.fields:
+            fields.append("agent_session")
         td = self.data_plane.get(meta, fields)
         mask = td["response_mask"].bool()
         _check_finite(self.global_step, "rm_scores", td["rm_scores"], mask)
+        # Agent sessions cut into several samples: the estimator sees each session once (its first sample) and
+        # every sample of a session takes its advantage, so a session counts once in its group's baseline.
+        heads, owner = session_heads(list(td["agent_session"])) if "agent_session" in fields else ([], [])
+        if heads and len(heads) < len(owner) and not self.plan.use_critic and not algo.use_kl_in_reward:
+            full_td, full_meta, full_mask = td, meta, mask
+            td, meta, mask = td[heads], meta.select(heads), mask[heads]
+        else:
+            full_td = None
         rewards = td["rm_scores"]
         if algo.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(
@@ -370,6 +403,11 @@ class PPOTrainer:
             reward_baselines=td["reward_baselines"] if self.estimator.greedy_baseline else None,
             **estimator_inputs(td, meta, self.data_plane, self.cfg, self.plan, self.estimator),
         )
+        if full_td is not None:
+            advantages = spread_over_sessions(advantages, mask, owner, full_mask)
+            returns = spread_over_sessions(returns, mask, owner, full_mask)
+            rewards, meta, mask = full_td["rm_scores"], full_meta, full_mask
+            metrics["rollout/agent/cut_sessions"] = float(len(owner) - len(heads))
         _check_finite(self.global_step, "advantages", advantages, mask)
         out = self.data_plane.put(meta, {"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
         return out, metrics

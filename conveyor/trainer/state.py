@@ -1,14 +1,20 @@
 """What a checkpoint of a training run holds, when one is due, and putting a run back into that state.
 
-`Checkpoints` names every part a checkpoint saves and restores: the roles'
-shards (through the workers), the model's config and tokenizer (so
-`conveyor export` needs nothing else), and the trainer state: config, the
-sample source's prompt order, RNG states, the KL controller's coefficient,
-the MoE load counters and the validation history. The step is passed in and
-handed back, so nothing is read off the trainer: `save(step)` writes a
-checkpoint, `resume()` loads the one `trainer.resume_mode` points at (if any)
-back into the same parts and returns its step, and `due(step, last=...)` says
-whether the loop saves after a step.
+`Checkpoints` saves the roles' shards (through the workers), the model's
+config and tokenizer (so `conveyor export` needs nothing else), and the
+trainer state: the config, the step, and every part registered with it. A
+stateful trainer-side part (the sample source's prompt order, the KL
+controller, the MoE load and router-margin accumulators, the validation
+history; the process's RNG states are registered by `Checkpoints` itself)
+registers a name and how its state is read and put back
+(`register(name, owner)` for an object with `state_dict`/`load_state_dict`),
+and is then saved under that name and restored on resume with nothing else
+to edit; tests/trainer/test_trainer_state.py walks the trainer's objects and
+fails on one that holds run state without being registered. The step is
+passed in and handed back, so nothing is read off the trainer: `save(step)`
+writes a checkpoint, `resume()` loads the one `trainer.resume_mode` points at
+(if any) back into the same parts and returns its step, and `due(step,
+last=...)` says whether the loop saves after a step.
 
 What it deliberately does not do: lay out files or keep the newest N
 (`trainer/checkpoint.py` does), or check a resumed config against the saved
@@ -19,21 +25,40 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from conveyor.config import config_to_dict
 from conveyor.trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from conveyor.config import Config
-    from conveyor.trainer.sources import SampleSource
-    from conveyor.trainer.validation import Validation
     from conveyor.workers.placement.roles import WorkerGroups
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpoints", "trainer_state", "save_checkpoint", "maybe_resume"]
+__all__ = ["Checkpoints", "StatePart", "trainer_state", "save_checkpoint", "maybe_resume"]
+
+T = TypeVar("T")
+
+# The entries of trainer_state.pt that are not a registered part's.
+_RESERVED = ("global_step", "config", "roles")
+
+# What a damaged or foreign entry raises when it is read back (conveyor writes every entry it reads).
+_UNUSABLE = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePart:
+    """One registered part of the trainer state: saved under `name` in trainer_state.pt, put back by `load`."""
+
+    name: str
+    owner: Any  # the object whose state it is (None: the process's, as for the RNG states)
+    save: Callable[[], Any]  # tensors and plain values only: checkpoints are read without unpickling
+    load: Callable[[Any], None]
+    # The state from a checkpoint written before the part had its entry (None: the entry is required).
+    older: Callable[[Mapping[str, Any]], Any] | None = None
 
 
 @dataclasses.dataclass
@@ -43,12 +68,38 @@ class Checkpoints:
     cfg: Config
     ckpt_root: Path
     workers: WorkerGroups
-    source: SampleSource  # its prompt order (an asynchronous one's: before the oldest batch not yet trained)
-    validation: Validation  # its accuracy history
-    kl_ctrl: Any  # its coefficient
-    moe_acc: Any  # its load counters and retry step
     model_config: Any = None  # written beside the shards with the tokenizer, for `conveyor export`
     tokenizer: Any = None
+    parts: dict[str, StatePart] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # First, so that a resume restores the RNG states before any other part or worker loads, as it always has.
+        if "rng" not in self.parts:  # a copy made by dataclasses.replace keeps the parts it was given
+            self.register("rng", None, save=ckpt.rng_state, load=ckpt.set_rng_state)
+
+    def register(
+        self,
+        name: str,
+        owner: T,
+        *,
+        save: Callable[[], Any] | None = None,
+        load: Callable[[Any], None] | None = None,
+        older: Callable[[Mapping[str, Any]], Any] | None = None,
+    ) -> T:
+        """Save `owner`'s state under `name` in every checkpoint and put it back on resume; returns `owner`.
+
+        `save`/`load` default to `owner.state_dict`/`owner.load_state_dict`; `older(trainer_state)` gives the
+        state to load from a checkpoint written before this entry existed (without it, such a checkpoint is refused).
+        """
+        assert name not in self.parts and name not in _RESERVED, f"trainer state entry {name!r} registered twice"
+        self.parts[name] = StatePart(
+            name,
+            owner,
+            save=save if save is not None else owner.state_dict,
+            load=load if load is not None else owner.load_state_dict,
+            older=older,
+        )
+        return owner
 
     def due(self, step: int, *, last: bool = False) -> bool:
         """Whether the loop saves after `step`: every `trainer.save_freq` steps, and after the `last` one."""
@@ -56,7 +107,7 @@ class Checkpoints:
         return bool(freq and step % freq == 0) or last
 
     def save(self, step: int) -> Path:
-        """Write every role's shards, the model's config and tokenizer, data order and RNG states of `step`."""
+        """Write every role's shards, the model's config and tokenizer, and every registered part's state at `step`."""
         return save_checkpoint(self, step)
 
     def resume(self) -> int | None:
@@ -66,22 +117,18 @@ class Checkpoints:
 
 def trainer_state(checkpoints: Checkpoints, step: int, roles: dict[str, Any]) -> dict[str, Any]:
     """The trainer's own state at `step` (`roles`: what each role's `save_checkpoint` returned)."""
-    return {
+    state = {
         "global_step": step,
         "config": config_to_dict(checkpoints.cfg),  # what a resume is checked against
         "roles": roles,
-        # The sample source's prompt order (an asynchronous one's: before the oldest batch not yet trained).
-        "dataset": checkpoints.source.state_dict()["dataset"],
-        "rng": ckpt.rng_state(),
-        "kl_coef": float(checkpoints.kl_ctrl.value),
-        "moe_counts": checkpoints.moe_acc.counts,
-        "moe_retry_step": checkpoints.moe_acc.routed_experts_retry_step,
-        "val_history": checkpoints.validation.state_dict(),
     }
+    for name, part in checkpoints.parts.items():
+        state[name] = part.save()
+    return state
 
 
 def save_checkpoint(checkpoints: Checkpoints, step: int) -> Path:
-    """Write every role's shards, the model's config and tokenizer, data order and RNG states of `step`."""
+    """Write every role's shards, the model's config and tokenizer, and every registered part's state at `step`."""
 
     def write(tmp: Path) -> dict[str, Any]:
         roles = {"actor": checkpoints.workers.actor.save_checkpoint(str(tmp / "actor"))}
@@ -108,32 +155,36 @@ def maybe_resume(checkpoints: Checkpoints) -> int | None:
     if "actor" not in parts:
         raise ValueError(f"checkpoint {path} has no actor shards (no actor/ directory); it is incomplete")
     st = parts["trainer_state"]
+    file = path / "trainer_state.pt"
     try:
-        # Every entry is read (and the RNG restored) before any worker loads: only an edited or foreign file lacks
-        # one or holds the wrong kind of value (conveyor writes them all), and that must not surface steps later.
-        step, dataset, kl_coef = int(st["global_step"]), dict(st["dataset"]), float(st["kl_coef"])
-        int(dataset["epoch"]), int(dataset["position"])
-        roles, retry_step = dict(st.get("roles", {})), int(st.get("moe_retry_step", 0))
-        ckpt.set_rng_state(st["rng"])
-        checkpoints.validation.load_state_dict(st.get("val_history", []))
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as err:
-        what = f"lacks the entry {err}" if isinstance(err, KeyError) else f"holds an unusable entry ({err})"
-        raise ValueError(
-            f"checkpoint file {path / 'trainer_state.pt'} {what}; it was edited or not written by "
-            "conveyor: resume from another checkpoint (trainer.resume_mode=resume_path)"
-        ) from err
-    try:
-        # Before the workers load too: its errors say what differs.
-        checkpoints.source.load_state_dict({"dataset": dataset})
-    except ValueError as err:
-        raise ValueError(f"checkpoint file {path / 'trainer_state.pt'}: {err}") from err
+        step, roles = int(st["global_step"]), dict(st.get("roles", {}))
+    except _UNUSABLE as err:
+        raise _unusable(file, err) from err
+    # Every part is restored before any worker loads: only an edited or foreign file lacks an entry or holds the
+    # wrong kind of value (conveyor writes them all), and that must not surface steps later or half-way.
+    for name, part in checkpoints.parts.items():
+        try:
+            part.load(st[name] if name in st or part.older is None else part.older(st))
+        except KeyError as err:
+            raise _unusable(file, err) from err
+        except ValueError as err:
+            # The part's own words say what differs (another prompt data set or seed, say).
+            raise ValueError(f"checkpoint file {file}, entry {name!r}: {err}") from err
+        except _UNUSABLE as err:
+            raise _unusable(file, err) from err
     checkpoints.workers.actor.load_checkpoint(str(parts["actor"]), roles.get("actor", {}))
     if checkpoints.workers.critic is not None:
         if "critic" not in parts:
             raise ValueError(f"checkpoint {path} has no critic state but this run uses a critic")
         checkpoints.workers.critic.load_checkpoint(str(parts["critic"]), roles.get("critic", {}))
-    checkpoints.kl_ctrl.value = kl_coef
-    checkpoints.moe_acc.counts = st.get("moe_counts")
-    checkpoints.moe_acc.routed_experts_retry_step = retry_step
     logger.info("resumed from %s (step %d)", path, step)
     return step
+
+
+def _unusable(file: Path, err: Exception) -> ValueError:
+    """The error of an entry of `file` missing (a KeyError) or holding a value no part can use."""
+    what = f"lacks the entry {err}" if isinstance(err, KeyError) else f"holds an unusable entry ({err})"
+    return ValueError(
+        f"checkpoint file {file} {what}; it was edited or not written by conveyor: resume from another checkpoint "
+        "(trainer.resume_mode=resume_path)"
+    )

@@ -306,43 +306,65 @@ def test_a_model_directory_of_any_files_is_accepted_or_named_with_what_to_do(
 
 
 def _stub_trainer(ckpt_path: Path) -> Any:
-    """Just what `maybe_resume` touches: the real dataset, source, validation and RNG code, no model."""
+    """Just what `maybe_resume` touches: the real dataset, source, validation, accumulators and RNG code, no model.
+
+    The parts are registered under the names `PPOTrainer` gives them, with the same readers of older checkpoints.
+    """
+    from conveyor.algos.kl import FixedKLController
+    from conveyor.metrics.moe_load_balance import RolloutMoELoadBalanceMetricsAccumulator
+    from conveyor.metrics.moe_router import RouterMarginAccumulator
     from conveyor.tasks.dataset import PromptDataset
     from conveyor.trainer.sources import SyncSource
+    from conveyor.trainer.state import Checkpoints
     from conveyor.trainer.validation import Validation
 
     loaded: list[str] = []
     worker = SimpleNamespace(load_checkpoint=lambda path, state: loaded.append(path))
-    trainer = SimpleNamespace(
+    stages = SimpleNamespace(train_data=PromptDataset([{"p": i} for i in range(8)], seed=1), global_step=0)
+    source = SyncSource(stages, pipeline=None)  # the checkpoint's prompt order is the source's
+    kl_ctrl = FixedKLController(0.0)
+    ck = Checkpoints(
         cfg=SimpleNamespace(trainer=SimpleNamespace(resume_mode="resume_path", resume_from_path=str(ckpt_path))),
         ckpt_root=ckpt_path.parent,
         workers=SimpleNamespace(actor=worker, critic=None),
-        loaded=loaded,
-        train_data=PromptDataset([{"p": i} for i in range(8)], seed=1),
-        validation=Validation([]),
-        kl_ctrl=SimpleNamespace(value=0.0),
-        moe_acc=SimpleNamespace(counts=None, routed_experts_retry_step=0),
-        global_step=0,
     )
-    trainer.source = SyncSource(trainer, pipeline=None)  # the checkpoint's prompt order is the source's
-    return trainer
+    ck.register("val_history", Validation([]), older=lambda st: [])
+    ck.register("kl_coef", kl_ctrl, save=lambda: kl_ctrl.value, load=lambda v: setattr(kl_ctrl, "value", float(v)))
+    ck.register(
+        "moe_load",
+        RolloutMoELoadBalanceMetricsAccumulator(),
+        older=lambda st: {"counts": st.get("moe_counts"), "retry_step": st.get("moe_retry_step", 0)},
+    )
+    ck.register("router_margins", RouterMarginAccumulator(0.01), older=lambda st: None)
+    ck.register(
+        "dataset",
+        source,
+        save=lambda: source.state_dict()["dataset"],
+        load=lambda d: source.load_state_dict({"dataset": d}),
+    )
+    ck.loaded = loaded
+    return ck
 
 
-def _good_state() -> dict[str, Any]:
+def _good_state(older: bool = False) -> dict[str, Any]:
+    """A trainer state as conveyor writes it (`older`: as it wrote it before the MoE parts had entries of their own)."""
     from conveyor.tasks.dataset import PromptDataset
     from conveyor.trainer.checkpoint import rng_state
 
-    return {
+    state = {
         "global_step": 2,
         "config": {},
         "roles": {"actor": {}},
         "dataset": PromptDataset([{"p": i} for i in range(8)], seed=1).state_dict(),
         "rng": rng_state(),
         "kl_coef": 0.001,
-        "moe_counts": None,
-        "moe_retry_step": 0,
         "val_history": [(1, 0.5)],
     }
+    if older:
+        return {**state, "moe_counts": None, "moe_retry_step": 0}
+    margins = {"known": torch.tensor([5, 4]), "near": torch.tensor([1, 0]), "hist": torch.ones(2, 6, dtype=torch.long)}
+    moe_load = {"counts": torch.ones(2, 4, dtype=torch.long), "retry_step": 0}
+    return {**state, "moe_load": moe_load, "router_margins": margins}
 
 
 state_edits = st.lists(
@@ -354,6 +376,12 @@ state_edits = st.lists(
                 "rng",
                 "kl_coef",
                 "roles",
+                "moe_load",
+                "moe_load.counts",
+                "moe_load.retry_step",
+                "router_margins",
+                "router_margins.known",
+                "router_margins.hist",
                 "moe_retry_step",
                 "val_history",
                 "rng.python",
@@ -371,11 +399,11 @@ state_edits = st.lists(
 
 
 @FUZZ
-@given(edits=state_edits)
-def test_a_trainer_state_with_entries_missing_or_changed_resumes_or_names_the_file(edits: list) -> None:
+@given(edits=state_edits, older=st.booleans())
+def test_a_trainer_state_with_entries_missing_or_changed_resumes_or_names_the_file(edits: list, older: bool) -> None:
     from conveyor.trainer.state import maybe_resume
 
-    state = _good_state()
+    state = _good_state(older)
     for key, value in edits:
         node, *rest = key.split(".")
         holder, name = (state, node) if not rest else (state.get(node), rest[0])

@@ -60,3 +60,24 @@ def test_resume_in_a_new_process_repeats_the_uninterrupted_run(rel, reference_ru
     # Steps 3-4 carry a learning signal, so equality is not equality of zeros.
     assert any(reference_run[s]["actor/grad_norm"] > 0 for s in (3, 4))
     assert any(reference_run[s]["reward/mean"] > 0 for s in (3, 4))
+
+
+def test_a_resumed_run_logs_the_router_metrics_of_the_uninterrupted_run(rel, base_model, tmp_path: Path) -> None:
+    # Every 2 steps, so that the checkpoint of step 1 holds a half-full interval: the router-margin and load counts of
+    # step 1, which step 2 logs with its own.
+    moe = "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=2"
+    reference = tmp_path / "reference"
+    whole = rel.run_cli(*rel.train_args(reference, moe, "trainer.total_training_steps=2", "trainer.save_freq=0"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    first = rel.run_cli(*rel.train_args(run_dir, moe, "trainer.total_training_steps=1", "trainer.save_freq=1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = load_checkpoint(run_dir / "checkpoints" / "global_step_1")["trainer_state"]
+    assert state["router_margins"]["known"] is not None and state["moe_load"]["counts"] is not None
+    second = rel.run_cli(*rel.train_args(run_dir, moe, "trainer.total_training_steps=2", "trainer.resume_mode=auto"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "(step 1)" in second.stderr
+    got, ref = rel.read_steps(run_dir), rel.read_steps(reference)
+    rel.assert_same_steps(got, ref, [1, 2])
+    logged = [k for k in ref[2] if k.startswith(("rollout/moe/near_tie/", "rollout/moe/margin_hist/"))]
+    assert len(logged) > 4 and any(ref[2][k] > 0 for k in logged)  # the comparison covers them, and not as zeros

@@ -23,7 +23,9 @@ from conveyor.trainer.ppo import PPOTrainer
 from conveyor.trainer.setup import load_prompt_records, prepare_default_model
 from conveyor.workers.placement.roles import build_worker_groups
 
-PROMPT = frozenset({"prompts", "prompt_mask", "uid", "data_source", "ground_truth", "raw_prompt", "prompt_messages"})
+PROMPT = frozenset(
+    {"prompts", "prompt_mask", "uid", "data_source", "ground_truth", "raw_prompt", "prompt_messages", "extra_info"}
+)
 MODEL_INPUT = frozenset({"prompts", "prompt_mask", "responses", "response_mask"})
 GENERATED = frozenset({"responses", "response_mask", "rollout_log_probs"})
 SCORED = frozenset({"rm_scores", "acc"})
