@@ -41,7 +41,7 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.correction import compute_rejection_mask
-from conveyor.algos.objective import compute_policy_objective, merge_objective_metrics
+from conveyor.algos.objective import merge_objective_metrics
 from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.moe_router import (
     expert_grad_norm_metrics,
@@ -60,9 +60,10 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
-from conveyor.workers.ranks.distill import distill_objective, student_forward
+from conveyor.workers.ranks.distill import student_forward
 from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
 from conveyor.workers.ranks.generation import Generation, build_engine
+from conveyor.workers.ranks.loss_terms import MicroBatch, build_loss_terms, micro_batch_loss
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.ranks.router import RouterControls
 from conveyor.workers.ranks.settings import ActorSettings, role_strategy
@@ -189,6 +190,8 @@ class PolicyWorker(CheckpointEndpoints):
             if self.moe is not None and (rc.aux_loss_coef > 0 or rc.bias_update_rate > 0)
             else None
         )
+        # The update's loss, from the registered terms this run uses (workers/ranks/loss_terms.py).
+        self.loss_terms = build_loss_terms(settings, self)
         self.channel: Any = None  # the weight channel to separate engines (placement=separate, rank 0)
         self.engine: GenerationEngine | None = None
         self.agent_loop = None
@@ -540,47 +543,16 @@ class PolicyWorker(CheckpointEndpoints):
         """One optimizer step over the handle's samples (this rank's share of one mini-batch)."""
         begin_phase(self.device)
         call = UpdateCall.from_extra_info(meta.extra_info)
-        st = self.settings
-        acfg = st.actor
+        st, acfg = self.settings, self.settings.actor
         temperature = float(call.temperature)
         # Without an old-log-prob forward (bypass mode) the update's forward is where entropy gets reported.
         report_entropy = bool(call.calculate_entropy)
-        replay_on = st.update_replays_routing
         # The step's only optimizer step: this forward, before it, is the proximal policy (docs/async.md).
         proximal = st.update_writes_old_log_probs
-        fields = ["prompts", "prompt_mask", "responses", "response_mask", "advantages"]
-        if not proximal:
-            fields.append("old_log_probs")
-        if acfg.use_kl_loss:
-            fields.append("ref_log_prob")
-        rejection = [tuple(r) for r in st.rejection]
-        rollout_is = st.rollout_is
-        if rollout_is is not None or rejection:
-            fields.append("rollout_log_probs")
-        if replay_on:
-            fields.append("routed_experts")
-        distill = st.distill
-        if distill is not None:
-            fields += distill.fields
         group, own = group_share(self.sp, meta)
-        td = self._get(group, fields)
-
-        if rejection:
-            # verl's rollout_rs: rejected tokens leave the loss (and its token count) altogether.
-            keep, _ = compute_rejection_mask(
-                td["old_log_probs"], td["rollout_log_probs"], td["response_mask"], rejection
-            )
-            td.set("loss_mask", keep)
-        loss_mask = "loss_mask" if rejection else "response_mask"
-        # Normalisers over the whole mini-batch on every rank, so ranks' losses sum to the global loss.
-        # This rank's own share only: an SP group's ranks all hold the group's rows.
-        counts = torch.tensor([float(td[loss_mask][own].sum()), float(len(td[loss_mask][own]))], dtype=torch.float64)
-        self.trained.strategy.all_reduce_sum(counts)
-        num_tokens, num_seqs = counts[0].item(), counts[1].item()
-        scale = st.loss_scale_factor
-        is_upper, is_lower = st.is_threshold, st.is_threshold_lower
-        loss_kwargs = {**acfg.policy_loss.loss_kwargs(), "tau_pos": acfg.tau_pos, "tau_neg": acfg.tau_neg}
-
+        td = self._get(group, self._update_fields())
+        loss_mask = self._loss_mask(td)
+        num_tokens, num_seqs = self._normalisers(td[loss_mask][own])
         self.model.train()
         self.trained.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -596,90 +568,83 @@ class PolicyWorker(CheckpointEndpoints):
             )
         )
         proximal_lps = torch.zeros(td["responses"].shape, dtype=torch.float32, device=self.device) if proximal else None
+        with_entropy = acfg.entropy_coeff != 0 or report_entropy
+        logits_needed = any(t.needs_logits for t in self.loss_terms)
         controls = self.router_controls
         for i, (sl, real) in enumerate(passes):
             mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
-            routed = mb["routed_experts"].long() if replay_on else None
+            routed = mb["routed_experts"].long() if st.update_replays_routing else None
             # The replay stays in force through the backward, where activation checkpointing recomputes the forward.
             with self.forward.update_replay(routed, mb):
-                with_entropy = acfg.entropy_coeff != 0 or report_entropy
                 # Inside the replay: the tap reads each router's own choice before a replay hook replaces it.
                 with controls.tap(self.forward.router_rows(mb, train=True), real) if controls else nullcontext():
                     log_prob, entropy, logits = student_forward(
-                        self.forward,
-                        mb,
-                        temperature,
-                        with_entropy,
-                        routed,
-                        distill is not None and distill.needs_logits,
+                        self.forward, mb, temperature, with_entropy, routed, logits_needed
                     )
-                if proximal:
-                    old = (log_prob.detach() * mb["response_mask"]).float()
-                    if real:
-                        proximal_lps[sl] = window.responses(old)
-                loss, mb_metrics = compute_policy_objective(
-                    old if proximal else mb["old_log_probs"],
-                    log_prob,
-                    mb["advantages"],
-                    mb[loss_mask].bool(),
-                    entropy=entropy,
-                    ref_log_prob=mb["ref_log_prob"] if acfg.use_kl_loss else None,
-                    rollout_log_probs=mb["rollout_log_probs"] if rollout_is is not None else None,
-                    loss_mode=acfg.policy_loss.loss_mode,
-                    clip_ratio_low=acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio,
-                    clip_ratio_high=acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio,
-                    clip_ratio_c=acfg.clip_ratio_c,
-                    loss_agg_mode=acfg.loss_agg_mode,
-                    entropy_coeff=acfg.entropy_coeff,
-                    kl_loss_type=acfg.kl_loss_type,
-                    kl_loss_coef=acfg.kl_loss_coef,
-                    rollout_is=rollout_is,
-                    rollout_is_threshold=is_upper,
-                    rollout_is_threshold_lower=is_lower,
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
-                    loss_scale_factor=scale,
-                    policy_loss_kwargs=loss_kwargs,
+                old = (log_prob.detach() * mb["response_mask"]).float() if proximal else mb["old_log_probs"]
+                if proximal and real:
+                    proximal_lps[sl] = window.responses(old)
+                norms = (num_tokens, num_seqs, st.loss_scale_factor)
+                batch = MicroBatch(
+                    mb, mb[loss_mask].bool(), log_prob, old, entropy, logits, temperature, *norms, real, sums
                 )
-                if distill is not None:
-                    term, distill_metrics = distill_objective(
-                        distill,
-                        mb,
-                        mb[loss_mask].bool(),
-                        log_prob,
-                        old if proximal else mb["old_log_probs"],
-                        logits,
-                        temperature,
-                        loss_agg_mode=acfg.loss_agg_mode,
-                        norms={"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": scale},
-                    )
-                    # Pure distillation (use_task_rewards=false) drops the policy loss, as verl does.
-                    loss = loss + term if distill.use_task_rewards else term
-                    mb_metrics.update(distill_metrics)
-                if controls is not None and controls.aux_on:
-                    # Weighted by the micro-batch's share of the mini-batch's tokens, as the policy loss is.
-                    loss = loss + controls.aux_loss(float(mb[loss_mask].sum()), num_tokens, sums if real else None)
+                loss, mb_metrics = micro_batch_loss(self.loss_terms, batch)
                 self.trained.backward(loss, real=real, last=i == len(passes) - 1)
             if real:
                 merge_objective_metrics(sums, mb_metrics)
-
-        if not report_entropy:
-            # compute_log_prob already logged the old policy's entropy under this name.
+        if not report_entropy:  # compute_log_prob already logged the old policy's entropy under this name
             sums.pop("entropy@sum", None)
             sums.pop("entropy@count", None)
         metrics = {(k if k.startswith("distill/") else f"actor/{k}"): v for k, v in sums.items()}
         if proximal:  # for the metrics stage, which compares them with the rollout's
             self._put(meta, {"old_log_probs": proximal_lps[own]})
+        metrics.update(self._step(call))
+        return self._result(meta, [], count_once(metrics, self.sp), "update_actor")
+
+    def _update_fields(self) -> list[str]:
+        """The fields an update reads: the forward's, the loss terms', and what rejection and replay need."""
+        st = self.settings
+        fields = ["prompts", "prompt_mask", "responses", "response_mask"]
+        if not st.update_writes_old_log_probs:
+            fields.append("old_log_probs")
+        if st.rejection and "rollout_log_probs" not in fields:
+            fields.append("rollout_log_probs")
+        if st.update_replays_routing:
+            fields.append("routed_experts")
+        for term in self.loss_terms:
+            fields += [f for f in term.fields if f not in fields]
+        return fields
+
+    def _loss_mask(self, td: TensorDict) -> str:
+        """The field of the tokens in the loss: verl's rollout_rs rejects tokens from it (and from its token count)."""
+        rejection = [tuple(r) for r in self.settings.rejection]
+        if not rejection:
+            return "response_mask"
+        keep, _ = compute_rejection_mask(td["old_log_probs"], td["rollout_log_probs"], td["response_mask"], rejection)
+        td.set("loss_mask", keep)
+        return "loss_mask"
+
+    def _normalisers(self, own_mask: torch.Tensor) -> tuple[float, float]:
+        """The mini-batch's tokens and sequences in the loss, over every rank (so the ranks' losses sum to the global
+        loss); `own_mask` is this rank's own share only (an SP group's ranks all hold the group's rows)."""
+        counts = torch.tensor([float(own_mask.sum()), float(len(own_mask))], dtype=torch.float64)
+        self.trained.strategy.all_reduce_sum(counts)
+        return counts[0].item(), counts[1].item()
+
+    def _step(self, call: UpdateCall) -> dict[str, float]:
+        """The optimizer step after the backward passes (and the router bias's), with their metrics."""
+        metrics: dict[str, float] = {}
         if call.moe_metrics and self.moe is not None:
             # Before the step, which clips and then drops the gradients.
             metrics.update(expert_grad_norm_metrics(expert_grad_norms(self.model), "actor/moe"))
-        grad_norm, stepped, lr, memory = self.trained.step(acfg.grad_clip)
+        grad_norm, stepped, lr, memory = self.trained.step(self.settings.actor.grad_clip)
         if not stepped:
             logger.warning("actor rank %d: non-finite grad norm %s; optimizer step skipped", self.rank, grad_norm)
             metrics["actor/skipped_steps@sum"] = 1.0
+        controls = self.router_controls
         if controls is not None and controls.bias_on:
             metrics.update(controls.update_bias(self.trained.strategy.all_reduce_sum))
         metrics["actor/lr"] = lr
         metrics["actor/grad_norm"] = grad_norm
         metrics.update(memory)
-        return self._result(meta, [], count_once(metrics, self.sp), "update_actor")
+        return metrics
