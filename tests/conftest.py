@@ -156,6 +156,7 @@ PROCESS_TESTS: tuple[str, ...] = (
     "workers/test_judge.py",
     "workers/test_link.py",
     "workers/test_lora_strategies.py",
+    "workers/test_loss_terms.py::test_a_term_registered_from_a_plugin_is_trained_with",
     "workers/test_rank0_loading.py",
     "workers/test_ray_group.py",
     "workers/test_reward_model.py",
