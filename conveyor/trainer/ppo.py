@@ -9,7 +9,10 @@ beyond what its registration declares (`estimator_needs`: a critic, a
 greedy baseline rollout) and "is a KL term on". Every stage takes the handle
 of the batch and returns `(handle, metrics)`; `step` merges the metrics.
 
-Stages 1-3 (prompts, generation, rewards) are the public methods of the
+Stages 4-9 are this class's public methods (`compute_old_log_prob`, ...,
+`update_actor`, `compute_metrics`), each `(handle) -> (handle, metrics)`, so a
+test or a custom loop calls them as `step` does. Stages 1-3 (prompts,
+generation, rewards) are the public methods of the
 run's `Stages` (`trainer/stages.py`), which the sample source runs them
 through. The run's composition root (building the parts, picking the trainer)
 is `trainer/run.py`; checkpoint contents are `trainer/state.py`, stop signals
@@ -279,22 +282,22 @@ class PPOTrainer:
         t_start, c_start = time.perf_counter(), time.thread_time()
         try:
             meta = KVBatchMeta(keys=[], partition_id=part)  # the step's partition, empty
-            meta = run(None, self._sample, meta)  # stages 1-3 (timed inside), repeated under dynamic sampling
+            meta = run(None, self.sample, meta)  # stages 1-3 (timed inside), repeated under dynamic sampling
             if self.rollout_dumps.due(step):  # the batch as the update reads it, to replay the step from
                 self.rollout_dumps.write(step, meta, metrics)
-            meta = run("old_log_prob", self._compute_old_log_prob, meta)
+            meta = run("old_log_prob", self.compute_old_log_prob, meta)
             if self.plan.use_reference:
-                meta = run("ref", self._compute_ref_log_prob, meta)
+                meta = run("ref", self.compute_ref_log_prob, meta)
             if self.plan.use_teacher:
-                meta = run("teacher", self._compute_teacher_log_prob, meta)
+                meta = run("teacher", self.compute_teacher_log_prob, meta)
             if self.plan.use_critic:
-                meta = run("values", self._compute_values, meta)
-            meta = run("adv", self._compute_advantage, meta)
+                meta = run("values", self.compute_values, meta)
+            meta = run("adv", self.compute_advantage, meta)
             if self.plan.use_critic:
-                meta = run("update_critic", self._update_critic, meta)
-            meta = run("update_actor", self._update_actor, meta)
+                meta = run("update_critic", self.update_critic, meta)
+            meta = run("update_actor", self.update_actor, meta)
             timings.update(self.source.updated())
-            meta = run("metrics", self._compute_metrics, meta)
+            meta = run("metrics", self.compute_metrics, meta)
             if dump_due(step, self.cfg.trainer.dump_freq, last=step == self.last_step):
                 self._dump_generations(meta)
         finally:
@@ -311,7 +314,7 @@ class PPOTrainer:
         return metrics
 
     # ================================================================ stages
-    def _sample(self, meta: KVBatchMeta) -> StageResult:
+    def sample(self, meta: KVBatchMeta) -> StageResult:
         """Stages 1-3 (prompts, generation, rewards): the step's batch from the run's sample source.
 
         `meta` is the step's (empty) partition; a synchronous source writes the samples into it, an
@@ -320,7 +323,7 @@ class PPOTrainer:
         batch = self.source.next(meta)
         return batch.meta, {**batch.metrics, **timing_metrics(batch.timings)}
 
-    def _compute_old_log_prob(self, meta: KVBatchMeta) -> StageResult:
+    def compute_old_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 4: old_log_probs (and entropy) by an actor forward, or copied from the rollout in bypass mode."""
         if self.plan.old_log_probs == "rollout":
             td = self.data_plane.get(meta, ["rollout_log_probs"])
@@ -340,7 +343,7 @@ class PPOTrainer:
             **_phase_memory(out.extra_info, "actor"),
         }
 
-    def _compute_ref_log_prob(self, meta: KVBatchMeta) -> StageResult:
+    def compute_ref_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 5: ref_log_prob from the frozen reference policy."""
         call = LogProbCall(
             temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=False, compute_loss=False
@@ -348,16 +351,16 @@ class PPOTrainer:
         out = self.workers.ref.compute_log_prob(meta.with_extra_info(**call.to_extra_info()))
         return out, _phase_memory(out.extra_info, "ref")
 
-    def _compute_teacher_log_prob(self, meta: KVBatchMeta) -> StageResult:
+    def compute_teacher_log_prob(self, meta: KVBatchMeta) -> StageResult:
         """Stage 5b (on-policy distillation): each sample's teacher writes its log-probs."""
         return teacher_stage(self.workers.teacher, meta, self.cfg.actor_rollout_ref.rollout.temperature)
 
-    def _compute_values(self, meta: KVBatchMeta) -> StageResult:
+    def compute_values(self, meta: KVBatchMeta) -> StageResult:
         """Stage 6: values from the critic."""
         out = self.workers.critic.compute_values(meta)
         return out, _phase_memory(out.extra_info, "critic")
 
-    def _compute_advantage(self, meta: KVBatchMeta) -> StageResult:
+    def compute_advantage(self, meta: KVBatchMeta) -> StageResult:
         """Stage 7: token_level_rewards (after any in-reward KL), advantages and returns."""
         algo = self.cfg.algorithm
         metrics: dict[str, float] = {}
@@ -425,7 +428,7 @@ class PPOTrainer:
             out.extend(meta.select(order[i : i + size]) for i in range(0, len(order), size))
         return out
 
-    def _update_critic(self, meta: KVBatchMeta) -> StageResult:
+    def update_critic(self, meta: KVBatchMeta) -> StageResult:
         """Stage 8a: critic optimizer steps over mini-batches."""
         c = self.cfg.critic
         results = []
@@ -435,7 +438,7 @@ class PPOTrainer:
         merged = mean_over_calls(results)
         return meta, {(k if k.startswith("critic/") else f"critic/{k}"): v for k, v in merged.items()}
 
-    def _update_actor(self, meta: KVBatchMeta) -> StageResult:
+    def update_actor(self, meta: KVBatchMeta) -> StageResult:
         """Stage 8b: PPO epochs over mini-batches, one actor optimizer step each."""
         a = self.cfg.actor_rollout_ref.actor
         results = []
@@ -456,7 +459,7 @@ class PPOTrainer:
             )
         return meta, {(k if k.startswith(("actor/", "distill/")) else f"actor/{k}"): v for k, v in merged.items()}
 
-    def _compute_metrics(self, meta: KVBatchMeta) -> StageResult:
+    def compute_metrics(self, meta: KVBatchMeta) -> StageResult:
         """Stage 9: data metrics of the step (and, every interval, MoE router load balance)."""
         timings: dict[str, float] = {}
         fields = ["rm_scores", "acc", "token_level_rewards", "advantages", "returns", "response_mask", "prompt_mask"]

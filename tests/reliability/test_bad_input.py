@@ -413,11 +413,11 @@ def test_non_finite_rewards_reaching_the_trainer_name_the_step_and_field(rel, ba
     meta = plane.kv_batch_put(
         keys, "train-7", {"rm_scores": scores, "response_mask": mask, "uid": ["a", "a", "b", "b"]}
     )
-    trainer._compute_advantage(meta)  # fine: the inf is masked out
+    trainer.compute_advantage(meta)  # fine: the inf is masked out
     scores[2, 2] = float("nan")
     plane.kv_batch_put(keys, "train-7", {"rm_scores": scores})
     with pytest.raises(NonFiniteError, match=r"^step 7: field 'rm_scores' has 1 NaN or infinite value\(s\)$"):
-        trainer._compute_advantage(meta)
+        trainer.compute_advantage(meta)
     assert isinstance(NonFiniteError("x"), ValueError)  # so the command reports it with exit status 2
     trainer.workers.shutdown()
     plane.close()

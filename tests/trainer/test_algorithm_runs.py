@@ -42,7 +42,7 @@ def test_dynamic_sampling_trains_a_full_batch_of_varied_groups(tiny_run, half_co
         ]
     )
     trainer, dp = make_trainer(overrides)
-    meta, metrics = trainer._sample(step_partition("train-1"))
+    meta, metrics = trainer.sample(step_partition("train-1"))
     assert len(meta) == 4 * 4  # full: train_batch_size groups of n samples
     td = dp.get(meta, ["acc", "uid", "ground_truth", "prompts", "responses"])
     groups: dict[str, list[float]] = {}
@@ -70,7 +70,7 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tiny_run, tmp_path)
         ]
     )
     with pytest.raises(ValueError, match="after 2 generation batches only 0 of the 4"):
-        trainer._sample(step_partition("train-1"))
+        trainer.sample(step_partition("train-1"))
 
 
 def test_dynamic_sampling_without_a_limit_stops_after_an_epoch_of_constant_groups(tiny_run, tmp_path):
@@ -85,7 +85,7 @@ def test_dynamic_sampling_without_a_limit_stops_after_an_epoch_of_constant_group
         ]
     )
     with pytest.raises(ValueError, match="a whole epoch of prompts"):
-        trainer._sample(step_partition("train-1"))
+        trainer.sample(step_partition("train-1"))
 
 
 def test_dynamic_sampling_logs_the_generation_batches_of_every_step(tiny_run, half_constant_reward):
@@ -103,7 +103,7 @@ def test_dynamic_sampling_needs_groups():
 
 def test_remax_baseline_is_the_greedy_response_reward(tiny_run):
     trainer, dp = make_trainer(tiny_run + ["algorithm.adv_estimator=remax"])
-    meta, _ = trainer._sample(step_partition("train-1"))
+    meta, _ = trainer.sample(step_partition("train-1"))
     base = dp.get(meta, ["reward_baselines", "uid"])
     # The baseline is one number per prompt, shared by its samples ...
     by_uid: dict[str, set] = {}
@@ -129,7 +129,7 @@ def test_overlong_shaping_moves_the_reward_not_the_accuracy(tiny_run):
             "reward_model.overlong_buffer.penalty_factor=2.0",
         ]
     )
-    meta, metrics = trainer._sample(step_partition("train-1"))
+    meta, metrics = trainer.sample(step_partition("train-1"))
     td = dp.get(meta, ["rm_scores", "acc", "response_mask"])
     lengths = td["response_mask"].sum(-1)
     penalty = overlong_penalty(lengths, trainer.cfg.data.max_response_length, 3, 2.0)

@@ -30,9 +30,9 @@ def test_the_plan_runs_the_forward_that_writes_sum_pi_squared() -> None:
 
 def test_the_forward_writes_sum_pi_squared_and_the_advantages_read_it(tiny_run) -> None:
     trainer, dp = make_trainer(tiny_run + ["algorithm.adv_estimator=tir_optimal_token_baseline"] + IS_TOKEN)
-    meta, _ = trainer._sample(step_partition("train-1"))
-    meta, _ = trainer._compute_old_log_prob(meta)
-    meta, _ = trainer._compute_advantage(meta)
+    meta, _ = trainer.sample(step_partition("train-1"))
+    meta, _ = trainer.compute_old_log_prob(meta)
+    meta, _ = trainer.compute_advantage(meta)
     td = dp.get(
         meta,
         ["sum_pi_squared", "old_log_probs", "rollout_log_probs", "response_mask", "rm_scores", "uid", "advantages"],
@@ -60,9 +60,9 @@ IS_TOKEN = ["algorithm.rollout_correction.rollout_is=token"]
 
 def test_gdpo_normalises_the_named_reward_fields(tiny_run) -> None:
     trainer, dp = make_trainer(tiny_run + ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]"])
-    meta, _ = trainer._sample(step_partition("train-1"))
-    meta, _ = trainer._compute_old_log_prob(meta)
-    meta, _ = trainer._compute_advantage(meta)
+    meta, _ = trainer.sample(step_partition("train-1"))
+    meta, _ = trainer.compute_old_log_prob(meta)
+    meta, _ = trainer.compute_advantage(meta)
     td = dp.get(meta, ["acc", "response_mask", "rm_scores", "uid", "advantages"])
     want, _ = compute_advantage(
         "gdpo",
@@ -74,10 +74,10 @@ def test_gdpo_normalises_the_named_reward_fields(tiny_run) -> None:
     torch.testing.assert_close(td["advantages"], want)
 
     trainer, _ = make_trainer(tiny_run + ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format_reward]"])
-    meta, _ = trainer._sample(step_partition("train-1"))
-    meta, _ = trainer._compute_old_log_prob(meta)
+    meta, _ = trainer.sample(step_partition("train-1"))
+    meta, _ = trainer.compute_old_log_prob(meta)
     with pytest.raises(ValueError, match=r"algorithm.gdpo_reward_keys: \['format_reward'\] not written"):
-        trainer._compute_advantage(meta)
+        trainer.compute_advantage(meta)
 
 
 def test_gdpo_keys_are_checked() -> None:
