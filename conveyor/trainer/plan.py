@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Any
 
 from conveyor.config import Config, ConfigError
 from conveyor.config.parallel import ref_sequence_parallel_size
@@ -179,20 +180,12 @@ def parallelism_decision(cfg: Config, *, use_reference: bool, reference_from_act
     return f"training ranks: {world}; " + "; ".join(parts)
 
 
-def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
-    """The plan of a run of `cfg` on `device` ("cpu" or "cuda"); a ConfigError for a contradictory combination.
+def _rollout_decision(cfg: Config, device: str, caps: Any, why: list[str]) -> tuple[str, str, bool, bool, str]:
+    """Where the rollout runs and what drives it: (placement, process, off_policy, replaying, how lines name it);
+    ConfigErrors for what the engine cannot do."""
+    from conveyor.rollout.base import ROLLOUT_ENGINES
 
-    `is_moe` overrides what `model_is_moe` would read (for callers that know, e.g. tests without a checkpoint).
-    """
-    from conveyor.rollout.base import ROLLOUT_ENGINES, engine_spec
-
-    arr, algo, v1 = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer.v1
-    ro, actor, correction = arr.rollout, arr.actor, algo.rollout_correction
-    spec = engine_spec(ro.name)
-    spec.validate_config(cfg)  # the engine's own keys (context length, what its kernels serve), by its module
-    caps = spec.capabilities(device)
-    moe = model_is_moe(cfg) if is_moe is None else bool(is_moe)
-    why: list[str] = []
+    ro, v1 = cfg.actor_rollout_ref.rollout, cfg.trainer.v1
     able = list(ROLLOUT_ENGINES)
     if ro.multi_turn.enable and not caps.stop_sequences:
         raise ConfigError(
@@ -249,7 +242,16 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             f"max_off_policy_threshold={v1.sampler.max_off_policy_threshold}"
         )
 
-    # ---- router controls and replay (the rules of auto and of the bias: conveyor.trainer.router_plan)
+    return placement, process, off_policy, replaying, rollout_words
+
+
+def _replay_decision(cfg: Config, device: str, spec: Any, caps: Any, moe: bool, why: list[str]) -> tuple[str, str]:
+    """The router controls' checks and the replay mode the run uses: (mode, why it differs from the asked one)."""
+    from conveyor.rollout.base import ROLLOUT_ENGINES
+
+    ro, actor, correction = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    able = list(ROLLOUT_ENGINES)
+    # The rules of auto and of the bias: conveyor.trainer.router_plan.
     bias_why = check_router_controls(cfg, caps, device, moe)
     if bias_why:
         why.append(bias_why)
@@ -278,7 +280,15 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     elif requested != "disabled":
         why.append(f"router replay {requested}")
 
-    # ---- old log-probs
+    return replay, reason
+
+
+def _old_log_prob_decision(
+    cfg: Config, caps: Any, replay: str, off_policy: bool, replaying: bool, rollout_words: str, why: list[str]
+) -> tuple[str, bool]:
+    """Where old log-probs come from ("rollout", "update" or "forward"), and whether that forward writes Σπ²."""
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    correction = algo.rollout_correction
     spp = forward_writes_sum_pi_squared(cfg)
     if correction.bypass_mode is not None:
         bypass = correction.bypass_mode
@@ -333,7 +343,15 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
             + ("" if actor.calculate_sum_pi_squared else f" (algorithm.adv_estimator={algo.adv_estimator} reads it)")
         )
 
-    # ---- routing
+    return old, spp
+
+
+def _routing_decision(
+    cfg: Config, device: str, caps: Any, replay: str, moe: bool, replaying: bool, rollout_words: str, why: list[str]
+) -> tuple[bool, bool, bool, str]:
+    """Who records the routing: (the rollout captures it, the old-log-prob forward records it, the load-balance
+    metrics read the forward's, the routing source's name)."""
+    ro = cfg.actor_rollout_ref.rollout
     interval = ro.moe_load_balance_metrics_interval
     engine_routing = caps.returns_routing
     capture = engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
@@ -354,7 +372,13 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         cause = "router_replay.mode=R2" if replay == "R2" else f"{recorder} returns no routing on {device}"
         why.append(f"MoE load-balance metrics describe the old-log-prob forward's routing ({cause})")
 
-    # ---- correction, roles, scales
+    return capture, record, from_forward, source
+
+
+def _roles_decision(cfg: Config, caps: Any, off_policy: bool, replaying: bool, why: list[str]) -> dict[str, Any]:
+    """Correction levels, which roles run (critic, reference, teacher), LoRA, loss scales and the engine's length."""
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    ro, actor, correction = arr.rollout, arr.actor, algo.rollout_correction
     is_level = correction.rollout_is if correction.rollout_is is not None or not off_policy else "token"
     if is_level is not None:
         why.append(
@@ -394,6 +418,20 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
                 else ""
             )
         )
+    scales = _scales_decision(cfg, caps, replaying, why)
+    return dict(
+        rollout_is_level=is_level,
+        rollout_rs=correction.rollout_rs is not None,
+        use_critic=use_critic,
+        use_reference=use_reference,
+        reference_from_actor=reference_from_actor,
+        **scales,
+    )
+
+
+def _scales_decision(cfg: Config, caps: Any, replaying: bool, why: list[str]) -> dict[str, Any]:
+    """The loss scales, the engine's sequence length, the teacher, and the plan's warnings."""
+    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     # A constant, not the micro-batch's padded width as in verl: the loss of a sequence must not
     # depend on which sequences it was padded next to.
     actor_scale = float(actor.loss_scale_factor or cfg.data.max_response_length)
@@ -410,6 +448,37 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     warnings = tuple(w for w in (lone_sample_warning(cfg),) if w)
     why.extend(warnings)
 
+    return dict(
+        actor_loss_scale=actor_scale,
+        critic_loss_scale=critic_scale,
+        engine_max_model_len=max_model_len,
+        use_teacher=use_teacher,
+        teacher_placement=cfg.distillation.placement,
+        warnings=warnings,
+    )
+
+
+def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> RunPlan:
+    """The plan of a run of `cfg` on `device` ("cpu" or "cuda"); a ConfigError for a contradictory combination.
+
+    `is_moe` overrides what `model_is_moe` would read (for callers that know, e.g. tests without a checkpoint).
+    Each decision is a function of its own, in the order its lines are logged.
+    """
+    from conveyor.rollout.base import engine_spec
+
+    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    spec = engine_spec(ro.name)
+    spec.validate_config(cfg)  # the engine's own keys (context length, what its kernels serve), by its module
+    caps = spec.capabilities(device)
+    moe = model_is_moe(cfg) if is_moe is None else bool(is_moe)
+    why: list[str] = []
+    placement, process, off_policy, replaying, rollout_words = _rollout_decision(cfg, device, caps, why)
+    replay, reason = _replay_decision(cfg, device, spec, caps, moe, why)
+    old, spp = _old_log_prob_decision(cfg, caps, replay, off_policy, replaying, rollout_words, why)
+    capture, record, from_forward, source = _routing_decision(
+        cfg, device, caps, replay, moe, replaying, rollout_words, why
+    )
+    roles = _roles_decision(cfg, caps, off_policy, replaying, why)
     rm_on, rm_placement, judge_on = reward_model_decision(cfg, why)
     return RunPlan(
         use_reward_model=rm_on,
@@ -417,7 +486,7 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         use_judge=judge_on,
         device=device,
         engine=ro.name,
-        engine_returns_routing=engine_routing,
+        engine_returns_routing=caps.returns_routing,
         is_moe=moe,
         old_log_probs=old,
         replay_mode=replay,
@@ -429,20 +498,10 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         forward_replays_routing=moe and replay == "R3",
         update_replays_routing=moe and replay in ("R2", "R3"),
         load_balance_from_forward=from_forward,
-        rollout_is_level=is_level,
-        rollout_rs=correction.rollout_rs is not None,
         off_policy=off_policy,
         rollout_placement=placement,
         rollout_process=process,
-        use_critic=use_critic,
-        use_reference=use_reference,
-        reference_from_actor=reference_from_actor,
-        actor_loss_scale=actor_scale,
-        critic_loss_scale=critic_scale,
-        engine_max_model_len=max_model_len,
         decisions=tuple(why),
-        use_teacher=use_teacher,
-        teacher_placement=cfg.distillation.placement,
         forward_sum_pi_squared=spp,
-        warnings=warnings,
+        **roles,
     )
