@@ -16,15 +16,27 @@ __all__ = ["RunPlan", "OLD_LOG_PROB_SOURCES"]
 OLD_LOG_PROB_SOURCES = ("rollout", "forward", "update")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunPlan:
-    """What a run does, decided once (see the module docstring for the rules)."""
+    """What a run does, decided once (see the module docstring for the rules); fields grouped by what they decide."""
 
+    # ---- the device and the rollout: which engine, where it runs
     device: str  # the device the workers run on
     engine: str  # actor_rollout_ref.rollout.name
     engine_returns_routing: bool  # the engine's declared capability on `device`
-    is_moe: bool  # the policy has routed experts (from the tiny config or the checkpoint's config.json)
+    engine_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
+    rollout_placement: str  # where the engines run: colocated (actor ranks), separate (rollout group), none (replay)
+    rollout_process: str  # where the rollout group and the reward worker run: "trainer" (this process) or "own" (Ray)
+    off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
+
+    # ---- old log-probs and the correction of the rollout-vs-trainer gap
     old_log_probs: str  # one of OLD_LOG_PROB_SOURCES
+    forward_sum_pi_squared: bool = False  # the old-log-prob forward writes sum_pi_squared (the estimator reads it)
+    rollout_is_level: str | None  # importance weights: None, token or sequence
+    rollout_rs: bool  # rejection sampling is on
+
+    # ---- MoE routing: where it comes from, who replays it
+    is_moe: bool  # the policy has routed experts (from the tiny config or the checkpoint's config.json)
     replay_mode: str  # the router replay that runs: disabled, R2 or R3
     replay_requested: str  # actor_rollout_ref.actor.router_replay.mode as configured
     replay_reason: str  # why replay_mode differs from the request ("" when it does not)
@@ -34,24 +46,23 @@ class RunPlan:
     forward_replays_routing: bool  # the old-log-prob forward replays the rollout's routing (R3)
     update_replays_routing: bool  # the update's forward replays routed_experts (R2 or R3)
     load_balance_from_forward: bool  # the rollout/moe/* metrics describe the trainer's forward, not the rollout's
-    rollout_is_level: str | None  # importance weights: None, token or sequence
-    rollout_rs: bool  # rejection sampling is on
-    off_policy: bool  # samples may come from an older policy (asynchronous, k > 0)
-    rollout_placement: str  # where the engines run: colocated (actor ranks), separate (rollout group), none (replay)
-    rollout_process: str  # where the rollout group and the reward worker run: "trainer" (this process) or "own" (Ray)
+
+    # ---- the roles beside the actor, and where they run
     use_critic: bool
     use_reference: bool
     reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
-    actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
-    critic_loss_scale: float  # and of the critic's
-    engine_max_model_len: int | None  # the longest sequence an engine with its own KV cache holds (None: hf)
-    decisions: tuple[str, ...]  # what was decided and why, in words
     use_teacher: bool = False  # on-policy distillation: the teacher role scores every batch (distillation.enabled)
     teacher_placement: str = "colocated"  # the teachers' ranks: in the actor's processes, or separate ones (Ray)
     use_reward_model: bool = False  # reward_model.enable: a reward model scores every response after the rule reward
     reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
     use_judge: bool = False  # reward_model.judge.enable: a generative judge scores every response, last
-    forward_sum_pi_squared: bool = False  # the old-log-prob forward writes sum_pi_squared (the estimator reads it)
+
+    # ---- the losses' scales
+    actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
+    critic_loss_scale: float  # and of the critic's
+
+    # ---- in words
+    decisions: tuple[str, ...]  # what was decided and why, in words
     warnings: tuple[str, ...] = ()  # decisions the run warns about at its start (also among `decisions`)
 
     @property
