@@ -456,19 +456,11 @@ def build_gateway_loop(
     """The gateway of `actor_rollout_ref.rollout.agent` (an AgentConfig), or None when no agent is set."""
     if not agent.enabled:
         return None
+    import dataclasses
+
     from conveyor.tools.formats import get_format
 
-    settings = GatewaySettings(
-        command=agent.command,
-        callable=agent.callable,
-        timeout_s=agent.timeout_s,
-        term_grace_s=agent.term_grace_s,
-        max_concurrent=agent.max_concurrent,
-        host=agent.host,
-        port=agent.port,
-        api_key=agent.api_key,
-        batch_wait_s=agent.batch_wait_s,
-        failure_reward=agent.failure_reward,
-        model_name=agent.model_name or model_name,
-    )
+    # The config section's keys are the settings' own names (model_name: the config's, else the model path's).
+    keys = {f.name: getattr(agent, f.name) for f in dataclasses.fields(GatewaySettings)}
+    settings = GatewaySettings(**{**keys, "model_name": agent.model_name or model_name})
     return GatewayLoop(engine, tokenizer, get_format(multi_turn.format), settings)

@@ -239,39 +239,29 @@ class GatewayServer:
             session.posted_reward = float(value)
             return {"ok": True}
 
-        @app.post("/sessions/{sid}/v1/chat/completions")
-        async def chat(request: HttpRequest, sid: str):
+        async def serve(request: HttpRequest, sid: str, spec_of: Callable, body_of: Callable, events: Callable):
             try:
                 session, payload = await entry(request, sid, body=True)
                 try:
-                    spec = self._chat_spec(session, payload)
+                    spec = spec_of(session, payload)
                 except GatewayError:
                     session.bad_requests += 1
                     raise
                 call = await complete(session, spec["request"])
             except GatewayError as err:
                 return error(err)
-            body = self._chat_body(session, spec, call)
+            body = body_of(session, spec, call)
             if spec["stream"]:
-                return StreamingResponse(_chat_events(body), media_type="text/event-stream")
+                return StreamingResponse(events(body), media_type="text/event-stream")
             return JSONResponse(body)  # plain JSON already: FastAPI's encoder would walk every token id again
+
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def chat(request: HttpRequest, sid: str):
+            return await serve(request, sid, self._chat_spec, self._chat_body, _chat_events)
 
         @app.post("/sessions/{sid}/v1/completions")
         async def completions(request: HttpRequest, sid: str):
-            try:
-                session, payload = await entry(request, sid, body=True)
-                try:
-                    spec = self._completion_spec(session, payload)
-                except GatewayError:
-                    session.bad_requests += 1
-                    raise
-                call = await complete(session, spec["request"])
-            except GatewayError as err:
-                return error(err)
-            body = self._completion_body(session, spec, call)
-            if spec["stream"]:
-                return StreamingResponse(_completion_events(body), media_type="text/event-stream")
-            return JSONResponse(body)
+            return await serve(request, sid, self._completion_spec, self._completion_body, _completion_events)
 
         return app
 
