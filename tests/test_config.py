@@ -571,7 +571,7 @@ def test_numeric_keys_are_found() -> None:
         ("algorithm.lam=1.5", "algorithm.lam: must be in [0, 1], got 1.5"),
         ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p: must be in (0, 1], got 0.0"),
         ("data.synthetic.max_operand=0", "data.synthetic.max_operand: must be >= 1, got 0"),
-        ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep: must be > 0 or null, got 0"),
+        ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep: must be > 0 or null (all), got 0"),
         ("critic.optim.lr=0", "critic.optim.lr: must be > 0, got 0.0"),
         ("transfer_queue.metrics.port=65536", "transfer_queue.metrics.port: must be in [0, 65535], got 65536"),
         ("reward.timeout_s=-1", "reward.timeout_s: must be >= 0 (0 = no limit), got -1.0"),

@@ -175,7 +175,13 @@ class TrainerConfig:
         ge=0,
         resume_neutral=True,
     )
-    max_ckpt_to_keep: int | None = F(2, "newest checkpoints kept (null = all)", gt=0, resume_neutral=True)
+    max_ckpt_to_keep: int | None = F(
+        None,
+        "newest checkpoints kept, older ones deleted (and logged) after each save; null = all, as verl keeps",
+        gt=0,
+        resume_neutral=True,
+        hint="all",
+    )
     resume_mode: str = F(
         "auto",
         "auto (continue from the newest checkpoint), disable, or resume_path",

@@ -168,6 +168,8 @@ def save_checkpoint(
         for _, old in list_checkpoints(root)[:-max_to_keep]:
             if old.resolve() != kept:
                 shutil.rmtree(old, ignore_errors=True)
+                # Said every time: a checkpoint a user meant to replay or export from is gone.
+                logger.info("checkpoint pruned: %s (trainer.max_ckpt_to_keep=%d keeps the newest)", old, max_to_keep)
     logger.info("checkpoint saved: %s", final)
     return final
 

@@ -95,3 +95,21 @@ def test_saved_parts_round_trip_under_weights_only(tmp_path: Path) -> None:
     ckpt.set_rng_state(loaded["trainer_state"]["rng"])
     got = (random.random(), float(np.random.rand()), float(np.random.normal()), float(torch.rand(1)))
     assert got == want
+
+
+def test_checkpoints_are_all_kept_by_default_and_each_pruned_one_is_logged(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from conveyor.config import load_config
+    from conveyor.trainer.checkpoint import list_checkpoints, save_checkpoint
+
+    assert load_config(None, []).trainer.max_ckpt_to_keep is None  # verl keeps every checkpoint too
+    write = lambda d: {"global_step": 0}  # noqa: E731 - the shards are not the point here
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, write, None)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2, 3]
+    with caplog.at_level(logging.INFO, logger="conveyor.trainer.checkpoint"):
+        save_checkpoint(tmp_path, 4, write, 2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4]
+    pruned = [r.getMessage() for r in caplog.records if "checkpoint pruned" in r.getMessage()]
+    assert len(pruned) == 2 and "global_step_1" in pruned[0] and "max_ckpt_to_keep=2" in pruned[0]
