@@ -99,6 +99,9 @@ def test_the_judge_never_takes_the_actors_weights_and_errors_name_keys(tmp_path,
     bad.write_text("rate {answer}")
     with pytest.raises(ValueError, match="reward_model.judge.prompt_template"):
         _worker(path, bad)
+    bad.write_text("is {question} answered by {ground_truth}?")  # the response never shown
+    with pytest.raises(ValueError, match="never shows the judge the response: put {response} in it"):
+        _worker(path, bad)
 
 
 @pytest.mark.slow  # a vLLM engine on the CPU: a minute or more to start
@@ -120,3 +123,14 @@ def test_a_judge_on_the_vllm_engine_answers_from_its_own_checkpoint(tmp_path, te
         assert out.extra_info["reward/judge_unparsable_frac@sum"] == 0
     finally:
         judge.close()
+
+
+def test_a_judge_whose_context_cannot_hold_its_template_is_refused_at_start(tmp_path, template, caplog) -> None:
+    path = save_chain_judge(tmp_path / "j", ALWAYS_MAYES)
+    # The template alone renders to about 50 tokens of the character tokenizer: 30 positions cannot hold it.
+    with pytest.raises(ValueError, match=r"reward_model.judge.prompt_template: the judge's context is 30 tokens"):
+        _worker(path, template, "actor_rollout_ref.rollout.max_model_len=30")
+    # 80 hold the template and a judgement, but not the longest prompt and response too: said once, at start.
+    with caplog.at_level("WARNING", logger="conveyor.workers.ranks.judge"):
+        _worker(path, template, "actor_rollout_ref.rollout.max_model_len=80")
+    assert any("cannot be judged" in r.getMessage() for r in caplog.records)

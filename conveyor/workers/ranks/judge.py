@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from conveyor.config import Config
     from conveyor.config.plan import RunPlan
 
+
+logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_JUDGE_TEMPLATE",
     "JudgeSettings",
@@ -82,6 +85,7 @@ class JudgeSettings:
     model_weight: float  # reward_model.model_weight (applies when a reward model ran before)
     rollout: Any  # actor_rollout_ref.rollout with the judge's engine and a placement of its own
     seed: int  # trainer.seed
+    sample_tokens: int = 0  # the policy's longest prompt and response (data.max_prompt_length + max_response_length)
 
 
 def judge_settings(cfg: Config, plan: RunPlan | None = None) -> JudgeSettings:
@@ -95,6 +99,7 @@ def judge_settings(cfg: Config, plan: RunPlan | None = None) -> JudgeSettings:
         model_weight=cfg.reward_model.model_weight,
         rollout=rollout,
         seed=cfg.trainer.seed,
+        sample_tokens=cfg.data.max_prompt_length + cfg.data.max_response_length,
     )
 
 
@@ -166,6 +171,12 @@ class JudgeWorker:
                 f"reward_model.judge.prompt_template: {type(err).__name__}: {err}; its fields are {{question}}, "
                 "{response} and {ground_truth} (write {{ and }} for a literal brace)"
             ) from err
+        if self.template.format(question="", response="\x00", ground_truth="") == self.template.format(
+            question="", response="", ground_truth=""
+        ):  # a judge that never sees the response scores every sample of a prompt alike: nothing to learn from
+            raise ValueError(
+                "reward_model.judge.prompt_template never shows the judge the response: put {response} in it"
+            )
         key = "reward_model.judge.model.path"
         self.tokenizer = load_keyed(
             key,
@@ -198,6 +209,8 @@ class JudgeWorker:
                 dtype=j.model.dtype,
                 trust_remote_code=j.model.trust_remote_code,
             )
+        context = settings.rollout.max_model_len or int(model.config.max_position_embeddings)
+        self._check_context(context)
         self.engine = spec.build(
             EngineContext(
                 model_path=j.model.path,
@@ -206,7 +219,7 @@ class JudgeWorker:
                 rollout=settings.rollout,
                 model_dtype=j.model.dtype,
                 trust_remote_code=j.model.trust_remote_code,
-                max_model_len=settings.rollout.max_model_len or int(model.config.max_position_embeddings),
+                max_model_len=context,
                 seed=settings.seed,
                 rank=rank,
                 world_size=world_size,
@@ -215,6 +228,31 @@ class JudgeWorker:
         )
         if not own_modules:
             self.engine.update_weights(_checkpoint_tensors(j.model.path), version=0)
+
+    def _check_context(self, context: int) -> None:
+        """Refuse a judge whose context cannot hold its template and judgement; warn where long samples may not fit
+        (their judgement would be unparsable every time)."""
+        j = self.settings.judge
+        bare = len(self.prompt_ids([""], [""], [""])[0])
+        if bare + j.max_new_tokens > context:
+            raise ValueError(
+                f"reward_model.judge.prompt_template: the judge's context is {context} tokens, and its template alone "
+                f"renders to {bare} tokens before any question or response, plus max_new_tokens={j.max_new_tokens}: "
+                "shorten the template, lower reward_model.judge.max_new_tokens, or use a judge model with a longer "
+                "context (reward_model.judge.model.path)"
+            )
+        worst = bare + self.settings.sample_tokens + j.max_new_tokens
+        if self.settings.sample_tokens and worst > context:
+            logger.warning(
+                "reward_model.judge: its context is %d tokens; the template (%d) with the longest prompt and response "
+                "(data.max_prompt_length + max_response_length = %d policy tokens) and max_new_tokens=%d may need "
+                "%d: such samples cannot be judged and count under reward/judge_unparsable_frac",
+                context,
+                bare,
+                self.settings.sample_tokens,
+                j.max_new_tokens,
+                worst,
+            )
 
     @property
     def optim_steps(self) -> int:
