@@ -256,8 +256,13 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     mmap: bool | None = None,
+    lm_head: bool = True,
 ) -> PreTrainedModel:
     """A causal LM from the local checkpoint directory `path`, in `dtype` on `device` (its own code only if trusted).
+
+    `lm_head` (a role that samples or scores tokens): refuse a checkpoint with no weights for the LM head (a
+    sequence classifier, say), which loading would fill with random numbers. A critic or a value-head reward model
+    reads only the body and passes False.
 
     `mmap` (None: only when the model leaves the host) memory-maps the checkpoint's files. A model that stays
     in host memory is read instead: tensors built from mapped pages (and the pages of tensors that loading
@@ -273,15 +278,32 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(p), output_loading_info=True, **kwargs)
     except (OSError, ValueError, SafetensorError) as err:
         raise ValueError(
             f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
             f"check the checkpoint's files, or set `{_PATH_KEY}` to another one"
         ) from err
+    if lm_head:
+        _check_lm_head(model, info.get("missing_keys") or [], p)
     if not mmap:
         release_freed_host_memory()  # the file's bytes and the loading's copies, freed but kept by the heap
     return model.to(device)
+
+
+def _check_lm_head(model: PreTrainedModel, missing: list[str] | set[str], path: Path) -> None:
+    """Refuse a model whose LM head the checkpoint did not hold (and that is not tied to the embeddings)."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(model.config, "tie_word_embeddings", False):
+        return
+    names = {name for name, param in model.named_parameters() if any(param is q for q in head.parameters())}
+    if names & set(missing):
+        archs = getattr(model.config, "architectures", None) or ["unknown"]
+        raise ValueError(
+            f"the checkpoint in {str(path)!r} holds no weights for a language-model head ({', '.join(sorted(names))}: "
+            f"it is a {', '.join(archs)} checkpoint), so the head would be random; point `{_PATH_KEY}` at a causal "
+            "LM (a reward model goes under reward_model.model.path)"
+        )
 
 
 def release_freed_host_memory() -> None:

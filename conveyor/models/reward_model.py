@@ -139,7 +139,7 @@ def _load_reward_model(
             base = build_causal_lm_on_meta(path, dtype=dtype, trust_remote_code=trust_remote_code)
             with torch.device("meta"):
                 return ValueModel.from_causal_lm(base, copy=False).eval()
-        base = load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        base = load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code, lm_head=False)
         model = ValueModel.from_causal_lm(base, copy=False)
         head_file = Path(path) / VALUE_HEAD_FILE
         if not head_file.is_file():

@@ -215,3 +215,27 @@ def test_a_directory_without_tokenizer_files_names_the_tokenizer_key(checkpoint,
     (path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"cannot load the tokenizer in .*actor_rollout_ref\.model\.tokenizer_path"):
         load_tokenizer(path)
+
+
+def test_a_sequence_classifier_is_refused_where_a_causal_lm_is_loaded(tmp_path) -> None:
+    # Loaded as a causal LM, its LM head would be random: a student distilled towards noise, a policy sampling it.
+    from transformers import AutoModelForSequenceClassification
+
+    tok = build_char_tokenizer()
+    lm = build_tiny_model("qwen3", tok, seed=0)
+    lm.config.tie_word_embeddings = False
+    cls_config = lm.config.__class__.from_dict({**lm.config.to_dict(), "num_labels": 1})
+    cls_config.architectures = ["Qwen3ForSequenceClassification"]
+    classifier = AutoModelForSequenceClassification.from_config(cls_config)
+    classifier.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    with pytest.raises(
+        ValueError,
+        match=r"holds no weights for a language-model head \(lm_head.weight: it is a "
+        r"Qwen3ForSequenceClassification checkpoint\)",
+    ):
+        load_causal_lm(tmp_path / "rm")
+    body = load_causal_lm(tmp_path / "rm", lm_head=False)  # a critic reads only the body
+    assert body.model.embed_tokens.weight.shape[0] == len(tok)
+    lm.save_pretrained(tmp_path / "lm")
+    load_causal_lm(tmp_path / "lm")  # a causal LM with its own head loads as before

@@ -73,6 +73,7 @@ class CriticWorker(CheckpointEndpoints):
             device=self.device,
             dtype=model_cfg.dtype,
             trust_remote_code=model_cfg.trust_remote_code,
+            lm_head=False,  # the value head replaces it: a critic may start from a reward model's body
         )
         # The body is taken, not copied: the causal LM is dropped here (its LM head with it).
         # Packed forwards are set up on the causal LM, whose config the body shares.

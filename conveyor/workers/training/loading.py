@@ -60,13 +60,18 @@ def load_role_model(
     device: torch.device,
     dtype: str,
     trust_remote_code: bool = False,
+    lm_head: bool = True,
 ) -> nn.Module:
-    """A role's causal LM: on `device` when each rank loads; else on the host on rank 0 and on meta elsewhere."""
+    """A role's causal LM: on `device` when each rank loads; else on the host on rank 0 and on meta elsewhere.
+
+    `lm_head`: the role reads the LM head (refuse a checkpoint without one); False for the critic."""
     if not loads_from_rank0(strategy_name, world_size):
-        return load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code, lm_head=lm_head)
     if rank == 0:
         # Mapped: rank 0's host copy lives only until its tensors are sent (the pages go with it).
-        return load_causal_lm(path, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code, mmap=True)
+        return load_causal_lm(
+            path, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code, mmap=True, lm_head=lm_head
+        )
     return build_causal_lm_on_meta(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
