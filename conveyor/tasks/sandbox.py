@@ -82,6 +82,27 @@ _GRACE_S = 5.0
 _MARSHAL = 4
 
 
+def _check_python3(python: str) -> None:
+    """Refuse an interpreter that is not Python 3: every program would fail to start and score 0, not stop the run."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [python, "-I", "-c", "import sys; print(sys.version_info[0])"],
+            capture_output=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+        ok = out.returncode == 0 and out.stdout.strip() == b"3"
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"reward.sandbox.python: {python!r} is not a Python 3 interpreter (it did not run `import sys`); give "
+            "one, or null for the trainer's own"
+        )
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not be built (not a program's failure): the run stops, naming the cause."""
 
@@ -163,6 +184,7 @@ class Sandbox:
         self.python = os.path.realpath(python or sys.executable)
         if not os.access(self.python, os.X_OK):
             raise ValueError(f"reward.sandbox.python: {self.python!r} is not an executable file")
+        _check_python3(self.python)
         prefix = os.path.dirname(os.path.dirname(self.python))  # <prefix>/bin/python: its stdlib is under <prefix>
         self.read_only = [*_SYSTEM_DIRS, *([prefix] if not prefix.startswith(_SYSTEM_DIRS) else [])]
         self._isolation: str | None = None if isolation == "auto" else isolation

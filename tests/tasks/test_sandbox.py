@@ -251,6 +251,13 @@ def test_a_sandbox_that_cannot_run_stops_the_run_naming_the_key(tmp_path):
         Sandbox(isolation="jail")
     with pytest.raises(ValueError, match="reward.sandbox.python"):
         Sandbox(python=str(tmp_path / "no-python"))
+    # An executable that is not Python: every program would fail to start and score 0 while the run trained on.
+    for name, body in (("fake-python", "#!/bin/sh\nexit 0\n"), ("python2ish", "#!/bin/sh\necho 2\n")):
+        fake = tmp_path / name
+        fake.write_text(body)
+        fake.chmod(0o755)
+        with pytest.raises(ValueError, match="reward.sandbox.python: .* is not a Python 3 interpreter"):
+            Sandbox(python=str(fake))
     if os.geteuid() == 0:  # a root trainer runs programs as nobody, who cannot reach an interpreter under tmp_path
         tmp_path.chmod(0o700)
         python = tmp_path / "python3"
