@@ -19,6 +19,7 @@ What it deliberately does not do: sample (the batcher does), serve HTTP
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import dataclass, field
@@ -162,7 +163,7 @@ class Renderer:
         content = _without_call(text, self.format.name)
         tool_calls = [
             {
-                "id": f"call_{abs(hash((text, call.name))) % 10**12:012d}",
+                "id": "call_" + hashlib.sha1(text.encode()).hexdigest()[:12],  # the same text, the same id
                 "type": "function",
                 "function": {"name": call.name, "arguments": json.dumps(arguments)},
             }
