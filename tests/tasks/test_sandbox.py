@@ -48,6 +48,27 @@ def _python_for(mode: str) -> str | None:
     pytest.skip("no interpreter that an unprivileged user can run")
 
 
+def _wait_until_no_process_of(uids: set[int], seconds: float = 15.0) -> None:
+    """Wait (bounded) until no process on the machine runs as one of `uids`."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        busy = False
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            except (OSError, StopIteration):
+                continue
+            if int(uid_line.split()[1]) in uids:
+                busy = True
+                break
+        if not busy:
+            return
+        time.sleep(0.1)
+
+
 def _modes() -> list:
     return [
         pytest.param(
@@ -302,6 +323,9 @@ def test_a_fork_bomb_leaves_the_process_budget_of_programs_running_beside_it_alo
             "for p in pids:\n    os.waitpid(p, 0)\nprint('forked')\n"
         )
     }
+    # RLIMIT_NPROC counts every process of a uid on the machine: earlier tests' programs (a fork bomb's last
+    # children being reaped) must be gone, or they count against this test's budgets.
+    _wait_until_no_process_of({sandbox.uid, sandbox.uid - 1})
     pool = SandboxPool(sandbox, 2)
     try:
         bombed, forked = pool.run_all([bomb, forker])
