@@ -213,12 +213,7 @@ class RewardWorker:
         responses, mask = td["responses"], td["response_mask"].bool()
         # Through the last model token: a multi-turn response's tool tokens are read too (the span).
         lengths = span_lengths(mask)
-        # One tolist of the whole batch, then list slicing: far cheaper than a tensor slice per row.
-        texts = self.tokenizer.batch_decode(
-            [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
-        )
         scoring_cpu: list[float] = []  # the calls run on a thread of their own: its CPU counts too
-        agent = None
         if "agent_reward" in meta.fields:
             # Agent sessions (the gateway): the session's reward where its agent reported one; else the task's reward
             # function on the session's last completion, the same for each of its samples.
@@ -227,7 +222,7 @@ class RewardWorker:
             )
             texts = list(agent["agent_completion"])
             reported = agent["agent_reward"].float()
-            rule = [i for i in range(len(texts)) if not bool(torch.isfinite(reported[i]))]
+            rule = [i for i, known in enumerate(torch.isfinite(reported).tolist()) if not known]
             sources, truths = td["data_source"], td["ground_truth"]
             scored = self._score_all(
                 [meta.keys[i] for i in rule], [(sources[i], texts[i], truths[i]) for i in rule], scoring_cpu
@@ -236,6 +231,10 @@ class RewardWorker:
             for i, v in zip(rule, scored):
                 values[i] = v
         else:
+            # One tolist of the whole batch, then list slicing: far cheaper than a tensor slice per row.
+            texts = self.tokenizer.batch_decode(
+                [row[:n] for row, n in zip(responses.tolist(), lengths.tolist())], skip_special_tokens=True
+            )
             values = self._score_all(
                 list(meta.keys), list(zip(td["data_source"], texts, td["ground_truth"])), scoring_cpu
             )
