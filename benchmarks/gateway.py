@@ -43,6 +43,7 @@ from conveyor.models.tokenizer import build_char_tokenizer  # noqa: E402
 from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings  # noqa: E402
 from conveyor.rollout.base import SamplingParams  # noqa: E402
 from conveyor.rollout.gateway import GatewayLoop, GatewaySettings  # noqa: E402
+from conveyor.rollout.gateway.trajectory import session_task  # noqa: E402
 from conveyor.rollout.hf import HFEngine  # noqa: E402
 from conveyor.tools import get_format, load_tools  # noqa: E402
 from conveyor.user_code import import_user_code  # noqa: E402
@@ -100,18 +101,7 @@ def measure(
     else:
         settings = GatewaySettings(callable=_agent, batch_wait_s=batch_wait_s)
     gateway = GatewayLoop(engine, tok, get_format(FORMAT), settings)
-    tasks = [
-        {
-            "agent_task": {
-                "prompt": [{"role": "user", "content": t}],
-                "data_source": "t",
-                "ground_truth": "0",
-                "extra_info": {},
-            },
-            "raw_prompt": t,
-        }
-        for t in texts
-    ]
+    tasks = [session_task([{"role": "user", "content": t}], "t", "0", {}, t) for t in texts]
     ref_s, gw_s, engine_s, calls, tokens = [], [], [], 0, 0
     try:
         for r in range(rounds):

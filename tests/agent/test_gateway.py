@@ -16,6 +16,7 @@ from conveyor.models.tokenizer import build_char_tokenizer
 from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings
 from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.gateway import GatewayLoop, GatewaySettings
+from conveyor.rollout.gateway.trajectory import session_task
 from conveyor.rollout.hf import HFEngine
 from conveyor.tools import get_format, load_tools
 from conveyor.user_code import import_user_code
@@ -45,18 +46,7 @@ def engine(model, tok):
 
 
 def _tasks(prompts):
-    return [
-        {
-            "agent_task": {
-                "prompt": [{"role": "user", "content": p}],
-                "data_source": "t",
-                "ground_truth": "0",
-                "extra_info": {},
-            },
-            "raw_prompt": p,
-        }
-        for p in prompts
-    ]
+    return [session_task([{"role": "user", "content": p}], "t", "0", {}, p) for p in prompts]
 
 
 def _batch(tok, prompts):
@@ -303,16 +293,7 @@ def test_a_template_that_strips_thinking_cuts_sessions_and_each_sample_is_what_w
     ids, mask = _batch(tok, prompts)
     params = SamplingParams(max_new_tokens=48, capture_routing=True)
     tasks = [
-        {
-            "agent_task": {
-                "prompt": [{"role": "user", "content": c}],
-                "data_source": "t",
-                "ground_truth": "0",
-                "extra_info": {},
-            },
-            "raw_prompt": p,
-        }
-        for c, p in zip(["1+2=", "12+34="], prompts)
+        session_task([{"role": "user", "content": c}], "t", "0", {}, p) for c, p in zip(["1+2=", "12+34="], prompts)
     ]
     try:
         out = gw.run(ids, mask, params, generator=torch.Generator().manual_seed(0), tasks=tasks)

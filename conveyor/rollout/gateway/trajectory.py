@@ -27,14 +27,31 @@ serve HTTP, run agents or talk to an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Call", "Sample", "SessionTrajectories", "layout", "room", "TASK_FIELDS"]
+__all__ = ["Call", "Sample", "SessionTrajectories", "layout", "room", "TASK_FIELDS", "session_task"]
 
 # The per-sample fields a session's task is made from (stage 1 writes them); copied onto a cut session's extra rows.
 TASK_FIELDS = ("uid", "data_source", "ground_truth", "raw_prompt", "prompt_messages", "extra_info")
+
+
+def session_task(
+    messages: Any, data_source: Any, ground_truth: Any, extra_info: Any, raw_prompt: str
+) -> dict[str, Any]:
+    """One row's task for `GatewayLoop.run`: what its agent reads on stdin (the dataset row in verl's shape, SPEC
+    section 6) and the prompt text the trainer rendered it to."""
+    return {
+        "agent_task": {
+            "prompt": messages,
+            "data_source": data_source,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info if isinstance(extra_info, dict) else {},
+        },
+        "raw_prompt": raw_prompt,
+    }
 
 
 @dataclass(frozen=True)

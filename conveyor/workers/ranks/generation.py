@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from conveyor.data_plane.base import DataPlane
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams
-from conveyor.rollout.gateway.trajectory import TASK_FIELDS
+from conveyor.rollout.gateway.trajectory import TASK_FIELDS, session_task
 from conveyor.tasks.prompts import RENDER_PROMPTS, PromptEncoder
 from conveyor.workers.ranks.calls import GenerateCall
 from conveyor.workers.ranks.forward import micro_batches
@@ -242,21 +242,16 @@ class Generation:
             have = [f for f in names if f in meta.fields] or names[:4]
             got = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=have)
             cols = {f: got[f] for f in have}
-        tasks = []
-        for i in range(len(meta)):
-            extra = cols["extra_info"][i] if "extra_info" in cols else None
-            tasks.append(
-                {
-                    "agent_task": {
-                        "prompt": cols["prompt_messages"][i],
-                        "data_source": cols["data_source"][i],
-                        "ground_truth": cols["ground_truth"][i],
-                        "extra_info": extra if isinstance(extra, dict) else {},
-                    },
-                    "raw_prompt": cols["raw_prompt"][i],
-                }
+        return [
+            session_task(
+                cols["prompt_messages"][i],
+                cols["data_source"][i],
+                cols["ground_truth"][i],
+                cols["extra_info"][i] if "extra_info" in cols else None,
+                cols["raw_prompt"][i],
             )
-        return tasks
+            for i in range(len(meta))
+        ]
 
     def _session_rows(
         self,
