@@ -11,7 +11,7 @@ BASE_STAMP := $(VENV)/.installed-base
 DEV_STAMP := $(VENV)/.installed-dev
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-dev train distill distill-teacher lint test test-fast bench gpu-wheels clean
+.PHONY: install install-dev train distill distill-teacher reward-models lint test test-fast bench gpu-wheels clean
 
 install: $(BASE_STAMP)
 install-dev: $(DEV_STAMP)
@@ -54,6 +54,11 @@ distill: install
 	@test -f $(DISTILL_TEACHER)/config.json || $(MAKE) distill-teacher
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor train --config examples/distill_tiny.yaml $(ARGS)
 
+# A small reward model and a small judge for the default task, into runs/reward_models (docs/rewards.md), for
+# examples/reward_model_tiny.yaml and examples/judge_tiny.yaml: about a minute on a CPU.
+reward-models: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/conveyor build-reward-models --out runs/reward_models $(ARGS)
+
 # Lint and formatting first (rules in pyproject.toml's [tool.ruff]): `ruff format` and `ruff check --fix`
 # mend most of what they report.
 LINTED := conveyor tests benchmarks
@@ -62,9 +67,10 @@ lint: install-dev
 	$(VENV)/bin/ruff format --check $(LINTED)
 
 # One torch thread per process: tests start several processes (Ray workers, CLI
-# runs) on small machines, and tiny models gain nothing from intra-op threads.
+# runs) on small machines, and tiny models gain nothing from intra-op threads. The 30 slowest tests are listed
+# at the end, so a suite that grows slower shows where.
 test: install-dev lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
 
 # The edit-run loop: every test that starts no training run, engine, Ray, ranks or `conveyor` child process
 # (the `process` marker, put on them by tests/conftest.py's PROCESS_TESTS) and is not `slow`, so a new unit test

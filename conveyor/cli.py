@@ -1,4 +1,4 @@
-"""The `conveyor` command: train, config, plot, show, export.
+"""The `conveyor` command: train, config, plot, show, export, warmstart, build-reward-models.
 
 User mistakes (bad config, missing files) end with a one-line `error:` message
 and exit status 2, never a traceback; set CONVEYOR_DEBUG=1 to see the traceback
@@ -72,7 +72,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
     w = sub.add_parser("warmstart", help="build the tiny model's supervised warm start (done on first use anyway)")
     _add_config_args(w)
-    return p, {"train": t, "config": c, "warmstart": w}
+
+    b = sub.add_parser(
+        "build-reward-models",
+        help="write a small reward model and a small judge for the config's synthetic task (docs/rewards.md)",
+    )
+    # Not required: the subcommand's first parse (before its overrides) sees no options.
+    b.add_argument(
+        "--out", default="runs/reward_models", help="the folder to write reward_model/ and judge/ into (%(default)s)"
+    )
+    b.add_argument("--rm-steps", type=int, default=300, help="training steps of the reward model")
+    _add_config_args(b)
+    return p, {"train": t, "config": c, "warmstart": w, "build-reward-models": b}
 
 
 def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -107,8 +118,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     # What `train` refuses at its start (the engine's keys included), on the device the config names: a GPU
-    # run's config can be prepared and checked on a machine without one.
-    build_run_plan(cfg, cfg.trainer.device if cfg.trainer.device != "auto" else resolve_device(cfg))
+    # run's config can be prepared and checked on a machine without one, nor with its cores (no resource check).
+    device = cfg.trainer.device if cfg.trainer.device != "auto" else resolve_device(cfg, check_resources=False)
+    build_run_plan(cfg, device)
     sys.stdout.write(config_to_yaml(cfg, with_help=args.describe))
     return 0
 
@@ -149,6 +161,33 @@ def _cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_build_reward_models(args: argparse.Namespace) -> int:
+    import transformers
+
+    from conveyor.config import load_config
+    from conveyor.models.build_scorers import build_judge, build_reward_model
+    from conveyor.tasks import SYNTHETIC_TASKS
+
+    # Saving two tiny checkpoints is instant; the library's bars would only clutter the report.
+    transformers.utils.logging.disable_progress_bar()
+    cfg = load_config(args.config, args.overrides)
+    syn = cfg.data.synthetic
+    if syn.task != "arithmetic":  # its wrong answers are numbers near the right one
+        raise ValueError("build-reward-models knows the arithmetic task only; set data.synthetic.task=arithmetic")
+    make = SYNTHETIC_TASKS[syn.task]
+    # The run's own splits (data.seed, as `conveyor train` draws them): the reward model never sees the held-out one.
+    train = make(syn.num_train, seed=cfg.data.seed, max_operand=syn.max_operand, ops=syn.ops, split="train")
+    heldout = make(syn.num_val, seed=cfg.data.seed + 1, max_operand=syn.max_operand, ops=syn.ops, split="test")
+    report = build_reward_model(f"{args.out}/reward_model", train, heldout, steps=args.rm_steps, seed=cfg.data.seed)
+    print(
+        f"{report.path}: reward model, {report.steps} steps in {report.seconds:.0f} s; the sign of its score is right "
+        f"for {report.heldout_accuracy:.2f} of {report.heldout_pairs} held-out answers (half right, half wrong)"
+    )
+    judge = build_judge(f"{args.out}/judge")
+    print(f"{judge}: judge (says yes when the response ends in a digit), template {judge / 'template.txt'}")
+    return 0
+
+
 _COMMANDS = {
     "train": _cmd_train,
     "config": _cmd_config,
@@ -156,6 +195,7 @@ _COMMANDS = {
     "show": _cmd_show,
     "export": _cmd_export,
     "warmstart": _cmd_warmstart,
+    "build-reward-models": _cmd_build_reward_models,
 }
 
 
@@ -165,6 +205,7 @@ _COMMAND_WRITES = {
     "plot": "writing the plots",
     "export": "writing the export",
     "warmstart": "writing the model cache",
+    "build-reward-models": "writing the reward models",
     "show": "reading the dump",
     "config": "reading the config",
 }
@@ -209,10 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    from conveyor.metrics.console import BarAwareStreamHandler  # standard library only: cheap at start-up
+
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
+        # A log line during training goes below the progress bar, not after its last character.
+        handlers=[BarAwareStreamHandler()],
     )
     try:
         return _COMMANDS[args.command](args)

@@ -13,6 +13,7 @@ switched off with one warning (DESIGN 19).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -22,7 +23,7 @@ from typing import TextIO
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONSOLE_COLUMNS", "ConsoleTracker", "console_interval"]
+__all__ = ["CONSOLE_COLUMNS", "BarAwareStreamHandler", "ConsoleTracker", "console_interval"]
 
 # The handful of numbers people watch, in the order of the console's columns:
 # (label, candidate keys with the first present winning, format). The trainer's names come
@@ -33,7 +34,20 @@ CONSOLE_COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("val_acc", ("val/accuracy",), "{:.3f}"),
     ("len", ("response_length/mean",), "{:.1f}"),
     ("entropy", ("actor/entropy",), "{:.3f}"),
-    ("kl", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"), "{:.2g}"),
+    # A distilling run's KL is the student's to its teachers (distill/kl_*), which its loss drives: it comes
+    # before the KL to the reference, and actor/ppo_kl (the update's own drift, float noise on-policy) is last.
+    (
+        "kl",
+        (
+            "distill/kl_exact",
+            "distill/kl_k3",
+            "distill/kl_k1",
+            "actor/kl_loss",
+            "actor/reward_kl_penalty",
+            "actor/ppo_kl",
+        ),
+        "{:.2g}",
+    ),
     ("grad", ("actor/grad_norm",), "{:.3g}"),
     ("s/step", ("timing_s/step",), "{:.3f}"),
     ("tok/s", ("perf/throughput",), "{:.0f}"),
@@ -82,6 +96,30 @@ def _discard_stdout() -> None:
         pass
 
 
+def _bars_cleared(stream: TextIO) -> contextlib.AbstractContextManager:
+    """A context in which the progress bars drawn on the same terminal as `stream` are cleared (redrawn after it).
+
+    A bar ends its line with no newline, so a row written beside it would be glued to the bar's text; tqdm
+    clears the bars that share stdout/stderr with `stream` and draws them again below the row.
+    """
+    tqdm_module = sys.modules.get("tqdm")
+    if tqdm_module is None:  # no bar can be on screen: tqdm was never imported
+        return contextlib.nullcontext()
+    return tqdm_module.tqdm.external_write_mode(file=stream)
+
+
+class BarAwareStreamHandler(logging.StreamHandler):
+    """A log handler on stderr that writes each line below the progress bars, not glued to the end of one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write `record` with the bars on its terminal cleared, and draw them again after it."""
+        try:
+            with _bars_cleared(self.stream):
+                super().emit(record)
+        except (OSError, ValueError):  # clearing a bar on a terminal that is gone: logging's own report, not a raise
+            self.handleError(record)
+
+
 class ConsoleTracker:
     """A compact table on the console: a row every `every` steps (means over them) and at every validation.
 
@@ -126,8 +164,9 @@ class ConsoleTracker:
         # Resolve sys.stdout at write time so redirection after construction is honoured.
         stream = self._stream if self._stream is not None else sys.stdout
         try:
-            stream.write(text + "\n")
-            stream.flush()
+            with _bars_cleared(stream):
+                stream.write(text + "\n")
+                stream.flush()
         except (OSError, ValueError) as err:  # a reader that ended (EPIPE), a hung-up terminal, a closed file
             # The console is a view of the run (DESIGN 19): losing it must not lose the run.
             self._gone = True

@@ -6,7 +6,9 @@ Reads `run_dir/metrics.jsonl` (the `jsonl` tracker) and, when present,
 
 - `reward.png`: exact-match accuracy (held-out validation drawn bold over the
   training batch's), then the reward mean;
-- `losses.png`: policy loss, value loss, KL loss;
+- `losses.png`: policy loss, value loss, KL loss; a distilling run's `distill/loss` first, and no policy loss
+  when it distilled without task rewards (`distillation.distillation_loss.use_task_rewards=false`, read from
+  the run's config.yaml: its `actor/pg_loss` is logged but trains nothing);
 - `kl_entropy.png`: the KL metrics and the policy entropy;
 - `response_length.png`: mean length with its min/max band; clip ratio;
 - `throughput.png`: tokens/s; time per stage stacked, with the step time;
@@ -66,6 +68,7 @@ DPI = 100
 # Reward metric families, first present wins (the trainer's name, then verl's).
 _REWARD_PREFIXES = ("reward", "critic/score", "critic/rewards")
 _LOSS_KEYS = (("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss"), ("actor/kl_loss", "KL loss"))
+_DISTILL_LOSS = ("distill/loss", "distillation loss")
 _VAL_ACC = re.compile(r"^val[^/]*/.*acc", re.IGNORECASE)
 # Below this a KL value is float rounding, not a divergence (an on-policy ratio is exactly 1).
 _KL_NOISE = 1e-6
@@ -485,6 +488,27 @@ def _integer_ticks(axis, n: int) -> None:
         axis.set_major_locator(MaxNLocator(nbins=16, integer=True))
 
 
+def _distills_alone(run_dir: Path) -> bool:
+    """Whether the run's saved config.yaml says it distilled without task rewards (False when it cannot be read)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        distillation = config["distillation"]
+        return bool(distillation["enabled"]) and not distillation["distillation_loss"]["use_task_rewards"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return False  # no config to say: keep every loss the run logged
+
+
+def _loss_keys(run_dir: Path, records: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """The losses panels of `losses.png`, (key, label): a distilling run's loss first; the policy loss left out
+    when the run distilled alone (its actor/pg_loss is logged but trains nothing)."""
+    if not _has(records, _DISTILL_LOSS[0]):
+        return _LOSS_KEYS
+    alone = _distills_alone(run_dir)
+    return (_DISTILL_LOSS,) + tuple(k for k in _LOSS_KEYS if not (alone and k[0] == "actor/pg_loss"))
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -496,12 +520,19 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         raise ValueError("plotting needs matplotlib, which is not installed: pip install 'conveyor[plot]'") from None
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist")
+        raise ValueError(
+            f"run directory {run_dir} " + ("is a file, not a run directory" if run_dir.exists() else "does not exist")
+        )
     metrics_path = run_dir / "metrics.jsonl"
     moe_path = run_dir / "moe_expert_load.jsonl"
     records = read_metrics_jsonl(metrics_path) if metrics_path.is_file() else []
     moe_records = read_moe_expert_load(moe_path) if moe_path.is_file() else []
     if not records and not moe_records:
+        if metrics_path.is_file() and metrics_path.stat().st_size:
+            raise ValueError(
+                f"nothing to plot in {run_dir}: {metrics_path} holds no line that is a metrics record (each bad line "
+                "is named above); it was damaged or is not a conveyor metrics file"
+            )
         raise ValueError(
             f"nothing to plot in {run_dir}: {metrics_path.name} is missing or empty "
             "(add 'jsonl' to trainer.logger to write it)"
@@ -528,7 +559,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         )
     )
     figures.append(
-        ("losses.png", "Losses", [_lines_panel(records, [k], f"{label} ({k})", "loss") for k, label in _LOSS_KEYS])
+        (
+            "losses.png",
+            "Losses",
+            [_lines_panel(records, [k], f"{label} ({k})", "loss") for k, label in _loss_keys(run_dir, records)],
+        )
     )
     figures.append(
         (

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "cache_dir",
+    "check_local_resources",
     "prepare_default_model",
     "load_prompt_records",
     "resolve_device",
@@ -46,13 +48,74 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
 
 
-def resolve_device(cfg: Config) -> str:
-    """The torch device of this run's workers."""
+def resolve_device(cfg: Config, *, check_resources: bool = True) -> str:
+    """The torch device of this run's workers; with `check_resources`, refuses what this machine's Ray cannot hold."""
     if cfg.trainer.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device: cuda was asked for but no CUDA device is visible; use trainer.device=cpu")
-    return cfg.trainer.device
+    else:
+        device = cfg.trainer.device
+    if check_resources:
+        check_local_resources(cfg)
+    return device
+
+
+# Ray refuses a bundle of zero resources; the placement gives such a rank this much CPU instead.
+_MIN_BUNDLE_CPU = 0.001
+
+
+def check_local_resources(cfg: Config) -> None:
+    """Refuse, before Ray starts, ranks that the Ray this run would start on this machine can never hold.
+
+    A run on Ray without `ray.address` starts a one-node Ray with `ray.num_cpus` CPUs (default: this machine's)
+    and the GPUs it sees. Its placement asks one bundle per model rank (`ray.worker_cpus` CPUs and, on GPUs,
+    one GPU) and one per rollout replica or reward worker; waiting for Ray to start (seconds) only to be told
+    that they cannot fit wastes that wait. A cluster given by `ray.address`, or a Ray already started in this
+    process, is checked by the placement once connected.
+    """
+    from conveyor.workers.placement.group import use_ray
+
+    if not use_ray(cfg) or cfg.ray.address is not None:
+        return
+    ray = sys.modules.get("ray")  # never imported here for this: Ray's import alone takes seconds
+    if ray is not None and ray.is_initialized():
+        return  # a Ray someone else started (a notebook, a test) is the run's, with what it has
+    t, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
+    gpu = t.n_gpus_per_node > 0
+    per_node = t.n_gpus_per_node if t.n_gpus_per_node >= t.num_cpu_workers else t.num_cpu_workers
+    ranks = t.nnodes * per_node
+    ranks_key = "trainer.n_gpus_per_node" if gpu else "trainer.num_cpu_workers"
+    # The reward worker, or the rollout replicas it shares a process with (`build_ray_rollout_groups`): the
+    # placement `conveyor.trainer.plan` decides, read here as it reads it.
+    separate = t.v1.is_async or ro.placement == "separate"
+    others = ro.replicas if separate else 1
+    others_what = (
+        f"{others} rollout replica(s) (actor_rollout_ref.rollout.replicas)" if separate else "the reward worker"
+    )
+    cpus_each = max(cfg.ray.worker_cpus, _MIN_BUNDLE_CPU)
+    need_cpu = (ranks + others) * cpus_each
+    have_cpu = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else os.cpu_count() or 1
+    cpu_key = "ray.num_cpus" if cfg.ray.num_cpus is not None else "ray.num_cpus (unset: this machine's cores)"
+    if need_cpu > have_cpu + 1e-9:
+        raise ConfigError(
+            f"{ranks_key}: {ranks} rank(s) (trainer.nnodes={t.nnodes} x {per_node}) and {others_what} at "
+            f"ray.worker_cpus={cfg.ray.worker_cpus:g} CPUs each need {need_cpu:g} CPUs, more than the "
+            f"{have_cpu:g} of the Ray this run starts on this machine ({cpu_key}); lower {ranks_key}"
+            + ("" if t.nnodes == 1 else " or trainer.nnodes")
+            + ", lower ray.worker_cpus (fractions are fine), or give a cluster with ray.address"
+        )
+    if gpu:
+        have_gpu = torch.cuda.device_count()
+        need_gpu = ranks + (others * ro.tensor_model_parallel_size if separate else 0)
+        if need_gpu > have_gpu:
+            replicas = f" and {others_what} x {ro.tensor_model_parallel_size}" if separate else ""
+            raise ConfigError(
+                f"trainer.n_gpus_per_node: {ranks} GPU rank(s) (trainer.nnodes={t.nnodes} x "
+                f"trainer.n_gpus_per_node={t.n_gpus_per_node}){replicas} need {need_gpu} GPUs, but the Ray it starts "
+                f"here would see {have_gpu}; lower trainer.n_gpus_per_node (0 runs CPU workers), or give a cluster "
+                "with ray.address"
+            )
 
 
 def _load_files(paths: list[str]) -> tuple[list[dict], list[str]]:

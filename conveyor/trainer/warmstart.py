@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import sys
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -34,7 +35,46 @@ from conveyor.models.router_control import RouterTap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["supervised_warmstart"]
+__all__ = ["supervised_warmstart", "WarmstartProgress"]
+
+# Without a terminal (a log file, a CI job) a progress line every this many steps; a terminal gets a bar.
+_LOG_EVERY = 100
+
+
+class WarmstartProgress:
+    """How far the warm start is: a bar on a terminal (stderr), else a log line every `log_every` steps.
+
+    The warm start takes from seconds to minutes before the first training row; without this the run looks
+    hung. `bar=None` decides from whether stderr is a terminal.
+    """
+
+    def __init__(self, total: int, *, bar: bool | None = None, log_every: int = _LOG_EVERY):
+        self.total = total
+        self.log_every = max(1, log_every)
+        use_bar = sys.stderr.isatty() if bar is None else bar
+        self._bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            # leave=False: once done, the bar gives its line to the summary the warm start logs.
+            self._bar = tqdm(total=total, desc="warm start", unit="step", file=sys.stderr, leave=False)
+
+    def update(self, step: int, loss: float, accuracy: float | None) -> None:
+        """Record that `step` (1-based) is done, with its loss and the exact match so far (None: not measured)."""
+        acc = f"{accuracy:.2f}" if accuracy is not None else None
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix({"loss": f"{loss:.3f}", **({"exact_match": acc} if acc else {})}, refresh=False)
+        elif step % self.log_every == 0:
+            logger.info(
+                "warm start: step %d/%d, loss %.3f%s", step, self.total, loss, f", exact match {acc}" if acc else ""
+            )
+
+    def close(self) -> None:
+        """Take the bar off the screen."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _encode_pairs(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> list[tuple[list[int], list[int]]]:
@@ -63,13 +103,15 @@ def supervised_warmstart(
     accuracy_window: int = 20,
     aux_loss_coef: float = 0.0,
     aux_loss_tokens: str = "all",
+    progress: bool | None = None,
 ) -> list[float]:
     """Train `model` in place with next-token loss on the answers for at most `steps` steps; returns the loss per step.
 
     With `until_accuracy` > 0 it stops as soon as the greedy exact-match accuracy
     on the last `accuracy_window` training batches reaches it. With `aux_loss_coef` > 0 an MoE model's loss
     adds that times the routers' load-balancing loss (`conveyor.models.router_control`) over the real tokens, or
-    with `aux_loss_tokens="answer"` over the answer tokens only (the ones a rollout generates).
+    with `aux_loss_tokens="answer"` over the answer tokens only (the ones a rollout generates). `progress`:
+    True draws a bar on stderr, False logs a line every 100 steps, None picks the bar on a terminal.
     """
     if steps <= 0:
         return []
@@ -89,39 +131,44 @@ def supervised_warmstart(
     model.train()
     losses: list[float] = []
     recent: list[float] = []  # exact-match accuracy of the last `accuracy_window` batches
-    for _step in range(steps):
-        batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
-        seqs = [p + a for p, a in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, ((p, a), s) in enumerate(zip(batch, seqs)):
-            off = width - len(s)  # left padding, as at generation time
-            ids[i, off:] = torch.tensor(s)
-            attn[i, off:] = 1
-            labels[i, off + len(p) :] = torch.tensor(a)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        rows = attn if aux_loss_tokens == "all" else (labels != -100).long()
-        with tap.active(rows) if tap is not None else contextlib.nullcontext():
-            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
-        logits = out.logits[:, :-1].float()
-        targets = labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        if tap is not None:
-            loss = loss + aux_loss_coef * tap.aux_loss(int(tap.layers[0].router.top_k))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if until_accuracy > 0:
-            with torch.no_grad():
-                right = (logits.argmax(-1) == targets) | (targets == -100)
-                recent.append(float(right.all(-1).float().mean()))
-            recent = recent[-accuracy_window:]
-            if len(recent) == accuracy_window and sum(recent) / accuracy_window >= until_accuracy:
+    shown = WarmstartProgress(steps, bar=progress)
+    try:
+        for _step in range(steps):
+            batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
+            seqs = [p + a for p, a in batch]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+            labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+            attn = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, ((p, a), s) in enumerate(zip(batch, seqs)):
+                off = width - len(s)  # left padding, as at generation time
+                ids[i, off:] = torch.tensor(s)
+                attn[i, off:] = 1
+                labels[i, off + len(p) :] = torch.tensor(a)
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            rows = attn if aux_loss_tokens == "all" else (labels != -100).long()
+            with tap.active(rows) if tap is not None else contextlib.nullcontext():
+                out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+            logits = out.logits[:, :-1].float()
+            targets = labels[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            if tap is not None:
+                loss = loss + aux_loss_coef * tap.aux_loss(int(tap.layers[0].router.top_k))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            if until_accuracy > 0:
+                with torch.no_grad():
+                    right = (logits.argmax(-1) == targets) | (targets == -100)
+                    recent.append(float(right.all(-1).float().mean()))
+                recent = recent[-accuracy_window:]
+            shown.update(len(losses), losses[-1], sum(recent) / len(recent) if recent else None)
+            if len(recent) == accuracy_window and sum(recent) / accuracy_window >= until_accuracy > 0:
                 break
+    finally:
+        shown.close()
     model.eval()
     reached = f", training exact match {sum(recent) / len(recent):.2f}" if recent else ""
     logger.info("warm start: %d steps, loss %.3f -> %.3f%s", len(losses), losses[0], losses[-1], reached)

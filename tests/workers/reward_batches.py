@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from conveyor.models.build_scorers import bigram_judge
 from conveyor.models.reward_model import build_tiny_reward_model
-from conveyor.models.tiny import build_tiny_model
 from conveyor.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from conveyor.tasks.prompts import PromptEncoder, sample_keys
 
@@ -95,19 +95,7 @@ def save_chain_judge(path: Path, chain: dict[str, list[str]]) -> Path:
     """
     tok = build_char_tokenizer()
     tok.chat_template = None
-    # Heads of 32: a size vLLM's CPU attention serves too.
-    model = build_tiny_model("qwen3", tok, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
-    vocab = len(tok)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        model.model.embed_tokens.weight.zero_()
-        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
-        model.lm_head.weight.zero_()
-        for src, dsts in chain.items():
-            for dst in dsts:
-                model.lm_head.weight[tok.convert_tokens_to_ids(dst), tok.convert_tokens_to_ids(src)] = 5.0
+    model = bigram_judge(tok, chain)
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
