@@ -28,6 +28,12 @@ otherwise idle machine, whatever else was running.
     python benchmarks/default_run.py --parallel 2           # two at a time (2 cores)
     python benchmarks/default_run.py --pairs 0:0 1:1 --set trainer.total_training_steps=200
     python benchmarks/default_run.py --config examples/vllm_cpu.yaml   # the same task, vLLM generating
+    python benchmarks/default_run.py --parallel 2 --results benchmarks/results/default_run.json
+    python benchmarks/default_run.py --table benchmarks/results/default_run.json   # the README's table
+
+`--results` writes the sweep (machine, commit, each run) as JSON; the README's
+table of the default run is `--table` of the committed results file, and a test
+fails when the two disagree.
 """
 
 from __future__ import annotations
@@ -141,6 +147,44 @@ def _load() -> str:
         return "n/a"
 
 
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def results_table(results: dict) -> str:
+    """The README's Markdown table and spread line for a results file written by `--results`.
+
+    CPU time, not wall time: with one torch thread per run it is about the wall time on an idle machine, and other
+    work running beside the sweep does not inflate it.
+    """
+    runs = sorted(results["runs"], key=lambda r: (r["model_seed"], r["trainer_seed"]))
+    last_step = max((r["last"][0] for r in runs if r["last"]), default=0)
+    lines = [
+        f"| model seed | trainer seed | warm start | held-out accuracy, step 0 → {last_step} | CPU |",
+        "|---|---|---|---|---|",
+    ]
+    for r in runs:
+        first = f"{r['first'][1]:.3f}" if r["first"] else "-"
+        last = f"{r['last'][1]:.3f}" if r["last"] else "failed"
+        lines.append(
+            f"| {r['model_seed']} | {r['trainer_seed']} | {r['warm_start_steps']} steps | {first} → {last} | "
+            f"{r['cpu_s']:.0f} s |"
+        )
+    finals = [r["last"][1] for r in runs if r["status"] == 0 and r["last"]]
+    cpus = [r["cpu_s"] for r in runs if r["status"] == 0]
+    lines += [
+        "",
+        f"{results['machine']}, commit {results['commit']}: final held-out accuracy {_spread(finals, '{:.3f}')}; "
+        f"CPU time per run {_spread(cpus, '{:.0f} s')}; {sum(v >= results['bar'] for v in finals)} of {len(runs)} "
+        f"runs reached {results['bar']}.",
+    ]
+    return "\n".join(lines)
+
+
 def _spread(values: list[float], fmt: str) -> str:
     if not values:
         return "n/a"
@@ -178,7 +222,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_RUN,
         help="the run's config (default examples/tiny_cpu.yaml; examples/vllm_cpu.yaml: the vllm rollout)",
     )
+    parser.add_argument("--results", type=Path, help="also write the sweep (machine, commit, every run) to this JSON file")
+    parser.add_argument(
+        "--table", type=Path, metavar="RESULTS", help="print the README's table of a results file and exit (runs nothing)"
+    )
     args = parser.parse_args(argv)
+    if args.table is not None:
+        try:
+            print(results_table(json.loads(args.table.read_text())))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.exit(2, f"default_run.py: {args.table} is not a results file written by --results ({e})\n")
+        return 0
     if args.parallel < 1 or args.threads < 1:
         parser.error("--parallel and --threads must be >= 1")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="conveyor-default-run-"))
@@ -214,6 +268,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wall time per run (s):   {_spread(walls, '{:.0f}')}")
     # With one thread per run, CPU time is about what the wall time is on an otherwise idle machine.
     print(f"CPU time per run (s):    {_spread(cpus, '{:.0f}')}")
+    if args.results is not None:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "machine": f"{_cpu_name()}, {os.cpu_count()} logical CPUs",
+            "commit": _commit(),
+            "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
+            "overrides": args.overrides,
+            "parallel": args.parallel,
+            "threads": args.threads,
+            "bar": args.bar,
+            "sweep_s": round(time.perf_counter() - start, 1),
+            "load_after": _load(),
+            "runs": [{k: v for k, v in r.items() if k != "log"} for r in results],
+        }
+        args.results.write_text(json.dumps(record, indent=1) + "\n")
     print(
         f"{passed} of {len(results)} runs reached >= {args.bar}; sweep took {time.perf_counter() - start:.0f} s; "
         f"load average after: {_load()}"
