@@ -27,7 +27,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["read_text", "read_jsonl_objects", "make_dir", "environment_error", "full_disk_error", "describe_os_error"]
+__all__ = [
+    "read_text",
+    "read_jsonl_objects",
+    "write_text_atomic",
+    "make_dir", "environment_error", "full_disk_error", "describe_os_error"]
 
 # The errors a user's disk, mounts and paths cause. Any other OSError (EBADF, EINVAL; EEXIST or ENOTEMPTY from a
 # rename, EMFILE from a leak) is more likely a bug, and stays a traceback.
@@ -108,6 +112,21 @@ def read_jsonl_objects(path: Path, what: str) -> Iterator[tuple[int, dict[str, A
             logger.warning("%s %s:%d is not a JSON object; skipped", what, path, lineno)
             continue
         yield lineno, record
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed over it: a reader sees the old file or the new one.
+
+    A run killed mid-write would otherwise leave a half file (a config.yaml, a plan.json) that the next run or
+    `conveyor plot` reads.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def make_dir(path: str | Path, key: str) -> Path:

@@ -148,7 +148,9 @@ def latest_generations(run_dir: str | Path, step: int | None = None) -> tuple[in
     """(step, rows) of the dump at `step`, or of the latest dump when `step` is None."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist")
+        raise ValueError(
+            f"run directory {run_dir} " + ("is a file, not a run directory" if run_dir.exists() else "does not exist")
+        )
     gen_dir = run_dir / "generations"
     steps = _available_steps(gen_dir) if gen_dir.is_dir() else []
     if not steps:

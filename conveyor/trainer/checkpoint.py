@@ -17,6 +17,11 @@ Loading never unpickles code: every part is read with `torch.load(...,
 weights_only=True)`, which rebuilds only tensors and plain containers of
 numbers and strings, so a crafted checkpoint cannot run anything. For that,
 what is saved is kept to those types (RNG states are stored as tensors).
+A checkpoint that is chosen is checked whole before anything is built: its
+trainer state must read as one, each role's DCP metadata must read, and every
+shard file must be as long as the metadata says. Any damage (random bytes, a
+cut, a foreign file) is a `ValueError` naming the file, whichever error the
+readers underneath raised.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "resume_path",
+    "check_shards",
 ]
 
 _NAME = re.compile(r"^global_step_(\d+)$")
@@ -188,27 +194,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{p} was written by an older conveyor (one actor.pt, not sharded); it cannot be resumed "
             "by this version: start a new run (trainer.resume_mode=disable)"
         )
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # weights_only refuses anything that would run code to rebuild: say so, without the library's advice
-        # to turn the check off.
-        raise ValueError(
-            f"checkpoint file {state_file} holds objects other than tensors and plain values, which "
-            "conveyor never unpickles (it could run code); it was not written by conveyor: "
-            f"{str(err).splitlines()[0]}"
-        ) from err
-    except (EOFError, RuntimeError, OSError) as err:
-        raise ValueError(
-            f"checkpoint file {state_file} is truncated or unreadable ({err}); resume from an older "
-            "checkpoint with trainer.resume_mode=resume_path"
-        ) from err
-    if not isinstance(state, dict) or "global_step" not in state:
-        raise ValueError(
-            f"checkpoint file {state_file} is not a conveyor trainer state; resume from another checkpoint"
-        )
+    state = _read_state(state_file)
     match = _NAME.match(p.name)
-    if match and int(match.group(1)) != int(state["global_step"]):
+    if match and int(match.group(1)) != state["global_step"]:
         raise ValueError(
             f"checkpoint {p} is inconsistent: its directory says step {match.group(1)} but its state "
             f"says step {state['global_step']}; it was edited or mixed up, resume from another checkpoint"
@@ -216,8 +204,114 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {"trainer_state": state}
     for role in ROLES:
         if (p / role).is_dir():
+            if (p / role / ".metadata").is_file():  # without one, the shard loader refuses the directory itself
+                check_shards(p / role)
             out[role] = p / role
     return out
+
+
+def _read_state(state_file: Path) -> dict[str, Any]:
+    """trainer_state.pt read without unpickling code; a ValueError naming the file for anything else in it."""
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = _unpickler_reason(err)
+        if "Unsupported global" in reason or (reason.startswith("Unsupported operand") and _is_pickle(state_file)):
+            # weights_only refused something that would run code to rebuild: say so, without the library's
+            # advice to turn the check off.
+            raise ValueError(
+                f"checkpoint file {state_file} holds objects other than tensors and plain values, which "
+                f"conveyor never unpickles (it could run code); it was not written by conveyor: {reason}"
+            ) from err
+        raise _unreadable(state_file, reason) from err
+    # Random bytes reach the unpickler's and the zip reader's every error path (IndexError, KeyError,
+    # UnicodeDecodeError, MemoryError, ...): what matters is which file, not which of them.
+    except Exception as err:
+        raise _unreadable(state_file, f"{type(err).__name__}: {_first_line(err)}") from err
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(
+            f"checkpoint file {state_file} is not a conveyor trainer state (no whole-number global_step); "
+            "resume from another checkpoint"
+        )
+    for entry in ("config", "roles"):
+        if state.get(entry) is not None and not isinstance(state[entry], dict):
+            raise ValueError(
+                f"checkpoint file {state_file}: its entry {entry!r} is a {type(state[entry]).__name__}, not a "
+                "mapping; it was edited or not written by conveyor: resume from another checkpoint"
+            )
+    return state
+
+
+def check_shards(role_dir: Path) -> None:
+    """Refuse a role's shard directory whose DCP metadata cannot be read or whose shard files are shorter than it
+    says: found here, when the checkpoint is chosen, not after the model is built."""
+    from conveyor.workers.training.shards import CheckpointFormatError, SafeFileSystemReader
+
+    meta_file = role_dir / ".metadata"
+    if not meta_file.is_file():
+        raise ValueError(f"{role_dir} is not a sharded checkpoint (no .metadata); resume from another checkpoint")
+    try:
+        metadata = SafeFileSystemReader(str(role_dir)).read_metadata()
+        extents: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            end = int(info.offset) + int(info.length)
+            extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    except CheckpointFormatError as err:
+        raise ValueError(
+            f"checkpoint file {meta_file}: {' '.join(str(err).split())}; resume from another checkpoint"
+        ) from err
+    except Exception as err:  # the allow-list unpickler on damaged bytes: any of its error paths
+        raise ValueError(
+            f"checkpoint file {meta_file} is truncated or corrupted ({type(err).__name__}: {_first_line(err)}); "
+            "resume from another checkpoint"
+        ) from err
+    for name, end in sorted(extents.items()):
+        shard = role_dir / str(name)
+        if Path(str(name)).name != str(name) or not shard.is_file():
+            raise ValueError(
+                f"checkpoint file {meta_file} names the shard file {name!r}, which is not in {role_dir}; "
+                "the checkpoint is incomplete: resume from another checkpoint"
+            )
+        size = shard.stat().st_size
+        if size < end:
+            raise ValueError(
+                f"checkpoint file {shard} is truncated ({size} bytes, its metadata says at least {end}); "
+                "resume from another checkpoint"
+            )
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    return lines[0][:300] if lines else repr(err)
+
+
+def _is_pickle(path: Path) -> bool:
+    """Whether `path` starts as a pickle stream or a zip archive (torch.save's format) does, not as random bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return False
+    return head[:1] == b"\x80" or head == b"PK"
+
+
+def _unpickler_reason(err: BaseException) -> str:
+    """torch's own reason inside a weights_only refusal (its advice to turn the check off left out)."""
+    text = str(err)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        rest = [ln.strip() for ln in text.split(marker, 1)[1].splitlines() if ln.strip()]
+        if rest:
+            return rest[0][:300]
+    return _first_line(err)
+
+
+def _unreadable(state_file: Path, reason: str) -> ValueError:
+    return ValueError(
+        f"checkpoint file {state_file} is truncated or unreadable ({reason}): it is damaged or not a conveyor "
+        "trainer state; resume from an older checkpoint with trainer.resume_mode=resume_path"
+    )
 
 
 def _fsync_dir(path: Path) -> None:

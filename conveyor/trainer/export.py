@@ -108,7 +108,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
 
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist")
+        raise ValueError(
+            f"run directory {run_dir} " + ("is a file, not a run directory" if run_dir.exists() else "does not exist")
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a new directory")
     if out.is_dir() and any(out.iterdir()):
@@ -129,6 +131,15 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
             f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); export another "
             "checkpoint (--step)"
         ) from err
+    # Read before the model is built: a damaged tokenizer is found in a second, not after the weights load.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)
+    except Exception as err:  # a damaged tokenizer.json reaches the tokenizers library's every error type
+        raise ValueError(
+            f"checkpoint {path}: the tokenizer in {hf} (tokenizer.json, tokenizer_config.json) cannot be read "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}); export another "
+            "checkpoint (--step)"
+        ) from err
     actor_dir = Path(parts["actor"])
     is_lora = (actor_dir / "adapter_config.json").is_file()
     if adapter_only and not is_lora:
@@ -142,8 +153,16 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
         load_model_weights(parts["actor"], model)
-    tokenizer = AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)
-    biases = load_model_tensors(actor_dir, "." + BIAS_NAME)
+    try:
+        biases = load_model_tensors(actor_dir, "." + BIAS_NAME)
+    except ValueError:
+        raise
+    except Exception as err:  # metadata that unpickles but describes tensors no one could build
+        raise ValueError(
+            f"checkpoint file {actor_dir / '.metadata'} describes tensors that cannot be read "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}); export another "
+            "checkpoint (--step)"
+        ) from err
     # Written beside the target and renamed into place: an interrupted export leaves no half directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -9,7 +9,12 @@ stages 1-3 left it in the data plane, to `run_dir/rollouts/step_{step:06d}/`:
   sampled it, the seeds, the keys and tags of the samples, the non-tensor
   columns, the sample stages' metrics (rewards as recorded, no timings), the
   prompt order after the step drew its prompts, and what a replay must match
-  (`compat`: the model, the batch sizes and lengths).
+  (`compat`: the model, the batch sizes and lengths), and the SHA-256 of
+  `tensors.safetensors` (safetensors itself keeps no checksum).
+
+A replay reads every bundle it will train on before its first step: a bundle
+that is cut short, edited or not a bundle is refused naming its file, not
+when its step comes.
 
 A bundle is written into a hidden directory and renamed into place, so a
 reader never sees half of one; only the newest `trainer.dump_rollouts.window`
@@ -29,6 +34,7 @@ reading (`conveyor.metrics.dumps`, `conveyor show`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +61,8 @@ __all__ = [
     "check_replay",
     "list_bundles",
     "read_bundle",
+    "read_record",
+    "check_tensors",
     "write_bundle",
 ]
 
@@ -150,6 +158,8 @@ def write_bundle(
     try:
         tmp.mkdir()
         save_file(tensors, str(tmp / "tensors.safetensors"))
+        # safetensors has no checksum: a flipped byte in a tensor would replay as a wrong token id or reward.
+        record["tensors_sha256"] = _sha256(tmp / "tensors.safetensors")
         (tmp / "bundle.json").write_text(json.dumps(record, allow_nan=True) + "\n", encoding="utf-8")
         shutil.rmtree(final, ignore_errors=True)  # a step written again (a resumed run repeats it)
         os.replace(tmp, final)
@@ -159,16 +169,98 @@ def write_bundle(
     return final
 
 
+# What bundle.json holds beside the columns, and the type each must have (what the replay reads of it).
+_RECORD_TYPES = {
+    "step": int,
+    "keys": list,
+    "tags": list,
+    "kinds": dict,
+    "lists": dict,
+    "metrics": dict,
+}
+# Written by the trainer's dumps, not by every writer of a bundle: checked where present (a replay needs them).
+_OPTIONAL_TYPES = {"dataset": dict, "compat": dict}
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """bundle.json of the bundle in `path`, checked to be what `write_bundle` writes; a ValueError naming the file."""
+    file = Path(path) / "bundle.json"
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # a torn write, foreign bytes, nesting past the parser
+        raise ValueError(f"{_KEY}: {file} is not readable JSON ({_first_line(err)}); {_REDO}") from err
+    if not isinstance(record, dict) or record.get("version") != BUNDLE_VERSION:
+        what = (
+            f"a JSON {type(record).__name__}" if not isinstance(record, dict) else f"version {record.get('version')!r}"
+        )
+        raise ValueError(f"{_KEY}: {file} is {what}, not a rollout bundle of version {BUNDLE_VERSION}; {_REDO}")
+    for key, kind in _RECORD_TYPES.items():
+        value = record.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(
+                f"{_KEY}: {file}: {key!r} is {type(value).__name__ if key in record else 'missing'}, not a "
+                f"{kind.__name__}; {_REDO}"
+            )
+    bad = next(
+        (k for k, v in record["metrics"].items() if isinstance(v, bool) or not isinstance(v, (int, float))), None
+    )
+    if bad is not None:
+        raise ValueError(f"{_KEY}: {file}: metric {bad!r} is not a number; {_REDO}")
+    keys, tags = record["keys"], record["tags"]
+    if not all(isinstance(k, str) for k in keys) or (
+        tags and (len(tags) != len(keys) or not all(isinstance(t, dict) for t in tags))
+    ):
+        raise ValueError(
+            f"{_KEY}: {file}: 'keys' or 'tags' are not one string key and one tag mapping a sample; {_REDO}"
+        )
+    for key, kind in _OPTIONAL_TYPES.items():
+        if key in record and not isinstance(record[key], kind):
+            raise ValueError(
+                f"{_KEY}: {file}: {key!r} is a {type(record[key]).__name__}, not a {kind.__name__}; {_REDO}"
+            )
+    return record
+
+
+def check_tensors(path: str | Path, record: dict[str, Any]) -> None:
+    """Refuse a bundle whose tensors.safetensors is missing, truncated, not safetensors, or (when `record`, its
+    bundle.json, holds the digest written with it) changed since it was written."""
+    from safetensors import safe_open
+
+    file = Path(path) / "tensors.safetensors"
+    try:
+        with safe_open(str(file), framework="pt"):  # the header, checked against the file's length
+            pass
+        digest = _sha256(file) if "tensors_sha256" in record else None
+    except Exception as err:  # safetensors' own error type, an OSError, or anything a damaged header provokes
+        raise ValueError(
+            f"{_KEY}: {file} is truncated or not a safetensors file ({_first_line(err)}); {_REDO}"
+        ) from err
+    if digest is not None and digest != record["tensors_sha256"]:
+        raise ValueError(
+            f"{_KEY}: {file} was changed or damaged after it was written (its SHA-256 is not the one in "
+            f"bundle.json); {_REDO}"
+        )
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def read_bundle(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(record, columns) of the bundle in `path`: bundle.json's content and its columns as they were written."""
     path = Path(path)
+    record = read_record(path)
+    check_tensors(path, record)
     try:
-        record = json.loads((path / "bundle.json").read_text(encoding="utf-8"))
         tensors = load_file(str(path / "tensors.safetensors"))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{_KEY}: {path} is not a readable rollout bundle ({err})") from err
-    if not isinstance(record, dict) or record.get("version") != BUNDLE_VERSION:
-        raise ValueError(f"{_KEY}: {path} is not a rollout bundle of version {BUNDLE_VERSION}")
+    except Exception as err:
+        raise ValueError(
+            f"{_KEY}: {path / 'tensors.safetensors'} cannot be read ({_first_line(err)}); {_REDO}"
+        ) from err
     columns: dict[str, Any] = {}
     try:
         n = len(record["keys"])
@@ -180,11 +272,21 @@ def read_bundle(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
             else:
                 rows = [tensors[f"{name}/{i}"] for i in range(n)]
                 columns[name] = torch.nested.nested_tensor(rows, layout=torch.jagged) if kind == "nested" else rows
-    except (KeyError, TypeError, AttributeError) as err:
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as err:
+        # RuntimeError: rows of one jagged column that no longer agree in dtype or trailing shape.
         raise ValueError(
-            f"{_KEY}: {path} is an incomplete rollout bundle (no {err}); it was edited or cut short"
+            f"{_KEY}: {path} is an incomplete rollout bundle ({type(err).__name__}: {_first_line(err)}); it was "
+            f"edited or cut short: {_REDO}"
         ) from err
     return record, columns
+
+
+_REDO = "record the bundle again (trainer.dump_rollouts.freq) or point trainer.replay_rollouts_from at another one"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    return lines[0][:300] if lines else repr(err)
 
 
 def _where(cfg: Any) -> tuple[Path, int | None]:
@@ -192,8 +294,7 @@ def _where(cfg: Any) -> tuple[Path, int | None]:
     path = Path(cfg.trainer.replay_rollouts_from).expanduser()
     if (path / "bundle.json").is_file():
         m = _BUNDLE.match(path.name)
-        record = json.loads((path / "bundle.json").read_text(encoding="utf-8"))
-        return path.parent, int(m.group(1)) if m else int(record.get("step", -1))
+        return path.parent, int(m.group(1)) if m else read_record(path)["step"]
     if path.is_dir() and list_bundles(path):
         return path, None
     raise ValueError(
@@ -267,8 +368,14 @@ class ReplaySource(SampleSource):
         """Every step this run will train has a bundle with the fields its stages read: refused now, not after the
         first steps."""
         for step in range(self.stages.global_step + 1, self.last_step + 1):
-            record = json.loads((self._path(step) / "bundle.json").read_text(encoding="utf-8"))
-            missing = _missing_fields(self.stages.plan, self.greedy_baseline, list(record.get("kinds", {})))
+            record = read_record(self._path(step))
+            check_tensors(self._path(step), record)  # a bundle cut short is refused now, not when its step comes
+            if "dataset" not in record:
+                raise ValueError(
+                    f"{_KEY}: {self._path(step) / 'bundle.json'} has no prompt order ('dataset'); it was not written "
+                    f"by a run's trainer.dump_rollouts: {_REDO}"
+                )
+            missing = _missing_fields(self.stages.plan, self.greedy_baseline, list(record["kinds"]))
             if missing:
                 raise ValueError(
                     f"{_KEY}: the bundle of step {step} lacks {', '.join(missing)}, which this run's stages read; "

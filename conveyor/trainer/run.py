@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from conveyor.config import Config, config_to_dict
+from conveyor.files import write_text_atomic
 from conveyor.metrics.trackers import Tracking
 from conveyor.models.loading import load_model_config, load_tokenizer
 from conveyor.ray_utils import ensure_ray, needs_ray, shutdown_ray
@@ -141,7 +142,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
         check_replay(cfg)  # a bundle of another model or batch shape is refused before anything is built
     try:
         write_config(cfg, run_dir, keep_previous=changed)
-        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        write_text_atomic(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
     except OSError as err:
         raise ValueError(
             f"cannot write {run_dir / 'config.yaml'} ({err.strerror or err}); choose a writable run "

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.config import Config, config_to_dict, config_to_yaml, resume_neutral_keys
+from conveyor.files import write_text_atomic
 from conveyor.metrics.trackers import flatten_config
 from conveyor.trainer.checkpoint import list_checkpoints
 
@@ -180,4 +181,4 @@ def write_config(cfg: Config, run_dir: Path, keep_previous: bool = False) -> Non
     if keep_previous and path.is_file():
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         path.rename(run_dir / f"config.{stamp}.yaml")
-    path.write_text(config_to_yaml(cfg))
+    write_text_atomic(path, config_to_yaml(cfg))

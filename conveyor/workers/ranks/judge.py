@@ -43,6 +43,7 @@ from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import EngineContext, SamplingParams, engine_spec
 from conveyor.tasks.prompts import PROMPT_MESSAGES
 from conveyor.workers.ranks.perf import result_handle
+from conveyor.workers.ranks.reward_model import check_token_ids_fit
 
 if TYPE_CHECKING:
     from conveyor.config import Config
@@ -209,6 +210,7 @@ class JudgeWorker:
                 dtype=j.model.dtype,
                 trust_remote_code=j.model.trust_remote_code,
             )
+        check_token_ids_fit(key, self.tokenizer, model)
         context = settings.rollout.max_model_len or int(model.config.max_position_embeddings)
         self._check_context(context)
         self.engine = spec.build(

@@ -52,6 +52,7 @@ __all__ = [
     "reward_model_settings",
     "combine_rewards",
     "same_tokenizer",
+    "check_token_ids_fit",
 ]
 
 
@@ -90,6 +91,28 @@ def same_tokenizer(a: Any, b: Any) -> bool:
         and a.get_vocab() == b.get_vocab()
         and a.all_special_tokens == b.all_special_tokens
     )
+
+
+def check_token_ids_fit(key: str, tokenizer: Any, model: Any) -> None:
+    """Refuse a `tokenizer` with token ids that `model` has no embedding row for; `key` names the setting to change.
+
+    Such a pair loads and starts, then fails at the first forward (an index past the embedding table): checked
+    when the role is built, before any step.
+    """
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    rows = int(weight.shape[0]) if weight is not None else getattr(getattr(model, "config", None), "vocab_size", None)
+    if rows is None:
+        return
+    vocab = tokenizer.get_vocab()
+    top = max(vocab.values(), default=-1)
+    if top >= rows:
+        over = sum(1 for i in vocab.values() if i >= rows)
+        raise ValueError(
+            f"{key}: its tokenizer has token ids up to {top} ({over} of them past the end), but its model has "
+            f"{rows} embedding rows: the tokenizer is not the model's; point {key} at the tokenizer saved with "
+            "that model"
+        )
 
 
 def _messages(prompt: Any) -> list[dict[str, Any]]:
@@ -136,6 +159,7 @@ class RewardModelWorker:
         self.tokenizer = load_keyed(
             key, tok_path, load_tokenizer, tok_path, trust_remote_code=rm.model.trust_remote_code
         )
+        check_token_ids_fit(key, self.tokenizer, model)
         # Same tokens: the policy's ids are the reward model's, and nothing is decoded (verl's input_tokenizer=null).
         self.retokenize = not same_tokenizer(policy_tokenizer, self.tokenizer)
 
