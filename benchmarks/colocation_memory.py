@@ -12,6 +12,7 @@ the reference in a process of its own per rank, or in the actor's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import psutil
 
-import conveyor.workers.placement.roles as roles
 from conveyor.config import load_config
 from conveyor.trainer.run import run_training
+from conveyor.workers.placement.role_table import ROLES
 
 MODEL = [
     "actor_rollout_ref.model.tiny.arch=qwen3",
@@ -54,14 +55,14 @@ RUN = [
 PID_DIR = Path(tempfile.mkdtemp(prefix="colocation-pids-"))
 
 
-class PolicyWorkerWithPid(roles.PolicyWorker):
+class PolicyWorkerWithPid(ROLES["actor"].worker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         (PID_DIR / f"actor-{self.rank}").write_text(str(os.getpid()))
         print("actor parameters:", sum(p.numel() for p in self.model.parameters()), flush=True)
 
 
-class ReferenceWorkerWithPid(roles.ReferenceWorker):
+class ReferenceWorkerWithPid(ROLES["ref"].worker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         (PID_DIR / f"ref-{self.rank}").write_text(str(os.getpid()))
@@ -69,7 +70,8 @@ class ReferenceWorkerWithPid(roles.ReferenceWorker):
 
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else None
-    roles.PolicyWorker, roles.ReferenceWorker = PolicyWorkerWithPid, ReferenceWorkerWithPid
+    ROLES["actor"] = dataclasses.replace(ROLES["actor"], worker=PolicyWorkerWithPid)
+    ROLES["ref"] = dataclasses.replace(ROLES["ref"], worker=ReferenceWorkerWithPid)
     peak: dict[int, dict[str, int]] = {}
     done = threading.Event()
 

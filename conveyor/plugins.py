@@ -1,7 +1,9 @@
 """Plugins: the user's Python files or modules that register names in the registries (`conveyor.registry`).
 
 Estimators, policy losses, KL controllers, reward functions, trackers, tool-call
-formats, rollout engines and data-plane backends can all be registered there.
+formats, rollout engines, data-plane backends and roles (a scoring role's worker,
+handle and placement: `conveyor.workers.placement.role_table.register_role`) can
+all be registered there.
 
 `trainer.plugins` names them; they are imported before the config's choices are
 checked (so a registered name is valid) and again in every worker process (so

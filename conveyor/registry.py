@@ -2,7 +2,7 @@
 
 Every table (advantage estimators, policy losses, KL controllers, training
 strategies, trackers, reward functions, tool-call formats, rollout engines,
-data-plane backends) is a plain dict, filled with `registrar` and read with
+data-plane backends, the roles of a run) is a plain dict, filled with `registrar` and read with
 `lookup`, so one rule holds for all of them:
 
 - a name is registered once: registering another implementation under a taken

@@ -10,10 +10,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["RunPlan", "OLD_LOG_PROB_SOURCES"]
+__all__ = ["RunPlan", "OLD_LOG_PROB_SOURCES", "COLOCATED", "SEPARATE", "IN_ACTOR", "BESIDE_REPLICAS", "PLACEMENTS"]
 
 # Where old_log_probs come from: the rollout's (bypass), the old-log-prob forward, or the update's forward.
 OLD_LOG_PROB_SOURCES = ("rollout", "forward", "update")
+
+# Where a role's ranks run (`RunPlan.roles`): a worker of its own in each of the actor's rank processes; ranks of its
+# own; no worker, the actor's own worker serves it (the LoRA reference: the actor with its adapters disabled); or in
+# the rollout replicas' processes (the replicas and the reward worker: here, or Ray actors beside the trainer).
+COLOCATED, SEPARATE, IN_ACTOR, BESIDE_REPLICAS = "colocated", "separate", "actor", "replicas"
+PLACEMENTS = (COLOCATED, SEPARATE, IN_ACTOR, BESIDE_REPLICAS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,15 +53,10 @@ class RunPlan:
     update_replays_routing: bool  # the update's forward replays routed_experts (R2 or R3)
     load_balance_from_forward: bool  # the rollout/moe/* metrics describe the trainer's forward, not the rollout's
 
-    # ---- the roles beside the actor, and where they run
-    use_critic: bool
-    use_reference: bool
-    reference_from_actor: bool  # the reference is the actor with its LoRA adapters disabled (no second model)
-    use_teacher: bool = False  # on-policy distillation: the teacher role scores every batch (distillation.enabled)
-    teacher_placement: str = "colocated"  # the teachers' ranks: in the actor's processes, or separate ones (Ray)
-    use_reward_model: bool = False  # reward_model.enable: a reward model scores every response after the rule reward
-    reward_model_placement: str = "colocated"  # its ranks: in the actor's processes, or separate ones (Ray)
-    use_judge: bool = False  # reward_model.judge.enable: a generative judge scores every response, last
+    # ---- the roles of the run, and where they run
+    # Every role that runs -> its placement (one of PLACEMENTS), in the role table's order
+    # (`conveyor.workers.placement.role_table.ROLES`); a role not in it does not run.
+    roles: dict[str, str]
 
     # ---- the losses' scales
     actor_loss_scale: float  # seq-mean-token-sum-norm divisor of the actor's loss
@@ -75,11 +76,71 @@ class RunPlan:
         """Whether the update's own forward writes old_log_probs (off-policy, one optimizer step per batch)."""
         return self.old_log_probs == "update"
 
+    def runs(self, role: str) -> bool:
+        """Whether `role` runs in this plan."""
+        return role in self.roles
+
+    def placement(self, role: str) -> str:
+        """Where `role` runs (`colocated` for a role that does not: its default)."""
+        return self.roles.get(role, COLOCATED)
+
+    # The built-in roles' flags, read where a stage or a budget asks about one role by name.
+    @property
+    def use_critic(self) -> bool:
+        """Whether the critic runs."""
+        return self.runs("critic")
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether the reference policy runs (its own worker, or the actor with its LoRA adapters disabled)."""
+        return self.runs("ref")
+
+    @property
+    def reference_from_actor(self) -> bool:
+        """Whether the reference is the actor with its LoRA adapters disabled (no second model)."""
+        return self.roles.get("ref") == IN_ACTOR
+
+    @property
+    def use_teacher(self) -> bool:
+        """Whether on-policy distillation's teachers score every batch (distillation.enabled)."""
+        return self.runs("teacher")
+
+    @property
+    def teacher_placement(self) -> str:
+        """The teachers' ranks: in the actor's processes (colocated), or ranks of their own (separate)."""
+        return self.placement("teacher")
+
+    @property
+    def use_reward_model(self) -> bool:
+        """Whether a reward model scores every response after the rule reward (reward_model.enable)."""
+        return self.runs("reward_model")
+
+    @property
+    def reward_model_placement(self) -> str:
+        """The reward model's ranks: in the actor's processes (colocated), or ranks of their own (separate)."""
+        return self.placement("reward_model")
+
+    @property
+    def use_judge(self) -> bool:
+        """Whether a generative judge scores every response, last (reward_model.judge.enable)."""
+        return self.runs("judge")
+
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plain JSON-ready values (what plan.json holds)."""
+        """The plan as plain JSON-ready values (what plan.json holds): the fields, and the roles' flags by name."""
         out = dataclasses.asdict(self)
         out["decisions"] = list(self.decisions)
         out["warnings"] = list(self.warnings)
+        # Readers of plan.json from before the roles map find their keys.
+        out.update(
+            use_critic=self.use_critic,
+            use_reference=self.use_reference,
+            reference_from_actor=self.reference_from_actor,
+            use_teacher=self.use_teacher,
+            teacher_placement=self.teacher_placement,
+            use_reward_model=self.use_reward_model,
+            reward_model_placement=self.reward_model_placement,
+            use_judge=self.use_judge,
+        )
         return out
 
     def describe(self) -> str:

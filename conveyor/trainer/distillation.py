@@ -1,9 +1,9 @@
 """On-policy distillation in the run: the plan's decision, the start-up checks of the teachers, and the teacher stage.
 
-`distillation_decision(cfg)` is the run plan's line about it; `check_teachers`
-runs at start, before any worker is built, and refuses a teacher whose
-checkpoint is missing or whose tokenizer or vocabulary differs from the
-student's (the losses compare log-probs token id by token id, so a teacher
+`distillation_decision(cfg)` is the run plan's line about it (the teacher role's, defined beside
+the teachers' settings in `conveyor.workers.ranks.distill`); `check_teachers` runs at start, before any
+worker is built, and refuses a teacher whose checkpoint is missing or whose tokenizer or vocabulary
+differs from the student's (the losses compare log-probs token id by token id, so a teacher
 must read the student's token ids as the same text). `teacher_stage` is the
 step's stage between the reference and the advantages: each sample's teacher
 writes its log-probs (`conveyor.workers.ranks.teacher`), and the stage returns
@@ -19,45 +19,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conveyor.algos.distill import get_distill_loss
 from conveyor.config import ConfigError
 from conveyor.metrics.reduce import reduce_rank_metrics
 from conveyor.models.loading import check_checkpoint_dir, load_model_config, load_tokenizer
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.ranks.calls import LogProbCall
+from conveyor.workers.ranks.distill import distillation_decision
 
 if TYPE_CHECKING:
     from conveyor.config import Config
     from conveyor.workers.placement.roles import TeacherGroup
 
 __all__ = ["distillation_decision", "check_teachers", "teacher_stage"]
-
-
-def distillation_decision(cfg: Config) -> str:
-    """The run plan's line: which teachers score which samples, with which loss and how it joins the policy loss."""
-    d = cfg.distillation
-    loss = d.distillation_loss
-    if len(d.teacher_models) == 1:
-        ((name, t),) = d.teacher_models.items()
-        who = f"teacher {name} ({t.model_path}) scores every sample"
-    else:
-        who = f"{len(d.teacher_models)} teachers by {d.teacher_key}: " + ", ".join(
-            f"{t.key} -> {name}" for name, t in d.teacher_models.items()
-        )
-    how = "policy gradient on -loss" if loss.use_policy_gradient else "back-propagated"
-    mix = (
-        f"added to the task's policy loss x {loss.distillation_loss_coef:g}"
-        if loss.use_task_rewards
-        else "alone (use_task_rewards=false)"
-    )
-    needs = get_distill_loss(loss.loss_mode).needs
-    extra = f", top-{loss.topk}" if needs == "topk" else ""
-    where = (
-        f"ranks of their own ({d.num_workers} on Ray; distillation.placement=separate)"
-        if d.placement == "separate"
-        else "in the actor's processes"
-    )
-    return f"distillation: {who}, {where}; loss {loss.loss_mode}{extra} ({how}), {mix}"
 
 
 def _vocab_difference(student: Any, teacher: Any) -> str | None:

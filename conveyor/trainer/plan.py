@@ -33,12 +33,14 @@ The rules:
   turns the old-log-prob forward on like R2 does.
 - importance weights: `algorithm.rollout_correction.rollout_is`, or token
   level when null and the run is off-policy.
-- critic: `critic.enable`, or when null, whether the estimator needs values;
-  reference: whether a KL term (loss or reward) is on; with LoRA on
-  (`actor_rollout_ref.model.lora_rank > 0`) it is the actor with its adapters
-  disabled, and no reference model is built.
-- reward model: `reward_model.enable`; its ranks where `reward_model.placement` puts them, except that an
-  asynchronous run on Ray places them apart (`trainer/reward_plan.py`); a judge: `reward_model.judge.enable`.
+- roles: each registered role decides whether and where it runs (`Role.decide` in the role table,
+  `conveyor.workers.placement.handles` for the built-in ones) into the plan's `roles` map. The critic:
+  `critic.enable`, or when null, whether the estimator needs values; the reference: whether a KL term
+  (loss or reward) is on, and with LoRA on (`actor_rollout_ref.model.lora_rank > 0`) the actor with its
+  adapters disabled (no reference model is built); the teachers: `distillation.enabled`, where
+  `distillation.placement` puts them; the reward model: `reward_model.enable`, where
+  `reward_model.placement` puts it, except that an asynchronous run on Ray places it apart; the judge:
+  `reward_model.judge.enable`, always apart; the rollout replicas when the engines run apart.
 - loss scale: the actor's `loss_scale_factor`, else data.max_response_length;
   the critic's own, else the actor's.
 - parallelism: one line with the trained roles' ranks, each role's strategy
@@ -60,12 +62,11 @@ from typing import Any
 
 from conveyor.config import Config, ConfigError
 from conveyor.config.parallel import ref_sequence_parallel_size
-from conveyor.config.plan import OLD_LOG_PROB_SOURCES, RunPlan
-from conveyor.config.root import critic_in_use
-from conveyor.trainer.distillation import distillation_decision
+from conveyor.config.plan import COLOCATED, OLD_LOG_PROB_SOURCES, RunPlan
 from conveyor.trainer.faults import faults_survived
-from conveyor.trainer.reward_plan import reward_model_decision
 from conveyor.trainer.router_plan import auto_replay, check_router_controls
+from conveyor.workers.placement.role_table import RoleDecision
+from conveyor.workers.placement.roles import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -156,20 +157,20 @@ def forward_writes_sum_pi_squared(cfg: Config) -> bool:
     return asked if asked is not None else estimator_needs(cfg.algorithm.adv_estimator).sum_pi_squared
 
 
-def parallelism_decision(cfg: Config, *, use_reference: bool, reference_from_actor: bool, use_critic: bool) -> str:
-    """The plan's line of how the trained roles' ranks hold and split the work: each role's strategy, and its Ulysses
-    sequence-parallel and expert-parallel sizes when above 1."""
+def parallelism_decision(cfg: Config, roles: dict[str, str]) -> str:
+    """The plan's line of how the trained roles' ranks hold and split the work (`roles`: the plan's map): each role's
+    strategy, and its Ulysses sequence-parallel and expert-parallel sizes when above 1."""
     from conveyor.workers.training.strategy import resolve_strategy
 
     t, arr = cfg.trainer, cfg.actor_rollout_ref
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)  # every trained role has the same ranks
-    roles = [("actor", "actor_rollout_ref.actor", arr.actor, arr.actor.ulysses_sequence_parallel_size)]
-    if use_reference and not reference_from_actor:
-        roles.append(("reference", "actor_rollout_ref.ref", arr.ref, ref_sequence_parallel_size(arr)))
-    if use_critic:
-        roles.append(("critic", "critic", cfg.critic, cfg.critic.ulysses_sequence_parallel_size))
+    trained = [("actor", "actor_rollout_ref.actor", arr.actor, arr.actor.ulysses_sequence_parallel_size)]
+    if roles.get("ref") == COLOCATED:  # its own worker (not the actor's, under LoRA)
+        trained.append(("reference", "actor_rollout_ref.ref", arr.ref, ref_sequence_parallel_size(arr)))
+    if "critic" in roles:
+        trained.append(("critic", "critic", cfg.critic, cfg.critic.ulysses_sequence_parallel_size))
     parts = []
-    for name, prefix, role, sp in roles:
+    for name, prefix, role, sp in trained:
         part = f"{name}: strategy {resolve_strategy(role.strategy, world)}"
         if sp > 1:  # said with its key: a long-context run checks here that SP is on
             part += f", Ulysses sequence parallel {sp} ({prefix}.ulysses_sequence_parallel_size)"
@@ -375,10 +376,9 @@ def _routing_decision(
     return capture, record, from_forward, source
 
 
-def _roles_decision(cfg: Config, caps: Any, off_policy: bool, replaying: bool, why: list[str]) -> dict[str, Any]:
-    """Correction levels, which roles run (critic, reference, teacher), LoRA, loss scales and the engine's length."""
-    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
-    ro, actor, correction = arr.rollout, arr.actor, algo.rollout_correction
+def _correction_decision(cfg: Config, off_policy: bool, why: list[str]) -> dict[str, Any]:
+    """The importance weights' level and whether rejection sampling is on."""
+    correction = cfg.algorithm.rollout_correction
     is_level = correction.rollout_is if correction.rollout_is is not None or not off_policy else "token"
     if is_level is not None:
         why.append(
@@ -387,50 +387,38 @@ def _roles_decision(cfg: Config, caps: Any, off_policy: bool, replaying: bool, w
         )
     if correction.rollout_rs is not None:
         why.append(f"rejection sampling: {correction.rollout_rs}")
-    use_critic = critic_in_use(cfg)
-    use_reference = actor.use_kl_loss or algo.use_kl_in_reward
-    why.append(
-        f"critic: {'on' if use_critic else 'off'}"
-        + (" (critic.enable)" if cfg.critic.enable is not None else f" (adv_estimator={algo.adv_estimator})")
-    )
-    if use_reference:
-        kinds = [k for k, on in (("use_kl_loss", actor.use_kl_loss), ("use_kl_in_reward", algo.use_kl_in_reward)) if on]
-        why.append(f"reference policy: on ({', '.join(kinds)})")
-    # LoRA trains adapters over frozen weights: those weights are the reference, so no second model is built.
-    reference_from_actor = use_reference and arr.model.lora_rank > 0
-    if reference_from_actor:
-        why.append(
-            f"reference policy: the actor with its LoRA adapters disabled (actor_rollout_ref.model.lora_rank="
-            f"{arr.model.lora_rank}: the base weights are frozen), no reference model built"
-        )
-    why.append(
-        parallelism_decision(
-            cfg, use_reference=use_reference, reference_from_actor=reference_from_actor, use_critic=use_critic
-        )
-    )
+    return dict(rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None)
+
+
+def roles_decision(cfg: Config, rollout_placement: str, why: list[str]) -> dict[str, str]:
+    """Every role that runs -> where, in the role table's order: each role's own decision (`Role.decide`), its
+    reasons appended to `why`."""
+    decision = RoleDecision(rollout_placement=rollout_placement, why=why)
+    placed = {}
+    for name, role in ROLES.items():
+        placement = role.decide(cfg, decision)
+        if placement is not None:
+            placed[name] = role.check_placement(placement)
+    return placed
+
+
+def _lora_decision(cfg: Config, caps: Any, replaying: bool, why: list[str]) -> None:
+    """LoRA's line: its rank and targets, and whether the engine gets merged weights."""
+    arr = cfg.actor_rollout_ref
     if arr.model.lora_rank > 0:
         why.append(
             f"LoRA: rank {arr.model.lora_rank}, alpha {arr.model.lora_alpha:g}, target_modules="
             f"{arr.model.target_modules}; only the adapters train"
             + (
-                f"; the {ro.name} engine gets the merged weights after every update"
+                f"; the {arr.rollout.name} engine gets the merged weights after every update"
                 if not caps.shares_trainer_modules and not replaying
                 else ""
             )
         )
-    scales = _scales_decision(cfg, caps, replaying, why)
-    return dict(
-        rollout_is_level=is_level,
-        rollout_rs=correction.rollout_rs is not None,
-        use_critic=use_critic,
-        use_reference=use_reference,
-        reference_from_actor=reference_from_actor,
-        **scales,
-    )
 
 
 def _scales_decision(cfg: Config, caps: Any, replaying: bool, why: list[str]) -> dict[str, Any]:
-    """The loss scales, the engine's sequence length, the teacher, and the plan's warnings."""
+    """The loss scales, the engine's sequence length, and the plan's warnings."""
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     # A constant, not the micro-batch's padded width as in verl: the loss of a sequence must not
     # depend on which sequences it was padded next to.
@@ -442,9 +430,6 @@ def _scales_decision(cfg: Config, caps: Any, replaying: bool, why: list[str]) ->
         if not replaying:  # no engine is built to hold them
             why.append(f"{ro.name} max_model_len={max_model_len}")
 
-    use_teacher = cfg.distillation.enabled
-    if use_teacher:
-        why.append(distillation_decision(cfg))
     warnings = tuple(w for w in (lone_sample_warning(cfg),) if w)
     why.extend(warnings)
 
@@ -452,8 +437,6 @@ def _scales_decision(cfg: Config, caps: Any, replaying: bool, why: list[str]) ->
         actor_loss_scale=actor_scale,
         critic_loss_scale=critic_scale,
         engine_max_model_len=max_model_len,
-        use_teacher=use_teacher,
-        teacher_placement=cfg.distillation.placement,
         warnings=warnings,
     )
 
@@ -478,12 +461,13 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     capture, record, from_forward, source = _routing_decision(
         cfg, device, caps, replay, moe, replaying, rollout_words, why
     )
-    roles = _roles_decision(cfg, caps, off_policy, replaying, why)
-    rm_on, rm_placement, judge_on = reward_model_decision(cfg, why)
+    correction = _correction_decision(cfg, off_policy, why)
+    roles = roles_decision(cfg, placement, why)
+    why.append(parallelism_decision(cfg, roles))
+    _lora_decision(cfg, caps, replaying, why)
+    scales = _scales_decision(cfg, caps, replaying, why)
     return RunPlan(
-        use_reward_model=rm_on,
-        reward_model_placement=rm_placement,
-        use_judge=judge_on,
+        roles=roles,
         device=device,
         engine=ro.name,
         engine_returns_routing=caps.returns_routing,
@@ -503,5 +487,6 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
         rollout_process=process,
         decisions=tuple(why),
         forward_sum_pi_squared=spp,
-        **roles,
+        **correction,
+        **scales,
     )

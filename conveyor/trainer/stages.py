@@ -158,19 +158,17 @@ class Stages:
         return out, gen
 
     def compute_reward(self, meta: KVBatchMeta, scored: bool = False) -> tuple[KVBatchMeta, dict[str, float]]:
-        """Stage 3: rule-based scores by data_source into rm_scores (and acc), plus the reward model's and the judge's
-        scores when they run; returns the reward metrics too.
+        """Stage 3: rule-based scores by data_source into rm_scores (and acc), then every scoring role's score (the
+        reward model's, the judge's, a plugin's: `WorkerGroups.scorers`, in the role table's order); returns the
+        reward metrics too.
 
         `scored`: the generation call already scored the batch (the reward worker in the rollout's processes);
         `meta` is its handle, with the reward's metrics.
         """
         out = meta if scored else self.workers.reward.compute_reward(meta)
         metrics = {k: v for k, v in reduce_rank_metrics(out.extra_info).items() if k.startswith("reward/")}
-        if self.workers.reward_model is not None:  # the reward model's score, summed with the rule reward
-            out = self.workers.reward_model.compute_rm_score(out)
-            metrics.update({k: v for k, v in reduce_rank_metrics(out.extra_info).items() if k.startswith("reward/")})
-        if self.workers.judge is not None:  # the generative judge's score, last
-            out = self.workers.judge.compute_judge_score(out)
+        for scorer in self.workers.scorers():  # each sums its score into rm_scores with the earlier ones
+            out = scorer.score(out)
             metrics.update({k: v for k, v in reduce_rank_metrics(out.extra_info).items() if k.startswith("reward/")})
         return out, metrics
 

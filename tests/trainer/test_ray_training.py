@@ -86,9 +86,11 @@ def test_which_data_plane_workers_on_ray_reach(overrides, backend, why, caplog) 
 
 
 def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_until, tmp_path, monkeypatch) -> None:
-    import conveyor.workers.placement.roles as roles
+    import dataclasses
 
-    base = roles.PolicyWorker
+    from conveyor.workers.placement.role_table import ROLES
+
+    base = ROLES["actor"].worker
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
 
@@ -105,7 +107,7 @@ def test_a_failing_rank_stops_the_run_and_releases_everything(tiny_run, wait_unt
                 raise RuntimeError("injected failure in rank 1")
             return super().update_actor(meta)
 
-    monkeypatch.setattr(roles, "PolicyWorker", FailingPolicyWorker)
+    monkeypatch.setitem(ROLES, "actor", dataclasses.replace(ROLES["actor"], worker=FailingPolicyWorker))
     # Ray started here and left running, so the run's own clean-up is what is checked.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
@@ -138,9 +140,11 @@ def two_node_run(tiny_run_base: list[str], tmp_path_factory: pytest.TempPathFact
     """One run that two tests check (a Ray run costs ~25 s here, nearly all of it starting processes): the tiny run
     on two simulated nodes with a KL loss (the reference role) and GAE (the critic role), each rank's worker of
     every model role recording the pid of the process that built it."""
+    import dataclasses
+
     from ray.cluster_utils import Cluster
 
-    import conveyor.workers.placement.roles as roles
+    from conveyor.workers.placement.role_table import ROLES
 
     tmp = tmp_path_factory.mktemp("two-nodes")
     run_dir, pid_dir = tmp / "run", tmp / "pids"
@@ -164,8 +168,8 @@ def two_node_run(tiny_run_base: list[str], tmp_path_factory: pytest.TempPathFact
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     with pytest.MonkeyPatch.context() as mp:
-        for name, role in (("PolicyWorker", "actor"), ("ReferenceWorker", "ref"), ("CriticWorker", "critic")):
-            mp.setattr(roles, name, recording(getattr(roles, name), role))
+        for role in ("actor", "ref", "critic"):
+            mp.setitem(ROLES, role, dataclasses.replace(ROLES[role], worker=recording(ROLES[role].worker, role)))
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
         try:
             cluster.add_node(num_cpus=2)

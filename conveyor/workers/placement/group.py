@@ -10,10 +10,11 @@ entry per rank). `LocalWorkerGroup` runs one rank in this process;
 `conveyor.workers.placement.ray_group` runs ranks as Ray actors behind the same
 interface. Both build each rank from the same `WorkerSpec`.
 
-The model roles of a run (actor, reference, critic) share their ranks: rank i
-of every one of them is built in one process by a `ColocatedWorker` (in this
-process for a local run, in rank i's Ray actor otherwise), on one device and
-in one `torch.distributed` process group. Each role's group is a view of
+The roles the run plan places on the actor's ranks (colocated: the actor, and
+the reference, critic, teachers or reward model when they run there) share
+their ranks: rank i of every one of them is built in one process by a
+`ColocatedWorker` (in this process for a local run, in rank i's Ray actor
+otherwise), on one device and in one `torch.distributed` process group. Each role's group is a view of
 that process's worker for the role: `LocalWorkerGroup.hosted(host, role)`.
 """
 
@@ -33,7 +34,6 @@ __all__ = [
     "LocalWorkerGroup",
     "WorkerSpec",
     "ColocatedWorker",
-    "MODEL_ROLES",
     "WorkerError",
     "WorkerUserError",
     "split_for_ranks",
@@ -41,10 +41,6 @@ __all__ = [
     "wrap_worker_error",
     "use_ray",
 ]
-
-# The roles that hold a copy of the model: rank i of each lives in one process (this one, or rank i's Ray actor).
-# The reward model ("rm") is one of them unless it is placed apart (reward_model.placement=separate).
-MODEL_ROLES = ("actor", "ref", "critic", "teacher", "rm")
 
 # An endpoint is named by the worker class's own method (`PolicyWorker.update_actor`), never by a string.
 Endpoint = Callable[..., Any]

@@ -15,11 +15,12 @@ rollout's replicas) can take those calls over a Unix socket each instead of
 a Ray task per call (`RayRanks.open_links`, `conveyor.workers.placement.link`), with the
 same errors.
 
-Placement: the data-parallel roles (actor, and the reference and critic when
-used) share their ranks (`RayRanks`): rank i of every role is built in one Ray
-actor, so in one process, on one GPU (the whole of it) and in one process
-group; the placement group holds one bundle per rank. No role starts a
-process of its own per device: a frozen reference costs its parameters, not
+Placement: the roles on the actor's ranks (the actor, and those the run plan
+places with it: reference, critic, teachers, reward model) share their ranks
+(`RayRanks`): rank i of every role is built in one Ray actor, so in one
+process, on one GPU (the whole of it) and in one process group; the placement
+group holds one bundle per rank. No role starts a process of its own per
+device: a frozen reference costs its parameters, not
 a second interpreter, CUDA context and allocator per GPU.
 Ranks are numbered node by node. Resources that the cluster cannot provide are
 a `ValueError` at once (or after `ray.timeout_s` when they exist but are
@@ -48,7 +49,6 @@ import ray
 
 from conveyor.protocol import BatchData, KVBatchMeta
 from conveyor.workers.placement.group import (
-    MODEL_ROLES,
     Endpoint,
     WorkerGroup,
     WorkerSpec,
@@ -601,6 +601,10 @@ def ray_worker_device(cfg: Any, device: str) -> str:
     return "cuda" if gpu else "cpu"
 
 
+# The roles `build_ray_rollout_groups` builds: the replicas, and the reward worker in their processes.
+BESIDE_REPLICAS_ROLES = ("rollout", "reward")
+
+
 def build_ray_rollout_groups(cfg: Any, specs: dict[str, WorkerSpec], *, gpu: bool) -> dict[str, RayWorkerGroup]:
     """The reward worker and, when `specs` has one, the rollout group's replicas, as Ray worker groups.
 
@@ -632,7 +636,8 @@ def build_ray_rollout_groups(cfg: Any, specs: dict[str, WorkerSpec], *, gpu: boo
 
 
 def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: Any) -> dict[str, RayWorkerGroup]:
-    """Each role of `specs` as a Ray worker group: model roles with one rank per GPU or CPU worker, reward with one."""
+    """Each role of `specs` as a Ray worker group: the reward worker (and the replicas) by `build_ray_rollout_groups`,
+    every other role on the actor's ranks, one rank per GPU or CPU worker."""
     if getattr(data_plane, "backend", None) == "memory":
         raise ValueError(
             "workers on Ray cannot reach the memory data plane itself (it lives in the trainer's "
@@ -641,7 +646,7 @@ def build_ray_worker_groups(cfg: Any, specs: dict[str, WorkerSpec], data_plane: 
     t = cfg.trainer
     gpu = t.n_gpus_per_node > 0
     world = t.nnodes * max(t.n_gpus_per_node, t.num_cpu_workers)
-    model_roles = [r for r in specs if r in MODEL_ROLES]
+    model_roles = [r for r in specs if r not in BESIDE_REPLICAS_ROLES]
     cpus = cfg.ray.worker_cpus
     # Rank i of every model role lives in one process on bundle i: one whole GPU (or a CPU share) per rank.
     bundle = {"CPU": cpus, "GPU": 1.0 if gpu else 0.0}

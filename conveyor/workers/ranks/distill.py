@@ -26,6 +26,7 @@ from tensordict import TensorDict
 from conveyor.algos.distill import distill_token_losses, distillation_term, get_distill_loss
 from conveyor.algos.kl import kl_penalty
 from conveyor.algos.logprob import logprobs_and_entropy
+from conveyor.algos.sampling_mask import Truncation
 from conveyor.metrics.reduce import weighted
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from conveyor.workers.ranks.forward import PolicyForward
 
 __all__ = [
+    "distillation_decision",
     "TEACHER_FIELDS",
     "TeacherModel",
     "TeacherSettings",
@@ -100,6 +102,33 @@ class DistillSettings:
         return self.needs != "log_prob"
 
 
+def distillation_decision(cfg: Config) -> str:
+    """The run plan's line: which teachers score which samples, with which loss and how it joins the policy loss."""
+    d = cfg.distillation
+    loss = d.distillation_loss
+    if len(d.teacher_models) == 1:
+        ((name, t),) = d.teacher_models.items()
+        who = f"teacher {name} ({t.model_path}) scores every sample"
+    else:
+        who = f"{len(d.teacher_models)} teachers by {d.teacher_key}: " + ", ".join(
+            f"{t.key} -> {name}" for name, t in d.teacher_models.items()
+        )
+    how = "policy gradient on -loss" if loss.use_policy_gradient else "back-propagated"
+    mix = (
+        f"added to the task's policy loss x {loss.distillation_loss_coef:g}"
+        if loss.use_task_rewards
+        else "alone (use_task_rewards=false)"
+    )
+    needs = get_distill_loss(loss.loss_mode).needs
+    extra = f", top-{loss.topk}" if needs == "topk" else ""
+    where = (
+        f"ranks of their own ({d.num_workers} on Ray; distillation.placement=separate)"
+        if d.placement == "separate"
+        else "in the actor's processes"
+    )
+    return f"distillation: {who}, {where}; loss {loss.loss_mode}{extra} ({how}), {mix}"
+
+
 def teacher_settings(cfg: Config, plan: RunPlan) -> TeacherSettings:
     """The teacher role's settings of a run of `cfg` (the plan says whether there is one)."""
     d = cfg.distillation
@@ -148,13 +177,21 @@ def student_forward(
     with_entropy: bool,
     routed: torch.Tensor | None,
     needs_logits: bool,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The update's forward: log-probs (B, R), entropy (B, R) or None, and the logits (B, R, V) when `needs_logits`."""
+    """The update's forward: log-probs (B, R), entropy (B, R) or None, and the logits (B, R, V) when `needs_logits`.
+
+    `truncation`: the rollout's sampling mask, replayed on the log-probs (the logits stay the model's own).
+    """
     if not needs_logits:
-        log_prob, entropy, _ = forward.log_probs(mb, temperature, with_entropy, routed, False, train=True)
+        log_prob, entropy, _ = forward.log_probs(
+            mb, temperature, with_entropy, routed, False, train=True, truncation=truncation
+        )
         return log_prob, entropy, None
     logits, _ = forward.response_logits(mb, routed, False, train=True)
-    log_prob, entropy = logprobs_and_entropy(logits, mb["responses"], with_entropy, temperature=temperature)
+    log_prob, entropy = logprobs_and_entropy(
+        logits, mb["responses"], with_entropy, temperature=temperature, truncation=truncation
+    )
     return log_prob, entropy, logits
 
 
