@@ -27,6 +27,10 @@ expected logit: over a split vocabulary a running sum of exp(2(z - lse)),
 rescaled by exp(2(old lse - new lse)) as the normaliser moves. It is data for
 the estimator, written by a no-grad forward, so it carries no gradient.
 
+A rollout's top-k / top-p / min-p mask (`truncation`, `conveyor.algos.sampling_mask`) is applied to
+each block after the temperature; the blocks then span the whole vocabulary (a row's mask needs all
+of its logits), so one block is (rows, V), never (N, V).
+
 It deliberately does not shift labels, mask positions or know which module
 holds the weight: hidden states, a weight and labels in, per-token numbers
 out (`conveyor.models.fused_head` puts it in place of a model's LM head).
@@ -41,6 +45,8 @@ from typing import Literal, overload
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from conveyor.algos.sampling_mask import Truncation, truncate
 
 __all__ = ["fused_linear_logprobs", "DEFAULT_FUSED_CHUNK_ELEMENTS", "fused_chunk_shape"]
 
@@ -88,6 +94,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         rows: int,
         cols: int,
         temperature: float,
+        truncation: Truncation | None,
     ) -> tuple[torch.Tensor, ...]:
         tokens, vocab = hidden.shape[0], weight.shape[0]
         dtype = _compute_dtype(weight)
@@ -98,7 +105,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         for t0, t1 in _spans(tokens, rows):
             h, y = hidden[t0:t1], labels[t0:t1]
             if cols >= vocab:  # the whole vocabulary in one block: exactly the unfused arithmetic
-                z = _block_logits(h, weight, bias, dtype, temperature)
+                z = truncate(_block_logits(h, weight, bias, dtype, temperature), truncation, y)
                 block_lse = torch.logsumexp(z, dim=-1)
                 label_logit = torch.gather(z, -1, y[:, None]).squeeze(-1)
                 if expected is not None:
@@ -110,6 +117,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
                 lse[t0:t1] = block_lse
                 log_probs[t0:t1] = label_logit - block_lse
                 continue
+            assert truncation is None, "a sampling mask needs each row's whole vocabulary in one block"
             run_lse = torch.full((t1 - t0,), -math.inf, dtype=dtype, device=hidden.device)
             run_mean = torch.zeros_like(run_lse)  # sum of p * z under the running normaliser
             run_spp = torch.zeros_like(run_lse)  # sum of p² under the running normaliser
@@ -139,6 +147,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
                 spp[t0:t1] = run_spp
         ctx.set_materialize_grads(False)
         ctx.with_entropy, ctx.rows, ctx.cols, ctx.temperature = with_entropy, rows, cols, temperature
+        ctx.truncation = truncation
         ctx.has_bias = bias is not None
         ctx.save_for_backward(hidden, weight, bias, labels, lse, expected)
         outputs = (log_probs,) if expected is None else (log_probs, lse - expected)
@@ -156,7 +165,7 @@ class _FusedLinearLogProb(torch.autograd.Function):
         hidden, weight, bias, labels, lse, expected = ctx.saved_tensors
         grad_lp = grad_outputs[0]
         grad_ent = grad_outputs[1] if ctx.with_entropy else None
-        none = (None,) * 6
+        none = (None,) * 7
         if grad_lp is None and grad_ent is None:
             return None, None, None, *none
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -177,6 +186,9 @@ class _FusedLinearLogProb(torch.autograd.Function):
             for v0, v1 in _spans(vocab, ctx.cols):
                 w = weight[v0:v1]
                 z = _block_logits(h, w, None if bias is None else bias[v0:v1], dtype, ctx.temperature)
+                # The forward's mask, recomputed from the same logits (one whole-vocabulary block): no gradient
+                # reaches a dropped token.
+                z = truncate(z, ctx.truncation, y)
                 p = torch.exp(z - block_lse)
                 g = torch.zeros_like(z)
                 if gl is not None:
@@ -220,6 +232,7 @@ def fused_linear_logprobs(
     with_entropy: bool = ...,
     with_sum_pi_squared: Literal[False] = ...,
     temperature: float = ...,
+    truncation: Truncation | None = ...,
     chunk_elements: int | None = ...,
     vocab_chunk: int | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
@@ -235,6 +248,7 @@ def fused_linear_logprobs(
     with_entropy: bool = ...,
     with_sum_pi_squared: Literal[True],
     temperature: float = ...,
+    truncation: Truncation | None = ...,
     chunk_elements: int | None = ...,
     vocab_chunk: int | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
@@ -249,6 +263,7 @@ def fused_linear_logprobs(
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     temperature: float = 1.0,
+    truncation: Truncation | None = None,
     chunk_elements: int | None = None,
     vocab_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -258,6 +273,8 @@ def fused_linear_logprobs(
     `conveyor.algos.logprob.sum_pi_squared_from_logits` gives on the logits), carrying no gradient.
     `chunk_elements`: logit elements per block (default `DEFAULT_FUSED_CHUNK_ELEMENTS`); `vocab_chunk`:
     vocabulary columns per block (None: the whole vocabulary; the token rows then fill the budget).
+    `truncation`: the rollout's top-k / top-p / min-p (`conveyor.algos.sampling_mask`), applied to each block of
+    rows after the temperature; each block then holds whole rows of the vocabulary (`vocab_chunk` is ignored).
     """
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -281,9 +298,13 @@ def fused_linear_logprobs(
     lead = hidden.shape[:-1]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1).long()
+    if truncation is not None and not truncation.active:
+        truncation = None
+    if truncation is not None:
+        vocab_chunk = None  # a row's mask needs all of its logits: blocks of rows, never of the vocabulary
     rows, cols = fused_chunk_shape(flat_h.shape[0], weight.shape[0], chunk, vocab_chunk)
     outputs = _FusedLinearLogProb.apply(
-        flat_h, weight, bias, flat_y, with_entropy, with_sum_pi_squared, rows, cols, temperature
+        flat_h, weight, bias, flat_y, with_entropy, with_sum_pi_squared, rows, cols, temperature, truncation
     )
     log_probs = outputs[0].reshape(lead)
     entropy = outputs[1].reshape(lead) if with_entropy else None

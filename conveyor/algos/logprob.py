@@ -12,9 +12,13 @@ gradient itself, which autograd needs anyway.
 Results are float32 (float64 logits stay float64, which lets gradcheck run).
 A sampling temperature is applied inside each block (``temperature=``), so
 bf16 logits are never divided or upcast as a whole: the only full-size tensor
-is the model's own output. This module deliberately does not shift labels or
-mask positions: it maps logits and labels to per-token numbers and nothing
-else.
+is the model's own output. So is a rollout's top-k / top-p / min-p mask
+(``truncation=``, `conveyor.algos.sampling_mask`): each block of rows is
+truncated and renormalised before its log-softmax, and the backward recomputes
+the same mask; None (the default) leaves the full softmax, bit for bit.
+
+This module deliberately does not shift labels or mask positions: it maps
+logits and labels to per-token numbers and nothing else.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from conveyor.algos.sampling_mask import Truncation, truncate
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ class _LogProbEntropy(torch.autograd.Function):
         with_entropy: bool,
         chunk_elements: int,
         temperature: float,
+        truncation: Truncation | None,
     ) -> tuple[torch.Tensor, ...]:
         batch, length, vocab = logits.shape
         dtype = _compute_dtype(logits)
@@ -90,9 +97,8 @@ class _LogProbEntropy(torch.autograd.Function):
         lse = torch.empty_like(log_probs)
         expected = torch.empty_like(log_probs) if with_entropy else None
         for idx in _blocks(batch, length, vocab, chunk_elements):
-            lp, block_lse, block_expected = _block_stats(
-                _scaled(logits[idx], dtype, temperature), labels[idx], with_entropy
-            )
+            z = truncate(_scaled(logits[idx], dtype, temperature), truncation, labels[idx])
+            lp, block_lse, block_expected = _block_stats(z, labels[idx], with_entropy)
             log_probs[idx] = lp
             lse[idx] = block_lse
             if expected is not None:
@@ -101,6 +107,7 @@ class _LogProbEntropy(torch.autograd.Function):
         ctx.with_entropy = with_entropy
         ctx.chunk_elements = chunk_elements
         ctx.temperature = temperature
+        ctx.truncation = truncation
         ctx.save_for_backward(logits, labels, lse, expected)
         if expected is None:
             return (log_probs,)
@@ -110,17 +117,18 @@ class _LogProbEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, *grad_outputs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         logits, labels, lse, expected = ctx.saved_tensors
         grad_lp = grad_outputs[0]
         grad_ent = grad_outputs[1] if ctx.with_entropy else None
         if grad_lp is None and grad_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         batch, length, vocab = logits.shape
         dtype = _compute_dtype(logits)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for idx in _blocks(batch, length, vocab, ctx.chunk_elements):
-            z = _scaled(logits[idx], dtype, ctx.temperature)
+            # The same mask as the forward's (recomputed from the same logits): dropped tokens get no gradient.
+            z = truncate(_scaled(logits[idx], dtype, ctx.temperature), ctx.truncation, labels[idx])
             p = torch.exp(z - lse[idx].unsqueeze(-1))
             g = torch.zeros_like(z)
             if grad_lp is not None:
@@ -136,7 +144,7 @@ class _LogProbEntropy(torch.autograd.Function):
             if ctx.temperature != 1.0:
                 g = g / ctx.temperature  # the chain rule through z = logits / T
             grad[idx] = g.to(logits.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _scaled(block: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
@@ -151,6 +159,7 @@ def _run(
     with_entropy: bool,
     chunk_elements: int | None,
     temperature: float = 1.0,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Validate shapes, add a batch dim to (N, V) input, and call the autograd function."""
     if logits.dim() not in (2, 3):
@@ -173,7 +182,7 @@ def _run(
     squeeze = logits.dim() == 2
     if squeeze:
         logits, labels = logits.unsqueeze(0), labels.unsqueeze(0)
-    outputs = _LogProbEntropy.apply(logits, labels.long(), with_entropy, chunk, temperature)
+    outputs = _LogProbEntropy.apply(logits, labels.long(), with_entropy, chunk, temperature, truncation)
     log_probs = outputs[0]
     entropy = outputs[1] if with_entropy else None
     if squeeze:
@@ -183,10 +192,15 @@ def _run(
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, *, chunk_elements: int | None = None, temperature: float = 1.0
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_elements: int | None = None,
+    temperature: float = 1.0,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
-    """log softmax(logits / T)[label] per token: logits (B, T, V), labels (B, T) -> (B, T) float32."""
-    log_probs, _ = _run(logits, labels, False, chunk_elements, temperature)
+    """log softmax(truncate(logits / T))[label] per token: logits (B, T, V), labels (B, T) -> (B, T) float32."""
+    log_probs, _ = _run(logits, labels, False, chunk_elements, temperature, truncation)
     return log_probs
 
 
@@ -206,14 +220,20 @@ def logprobs_and_entropy(
     *,
     chunk_elements: int | None = None,
     temperature: float = 1.0,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Label log-probs (B, T) and, if ``with_entropy``, entropy (B, T) of softmax(logits / T), logits (B, T, V)."""
-    return _run(logits, labels, with_entropy, chunk_elements, temperature)
+    """Label log-probs (B, T) and, if ``with_entropy``, entropy (B, T) of softmax(truncate(logits / T)), logits
+    (B, T, V); `truncation` None: the full softmax."""
+    return _run(logits, labels, with_entropy, chunk_elements, temperature, truncation)
 
 
 @torch.no_grad()
 def sum_pi_squared_from_logits(
-    logits: torch.Tensor, *, chunk_elements: int | None = None, temperature: float = 1.0
+    logits: torch.Tensor,
+    *,
+    chunk_elements: int | None = None,
+    temperature: float = 1.0,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """``Σ_v softmax(logits / T)_v²`` per token: logits (B, T, V) -> (B, T) float32, no gradient.
 
@@ -232,6 +252,6 @@ def sum_pi_squared_from_logits(
     dtype = _compute_dtype(logits)
     out = torch.empty(batch, length, dtype=dtype, device=logits.device)
     for idx in _blocks(batch, length, vocab, chunk):
-        z = _scaled(logits[idx], dtype, temperature)
+        z = truncate(_scaled(logits[idx], dtype, temperature), truncation)
         out[idx] = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
     return out

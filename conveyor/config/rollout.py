@@ -18,6 +18,7 @@ __all__ = [
     "PLACEMENTS",
     "TRUNCATE_SIDES",
     "ValKwargs",
+    "SamplingMaskConfig",
     "MultiTurnConfig",
     "AgentConfig",
     "FaultToleranceConfig",
@@ -180,6 +181,30 @@ class FaultToleranceConfig:
     )
 
 
+# Where the trainer's replay of the sampling mask comes from (actor_rollout_ref.rollout.sampling_mask.source).
+MASK_SOURCES = ("recompute",)
+
+
+@dataclass
+class SamplingMaskConfig:
+    """Replaying the rollout's top-k / top-p / min-p mask in the trainer's log-probs (docs/rollout.md)."""
+
+    replay: bool = F(
+        True,
+        "with top_k, top_p or min_p set, score every policy log-prob (old log-prob, update, rollout-correction "
+        "metrics) under the truncated, renormalised distribution the rollout sampled from; false scores under the "
+        "full softmax (the gap then shows in rollout_corr/*), for experiments. A no-op without truncation",
+    )
+    source: str = F(
+        "recompute",
+        "where the mask comes from: recompute = from the trainer's own logits, by the engine's rule, per block of "
+        "rows (a sort of each row's vocabulary: the log-prob's own time grows 20-40x on one CPU thread, "
+        "benchmarks/mismatch.py; no memory kept past a block). The engine's own mask is not carried: it is up to "
+        "the vocabulary's size per token for top-p, and vLLM does not return it",
+        choices=MASK_SOURCES,
+    )
+
+
 @dataclass
 class RolloutConfig:
     """Generation."""
@@ -204,6 +229,9 @@ class RolloutConfig:
     temperature: float = F(1.0, "sampling temperature", gt=0, hint="use do_sample=false for greedy")
     top_p: float = F(1.0, "nucleus sampling (1 = off)", gt=0, le=1)
     top_k: int = F(0, "top-k sampling (0 = off)", ge=0)
+    min_p: float = F(
+        0.0, "min-p sampling: drop tokens below min_p x the likeliest's probability (0 = off; verl's name)", ge=0, le=1
+    )
     do_sample: bool = F(True, "sample (false = greedy)")
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward", gt=0, resume_neutral=True)
     log_prob_use_dynamic_bsz: bool | None = F(
@@ -299,6 +327,7 @@ class RolloutConfig:
         resume_neutral=True,
     )
     val_kwargs: ValKwargs = S(ValKwargs, "validation sampling")
+    sampling_mask: SamplingMaskConfig = S(SamplingMaskConfig, "replaying top-k / top-p / min-p in the trainer")
     multi_turn: MultiTurnConfig = S(MultiTurnConfig, "multi-turn rollouts with tools")
     agent: AgentConfig = S(AgentConfig, "an OpenAI-API agent as the rollout, through the gateway")
     fault_tolerance: FaultToleranceConfig = S(

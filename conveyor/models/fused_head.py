@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from conveyor.algos.fused_logprob import fused_linear_logprobs
+from conveyor.algos.sampling_mask import Truncation
 
 __all__ = ["FUSED_HEAD_MODEL_TYPES", "fused_head_reason", "fused_lm_head", "head_sum_pi_squared", "split_head_output"]
 
@@ -72,6 +73,7 @@ def fused_lm_head(
     temperature: float,
     chunk_elements: int | None = None,
     with_sum_pi_squared: bool = False,
+    truncation: Truncation | None = None,
 ) -> Iterator[None]:
     """Within the block, `model`'s LM head maps hidden states (..., H) to log-probs of `labels` (...) [entropy, Σπ²]."""
     reason = fused_head_reason(model)
@@ -94,6 +96,7 @@ def fused_lm_head(
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared,
             temperature=temperature,
+            truncation=truncation,
             chunk_elements=chunk_elements,
         )
         return torch.stack([o for o in outputs if o is not None], -1)

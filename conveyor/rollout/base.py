@@ -69,7 +69,8 @@ class EngineCapabilities:
 class SamplingParams:
     """How to sample one batch: the one copy of the sampling defaults every engine and the agent loop use.
 
-    `top_k` 0 (or -1) and `top_p` 1 mean no truncation; `do_sample=False` is greedy decoding, scored at
+    `top_k` 0 (or -1), `top_p` 1 and `min_p` 0 mean no truncation (applied in vLLM's order: temperature, min-p,
+    top-k, top-p; `conveyor.algos.sampling_mask`); `do_sample=False` is greedy decoding, scored at
     temperature 1. A row stops at EOS, at `max_new_tokens`, or once its tokens end with one of
     `stop_sequences` (token-id lists), which stays in the response like EOS.
     """
@@ -78,6 +79,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     do_sample: bool = True
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     capture_routing: bool = False  # return routed_experts where the model is MoE and the engine can
@@ -92,6 +94,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: `temperature` must be > 0 when sampling, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams: `top_p` must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams: `min_p` must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise ValueError(f"SamplingParams: `top_k` must be >= 0 (or -1 for off), got {self.top_k}")
         if any(not s for s in self.stop_sequences):

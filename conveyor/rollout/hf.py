@@ -19,12 +19,12 @@ What it returns is what the trainer needs: right-padded `responses`, a
 (`rollout_log_probs`), and for MoE models on request the expert ids each
 token was routed to (`routed_experts`).
 
-`rollout_log_probs` are taken under the full `softmax(logits / temperature)`,
-before top-k / top-p truncation: that is what the trainer's forward at the
-same temperature computes, so with no truncation the on-policy ratio is 1
-up to float rounding. (With truncation, the sampling distribution differs
-from the one scored; that is the usual convention of RL trainers.) Greedy
-decoding scores under temperature 1.
+`rollout_log_probs` are taken under the distribution each token was sampled
+from: `softmax(logits / temperature)` after min-p / top-k / top-p truncation
+(vLLM's rule and order, `conveyor.algos.sampling_mask`), as vLLM's
+`processed_logprobs` are. The trainer's forward replays the same mask
+(`rollout.sampling_mask`), so the on-policy ratio is 1 up to float rounding
+with or without truncation. Greedy decoding scores under temperature 1.
 
 Given a `LeanForward` (`conveyor.models.lean`; the worker passes one for
 Qwen3 and Qwen3-MoE unless `actor_rollout_ref.model.forward_impl` is hf), the
@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from conveyor.algos.sampling_mask import Truncation, truncate
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
@@ -76,20 +77,10 @@ def _new_cache(model: torch.nn.Module) -> DynamicCache:
         return DynamicCache()
 
 
-def _filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """`logits` (B, V) with everything outside the top-k / nucleus set to -inf (at least one token kept)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens strictly before it already reach top_p,
-        # so the first token is never dropped.
-        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+def _filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
+    """`logits` (B, V) with everything outside the min-p / top-k / nucleus set to -inf, by vLLM's rule (at least
+    one token kept; `conveyor.algos.sampling_mask`)."""
+    return truncate(logits, Truncation.of(top_k, top_p, min_p))
 
 
 def _sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -113,24 +104,24 @@ class _Sampler:
     top_p: float
     do_sample: bool
     generator: torch.Generator | None
+    min_p: float = 0.0
 
     def filters(self, vocab_size: int) -> bool:
-        """Whether top-k / top-p truncation changes anything at this vocabulary size."""
-        return self.do_sample and ((0 < self.top_k < vocab_size) or self.top_p < 1.0)
+        """Whether min-p / top-k / top-p truncation changes anything at this vocabulary size."""
+        return self.do_sample and ((0 < self.top_k < vocab_size) or self.top_p < 1.0 or self.min_p > 0.0)
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """`logits` (B, V) -> (token (B,) long, log_probs (B, V) float32 of the full tempered softmax)."""
+        """`logits` (B, V) -> (token (B,) long, log_probs (B, V) float32 of the tempered, truncated softmax it
+        sampled from)."""
         logits = logits.float()
         if not self.do_sample:
             return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        logp = torch.log_softmax(logits, dim=-1)
         if self.filters(logits.shape[-1]):
-            probs = torch.softmax(_filter_top_k_top_p(logits, self.top_k, self.top_p), dim=-1)
-        else:
-            probs = logp.exp()
-        return _sample(probs, self.generator), logp
+            logits = _filter_top_k_top_p(logits, self.top_k, self.top_p, self.min_p)
+        logp = torch.log_softmax(logits, dim=-1)
+        return _sample(logp.exp(), self.generator), logp
 
 
 class HFEngine(GenerationEngine):
@@ -192,7 +183,12 @@ class HFEngine(GenerationEngine):
                 "(tokenizer.padding_side = 'left')"
             )
         sampler = _Sampler(
-            float(params.temperature), int(params.top_k), float(params.top_p), bool(params.do_sample), generator
+            float(params.temperature),
+            int(params.top_k),
+            float(params.top_p),
+            bool(params.do_sample),
+            generator,
+            float(params.min_p),
         )
         info = moe_info(model) if params.capture_routing else None
 

@@ -33,9 +33,11 @@ cannot serve. This module re-exports their public names, and the registry's
 hooks (`build_engine`, `check_servable`, `validate_config`) are found here.
 
 Log-probs. The engine reports `processed_logprobs`: the log-softmax of the
-logits it samples from, i.e. after temperature and after top-k/top-p. With
-no truncation (the default) that is `softmax(logits / temperature)`, the
-number the hf rollout and the trainer's forward compute; greedy decoding
+logits it samples from, i.e. after temperature and after min-p/top-k/top-p.
+With no truncation (the default) that is `softmax(logits / temperature)`, the
+number the hf rollout and the trainer's forward compute; with truncation the
+trainer replays the same mask (`conveyor.algos.sampling_mask`, vLLM's CPU
+sampler's rule, `rollout.sampling_mask`) and the numbers agree again; greedy decoding
 scores at temperature 1, as the hf rollout does. What remains between these
 numbers and the trainer's is the engine's kernels and precision, which the
 `rollout_corr/*` metrics measure on every step.
@@ -406,6 +408,7 @@ class VLLMEngine(GenerationEngine):
             temperature=0.0 if greedy else float(params.temperature),
             top_p=1.0 if greedy else float(params.top_p),
             top_k=0 if greedy or params.top_k <= 0 else int(params.top_k),
+            min_p=0.0 if greedy else float(params.min_p),
             max_tokens=int(params.max_new_tokens) - done,
             logprobs=0,  # the sampled token's log-prob only
             # A continued request must not reuse the random stream of its first part.

@@ -60,6 +60,7 @@ import importlib.util
 import logging
 from typing import Any
 
+from conveyor.algos.sampling_mask import Truncation
 from conveyor.config import Config, ConfigError
 from conveyor.config.parallel import ref_sequence_parallel_size
 from conveyor.config.plan import COLOCATED, OLD_LOG_PROB_SOURCES, RunPlan
@@ -387,6 +388,17 @@ def _correction_decision(cfg: Config, off_policy: bool, why: list[str]) -> dict[
         )
     if correction.rollout_rs is not None:
         why.append(f"rejection sampling: {correction.rollout_rs}")
+    rollout = cfg.actor_rollout_ref.rollout
+    truncation = Truncation.of(rollout.top_k, rollout.top_p, rollout.min_p) if rollout.do_sample else None
+    if truncation is not None:
+        kept = f"top_k={truncation.top_k} top_p={truncation.top_p} min_p={truncation.min_p}"
+        why.append(
+            f"sampling mask ({kept}): replayed in the policy's log-probs, so they are those of the distribution the "
+            "rollout sampled from"
+            if rollout.sampling_mask.replay
+            else f"sampling mask ({kept}): not replayed (rollout.sampling_mask.replay=false): the policy's log-probs "
+            "are the full softmax's, off-policy by the mass the rollout dropped (rollout_corr/* shows it)"
+        )
     return dict(rollout_is_level=is_level, rollout_rs=correction.rollout_rs is not None)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.algos.logprob import logprobs_from_logits
+from conveyor.algos.sampling_mask import Truncation
 from conveyor.models.moe_routing import RoutingRecorder, moe_info
 from conveyor.models.tiny import TINY_ARCHS, build_tiny_model
 from conveyor.models.tokenizer import build_char_tokenizer
@@ -37,16 +39,17 @@ def _engine(model, tok, eos=None):
     return HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id if eos is None else eos)
 
 
-def _teacher_forced_log_probs(model, ids, mask, out, temperature):
-    """log_softmax(logits / T) at the response tokens, from one forward over prompt + response."""
+def _teacher_forced_log_probs(model, ids, mask, out, temperature, truncation=None):
+    """log_softmax(truncate(logits / T)) at the response tokens, from one forward over prompt + response."""
     seq = torch.cat([ids, out["responses"]], dim=1)
     att = torch.cat([mask, out["response_mask"].long()], dim=1)
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=seq, attention_mask=att, position_ids=pos).logits
     p, r = ids.shape[1], out["responses"].shape[1]
-    logp = torch.log_softmax(logits[:, p - 1 : p + r - 1].float() / temperature, dim=-1)
-    return logp.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1), logits[:, p - 1 : p + r - 1]
+    logits = logits[:, p - 1 : p + r - 1]
+    # The trainer's function, replaying the rollout's mask as the trainer does.
+    return logprobs_from_logits(logits, out["responses"], temperature=temperature, truncation=truncation), logits
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -191,9 +194,10 @@ def test_rollout_log_probs_match_a_teacher_forced_forward(arch, temperature, top
         SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p),
         generator=torch.Generator().manual_seed(1),
     )
-    expected, logits = _teacher_forced_log_probs(model, ids, mask, out, temperature)
+    truncation = Truncation.of(top_k, top_p)
+    expected, logits = _teacher_forced_log_probs(model, ids, mask, out, temperature, truncation)
     m = out["response_mask"]
-    # Scored under the full softmax(logits / T), before any top-k / top-p truncation.
+    # Scored under the distribution sampled from: softmax(logits / T) after top-k / top-p, which the trainer replays.
     torch.testing.assert_close(out["rollout_log_probs"][m], expected[m], atol=1e-5, rtol=0)
     assert out["rollout_log_probs"][~m].eq(0).all()
     if top_k > 0:
@@ -219,8 +223,10 @@ def test_top_k_one_equals_greedy(arch, models, tok) -> None:
     top1 = engine.generate(
         ids, mask, SamplingParams(max_new_tokens=6, top_k=1), generator=torch.Generator().manual_seed(5)
     )
-    for key in greedy:
+    for key in ("responses", "response_mask"):
         assert torch.equal(top1[key], greedy[key]), key
+    # Top-1 keeps one token: it was sampled with probability 1, and is scored so.
+    assert top1["rollout_log_probs"].eq(0).all()
 
 
 def test_seeded_generator_is_deterministic(models, tok) -> None:
@@ -269,8 +275,9 @@ def test_sampler_follows_the_truncated_tempered_distribution(temperature, top_k,
     tokens, logp = sampler(logits.expand(n, -1))
     expected, keep = _truncated_tempered(logits, temperature, top_k, top_p)
     _assert_frequencies(tokens, expected, keep)
-    # Scored under the full tempered softmax whatever the truncation.
-    torch.testing.assert_close(logp[0], torch.log_softmax(logits / temperature, dim=-1))
+    # Scored under the distribution it sampled from: the truncated, renormalised tempered softmax.
+    torch.testing.assert_close(logp[0].exp(), expected, atol=1e-6, rtol=1e-5)
+    assert bool(torch.isneginf(logp[0][~keep]).all())
 
 
 def test_generate_samples_from_the_truncated_tempered_distribution(models, tok) -> None:

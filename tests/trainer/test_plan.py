@@ -490,3 +490,19 @@ def test_the_plan_names_each_roles_strategy_and_sequence_parallel_size(overrides
     plan = build_run_plan(load_config(None, overrides), device="cpu")
     assert [d for d in plan.decisions if d.startswith("training ranks:")] == [line]
     assert line in json.loads(json.dumps(plan.to_dict()))["decisions"]  # and so in plan.json
+
+
+def test_the_plan_says_whether_the_sampling_mask_is_replayed() -> None:
+    from conveyor.config import load_config
+    from conveyor.trainer.plan import build_run_plan
+
+    def lines(*overrides: str) -> list[str]:
+        plan = build_run_plan(load_config(None, list(overrides)), "cpu")
+        return [d for d in plan.decisions if d.startswith("sampling mask")]
+
+    assert lines() == []
+    assert lines("actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollout.do_sample=false") == []
+    (on,) = lines("actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollout.min_p=0.1")
+    assert "top_p=0.8 min_p=0.1" in on and "replayed in the policy's log-probs" in on
+    (off,) = lines("actor_rollout_ref.rollout.top_k=5", "actor_rollout_ref.rollout.sampling_mask.replay=false")
+    assert "top_k=5" in off and "not replayed" in off

@@ -6,43 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from update_batches import ragged_update_fields
+from update_batches import forward_worker, ragged_update_fields
 
 import conveyor.workers.ranks.forward as forward_module
 from conveyor.algos.logprob import logprobs_and_entropy
-from conveyor.config import load_config
-from conveyor.data_plane import make_data_plane
 from conveyor.protocol import KVBatchMeta
-from conveyor.trainer.plan import build_run_plan
-from conveyor.trainer.setup import prepare_default_model
-from conveyor.workers.ranks.actor import PolicyWorker
 from conveyor.workers.ranks.calls import LogProbCall
-from conveyor.workers.ranks.settings import actor_settings
-
-BASE = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "actor_rollout_ref.model.tiny.warmstart_steps=0"]
 
 
 @pytest.fixture(scope="module")
 def td() -> TensorDict:
     fields = ragged_update_fields(5, 4, 3, 40, torch.Generator().manual_seed(1))
     return TensorDict(fields, batch_size=[5])
-
-
-def _worker(impl: str, packed: bool = False, fused: bool = False) -> PolicyWorker:
-    cfg = load_config(
-        None,
-        BASE
-        + [
-            f"actor_rollout_ref.model.forward_impl={impl}",
-            f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
-            f"actor_rollout_ref.model.use_fused_kernels={str(fused).lower()}",
-        ],
-    )
-    return PolicyWorker(
-        actor_settings(cfg, build_run_plan(cfg, "cpu")),
-        model_path=prepare_default_model(cfg),
-        data_plane=make_data_plane("memory"),
-    )
 
 
 @pytest.mark.parametrize("impl", ["hf", "lean", "hf-packed"])
@@ -52,7 +27,7 @@ def test_log_probs_equal_the_whole_logits_float32_formula(
     td: TensorDict, impl: str, temperature: float, fused: bool
 ) -> None:
     """Against what the forward computed before: the whole logits upcast, divided by T, then log-softmaxed."""
-    forward = _worker(impl.removesuffix("-packed"), packed=impl.endswith("-packed"), fused=fused).forward
+    forward = forward_worker(impl.removesuffix("-packed"), packed=impl.endswith("-packed"), fused=fused).forward
     with torch.no_grad():
         lp, ent, _ = forward.log_probs(td, temperature, True)
         logits, _ = forward.response_logits(td, None, False)
@@ -67,7 +42,7 @@ def test_log_probs_equal_the_whole_logits_float32_formula(
 def test_no_copy_of_the_logits_is_made(td: TensorDict, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
     """Unfused, the logits reach logprobs_and_entropy as the model returned them (a view, no upcast or division);
     packed, they are the (1, N, V) logits of the response tokens only."""
-    forward = _worker("hf", packed=packed, fused=False).forward
+    forward = forward_worker("hf", packed=packed, fused=False).forward
     assert forward.packed is packed
     seen = {}
     # The padded path's logits come from response_logits, the packed path's from the forward itself.
@@ -97,7 +72,7 @@ def test_fused_head_gives_the_logits_path_log_probs_entropy_and_gradients(td: Te
     """The old-log-prob forward (no grad) and the update's forward (with grad) of the fused head against the logits
     path, on the same weights: outputs at 1e-6, every parameter's gradient at 1e-6 (+1e-5 relative)."""
     kind, packed = impl.removesuffix("-packed"), impl.endswith("-packed")
-    fused, plain = _worker(kind, packed, fused=True).forward, _worker(kind, packed, fused=False).forward
+    fused, plain = forward_worker(kind, packed, fused=True).forward, forward_worker(kind, packed, fused=False).forward
     assert fused.fused and not plain.fused and fused.uses_lean() == (kind == "lean")
     mask = td["response_mask"]
     with torch.no_grad():
@@ -130,7 +105,7 @@ def test_fused_head_writes_the_logits_path_sum_pi_squared(
     fields = {k: td[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")}
     written = {}
     for fused in (False, True):
-        worker = _worker(kind, packed, fused=fused)
+        worker = forward_worker(kind, packed, fused=fused)
         assert worker.forward.fused is fused
         if fused:
             for name in ("logprobs_and_entropy", "sum_pi_squared_from_logits"):

@@ -46,6 +46,7 @@ SP_REF = "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"
 R2 = "actor_rollout_ref.actor.router_replay.mode=R2"
 FUSED = "actor_rollout_ref.model.use_fused_kernels=true"
 CKPT = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+TRUNCATED, TRUNCATED_K = "actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollout.top_k=5"
 EP2 = "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2"]
 # A per-GPU token budget below the longest row (9 tokens): an SP group of 2 takes micro-batches of twice it, as
@@ -61,6 +62,9 @@ CASES: dict[str, tuple[int, str, list[str], bool, bool, list[str]]] = {
     "moe-R3-fused-ckpt": (2, "actor", [R3, FUSED, CKPT], False, True, ["stats", "grads_update"]),
     "dense": (2, "actor", [], True, False, ["stats", "grads_update"]),
     "dense-dp": (2, "actor", ["actor_rollout_ref.actor.strategy=dp"], True, False, ["grads_update"]),
+    # The rollout's top-p / top-k mask replayed on each rank's slice, fused head included (stats only: this batch's
+    # old log-probs are the full softmax's, so every replayed ratio is clipped and an update would not move).
+    "dense-truncated": (2, "actor", [TRUNCATED, TRUNCATED_K, FUSED], True, False, ["stats"]),
     "critic": (2, "critic", ["critic.optim.lr=0.05"], False, False, ["grads_update", "stats"]),
     "ref": (2, "ref", ["actor_rollout_ref.ref.strategy=fsdp2"], False, False, ["stats"]),
     # 4 ranks: SP groups of 2 (ranks 0-1, 2-3), fsdp2 sharding over all 4 (dp=2), the rows split over dp.

@@ -61,7 +61,7 @@ from conveyor.rollout.base import GenerationEngine, engine_spec
 from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.ranks.distill import student_forward
-from conveyor.workers.ranks.forward import PolicyForward, sequence_inputs
+from conveyor.workers.ranks.forward import PolicyForward, replayed_truncation, sequence_inputs
 from conveyor.workers.ranks.generation import Generation, build_engine
 from conveyor.workers.ranks.loss_terms import MicroBatch, build_loss_terms, micro_batch_loss
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
@@ -172,6 +172,8 @@ class PolicyWorker(CheckpointEndpoints):
             packed=setup_packing(self.model, m.use_remove_padding),
             fused=m.use_fused_kernels,
         )
+        # The rollout's top-k / top-p / min-p, replayed in the old log-probs and the update (never the reference's).
+        self.truncation = replayed_truncation(settings.rollout)
         sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
         check_sequence_parallel(self.model, acfg.ulysses_sequence_parallel_size, sp_key, packed=self.forward.packed)
         # The group's ranks read each other's samples; results are written, and metrics counted, once.
@@ -370,7 +372,9 @@ class PolicyWorker(CheckpointEndpoints):
         train: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
-        return self.forward.log_probs(td, temperature, with_entropy, routed_experts, record_routing, train)
+        return self.forward.log_probs(
+            td, temperature, with_entropy, routed_experts, record_routing, train, truncation=self.truncation
+        )
 
     # ------------------------------------------------------------------ endpoints
     def generate_sequences(self, meta: KVBatchMeta) -> KVBatchMeta:
@@ -416,6 +420,7 @@ class PolicyWorker(CheckpointEndpoints):
             replay=replay,
             record=record,
             budget=st.log_prob_budget,
+            truncation=self.truncation,
         )
         metrics: dict[str, float] = {}
         out = {"old_log_probs": log_probs}
@@ -579,7 +584,7 @@ class PolicyWorker(CheckpointEndpoints):
                 # Inside the replay: the tap reads each router's own choice before a replay hook replaces it.
                 with controls.tap(self.forward.router_rows(mb, train=True), real) if controls else nullcontext():
                     log_prob, entropy, logits = student_forward(
-                        self.forward, mb, temperature, with_entropy, routed, logits_needed
+                        self.forward, mb, temperature, with_entropy, routed, logits_needed, self.truncation
                     )
                 old = (log_prob.detach() * mb["response_mask"]).float() if proximal else mb["old_log_probs"]
                 if proximal and real:

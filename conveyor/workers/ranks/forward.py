@@ -22,6 +22,10 @@ the model's LM head computes the log-probs and entropy of the response tokens
 forward or the backward. Otherwise log-probs and entropy
 come from `logprobs_and_entropy` on the model's own logits, the temperature
 applied per block: no float32 copy of the full-vocabulary logits is made here.
+A caller's `truncation` (the rollout's top-k / top-p / min-p, `conveyor.algos.sampling_mask`)
+is applied the same way on every path, padded, packed, lean, sequence-parallel and fused: per
+block of rows, after the temperature; None (the reference's forward, a run without truncation)
+leaves the full softmax.
 
 Under Ulysses sequence parallelism (the strategy's `sequence_parallel_size` > 1) each rank runs the
 packed forward on its slice of the row's tokens (`conveyor.workers.training.sequence_parallel`): the
@@ -44,6 +48,7 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy, sum_pi_squared_from_logits
+from conveyor.algos.sampling_mask import Truncation
 from conveyor.algos.trajectory import response_span
 from conveyor.models.fused_head import fused_head_reason, fused_lm_head, head_sum_pi_squared, split_head_output
 from conveyor.models.moe_routing import (
@@ -58,7 +63,7 @@ from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_
 from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard, group_budget
 from conveyor.workers.training.trained_model import TrainedModel
 
-__all__ = ["PolicyForward", "TokenStats", "sequence_inputs", "micro_batches"]
+__all__ = ["PolicyForward", "TokenStats", "sequence_inputs", "micro_batches", "replayed_truncation"]
 
 
 class _Fuse(NamedTuple):
@@ -67,6 +72,7 @@ class _Fuse(NamedTuple):
     with_entropy: bool
     with_sum_pi_squared: bool
     temperature: float
+    truncation: Truncation | None = None
 
 
 class TokenStats(NamedTuple):
@@ -79,6 +85,15 @@ class TokenStats(NamedTuple):
 
 
 logger = logging.getLogger(__name__)
+
+
+def replayed_truncation(rollout: Any) -> Truncation | None:
+    """The rollout's sampling mask the policy's log-probs replay (`actor_rollout_ref.rollout`), or None: greedy
+    decoding, no truncation set, or `sampling_mask.replay` off."""
+    mask = getattr(rollout, "sampling_mask", None)
+    if not rollout.do_sample or (mask is not None and not mask.replay):
+        return None
+    return Truncation.of(rollout.top_k, rollout.top_p, getattr(rollout, "min_p", 0.0))
 
 
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -197,6 +212,7 @@ class PolicyForward:
                 with_entropy=fuse.with_entropy,
                 temperature=fuse.temperature,
                 with_sum_pi_squared=fuse.with_sum_pi_squared,
+                truncation=fuse.truncation,
             )
         with replay, recorder if recorder is not None else contextlib.nullcontext(), head:
             module = self.trained.forward_module if train else self.model
@@ -289,9 +305,16 @@ class PolicyForward:
         routed_experts: torch.Tensor | None = None,
         record_routing: bool = False,
         train: bool = False,
+        truncation: Truncation | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded."""
-        stats = self._token_stats(td, temperature, with_entropy, False, routed_experts, record_routing, train)
+        """Response log-probs (B, R), entropy (B, R) or None, and this forward's own routing when recorded.
+
+        `truncation`: the rollout's top-k / top-p / min-p, replayed on every token's distribution (None: the full
+        softmax at `temperature`).
+        """
+        stats = self._token_stats(
+            td, temperature, with_entropy, False, routed_experts, record_routing, train, truncation
+        )
         return stats.log_probs, stats.entropy, stats.routing
 
     def _token_stats(
@@ -303,6 +326,7 @@ class PolicyForward:
         routed_experts: torch.Tensor | None,
         record_routing: bool,
         train: bool,
+        truncation: Truncation | None = None,
     ) -> TokenStats:
         """`log_probs`, plus Σπ² (B, R) of the same distributions when asked for (unmasked here).
 
@@ -310,27 +334,27 @@ class PolicyForward:
         """
         if self.sp is not None:
             return self._sequence_parallel_stats(
-                td, temperature, with_entropy, with_sum_pi_squared, routed_experts, record_routing, train
+                td, temperature, with_entropy, with_sum_pi_squared, routed_experts, record_routing, train, truncation
             )
         if self.fused:
-            return self._fused_token_stats(
-                td, _Fuse(with_entropy, with_sum_pi_squared, temperature), routed_experts, record_routing, train
-            )
+            fuse = _Fuse(with_entropy, with_sum_pi_squared, temperature, truncation)
+            return self._fused_token_stats(td, fuse, routed_experts, record_routing, train)
+        cut = {"temperature": temperature, "truncation": truncation}
         spp = None
         if self.packed and not self.uses_lean(train):
             logits, own_routing, packed, _ = self._hf_forward(td, routed_experts, record_routing, train)
             targets = td["responses"][packed.rows, packed.cols][None]
-            log_probs, entropy = logprobs_and_entropy(logits, targets, with_entropy, temperature=temperature)
+            log_probs, entropy = logprobs_and_entropy(logits, targets, with_entropy, **cut)
             width = td["responses"].shape[1]
             entropy = packed.responses(entropy[0], width) if entropy is not None else None
             if with_sum_pi_squared:
-                spp = packed.responses(sum_pi_squared_from_logits(logits, temperature=temperature)[0], width)
+                spp = packed.responses(sum_pi_squared_from_logits(logits, **cut)[0], width)
             return TokenStats(packed.responses(log_probs[0], width), entropy, spp, own_routing)
         logits, own_routing = self.response_logits(td, routed_experts, record_routing, train)
         # Upcast and temperature per block inside: the logits stay the model's own tensor.
-        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy, temperature=temperature)
+        log_probs, entropy = logprobs_and_entropy(logits, td["responses"], with_entropy, **cut)
         if with_sum_pi_squared:
-            spp = sum_pi_squared_from_logits(logits, temperature=temperature)
+            spp = sum_pi_squared_from_logits(logits, **cut)
         return TokenStats(log_probs, entropy, spp, own_routing)
 
     def _sequence_parallel_stats(
@@ -342,22 +366,24 @@ class PolicyForward:
         routed_experts: torch.Tensor | None,
         record_routing: bool,
         train: bool,
+        truncation: Truncation | None = None,
     ) -> TokenStats:
         """`_token_stats` on this rank's slice of the packed row, each per-token result gathered into whole rows.
 
         What crosses ranks is a few floats per response token (log-prob, entropy, Σπ²), never logits.
         """
-        fuse = _Fuse(with_entropy, with_sum_pi_squared, temperature) if self.fused else None
+        fuse = _Fuse(with_entropy, with_sum_pi_squared, temperature, truncation) if self.fused else None
         out, own_routing, packed, shard = self._hf_forward(td, routed_experts, record_routing, train, fuse=fuse)
         assert packed is not None and shard is not None, "sequence parallelism runs packed forwards only"
         if fuse is not None:
             columns = out[0]  # (n, 1|2|3): log-probs [, entropy, Σπ²] from the fused head
         else:
             targets = td["responses"][packed.rows, packed.cols][shard.mine][None]
-            log_probs, entropy = logprobs_and_entropy(out, targets, with_entropy, temperature=temperature)
+            cut = {"temperature": temperature, "truncation": truncation}
+            log_probs, entropy = logprobs_and_entropy(out, targets, with_entropy, **cut)
             parts = [log_probs[0]] + ([entropy[0]] if entropy is not None else [])
             if with_sum_pi_squared:
-                parts.append(sum_pi_squared_from_logits(out, temperature=temperature)[0])
+                parts.append(sum_pi_squared_from_logits(out, **cut)[0])
             columns = torch.stack([p.float() for p in parts], -1)
         whole = shard.gather_predicted(columns)  # (N, C) over the whole row
         width = td["responses"].shape[1]
@@ -382,6 +408,7 @@ class PolicyForward:
                 with_entropy=fuse.with_entropy,
                 temperature=fuse.temperature,
                 with_sum_pi_squared=fuse.with_sum_pi_squared,
+                truncation=fuse.truncation,
             ):
                 stats, own_routing = self.response_logits(td, routed_experts, record_routing, train)
             packed = None
@@ -407,15 +434,24 @@ class PolicyForward:
         replay: bool = False,
         record: bool = False,
         budget: TokenBudget | None = None,
+        truncation: Truncation | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Masked log-probs (B, R), masked entropy (B, R) or None, and the recorded routing (B, P+R, L, K) or None.
 
         `replay`: replay `td["routed_experts"]`; `record`: record the forward's own routing, -1 where no token
         was fed (the rollout's convention). `budget`: micro-batches of at most that many tokens (rows x kept columns)
         instead of `micro_batch_size` rows (the outputs come back in row order and width either way).
+        `truncation`: the rollout's sampling mask, replayed on each token's distribution (`log_probs`).
         """
         stats = self.no_grad_token_stats(
-            td, micro_batch_size, temperature, with_entropy=with_entropy, replay=replay, record=record, budget=budget
+            td,
+            micro_batch_size,
+            temperature,
+            with_entropy=with_entropy,
+            replay=replay,
+            record=record,
+            budget=budget,
+            truncation=truncation,
         )
         return stats.log_probs, stats.entropy, stats.routing
 
@@ -431,6 +467,7 @@ class PolicyForward:
         replay: bool = False,
         record: bool = False,
         budget: TokenBudget | None = None,
+        truncation: Truncation | None = None,
     ) -> TokenStats:
         """`no_grad_log_probs`, with Σπ² of each response token's distribution (masked) when asked for."""
         self.model.eval()
@@ -448,7 +485,7 @@ class PolicyForward:
                 mb, window = take(td, sl)  # under a budget, without the columns that are padding in all its rows
                 routed = mb["routed_experts"].long() if replay else None
                 lp, ent, spp, own = self._token_stats(
-                    mb, temperature, with_entropy, with_sum_pi_squared, routed, record, False
+                    mb, temperature, with_entropy, with_sum_pi_squared, routed, record, False, truncation
                 )
                 if not real:  # a pass only to pair up with the other ranks' all-gathers
                     continue

@@ -95,6 +95,8 @@ def pad_responses(fields: dict[str, torch.Tensor], width: int, pad_token_id: int
         out["routed_experts"] = pad(fields["routed_experts"], (0, 0, 0, 0, 0, extra), value=-1)
     if fields.get("router_margins") is not None:  # (B, P+R, L): nor have they margins
         out["router_margins"] = pad(fields["router_margins"], (0, 0, 0, extra), value=math.nan)
+    if isinstance(fields.get("token_policy_version"), torch.Tensor):  # (B, R): padding takes each row's newest
+        out["token_policy_version"] = pad(fields["token_policy_version"], (0, extra), mode="replicate")
     return out
 
 
@@ -207,6 +209,8 @@ class Generation:
         if "router_margins" in out and "routed_experts" in fields:
             # float16 keeps small gaps (the ones that matter) to their full precision in half the bytes.
             fields["router_margins"] = out["router_margins"].to(torch.float16)
+        if out.sample_fields:  # the agent gateway's per-row fields (the session's reward, each token's version)
+            fields.update(out.sample_fields)
         pad_id = int(self.tokenizer.pad_token_id)
         if call.pad_to_max_new_tokens or (self.world_size > 1 and not strategy.distributed):
             # Dynamic sampling's generation batches write into one partition, whose columns keep one width, at
@@ -218,10 +222,8 @@ class Generation:
             fields = pad_responses(fields, strategy.agree_count(int(fields["responses"].shape[1])), pad_id)
         if "tool_rewards" in out:  # multi-turn: the tools' rewards, which the reward worker adds to the score
             fields["tool_rewards"] = out["tool_rewards"]
-        if out.sample_fields:  # the agent gateway's per-row fields (the session's reward, its last completion)
-            fields.update(out.sample_fields)
-        if extra_fields is not None:
-            fields.update(extra_fields(fields))
+        if extra_fields is not None:  # derived fields the rollout did not give itself (the gateway's own versions win)
+            fields.update({k: v for k, v in extra_fields(fields).items() if k not in fields})
         cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
         # Rendered prompts go in the same put as the rollout's fields (one write a batch).
         self.data_plane.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields={**prompt_fields, **cpu})
@@ -387,6 +389,8 @@ class Generation:
             temperature=float(call.temperature),
             top_p=float(call.top_p),
             top_k=int(call.top_k),
+            # From the rollout's config: the generate call carries no min-p of its own (validation samples with it too).
+            min_p=float(getattr(self.rollout, "min_p", 0.0)),
             do_sample=bool(call.do_sample),
             capture_routing=bool(call.capture_routing),
             capture_router_margins=bool(call.capture_router_margins),
