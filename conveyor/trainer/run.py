@@ -49,6 +49,7 @@ from conveyor.trainer.signals import Reaper, StopRequested, StopSignals
 from conveyor.workers.placement.recovery import stopped_by_fault
 from conveyor.workers.placement.roles import build_worker_groups
 from conveyor.workers.ranks.perf import frozen_heap
+from conveyor.workers.ranks.reward_model import check_scorer_vocabularies
 from conveyor.workers.training.memory_budget import check_memory
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     train_records, val_records = load_prompt_records(cfg, tokenizer)  # the run's tokenizer, loaded once
     if plan.use_teacher:
         check_teachers(cfg, tokenizer, model_config)  # a teacher with other tokens is refused before any worker
+    if plan.use_reward_model or plan.use_judge:  # from config.json and the tokenizer: before any weights load
+        check_scorer_vocabularies(cfg, reward_model=plan.use_reward_model, judge=plan.use_judge)
 
     registry = server = gauges = None
     if cfg.trainer.prometheus.enabled:

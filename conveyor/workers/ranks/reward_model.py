@@ -53,6 +53,7 @@ __all__ = [
     "combine_rewards",
     "same_tokenizer",
     "check_token_ids_fit",
+    "check_scorer_vocabularies",
 ]
 
 
@@ -113,6 +114,36 @@ def check_token_ids_fit(key: str, tokenizer: Any, model: Any) -> None:
             f"{rows} embedding rows: the tokenizer is not the model's; point {key} at the tokenizer saved with "
             "that model"
         )
+
+
+def check_scorer_vocabularies(cfg: Any, *, reward_model: bool, judge: bool) -> None:
+    """At start, from config.json and the tokenizer alone (no weights): refuse a reward model or judge whose
+    tokenizer has ids past its model's vocabulary, naming the key, before the actor is loaded."""
+    from conveyor.models.loading import load_model_config
+
+    scorers = []
+    if reward_model:
+        m = cfg.reward_model.model
+        key = "reward_model.model.tokenizer_path" if m.tokenizer_path else "reward_model.model.path"
+        scorers.append((key, "reward_model.model.path", m.path, m.tokenizer_path or m.path, m.trust_remote_code))
+    if judge:
+        m = cfg.reward_model.judge.model
+        key = "reward_model.judge.model.path"
+        scorers.append((key, key, m.path, m.path, m.trust_remote_code))
+    for key, model_key, path, tok_path, trust in scorers:
+        if path is None:
+            continue  # the settings' own check names the missing path
+        config = load_keyed(model_key, path, load_model_config, path, trust_remote_code=trust)
+        rows = getattr(config, "vocab_size", None)
+        if rows is None:
+            continue
+        tokenizer = load_keyed(key, tok_path, load_tokenizer, tok_path, trust_remote_code=trust)
+        top = max(tokenizer.get_vocab().values(), default=-1)
+        if top >= rows:
+            raise ValueError(
+                f"{key}: its tokenizer has token ids up to {top}, but {model_key}'s config.json says vocab_size "
+                f"{rows}: the tokenizer is not the model's; point {key} at the tokenizer saved with that model"
+            )
 
 
 def _messages(prompt: Any) -> list[dict[str, Any]]:
