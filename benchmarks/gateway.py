@@ -6,7 +6,9 @@ real `openai` client talking to the gateway (`GatewayLoop`) that mirror the buil
 (examples/agents/arithmetic_agent.py). The two produce the same tokens (tests/agent/test_gateway.py checks it
 bitwise), so the difference in wall time is the gateway's: HTTP, JSON, rendering, the batcher's wait for the round,
 and the agents themselves. Printed for 1, 8 and 64 concurrent sessions: the rollout time of each (median of
-`--rounds`), their ratio, the gateway's overhead per call, sessions/s and tokens/s.
+`--rounds`), their ratio and the range of the rounds' own ratios, the gateway's overhead per call, the CPU each call
+costs the server's thread and the agents' threads (their openai client and tools; with `--agent command` they are
+other processes, not counted), sessions/s and tokens/s.
 
     OMP_NUM_THREADS=1 python benchmarks/gateway.py                       # callable agents (threads, real HTTP)
     OMP_NUM_THREADS=1 python benchmarks/gateway.py --agent command       # a process per session
@@ -29,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +66,20 @@ def _agent(base_url: str, api_key: str, task: dict) -> None:
         arithmetic_agent._CLIENT.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600))
     client = arithmetic_agent._CLIENT[0].with_options(base_url=base_url, api_key=api_key)
     arithmetic_agent.session(client, task, tools_yaml=TOOLS, call_format=FORMAT)
+
+
+def _thread_cpu(name: str) -> float:
+    """CPU seconds so far of this process's live threads named `name` (Linux; 0 where /proc has no such file)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name != name:
+            continue
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def measure(
@@ -103,14 +120,22 @@ def measure(
     gateway = GatewayLoop(engine, tok, get_format(FORMAT), settings)
     tasks = [session_task([{"role": "user", "content": t}], "t", "0", {}, t) for t in texts]
     ref_s, gw_s, engine_s, calls, tokens = [], [], [], 0, 0
+    # Where the gateway's CPU goes, per round: the trainer's thread (the engine and the batcher), the server's thread,
+    # and the rest of the process (the agents' threads: their openai client and tools).
+    cpu: dict[str, list[float]] = {"main": [], "server": [], "agents": []}
     try:
         for r in range(rounds):
             t0 = time.perf_counter()
             ref = builtin.run(ids, mask, params, generator=torch.Generator().manual_seed(r))
             ref_s.append(time.perf_counter() - t0)
+            main0, server0, all0 = time.thread_time(), _thread_cpu("agent-gateway"), time.process_time()
             t0 = time.perf_counter()
             out = gateway.run(ids, mask, params, generator=torch.Generator().manual_seed(r), tasks=tasks)
             gw_s.append(time.perf_counter() - t0)
+            main, server = time.thread_time() - main0, _thread_cpu("agent-gateway") - server0
+            cpu["main"].append(main)
+            cpu["server"].append(server)
+            cpu["agents"].append(max(0.0, time.process_time() - all0 - main - server))
             calls = int(out.metrics["rollout/agent/calls_per_session@sum"])
             engine_s.append(out.metrics["rollout/agent/engine_time_s"])
             tokens = int(out["response_mask"].sum())
@@ -125,8 +150,16 @@ def measure(
         "gateway_s": b,
         "engine_s": statistics.median(engine_s),
         "ratio": b / a,
+        # The spread: each round's ratio (its built-in run and its gateway run are neighbours in time, so a busy
+        # machine slows both alike).
+        "ratio_min": min(g / r for g, r in zip(gw_s, ref_s)),
+        "ratio_max": max(g / r for g, r in zip(gw_s, ref_s)),
         "calls": calls,
         "overhead_ms_per_call": 1000 * (b - a) / max(calls, 1),
+        # CPU per call off the engine: the server's thread, and the agents' (with its openai client) in this process.
+        "server_cpu_ms_per_call": 1000 * statistics.median(cpu["server"]) / max(calls, 1),
+        "agents_cpu_ms_per_call": 1000 * statistics.median(cpu["agents"]) / max(calls, 1),
+        "main_cpu_s": statistics.median(cpu["main"]),
         "sessions_per_s": sessions / b,
         "tokens_per_s": tokens / b,
     }
@@ -199,9 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         "budget, 3 turns at most"
     )
     print(
-        f"{'sessions':>8} {'built-in s':>10} {'gateway s':>10} {'engine s':>9} {'ratio':>6} {'calls':>6} "
-        f"{'ms/call':>8} "
-        f"{'sessions/s':>10} {'tokens/s':>9}"
+        f"{'sessions':>8} {'built-in s':>10} {'gateway s':>10} {'engine s':>9} {'ratio':>6} {'rounds':>11} "
+        f"{'calls':>6} {'ms/call':>8} {'server ms':>9} {'agents ms':>9} {'sessions/s':>10} {'tokens/s':>9}"
     )
     for n in args.sessions:
         r = measure(
@@ -215,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{n:>8} {r['builtin_s']:>10.3f} {r['gateway_s']:>10.3f} {r['engine_s']:>9.3f} {r['ratio']:>6.2f} "
-            f"{r['calls']:>6} "
-            f"{r['overhead_ms_per_call']:>8.2f} {r['sessions_per_s']:>10.1f} {r['tokens_per_s']:>9.0f}"
+            f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} "
+            f"{r['calls']:>6} {r['overhead_ms_per_call']:>8.2f} {r['server_cpu_ms_per_call']:>9.2f} "
+            f"{r['agents_cpu_ms_per_call']:>9.2f} {r['sessions_per_s']:>10.1f} {r['tokens_per_s']:>9.0f}"
         )
     return 0
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from gateway_cases import AGENT, PROMPTS
 
 from conveyor.algos.trajectory import response_span
 from conveyor.models.moe_routing import RoutingRecorder
@@ -22,12 +23,6 @@ from conveyor.tools import get_format, load_tools
 from conveyor.user_code import import_user_code
 
 import_user_code("tests/agent/digit_format.py", key="test")  # registers test_digit_calls, as the agents' --plugin does
-
-PROMPTS = ["1+2=", "12+345=", "7*8=", "100-1="]
-AGENT = (
-    f"{sys.executable} examples/agents/arithmetic_agent.py --format test_digit_calls "
-    "--plugin tests/agent/digit_format.py"
-)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +54,8 @@ def _gateway(engine, tok, **kw):
     return GatewayLoop(engine, tok, get_format("test_digit_calls"), settings)
 
 
-def test_gateway_reproduces_the_builtin_tool_loop_bitwise(engine, tok) -> None:
+def test_gateway_reproduces_the_builtin_tool_loop_bitwise(engine, tok, monkeypatch) -> None:
+    monkeypatch.setattr(engine, "weights_version", 3)  # as a sync labels the weights it brings
     prompts = PROMPTS * 2
     ids, mask = _batch(tok, prompts)
     params = SamplingParams(max_new_tokens=24, capture_routing=True)
@@ -94,8 +90,42 @@ def test_gateway_reproduces_the_builtin_tool_loop_bitwise(engine, tok) -> None:
     assert torch.isnan(out.sample_fields["agent_reward"]).all()
     for row, calls in enumerate(out.sample_fields["agent_calls"]):  # each call as it happened, in order
         model = int(out["response_mask"][row].sum())
-        assert sum(c["completion_tokens"] for c in calls) == model and all(c["version"] is None for c in calls)
+        assert sum(c["completion_tokens"] for c in calls) == model and all(c["version"] == 3 for c in calls)
         assert calls[0]["prompt_tokens"] == int(mask[row].sum())
+    # Each token's policy version, as the built-in rollout's replica writes it (every column: the weights' version).
+    versions = out.sample_fields["token_policy_version"]
+    assert versions.shape == out["responses"].shape and versions.dtype == torch.long
+    builtin = torch.full(ref["response_mask"].shape, 3, dtype=torch.long)[:, :width]
+    mine = torch.nn.functional.pad(versions, (0, max(0, width - versions.shape[1])), value=3)[:, :width]
+    assert torch.equal(torch.where(span, mine, 0), torch.where(span, builtin, 0))
+    assert bool((versions == 3).all())
+
+
+def test_each_token_carries_the_version_of_the_call_that_fed_or_sampled_it(engine, tok, monkeypatch) -> None:
+    import openai
+
+    monkeypatch.setattr(engine, "weights_version", 3)
+    got: list = []
+
+    def agent(base_url: str, api_key: str, task: dict) -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        first = client.completions.create(model="x", prompt=task["prompt"][0]["content"], max_tokens=4)
+        ext = first.model_extra["conveyor"]
+        got.append(ext)
+        engine.weights_version = 4  # new weights between two calls of the session (the engine is idle now)
+        extended = ext["prompt_token_ids"] + ext["completion_token_ids"] + tok.encode("7=", add_special_tokens=False)
+        got.append(client.completions.create(model="x", prompt=extended, max_tokens=4).model_extra["conveyor"])
+
+    gw = GatewayLoop(engine, tok, get_format("hash"), GatewaySettings(callable=agent, batch_wait_s=5.0))
+    out = _run(gw, tok, ["1+2="], max_new=16)
+    assert out.source_rows.tolist() == [0]  # the second call extended the first: one sample
+    first, second = (len(g["completion_token_ids"]) for g in got)
+    fed = len(got[1]["prompt_token_ids"]) - len(got[0]["prompt_token_ids"]) - first  # the call's new context
+    versions = out.sample_fields["token_policy_version"][0].tolist()
+    n = first + fed + second
+    assert versions[:n] == [3] * first + [4] * (fed + second)
+    assert versions[n:] == [4] * (len(versions) - n)  # padding: the newest
+    assert [c["version"] for c in out.sample_fields["agent_calls"][0]] == [3, 4]
 
 
 def _run(gw, tok, prompts, max_new=12, seed=0, capture=False):
@@ -200,7 +230,7 @@ def test_failing_agents_are_counted_scored_and_leave_no_process(engine, tok, tmp
     results = {}
     for name, kw in [
         ("crash", {}),
-        ("hang", {"timeout_s": 4.0, "term_grace_s": 0.5}),
+        ("hang", {"timeout_s": 10.0, "term_grace_s": 0.5}),  # room to start (and ignore SIGTERM) on a busy machine
         ("daemon", {}),
         ("stdout_reward", {"failure_reward": None}),
     ]:
@@ -328,3 +358,17 @@ def test_a_template_that_strips_thinking_cuts_sessions_and_each_sample_is_what_w
         sampled = [pr + co for pr, co in calls[["1+2=", "12+34="][src]]]
         assert tokens in sampled  # the sample ends with one of its session's calls, token for token
     assert out.prompts.shape[1] == ids.shape[1] and (out.prompt_mask.sum(-1) <= ids.shape[1]).all()
+
+
+def test_padding_a_row_gives_its_padding_the_newest_version() -> None:
+    from conveyor.workers.ranks.generation import pad_responses
+
+    fields = {
+        "responses": torch.tensor([[5, 6, 7]]),
+        "response_mask": torch.tensor([[True, False, True]]),
+        "rollout_log_probs": torch.zeros(1, 3),
+        "token_policy_version": torch.tensor([[3, 4, 4]]),
+    }
+    out = pad_responses(fields, 5, pad_token_id=0)
+    assert out["responses"].tolist() == [[5, 6, 7, 0, 0]]
+    assert out["token_policy_version"].tolist() == [[3, 4, 4, 4, 4]]  # padding: the row's newest

@@ -125,3 +125,32 @@ def test_the_run_plan_says_the_rollout_is_an_agent() -> None:
     plan = build_run_plan(load_config("examples/agent_gateway.yaml"), "cpu")
     said = [d for d in plan.decisions if d.startswith("rollout: agents through the OpenAI-compatible gateway")]
     assert len(said) == 1 and "examples/agents/arithmetic_agent.py:run" in said[0] and "hash" in said[0]
+
+
+def test_asynchronous_training_through_the_gateway_records_each_tokens_policy_version(tiny_run, tmp_path) -> None:
+    import json
+
+    # A separate replica serves the agents k = 1 version ahead; the gateway's rows carry each token's version (the
+    # call's weights), which the staleness bound and its log read as they read the built-in rollout's.
+    run_training(
+        load_config(
+            None,
+            tiny_run
+            + TASK
+            + [
+                f"{AG}.callable=tests/agent/gateway_agents.py:digits",
+                "trainer.v1.trainer_mode=separate_async",
+                "trainer.total_training_steps=3",
+                "trainer.v1.sampler.max_off_policy_threshold=1",
+            ],
+        )
+    )
+    log = [json.loads(line) for line in (tmp_path / "async_versions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    for r in log:
+        assert len(r["sample_versions"]) == 8
+        for v, (oldest, newest) in zip(r["sample_versions"], r["token_version_range"]):
+            assert v == oldest == newest and r["trained_at"] - 1 <= v <= r["trained_at"]
+    rows = _rows(tmp_path)
+    assert max(v for r in log for v in r["sample_versions"]) >= 1  # weights reached the replica between rollouts
+    assert rows[3]["off_policy/token_staleness_mean"] <= 1.0 and rows[3]["rollout/agent/ok"] == 8

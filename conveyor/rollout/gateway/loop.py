@@ -40,7 +40,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingPa
 from conveyor.rollout.gateway import agents
 from conveyor.rollout.gateway.server import GatewayServer, Request
 from conveyor.rollout.gateway.session import GatewayError, Renderer, Session
-from conveyor.rollout.gateway.trajectory import TASK_FIELDS, Call, layout
+from conveyor.rollout.gateway.trajectory import TASK_FIELDS, UNKNOWN_VERSION, Call, Row, layout
 from conveyor.tools.formats import CallFormat
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,9 @@ class GatewayLoop:
         self._live: set[str] = set()
         self._prompt_width = 0
         self._budget = 0
+        # One pool for the run's sessions: its threads start once, not every rollout (a thread's start waits for the
+        # thread to be scheduled, which on a busy machine is most of a millisecond, 64 of them before the first call).
+        self._pool = ThreadPoolExecutor(max_workers=max(1, settings.max_concurrent), thread_name_prefix="agent")
         self.server = GatewayServer(
             self.renderer,
             api_key=self.api_key,
@@ -135,8 +138,9 @@ class GatewayLoop:
         )
 
     def close(self) -> None:
-        """Stop the server."""
+        """Stop the server and the sessions' pool."""
         self.server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests in
     def _submit(self, req: Request) -> None:
@@ -147,16 +151,27 @@ class GatewayLoop:
                 )
                 return
             self._pending.append(req)
+            # The batcher sleeps until a batch is due: woken by the request that starts the wait or completes the
+            # round, not by every one (each wake takes the GIL from the server's and the agents' threads).
+            if len(self._pending) == 1 or self._ready():
+                self._cond.notify_all()
+
+    def _wake(self, _: Any = None) -> None:
+        """Wake the batcher (a session ended: the round or the rollout may be complete)."""
+        with self._cond:
             self._cond.notify_all()
 
     def _ready(self) -> bool:
         """The round rule: every running session has a request waiting, or the oldest has waited long enough."""
         if not self._pending:
             return False
-        waiting = {r.session.id for r in self._pending}
-        if self._live <= waiting:
+        if len(self._pending) >= len(self._live) and self._live <= {r.session.id for r in self._pending}:
             return True
-        return time.monotonic() - min(r.arrived for r in self._pending) >= self.settings.batch_wait_s
+        return time.monotonic() >= self._due()
+
+    def _due(self) -> float:
+        """When the oldest waiting request's batch is due at the latest (monotonic seconds)."""
+        return self._pending[0].arrived + self.settings.batch_wait_s  # requests queue in arrival order
 
     # ------------------------------------------------------------------ the run
     def run(
@@ -183,9 +198,15 @@ class GatewayLoop:
         results: dict[str, agents.AgentResult] = {}
         stop = threading.Event()
         t0 = time.perf_counter()
-        pool = ThreadPoolExecutor(max_workers=max(1, self.settings.max_concurrent), thread_name_prefix="agent")
+        futures: list[Future] = []
+        with self._cond:
+            # The sessions that start at once are live from now, not from when a pool thread gets to them: the round
+            # rule must not run a batch before a session that is about to ask has started.
+            self._live.update(s.id for s in sessions[: max(1, self.settings.max_concurrent)])
         try:
-            futures = [pool.submit(self._session, s, results, stop) for s in sessions]
+            futures = [self._pool.submit(self._session, s, results, stop) for s in sessions]
+            for f in futures:
+                f.add_done_callback(self._wake)  # the last session's end ends the rollout at once
             self._serve_until_done(futures, params, generator)
         finally:
             stop.set()
@@ -193,7 +214,11 @@ class GatewayLoop:
                 for r in self._pending:
                     r.future.set_exception(GatewayError(404, "the rollout ended", kind="not_found_error"))
                 self._pending.clear()
-            pool.shutdown(wait=True, cancel_futures=True)
+            for f in futures:
+                f.cancel()  # sessions not started yet do not start
+            wait(futures)
+            with self._cond:
+                self._live.difference_update(s.id for s in sessions)
             for s in sessions:
                 self.server.remove(s)
         elapsed = time.perf_counter() - t0
@@ -203,6 +228,9 @@ class GatewayLoop:
         """Run one session's agent to its end (on a pool thread): live while its agent runs."""
         if stop.is_set():
             results[session.id] = agents.AgentResult(agents.ERROR, None, 0.0, stderr_tail="the rollout ended")
+            with self._cond:
+                self._live.discard(session.id)
+                self._cond.notify_all()
             return
         self.server.add(session)
         with self._cond:
@@ -266,7 +294,9 @@ class GatewayLoop:
                         for f in futures:
                             f.result()  # a failure of the session machinery itself is the run's
                         return
-                    self._cond.wait(timeout=0.01)
+                    # Until the oldest request is due, or a request or a session's end wakes it.
+                    due = self._due() - time.monotonic() if self._pending else 0.05
+                    self._cond.wait(timeout=max(0.0, min(due, 0.05)))
                 batch, self._pending = self._pending, []
             self._generate(batch, params, generator)
 
@@ -305,7 +335,7 @@ class GatewayLoop:
         log_probs = out["rollout_log_probs"].cpu()
         routed = out.get("routed_experts")
         routed = routed.cpu() if routed is not None else None
-        version = self.engine.weights_version
+        version = self.engine.weights_version  # what sampled this call (weights change only between engine calls)
         for row, r in enumerate(reqs):
             n = min(int(lengths[row]), r.max_new_tokens)
             routing = None
@@ -328,6 +358,11 @@ class GatewayLoop:
             r.future.set_result(call)
 
     # ------------------------------------------------------------------ rows out
+    def _version(self) -> int:
+        """The engine's weights version now, as a token's policy version."""
+        v = self.engine.weights_version
+        return UNKNOWN_VERSION if v is None else int(v)
+
     def _assemble(
         self,
         sessions: list[Session],
@@ -341,28 +376,34 @@ class GatewayLoop:
         for s in sessions:
             samples = s.trajectories.samples or [None]  # an agent that never called: one empty row
             rows.extend((s, sample) for sample in samples)
+        now = self._version()
         laid = []
         for s, sample in rows:
             if sample is None:
-                laid.append((list(s.prompt_ids), [], [], [], len(s.prompt_ids)))
+                laid.append(Row(list(s.prompt_ids), [], [], [], [], len(s.prompt_ids)))
             else:
                 laid.append(layout(sample, width, self.pad))
-        resp_width = max(1, max(len(x[1]) for x in laid))
+        resp_width = max(1, max(len(x.response) for x in laid))
         b = len(rows)
         prompts = torch.full((b, width), self.pad, dtype=torch.long)
         prompt_mask = torch.zeros((b, width), dtype=torch.bool)
         responses = torch.full((b, resp_width), self.pad, dtype=torch.long)
         model_mask = torch.zeros((b, resp_width), dtype=torch.bool)
         log_probs = torch.zeros((b, resp_width), dtype=torch.float32)
-        for i, (prompt, response, mask, lps, head) in enumerate(laid):
+        versions = torch.full((b, resp_width), now, dtype=torch.long)
+        for i, row in enumerate(laid):
+            prompt = row.prompt
             if len(prompt) < width:  # the empty row of a session that never called: its task's prompt
                 prompt = [self.pad] * (width - len(prompt)) + prompt
             prompts[i] = torch.tensor(prompt, dtype=torch.long)
-            prompt_mask[i, width - head :] = True
-            n = len(response)
-            responses[i, :n] = torch.tensor(response, dtype=torch.long)
-            model_mask[i, :n] = torch.tensor(mask, dtype=torch.bool)
-            log_probs[i, :n] = torch.tensor(lps, dtype=torch.float32)
+            prompt_mask[i, width - row.head :] = True
+            n = len(row.response)
+            responses[i, :n] = torch.tensor(row.response, dtype=torch.long)
+            model_mask[i, :n] = torch.tensor(row.mask, dtype=torch.bool)
+            log_probs[i, :n] = torch.tensor(row.log_probs, dtype=torch.float32)
+            if n:  # padding takes the last call's version (versions only grow along a response)
+                versions[i, :n] = torch.tensor(row.versions, dtype=torch.long)
+                versions[i, n:] = row.versions[-1]
         routed = self._routing(rows, laid, width, resp_width, params, prompt_mask, model_mask)
         rewards, completions, metrics = self._rewards(sessions, results, rows, elapsed)
         return GenerationOutput(
@@ -373,10 +414,12 @@ class GatewayLoop:
             prompts=prompts,
             prompt_mask=prompt_mask,
             source_rows=torch.tensor([s.index for s, _ in rows], dtype=torch.long),
-            # Per row: its session's reward (NaN: the rule scores agent_completion), and each of its calls as it
-            # happened (prompt and completion token counts, weights version).
+            # Per row: its session's reward (NaN: the rule scores agent_completion), each response token's policy
+            # version (the built-in rollout's field), and each of its calls as it happened (prompt and completion
+            # token counts, weights version).
             sample_fields={
                 "agent_reward": rewards,
+                "token_policy_version": versions,
                 "agent_completion": completions,
                 "agent_calls": [list(sample.records) if sample is not None else [] for _, sample in rows],
             },
@@ -392,8 +435,8 @@ class GatewayLoop:
         for i, (_s, sample) in enumerate(rows):
             if sample is None or sample.routing is None:
                 continue
-            head = laid[i][4]
-            n = min(head + len(laid[i][1]), sample.routing.shape[0])
+            head = laid[i].head
+            n = min(head + len(laid[i].response), sample.routing.shape[0])
             routed[i, width - head : width - head + n] = sample.routing[:n]
         return mask_unfed_routing(routed, prompt_mask, response_span(model_mask).sum(-1))
 

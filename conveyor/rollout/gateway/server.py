@@ -288,7 +288,7 @@ class GatewayServer:
         stops: list[str] = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise GatewayError(400, "stop must be a string or a list of non-empty strings", param="stop")
-        stop_ids = tuple(tuple(self.renderer.encode(s)) for s in stops)
+        stop_ids = self.renderer.stop_ids(stops)
         stream = payload.get("stream", False)
         if not isinstance(stream, bool):
             raise GatewayError(400, "stream must be true or false", param="stream")
@@ -349,7 +349,7 @@ class GatewayServer:
         text = self.renderer.chat_text(session, messages, tools if use_tools else None)
         prompt, text = self.renderer.prompt_ids(session, text)
         if use_tools:  # the run's call format ends a turn at its stop texts, as the built-in loop does
-            stops = stops + tuple(tuple(self.renderer.encode(t)) for t in self.renderer.format.stop_texts)
+            stops = stops + self.renderer.format_stops
         req = Request(
             session, prompt, text, self._max_tokens(payload, session, prompt), stops, Future(), time.monotonic()
         )

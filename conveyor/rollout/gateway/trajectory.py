@@ -20,6 +20,14 @@ first prompt, left-padded; the response columns hold the rest of that prompt
 (context), then every later token in order. `room` is how many tokens a call
 may still sample so that its sample fits.
 
+Each token carries the policy version of the call that fed or sampled it (the
+engine's weights version then; `UNKNOWN_VERSION` where the engine named none,
+as a replica labels weights no sync has named): the first prompt's tokens the
+first call's, a call's new context and its completion that call's, and a row's
+padding its last call's. This is what the built-in rollout writes per token
+(`token_policy_version`, `conveyor.workers.ranks.replica`), where versions
+only grow along a response.
+
 This module is pure: token lists and tensors in, samples out; it does not
 serve HTTP, run agents or talk to an engine.
 """
@@ -27,15 +35,27 @@ serve HTTP, run agents or talk to an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Call", "Sample", "SessionTrajectories", "layout", "room", "TASK_FIELDS", "session_task"]
+__all__ = [
+    "Call",
+    "Sample",
+    "SessionTrajectories",
+    "layout",
+    "room",
+    "Row",
+    "TASK_FIELDS",
+    "UNKNOWN_VERSION",
+    "session_task",
+]
 
 # The per-sample fields a session's task is made from (stage 1 writes them); copied onto a cut session's extra rows.
 TASK_FIELDS = ("uid", "data_source", "ground_truth", "raw_prompt", "prompt_messages", "extra_info")
+# A token's policy version where the engine named none: the label a replica gives weights no sync has named.
+UNKNOWN_VERSION = -1
 
 
 def session_task(
@@ -77,6 +97,8 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     model: list[bool] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token of `tokens`: the policy version of its call
+    context_version: int = UNKNOWN_VERSION  # ... and of the first prompt's tokens (its first call's)
     routing: Tensor | None = None  # (len(context) + len(tokens), L, K) int16, -1 unknown
     calls: int = 0
     # Per call: its prompt's and completion's token counts and the weights version that sampled it.
@@ -123,8 +145,9 @@ class SessionTrajectories:
         sample = self.extends(call.prompt)
         prompt = list(call.prompt)
         n = len(call.completion)
+        version = UNKNOWN_VERSION if call.version is None else int(call.version)
         if sample is None:
-            sample = Sample(context=prompt)
+            sample = Sample(context=prompt, context_version=version)
             self.samples.append(sample)
             if call.routing is not None:
                 sample.routing = call.routing[: len(prompt)].to(torch.int16).clone()
@@ -134,11 +157,13 @@ class SessionTrajectories:
             sample.tokens.extend(new)
             sample.model.extend([False] * len(new))
             sample.log_probs.extend([0.0] * len(new))
+            sample.versions.extend([version] * len(new))  # fed first by this call
             if call.routing is not None:
                 sample.routing = _merge_routing(sample, call.routing, known, len(new))
         sample.tokens.extend(call.completion)
         sample.model.extend([True] * n)
         sample.log_probs.extend(float(x) for x in call.log_probs)
+        sample.versions.extend([version] * n)
         if call.routing is not None and sample.routing is not None:
             tail = call.routing[len(prompt) : len(prompt) + n].to(torch.int16)
             sample.routing = torch.cat([sample.routing, tail])
@@ -166,13 +191,24 @@ def _merge_routing(sample: Sample, routing: Tensor, known: int, new: int) -> Ten
     return torch.cat([merged, pad])
 
 
-def layout(sample: Sample, prompt_width: int, pad: int) -> tuple[list[int], list[int], list[bool], list[float], int]:
-    """The sample as a row: (prompt ids left-padded to `prompt_width`, response ids, response mask, response
-    log-probs, how many of the first prompt's tokens are in the prompt columns)."""
+class Row(NamedTuple):
+    """A sample laid out as a data-plane row (`layout`)."""
+
+    prompt: list[int]  # left-padded to the prompt width
+    response: list[int]
+    mask: list[bool]  # the model's tokens
+    log_probs: list[float]
+    versions: list[int]  # each response token's policy version
+    head: int  # how many of the first prompt's tokens are in the prompt columns
+
+
+def layout(sample: Sample, prompt_width: int, pad: int) -> Row:
+    """The sample as a row: its first prompt's head left-padded into `prompt_width` columns, the rest after."""
     head = min(prompt_width, len(sample.context))
     prompt = [pad] * (prompt_width - head) + sample.context[:head]
     spill = sample.context[head:]
     response = spill + sample.tokens
     mask = [False] * len(spill) + sample.model
     log_probs = [0.0] * len(spill) + sample.log_probs
-    return prompt, response, mask, log_probs, head
+    versions = [sample.context_version] * len(spill) + sample.versions
+    return Row(prompt, response, mask, log_probs, versions, head)
