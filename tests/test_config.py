@@ -42,7 +42,7 @@ def test_defaults_load() -> None:
     assert cfg.transfer_queue.metrics.enabled is False and cfg.transfer_queue.metrics.port == 0
     # Off by default (the SPEC's contract); the default run's config file turns it on.
     assert cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval == 0
-    assert cfg.actor_rollout_ref.model.tiny.warmstart_until_accuracy == 0.3 and cfg.trainer.console_every == 0
+    assert cfg.actor_rollout_ref.model.tiny.warmstart_until_accuracy == 0.45 and cfg.trainer.console_every == 0
     from conveyor.trainer.plan import build_run_plan
 
     plan = build_run_plan(cfg, "cpu")

@@ -36,7 +36,7 @@ class TinyModelConfig:
     )
     warmstart_lr: float = F(3e-3, "learning rate of the warm start", gt=0)
     warmstart_until_accuracy: float = F(
-        0.3,
+        0.45,
         "stop the warm start early once greedy exact match on its last 20 training batches reaches this "
         "(0 = run all warmstart_steps): the same starting point for RL on every machine",
         ge=0,
