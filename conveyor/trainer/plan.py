@@ -280,7 +280,7 @@ def _replay_decision(cfg: Config, device: str, spec: Any, caps: Any, moe: bool, 
             )
         why.append(reason)
     elif requested != "disabled":
-        why.append(f"router replay {requested}")
+        why.append(f"router replay {requested}" + ("" if moe else " (nothing to replay: the model is dense)"))
 
     return replay, reason
 
@@ -356,7 +356,8 @@ def _routing_decision(
     ro = cfg.actor_rollout_ref.rollout
     interval = ro.moe_load_balance_metrics_interval
     engine_routing = caps.returns_routing
-    capture = engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
+    # A dense model has no routing to capture, whatever the replay mode asks.
+    capture = moe and engine_routing and (replay == "R3" or (interval > 0 and replay != "R2"))
     record_for_metrics = not engine_routing and interval > 0 and replay != "R2"
     record = moe and (replay == "R2" or record_for_metrics)
     from_forward = interval > 0 and (replay == "R2" or not engine_routing)

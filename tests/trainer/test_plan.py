@@ -206,6 +206,14 @@ def test_a_dense_model_records_and_replays_nothing() -> None:
     plan = build_run_plan(cfg, "cpu")
     assert not plan.is_moe and plan.replay_mode == "R2" and plan.old_log_probs == "forward"
     assert not (plan.forward_records_routing or plan.forward_replays_routing or plan.update_replays_routing)
+    # R3 on a dense model: the plan says there is nothing to replay, and no rollout "captures" routing.
+    r3 = build_run_plan(
+        load_config(None, ["actor_rollout_ref.model.tiny.arch=qwen3", "actor_rollout_ref.actor.router_replay.mode=R3"]),
+        "cpu",
+    )
+    assert not r3.rollout_captures_routing and r3.routing_source == "none"
+    assert "router replay R3 (nothing to replay: the model is dense)" in r3.decisions
+    assert not [d for d in r3.decisions if d.startswith("routing:")]
 
 
 def test_moe_is_read_from_a_checkpoints_config_json(tmp_path: Path) -> None:
