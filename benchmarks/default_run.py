@@ -149,7 +149,9 @@ def _load() -> str:
 
 def _commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -222,9 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_RUN,
         help="the run's config (default examples/tiny_cpu.yaml; examples/vllm_cpu.yaml: the vllm rollout)",
     )
-    parser.add_argument("--results", type=Path, help="also write the sweep (machine, commit, every run) to this JSON file")
     parser.add_argument(
-        "--table", type=Path, metavar="RESULTS", help="print the README's table of a results file and exit (runs nothing)"
+        "--results", type=Path, help="also write the sweep (machine, commit, every run) to this JSON file"
+    )
+    parser.add_argument(
+        "--table",
+        type=Path,
+        metavar="RESULTS",
+        help="print the README's table of a results file and exit (runs nothing)",
     )
     args = parser.parse_args(argv)
     if args.table is not None:
