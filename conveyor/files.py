@@ -31,7 +31,11 @@ __all__ = [
     "read_text",
     "read_jsonl_objects",
     "write_text_atomic",
-    "make_dir", "environment_error", "full_disk_error", "describe_os_error"]
+    "make_dir",
+    "environment_error",
+    "full_disk_error",
+    "describe_os_error",
+]
 
 # The errors a user's disk, mounts and paths cause. Any other OSError (EBADF, EINVAL; EEXIST or ENOTEMPTY from a
 # rename, EMFILE from a leak) is more likely a bug, and stays a traceback.
