@@ -119,8 +119,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     # What `train` refuses at its start (the engine's keys included), on the device the config names: a GPU
     # run's config can be prepared and checked on a machine without one, nor with its cores (no resource check).
-    device = cfg.trainer.device if cfg.trainer.device != "auto" else resolve_device(cfg, check_resources=False)
-    build_run_plan(cfg, device)
+    build_run_plan(cfg, cfg.trainer.device if cfg.trainer.device != "auto" else resolve_device(cfg))
     sys.stdout.write(config_to_yaml(cfg, with_help=args.describe))
     return 0
 

@@ -41,6 +41,7 @@ from conveyor.trainer.rollout_dumps import check_replay
 from conveyor.trainer.run_dir import check_no_newer_checkpoints, check_resume, open_run_dir, write_config
 from conveyor.trainer.setup import (
     build_data_plane,
+    check_local_resources,
     load_prompt_records,
     prepare_default_model,
     resolve_device,
@@ -65,6 +66,7 @@ def run_training(cfg: Config) -> dict[str, float]:
     transformers.utils.logging.disable_progress_bar()
     device = resolve_device(cfg)  # an unusable device fails before anything is built or written
     plan = build_run_plan(cfg, device)  # every decision of the run, once; a contradiction fails here
+    check_local_resources(cfg, plan)  # before Ray starts: ranks this machine's Ray could never hold
     logger.info("%s", plan.describe())
     for warning in (plan.replay_reason, *plan.warnings):
         if warning:

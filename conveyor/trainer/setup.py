@@ -48,24 +48,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
 
 
-def resolve_device(cfg: Config, *, check_resources: bool = True) -> str:
-    """The torch device of this run's workers; with `check_resources`, refuses what this machine's Ray cannot hold."""
+def resolve_device(cfg: Config) -> str:
+    """The torch device of this run's workers."""
     if cfg.trainer.device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device: cuda was asked for but no CUDA device is visible; use trainer.device=cpu")
-    else:
-        device = cfg.trainer.device
-    if check_resources:
-        check_local_resources(cfg)
-    return device
+    return cfg.trainer.device
 
 
 # Ray refuses a bundle of zero resources; the placement gives such a rank this much CPU instead.
 _MIN_BUNDLE_CPU = 0.001
 
 
-def check_local_resources(cfg: Config) -> None:
+def check_local_resources(cfg: Config, plan: Any) -> None:
     """Refuse, before Ray starts, ranks that the Ray this run would start on this machine can never hold.
 
     A run on Ray without `ray.address` starts a one-node Ray with `ray.num_cpus` CPUs (default: this machine's)
@@ -83,12 +79,12 @@ def check_local_resources(cfg: Config) -> None:
         return  # a Ray someone else started (a notebook, a test) is the run's, with what it has
     t, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
     gpu = t.n_gpus_per_node > 0
-    per_node = t.n_gpus_per_node if t.n_gpus_per_node >= t.num_cpu_workers else t.num_cpu_workers
+    per_node = max(t.n_gpus_per_node, t.num_cpu_workers)
     ranks = t.nnodes * per_node
     ranks_key = "trainer.n_gpus_per_node" if gpu else "trainer.num_cpu_workers"
-    # The reward worker, or the rollout replicas it shares a process with (`build_ray_rollout_groups`): the
-    # placement `conveyor.trainer.plan` decides, read here as it reads it.
-    separate = t.v1.is_async or ro.placement == "separate"
+    # The reward worker, or the rollout replicas it shares a process with (`build_ray_rollout_groups`), as the
+    # run plan placed the rollout.
+    separate = plan.rollout_placement == "separate"
     others = ro.replicas if separate else 1
     others_what = (
         f"{others} rollout replica(s) (actor_rollout_ref.rollout.replicas)" if separate else "the reward worker"
