@@ -105,14 +105,18 @@ def check_token_ids_fit(key: str, tokenizer: Any, model: Any) -> None:
     rows = int(weight.shape[0]) if weight is not None else getattr(getattr(model, "config", None), "vocab_size", None)
     if rows is None:
         return
+    _check_ids_below(key, tokenizer, rows, f"its model has {rows} embedding rows")
+
+
+def _check_ids_below(key: str, tokenizer: Any, rows: int, what: str) -> None:
+    """Refuse a `tokenizer` with ids >= `rows` (what the model has, said by `what`), naming `key`."""
     vocab = tokenizer.get_vocab()
     top = max(vocab.values(), default=-1)
     if top >= rows:
         over = sum(1 for i in vocab.values() if i >= rows)
         raise ValueError(
-            f"{key}: its tokenizer has token ids up to {top} ({over} of them past the end), but its model has "
-            f"{rows} embedding rows: the tokenizer is not the model's; point {key} at the tokenizer saved with "
-            "that model"
+            f"{key}: its tokenizer has token ids up to {top} ({over} of them past the end), but {what}: the "
+            f"tokenizer is not the model's; point {key} at the tokenizer saved with that model"
         )
 
 
@@ -138,12 +142,7 @@ def check_scorer_vocabularies(cfg: Any, *, reward_model: bool, judge: bool) -> N
         if rows is None:
             continue
         tokenizer = load_keyed(key, tok_path, load_tokenizer, tok_path, trust_remote_code=trust)
-        top = max(tokenizer.get_vocab().values(), default=-1)
-        if top >= rows:
-            raise ValueError(
-                f"{key}: its tokenizer has token ids up to {top}, but {model_key}'s config.json says vocab_size "
-                f"{rows}: the tokenizer is not the model's; point {key} at the tokenizer saved with that model"
-            )
+        _check_ids_below(key, tokenizer, rows, f"{model_key}'s config.json says vocab_size {rows}")
 
 
 def _messages(prompt: Any) -> list[dict[str, Any]]:
