@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["Truncation", "truncate", "truncated_log_softmax"]
+__all__ = ["Truncation", "rollout_truncation", "truncate", "truncated_log_softmax"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,14 @@ class Truncation:
         """A `Truncation`, or None when nothing would be dropped (the no-op every caller skips)."""
         t = cls(int(top_k), float(top_p), float(min_p))
         return t if t.active else None
+
+
+def rollout_truncation(rollout: Any) -> Truncation | None:
+    """What a rollout config (`actor_rollout_ref.rollout`) samples under: its top-k / top-p / min-p, or None for
+    greedy decoding or no truncation."""
+    if not rollout.do_sample:
+        return None
+    return Truncation.of(rollout.top_k, rollout.top_p, getattr(rollout, "min_p", 0.0))
 
 
 def truncate(z: torch.Tensor, truncation: Truncation | None, labels: torch.Tensor | None = None) -> torch.Tensor:

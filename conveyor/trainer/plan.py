@@ -60,7 +60,7 @@ import importlib.util
 import logging
 from typing import Any
 
-from conveyor.algos.sampling_mask import Truncation
+from conveyor.algos.sampling_mask import rollout_truncation
 from conveyor.config import Config, ConfigError
 from conveyor.config.parallel import ref_sequence_parallel_size
 from conveyor.config.plan import COLOCATED, OLD_LOG_PROB_SOURCES, RunPlan
@@ -390,7 +390,7 @@ def _correction_decision(cfg: Config, off_policy: bool, why: list[str]) -> dict[
     if correction.rollout_rs is not None:
         why.append(f"rejection sampling: {correction.rollout_rs}")
     rollout = cfg.actor_rollout_ref.rollout
-    truncation = Truncation.of(rollout.top_k, rollout.top_p, rollout.min_p) if rollout.do_sample else None
+    truncation = rollout_truncation(rollout)
     if truncation is not None:
         kept = f"top_k={truncation.top_k} top_p={truncation.top_p} min_p={truncation.min_p}"
         why.append(

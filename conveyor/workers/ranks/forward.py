@@ -48,7 +48,7 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.algos.logprob import logprobs_and_entropy, sum_pi_squared_from_logits
-from conveyor.algos.sampling_mask import Truncation
+from conveyor.algos.sampling_mask import Truncation, rollout_truncation
 from conveyor.algos.trajectory import response_span
 from conveyor.models.fused_head import fused_head_reason, fused_lm_head, head_sum_pi_squared, split_head_output
 from conveyor.models.moe_routing import (
@@ -91,9 +91,7 @@ def replayed_truncation(rollout: Any) -> Truncation | None:
     """The rollout's sampling mask the policy's log-probs replay (`actor_rollout_ref.rollout`), or None: greedy
     decoding, no truncation set, or `sampling_mask.replay` off."""
     mask = getattr(rollout, "sampling_mask", None)
-    if not rollout.do_sample or (mask is not None and not mask.replay):
-        return None
-    return Truncation.of(rollout.top_k, rollout.top_p, getattr(rollout, "min_p", 0.0))
+    return None if mask is not None and not mask.replay else rollout_truncation(rollout)
 
 
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
