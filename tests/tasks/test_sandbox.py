@@ -318,8 +318,10 @@ def test_a_fork_bomb_leaves_the_process_budget_of_programs_running_beside_it_alo
     forker = {
         "main.py": (
             "import os, time\ntime.sleep(0.5)\n"  # the bomb has filled its budget by now
-            "pids = [os.fork() for _ in range(3)]\n"
-            "if 0 in pids:\n    os._exit(0)\n"
+            # Three children alive at once, each forked by this program only (a comprehension of forks would have
+            # every child fork too: 8 programs, past the budget with the launcher and its supervisor).
+            "pids = []\nfor _ in range(3):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        time.sleep(0.2)\n        os._exit(0)\n    pids.append(pid)\n"
             "for p in pids:\n    os.waitpid(p, 0)\nprint('forked')\n"
         )
     }
