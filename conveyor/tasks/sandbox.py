@@ -103,6 +103,27 @@ def _check_python3(python: str) -> None:
         )
 
 
+def _lock_uid(uid: int) -> tuple[bool, int | None]:
+    """Try to lease `uid` machine-wide: (whether it is ours, the descriptor holding the lease).
+
+    flock locks belong to an open file, so two sandboxes of one process exclude each other as two processes do;
+    where no lock folder can be made, the lease is this process's alone."""
+    import fcntl
+
+    folder = Path(tempfile.gettempdir()) / "conveyor-sandbox-uids"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(folder / f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return True, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False, None
+    return True, fd
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not be built (not a program's failure): the run stops, naming the cause."""
 
@@ -189,9 +210,10 @@ class Sandbox:
         self.read_only = [*_SYSTEM_DIRS, *([prefix] if not prefix.startswith(_SYSTEM_DIRS) else [])]
         self._isolation: str | None = None if isolation == "auto" else isolation
         self._lock = threading.Lock()
-        # RLIMIT_NPROC counts every process of a uid, so programs running at once as one uid would share one
-        # budget (a fork bomb in one would make the others' forks fail): each run at once gets a uid of its own.
-        self._uids_in_use: set[int] = set()
+        # RLIMIT_NPROC counts every process of a uid on the machine, so programs running at once as one uid would
+        # share one budget (a fork bomb in one would make the others' forks fail): each run at once gets a uid of its
+        # own, leased machine-wide (other reward workers' sandboxes, other runs) through a lock file per uid.
+        self._uids_in_use: dict[int, int | None] = {}  # uid -> the descriptor holding its lease (None: no lock dir)
         self.counts: Counter[str] = Counter()
         self.exec_s = 0.0
 
@@ -249,21 +271,32 @@ class Sandbox:
             result = self._run_in(work, files, entry, isolation, uid)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-            with self._lock:
-                self._uids_in_use.discard(uid)
+            self._release_uid(uid)
         with self._lock:
             self.counts[result.outcome] += 1
             self.exec_s += result.wall_s
         return result
 
     def _lease_uid(self) -> int:
-        """The uid this run's program gets as root: `uid`, or the next one down that no run in flight holds."""
+        """The uid this run's program gets as root: `uid`, or the next one down that no run in flight on this
+        machine holds."""
         with self._lock:
             uid = self.uid
-            while uid in self._uids_in_use:
+            while uid > 0:
+                if uid not in self._uids_in_use:
+                    held, fd = _lock_uid(uid)
+                    if held:
+                        self._uids_in_use[uid] = fd
+                        return uid
                 uid -= 1
-            self._uids_in_use.add(uid)
-        return uid
+        raise SandboxError(f"no free uid at or below reward.sandbox.user={self.uid} for a sandboxed program")
+
+    def _release_uid(self, uid: int) -> None:
+        """Hand a leased uid back (its lock file stays, for the next lease)."""
+        with self._lock:
+            fd = self._uids_in_use.pop(uid, None)
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the open file drops its flock
 
     def _check_reachable(self) -> None:
         """Without namespaces, a root trainer runs programs as `uid`, which must be able to run the interpreter."""

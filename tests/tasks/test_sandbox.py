@@ -353,3 +353,39 @@ def test_the_isolation_in_force_and_the_limits_are_logged_once_when_the_pool_is_
     for part in ("2 s wall", "1 s CPU", "256 MB memory", "8 processes", "64 open files", "0.25 MB output", "4 at once"):
         assert part in lines[0], part
     assert ("16 MB disk" in lines[0]) == (mode == "namespaces")  # a tmpfs of its own only with namespaces
+
+
+def test_a_uid_another_process_has_leased_is_skipped_until_it_is_handed_back():
+    """Reward workers in processes of their own each hold a sandbox: their programs at once get distinct uids."""
+    import random
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    uid = random.randrange(1_000_000, 2_000_000)  # no other test's uid
+    sandbox = Sandbox(SandboxLimits(wall_s=4), uid=uid, isolation="rlimits")
+    lock = Path(tempfile.gettempdir()) / "conveyor-sandbox-uids" / f"{uid}.lock"
+    lock.parent.mkdir(mode=0o700, exist_ok=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, os, sys\nfd = os.open({str(lock)!r}, os.O_CREAT | os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\nsys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        first = sandbox._lease_uid()
+        other = Sandbox(SandboxLimits(wall_s=4), uid=uid, isolation="rlimits")  # another sandbox of this process
+        second = other._lease_uid()
+        assert (first, second) == (uid - 1, uid - 2)
+        sandbox._release_uid(first)
+        other._release_uid(second)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    assert sandbox._lease_uid() == uid  # the other process is gone, and its lease with it
