@@ -26,7 +26,7 @@ from typing import Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["REQUIRED_COLUMNS", "OPTIONAL_COLUMNS", "load_parquet_records", "write_parquet_records"]
+__all__ = ["REQUIRED_COLUMNS", "OPTIONAL_COLUMNS", "MEDIA_COLUMNS", "load_parquet_records", "write_parquet_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,24 @@ def _check_row(path: str, row: int, rec: dict) -> None:
         )
 
 
+MEDIA_COLUMNS: tuple[str, ...] = ("images", "videos")
+"""verl's multimodal columns: a text-only policy would train on the rows' text with the media silently gone."""
+
+
+def _refuse_media(path: str, table: pa.Table) -> None:
+    """Stop at load, naming the column and the first row, when a row carries images or videos for a text policy."""
+    for name in MEDIA_COLUMNS:
+        if name not in table.column_names:
+            continue
+        for row, value in enumerate(table.column(name).to_pylist()):
+            if value:  # null, [] and "" carry no media: the row is text
+                raise ValueError(
+                    f"parquet file {path!r}, row {row}: column {name!r} holds {name}, but the policy is a text "
+                    f"model: its {name} would be dropped and their placeholders (such as '<image>') read as text; "
+                    f"drop the {name!r} column (or those rows) to train on the text alone"
+                )
+
+
 def _read_one(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise ValueError(f"parquet file {path!r} does not exist")
@@ -115,6 +133,7 @@ def _read_one(path: str) -> list[dict]:
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"could not read parquet file {path!r}: {e}") from e
     _check_schema(path, table.schema)
+    _refuse_media(path, table)
     records = table.to_pylist()
     for i, rec in enumerate(records):
         _check_row(path, i, rec)
@@ -131,8 +150,9 @@ def load_parquet_records(paths: PathLike | Sequence[PathLike]) -> list[dict]:
     Raises `ValueError` naming the file when a file is missing or unreadable,
     lacks a required column (the message lists the columns it has), or holds
     no rows; and naming the row too when its `prompt` is not a non-empty list
-    of chat messages with text content, its `data_source` is not a name, or
-    its `reward_model.ground_truth` is null or NaN.
+    of chat messages with text content, its `data_source` is not a name, its
+    `reward_model.ground_truth` is null or NaN, or it carries images or videos
+    (`MEDIA_COLUMNS`) the text policy could not see.
     """
     path_list = _as_path_list(paths)
     records: list[dict] = []

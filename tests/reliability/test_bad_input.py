@@ -167,6 +167,23 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
         ),
         tmp / "string_prompt.parquet",
     )
+    # verl's multimodal layout (as its geometry3k preprocessing writes): `<image>` in the prompt, an `images`
+    # column of {"bytes", "path"} structs; the second row is text-only, and the first carries an image.
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {**records[0], "prompt": [{"role": "user", "content": "<image>What is the sum?"}]},
+                *records[1:],
+            ]
+        ).append_column(
+            "images",
+            pa.array(
+                [[{"bytes": b"\x89PNG\r\n\x1a\n", "path": "a.png"}]] + [[] for _ in records[1:]],
+                pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+            ),
+        ),
+        tmp / "with_images.parquet",
+    )
     (tmp / "no_config").mkdir()
     no_pad_no_eos = _make_model_dir(base_model, tmp / "no_pad_no_eos", pad=False, eos=False)
     eos_only = _make_model_dir(base_model, tmp / "eos_only", pad=False, eos=True)
@@ -201,6 +218,7 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
             "no_reward_model.parquet",
             "empty.parquet",
             "string_prompt.parquet",
+            "with_images.parquet",
         )
     }
     custom = "reward.custom_reward_function.path={}".format
@@ -214,6 +232,7 @@ def _runtime_cases(base_model: str, tmp: Path) -> dict[str, list[str]]:
         "parquet_missing_file": run("parquet_missing_file", f"data.train_files=[{tmp / 'nowhere.parquet'}]"),
         "parquet_prompt_not_messages": run("parquet_prompt_not_messages", files["string_prompt.parquet"]),
         "unknown_data_source": run("unknown_data_source", files["unknown_source.parquet"]),
+        "parquet_images_for_a_text_policy": run("parquet_images_for_a_text_policy", files["with_images.parquet"]),
         "prompt_too_long_error": run("prompt_too_long_error", "data.max_prompt_length=3"),
         "prompt_too_long_left": run("prompt_too_long_left", "data.max_prompt_length=3", "data.truncation=left"),
         "prompt_too_long_right": run("prompt_too_long_right", "data.max_prompt_length=3", "data.truncation=right"),
@@ -260,6 +279,7 @@ RUNTIME_ERRORS = {
     "parquet_missing_file": ("nowhere.parquet", "does not exist"),
     "parquet_prompt_not_messages": ("string_prompt.parquet", "row 0", "'prompt' must be a list of chat messages"),
     "unknown_data_source": ("'my/unknown_task'", "no reward function"),
+    "parquet_images_for_a_text_policy": ("with_images.parquet", "row 0", "column 'images'", "drop the 'images'"),
     "prompt_too_long_error": ("data.max_prompt_length=3", "data.truncation=left"),
     "reward_function_raises": ("sample 'train-1/p", "raises.py", "RuntimeError: grader crashed"),
     "reward_function_returns_nan": ("sample 'train-1/p", "nan.py", "returned nan (float), not a finite number"),

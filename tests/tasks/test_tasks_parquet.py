@@ -210,3 +210,21 @@ def test_write_rejects_bad_records(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot be stored as one parquet table"):
         write_parquet_records(mixed, tmp_path / "x.parquet")
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_rows_with_images_or_videos_are_refused_for_a_text_policy_and_empty_media_columns_load(tmp_path):
+    """verl's multimodal columns: a row carrying media stops the load naming it; null or empty lists are text."""
+    from conveyor.tasks.parquet import MEDIA_COLUMNS
+
+    records = make_arithmetic_records(3, seed=0, max_operand=9, split="train")
+    image = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    for column in MEDIA_COLUMNS:
+        text_only = pa.Table.from_pylist(records).append_column(column, pa.array([None, [], None], image))
+        pq.write_table(text_only, tmp_path / "text.parquet")
+        assert len(load_parquet_records(tmp_path / "text.parquet")) == 3
+        media = text_only.set_column(
+            text_only.column_names.index(column), column, pa.array([[], None, [{"bytes": b"x", "path": "p"}]], image)
+        )
+        pq.write_table(media, tmp_path / "media.parquet")
+        with pytest.raises(ValueError, match=rf"media.parquet'.*row 2: column '{column}' holds {column}"):
+            load_parquet_records(tmp_path / "media.parquet")
