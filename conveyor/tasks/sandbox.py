@@ -110,7 +110,8 @@ def _lock_uid(uid: int) -> tuple[bool, int | None]:
     where no lock folder can be made, the lease is this process's alone."""
     import fcntl
 
-    folder = Path(tempfile.gettempdir()) / "conveyor-sandbox-uids"
+    # One folder for the machine whatever a process's TMPDIR says (Ray's workers may be given their own).
+    folder = Path("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()) / "conveyor-sandbox-uids"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(folder / f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)

@@ -359,12 +359,11 @@ def test_a_uid_another_process_has_leased_is_skipped_until_it_is_handed_back():
     """Reward workers in processes of their own each hold a sandbox: their programs at once get distinct uids."""
     import random
     import subprocess
-    import tempfile
     from pathlib import Path
 
     uid = random.randrange(1_000_000, 2_000_000)  # no other test's uid
     sandbox = Sandbox(SandboxLimits(wall_s=4), uid=uid, isolation="rlimits")
-    lock = Path(tempfile.gettempdir()) / "conveyor-sandbox-uids" / f"{uid}.lock"
+    lock = Path("/tmp/conveyor-sandbox-uids") / f"{uid}.lock"
     lock.parent.mkdir(mode=0o700, exist_ok=True)
     holder = subprocess.Popen(
         [
