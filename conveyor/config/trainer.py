@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # Values of trainer.v1.trainer_mode (verl's V1 trainer keys): the synchronous loop, or the rollout worker group
-# generating concurrently with training (`conveyor.trainer.sources.AsyncSource`). verl's colocate_async is not
+# generating concurrently with training (`conveyor.trainer.async_source.AsyncSource`). verl's colocate_async is not
 # implemented.
 TRAINER_MODES: tuple[str, ...] = ("sync", "separate_async")
 OFF_POLICY_STRATEGIES: tuple[str, ...] = ("drop", "wait")

@@ -7,7 +7,9 @@ gathers the model, see `conveyor.workers.training.shards`), `hf/` (the model's c
 and tokenizer, so `conveyor export` needs nothing else), and
 `trainer_state.pt` (step, config, each role's lr-schedule state, and every
 trainer-side part registered with `trainer/state.py`'s `Checkpoints`: data
-order, RNG states, KL controller, MoE accumulators, validation history). It
+order, RNG states, KL controller, MoE accumulators, validation history),
+and a file of its own for each part registered with one (`in_flight.pt`: an
+asynchronous run's batches in flight), listed in the state's `files`. It
 appears under its final name only once complete (one `os.rename` of the
 directory, after `trainer_state.pt` is written and synced), so a kill during a
 save leaves the newest good checkpoint intact; half-written `*.tmp-*`
@@ -18,8 +20,9 @@ weights_only=True)`, which rebuilds only tensors and plain containers of
 numbers and strings, so a crafted checkpoint cannot run anything. For that,
 what is saved is kept to those types (RNG states are stored as tensors).
 A checkpoint that is chosen is checked whole before anything is built: its
-trainer state must read as one, each role's DCP metadata must read, and every
-shard file must be as long as the metadata says. Any damage (random bytes, a
+trainer state must read as one, each part file it lists must read, each
+role's DCP metadata must read, and every shard file must be as long as the
+metadata says. Any damage (random bytes, a
 cut, a foreign file) is a `ValueError` naming the file, whichever error the
 readers underneath raised.
 """
@@ -53,9 +56,14 @@ __all__ = [
     "set_rng_state",
     "resume_path",
     "check_shards",
+    "write_part_file",
+    "FILES",
 ]
 
 _NAME = re.compile(r"^global_step_(\d+)$")
+
+# The entry of trainer_state.pt naming each part's own file: {part name: file name in the checkpoint directory}.
+FILES = "files"
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
@@ -183,6 +191,15 @@ def save_checkpoint(
 ROLES = ("actor", "critic")
 
 
+def write_part_file(path: Path, state: Any) -> None:
+    """Write one part's state (tensors and plain values) to `path`, synced: it is complete before the checkpoint's
+    directory takes its final name."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """`trainer_state` (read without unpickling code) and the shard directory of each role the checkpoint holds."""
     p = Path(path)
@@ -201,7 +218,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint {p} is inconsistent: its directory says step {match.group(1)} but its state "
             f"says step {state['global_step']}; it was edited or mixed up, resume from another checkpoint"
         )
-    out: dict[str, Any] = {"trainer_state": state}
+    out: dict[str, Any] = {"trainer_state": state, "files": _read_part_files(p, state_file, state)}
     for role in ROLES:
         if (p / role).is_dir():
             if (p / role / ".metadata").is_file():  # without one, the shard loader refuses the directory itself
@@ -210,24 +227,52 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def _read_state(state_file: Path) -> dict[str, Any]:
-    """trainer_state.pt read without unpickling code; a ValueError naming the file for anything else in it."""
+def _read_part_files(p: Path, state_file: Path, state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """The part files the trainer state lists, read: {part name: (file name, its state)}."""
+    listed = state.get(FILES) or {}
+    if not isinstance(listed, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v and Path(v).name == v and v != "trainer_state.pt"
+        for k, v in listed.items()
+    ):
+        raise ValueError(
+            f"checkpoint file {state_file}: its entry {FILES!r} is not a mapping of part names to file names in "
+            f"{p}; it was edited or not written by conveyor: resume from another checkpoint"
+        )
+    out = {}
+    for name, file_name in listed.items():
+        path = p / file_name
+        if not path.is_file():
+            raise ValueError(
+                f"checkpoint file {path} is missing (trainer_state.pt lists it for {name!r}); the checkpoint is "
+                "incomplete: resume from another checkpoint with trainer.resume_mode=resume_path"
+            )
+        out[name] = (file_name, _load_plain(path))
+    return out
+
+
+def _load_plain(path: Path) -> Any:
+    """A checkpoint file read without unpickling code; a ValueError naming the file for anything else in it."""
     try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         reason = _unpickler_reason(err)
-        if "Unsupported global" in reason or (reason.startswith("Unsupported operand") and _is_pickle(state_file)):
+        if "Unsupported global" in reason or (reason.startswith("Unsupported operand") and _is_pickle(path)):
             # weights_only refused something that would run code to rebuild: say so, without the library's
             # advice to turn the check off.
             raise ValueError(
-                f"checkpoint file {state_file} holds objects other than tensors and plain values, which "
+                f"checkpoint file {path} holds objects other than tensors and plain values, which "
                 f"conveyor never unpickles (it could run code); it was not written by conveyor: {reason}"
             ) from err
-        raise _unreadable(state_file, reason) from err
+        raise _unreadable(path, reason) from err
     # Random bytes reach the unpickler's and the zip reader's every error path (IndexError, KeyError,
     # UnicodeDecodeError, MemoryError, ...): what matters is which file, not which of them.
     except Exception as err:
-        raise _unreadable(state_file, f"{type(err).__name__}: {_first_line(err)}") from err
+        raise _unreadable(path, f"{type(err).__name__}: {_first_line(err)}") from err
+
+
+def _read_state(state_file: Path) -> dict[str, Any]:
+    """trainer_state.pt read without unpickling code; a ValueError naming the file for anything else in it."""
+    state = _load_plain(state_file)
     step = state.get("global_step") if isinstance(state, dict) else None
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(
@@ -308,9 +353,10 @@ def _unpickler_reason(err: BaseException) -> str:
 
 
 def _unreadable(state_file: Path, reason: str) -> ValueError:
+    what = "trainer state" if state_file.name == "trainer_state.pt" else "checkpoint file"
     return ValueError(
         f"checkpoint file {state_file} is truncated or unreadable ({reason}): it is damaged or not a conveyor "
-        "trainer state; resume from an older checkpoint with trainer.resume_mode=resume_path"
+        f"{what}; resume from an older checkpoint with trainer.resume_mode=resume_path"
     )
 
 

@@ -192,6 +192,19 @@ class PPOTrainer:
             save=lambda: self.source.state_dict()["dataset"],
             load=lambda dataset: self.source.load_state_dict({"dataset": dataset}),
         )
+        # An asynchronous source's batches in flight (their samples: a file of their own), restored after the prompt
+        # order, which they move past; checkpoints written before they were kept draw those batches again. The save
+        # of a stop (`_stopping`) keeps only the batches already generated or generating: the ones queued behind them
+        # are cancelled next, and never start.
+        self._stopping = False
+        ck.register(
+            "in_flight",
+            self.source,
+            save=lambda: self.source.in_flight_state(stopping=self._stopping),
+            load=self.source.load_in_flight_state,
+            older=lambda st: None,
+            file="in_flight.pt",
+        )
         self.rollout_dumps = RolloutDumps(self.stages, self.run_dir)
 
     @property
@@ -250,6 +263,7 @@ class PPOTrainer:
         except KeyboardInterrupt:
             interrupted = True
             if stopping and self.global_step > saved_step:
+                self._stopping = True
                 self.save_checkpoint()
             elif not stopping and self.global_step > saved_step:
                 # The step had advanced the prompt order and maybe the model: a checkpoint

@@ -9,8 +9,10 @@ history; the process's RNG states are registered by `Checkpoints` itself)
 registers a name and how its state is read and put back
 (`register(name, owner)` for an object with `state_dict`/`load_state_dict`),
 and is then saved under that name and restored on resume with nothing else
-to edit; tests/trainer/test_trainer_state.py walks the trainer's objects and
-fails on one that holds run state without being registered. The step is
+to edit (a part whose state is large, such as an asynchronous run's batches
+in flight, names a `file` of its own in the checkpoint directory instead);
+tests/trainer/test_trainer_state.py walks the trainer's objects and fails on
+one that holds run state without being registered. The step is
 passed in and handed back, so nothing is read off the trainer: `save(step)`
 writes a checkpoint, `resume()` loads the one `trainer.resume_mode` points at
 (if any) back into the same parts and returns its step, and `due(step,
@@ -43,7 +45,7 @@ __all__ = ["Checkpoints", "StatePart", "trainer_state", "save_checkpoint", "mayb
 T = TypeVar("T")
 
 # The entries of trainer_state.pt that are not a registered part's.
-_RESERVED = ("global_step", "config", "roles")
+_RESERVED = ("global_step", "config", "roles", ckpt.FILES)
 
 # What a damaged or foreign entry raises when it is read back (conveyor writes every entry it reads).
 _UNUSABLE = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError)
@@ -59,6 +61,9 @@ class StatePart:
     load: Callable[[Any], None]
     # The state from a checkpoint written before the part had its entry (None: the entry is required).
     older: Callable[[Mapping[str, Any]], Any] | None = None
+    # A file of its own in the checkpoint directory for the state (None: an entry of trainer_state.pt); a state of
+    # None writes no file.
+    file: str | None = None
 
 
 @dataclasses.dataclass
@@ -85,11 +90,13 @@ class Checkpoints:
         save: Callable[[], Any] | None = None,
         load: Callable[[Any], None] | None = None,
         older: Callable[[Mapping[str, Any]], Any] | None = None,
+        file: str | None = None,
     ) -> T:
         """Save `owner`'s state under `name` in every checkpoint and put it back on resume; returns `owner`.
 
         `save`/`load` default to `owner.state_dict`/`owner.load_state_dict`; `older(trainer_state)` gives the
-        state to load from a checkpoint written before this entry existed (without it, such a checkpoint is refused).
+        state to load from a checkpoint written before this entry existed (without it, such a checkpoint is refused);
+        `file` keeps the state in a file of that name in the checkpoint directory rather than in trainer_state.pt.
         """
         assert name not in self.parts and name not in _RESERVED, f"trainer state entry {name!r} registered twice"
         self.parts[name] = StatePart(
@@ -98,6 +105,7 @@ class Checkpoints:
             save=save if save is not None else owner.state_dict,
             load=load if load is not None else owner.load_state_dict,
             older=older,
+            file=file,
         )
         return owner
 
@@ -115,15 +123,28 @@ class Checkpoints:
         return maybe_resume(self)
 
 
-def trainer_state(checkpoints: Checkpoints, step: int, roles: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's own state at `step` (`roles`: what each role's `save_checkpoint` returned)."""
-    state = {
+def trainer_state(
+    checkpoints: Checkpoints, step: int, roles: dict[str, Any], tmp: Path | None = None
+) -> dict[str, Any]:
+    """The trainer's own state at `step` (`roles`: what each role's `save_checkpoint` returned); the parts with a
+    file of their own write it into the checkpoint directory `tmp` (without one, their state is the entry)."""
+    state: dict[str, Any] = {
         "global_step": step,
         "config": config_to_dict(checkpoints.cfg),  # what a resume is checked against
         "roles": roles,
     }
+    files: dict[str, str] = {}
     for name, part in checkpoints.parts.items():
-        state[name] = part.save()
+        value = part.save()
+        if part.file is None or tmp is None:
+            state[name] = value
+            continue
+        # The entry says the part was saved; the file list, which file holds it (none: its state was None).
+        state[name] = None
+        if value is not None:
+            ckpt.write_part_file(tmp / part.file, value)
+            files[name] = part.file
+    state[ckpt.FILES] = files
     return state
 
 
@@ -138,7 +159,7 @@ def save_checkpoint(checkpoints: Checkpoints, step: int) -> Path:
             # What `conveyor export` needs besides the weights: a checkpoint is self-contained.
             checkpoints.model_config.save_pretrained(tmp / "hf")
             checkpoints.tokenizer.save_pretrained(tmp / "hf")
-        return trainer_state(checkpoints, step, roles)
+        return trainer_state(checkpoints, step, roles, tmp)
 
     t = checkpoints.cfg.trainer
     # The checkpoint named by resume_path is only read: rotation never takes it.
@@ -155,6 +176,7 @@ def maybe_resume(checkpoints: Checkpoints) -> int | None:
     if "actor" not in parts:
         raise ValueError(f"checkpoint {path} has no actor shards (no actor/ directory); it is incomplete")
     st = parts["trainer_state"]
+    files = parts.get("files", {})
     file = path / "trainer_state.pt"
     try:
         step, roles = int(st["global_step"]), dict(st.get("roles", {}))
@@ -163,15 +185,19 @@ def maybe_resume(checkpoints: Checkpoints) -> int | None:
     # Every part is restored before any worker loads: only an edited or foreign file lacks an entry or holds the
     # wrong kind of value (conveyor writes them all), and that must not surface steps later or half-way.
     for name, part in checkpoints.parts.items():
+        where = path / files[name][0] if name in files else file
         try:
-            part.load(st[name] if name in st or part.older is None else part.older(st))
+            if name in files:
+                part.load(files[name][1])
+            else:
+                part.load(st[name] if name in st or part.older is None else part.older(st))
         except KeyError as err:
-            raise _unusable(file, err) from err
+            raise _unusable(where, err) from err
         except ValueError as err:
             # The part's own words say what differs (another prompt data set or seed, say).
-            raise ValueError(f"checkpoint file {file}, entry {name!r}: {err}") from err
+            raise ValueError(f"checkpoint file {where}, entry {name!r}: {err}") from err
         except _UNUSABLE as err:
-            raise _unusable(file, err) from err
+            raise _unusable(where, err) from err
     checkpoints.workers.actor.load_checkpoint(str(parts["actor"]), roles.get("actor", {}))
     if checkpoints.workers.critic is not None:
         if "critic" not in parts:

@@ -111,6 +111,64 @@ def test_any_damage_to_dcp_metadata_is_read_or_refused_naming_the_file(recorded_
     assert outcomes["refused"] >= CASES * 2 // 3, outcomes
 
 
+IN_FLIGHT = "checkpoints/global_step_1/in_flight.pt"
+
+
+@pytest.fixture(scope="module")
+def recorded_async_run(rel, base_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-step asynchronous run (k = 1) whose step-1 checkpoint keeps batch 2, in flight (never changed)."""
+    run_dir = tmp_path_factory.mktemp("recorded-async") / "run"
+    done = rel.run_cli(
+        *rel.train_args(
+            run_dir,
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            "trainer.max_ckpt_to_keep=null",
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.sampler.max_off_policy_threshold=1",
+        )
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run_dir / IN_FLIGHT).is_file()
+    return run_dir
+
+
+def test_any_damage_to_the_batches_in_flight_is_read_or_refused_naming_the_file(
+    recorded_async_run: Path, tmp_path: Path
+) -> None:
+    step1 = Path("checkpoints/global_step_1")
+    read = lambda run: ckpt.load_checkpoint(run / step1)  # noqa: E731
+    outcomes = _fuzz(recorded_async_run, tmp_path / "fuzz", IN_FLIGHT, 6, read, "in_flight.pt")
+    assert outcomes["refused"] >= CASES * 2 // 3, outcomes  # every random block and every cut
+    copy = tmp_path / "missing"
+    shutil.copytree(recorded_async_run, copy)
+    (copy / IN_FLIGHT).unlink()
+    with pytest.raises(ValueError, match=r"in_flight\.pt is missing"):
+        ckpt.load_checkpoint(copy / step1)
+
+
+def test_a_resume_from_damaged_batches_in_flight_stops_at_start_naming_the_file(
+    rel, recorded_async_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(recorded_async_run, run)
+    shutil.rmtree(run / "checkpoints" / "global_step_2")  # a crash right after step 1's checkpoint
+    (run / IN_FLIGHT).write_bytes(random.Random(15).randbytes(4096))
+    metrics_before = (run / "metrics.jsonl").read_bytes()
+    done = rel.run_cli(
+        *rel.train_args(
+            run,
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            "trainer.max_ckpt_to_keep=null",
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.sampler.max_off_policy_threshold=1",
+        )
+    )
+    rel.assert_usage_error(done.returncode, done.stderr, ("in_flight.pt",))
+    assert (run / "metrics.jsonl").read_bytes() == metrics_before  # no step was trained
+
+
 def test_a_cut_shard_is_refused_naming_it_when_the_checkpoint_is_chosen(recorded_run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(recorded_run, copy)

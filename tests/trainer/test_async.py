@@ -144,7 +144,7 @@ def test_one_optimizer_step_per_batch_takes_the_proximal_policy_from_the_update(
 def test_weights_leave_when_the_update_ends(tmp_path, tiny_run, monkeypatch):
     # Each update's weights are staged right after it (before the step's metrics), so the next step's start finds
     # them sent; the last update's are not staged, as no later step would train what they generate.
-    from conveyor.trainer.sources import AsyncSource
+    from conveyor.trainer.async_source import AsyncSource
 
     staged: list[tuple[str, int, int]] = []
     where = {"updated": False}
@@ -216,7 +216,8 @@ def _prompts(run_dir, step: int) -> list[str]:
 
 
 def test_a_resumed_run_trains_the_batches_that_were_in_flight(tmp_path, tiny_run):
-    """Stopped after step 2's checkpoint with batch 3 already generated: the resumed run draws its prompts again."""
+    """Stopped after step 2's checkpoint with batch 3 already generated: the checkpoint keeps it, and the resumed run
+    trains it as generated, with the version-1 weights, as the uninterrupted run does."""
     import shutil
 
     base = [o for o in tiny_run if not o.startswith("trainer.default_local_dir=")]
@@ -231,17 +232,21 @@ def test_a_resumed_run_trains_the_batches_that_were_in_flight(tmp_path, tiny_run
     ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_training(load_config(None, common + [f"trainer.default_local_dir={ref_dir}"]))
-    run_training(load_config(None, common + [f"trainer.default_local_dir={run_dir}"]))
+    shutil.copytree(ref_dir, run_dir)
     for step in (3, 4):  # a crash right after step 2's checkpoint
         shutil.rmtree(run_dir / "checkpoints" / f"global_step_{step}")
         (run_dir / "generations" / f"step_{step:06d}.jsonl").unlink()
+    versions = run_dir / "async_versions.jsonl"
+    versions.write_text("".join(line + "\n" for line in versions.read_text().splitlines()[:2]))
     run_training(load_config(None, common + [f"trainer.default_local_dir={run_dir}"]))
     for step in (1, 2, 3, 4):  # the same prompts at every step: none lost, none twice
         assert _prompts(run_dir, step) == _prompts(ref_dir, step)
-    log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
-    resumed = [r for r in log if r["step"] == 3][-1]
-    # Regenerated with the resumed (version 2) weights, so the bound holds across the restart too.
-    assert resumed["trained_at"] == 2 and set(resumed["sample_versions"]) <= {1, 2}
+    log = [json.loads(line) for line in versions.read_text().splitlines()]
+    ref = [json.loads(line) for line in (ref_dir / "async_versions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    # Batch 3 as generated before the stop (version 1, one version stale), not drawn and generated again.
+    assert log[2]["batch"] == 3 and log[2]["trained_at"] == 2 and set(log[2]["sample_versions"]) == {1}
+    assert log == ref
 
 
 def test_routed_experts_come_back_with_their_tokens_for_replay_and_the_load_balance_metrics(off_policy_r3_run):

@@ -77,7 +77,7 @@ def test_dynamic_sampling_in_async_mode_trains_full_batches_of_varied_groups(tin
 def test_remax_in_async_mode_takes_its_greedy_baseline_from_the_generating_weights(tiny_run, tmp_path, monkeypatch):
     import threading
 
-    from conveyor.trainer import sources
+    from conveyor.trainer import async_source, sources
 
     seen: list[str] = []
     baseline = sources.GreedyBaseline.__call__
@@ -96,7 +96,7 @@ def test_remax_in_async_mode_takes_its_greedy_baseline_from_the_generating_weigh
         assert "timing_s/async/rollout_gen_baseline" in r and r["off_policy/staleness_max"] <= 1
         assert torch.isfinite(torch.tensor(r["actor/pg_loss"]))
     # Every batch's baseline was decoded on the rollout's thread, right after its samples, with their weights.
-    assert len(seen) == 3 and all(name.startswith(sources.ROLLOUT_THREAD) for name in seen)
+    assert len(seen) == 3 and all(name.startswith(async_source.ROLLOUT_THREAD) for name in seen)
 
 
 def test_multi_turn_with_tools_in_async_mode(tiny_run, tmp_path):
