@@ -832,3 +832,21 @@ def test_mixed_precision_dtype_defaults_per_device() -> None:
     assert mixed_precision("fsdp2", None, None, "cpu") == (None, None)
     assert mixed_precision("fsdp2", "bfloat16", "float32", "cpu") == ("bfloat16", "float32")
     assert mixed_precision("dp", None, None, "cuda") == (None, None)
+
+
+def test_a_key_newer_than_the_checkpoint_differs_only_when_set_away_from_its_default():
+    """A checkpoint written before a key existed resumes when the key keeps its default (the old behaviour)."""
+    import copy
+
+    from conveyor.config import config_to_dict
+    from conveyor.trainer.run_dir import config_differences
+
+    now = config_to_dict(load_config(None, []))
+    saved = copy.deepcopy(now)
+    del saved["actor_rollout_ref"]["rollout"]["exact"]
+    assert config_differences(saved, now) == []
+    changed = config_to_dict(load_config(None, ["actor_rollout_ref.rollout.exact=true"]))
+    assert config_differences(saved, changed) == [("actor_rollout_ref.rollout.exact", "(absent)", True)]
+    # A key the checkpoint has and this run lacks (one removed since) is still a difference.
+    saved["actor_rollout_ref"]["rollout"]["retired_key"] = 1
+    assert ("actor_rollout_ref.rollout.retired_key", 1, "(absent)") in config_differences(saved, now)

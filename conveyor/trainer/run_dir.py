@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -113,8 +114,17 @@ def open_run_dir(cfg: Config) -> RunDirLock:
     return lock
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Every key's default value, flattened."""
+    return flatten_config(config_to_dict(Config()))
+
+
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) for each setting that changes the run and differs."""
+    """(key, saved value, current value) for each setting that changes the run and differs.
+
+    A key the checkpoint does not have, set to its default now, is no difference: it was added after the checkpoint
+    was written, and a new key's default is the behaviour before it existed."""
     a, b = flatten_config(saved), flatten_config(now)
     missing = object()
     out = []
@@ -122,6 +132,8 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple
         if _neutral(key):
             continue
         old, new = a.get(key, missing), b.get(key, missing)
+        if old is missing and key in _defaults() and new == _defaults()[key]:
+            continue
         if old != new:
             out.append((key, "(absent)" if old is missing else old, "(absent)" if new is missing else new))
     return out
