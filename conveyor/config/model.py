@@ -109,6 +109,13 @@ class ModelConfig:
         "a plain linear layer (a LoRA adapter on lm_head) keep the logits path",
         resume_neutral=True,
     )
+    lm_head_fp32: bool = F(
+        False,
+        "compute the actor's LM head in float32 while the body stays in its dtype (bf16), on both sides: the "
+        "trainer's forwards (fused head and lean forward included) and the rollout's (the hf engine's own head, "
+        "vLLM's head_dtype); the hidden states and the head's weight are upcast at the matmul, a float32 copy of "
+        "the head's weight per forward (counted in the memory check). A no-op for a float32 model",
+    )
     enable_gradient_checkpointing: bool = F(
         False,
         "recompute activations in the backward instead of keeping them (actor and critic): less memory, "

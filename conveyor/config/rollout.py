@@ -37,6 +37,9 @@ class ValKwargs:
     temperature: float = F(0.0, "0 = greedy", ge=0, hint="0 = greedy")
     top_p: float = F(1.0, "nucleus sampling", gt=0, le=1)
     top_k: int = F(0, "top-k sampling (0 = off)", ge=0)
+    min_p: float = F(
+        0.0, "min-p sampling: drop tokens below min_p x the likeliest's probability (0 = off; verl's name)", ge=0, le=1
+    )
     n: int = F(1, "samples per held-out prompt", gt=0)
     do_sample: bool = F(False, "sample instead of greedy decoding")
 
@@ -233,6 +236,14 @@ class RolloutConfig:
         0.0, "min-p sampling: drop tokens below min_p x the likeliest's probability (0 = off; verl's name)", ge=0, le=1
     )
     do_sample: bool = F(True, "sample (false = greedy)")
+    exact: bool = F(
+        False,
+        "hf rollout: the rollout's log-probs are the trainer's old-log-prob forward's, bitwise (the actor writes "
+        "both fields from that one forward), so rollout_corr/* read 0 and every importance weight is 1; it runs "
+        "the old-log-prob forward the hf rollout otherwise skips (docs/rollout.md). The tokens are still drawn from "
+        "the decode loop's softmax, which rounds differently. Refused with vllm, a rollout.dtype other than the "
+        "model's, bypass_mode=true and off-policy (asynchronous) batches",
+    )
     log_prob_micro_batch_size_per_gpu: int = F(256, "sequences per old-log-prob forward", gt=0, resume_neutral=True)
     log_prob_use_dynamic_bsz: bool | None = F(
         None,

@@ -13,6 +13,13 @@ place of logits is the log-probs, then the entropy and Σπ² when asked, stacke
 in the last dim (..., 1|2|3); `split_head_output` and `head_sum_pi_squared`
 take it apart.
 
+`float32_lm_head(model)` makes the model's head compute its logits in float32
+(`actor_rollout_ref.model.lm_head_fp32`): the hidden states and the weight are
+upcast at the matmul, so a bf16 body's head rounds its logits to float32, not
+bf16, on every path that calls it (the Hugging Face forward, padded or packed,
+the lean forward, the hf rollout's decode over the same modules, and the fused
+head, which upcasts the same two operands).
+
 `fused_head_reason(model)` says why a model's head cannot be fused: an
 architecture whose forward does something to the logits after the head
 (soft-capping, scaling) or whose head is not a plain linear layer (a LoRA
@@ -29,12 +36,21 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conveyor.algos.fused_logprob import fused_linear_logprobs
 from conveyor.algos.sampling_mask import Truncation
 
-__all__ = ["FUSED_HEAD_MODEL_TYPES", "fused_head_reason", "fused_lm_head", "head_sum_pi_squared", "split_head_output"]
+__all__ = [
+    "FUSED_HEAD_MODEL_TYPES",
+    "Float32Head",
+    "float32_lm_head",
+    "fused_head_reason",
+    "fused_lm_head",
+    "head_sum_pi_squared",
+    "split_head_output",
+]
 
 # Model types whose causal-LM forward hands the LM head's output straight back as the logits
 # (no soft-capping, scaling or bias added after it), so the head may return other numbers.
@@ -47,6 +63,33 @@ FUSED_HEAD_MODEL_TYPES: tuple[str, ...] = (
     "mistral",
     "mixtral",
 )
+
+
+class Float32Head(nn.Linear):
+    """A linear LM head whose logits are computed in float32 from float32 copies of its inputs and weight."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V) float32 of hidden states (..., H) in any dtype."""
+        return F.linear(hidden.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def float32_lm_head(model: nn.Module) -> nn.Module:
+    """Make `model`'s LM head compute in float32 (the body keeps its dtype); returns the head. Idempotent.
+
+    The module keeps its parameters, names and dtype (the checkpoint, the weight sync and FSDP2 see the same
+    tensor); only its class changes, so every caller of the head gets float32 logits.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, Float32Head):
+        return head
+    if head is None or type(head) is not nn.Linear:
+        what = "no output embeddings" if head is None else f"a {type(head).__name__} LM head (LoRA on lm_head?)"
+        raise ValueError(
+            f"actor_rollout_ref.model.lm_head_fp32=true needs a plain linear LM head; the model has {what}: set "
+            "lm_head_fp32=false, or leave lm_head out of actor_rollout_ref.model.target_modules"
+        )
+    head.__class__ = Float32Head
+    return head
 
 
 def fused_head_reason(model: nn.Module) -> str | None:
@@ -88,11 +131,15 @@ def fused_lm_head(
                 f"shape {tuple(labels.shape)}"
             )
         # Read the weight at call time: FSDP2 puts the gathered one in place only for its forward.
+        weight, bias = head.weight, head.bias
+        if isinstance(head, Float32Head):  # the blocks' matmul in float32, as the head's own forward computes it
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
         outputs = fused_linear_logprobs(
             hidden,
-            head.weight,
+            weight,
             labels,
-            bias=head.bias,
+            bias=bias,
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared,
             temperature=temperature,

@@ -258,6 +258,7 @@ class EngineContext:
     device: torch.device
     lean: Any = None  # the actor's LeanForward, or None (conveyor.models.lean)
     moe: Any = None  # the actor's MoEInfo, or None for a dense model
+    lm_head_fp32: bool = False  # actor_rollout_ref.model.lm_head_fp32: the engine's LM head computes in float32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,11 @@ Qwen3 and Qwen3-MoE unless `actor_rollout_ref.model.forward_impl` is hf), the
 prefill runs once per distinct prompt and the decode steps use its KV cache;
 otherwise the Hugging Face forward runs with a `DynamicCache`.
 
+With `actor_rollout_ref.rollout.exact` the log-probs a run keeps are not
+these: the actor overwrites them with its old-log-prob forward's, bitwise;
+`validate_config` refuses the settings under which that would misreport
+(another rollout dtype, bypass mode, off-policy batches).
+
 It deliberately does not batch requests across calls, page the cache, or
 serve; faster engines belong in sibling modules of this package.
 """
@@ -42,6 +47,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,7 +66,7 @@ from conveyor.rollout.base import (
     mask_unfed_routing,
 )
 
-__all__ = ["HFEngine", "build_engine"]
+__all__ = ["HFEngine", "build_engine", "validate_config"]
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -495,4 +501,36 @@ def build_engine(context: EngineContext) -> HFEngine:
         pad_token_id=context.tokenizer.pad_token_id,
         eos_token_id=context.tokenizer.eos_token_id,
         lean=context.lean,
+    )
+
+
+def validate_config(cfg: Any) -> None:
+    """The hf engine's checks of a config: what `rollout.exact` cannot hold to (a ConfigError naming the keys)."""
+    from conveyor.config.fields import check
+
+    arr = cfg.actor_rollout_ref
+    ro, model = arr.rollout, arr.model
+    if not ro.exact:
+        return
+    key = "actor_rollout_ref.rollout.exact"
+    check(
+        ro.dtype is None or ro.dtype == model.dtype,
+        key,
+        f"the hf rollout computes in the actor's dtype, so actor_rollout_ref.rollout.dtype={ro.dtype} differs "
+        f"from what its log-probs are compared with (model.dtype={model.dtype}): set rollout.dtype=null or "
+        "exact=false",
+    )
+    check(
+        cfg.algorithm.rollout_correction.bypass_mode is not True,
+        key,
+        "exact=true takes the rollout's log-probs from the old-log-prob forward that "
+        "algorithm.rollout_correction.bypass_mode=true skips: set bypass_mode=null or exact=false",
+    )
+    v1 = cfg.trainer.v1
+    check(
+        not (v1.is_async and v1.sampler.max_off_policy_threshold > 0),
+        key,
+        f"off-policy batches (trainer.v1.trainer_mode={v1.trainer_mode}, "
+        f"trainer.v1.sampler.max_off_policy_threshold={v1.sampler.max_off_policy_threshold}) were sampled by an "
+        "older policy than the old-log-prob forward scores them with: set max_off_policy_threshold=0 or exact=false",
     )

@@ -70,7 +70,8 @@ from conveyor.rollout.base import (
     engine_spec,
     mask_unfed_routing,
 )
-from conveyor.rollout.vllm_checks import check_servable, kv_bytes_per_token, validate_config
+from conveyor.rollout.vllm_checks import check_servable, kv_bytes_per_token
+from conveyor.rollout.vllm_checks import validate_config as _validate_engine_keys
 from conveyor.rollout.vllm_reload import executor_in_process, layer_buckets, reload_vllm
 from conveyor.rollout.vllm_world import (
     cpu_shm_segments,
@@ -183,6 +184,7 @@ class VLLMEngine(GenerationEngine):
         colocated: bool = True,
         load_format: str = "auto",
         bucket_bytes: int = 512 << 20,
+        lm_head_fp32: bool = False,
     ) -> None:
         if pad_token_id is None or eos_token_id is None:
             raise ValueError("VLLMEngine: the tokenizer needs a pad token and an EOS token")
@@ -226,6 +228,10 @@ class VLLMEngine(GenerationEngine):
         )
         if self.returns_routing:
             kwargs["enable_return_routed_experts"] = True
+        if lm_head_fp32:
+            # vLLM's head_dtype (read from the Hugging Face config): its LogitsProcessor computes the head's matmul
+            # in float32 (on CUDA accumulating a bf16 matmul into float32, elsewhere upcasting both operands).
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
         if current_platform.is_cpu():
             # A CPU engine would otherwise size its cache from the machine's memory; what the
             # batch can hold at once is enough, with a floor for vLLM's block granularity.
@@ -490,6 +496,19 @@ class _Row:
         self.routing[:n] = torch.where(take, seg, self.routing[:n])
 
 
+def validate_config(cfg: Any) -> None:
+    """The vllm engine's checks of a config: its own keys (`vllm_checks`) and no `rollout.exact`."""
+    from conveyor.config.fields import check
+
+    _validate_engine_keys(cfg)
+    check(
+        not cfg.actor_rollout_ref.rollout.exact,
+        "actor_rollout_ref.rollout.exact",
+        "exact log-probs are the hf rollout's (it samples from the trainer's own modules); vLLM computes with "
+        "kernels of its own: set actor_rollout_ref.rollout.name=hf or exact=false",
+    )
+
+
 def build_engine(context: EngineContext) -> VLLMEngine:
     """A vLLM engine in the worker's process over the checkpoint the actor loaded (it is fed the actor's weights)."""
     from conveyor.models.moe_routing import sparse_decoder_layers
@@ -517,6 +536,7 @@ def build_engine(context: EngineContext) -> VLLMEngine:
         sparse_layers=sparse_decoder_layers(context.model) if context.moe is not None else None,
         colocated=ro.placement == "colocated",
         bucket_bytes=ro.update_weights_bucket_megabytes << 20,
+        lm_head_fp32=context.lm_head_fp32,
         # Every engine a worker builds gets the trainer's weights before its first generation (the actor's
         # `weights_version` and the rollout group's `served` start unknown; the asynchronous source stages its first
         # sync before any batch), and `generate` refuses to sample before one: reading the checkpoint would be wasted.

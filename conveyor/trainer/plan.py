@@ -297,10 +297,11 @@ def _old_log_prob_decision(
         bypass_why = f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}"
     elif off_policy:
         bypass, bypass_why = False, "the rollout's log-probs are an older policy's (off-policy)"
-    elif replay == "R2" or correction.rollout_is or correction.rollout_rs or spp:
+    elif replay == "R2" or correction.rollout_is or correction.rollout_rs or spp or cfg.actor_rollout_ref.rollout.exact:
         need = [
             n
             for n, on in (
+                ("rollout.exact", cfg.actor_rollout_ref.rollout.exact),
                 ("R2", replay == "R2"),
                 ("rollout_is", bool(correction.rollout_is)),
                 ("rollout_rs", bool(correction.rollout_rs)),
@@ -471,6 +472,13 @@ def build_run_plan(cfg: Config, device: str, *, is_moe: bool | None = None) -> R
     placement, process, off_policy, replaying, rollout_words = _rollout_decision(cfg, device, caps, why)
     replay, reason = _replay_decision(cfg, device, spec, caps, moe, why)
     old, spp = _old_log_prob_decision(cfg, caps, replay, off_policy, replaying, rollout_words, why)
+    if cfg.actor_rollout_ref.model.lm_head_fp32:
+        why.append(
+            f"LM head in float32 (model.lm_head_fp32), the body in its dtype: the trainer's forwards and the "
+            f"{ro.name} rollout's"
+        )
+    if ro.exact:
+        why.append("rollout log-probs: the old-log-prob forward's, bitwise (rollout.exact)")
     capture, record, from_forward, source = _routing_decision(
         cfg, device, caps, replay, moe, replaying, rollout_words, why
     )

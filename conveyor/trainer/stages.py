@@ -144,6 +144,7 @@ class Stages:
             temperature=1.0 if greedy else kw.temperature,
             top_p=kw.top_p,
             top_k=kw.top_k,
+            min_p=kw.min_p,
             do_sample=False if greedy else kw.do_sample,
             seed=seed,
             capture_routing=self.plan.rollout_captures_routing and not validate and not greedy,

@@ -51,6 +51,7 @@ from conveyor.metrics.moe_router import (
     gate_load_tv,
 )
 from conveyor.metrics.reduce import weighted
+from conveyor.models.fused_head import float32_lm_head
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
@@ -152,6 +153,8 @@ class PolicyWorker(CheckpointEndpoints):
             raise ValueError(
                 "the run plan makes the actor serve the reference, which needs actor_rollout_ref.model.lora_rank > 0"
             )
+        if m.lm_head_fp32:  # before the lean forward and the engine take the head, and before wrapping
+            float32_lm_head(self.model)
         # Before wrapping: the lean forward keeps references to the model's own modules.
         # None: the Hugging Face forward (models the lean one does not cover, LoRA, or forward_impl=hf).
         self.lean = resolve_forward_impl(m.forward_impl, self.model)
@@ -424,6 +427,10 @@ class PolicyWorker(CheckpointEndpoints):
         )
         metrics: dict[str, float] = {}
         out = {"old_log_probs": log_probs}
+        if st.rollout.exact:
+            # rollout.exact: the rollout's log-probs are this forward's, by construction (validate_config of the
+            # hf engine refuses what it cannot hold to).
+            out["rollout_log_probs"] = log_probs
         if sum_pi_squared is not None:
             out["sum_pi_squared"] = sum_pi_squared
         if entropy is not None:

@@ -73,6 +73,9 @@ class GenerateCall(_Call):
     capture_routing: bool  # ask the engine for routed_experts (training batches under the plan's routing)
     pad_to_max_new_tokens: bool  # pad the responses to max_new_tokens columns (batches sharing a partition)
     capture_router_margins: bool = False  # with capture_routing: router_margins too, for the router-health metrics
+    min_p: float | None = (
+        None  # min-p truncation (training: rollout.min_p; validation: val_kwargs.min_p); None: the rollout's
+    )
 
 
 @dataclasses.dataclass(frozen=True)

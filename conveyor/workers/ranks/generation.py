@@ -61,6 +61,12 @@ def build_engine(
     from conveyor.rollout.base import EngineContext, engine_spec
 
     m, ro = settings.model, settings.rollout
+    fp32_head = bool(getattr(m, "lm_head_fp32", False))
+    if fp32_head and engine_spec(ro.name).capabilities(device.type).shares_trainer_modules:
+        from conveyor.models.fused_head import float32_lm_head
+
+        # A separate replica's copy computes its head as the actor's does (the actor's own is already float32).
+        float32_lm_head(model)
     engine = engine_spec(ro.name).build(
         EngineContext(
             model_path=model_path,
@@ -76,6 +82,7 @@ def build_engine(
             device=device,
             lean=lean,
             moe=moe,
+            lm_head_fp32=fp32_head,
         )
     )
     return engine, build_rollout_loop(ro, engine, tokenizer, model_path)
@@ -98,6 +105,12 @@ def pad_responses(fields: dict[str, torch.Tensor], width: int, pad_token_id: int
     if isinstance(fields.get("token_policy_version"), torch.Tensor):  # (B, R): padding takes each row's newest
         out["token_policy_version"] = pad(fields["token_policy_version"], (0, extra), mode="replicate")
     return out
+
+
+def _call_min_p(call: GenerateCall, rollout: Any) -> float:
+    """The call's min-p (training: rollout.min_p; validation: val_kwargs.min_p), or the rollout's where the call
+    carries none."""
+    return float(call.min_p if call.min_p is not None else rollout.min_p)
 
 
 def _replica_groups(replica_ranks: list[int], world_size: int) -> Any:
@@ -389,8 +402,7 @@ class Generation:
             temperature=float(call.temperature),
             top_p=float(call.top_p),
             top_k=int(call.top_k),
-            # From the rollout's config: the generate call carries no min-p of its own (validation samples with it too).
-            min_p=float(getattr(self.rollout, "min_p", 0.0)),
+            min_p=_call_min_p(call, self.rollout),
             do_sample=bool(call.do_sample),
             capture_routing=bool(call.capture_routing),
             capture_router_margins=bool(call.capture_router_margins),

@@ -176,6 +176,8 @@ class Setup:
     sp: int = 1
     # colocated teachers and reward model whose shards stay on the GPU (not param_offload)
     frozen: tuple[Frozen, ...] = ()
+    # model.lm_head_fp32: the actor's head computes from a float32 copy of its weight (below float32 compute)
+    lm_head_fp32: bool = False
 
 
 def _state(lay: Layout, s: Setup) -> dict[str, float]:
@@ -240,8 +242,12 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     the fused log-prob (`fused_logprob`) only one block of them is alive
     (float32, with the few block-sized temporaries of its log-softmax), and
     the update adds a float32 accumulator of the LM head's gradient when the
-    compute dtype is lower. Under sequence parallelism (`sp`) every per-token term is
-    a rank's 1/sp of the tokens, plus the attention all-to-all's buffers.
+    compute dtype is lower. A float32 LM head over a lower compute dtype
+    (`lm_head_fp32`) makes the logits float32 and adds a float32 copy of the
+    head's weight to every phase that runs the head (the hf rollout, the
+    no-grad forwards, and the update, which also holds that copy's gradient).
+    Under sequence parallelism (`sp`) every per-token term is a rank's 1/sp
+    of the tokens, plus the attention all-to-all's buffers.
 
     With a vLLM engine the rollout is the engine awake (`engine_terms`) beside
     the state, or the engine alone on GPUs of its own; an engine that does not
@@ -257,7 +263,11 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     # Under sequence parallelism a rank runs 1/sp of each micro-batch's tokens (padded to a multiple of sp): every
     # activation, the logits and the fused blocks' tokens shrink with it; the state and gathered layers do not.
     tokens = -(-s.micro_seqs * s.seq_len // s.sp)
-    logits = tokens * lay.vocab * s.compute_bytes
+    # A float32 head (below float32 compute) makes its logits float32 and holds a float32 copy of its weight while
+    # it runs; the update's backward adds that copy's gradient, in float32 too, before it is cast back.
+    fp32_head = s.lm_head_fp32 and s.compute_bytes < 4
+    head_copy = lay.vocab * lay.hidden * 4 if fp32_head else 0.0
+    logits = tokens * lay.vocab * (4 if fp32_head else s.compute_bytes)
     per_layer_act = tokens * (4 * lay.hidden + 3 * lay.ffn_tokens_dim) * s.compute_bytes
     kv = s.rollout_seqs * s.seq_len * lay.layers * 2 * lay.kv_dim * s.kv_bytes
     rollout_logits = s.rollout_seqs * lay.vocab * 4  # one position per sequence, float32 for sampling
@@ -277,6 +287,9 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
         update["log-prob blocks"] = 4 * block * 4
         if s.compute_bytes < 4 and not s.lora:
             update["LM head gradient (float32 sum)"] = lay.vocab * lay.hidden * 4
+    if fp32_head:
+        no_grad["LM head float32 copy"] = head_copy
+        update["LM head float32 copy and its gradient"] = 2 * head_copy
     trained = not s.lora and not s.param_offload  # frozen weights have no gradients; offloaded ones are the host's
     if trained:
         update = {"gathered weights": gathered, "gradients": shard * s.master_bytes, **update}
@@ -293,6 +306,8 @@ def account(lay: Layout, s: Setup) -> dict[str, dict[str, float]]:
     if trained and s.optimizer_offload and optim + grads > total(update):
         update = {"gradients": grads, "optimizer state (in its step)": optim}  # the step outgrows the backward
     rollout = {"gathered weights": gathered, "KV cache": kv, "logits": rollout_logits}
+    if fp32_head:  # the hf rollout decodes through the same head
+        rollout["LM head float32 copy"] = head_copy
     eng = s.engine
     if eng is not None:
         rollout = {k: max(v, 0.0) for k, v in engine_terms(lay, eng).items()}
@@ -476,6 +491,7 @@ def setup_of(cfg: Any, plan: Any, capacity: float) -> Setup:
         fused_logprob=model.use_fused_kernels,
         sp=actor.ulysses_sequence_parallel_size,
         frozen=colocated_frozen(cfg, plan, ranks),
+        lm_head_fp32=model.lm_head_fp32,
     )
 
 
