@@ -22,6 +22,16 @@ within 2x of plain.
     python benchmarks/weight_sync.py                         # ~50M and ~500M parameters, 512 MB buckets
     python benchmarks/weight_sync.py --sizes tiny --bucket-mb 1   # a few seconds
 
+`--delta` measures delta sync instead (conveyor.weights.delta), in one process: what travels is bytes, whichever
+transport carries them. For each learning rate of `--lrs` a model of `--delta-size` is built from config (its
+weights in `--master-dtype`, bf16 by default: TRL's setting), trained `--steps` AdamW steps on random tokens,
+and synced after each step to a receiver's copy at bf16; each step prints the changed fraction, the bytes sent
+against a whole sync's, whether the sync went whole, and the encode and decode seconds. Every decoded tensor is
+checked bit for bit against the trainer's. The bar: at lr 1e-6 every delta sync <= 5% of whole.
+
+    python benchmarks/weight_sync.py --delta                 # ~500M, lr 1e-6, 1e-5, 6e-4, 10 steps each
+    python benchmarks/weight_sync.py --delta --delta-size tiny --steps 3   # a few seconds
+
 The default bucket is 512 MB, verl's default for actor_rollout_ref.rollout.update_weights_bucket_megabytes
 (verl/trainer/config/rollout/rollout.yaml): large enough that per-bucket overhead (two collectives
 and a pickle of the metadata) is negligible, small enough to be a fraction of a GPU's memory.
@@ -180,6 +190,91 @@ def _rank(rank: int, port: int, sizes: list[str], bucket_bytes: int, dtype: str,
     tdist.destroy_process_group()
 
 
+def _adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int, seed: int) -> None:
+    """One AdamW step on a batch of random tokens (a loss whose gradient reaches every weight)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, 32), generator=g)
+    opt.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+
+def delta_rows(size: str, lr: float, steps: int, master: torch.dtype, full_every: int) -> list[dict[str, float]]:
+    """Per step: a sync of the model after one more AdamW step, delta-encoded against the one before, decoded and
+    checked bit for bit against the trainer's weights at bf16."""
+    from conveyor import weights as ws
+
+    model = build(size, master, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    encoder, decoder = ws.DeltaEncoder(ws.DeltaSettings(full_every=full_every)), ws.DeltaDecoder("cpu")
+    vocab = SIZES[size][5]
+    rows = []
+    for step in range(steps + 1):  # step 0: the first, whole sync
+        if step:
+            _adamw_step(model, opt, vocab, step)
+        t0 = time.perf_counter()
+        encoded = list(encoder.encode(ws.cast_weights(ws.iter_weights(model), torch.bfloat16)))
+        t1 = time.perf_counter()
+        exact = True
+        for name, tensor in decoder.decode(iter(encoded)):
+            exact &= torch.equal(tensor, model.state_dict()[name].detach().to(torch.bfloat16))
+        t2 = time.perf_counter()
+        del encoded
+        stats = encoder.last
+        rows.append(
+            {
+                "step": step,
+                "changed_frac": stats.changed_frac,
+                "bytes": stats.bytes,
+                "full_bytes": stats.full_bytes,
+                "full": stats.full,
+                "forced": stats.forced,
+                "encode_s": t1 - t0,
+                "decode_s": t2 - t1,
+                "exact": exact and decoder.mismatches == 0,
+                "held": encoder.held_bytes,
+            }
+        )
+    return rows
+
+
+def delta_main(args: argparse.Namespace) -> int:
+    """Delta sync per step for each learning rate; 0 if every sync is exact and lr 1e-6's deltas are <= 5% of whole."""
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or torch.get_num_threads()))
+    master = getattr(torch, args.master_dtype)
+    hidden, layers, inter, heads, kv, vocab = SIZES[args.delta_size]
+    print(
+        f"delta sync: dense Qwen3 from config ({args.delta_size}: hidden {hidden}, {layers} layers, vocab {vocab}), "
+        f"weights in {args.master_dtype}, synced at bfloat16; AdamW, {args.steps} steps of 32 random tokens; "
+        f"full_every={args.full_every}; {os.cpu_count()} CPUs"
+    )
+    ok = True
+    for lr in [float(x) for x in args.lrs.split(",")]:
+        t0 = time.perf_counter()
+        rows = delta_rows(args.delta_size, lr, args.steps, master, args.full_every)
+        full = rows[0]["full_bytes"]
+        print(f"\nlr {lr:g}  (whole sync {full / 1e6:.1f} MB; sender's copy {rows[0]['held'] / 1e6:.1f} MB)")
+        print(
+            f"{'step':>4}{'changed':>10}{'MB sent':>10}{'of whole':>10}{'whole?':>8}{'encode s':>10}{'decode s':>10}"
+            "  exact"
+        )
+        for r in rows:
+            whole = "forced" if r["forced"] else ("yes" if r["full"] else "no")
+            print(
+                f"{r['step']:>4}{r['changed_frac']:>10.4%}{r['bytes'] / 1e6:>10.2f}"
+                f"{r['bytes'] / r['full_bytes']:>10.2%}{whole:>8}{r['encode_s']:>10.2f}{r['decode_s']:>10.2f}"
+                f"  {r['exact']}"
+            )
+        deltas = [r for r in rows[1:] if not r["forced"]]
+        mean = sum(r["bytes"] for r in deltas) / max(1, len(deltas)) / full
+        print(f"mean of the delta syncs: {mean:.2%} of whole ({time.perf_counter() - t0:.0f} s for this lr)")
+        ok &= all(r["exact"] for r in rows)
+        if lr <= 1e-6:
+            ok &= all(r["bytes"] <= 0.05 * r["full_bytes"] for r in deltas)
+    print(f"\ndelta sync: {'exact, and <= 5% of whole at lr 1e-6' if ok else 'NOT all exact or over 5% at lr 1e-6'}")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both syncs for each size and print the table; 0 if every streamed sync is within 2x and bit-exact."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed syncs of each kind after the first; the fastest is kept"
     )
+    parser.add_argument("--delta", action="store_true", help="measure delta sync per training step instead")
+    parser.add_argument("--delta-size", default="500m", choices=list(SIZES), help="--delta: the model's size")
+    parser.add_argument("--lrs", default="1e-6,1e-5,6e-4", help="--delta: comma-separated AdamW learning rates")
+    parser.add_argument("--steps", type=int, default=10, help="--delta: AdamW steps (and delta syncs) per lr")
+    parser.add_argument("--master-dtype", default="bfloat16", choices=["float32", "bfloat16"], help="--delta")
+    parser.add_argument("--full-every", type=int, default=100, help="--delta: delta_sync.full_every (100: never)")
     args = parser.parse_args(argv)
+    if args.delta:
+        return delta_main(args)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown or not sizes:

@@ -22,6 +22,7 @@ __all__ = [
     "MultiTurnConfig",
     "AgentConfig",
     "FaultToleranceConfig",
+    "DeltaSyncConfig",
     "RolloutConfig",
 ]
 
@@ -181,6 +182,25 @@ class FaultToleranceConfig:
         "replacements a run may make; one more fault stops it with an error naming the replica",
         ge=0,
         le=1000,
+    )
+
+
+@dataclass
+class DeltaSyncConfig:
+    """Weight syncs that send only the elements that changed since the last one (docs/rollout.md#delta-sync)."""
+
+    enable: bool = F(
+        False,
+        "after a whole sync, send each tensor as the indices and values (or a bitmap and values) of the elements "
+        "that changed in the engine's dtype, or whole where that is smaller; costs one copy of the model at the "
+        "engine's dtype on the sender and on each receiver, and a compare and checksum of every tensor per sync "
+        "(off by default: on one CPU host that takes longer than sending the whole model)",
+    )
+    full_every: int = F(
+        10,
+        "every this many syncs one is sent whole (1 = always whole); one is also whole after any receiver's "
+        "checksum disagreed with the sender's",
+        gt=0,
     )
 
 
@@ -345,6 +365,10 @@ class RolloutConfig:
         FaultToleranceConfig,
         "replacing rollout replicas (in processes of their own) that die or hang",
         resume_neutral=True,
+    )
+    delta_sync: DeltaSyncConfig = S(
+        DeltaSyncConfig,
+        "weight syncs that send only what changed since the last one",
     )
 
     def engine_dtype(self, model_dtype: str, device_type: str) -> str:

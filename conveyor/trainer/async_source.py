@@ -404,12 +404,16 @@ class AsyncSource(SampleSource):
 
     # ------------------------------------------------------------------ what it reports
     def _sync_metrics(self) -> dict[str, float]:
-        """The weight loads finished since the last step's: their mean seconds."""
+        """The weight loads finished since the last step's: their mean seconds, and the latest one's delta-sync
+        figures (`rollout/weight_sync/*`: what it sent, and whether it was whole)."""
         done = [f for f in self._syncs if f.done()]
         self._syncs = [f for f in self._syncs if not f.done()]
-        seconds = [f.result().get("rollout/weight_sync_s") for f in done]
-        seconds = [s for s in seconds if s is not None]
-        return {"rollout/weight_sync_s": sum(seconds) / len(seconds)} if seconds else {}
+        results = [f.result() for f in done]
+        seconds = [r["rollout/weight_sync_s"] for r in results if "rollout/weight_sync_s" in r]
+        out = {"rollout/weight_sync_s": sum(seconds) / len(seconds)} if seconds else {}
+        for r in results:  # in the order they were sent: the latest wins
+            out.update({k: v for k, v in r.items() if k.startswith("rollout/weight_sync/")})
+        return out
 
     def _idle_fractions(self, timings: dict[str, float]) -> dict[str, float]:
         """The trainer's and the rollout's idle fractions since the previous step's draw."""

@@ -22,6 +22,10 @@ A weight sync is a pipeline of lazy iterators over `(name, tensor)`; nothing hol
          put_packed / get_packed            one packed buffer through Ray's object store      object_store.py
     -> kept for later (asynchronous runs): WeightInbox, StagedWeights                         staged.py
 
+Delta sync wraps the stream on both ends: `DeltaEncoder.encode` after the cast (only the elements that changed
+since the last sync, as indices or a bitmap, or the tensor whole where that is smaller), `DeltaDecoder.decode`
+before the engine's load (whole tensors again, checked against the sender's checksum)             delta.py
+
 `WeightShipper` (shipper.py) is what a rollout group delegates its weights to: it picks the transport from
 where the actor and the replicas run, orders the exchanges, and says what the replicas load before they
 generate. The workers' weight endpoints are thin calls into the modules above.
@@ -35,6 +39,7 @@ engine (the engine adapters do), or load tensors into an engine (the engine's `u
 from conveyor.weights.buckets import Staging, SyncStats, Table, buckets, layout, pack, unpack
 from conveyor.weights.channel import THREAD_PREFIX, WeightChannel, free_address, send_over
 from conveyor.weights.collective import iter_received, receive_buckets, send_buckets
+from conveyor.weights.delta import DeltaDecoder, DeltaEncoder, DeltaSettings, DeltaStats, checksum
 from conveyor.weights.local import copy_into, stream_to
 from conveyor.weights.naming import EXPERT_NAMES, ExpertNames, Layout, engine_names, expert_names_for, split_experts
 from conveyor.weights.object_store import get_packed, put_packed
@@ -80,4 +85,9 @@ __all__ = [
     "Endpoints",
     "WeightShipper",
     "send_over",
+    "DeltaSettings",
+    "DeltaStats",
+    "DeltaEncoder",
+    "DeltaDecoder",
+    "checksum",
 ]

@@ -14,7 +14,10 @@ each tensor in turn, a collective), packs them into buckets of at most
 flat byte buffer after its table of names, dtypes and shapes; a receiver
 rebuilds the bucket's tensors as views of that buffer and its engine loads
 them, one lazy stream for the whole sync, before the next bucket arrives. No side ever holds more than one
-bucket beyond the engine's own weights.
+bucket beyond the engine's own weights, and the delta sync's copies (`conveyor.weights.delta`): after the
+first sync only the elements that changed travel; rank 0 encodes, each receiver decodes before its engine
+loads, and at the end of a sync the receivers' checksum mismatches are summed over the group (an all-reduce)
+so that rank 0 sends the next sync whole when any receiver's copy went wrong.
 
 What it deliberately does not do: decide when to sync (the weight shipper
 does, by version) or name tensors for an engine (the engine's loader does).
@@ -33,6 +36,7 @@ import torch.distributed as tdist
 
 from conveyor.weights.buckets import Staging, SyncStats
 from conveyor.weights.collective import iter_received, send_buckets
+from conveyor.weights.delta import DeltaDecoder, DeltaEncoder, DeltaSettings
 
 __all__ = ["WeightChannel", "free_address", "send_over", "THREAD_PREFIX"]
 
@@ -70,6 +74,16 @@ class WeightChannel:
         self._store = store  # the group keeps using it
         self.last = SyncStats()  # what the latest sync received
         self.staging = Staging(self.device)  # one bucket's buffer, reused across buckets and syncs
+        # Delta sync: rank 0's last shipped copy, each receiver's own copy (both at the engine's dtype); off until
+        # `configure_delta` turns it on (a receiver follows whatever rank 0 sends).
+        self.encoder = DeltaEncoder(DeltaSettings(enable=False)) if rank == 0 else None
+        self.decoder = DeltaDecoder(self.device) if rank != 0 else None
+        self.mismatches = 0  # receivers' checksum mismatches in the latest sync (every member learns the sum)
+
+    def configure_delta(self, settings: DeltaSettings) -> None:
+        """Rank 0: when syncs send only what changed (actor_rollout_ref.rollout.delta_sync); the next sync is whole."""
+        if self.rank == 0:
+            self.encoder = DeltaEncoder(settings)
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """`tensor` from channel rank `src` on every member."""
@@ -93,16 +107,33 @@ class WeightChannel:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
         """Rank 0: stream the tensors to every receiver, bucket by bucket (`collective.send_buckets`)."""
-        assert self.rank == 0, "only the channel's rank 0 sends"
-        return send_buckets(
-            named_tensors, bucket_bytes=bucket_bytes, group=self, src=0, device=self.device, staging=self.staging
+        assert self.rank == 0 and self.encoder is not None, "only the channel's rank 0 sends"
+        stats = send_buckets(
+            self.encoder.encode(named_tensors),
+            bucket_bytes=bucket_bytes,
+            group=self,
+            src=0,
+            device=self.device,
+            staging=self.staging,
         )
+        self.mismatches = self._sum_mismatches(0)
+        self.encoder.report_mismatch(self.mismatches)
+        return stats
 
     def received(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A receiver: one sync's tensors as they arrive (`collective.iter_received`); `last` then holds its stats."""
-        assert self.rank != 0, "rank 0 sends"
+        assert self.rank != 0 and self.decoder is not None, "rank 0 sends"
         self.last = SyncStats()
-        yield from iter_received(group=self, src=0, device=self.device, stats=self.last, staging=self.staging)
+        yield from self.decoder.decode(
+            iter_received(group=self, src=0, device=self.device, stats=self.last, staging=self.staging)
+        )
+        self.mismatches = self._sum_mismatches(self.decoder.mismatches)
+
+    def _sum_mismatches(self, mine: int) -> int:
+        """Every member's checksum mismatches of the sync just ended, summed over the channel (each member calls it)."""
+        count = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        self.group.allreduce([count]).wait()
+        return int(count.item())
 
     def close(self) -> None:
         """Leave the channel's group."""
@@ -118,9 +149,13 @@ def send_over(
     stream, whose gathers are collectives; the sync's sending metrics."""
     t0 = time.perf_counter()
     sent = count = 0
+    delta: dict[str, float] = {}
     if channel is not None:
         stats = channel.send(named, bucket_bytes)
         sent, count = stats.bytes, stats.buckets
+        assert channel.encoder is not None
+        delta = channel.encoder.last.metrics()
+        delta["rollout/weight_sync/checksum_mismatches"] = float(channel.mismatches)
     else:
         for _ in named:  # the gathers are collectives: every rank walks the same tensors
             pass
@@ -128,4 +163,5 @@ def send_over(
         "rollout/weight_send_s": time.perf_counter() - t0,
         "rollout/weight_send_gb": sent / 1e9,
         "rollout/weight_send_buckets": float(count),
+        **delta,
     }

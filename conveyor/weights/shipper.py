@@ -15,6 +15,11 @@ Exchanges with replicas on Ray run one at a time on a sending thread, in order, 
 for it on the rollout's thread and has the replicas load that version at the start of their next generation
 call (`loading`), in order with the batches.
 
+Delta sync (`conveyor.weights.delta`, `delta`): after a whole sync only what changed travels. In this process the
+shipper encodes and decodes itself (the engine is handed whole tensors); into Ray's object store it encodes and the
+replica's `StagedWeights` decodes; over the channel the actor's rank 0 encodes (`WeightChannel.configure_delta`).
+A sync into a shared-memory slot is always whole: the replica reads it from the slot straight into its engine.
+
 The workers' methods reach it as an `Endpoints` table, so this package names no worker class and the workers
 may import it; Ray's pending calls bring their own ways to wait (`together`, `beside`).
 
@@ -35,6 +40,7 @@ import torch
 
 from conveyor.weights.buckets import Table, layout, pack
 from conveyor.weights.channel import THREAD_PREFIX
+from conveyor.weights.delta import DeltaDecoder, DeltaEncoder, DeltaSettings
 from conveyor.weights.object_store import put_packed
 from conveyor.weights.shared import SharedSlots
 from conveyor.weights.staged import LOAD_SHARED, LOAD_STAGED, WeightInbox, staged_copy
@@ -73,6 +79,7 @@ class WeightShipper:
         dtype: torch.dtype | None,
         actor_here: bool,
         replicas_here: bool,
+        delta: DeltaSettings | None = None,
     ) -> None:
         self.actor, self.replicas, self.ends = actor, replicas, endpoints
         self.bucket_bytes = bucket_bytes
@@ -96,6 +103,16 @@ class WeightShipper:
         self.retain = False
         self._retained: dict[int, tuple[torch.Tensor, Table]] = {}
         self._replicas_loaded: int | None = None
+        # Delta sync where this process encodes (None: every sync whole): the last shipped copy, and, for a replica in
+        # this process, its own copy too.
+        enabled = delta is not None and delta.enable
+        self._encoder = DeltaEncoder(delta) if enabled else None
+        self._decoder = DeltaDecoder() if enabled and self.in_process else None
+
+    @property
+    def delta_held_bytes(self) -> int:
+        """Bytes this process keeps for delta syncs between syncs: the sender's copy, and a local replica's."""
+        return sum(c.held_bytes for c in (self._encoder, self._decoder) if c is not None)
 
     @property
     def in_process(self) -> bool:
@@ -110,7 +127,13 @@ class WeightShipper:
         if self.in_process:
             # One process: the actor's stream goes straight into the engine, tensor by tensor.
             stream = cast_weights(self.actor.worker.weight_stream(), self.dtype)
+            if self._encoder is not None and self._decoder is not None:
+                stream = self._decoder.decode(self._encoder.encode(stream))
             metrics = {"rollout/weight_sync_s": self.replicas.worker.load_weights(stream, version)}
+            if self._encoder is not None and self._decoder is not None:
+                self._encoder.report_mismatch(self._decoder.mismatches)
+                metrics.update(self._encoder.last.metrics())
+                metrics["rollout/weight_sync/checksum_mismatches"] = float(self._decoder.mismatches)
         else:
             metrics = self._sync_over_channel(version)
         self.served = version
@@ -131,8 +154,12 @@ class WeightShipper:
                 if load is not None:
                     return load
             # One packed copy into Ray's object store, which replicas on this node read in place from shared memory
-            # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation.
-            return self._put_weights(label, *pack(named))
+            # (no channel, no sending thread streaming buckets); the replicas stage it beside the generation, decoding
+            # a delta into their copies (`StagedWeights`).
+            if self._encoder is None:
+                return self._put_weights(label, *pack(named))
+            encoded = pack(self._encoder.encode(named))
+            return self._put_weights(label, *encoded, delta=self._encoder.last.metrics())
         # A copy when the actor is here: it goes on training while the rollout finishes the batch it is generating.
         staged = (
             [(name, staged_copy(t, self.dtype)) for name, t in self.actor.worker.weight_stream()]
@@ -197,6 +224,8 @@ class WeightShipper:
         """After the replicas were replaced: load the weights their predecessors served and stage the ones `meta`'s
         call was to load (from this process's copies, through Ray's object store); the handle to issue again."""
         assert self.retain, "restore needs retain set before the first sync"
+        if self._encoder is not None:
+            self._encoder.forget()  # the new replicas hold no copies to apply a delta to: the next sync is whole
         if self._replicas_loaded is not None:
             self._hand_over(self._replicas_loaded)
             self.replicas.call_all(self.ends.load_staged, self._replicas_loaded)
@@ -329,9 +358,11 @@ class WeightShipper:
 
         return self._in_order(version, run)
 
-    def _put_weights(self, version: int, buffer: torch.Tensor, table: Table) -> Callable[[], Metrics]:
-        """Start handing the packed weights to every replica through Ray's object store, into its staging copy;
-        returns what waits for it and gives its metrics."""
+    def _put_weights(
+        self, version: int, buffer: torch.Tensor, table: Table, delta: Metrics | None = None
+    ) -> Callable[[], Metrics]:
+        """Start handing the packed weights (`delta`: the metrics of the delta they encode) to every replica through
+        Ray's object store, into its staging copy; returns what waits for it and gives its metrics."""
 
         def run() -> Metrics:
             t0 = time.perf_counter()
@@ -342,7 +373,12 @@ class WeightShipper:
                 "rollout/weight_send_buckets": 1.0,
             }
             received = self.replicas.submit_all(self.ends.take, version, refs, table).together()[0]
-            return _sync_metrics(sent, received)
+            metrics = _sync_metrics(sent, received)
+            if delta is not None and self._encoder is not None:
+                metrics.update(delta)
+                # A replica whose copy disagreed with the sender's checksum (where its `take` reports it): whole next.
+                self._encoder.report_mismatch(int(metrics.get("rollout/weight_sync/checksum_mismatches", 0)))
+            return metrics
 
         return self._in_order(version, run)
 

@@ -4,6 +4,9 @@ Asynchronous runs sync beside a generation in progress, whose weights must not c
 weights wait as a copy: in the trainer's process in a `WeightInbox` (the newest offer wins), in a replica of
 its own in `StagedWeights` (by version, loaded in order with the batches).
 
+A sync that arrives delta-coded (`conveyor.weights.delta`, through Ray's object store) is decoded on staging
+against the replica's own copy, so every staged copy is whole and any of them may be loaded (or skipped).
+
 What it deliberately does not do: receive the weights (the transports) or load them into an engine (the worker).
 """
 
@@ -14,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from conveyor.weights.delta import DeltaDecoder
 from conveyor.weights.shared import map_shared
 
 __all__ = ["WeightInbox", "StagedWeights", "staged_copy", "LOAD_STAGED", "LOAD_SHARED"]
@@ -63,16 +67,23 @@ class StagedWeights:
         self._copies: dict[int, Named] = {}
         self._lock = threading.Lock()
         self._shared: tuple[str, torch.Tensor] | None = None  # the trainer's `SharedSlots` file, mapped
+        # Delta syncs are decoded against this replica's copy of the weights (a plain sync passes through it).
+        self.decoder = DeltaDecoder("cpu")
 
     def stage(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Keep copies of a sync's tensors (views of a buffer that is reused or shared) as `version`."""
         # Not on the replica's device: beside an engine that fills it (vLLM's KV cache), a whole model arriving in
         # the trainer's float32 would not fit; the engine converts to its dtype on loading anyway.
         tensors = [
-            (name, t.to("cpu", self.dtype if t.is_floating_point() else t.dtype, copy=True)) for name, t in named
+            (name, t.to("cpu", self.dtype if t.is_floating_point() else t.dtype, copy=True))
+            for name, t in self.decoder.decode(named)
         ]
         with self._lock:
             self._copies[version] = tensors
+
+    def delta_metrics(self) -> dict[str, float]:
+        """The latest staged sync's delta metrics: its checksum mismatches (the sender sends whole after any)."""
+        return {"rollout/weight_sync/checksum_mismatches": float(self.decoder.mismatches)}
 
     def pop(self, version: int) -> Named | None:
         """Remove and return the copy of `version` (None if it is not there) and drop the older ones."""

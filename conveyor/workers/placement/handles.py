@@ -22,7 +22,7 @@ import torch
 
 from conveyor.config.root import critic_in_use
 from conveyor.protocol import KVBatchMeta
-from conveyor.weights import Endpoints, WeightShipper
+from conveyor.weights import DeltaSettings, Endpoints, WeightShipper
 from conveyor.workers.placement.group import LocalWorkerGroup, WorkerGroup, use_ray
 from conveyor.workers.placement.recovery import fault_tolerant
 from conveyor.workers.placement.role_table import (
@@ -115,6 +115,7 @@ class ReplicaGroup(RoleHandle):
         bucket_bytes: int,
         dtype: torch.dtype | None = None,
         fault_tolerance: Any = None,
+        delta: Any = None,
     ):
         super().__init__(ranks)
         self.actor = actor
@@ -129,6 +130,8 @@ class ReplicaGroup(RoleHandle):
             dtype=getattr(engine, "dtype", None) if engine is not None else dtype,
             actor_here=isinstance(actor.ranks, LocalWorkerGroup),
             replicas_here=here,
+            # actor_rollout_ref.rollout.delta_sync: after a whole sync, only the elements that changed travel.
+            delta=DeltaSettings(**dataclasses.asdict(delta)) if delta is not None else None,
         )
         # Replicas in processes of their own that die or hang are replaced (`fault_tolerance.enable`).
         self.recovery = fault_tolerant(ranks, self.weights, fault_tolerance)
@@ -146,6 +149,7 @@ class ReplicaGroup(RoleHandle):
             bucket_bytes=ro.update_weights_bucket_megabytes << 20,
             dtype=_configured_engine_dtype(cfg, plan.device),
             fault_tolerance=ro.fault_tolerance,
+            delta=ro.delta_sync,
         )
 
     @property

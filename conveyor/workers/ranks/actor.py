@@ -59,7 +59,15 @@ from conveyor.models.packing import setup_packing
 from conveyor.models.router_control import freeze_routers
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, engine_spec
-from conveyor.weights import WeightChannel, cast_weights, free_address, iter_weights, merged_weights, send_over
+from conveyor.weights import (
+    DeltaSettings,
+    WeightChannel,
+    cast_weights,
+    free_address,
+    iter_weights,
+    merged_weights,
+    send_over,
+)
 from conveyor.workers.ranks.calls import LogProbCall, UpdateCall
 from conveyor.workers.ranks.distill import student_forward
 from conveyor.workers.ranks.forward import PolicyForward, replayed_truncation, sequence_inputs
@@ -333,6 +341,8 @@ class PolicyWorker(CheckpointEndpoints):
         """Rank 0 joins the weight channel to separate engines as its sender (the other ranks have no part in it)."""
         if self.rank == 0:
             self.channel = WeightChannel(address, 0, size, device=self.device)
+            delta = self.settings.rollout.delta_sync  # after a whole sync, only the elements that changed travel
+            self.channel.configure_delta(DeltaSettings(enable=delta.enable, full_every=delta.full_every))
 
     def send_weights(
         self, bucket_bytes: int, staged: list[tuple[str, torch.Tensor]] | None = None, dtype: torch.dtype | None = None

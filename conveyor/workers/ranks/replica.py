@@ -254,6 +254,8 @@ class ReplicaWorker:
             "rollout/weight_sync_s": time.perf_counter() - t0,
             "rollout/weight_sync_gb": buffer.numel() / 1e9,
             "rollout/weight_sync_buckets": 1.0,
+            # A delta that did not check out goes back to the sender, whose next sync is then whole.
+            **self.staged.delta_metrics(),
         }
 
     def load_shared_weights(
