@@ -114,14 +114,24 @@ def check_local_resources(cfg: Config, plan: Any) -> None:
             )
 
 
-def _load_files(paths: list[str]) -> tuple[list[dict], list[str]]:
+def policy_sees_images(cfg: Config) -> bool:
+    """Whether the policy is a vision-language model: its checkpoint's config.json has a vision tower."""
+    from conveyor.models.loading import read_config_json
+
+    path = cfg.actor_rollout_ref.model.path
+    if not path or not (Path(path).expanduser() / "config.json").is_file():
+        return False  # the tiny text model, or a path whose problem prepare_default_model names
+    return isinstance(read_config_json(path).get("vision_config"), dict)
+
+
+def _load_files(paths: list[str], media: bool = False) -> tuple[list[dict], list[str]]:
     """The records of parquet files, and where each one came from (file and row), for messages that name it."""
     from conveyor.tasks.parquet import load_parquet_records
 
     records: list[dict] = []
     origins: list[str] = []
     for path in paths:
-        rows = load_parquet_records(path)
+        rows = load_parquet_records(path, media=media)
         records.extend(rows)
         origins.extend(f"parquet file {path!r}, row {i}" for i in range(len(rows)))
     return records, origins
@@ -236,15 +246,23 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
     data_source must have a reward function.
     """
     d = cfg.data
-    train, train_origins = _load_files(d.train_files) if d.train_files else _synthetic(cfg, "train")
+    media = policy_sees_images(cfg)
+    train, train_origins = _load_files(d.train_files, media) if d.train_files else _synthetic(cfg, "train")
     if d.val_files:
-        val, val_origins = _load_files(d.val_files)
+        val, val_origins = _load_files(d.val_files, media)
     elif not d.train_files:
         val, val_origins = _synthetic(cfg, "test")
     else:
         val, val_origins = [], []
     if d.val_batch_size is not None:
         val, val_origins = val[: d.val_batch_size], val_origins[: d.val_batch_size]
+    if not media and not d.train_files:
+        with_images = next((o for r, o in zip(train + val, train_origins + val_origins) if r.get("images")), None)
+        if with_images is not None:
+            raise ConfigError(
+                f"{with_images}: data.synthetic.task={d.synthetic.task} draws images, but the policy is a text model; "
+                "set actor_rollout_ref.model.path to a vision-language checkpoint (conveyor build-vlm writes one)"
+            )
     _check_prompts(
         cfg, train + val, train_origins + val_origins, tokenizer if tokenizer is not None else _prompt_tokenizer(cfg)
     )
