@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,93 @@ import torch
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "VISION_FIELDS",
+    "VisionBatch",
+    "with_vision_fields",
     "VisionProcessor",
     "check_image_tokens",
     "decode_positions",
     "load_image",
     "mrope_positions",
+    "unplaceholder",
 ]
 
 #: How a prompt's content marks where an image goes (verl's multimodal layout).
 IMAGE_PLACEHOLDER = "<image>"
+
+#: The data-plane fields stage 1 writes for a vision-language policy: each sample's pixel values (patches, D) and
+#: image grids (images, 3) (lists), its prompt's M-RoPE positions (3, P) left-padded as the prompt, its rope delta.
+VISION_FIELDS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "mrope_positions", "rope_delta")
+
+
+def with_vision_fields(fields: Sequence[str], have: Sequence[str]) -> list[str]:
+    """`fields` plus the vision fields when a forward reads the prompts and the samples have them (`have`)."""
+    fields = list(fields)
+    if "prompts" in fields and VISION_FIELDS[0] in have:
+        fields += [f for f in VISION_FIELDS if f not in fields]
+    return fields
+
+
+@dataclass
+class VisionBatch:
+    """The image inputs of a batch of left-padded prompts: what a forward over them needs besides the ids."""
+
+    pixel_values: torch.Tensor | None  # (patches of every image of the batch, D), in row order
+    image_grid_thw: torch.Tensor | None  # (images, 3)
+    positions: torch.Tensor  # (B, 3, P): the prompts' M-RoPE positions, 0 on padding
+    rope_delta: torch.Tensor  # (B,)
+
+    @classmethod
+    def from_fields(cls, td: Any) -> VisionBatch | None:
+        """The vision inputs of a batch read with `VISION_FIELDS`, or None when it has none (a text policy)."""
+        if VISION_FIELDS[0] not in td.keys():
+            return None
+        pixels = [p for p in _column(td, "pixel_values") if p is not None and p.numel()]
+        grids = [g for g in _column(td, "image_grid_thw") if g is not None and g.numel()]
+        device = td["mrope_positions"].device
+        return cls(
+            pixel_values=torch.cat(pixels).to(device) if pixels else None,
+            image_grid_thw=torch.cat(grids).to(device) if grids else None,
+            positions=td["mrope_positions"],
+            rope_delta=td["rope_delta"],
+        )
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """The pixel keywords of a Qwen-VL forward (none when no row has an image)."""
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+    def sequence_positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(3, B, P+R) positions of prompts + responses: the prompt's own, then index + rope delta on every row."""
+        prompt_len = self.positions.shape[-1]
+        index = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, prompt_len:]
+        tail = (index + self.rope_delta.view(-1, 1)).unsqueeze(0).expand(3, -1, -1)
+        return torch.cat([self.positions.permute(1, 0, 2), tail], dim=-1)
+
+
+def unplaceholder(ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """`ids` with every image- or video-pad token replaced by the vision-end token, for feeding generated tokens.
+
+    A Qwen-VL forward puts image features at *every* image-pad token of its input: one the policy sampled in a
+    response would take a feature it has none of (and the forward stops: tokens and features disagree). The
+    engine feeds such a sampled token back as vision-end, and the trainer's forward does the same to the response
+    part of its input; the token itself stays the response's (its log-prob is taken under the full vocabulary
+    in both), so rollout and training see the same sequence."""
+    stand_in = getattr(config, "vision_end_token_id", None)
+    stand_in = 0 if stand_in is None else int(stand_in)
+    out = ids
+    for name in ("image_token_id", "video_token_id"):
+        tid = getattr(config, name, None)
+        if tid is not None:
+            out = out.masked_fill(out == int(tid), stand_in)
+    return out
+
+
+def _column(td: Any, name: str) -> list[Any]:
+    """A list column of a TensorDict (a NonTensorStack or a list) as a Python list."""
+    value = td[name]
+    return list(value) if not isinstance(value, list) else value
 
 
 def load_image(item: Any, where: str) -> Any:

@@ -59,6 +59,7 @@ from conveyor.models.moe_routing import (
     routed_experts_dtype,
 )
 from conveyor.models.packing import PackedRows
+from conveyor.models.vision import VisionBatch, unplaceholder
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard, group_budget
 from conveyor.workers.training.trained_model import TrainedModel
@@ -92,6 +93,33 @@ def replayed_truncation(rollout: Any) -> Truncation | None:
     decoding, no truncation set, or `sampling_mask.replay` off."""
     mask = getattr(rollout, "sampling_mask", None)
     return None if mask is not None and not mask.replay else rollout_truncation(rollout)
+
+
+def padded_kwargs(
+    td: TensorDict, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, config: Any
+) -> dict[str, torch.Tensor]:
+    """The padded forward's keywords; with images (`VISION_FIELDS` read), their pixels and 3-row M-RoPE positions
+    (and the responses' sampled image-pad tokens fed as the engine fed them, `unplaceholder`)."""
+    vision = VisionBatch.from_fields(td)
+    if vision is None:
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    prompt_len = td["prompts"].shape[1]
+    input_ids = torch.cat([input_ids[:, :prompt_len], unplaceholder(input_ids[:, prompt_len:], config)], dim=1)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": vision.sequence_positions(attention_mask),
+        **vision.model_kwargs(),
+    }
+
+
+def _refuse_packed_vision(td: TensorDict) -> None:
+    """Packing does not carry images yet: say which key to change rather than train on text-only positions."""
+    if VisionBatch.from_fields(td) is not None:
+        raise ValueError(
+            "prompts with images run the padded forward only so far; set "
+            "actor_rollout_ref.model.use_remove_padding=false (docs/vlm.md)"
+        )
 
 
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,6 +210,7 @@ class PolicyForward:
         shard = self.sp.shard(packed) if self.sp is not None and packed is not None else None
         held = routed_experts is None or self._held_replay  # `update_replay` installed the replay already
         if packed is not None:
+            _refuse_packed_vision(td)
             kwargs = packed.model_kwargs(input_ids, position_ids)
             keep: int | torch.Tensor = packed.predict  # the LM head runs on the predicting positions only
             if shard is not None:  # ids and positions cut from the whole row, so positions stay the row's
@@ -191,7 +220,7 @@ class PolicyForward:
                 if shard is not None:
                     routed_experts = shard.local(routed_experts)
         else:
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            kwargs = padded_kwargs(td, input_ids, attention_mask, position_ids, self.model.config)
             keep = resp_len + 1  # only the positions that predict response tokens need the LM head
         replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
         recorder = RoutingRecorder(self.model) if record_routing else None
@@ -275,12 +304,13 @@ class PolicyForward:
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         batch, seq = input_ids.shape
         if self.packed:
+            _refuse_packed_vision(td)
             packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
             kwargs = packed.model_kwargs(input_ids, position_ids)
             valid = torch.ones(kwargs["input_ids"].shape[1], dtype=torch.bool, device=input_ids.device)
         else:
             packed = None
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            kwargs = padded_kwargs(td, input_ids, attention_mask, position_ids, self.model.config)
             valid = attention_mask.bool().reshape(-1)
         with RouterStatsRecorder(self.model, valid) as recorder:
             self.model(**kwargs, use_cache=False, logits_to_keep=1)
