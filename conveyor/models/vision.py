@@ -39,6 +39,7 @@ __all__ = [
     "load_image",
     "mrope_positions",
     "unplaceholder",
+    "vision_processor",
 ]
 
 #: How a prompt's content marks where an image goes (verl's multimodal layout).
@@ -190,6 +191,15 @@ def check_image_tokens(name: str, ids: Sequence[int], grids: Sequence[Sequence[i
             f"sample {name!r}: {what}; the model would run its vision tower on the wrong pixels or none "
             "(give each '<image>' of the prompt one entry of its `images` column, and no more)"
         )
+
+
+def vision_processor(path: Any, tokenizer: Any, model_config: Any) -> VisionProcessor | None:
+    """Stage 1's image half for the checkpoint `path` when its model sees images (`model_config`), else None."""
+    if model_config is None or getattr(model_config, "vision_config", None) is None:
+        return None
+    from conveyor.models.tiny_vlm import load_image_processor
+
+    return VisionProcessor(load_image_processor(path), tokenizer, model_config)
 
 
 class VisionProcessor:

@@ -1,0 +1,91 @@
+"""A vision-language policy trains end to end on the visual task; the paths that carry no images refuse at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.config import load_config
+from conveyor.metrics.trackers import read_metrics_jsonl
+from conveyor.models.tiny_vlm import save_tiny_vlm
+from conveyor.trainer.run import run_training
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2.5-VL checkpoint with its processor."""
+    return str(save_tiny_vlm("qwen2_5_vl", tmp_path_factory.mktemp("vlm") / "qwen2_5_vl"))
+
+
+def _run(vlm_path: str, run_dir) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={vlm_path}",
+        "data.synthetic.task=visual_sum",
+        "data.synthetic.max_operand=9",
+        "data.synthetic.num_train=40",
+        "data.synthetic.num_val=4",
+        "data.max_prompt_length=16",
+        "data.max_response_length=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=0",
+        "trainer.logger=[jsonl]",
+        "trainer.progress_bar=false",
+        "trainer.dump_freq=0",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+# The random policy never writes a sum: a reward that tells its responses apart gives GRPO a gradient.
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1 for a response that holds a digit, else 0."""
+    return float(any(c.isdigit() for c in solution_str))
+'''
+
+
+def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp_path) -> None:
+    """Two GRPO steps with a KL-loss reference and the old-log-prob forward: the trainer's log-probs of the
+    sampled tokens equal the engine's (the text path's bar), validation reads the images too."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    overrides = _run(vlm_path, tmp_path / "run") + [
+        f"reward.custom_reward_function.path={reward}",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.rollout_correction.bypass_mode=false",
+    ]
+    run_training(load_config(None, overrides))
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2]
+    assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2]
+    for step in (1, 2):
+        assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
+        assert rows[step]["actor/grad_norm"] > 0 and rows[step]["timing_s/step"] > 0
+    assert 0 < rows[1]["reward/mean"] < 1
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_remove_padding=false"),
+        ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_rank=0"),
+        ("trainer.num_cpu_workers=2", "one training rank"),
+        ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name=hf"),
+    ],
+)
+def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path, override: str, key: str) -> None:
+    """Packing, LoRA, two ranks, vLLM: one line naming the key, exit 2, before any worker is built."""
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", "train", *_run(vlm_path, tmp_path), override],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "is a vision-language model" in done.stderr and key in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
