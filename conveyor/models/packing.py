@@ -291,9 +291,6 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     if not configs:
         return f"{type(model).__name__} has no Hugging Face config"
     config = configs[0]
-    if any(getattr(c, "vision_config", None) is not None for c in configs):
-        # Its M-RoPE positions and pixels would have to follow each sample into the packed row (not done yet).
-        return "a vision-language model's packed forward does not carry its images yet"
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager", None, PACKED_ATTENTION):
         return f"it runs attention implementation {impl!r}, not sdpa"

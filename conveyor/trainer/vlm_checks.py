@@ -1,9 +1,9 @@
 """What a vision-language policy runs with so far, checked at start: every other path is refused naming its key.
 
 A run whose policy checkpoint has a vision tower (`is_vlm_config`) samples on
-the hf engine, colocated, and trains with the padded forward on one rank; the
-reference (a KL loss) runs the same forward. Each setting that would take a
-path that does not carry images yet (packing, sequence parallelism, vLLM,
+the hf engine, colocated, and trains with the padded or packed forward on one
+rank; the reference (a KL loss) runs the same forward. Each setting that would
+take a path that does not carry images yet (sequence parallelism, vLLM,
 LoRA, FSDP2 over several ranks, the fused head, router replay, multi-turn
 tools and agents, separate or asynchronous rollout, a critic, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
@@ -29,10 +29,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
     ranks = cfg.trainer.nnodes * max(cfg.trainer.n_gpus_per_node, cfg.trainer.num_cpu_workers)
     ref_sp = arr.ref.ulysses_sequence_parallel_size
     return [
-        (
-            bool(m.use_remove_padding),
-            "actor_rollout_ref.model.use_remove_padding=false (packing: no images yet)",
-        ),
         (a.ulysses_sequence_parallel_size > 1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"),
         (ref_sp is not None and ref_sp > 1, "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"),
         (ro.name != "hf", "actor_rollout_ref.rollout.name=hf (vLLM's multimodal inputs are not passed yet)"),

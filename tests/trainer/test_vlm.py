@@ -49,13 +49,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp_path) -> None:
-    """Two GRPO steps with a KL-loss reference and the old-log-prob forward: the trainer's log-probs of the
-    sampled tokens equal the engine's (the text path's bar), validation reads the images too."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp_path, packed: bool) -> None:
+    """Two GRPO steps with a KL-loss reference and the old-log-prob forward, packed or padded: the trainer's
+    log-probs of the sampled tokens equal the engine's (the text path's bar), validation reads the images too."""
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     overrides = _run(vlm_path, tmp_path / "run") + [
         f"reward.custom_reward_function.path={reward}",
+        f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "algorithm.rollout_correction.bypass_mode=false",
     ]
@@ -72,14 +74,14 @@ def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_remove_padding=false"),
+        ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.model.use_fused_kernels=false"),
         ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_rank=0"),
         ("trainer.num_cpu_workers=2", "one training rank"),
         ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name=hf"),
     ],
 )
 def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path, override: str, key: str) -> None:
-    """Packing, LoRA, two ranks, vLLM: one line naming the key, exit 2, before any worker is built."""
+    """The fused head, LoRA, two ranks, vLLM: one line naming the key, exit 2, before any worker is built."""
     done = subprocess.run(
         [sys.executable, "-m", "conveyor.cli", "train", *_run(vlm_path, tmp_path), override],
         capture_output=True,

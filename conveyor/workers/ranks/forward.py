@@ -113,12 +113,36 @@ def padded_kwargs(
     }
 
 
-def _refuse_packed_vision(td: TensorDict) -> None:
-    """Packing does not carry images yet: say which key to change rather than train on text-only positions."""
+def packed_kwargs(
+    packed: PackedRows,
+    td: TensorDict,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    config: Any,
+) -> dict[str, Any]:
+    """The packed forward's keywords; with images, their pixels and each sample's M-RoPE positions in the row.
+
+    A Qwen-VL text model takes (4, 1, T) positions in a packed row: the plain text positions first (restarting
+    at 0 per sequence, as the packed attention's bounds do), then the three M-RoPE rows of each sample, kept as
+    the padded forward has them."""
+    vision = VisionBatch.from_fields(td)
+    if vision is None:
+        return packed.model_kwargs(input_ids, position_ids)
+    prompt_len = td["prompts"].shape[1]
+    input_ids = torch.cat([input_ids[:, :prompt_len], unplaceholder(input_ids[:, prompt_len:], config)], dim=1)
+    rows = torch.cat([position_ids[None], vision.sequence_positions(attention_mask)])  # (4, B, S)
+    kwargs = packed.model_kwargs(input_ids, position_ids)
+    kwargs["position_ids"] = packed.pack(rows.permute(1, 2, 0)).permute(2, 0, 1)  # (1, T, 4) -> (4, 1, T)
+    return {**kwargs, **vision.model_kwargs()}
+
+
+def _refuse_sharded_vision(td: TensorDict) -> None:
+    """Sequence parallelism does not cut images yet: say which key to change rather than lose them."""
     if VisionBatch.from_fields(td) is not None:
         raise ValueError(
-            "prompts with images run the padded forward only so far; set "
-            "actor_rollout_ref.model.use_remove_padding=false (docs/vlm.md)"
+            "prompts with images do not run under sequence parallelism yet; set "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (docs/vlm.md)"
         )
 
 
@@ -210,10 +234,10 @@ class PolicyForward:
         shard = self.sp.shard(packed) if self.sp is not None and packed is not None else None
         held = routed_experts is None or self._held_replay  # `update_replay` installed the replay already
         if packed is not None:
-            _refuse_packed_vision(td)
-            kwargs = packed.model_kwargs(input_ids, position_ids)
+            kwargs = packed_kwargs(packed, td, input_ids, attention_mask, position_ids, self.model.config)
             keep: int | torch.Tensor = packed.predict  # the LM head runs on the predicting positions only
             if shard is not None:  # ids and positions cut from the whole row, so positions stay the row's
+                _refuse_sharded_vision(td)
                 kwargs, keep = shard.model_kwargs(input_ids, position_ids), shard.keep
             if not held:
                 routed_experts = packed.pack(routed_experts)
@@ -304,9 +328,8 @@ class PolicyForward:
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         batch, seq = input_ids.shape
         if self.packed:
-            _refuse_packed_vision(td)
             packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
-            kwargs = packed.model_kwargs(input_ids, position_ids)
+            kwargs = packed_kwargs(packed, td, input_ids, attention_mask, position_ids, self.model.config)
             valid = torch.ones(kwargs["input_ids"].shape[1], dtype=torch.bool, device=input_ids.device)
         else:
             packed = None
