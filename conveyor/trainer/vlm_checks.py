@@ -4,7 +4,7 @@ A run whose policy checkpoint has a vision tower (`is_vlm_config`) samples on
 the hf engine, colocated, and trains with the padded or packed forward on one
 rank; the reference (a KL loss) runs the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
-LoRA, FSDP2 over several ranks, the fused head, router replay, multi-turn
+LoRA, FSDP2 over several ranks, the fused head, multi-turn
 tools and agents, separate or asynchronous rollout, a critic, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
@@ -36,7 +36,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
         (m.lora_rank > 0, "actor_rollout_ref.model.lora_rank=0 (LoRA over the vision tower is not wired yet)"),
         (ranks > 1, "one training rank (trainer.num_cpu_workers=1, trainer.n_gpus_per_node<=1, trainer.nnodes=1)"),
         (bool(m.use_fused_kernels), "actor_rollout_ref.model.use_fused_kernels=false"),
-        (a.router_replay.mode != "disabled", "actor_rollout_ref.actor.router_replay.mode=disabled"),
         (bool(ro.multi_turn.enable), "actor_rollout_ref.rollout.multi_turn.enable=false (tools returning images)"),
         (
             bool(ro.agent.command or ro.agent.callable),

@@ -91,3 +91,27 @@ def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path,
     assert done.returncode == 2, done.stderr[-2000:]
     assert "is a vision-language model" in done.stderr and key in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_qwen3_vl_moe_records_the_rollouts_routing_and_replays_it(tmp_path) -> None:
+    """Qwen3-VL-MoE under R3: the engine records every token's experts (image tokens too), the old-log-prob
+    forward replays them (its log-probs are the engine's), the MoE metrics see all of them."""
+    path = str(save_tiny_vlm("qwen3_vl_moe", tmp_path / "moe"))
+    overrides = _run(path, tmp_path / "run") + [
+        "algorithm.rollout_correction.bypass_mode=false",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        # A gradient whatever the rewards, and steps too small to move the router before the agreement is measured.
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.optim.lr=1e-7",
+        "trainer.test_freq=0",
+    ]
+    run_training(load_config(None, overrides))
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    for step in (1, 2):
+        row = rows[step]
+        assert row["rollout/moe/routed_experts_found"] == 1.0
+        assert row["rollout/moe/routing_from_trainer_forward"] == 0.0
+        assert row["rollout/moe/routed_expert_assignments"] > 0
+        assert row["actor/moe/routing_agreement"] > 0.9
+        assert 0 <= row["rollout_corr/log_prob_abs_diff/max"] < 1e-4
