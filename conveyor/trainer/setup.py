@@ -161,6 +161,17 @@ def _prompt_tokenizer(cfg: Config) -> Any:
     return build_char_tokenizer()  # what prepare_default_model saves with the tiny model
 
 
+def _vision_processor(cfg: Config, tokenizer: Any) -> Any:
+    """The policy's image half of stage 1 (`conveyor.models.vision`), or None for a text policy."""
+    if not policy_sees_images(cfg):
+        return None
+    from conveyor.models.loading import load_model_config
+    from conveyor.models.vision import vision_processor
+
+    m = cfg.actor_rollout_ref.model
+    return vision_processor(m.path, tokenizer, load_model_config(m.path, trust_remote_code=m.trust_remote_code))
+
+
 def _check_prompts(cfg: Config, records: list[dict], origins: list[str], tokenizer: Any) -> None:
     """Every prompt renders, tokenizes to something, and fits data.max_prompt_length (or may be cut); memory fits.
 
@@ -172,18 +183,34 @@ def _check_prompts(cfg: Config, records: list[dict], origins: list[str], tokeniz
 
     d = cfg.data
     texts = []
-    for rec, origin in zip(records, origins):
+    vision = _vision_processor(cfg, tokenizer)
+    with_images: set[int] = set()
+    for i, (rec, origin) in enumerate(zip(records, origins)):
         try:
-            texts.append(render_prompt(rec, tokenizer))
+            text = render_prompt(rec, tokenizer)
+            if vision is not None:
+                # Measured as the model will read it: each '<image>' as its image's pad tokens (the images decoded
+                # here once, so an unreadable one is named at load).
+                _, grids = vision.process(vision.images(rec, origin))
+                text = vision.expand(text, grids, origin)
+                if grids:
+                    with_images.add(i)
+            texts.append(text)
         except ValueError as err:
-            raise ValueError(f"{origin}: {err}") from err
+            raise ValueError(err if str(err).startswith(origin) else f"{origin}: {err}") from err
     distinct = list(dict.fromkeys(texts))
     lengths = dict(zip(distinct, (len(ids) for ids in tokenizer(distinct, add_special_tokens=False)["input_ids"])))
     longest, longest_origin = 0, ""
-    for text, origin in zip(texts, origins):
+    for i, (text, origin) in enumerate(zip(texts, origins)):
         n = lengths[text]
         if n == 0:
             raise ValueError(f"{origin}: the prompt is empty once tokenized; give it some text")
+        if n > d.max_prompt_length and i in with_images:
+            raise ValueError(
+                f"{origin}: the prompt with its images is {n} tokens, more than data.max_prompt_length="
+                f"{d.max_prompt_length}, and a prompt with images is not cut (its image tokens would lose their "
+                "pixels); raise data.max_prompt_length"
+            )
         if n > d.max_prompt_length:
             try:
                 check_prompt_length([0] * n, d.max_prompt_length, d.truncation)  # its one message for this

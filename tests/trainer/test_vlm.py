@@ -115,3 +115,24 @@ def test_qwen3_vl_moe_records_the_rollouts_routing_and_replays_it(tmp_path) -> N
         assert row["rollout/moe/routed_expert_assignments"] > 0
         assert row["actor/moe/routing_agreement"] > 0.9
         assert 0 <= row["rollout_corr/log_prob_abs_diff/max"] < 1e-4
+
+
+def test_a_prompt_longer_than_the_limit_with_its_images_stops_at_load(vlm_path, tmp_path) -> None:
+    """Measured with each '<image>' as its pad tokens: too long stops at load naming the problem and the key."""
+    from conveyor.trainer.setup import load_prompt_records
+
+    cfg = load_config(None, [*_run(vlm_path, tmp_path), "data.max_prompt_length=6", "data.truncation=left"])
+    with pytest.raises(ValueError, match=r"synthetic train problem 0: the prompt with its images is 7 tokens.*raise"):
+        load_prompt_records(cfg)
+    train, _ = load_prompt_records(load_config(None, _run(vlm_path, tmp_path)))
+    assert train[0]["images"]
+
+
+def test_the_visual_task_with_a_text_policy_stops_at_load(tmp_path) -> None:
+    """The tiny text model given the visual task: one line naming the key, before any model is built."""
+    from conveyor.trainer.setup import load_prompt_records
+
+    overrides = ["data.synthetic.task=visual_sum", "data.synthetic.max_operand=9", "data.synthetic.num_train=40"]
+    cfg = load_config(None, [*overrides, "data.synthetic.num_val=4"])
+    with pytest.raises(ValueError, match=r"draws images, but the policy is a text model; set actor_rollout_ref"):
+        load_prompt_records(cfg)
