@@ -9,7 +9,9 @@ import pytest
 
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
-from conveyor.models.tiny_vlm import save_tiny_vlm
+from conveyor.models.loading import load_causal_lm
+from conveyor.models.tiny_vlm import load_image_processor, save_tiny_vlm
+from conveyor.trainer.export import export_hf
 from conveyor.trainer.run import run_training
 
 
@@ -69,6 +71,11 @@ def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp
         assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
         assert rows[step]["actor/grad_norm"] > 0 and rows[step]["timing_s/step"] > 0
     assert 0 < rows[1]["reward/mean"] < 1
+    # The trained policy exports as a vision-language checkpoint with its image processor, and loads as a policy.
+    out = export_hf(tmp_path / "run", tmp_path / "export")
+    model = load_causal_lm(out)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert load_image_processor(out).merge_size == 2
 
 
 @pytest.mark.parametrize(
