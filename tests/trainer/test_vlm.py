@@ -78,6 +78,28 @@ def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp
     assert load_image_processor(out).merge_size == 2
 
 
+def test_a_verl_format_parquet_with_images_trains_with_a_custom_reward(vlm_path, tmp_path) -> None:
+    """verl's multimodal layout on disk (`<image>` in the content, an `images` column of {"bytes", "path"}) loads
+    as it is for a vision-language policy and trains, scored by a custom reward function."""
+    from conveyor.tasks.parquet import write_parquet_records
+    from conveyor.tasks.visual import make_visual_sum_records
+
+    write_parquet_records(make_visual_sum_records(16, seed=0, max_operand=9), tmp_path / "train.parquet")
+    write_parquet_records(make_visual_sum_records(4, seed=1, max_operand=9, split="test"), tmp_path / "val.parquet")
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    overrides = _run(vlm_path, tmp_path / "run") + [
+        f"data.train_files=[{tmp_path / 'train.parquet'}]",
+        f"data.val_files=[{tmp_path / 'val.parquet'}]",
+        f"reward.custom_reward_function.path={reward}",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=0",
+    ]
+    run_training(load_config(None, overrides))
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert rows[1]["actor/grad_norm"] > 0 and 0 < rows[1]["reward/mean"] < 1
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
