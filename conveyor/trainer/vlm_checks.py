@@ -1,10 +1,10 @@
 """What a vision-language policy runs with so far, checked at start: every other path is refused naming its key.
 
 A run whose policy checkpoint has a vision tower (`is_vlm_config`) samples on
-the hf engine, colocated, and trains with the padded or packed forward on one
-rank; the reference (a KL loss) runs the same forward. Each setting that would
+the hf engine, colocated, and trains with the padded or packed forward, on one
+rank or under FSDP2; the reference (a KL loss) runs the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
-LoRA, FSDP2 over several ranks, the fused head, multi-turn
+LoRA, several ranks under another strategy than FSDP2, the fused head, multi-turn
 tools and agents, separate or asynchronous rollout, a critic, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.config import Config, ConfigError
+from conveyor.workers.training.strategy import resolve_strategy
 
 __all__ = ["check_vlm_run"]
 
@@ -34,7 +35,10 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
         (ro.name != "hf", "actor_rollout_ref.rollout.name=hf (vLLM's multimodal inputs are not passed yet)"),
         (ro.placement != "colocated", "actor_rollout_ref.rollout.placement=colocated"),
         (m.lora_rank > 0, "actor_rollout_ref.model.lora_rank=0 (LoRA over the vision tower is not wired yet)"),
-        (ranks > 1, "one training rank (trainer.num_cpu_workers=1, trainer.n_gpus_per_node<=1, trainer.nnodes=1)"),
+        (
+            ranks > 1 and resolve_strategy(a.strategy, ranks) != "fsdp2",
+            "actor_rollout_ref.actor.strategy=fsdp2 (several ranks with images are tested under fsdp2 only)",
+        ),
         (bool(m.use_fused_kernels), "actor_rollout_ref.model.use_fused_kernels=false"),
         (bool(ro.multi_turn.enable), "actor_rollout_ref.rollout.multi_turn.enable=false (tools returning images)"),
         (
