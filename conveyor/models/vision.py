@@ -35,6 +35,7 @@ __all__ = [
     "with_vision_fields",
     "VisionProcessor",
     "check_image_tokens",
+    "refuse_pads_without_pixels",
     "decode_positions",
     "load_image",
     "mrope_positions",
@@ -200,6 +201,22 @@ def vision_processor(path: Any, tokenizer: Any, model_config: Any) -> VisionProc
     from conveyor.models.tiny_vlm import load_image_processor
 
     return VisionProcessor(load_image_processor(path), tokenizer, model_config)
+
+
+def refuse_pads_without_pixels(prompts: torch.Tensor, config: Any, where: str) -> None:
+    """Stop a forward of a vision-language model whose prompts hold image-pad tokens but that was given no pixels.
+
+    Without pixel values a Qwen-VL forward embeds image-pad tokens as ordinary tokens, silently: the log-probs
+    would be of another sequence than the one sampled."""
+    tid = getattr(config, "image_token_id", None)
+    if tid is None or getattr(config, "vision_config", None) is None:
+        return
+    rows = (prompts == int(tid)).any(dim=-1).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"{where}: rows {rows[:8]} of the batch hold image-pad tokens but no pixels were read with them; "
+            f"read the fields {list(VISION_FIELDS)} with `prompts` (conveyor.models.vision.with_vision_fields)"
+        )
 
 
 class VisionProcessor:

@@ -51,7 +51,7 @@ from conveyor.algos.sampling_mask import Truncation, truncate
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
-from conveyor.models.vision import VisionBatch, unplaceholder
+from conveyor.models.vision import VisionBatch, refuse_pads_without_pixels, unplaceholder
 from conveyor.rollout.base import (
     EngineContext,
     GenerationEngine,
@@ -169,6 +169,8 @@ class HFEngine(GenerationEngine):
         vision-language model): the prefill runs the vision tower, every forward takes 3-row positions.
         """
         _check_inputs(input_ids, attention_mask)
+        if vision is None:
+            refuse_pads_without_pixels(input_ids, getattr(self.model, "config", None), "HFEngine.generate")
         if vision is not None and (interrupt is not None or self.lean is not None):
             raise ValueError(
                 "HFEngine.generate: prompts with images take neither a partial rollout (its re-prefill would need "

@@ -48,3 +48,26 @@ def test_rollout_log_probs_match_the_padded_forward(tmp_path, arch: str) -> None
         blind_logits = model(**blind, use_cache=False).logits[:, td["prompts"].shape[1] - 1 : -1]
     assert not torch.allclose(blind_logits[:4], logits[:4], atol=1e-3)
     assert sample_keys(["b/p0"], 2) == ["b/p0/s0", "b/p0/s1"]
+
+
+def test_image_pads_without_pixels_stop_in_stage_1_the_engine_and_the_forward(tmp_path) -> None:
+    """Pads typed into a prompt with no image, or prompts whose pixels were not read: one error, never a forward
+    that embeds the pads as text."""
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "vlm")
+    model, tok = load_causal_lm(path), load_tokenizer(path, padding_side="left")
+    encoder = PromptEncoder(tok, 64, "error", vision=VisionProcessor(load_image_processor(path), tok, model.config))
+    typed = {**make_visual_sum_records(1, seed=0)[0], "images": []}
+    typed["prompt"] = [{"role": "user", "content": "<|image_pad|>="}]
+    with pytest.raises(ValueError, match=r"sample 'b/p7': 1 image-pad tokens and no pixels"):
+        encoder.fields([typed], ["b/p7"], [0])
+    record = make_visual_sum_records(1, seed=0)[0]
+    with pytest.raises(ValueError, match=r"has 0 '<image>' placeholder\(s\) but the row has 1 image"):
+        encoder.fields([{**record, "prompt": [{"role": "user", "content": "="}]}], ["b/p0"], [0])
+    fields, _ = encoder.fields([record], ["b/p0"], [0])
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask")}, batch_size=[1])  # the pixels left unread
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    with pytest.raises(ValueError, match=r"HFEngine.generate: rows \[0\] of the batch hold image-pad tokens but no"):
+        engine.generate(td["prompts"], td["prompt_mask"], SamplingParams(max_new_tokens=2))
+    td["responses"], td["response_mask"] = torch.ones(1, 2, dtype=torch.long) + 4, torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"the padded forward: rows \[0\] .* read the fields \['pixel_values'"):
+        padded_kwargs(td, *sequence_inputs(td), model.config)

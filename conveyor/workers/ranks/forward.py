@@ -59,7 +59,7 @@ from conveyor.models.moe_routing import (
     routed_experts_dtype,
 )
 from conveyor.models.packing import PackedRows
-from conveyor.models.vision import VisionBatch, unplaceholder
+from conveyor.models.vision import VisionBatch, refuse_pads_without_pixels, unplaceholder
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard, group_budget
 from conveyor.workers.training.trained_model import TrainedModel
@@ -102,6 +102,7 @@ def padded_kwargs(
     (and the responses' sampled image-pad tokens fed as the engine fed them, `unplaceholder`)."""
     vision = VisionBatch.from_fields(td)
     if vision is None:
+        refuse_pads_without_pixels(td["prompts"], config, "the padded forward")
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     prompt_len = td["prompts"].shape[1]
     input_ids = torch.cat([input_ids[:, :prompt_len], unplaceholder(input_ids[:, prompt_len:], config)], dim=1)
@@ -128,6 +129,7 @@ def packed_kwargs(
     the padded forward has them."""
     vision = VisionBatch.from_fields(td)
     if vision is None:
+        refuse_pads_without_pixels(td["prompts"], config, "the packed forward")
         return packed.model_kwargs(input_ids, position_ids)
     prompt_len = td["prompts"].shape[1]
     input_ids = torch.cat([input_ids[:, :prompt_len], unplaceholder(input_ids[:, prompt_len:], config)], dim=1)
