@@ -104,13 +104,13 @@ def test_a_verl_format_parquet_with_images_trains_with_a_custom_reward(vlm_path,
     "override, key",
     [
         ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.model.use_fused_kernels=false"),
-        ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_rank=0"),
+        ("algorithm.adv_estimator=gae critic.ppo_mini_batch_size=4", "algorithm.adv_estimator=grpo"),
         ("trainer.num_cpu_workers=2 actor_rollout_ref.actor.strategy=dp", "actor_rollout_ref.actor.strategy=fsdp2"),
         ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name=hf"),
     ],
 )
 def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path, override: str, key: str) -> None:
-    """The fused head, LoRA, two DDP ranks, vLLM: one line naming the key, exit 2, before any worker is built."""
+    """The fused head, a critic, two DDP ranks, vLLM: one line naming the key, exit 2, before any worker is built."""
     done = subprocess.run(
         [sys.executable, "-m", "conveyor.cli", "train", *_run(vlm_path, tmp_path), *override.split()],
         capture_output=True,
@@ -120,6 +120,25 @@ def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path,
     assert done.returncode == 2, done.stderr[-2000:]
     assert "is a vision-language model" in done.stderr and key in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_lora_adapters_train_over_the_vision_tower_and_the_text_model(vlm_path, tmp_path) -> None:
+    """LoRA (rank 4, every linear layer, the vision tower's included): the adapters train, the reference is the
+    actor with them disabled (a KL loss), and the trainer's log-probs are the engine's."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    overrides = _run(vlm_path, tmp_path / "run") + [
+        f"reward.custom_reward_function.path={reward}",
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "trainer.test_freq=0",
+    ]
+    run_training(load_config(None, overrides))
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    for step in (1, 2):
+        assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
+    assert rows[1]["actor/grad_norm"] > 0 and rows[2]["actor/kl_loss"] > 0
 
 
 def test_qwen3_vl_moe_records_the_rollouts_routing_and_replays_it(tmp_path) -> None:
