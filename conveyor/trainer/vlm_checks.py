@@ -4,7 +4,7 @@ A run whose policy checkpoint has a vision tower (`is_vlm_config`) samples on
 the hf engine, colocated, and trains with the padded or packed forward, on one
 rank or under FSDP2; the reference (a KL loss) runs the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
-several ranks under another strategy than FSDP2, the fused head, multi-turn
+several ranks under another strategy than FSDP2, multi-turn
 tools and agents, separate or asynchronous rollout, a critic, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
@@ -26,7 +26,7 @@ __all__ = ["check_vlm_run"]
 def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
     """(whether the setting is on, the key and what to set it to) for every path images do not take yet."""
     arr = cfg.actor_rollout_ref
-    m, a, ro = arr.model, arr.actor, arr.rollout
+    a, ro = arr.actor, arr.rollout
     ranks = cfg.trainer.nnodes * max(cfg.trainer.n_gpus_per_node, cfg.trainer.num_cpu_workers)
     ref_sp = arr.ref.ulysses_sequence_parallel_size
     return [
@@ -38,7 +38,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
             ranks > 1 and resolve_strategy(a.strategy, ranks) != "fsdp2",
             "actor_rollout_ref.actor.strategy=fsdp2 (several ranks with images are tested under fsdp2 only)",
         ),
-        (bool(m.use_fused_kernels), "actor_rollout_ref.model.use_fused_kernels=false"),
         (bool(ro.multi_turn.enable), "actor_rollout_ref.rollout.multi_turn.enable=false (tools returning images)"),
         (
             bool(ro.agent.command or ro.agent.callable),
