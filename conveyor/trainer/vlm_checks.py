@@ -5,7 +5,7 @@ the hf engine, colocated, and trains with the padded or packed forward, on one
 rank or under FSDP2; the reference (a KL loss) runs the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
 several ranks under another strategy than FSDP2, multi-turn
-tools and agents, separate or asynchronous rollout, a critic, a reward model
+tools and agents, asynchronous rollout, a critic, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
 
@@ -33,7 +33,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
         (a.ulysses_sequence_parallel_size > 1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"),
         (ref_sp is not None and ref_sp > 1, "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"),
         (ro.name != "hf", "actor_rollout_ref.rollout.name=hf (vLLM's multimodal inputs are not passed yet)"),
-        (ro.placement != "colocated", "actor_rollout_ref.rollout.placement=colocated"),
         (
             ranks > 1 and resolve_strategy(a.strategy, ranks) != "fsdp2",
             "actor_rollout_ref.actor.strategy=fsdp2 (several ranks with images are tested under fsdp2 only)",

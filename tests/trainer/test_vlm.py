@@ -140,6 +140,24 @@ def test_lora_adapters_train_over_the_vision_tower_and_the_text_model(vlm_path, 
     assert rows[1]["actor/grad_norm"] > 0 and rows[2]["actor/kl_loss"] > 0
 
 
+def test_a_separate_rollout_replica_samples_with_the_updated_weights(vlm_path, tmp_path) -> None:
+    """The rollout on a replica of its own (`rollout.placement=separate`): it reads the images from the data plane,
+    and after each update samples with the synced weights (step 2's log-probs are still the trainer's)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    overrides = _run(vlm_path, tmp_path / "run") + [
+        f"reward.custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.placement=separate",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "trainer.test_freq=0",
+    ]
+    run_training(load_config(None, overrides))
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert rows[1]["actor/grad_norm"] > 0
+    for step in (1, 2):
+        assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
+
+
 def test_qwen3_vl_moe_records_the_rollouts_routing_and_replays_it(tmp_path) -> None:
     """Qwen3-VL-MoE under R3: the engine records every token's experts (image tokens too), the old-log-prob
     forward replays them (its log-probs are the engine's), the MoE metrics see all of them."""
