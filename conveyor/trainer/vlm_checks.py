@@ -5,7 +5,7 @@ the hf engine, colocated, and trains with the padded or packed forward, on one
 rank or under FSDP2; the reference (a KL loss) runs the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
 several ranks under another strategy than FSDP2, multi-turn
-tools and agents, asynchronous rollout, a critic, a reward model
+tools and agents, partial rollouts, rollout processes of their own, a critic, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
 
@@ -42,7 +42,15 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
             bool(ro.agent.command or ro.agent.callable),
             "actor_rollout_ref.rollout.agent.command/callable=null (the gateway's image parts are not accepted yet)",
         ),
-        (cfg.trainer.v1.trainer_mode != "sync", "trainer.v1.trainer_mode=sync"),
+        (
+            cfg.trainer.v1.is_async and cfg.trainer.v1.separate_async.partial_rollout,
+            "trainer.v1.separate_async.partial_rollout=false (a resumed prefill would need the pixels again)",
+        ),
+        (
+            plan.rollout_process == "own",
+            "trainer.v1.separate_async.rollout_process=trainer (rollout processes of their own are not tested "
+            "with images yet)",
+        ),
         (
             plan.use_critic,
             "algorithm.adv_estimator=grpo (or another estimator without a critic)",

@@ -158,6 +158,26 @@ def test_a_separate_rollout_replica_samples_with_the_updated_weights(vlm_path, t
         assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
 
 
+def test_the_asynchronous_trainer_trains_on_images(vlm_path, tmp_path) -> None:
+    """trainer.v1.trainer_mode=separate_async: the rollout thread generates a batch ahead with the images, the
+    trainer updates on it; partial rollouts are refused at start."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    overrides = _run(vlm_path, tmp_path / "run") + [
+        f"reward.custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.placement=separate",
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=0",
+    ]
+    run_training(load_config(None, overrides))
+    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2, 3] and all(rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
+    partial = [*overrides, "trainer.v1.separate_async.partial_rollout=true", f"trainer.default_local_dir={tmp_path}/p"]
+    with pytest.raises(ValueError, match=r"set trainer.v1.separate_async.partial_rollout=false"):
+        run_training(load_config(None, partial))
+
+
 def test_qwen3_vl_moe_records_the_rollouts_routing_and_replays_it(tmp_path) -> None:
     """Qwen3-VL-MoE under R3: the engine records every token's experts (image tokens too), the old-log-prob
     forward replays them (its log-probs are the engine's), the MoE metrics see all of them."""
