@@ -83,6 +83,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     b.add_argument("--rm-steps", type=int, default=300, help="training steps of the reward model")
     _add_config_args(b)
+
+    v = sub.add_parser(
+        "build-vlm", help="write a tiny vision-language model with its tokenizer and image processor (docs/vlm.md)"
+    )
+    v.add_argument("--arch", default="qwen2_5_vl", help="qwen2_5_vl, qwen3_vl or qwen3_vl_moe (%(default)s)")
+    v.add_argument("--out", required=True, help="the checkpoint directory to write (actor_rollout_ref.model.path)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random weights (%(default)s)")
     return p, {"train": t, "config": c, "warmstart": w, "build-reward-models": b}
 
 
@@ -187,6 +194,14 @@ def _cmd_build_reward_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_build_vlm(args: argparse.Namespace) -> int:
+    from conveyor.models.tiny_vlm import save_tiny_vlm
+
+    path = save_tiny_vlm(args.arch, args.out, seed=args.seed)
+    print(f"{path}: tiny {args.arch} (model, tokenizer, image processor); use actor_rollout_ref.model.path={path}")
+    return 0
+
+
 _COMMANDS = {
     "train": _cmd_train,
     "config": _cmd_config,
@@ -195,6 +210,7 @@ _COMMANDS = {
     "export": _cmd_export,
     "warmstart": _cmd_warmstart,
     "build-reward-models": _cmd_build_reward_models,
+    "build-vlm": _cmd_build_vlm,
 }
 
 

@@ -23,7 +23,8 @@ class SyntheticTaskConfig:
     ops: list = F(["+"], "operators to draw from: any of +, -, *")
     task: str = F(
         "arithmetic",
-        "arithmetic, or arithmetic_tool (n-digit operands, a calculator to call; see docs/agent.md)",
+        "arithmetic, arithmetic_tool (n-digit operands, a calculator to call; see docs/agent.md), code, or "
+        "visual_sum (two numbers drawn into an image: a vision-language policy, docs/vlm.md)",
         choices=registry("conveyor.tasks", "SYNTHETIC_TASKS"),
     )
 

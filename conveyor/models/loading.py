@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -278,7 +279,7 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(p), output_loading_info=True, **kwargs)
+        model, info = _auto_class(p).from_pretrained(str(p), output_loading_info=True, **kwargs)
     except (OSError, ValueError, SafetensorError) as err:
         raise ValueError(
             f"cannot load the model in {str(p)!r}: {type(err).__name__}: {_first_line(err)}; "
@@ -289,6 +290,15 @@ def load_causal_lm(
     if not mmap:
         release_freed_host_memory()  # the file's bytes and the loading's copies, freed but kept by the heap
     return model.to(device)
+
+
+def _auto_class(path: Path) -> type:
+    """The auto class of a checkpoint: a vision-language model (a config with a vision tower) is an image-text one."""
+    try:
+        config = read_config_json(path)
+    except ValueError:
+        return AutoModelForCausalLM  # from_pretrained reports the file's problem in its own words
+    return AutoModelForImageTextToText if isinstance(config.get("vision_config"), dict) else AutoModelForCausalLM
 
 
 def _check_lm_head(model: PreTrainedModel, missing: list[str] | set[str], path: Path) -> None:
@@ -338,8 +348,9 @@ def build_causal_lm_on_meta(
     kwargs: dict = {"dtype": resolve_dtype(dtype), "trust_remote_code": bool(trust_remote_code)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model = auto.from_config(config, **kwargs)
     return model.eval()
 
 

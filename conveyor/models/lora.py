@@ -56,6 +56,13 @@ def _router_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if id(module) in routers]
 
 
+def _suffix(name: str) -> str:
+    """The name PEFT matches a linear module by: its last part, or its last two when the last is an index (a
+    vision merger's `mlp.0`): a bare `0` would also match every block of a list (`blocks.0`), which is no linear."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+
 def lora_config(
     model: nn.Module,
     *,
@@ -75,7 +82,7 @@ def lora_config(
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         modules: Any = sorted(
             {
-                name.rpartition(".")[2]
+                _suffix(name)
                 for name, m in model.named_modules()
                 if isinstance(m, nn.Linear) and m is not output and name not in routers
             }

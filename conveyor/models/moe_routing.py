@@ -82,6 +82,8 @@ _ARCHS: dict[str, _Arch] = {
     "Qwen3MoeSparseMoeBlock": _Arch("gate", _router_flag),
     "OlmoeSparseMoeBlock": _Arch("gate", _router_flag),
     "Qwen2MoeSparseMoeBlock": _Arch("gate", _router_flag),
+    # Qwen3-VL-MoE's text router always renormalises its top-k (its config has no norm_topk_prob).
+    "Qwen3VLMoeTextSparseMoeBlock": _Arch("gate", lambda router: True),
 }
 
 

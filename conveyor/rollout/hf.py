@@ -57,6 +57,7 @@ from conveyor.algos.sampling_mask import Truncation, truncate
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
+from conveyor.models.vision import VisionBatch, refuse_pads_without_pixels, unplaceholder
 from conveyor.rollout.base import (
     EngineContext,
     GenerationEngine,
@@ -157,6 +158,7 @@ class HFEngine(GenerationEngine):
         generator: torch.Generator | None = None,
         interrupt: Callable[[int], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
+        vision: VisionBatch | None = None,
     ) -> GenerationOutput:
         """Sample up to `params.max_new_tokens` per left-padded prompt (`input_ids`, `attention_mask`: (B, P)).
 
@@ -169,9 +171,17 @@ class HFEngine(GenerationEngine):
         forwards, as forwards over FSDP2 shards (each one gathers the layers in turn) need. It runs the Hugging
         Face forward (the lean forward bypasses the module hooks that gather the layers).
         Returns a `GenerationOutput` (`routed_experts` with `params.capture_routing` on an MoE model, int16);
-        `generator` must live on the model's device.
+        `generator` must live on the model's device. `vision`: the prompts' images and M-RoPE positions (a
+        vision-language model): the prefill runs the vision tower, every forward takes 3-row positions.
         """
         _check_inputs(input_ids, attention_mask)
+        if vision is None:
+            refuse_pads_without_pixels(input_ids, getattr(self.model, "config", None), "HFEngine.generate")
+        if vision is not None and (interrupt is not None or self.lean is not None):
+            raise ValueError(
+                "HFEngine.generate: prompts with images take neither a partial rollout (its re-prefill would need "
+                "the pixels again) nor the lean forward; set actor_rollout_ref.model.forward_impl=hf"
+            )
         if synced is not None and interrupt is not None:
             raise ValueError(
                 "HFEngine.generate: `synced` and `interrupt` do not combine (a partial rollout runs on one rank)"
@@ -216,6 +226,7 @@ class HFEngine(GenerationEngine):
                     synced,
                     lean,
                     margins,
+                    vision,
                 )
         finally:
             model.train(was_training)
@@ -255,6 +266,7 @@ class HFEngine(GenerationEngine):
         synced: Callable[[bool], bool] | None = None,
         lean: LeanForward | None = None,
         record_margins: bool = False,
+        vision: VisionBatch | None = None,
     ) -> GenerationOutput:
         """The prefill forward, then one forward per sampled token; the outputs of `generate`."""
         batch, prompt_len = input_ids.shape
@@ -276,7 +288,9 @@ class HFEngine(GenerationEngine):
         # Not inference mode over FSDP2 shards: the all-gather buffers it would allocate there become inference
         # tensors, which the next forward outside inference mode (an old-log-prob pass) may not write into.
         with torch.no_grad() if synced is not None else torch.inference_mode():
-            engine = self._engine(input_ids, prompt_mask, steps_max, recorder, routed is not None, lean, margins)
+            engine = self._engine(
+                input_ids, prompt_mask, steps_max, recorder, routed is not None, lean, margins, vision
+            )
             logits = engine.prefill()
             if routed is not None:
                 routed[:, :prompt_len] = engine.pop_routing(margins, slice(0, prompt_len))
@@ -352,10 +366,11 @@ class HFEngine(GenerationEngine):
         record: bool,
         lean: LeanForward | None,
         margins: Tensor | None = None,
+        vision: VisionBatch | None = None,
     ) -> _LeanSteps | _HFSteps:
         if lean is not None:
             return _LeanSteps(lean, input_ids, prompt_mask, steps_max, record, margins is not None)
-        return _HFSteps(self.model, self._cache_kw, input_ids, prompt_mask, steps_max, recorder)
+        return _HFSteps(self.model, self._cache_kw, input_ids, prompt_mask, steps_max, recorder, vision)
 
 
 class _HFSteps:
@@ -369,8 +384,10 @@ class _HFSteps:
         prompt_mask: Tensor,
         steps_max: int,
         recorder: RoutingRecorder | None,
+        vision: VisionBatch | None = None,
     ) -> None:
         self.model, self.cache_kw, self.recorder = model, cache_kw, recorder
+        self.vision = vision
         self.input_ids, self.prompt_mask = input_ids, prompt_mask
         batch, self.prompt_len = input_ids.shape
         # The attention mask of every step is a prefix of this one: the prompt's,
@@ -390,11 +407,20 @@ class _HFSteps:
         # the trainer's forward over prompt + response.
         position_ids = (self.prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)
         self.next_pos = position_ids[:, -1:] + 1
+        if self.vision is not None:
+            # M-RoPE: the prompt's 3-row positions from stage 1; a decoded token's are its index + the rope delta
+            # on every row (what the trainer's forward gives the response, `VisionBatch.sequence_positions`).
+            vision = self.vision
+            self.next_pos = (self.next_pos + vision.rope_delta.view(-1, 1)).unsqueeze(0).expand(3, -1, -1)
+            positions = vision.positions.permute(1, 0, 2)
+            return self._forward(self.input_ids, self.prompt_mask, positions, **vision.model_kwargs())
         return self._forward(self.input_ids, self.prompt_mask, position_ids)
 
     def step(self, token: Tensor, finished: Tensor) -> Tensor:
         """Logits (B, V) after feeding `token` (B,); rows that `finished` are computed all the same."""
         assert self.next_pos is not None, "prefill first"
+        if self.vision is not None:  # a sampled image-pad token has no features: fed as the trainer feeds it
+            token = unplaceholder(token, self.model.config)
         logits = self._forward(token.unsqueeze(-1), self.step_masks[..., : self.prompt_len + self.t + 1], self.next_pos)
         self.t += 1
         self.next_pos = self.next_pos + 1
@@ -420,8 +446,8 @@ class _HFSteps:
         layer_types = getattr(config, "layer_types", None) or []
         return all(kind == "full_attention" for kind in layer_types)
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        """Last-position logits (B, V) of one forward that extends the cache."""
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, **pixels: Tensor) -> Tensor:
+        """Last-position logits (B, V) of one forward that extends the cache (`pixels`: the prefill's images)."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -429,6 +455,7 @@ class _HFSteps:
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kw: self.cache},
+            **pixels,
         )
         return out.logits[:, -1, :]
 

@@ -25,12 +25,14 @@ from conveyor.tasks.synthetic import (
     arithmetic_split,
     make_arithmetic_records,
 )
+from conveyor.tasks.visual import VISUAL_DATA_SOURCE, make_visual_sum_records
 
 #: data.synthetic.task -> the function making its records: fn(n, *, seed, max_operand, ops, split) -> list[dict].
 SYNTHETIC_TASKS = {
     "arithmetic": make_arithmetic_records,
     "arithmetic_tool": make_arithmetic_tool_records,
     "code": make_code_records,
+    "visual_sum": make_visual_sum_records,
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "REWARD_FNS",
     "SYNTHETIC_TASKS",
     "TRUNCATION_MODES",
+    "VISUAL_DATA_SOURCE",
     "PromptDataset",
     "RewardFunctionError",
     "arithmetic_split",
@@ -54,6 +57,7 @@ __all__ = [
     "make_arithmetic_records",
     "make_arithmetic_tool_records",
     "make_code_records",
+    "make_visual_sum_records",
     "register_reward_fn",
     "render_prompt",
     "write_parquet_records",

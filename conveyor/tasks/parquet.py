@@ -125,7 +125,7 @@ def _refuse_media(path: str, table: pa.Table) -> None:
                 )
 
 
-def _read_one(path: str) -> list[dict]:
+def _read_one(path: str, media: bool = False) -> list[dict]:
     if not os.path.exists(path):
         raise ValueError(f"parquet file {path!r} does not exist")
     try:
@@ -133,7 +133,8 @@ def _read_one(path: str) -> list[dict]:
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"could not read parquet file {path!r}: {e}") from e
     _check_schema(path, table.schema)
-    _refuse_media(path, table)
+    if not media:
+        _refuse_media(path, table)
     records = table.to_pylist()
     for i, rec in enumerate(records):
         _check_row(path, i, rec)
@@ -144,7 +145,7 @@ def _read_one(path: str) -> list[dict]:
     return records
 
 
-def load_parquet_records(paths: PathLike | Sequence[PathLike]) -> list[dict]:
+def load_parquet_records(paths: PathLike | Sequence[PathLike], *, media: bool = False) -> list[dict]:
     """All rows of one or more verl-style parquet files, in file order, as prompt-record dicts.
 
     Raises `ValueError` naming the file when a file is missing or unreadable,
@@ -152,13 +153,14 @@ def load_parquet_records(paths: PathLike | Sequence[PathLike]) -> list[dict]:
     no rows; and naming the row too when its `prompt` is not a non-empty list
     of chat messages with text content, its `data_source` is not a name, its
     `reward_model.ground_truth` is null or NaN, or it carries images or videos
-    (`MEDIA_COLUMNS`) the text policy could not see.
+    (`MEDIA_COLUMNS`) the text policy could not see. `media`: the policy sees images (a vision-language
+    model): rows with an `images` column load as they are.
     """
     path_list = _as_path_list(paths)
     records: list[dict] = []
     empty: list[str] = []
     for path in path_list:
-        rows = _read_one(path)
+        rows = _read_one(path, media)
         if not rows:
             empty.append(path)
         records.extend(rows)

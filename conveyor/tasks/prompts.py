@@ -53,8 +53,11 @@ def uid_of(key: str) -> str:
 class PromptEncoder:
     """Token ids and the prompt fields of records; each distinct prompt is rendered and tokenized once per run."""
 
-    def __init__(self, tokenizer: Any, max_prompt_length: int, truncation: str):
+    def __init__(self, tokenizer: Any, max_prompt_length: int, truncation: str, vision: Any = None):
         self.tokenizer = tokenizer
+        # A vision-language policy's processor (`conveyor.models.vision.VisionProcessor`): a record's images become
+        # pixel values, image-pad tokens and M-RoPE positions here, once per prompt.
+        self.vision = vision
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
         self._texts: dict[str, str] = {}  # a record's messages (their repr) -> its rendered prompt
         self._ids: dict[str, list[int]] = {}  # a rendered prompt -> its token ids
@@ -72,6 +75,12 @@ class PromptEncoder:
     def encode(self, records: Sequence[dict]) -> tuple[list[str], list[list[int]]]:
         """The prompt texts of `records` and their token ids, truncated per `data.truncation` (errors name the
         prompt)."""
+        texts, token_lists, _ = self._encode(records)
+        return texts, token_lists
+
+    def _encode(self, records: Sequence[dict]) -> tuple[list[str], list[list[int]], list[tuple[Any, list]]]:
+        """`encode`, and each record's (pixel values or None, image grids) when the policy sees images."""
+        media: list[tuple[Any, list]] = [(None, [])] * len(records)
         with self._lock:
             # Prompts recur every epoch: a chat template is a Jinja rendering (about 20 us a prompt), the repr of its
             # messages under 2 us.
@@ -82,6 +91,15 @@ class PromptEncoder:
                 if text is None:
                     text = self._texts[key] = render_prompt(rec, self.tokenizer)
                 texts.append(text)
+            if self.vision is not None:
+                # Images differ between records of one prompt text: processed per record, not cached.
+                for i, rec in enumerate(records):
+                    where = f"prompt {texts[i][:60]!r} (data_source {rec.get('data_source')!r})"
+                    images = self.vision.images(rec, where)
+                    if images:
+                        pixels, grids = self.vision.process(images)
+                        media[i] = (pixels, grids)
+                        texts[i] = self.vision.expand(texts[i], grids, where)
             # ...and each distinct text is tokenized once, in one batched call.
             new = [t for t in dict.fromkeys(texts) if t not in self._ids]
             if new:
@@ -96,7 +114,7 @@ class PromptEncoder:
             if not ids:
                 raise ValueError(f"prompt {text[:60]!r} is empty after tokenization")
             token_lists.append(ids)
-        return texts, token_lists
+        return texts, token_lists, media
 
     def fields(
         self,
@@ -107,7 +125,7 @@ class PromptEncoder:
     ) -> tuple[dict[str, Any], list[int]]:
         """The prompt fields of samples (`rows[i]`: the index in `records` / `uids` of sample i's prompt), left-padded
         to the longest prompt or to `width` when wider; and each sample's prompt length in tokens."""
-        texts, token_lists = self.encode(records)
+        texts, token_lists, media = self._encode(records)
         width = max([len(x) for x in token_lists] + [width or 0])
         pad = self.tokenizer.pad_token_id
         # Left padding, built once per prompt and indexed per sample (one group per prompt).
@@ -126,7 +144,37 @@ class PromptEncoder:
             # The record's own side data (verl's extra_info): an agent reads it with its task.
             "extra_info": [records[i].get("extra_info") for i in rows],
         }
+        if self.vision is not None:
+            fields.update(self._vision_fields(token_lists, media, uids, rows, width))
         return fields, [len(token_lists[i]) for i in rows]
+
+    def _vision_fields(
+        self,
+        token_lists: list[list[int]],
+        media: list[tuple[Any, list]],
+        uids: Sequence[str],
+        rows: Sequence[int],
+        width: int,
+    ) -> dict[str, Any]:
+        """`VISION_FIELDS` of the samples: pixels and grids per sample, M-RoPE positions left-padded to `width`."""
+        from conveyor.models.vision import check_image_tokens, mrope_positions
+
+        v = self.vision
+        positions = torch.zeros((len(token_lists), 3, width), dtype=torch.long)
+        deltas = torch.zeros(len(token_lists), dtype=torch.long)
+        for i, (ids, (_, grids)) in enumerate(zip(token_lists, media)):
+            # The one check that pads and pixels agree: a truncated prompt or a stray pad token stops here.
+            check_image_tokens(uids[i], ids, grids, v.image_token_id, v.merge)
+            pos, delta = mrope_positions(ids, grids, v.image_token_id, v.merge)
+            positions[i, :, width - len(ids) :] = pos
+            deltas[i] = delta
+        index = torch.tensor(list(rows), dtype=torch.long)
+        return {
+            "pixel_values": [media[i][0] for i in rows],
+            "image_grid_thw": [torch.tensor(media[i][1], dtype=torch.long).view(-1, 3) for i in rows],
+            "mrope_positions": positions[index],
+            "rope_delta": deltas[index],
+        }
 
     def for_keys(
         self,

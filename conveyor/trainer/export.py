@@ -100,7 +100,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     A LoRA run's checkpoint holds adapters only: by default they are merged into the base model (a plain
     checkpoint); `adapter_only` writes the adapter in PEFT's format instead (`PeftModel.from_pretrained`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from conveyor.models.loading import read_config_json
     from conveyor.models.router_control import BIAS_NAME
@@ -151,7 +151,11 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
         peft_model, _ = _lora_model(actor_dir, config, getattr(config, "dtype", None))
         model = peft_model if adapter_only else peft_model.merge_and_unload()
     else:
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
+        # A vision-language checkpoint is rebuilt as its image-text class (the vision tower's weights are the actor's).
+        auto = (
+            AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        )
+        model = auto.from_config(config, dtype=getattr(config, "dtype", None), trust_remote_code=False)
         load_model_weights(parts["actor"], model)
     try:
         biases = load_model_tensors(actor_dir, "." + BIAS_NAME)
@@ -168,6 +172,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, ada
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if (hf / "preprocessor_config.json").is_file():  # a vision-language policy's image processor
+            shutil.copy(hf / "preprocessor_config.json", tmp / "preprocessor_config.json")
         if biases:
             _drop_selection_bias(biases, tmp, type(model).__name__)
         if out.exists():

@@ -88,7 +88,12 @@ def model_is_moe(cfg: Config) -> bool:
         return False  # no readable config.json: the checkpoint check names the problem before anything loads
     # transformers 5 writes Qwen3-MoE's (and OLMoE's) expert count as num_local_experts, which
     # infer_moe_num_experts reads for Mixtral and gpt-oss only (its documented contract).
-    experts = infer_moe_num_experts(config) or config.get("num_local_experts")
+    text = config.get("text_config")  # a vision-language model's text model (Qwen3-VL-MoE) holds its experts
+    experts = (
+        infer_moe_num_experts(config)
+        or config.get("num_local_experts")
+        or (text.get("num_local_experts") if isinstance(text, dict) else None)
+    )
     return isinstance(experts, int) and experts > 0
 
 

@@ -57,6 +57,7 @@ from conveyor.metrics.moe_router import (
     summarise_layers,
 )
 from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
+from conveyor.models.vision import vision_processor
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PromptEncoder
 from conveyor.trainer.distillation import teacher_stage
@@ -172,7 +173,12 @@ class PPOTrainer:
             data_plane=data_plane,
             workers=workers,
             train_records=train_records,
-            prompts=PromptEncoder(tokenizer, cfg.data.max_prompt_length, cfg.data.truncation),
+            prompts=PromptEncoder(
+                tokenizer,
+                cfg.data.max_prompt_length,
+                cfg.data.truncation,
+                vision=vision_processor(cfg.actor_rollout_ref.model.path, tokenizer, model_config),
+            ),
             run_dir=self.run_dir,
         )
         # Where a step's samples come from: the one variable part of the loop (synchronous or asynchronous).

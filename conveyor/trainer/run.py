@@ -47,6 +47,7 @@ from conveyor.trainer.setup import (
     resolve_device,
 )
 from conveyor.trainer.signals import Reaper, StopRequested, StopSignals
+from conveyor.trainer.vlm_checks import check_vlm_run
 from conveyor.workers.placement.recovery import stopped_by_fault
 from conveyor.workers.placement.roles import build_worker_groups
 from conveyor.workers.ranks.perf import frozen_heap
@@ -157,6 +158,7 @@ def _train_in(cfg: Config, run_dir: Path, device: str, plan: RunPlan) -> dict[st
     model_path = prepare_default_model(cfg)
     trust = cfg.actor_rollout_ref.model.trust_remote_code
     model_config = load_model_config(model_path, trust_remote_code=trust)
+    check_vlm_run(cfg, plan, model_config)  # a vision-language policy runs only the paths that carry its images
     _check_engine_serves(cfg, plan, model_config, device)
     check_memory(cfg, plan, model_config, device)  # before any worker claims GPU memory: no OOM at the first wake-up
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path, trust_remote_code=trust)

@@ -114,14 +114,24 @@ def check_local_resources(cfg: Config, plan: Any) -> None:
             )
 
 
-def _load_files(paths: list[str]) -> tuple[list[dict], list[str]]:
+def policy_sees_images(cfg: Config) -> bool:
+    """Whether the policy is a vision-language model: its checkpoint's config.json has a vision tower."""
+    from conveyor.models.loading import read_config_json
+
+    path = cfg.actor_rollout_ref.model.path
+    if not path or not (Path(path).expanduser() / "config.json").is_file():
+        return False  # the tiny text model, or a path whose problem prepare_default_model names
+    return isinstance(read_config_json(path).get("vision_config"), dict)
+
+
+def _load_files(paths: list[str], media: bool = False) -> tuple[list[dict], list[str]]:
     """The records of parquet files, and where each one came from (file and row), for messages that name it."""
     from conveyor.tasks.parquet import load_parquet_records
 
     records: list[dict] = []
     origins: list[str] = []
     for path in paths:
-        rows = load_parquet_records(path)
+        rows = load_parquet_records(path, media=media)
         records.extend(rows)
         origins.extend(f"parquet file {path!r}, row {i}" for i in range(len(rows)))
     return records, origins
@@ -151,6 +161,17 @@ def _prompt_tokenizer(cfg: Config) -> Any:
     return build_char_tokenizer()  # what prepare_default_model saves with the tiny model
 
 
+def _vision_processor(cfg: Config, tokenizer: Any) -> Any:
+    """The policy's image half of stage 1 (`conveyor.models.vision`), or None for a text policy."""
+    if not policy_sees_images(cfg):
+        return None
+    from conveyor.models.loading import load_model_config
+    from conveyor.models.vision import vision_processor
+
+    m = cfg.actor_rollout_ref.model
+    return vision_processor(m.path, tokenizer, load_model_config(m.path, trust_remote_code=m.trust_remote_code))
+
+
 def _check_prompts(cfg: Config, records: list[dict], origins: list[str], tokenizer: Any) -> None:
     """Every prompt renders, tokenizes to something, and fits data.max_prompt_length (or may be cut); memory fits.
 
@@ -162,18 +183,34 @@ def _check_prompts(cfg: Config, records: list[dict], origins: list[str], tokeniz
 
     d = cfg.data
     texts = []
-    for rec, origin in zip(records, origins):
+    vision = _vision_processor(cfg, tokenizer)
+    with_images: set[int] = set()
+    for i, (rec, origin) in enumerate(zip(records, origins)):
         try:
-            texts.append(render_prompt(rec, tokenizer))
+            text = render_prompt(rec, tokenizer)
+            if vision is not None:
+                # Measured as the model will read it: each '<image>' as its image's pad tokens (the images decoded
+                # here once, so an unreadable one is named at load).
+                _, grids = vision.process(vision.images(rec, origin))
+                text = vision.expand(text, grids, origin)
+                if grids:
+                    with_images.add(i)
+            texts.append(text)
         except ValueError as err:
-            raise ValueError(f"{origin}: {err}") from err
+            raise ValueError(err if str(err).startswith(origin) else f"{origin}: {err}") from err
     distinct = list(dict.fromkeys(texts))
     lengths = dict(zip(distinct, (len(ids) for ids in tokenizer(distinct, add_special_tokens=False)["input_ids"])))
     longest, longest_origin = 0, ""
-    for text, origin in zip(texts, origins):
+    for i, (text, origin) in enumerate(zip(texts, origins)):
         n = lengths[text]
         if n == 0:
             raise ValueError(f"{origin}: the prompt is empty once tokenized; give it some text")
+        if n > d.max_prompt_length and i in with_images:
+            raise ValueError(
+                f"{origin}: the prompt with its images is {n} tokens, more than data.max_prompt_length="
+                f"{d.max_prompt_length}, and a prompt with images is not cut (its image tokens would lose their "
+                "pixels); raise data.max_prompt_length"
+            )
         if n > d.max_prompt_length:
             try:
                 check_prompt_length([0] * n, d.max_prompt_length, d.truncation)  # its one message for this
@@ -236,15 +273,23 @@ def load_prompt_records(cfg: Config, tokenizer: Any = None) -> tuple[list[dict],
     data_source must have a reward function.
     """
     d = cfg.data
-    train, train_origins = _load_files(d.train_files) if d.train_files else _synthetic(cfg, "train")
+    media = policy_sees_images(cfg)
+    train, train_origins = _load_files(d.train_files, media) if d.train_files else _synthetic(cfg, "train")
     if d.val_files:
-        val, val_origins = _load_files(d.val_files)
+        val, val_origins = _load_files(d.val_files, media)
     elif not d.train_files:
         val, val_origins = _synthetic(cfg, "test")
     else:
         val, val_origins = [], []
     if d.val_batch_size is not None:
         val, val_origins = val[: d.val_batch_size], val_origins[: d.val_batch_size]
+    if not media and not d.train_files:
+        with_images = next((o for r, o in zip(train + val, train_origins + val_origins) if r.get("images")), None)
+        if with_images is not None:
+            raise ConfigError(
+                f"{with_images}: data.synthetic.task={d.synthetic.task} draws images, but the policy is a text model; "
+                "set actor_rollout_ref.model.path to a vision-language checkpoint (conveyor build-vlm writes one)"
+            )
     _check_prompts(
         cfg, train + val, train_origins + val_origins, tokenizer if tokenizer is not None else _prompt_tokenizer(cfg)
     )

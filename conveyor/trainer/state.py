@@ -148,6 +148,17 @@ def trainer_state(
     return state
 
 
+def _copy_image_processor(checkpoints: Checkpoints, hf: Path) -> None:
+    """A vision-language policy's image processor beside its config: an exported checkpoint reads images as trained."""
+    if getattr(checkpoints.model_config, "vision_config", None) is None:
+        return
+    import shutil
+
+    source = Path(checkpoints.cfg.actor_rollout_ref.model.path or "") / "preprocessor_config.json"
+    if source.is_file():
+        shutil.copy(source, hf / source.name)
+
+
 def save_checkpoint(checkpoints: Checkpoints, step: int) -> Path:
     """Write every role's shards, the model's config and tokenizer, and every registered part's state at `step`."""
 
@@ -159,6 +170,7 @@ def save_checkpoint(checkpoints: Checkpoints, step: int) -> Path:
             # What `conveyor export` needs besides the weights: a checkpoint is self-contained.
             checkpoints.model_config.save_pretrained(tmp / "hf")
             checkpoints.tokenizer.save_pretrained(tmp / "hf")
+            _copy_image_processor(checkpoints, tmp / "hf")
         return trainer_state(checkpoints, step, roles, tmp)
 
     t = checkpoints.cfg.trainer

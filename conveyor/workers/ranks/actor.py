@@ -57,6 +57,7 @@ from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info
 from conveyor.models.packing import setup_packing
 from conveyor.models.router_control import freeze_routers
+from conveyor.models.vision import with_vision_fields
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, engine_spec
 from conveyor.weights import (
@@ -367,6 +368,8 @@ class PolicyWorker(CheckpointEndpoints):
         return result_handle(meta, fields, metrics, self.device)
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
+        # A forward over the prompts of a vision-language policy reads their pixels and positions too.
+        fields = with_vision_fields(fields, meta.fields)
         return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(
             self.device
         )

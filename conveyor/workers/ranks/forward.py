@@ -59,6 +59,7 @@ from conveyor.models.moe_routing import (
     routed_experts_dtype,
 )
 from conveyor.models.packing import PackedRows
+from conveyor.models.vision import VisionBatch, refuse_pads_without_pixels, unplaceholder
 from conveyor.workers.training.batching import TokenBudget, in_row_order, micro_batches, plan_micro_batches, take
 from conveyor.workers.training.sequence_parallel import SequenceParallel, SequenceShard, group_budget
 from conveyor.workers.training.trained_model import TrainedModel
@@ -92,6 +93,59 @@ def replayed_truncation(rollout: Any) -> Truncation | None:
     decoding, no truncation set, or `sampling_mask.replay` off."""
     mask = getattr(rollout, "sampling_mask", None)
     return None if mask is not None and not mask.replay else rollout_truncation(rollout)
+
+
+def padded_kwargs(
+    td: TensorDict, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, config: Any
+) -> dict[str, torch.Tensor]:
+    """The padded forward's keywords; with images (`VISION_FIELDS` read), their pixels and 3-row M-RoPE positions
+    (and the responses' sampled image-pad tokens fed as the engine fed them, `unplaceholder`)."""
+    vision = VisionBatch.from_fields(td)
+    if vision is None:
+        refuse_pads_without_pixels(td["prompts"], config, "the padded forward")
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    prompt_len = td["prompts"].shape[1]
+    input_ids = torch.cat([input_ids[:, :prompt_len], unplaceholder(input_ids[:, prompt_len:], config)], dim=1)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": vision.sequence_positions(attention_mask),
+        **vision.model_kwargs(),
+    }
+
+
+def packed_kwargs(
+    packed: PackedRows,
+    td: TensorDict,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    config: Any,
+) -> dict[str, Any]:
+    """The packed forward's keywords; with images, their pixels and each sample's M-RoPE positions in the row.
+
+    A Qwen-VL text model takes (4, 1, T) positions in a packed row: the plain text positions first (restarting
+    at 0 per sequence, as the packed attention's bounds do), then the three M-RoPE rows of each sample, kept as
+    the padded forward has them."""
+    vision = VisionBatch.from_fields(td)
+    if vision is None:
+        refuse_pads_without_pixels(td["prompts"], config, "the packed forward")
+        return packed.model_kwargs(input_ids, position_ids)
+    prompt_len = td["prompts"].shape[1]
+    input_ids = torch.cat([input_ids[:, :prompt_len], unplaceholder(input_ids[:, prompt_len:], config)], dim=1)
+    rows = torch.cat([position_ids[None], vision.sequence_positions(attention_mask)])  # (4, B, S)
+    kwargs = packed.model_kwargs(input_ids, position_ids)
+    kwargs["position_ids"] = packed.pack(rows.permute(1, 2, 0)).permute(2, 0, 1)  # (1, T, 4) -> (4, 1, T)
+    return {**kwargs, **vision.model_kwargs()}
+
+
+def _refuse_sharded_vision(td: TensorDict) -> None:
+    """Sequence parallelism does not cut images yet: say which key to change rather than lose them."""
+    if VisionBatch.from_fields(td) is not None:
+        raise ValueError(
+            "prompts with images do not run under sequence parallelism yet; set "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (docs/vlm.md)"
+        )
 
 
 def sequence_inputs(td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,16 +236,17 @@ class PolicyForward:
         shard = self.sp.shard(packed) if self.sp is not None and packed is not None else None
         held = routed_experts is None or self._held_replay  # `update_replay` installed the replay already
         if packed is not None:
-            kwargs = packed.model_kwargs(input_ids, position_ids)
+            kwargs = packed_kwargs(packed, td, input_ids, attention_mask, position_ids, self.model.config)
             keep: int | torch.Tensor = packed.predict  # the LM head runs on the predicting positions only
             if shard is not None:  # ids and positions cut from the whole row, so positions stay the row's
+                _refuse_sharded_vision(td)
                 kwargs, keep = shard.model_kwargs(input_ids, position_ids), shard.keep
             if not held:
                 routed_experts = packed.pack(routed_experts)
                 if shard is not None:
                     routed_experts = shard.local(routed_experts)
         else:
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            kwargs = padded_kwargs(td, input_ids, attention_mask, position_ids, self.model.config)
             keep = resp_len + 1  # only the positions that predict response tokens need the LM head
         replay = contextlib.nullcontext() if held else replay_routing(self.model, routed_experts)
         recorder = RoutingRecorder(self.model) if record_routing else None
@@ -276,11 +331,11 @@ class PolicyForward:
         batch, seq = input_ids.shape
         if self.packed:
             packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
-            kwargs = packed.model_kwargs(input_ids, position_ids)
+            kwargs = packed_kwargs(packed, td, input_ids, attention_mask, position_ids, self.model.config)
             valid = torch.ones(kwargs["input_ids"].shape[1], dtype=torch.bool, device=input_ids.device)
         else:
             packed = None
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            kwargs = padded_kwargs(td, input_ids, attention_mask, position_ids, self.model.config)
             valid = attention_mask.bool().reshape(-1)
         with RouterStatsRecorder(self.model, valid) as recorder:
             self.model(**kwargs, use_cache=False, logits_to_keep=1)

@@ -31,6 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from conveyor.data_plane.base import DataPlane
+from conveyor.models.vision import VisionBatch, with_vision_fields
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams
 from conveyor.rollout.gateway.trajectory import TASK_FIELDS, session_task
@@ -178,13 +179,14 @@ class Generation:
         prompt_fields = self._render(meta) if RENDER_PROMPTS in meta.extra_info else {}
         call = GenerateCall.from_extra_info({k: v for k, v in meta.extra_info.items() if k != RENDER_PROMPTS})
         if prompt_fields:
-            td = TensorDict({k: prompt_fields[k] for k in ("prompts", "prompt_mask")}, batch_size=[len(meta)]).to(
+            names = with_vision_fields(["prompts", "prompt_mask"], list(prompt_fields))
+            td = TensorDict({k: prompt_fields[k] for k in names}, batch_size=[len(meta)]).to(self.device)
+        else:
+            # A vision-language policy's samples carry their pixels and M-RoPE positions: the prefill needs them.
+            names = with_vision_fields(["prompts", "prompt_mask"], meta.fields)
+            td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=names).to(
                 self.device
             )
-        else:
-            td = self.data_plane.kv_batch_get(
-                keys=meta.keys, partition_id=meta.partition_id, select_fields=["prompts", "prompt_mask"]
-            ).to(self.device)
         tasks = self._tasks(meta, prompt_fields) if getattr(self.agent_loop, "needs_tasks", False) else None
         generator = None
         if call.seed is not None:
@@ -410,6 +412,14 @@ class Generation:
         if self.agent_loop is not None:
             extra = {"tasks": tasks} if tasks is not None else {}
             return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator, **extra)
+        vision = VisionBatch.from_fields(td)
+        extra = {"vision": vision} if vision is not None else {}  # engines that take no images are refused at start
         return self.engine.generate(
-            td["prompts"], td["prompt_mask"], params, generator=generator, interrupt=self.interrupt, synced=synced
+            td["prompts"],
+            td["prompt_mask"],
+            params,
+            generator=generator,
+            interrupt=self.interrupt,
+            synced=synced,
+            **extra,
         )

@@ -22,6 +22,7 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.moe_routing import moe_info
 from conveyor.models.packing import setup_packing
+from conveyor.models.vision import with_vision_fields
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.ranks.calls import LogProbCall
 from conveyor.workers.ranks.forward import PolicyForward
@@ -87,6 +88,8 @@ class ReferenceWorker:
         return self.trained.optim_steps
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
+        # A forward over the prompts of a vision-language policy reads their pixels and positions too.
+        fields = with_vision_fields(fields, meta.fields)
         return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(
             self.device
         )

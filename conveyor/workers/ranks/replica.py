@@ -44,6 +44,7 @@ import torch
 from conveyor.data_plane.base import DataPlane
 from conveyor.models.loading import load_tokenizer
 from conveyor.models.moe_routing import moe_info
+from conveyor.models.vision import vision_processor
 from conveyor.protocol import KVBatchMeta
 from conveyor.rollout.base import engine_spec, served_dtype
 from conveyor.tasks.prompts import PromptEncoder
@@ -142,7 +143,13 @@ class ReplicaWorker:
             rank=rank,
             world_size=world_size,
             device=self.device,
-            prompts=PromptEncoder(self.tokenizer, settings.max_prompt_length, settings.truncation),
+            prompts=PromptEncoder(
+                self.tokenizer,
+                settings.max_prompt_length,
+                settings.truncation,
+                # A replica that renders its prompts processes their images too (a vision-language policy).
+                vision=vision_processor(model_path, self.tokenizer, getattr(self.model, "config", None)),
+            ),
         )
         self.channel: Any = None
         self.data_plane = data_plane

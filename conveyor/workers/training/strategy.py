@@ -133,15 +133,18 @@ def ensure_process_group(device: torch.device) -> None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of a causal LM or a value model (the units FSDP2 shards one by one)."""
-    for name in ("model.layers", "backbone.layers", "model.model.layers", "transformer.h", "layers"):
+    """The repeated transformer blocks of a causal LM or a value model (the units FSDP2 shards one by one); a
+    vision-language model's vision blocks first, then its text model's layers."""
+    names = ("model.layers", "backbone.layers", "model.model.layers", "model.language_model.layers", "transformer.h")
+    for name in (*names, "layers"):
         node: Any = model
         for part in name.split("."):
             node = getattr(node, part, None)
             if node is None:
                 break
         if isinstance(node, (nn.ModuleList, list)) and len(node) > 0:
-            return list(node)
+            vision = getattr(getattr(getattr(model, "model", None), "visual", None), "blocks", None)
+            return [*(vision if isinstance(vision, nn.ModuleList) else []), *node]
     raise ValueError(f"fsdp2: cannot find the decoder layers of {type(model).__name__} to shard; use strategy=dp")
 
 

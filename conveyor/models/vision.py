@@ -1,0 +1,259 @@
+"""What a prompt with images becomes before any forward: pixels, grids, image-pad tokens and M-RoPE positions.
+
+`VisionProcessor` runs a checkpoint's image processor on a record's images
+(verl's `images` column: `{"bytes", "path"}` structs or PIL images), swaps
+each `<image>` of the rendered prompt for `<|vision_start|>`, as many
+`<|image_pad|>` as the image's merged patches, and `<|vision_end|>` (what
+Qwen-VL's processor writes), and computes the prompt's M-RoPE positions
+(`mrope_positions`): three rows (time, height, width), the image's patches
+placed on a grid and the text after it continuing from the grid's extent.
+They are computed once per prompt, in stage 1, and travel with the sample;
+a response token's positions are its index plus the prompt's `rope_delta`
+in all three rows (as transformers' decode does).
+
+`check_image_tokens` is the one check that image-pad tokens and pixels
+agree, naming the sample when they do not.
+
+It deliberately does not run the vision tower (the forwards do), nor handle
+videos (refused where they are read).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "VISION_FIELDS",
+    "VisionBatch",
+    "with_vision_fields",
+    "VisionProcessor",
+    "check_image_tokens",
+    "refuse_pads_without_pixels",
+    "decode_positions",
+    "load_image",
+    "mrope_positions",
+    "unplaceholder",
+    "vision_processor",
+]
+
+#: How a prompt's content marks where an image goes (verl's multimodal layout).
+IMAGE_PLACEHOLDER = "<image>"
+
+#: The data-plane fields stage 1 writes for a vision-language policy: each sample's pixel values (patches, D) and
+#: image grids (images, 3) (lists), its prompt's M-RoPE positions (3, P) left-padded as the prompt, its rope delta.
+VISION_FIELDS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "mrope_positions", "rope_delta")
+
+
+def with_vision_fields(fields: Sequence[str], have: Sequence[str]) -> list[str]:
+    """`fields` plus the vision fields when a forward reads the prompts and the samples have them (`have`)."""
+    fields = list(fields)
+    if "prompts" in fields and VISION_FIELDS[0] in have:
+        fields += [f for f in VISION_FIELDS if f not in fields]
+    return fields
+
+
+@dataclass
+class VisionBatch:
+    """The image inputs of a batch of left-padded prompts: what a forward over them needs besides the ids."""
+
+    pixel_values: torch.Tensor | None  # (patches of every image of the batch, D), in row order
+    image_grid_thw: torch.Tensor | None  # (images, 3)
+    positions: torch.Tensor  # (B, 3, P): the prompts' M-RoPE positions, 0 on padding
+    rope_delta: torch.Tensor  # (B,)
+
+    @classmethod
+    def from_fields(cls, td: Any) -> VisionBatch | None:
+        """The vision inputs of a batch read with `VISION_FIELDS`, or None when it has none (a text policy)."""
+        if VISION_FIELDS[0] not in td.keys():
+            return None
+        pixels = [p for p in _column(td, "pixel_values") if p is not None and p.numel()]
+        grids = [g for g in _column(td, "image_grid_thw") if g is not None and g.numel()]
+        device = td["mrope_positions"].device
+        return cls(
+            pixel_values=torch.cat(pixels).to(device) if pixels else None,
+            image_grid_thw=torch.cat(grids).to(device) if grids else None,
+            positions=td["mrope_positions"],
+            rope_delta=td["rope_delta"],
+        )
+
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """The pixel keywords of a Qwen-VL forward (none when no row has an image)."""
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+    def sequence_positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(3, B, P+R) positions of prompts + responses: the prompt's own, then index + rope delta on every row."""
+        prompt_len = self.positions.shape[-1]
+        index = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, prompt_len:]
+        tail = (index + self.rope_delta.view(-1, 1)).unsqueeze(0).expand(3, -1, -1)
+        return torch.cat([self.positions.permute(1, 0, 2), tail], dim=-1)
+
+
+def unplaceholder(ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """`ids` with every image- or video-pad token replaced by the vision-end token, for feeding generated tokens.
+
+    A Qwen-VL forward puts image features at *every* image-pad token of its input: one the policy sampled in a
+    response would take a feature it has none of (and the forward stops: tokens and features disagree). The
+    engine feeds such a sampled token back as vision-end, and the trainer's forward does the same to the response
+    part of its input; the token itself stays the response's (its log-prob is taken under the full vocabulary
+    in both), so rollout and training see the same sequence."""
+    stand_in = getattr(config, "vision_end_token_id", None)
+    stand_in = 0 if stand_in is None else int(stand_in)
+    out = ids
+    for name in ("image_token_id", "video_token_id"):
+        tid = getattr(config, name, None)
+        if tid is not None:
+            out = out.masked_fill(out == int(tid), stand_in)
+    return out
+
+
+def _column(td: Any, name: str) -> list[Any]:
+    """A list column of a TensorDict (a NonTensorStack or a list) as a Python list."""
+    value = td[name]
+    return list(value) if not isinstance(value, list) else value
+
+
+def load_image(item: Any, where: str) -> Any:
+    """A PIL RGB image from one entry of an `images` column: a `{"bytes", "path"}` struct, a path or a PIL image."""
+    from PIL import Image
+
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    if isinstance(item, dict):
+        data, path = item.get("bytes"), item.get("path")
+        if data:
+            return Image.open(io.BytesIO(data)).convert("RGB")
+        item = path
+    if isinstance(item, (str, Path)) and item and Path(item).is_file():
+        return Image.open(item).convert("RGB")
+    raise ValueError(
+        f"{where}: an image is neither bytes, a readable file nor a PIL image ({str(item)[:80]!r}); give each "
+        "image as {'bytes': <encoded image>, 'path': ...} (verl's layout) or a path to a file"
+    )
+
+
+def mrope_positions(
+    ids: Sequence[int], grids: Sequence[Sequence[int]], image_token_id: int, merge: int
+) -> tuple[torch.Tensor, int]:
+    """(3, T) M-RoPE positions of one unpadded prompt and its rope delta (the last position + 1 - T).
+
+    Text advances all three rows by one; a run of image-pad tokens is the image's (t, h/merge, w/merge) grid
+    placed at the current position, after which text continues from the grid's largest extent."""
+    rows: list[torch.Tensor] = []
+    pos, i, image = 0, 0, 0
+    n = len(ids)
+    while i < n:
+        if ids[i] != image_token_id:
+            j = i
+            while j < n and ids[j] != image_token_id:
+                j += 1
+            rows.append(torch.arange(j - i).expand(3, -1) + pos)
+            pos += j - i
+            i = j
+            continue
+        t, h, w = (int(x) for x in grids[image])
+        h, w = h // merge, w // merge
+        tt = torch.arange(t).view(-1, 1).expand(-1, h * w).flatten()
+        hh = torch.arange(h).view(1, -1, 1).expand(t, -1, w).flatten()
+        ww = torch.arange(w).view(1, 1, -1).expand(t, h, -1).flatten()
+        rows.append(torch.stack([tt, hh, ww]) + pos)
+        pos += max(h, w)  # transformers' get_rope_index: an image's extent is its larger side, not its time
+        i += t * h * w
+        image += 1
+    positions = torch.cat(rows, dim=1) if rows else torch.zeros(3, 0, dtype=torch.long)
+    return positions.long(), int(pos - n)
+
+
+def decode_positions(rope_delta: int, start: int, length: int) -> torch.Tensor:
+    """(3, length) positions of tokens `start .. start+length-1` after a prompt: index + rope delta on every row."""
+    return (torch.arange(start, start + length) + rope_delta).expand(3, -1).clone()
+
+
+def check_image_tokens(name: str, ids: Sequence[int], grids: Sequence[Sequence[int]], image_token_id: int, merge: int):
+    """Refuse a sample whose image-pad tokens do not match its images' merged patches (none or a different count)."""
+    pads = sum(1 for x in ids if x == image_token_id)
+    want = sum(int(t) * int(h) * int(w) // (merge * merge) for t, h, w in grids)
+    if pads != want:
+        if not grids:
+            what = f"{pads} image-pad tokens and no pixels"
+        elif not pads:
+            what = f"pixels of {len(grids)} image(s) ({want} patches) and no image-pad tokens"
+        else:
+            what = f"{pads} image-pad tokens but {len(grids)} image(s) of {want} merged patches"
+        raise ValueError(
+            f"sample {name!r}: {what}; the model would run its vision tower on the wrong pixels or none "
+            "(give each '<image>' of the prompt one entry of its `images` column, and no more)"
+        )
+
+
+def vision_processor(path: Any, tokenizer: Any, model_config: Any) -> VisionProcessor | None:
+    """Stage 1's image half for the checkpoint `path` when its model sees images (`model_config`), else None."""
+    if model_config is None or getattr(model_config, "vision_config", None) is None:
+        return None
+    from conveyor.models.tiny_vlm import load_image_processor
+
+    return VisionProcessor(load_image_processor(path), tokenizer, model_config)
+
+
+def refuse_pads_without_pixels(prompts: torch.Tensor, config: Any, where: str) -> None:
+    """Stop a forward of a vision-language model whose prompts hold image-pad tokens but that was given no pixels.
+
+    Without pixel values a Qwen-VL forward embeds image-pad tokens as ordinary tokens, silently: the log-probs
+    would be of another sequence than the one sampled."""
+    tid = getattr(config, "image_token_id", None)
+    if tid is None or getattr(config, "vision_config", None) is None:
+        return
+    rows = (prompts == int(tid)).any(dim=-1).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"{where}: rows {rows[:8]} of the batch hold image-pad tokens but no pixels were read with them; "
+            f"read the fields {list(VISION_FIELDS)} with `prompts` (conveyor.models.vision.with_vision_fields)"
+        )
+
+
+class VisionProcessor:
+    """Stage 1's half for images: a record's images -> pixel values, grids, the expanded prompt and its positions."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, model_config: Any):
+        from conveyor.models.tiny_vlm import IMAGE_PAD, VISION_END, VISION_START
+
+        self.image_processor = image_processor
+        self.merge = int(getattr(image_processor, "merge_size", 2))
+        self.image_token_id = int(model_config.image_token_id)
+        self.image_pad = tokenizer.convert_ids_to_tokens(self.image_token_id) or IMAGE_PAD
+        self.vision_start, self.vision_end = VISION_START, VISION_END
+
+    def images(self, record: dict, where: str) -> list[Any]:
+        """The PIL images of a record's `images` column (none when it has none); videos are refused."""
+        if record.get("videos"):
+            raise ValueError(f"{where}: the row carries videos; only images are read so far (drop the `videos` column)")
+        return [load_image(item, where) for item in record.get("images") or []]
+
+    def process(self, images: list[Any]) -> tuple[torch.Tensor | None, list[list[int]]]:
+        """(pixel values (patches, C*T*P*P) of every image in order or None, each image's (t, h, w) patch grid)."""
+        if not images:
+            return None, []
+        out = self.image_processor(images=images, return_tensors="pt")
+        return out["pixel_values"].float(), [list(map(int, g)) for g in out["image_grid_thw"]]
+
+    def expand(self, text: str, grids: list[list[int]], where: str) -> str:
+        """The prompt text with each `<image>` replaced by its vision-start, image-pad tokens and vision-end."""
+        parts = text.split(IMAGE_PLACEHOLDER)
+        if len(parts) - 1 != len(grids):
+            raise ValueError(
+                f"{where}: the prompt has {len(parts) - 1} '<image>' placeholder(s) but the row has {len(grids)} "
+                "image(s); give one image per placeholder"
+            )
+        out = [parts[0]]
+        for grid, rest in zip(grids, parts[1:]):
+            pads = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
+            out.append(self.vision_start + self.image_pad * pads + self.vision_end + rest)
+        return "".join(out)

@@ -1,0 +1,73 @@
+"""The hf engine with images: M-RoPE positions in prefill and decode, log-probs equal to the padded forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from conveyor.models.loading import load_causal_lm, load_tokenizer
+from conveyor.models.tiny_vlm import load_image_processor, save_tiny_vlm
+from conveyor.models.vision import VisionBatch, VisionProcessor
+from conveyor.rollout.base import SamplingParams
+from conveyor.rollout.hf import HFEngine
+from conveyor.tasks.prompts import PromptEncoder, sample_keys
+from conveyor.tasks.visual import make_visual_sum_records
+from conveyor.workers.ranks.forward import padded_kwargs, sequence_inputs
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_rollout_log_probs_match_the_padded_forward(tmp_path, arch: str) -> None:
+    """Sampled with images, the engine's log-probs are the trainer's padded forward's (the text path's 1e-4)."""
+    path = save_tiny_vlm(arch, tmp_path / arch)
+    model, tok = load_causal_lm(path), load_tokenizer(path, padding_side="left")
+    encoder = PromptEncoder(tok, 64, "error", vision=VisionProcessor(load_image_processor(path), tok, model.config))
+    records = make_visual_sum_records(3, seed=0, split="train")
+    # A text-only record in the batch: its row has no pixels, its positions are plain.
+    records.append({**records[0], "images": [], "prompt": [{"role": "user", "content": "1+2="}]})
+    uids = [f"b/p{i}" for i in range(len(records))]
+    fields, _ = encoder.fields(records, uids, [0, 0, 1, 2, 3])
+    assert [g.shape[0] for g in fields["image_grid_thw"]] == [1, 1, 1, 1, 0]
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "mrope_positions", "rope_delta")}, batch_size=[5])
+    td["pixel_values"], td["image_grid_thw"] = fields["pixel_values"], fields["image_grid_thw"]
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, do_sample=True)
+    gen = torch.Generator().manual_seed(0)
+    vision = VisionBatch.from_fields(td)
+    out = engine.generate(td["prompts"], td["prompt_mask"], params, generator=gen, vision=vision)
+    td["responses"], td["response_mask"] = out.responses, out.response_mask
+    with torch.no_grad():
+        kwargs = padded_kwargs(td, *sequence_inputs(td), model.config)
+        logits = model(**kwargs, use_cache=False).logits[:, td["prompts"].shape[1] - 1 : -1]
+    trainer = torch.log_softmax(logits.float(), -1).gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    diff = (trainer - out.rollout_log_probs).abs()[out.response_mask]
+    assert diff.max() < 1e-4, diff.max()
+    # Without the images the same tokens score differently: the pixels reached both forwards.
+    blind = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "image_grid_thw")}
+    with torch.no_grad():
+        blind_logits = model(**blind, use_cache=False).logits[:, td["prompts"].shape[1] - 1 : -1]
+    assert not torch.allclose(blind_logits[:4], logits[:4], atol=1e-3)
+    assert sample_keys(["b/p0"], 2) == ["b/p0/s0", "b/p0/s1"]
+
+
+def test_image_pads_without_pixels_stop_in_stage_1_the_engine_and_the_forward(tmp_path) -> None:
+    """Pads typed into a prompt with no image, or prompts whose pixels were not read: one error, never a forward
+    that embeds the pads as text."""
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "vlm")
+    model, tok = load_causal_lm(path), load_tokenizer(path, padding_side="left")
+    encoder = PromptEncoder(tok, 64, "error", vision=VisionProcessor(load_image_processor(path), tok, model.config))
+    typed = {**make_visual_sum_records(1, seed=0)[0], "images": []}
+    typed["prompt"] = [{"role": "user", "content": "<|image_pad|>="}]
+    with pytest.raises(ValueError, match=r"sample 'b/p7': 1 image-pad tokens and no pixels"):
+        encoder.fields([typed], ["b/p7"], [0])
+    record = make_visual_sum_records(1, seed=0)[0]
+    with pytest.raises(ValueError, match=r"has 0 '<image>' placeholder\(s\) but the row has 1 image"):
+        encoder.fields([{**record, "prompt": [{"role": "user", "content": "="}]}], ["b/p0"], [0])
+    fields, _ = encoder.fields([record], ["b/p0"], [0])
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask")}, batch_size=[1])  # the pixels left unread
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    with pytest.raises(ValueError, match=r"HFEngine.generate: rows \[0\] of the batch hold image-pad tokens but no"):
+        engine.generate(td["prompts"], td["prompt_mask"], SamplingParams(max_new_tokens=2))
+    td["responses"], td["response_mask"] = torch.ones(1, 2, dtype=torch.long) + 4, torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"the padded forward: rows \[0\] .* read the fields \['pixel_values'"):
+        padded_kwargs(td, *sequence_inputs(td), model.config)
