@@ -20,6 +20,10 @@ The scripts, with the arguments used here (`make bench` runs this file):
   forward, in training and in the rollout;
 - `sharding.py`: per-rank bytes of FSDP2 against DDP replicas on two gloo ranks;
 - `weight_sync.py`: the streamed weight sync against a plain broadcast of the same bytes (2 gloo processes);
+- `weight_sync.py --delta`: delta syncs' changed fraction and bytes over 10 AdamW steps at lr 1e-6, 1e-5, 6e-4 (507M);
+- `mismatch.py`: the rollout-vs-trainer log-prob gap and IS ratios over {replay} x {bf16, fp32 head} x {top_p}, and
+  exact mode's cost;
+- `vlm.py`: a GRPO step of the tiny VLM on the visual task against the tiny text model;
 - `loading.py`: rank 1's loading peak under fsdp2 against the model's bytes;
 - `memory.py`: each phase's peak memory per rank on 1 and 2 fsdp2 ranks (340M MoE);
 - `default_run.py`: the default run over 6 seed pairs, one at a time, each from an
@@ -66,6 +70,9 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lean_forward", ("--threads", "1")),
     ("sharding", ()),
     ("weight_sync", ()),
+    ("weight_sync", ("--delta",)),
+    ("mismatch", ()),
+    ("vlm", ()),
     ("loading", ()),
     ("memory", ()),
     ("default_run", ()),
