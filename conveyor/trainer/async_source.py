@@ -251,11 +251,13 @@ class AsyncSource(SampleSource):
                 kept = kept[: started.index(False)]
         batches = []
         for p in kept:
-            if stopping and p.future.exception() is not None:
-                # A stop saves what was trained; the failure of a batch no step took is no reason to lose that.
+            if p.future.exception() is not None:
+                # The checkpoint keeps what was trained and the batches before this one; the resumed run draws this
+                # one and those after it again. The failure itself (a replica past its restarts, say) is raised
+                # where a step takes the batch, as the run's own error, not as a failed save.
                 dataset, next_batch = dict(p.data_state), p.batch_id
                 break
-            batch, seconds, cpu = p.future.result()  # a failure on the rollout thread is raised here
+            batch, seconds, cpu = p.future.result()
             meta = batch.meta
             columns = self.stages.data_plane.kv_batch_get_columns(meta.keys, meta.partition_id, meta.fields)
             batches.append(
