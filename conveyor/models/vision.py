@@ -244,6 +244,12 @@ class VisionProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"].float(), [list(map(int, g)) for g in out["image_grid_thw"]]
 
+    def positions(self, name: str, ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
+        """A prompt's M-RoPE positions (3, len(ids)) and rope delta, after checking its pads against its images'
+        grids (one error naming `name` when they disagree)."""
+        check_image_tokens(name, ids, grids, self.image_token_id, self.merge)
+        return mrope_positions(ids, grids, self.image_token_id, self.merge)
+
     def expand(self, text: str, grids: list[list[int]], where: str) -> str:
         """The prompt text with each `<image>` replaced by its vision-start, image-pad tokens and vision-end."""
         parts = text.split(IMAGE_PLACEHOLDER)

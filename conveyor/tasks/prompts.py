@@ -157,15 +157,11 @@ class PromptEncoder:
         width: int,
     ) -> dict[str, Any]:
         """`VISION_FIELDS` of the samples: pixels and grids per sample, M-RoPE positions left-padded to `width`."""
-        from conveyor.models.vision import check_image_tokens, mrope_positions
-
-        v = self.vision
         positions = torch.zeros((len(token_lists), 3, width), dtype=torch.long)
         deltas = torch.zeros(len(token_lists), dtype=torch.long)
         for i, (ids, (_, grids)) in enumerate(zip(token_lists, media)):
             # The one check that pads and pixels agree: a truncated prompt or a stray pad token stops here.
-            check_image_tokens(uids[i], ids, grids, v.image_token_id, v.merge)
-            pos, delta = mrope_positions(ids, grids, v.image_token_id, v.merge)
+            pos, delta = self.vision.positions(uids[i], ids, grids)
             positions[i, :, width - len(ids) :] = pos
             deltas[i] = delta
         index = torch.tensor(list(rows), dtype=torch.long)

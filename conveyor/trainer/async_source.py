@@ -28,7 +28,15 @@ import torch
 
 from conveyor.data_plane.served import THREAD_PREFIX as DATA_PLANE_THREADS
 from conveyor.protocol import KVBatchMeta
-from conveyor.trainer.sources import Batch, Pipeline, SampleSource
+from conveyor.trainer.sources import (
+    Batch,
+    DynamicSampling,
+    GenerateAndScore,
+    GreedyBaseline,
+    Pipeline,
+    SampleSource,
+    SyncSource,
+)
 from conveyor.trainer.stages import Stages
 from conveyor.trainer.timing import CPU, timer
 from conveyor.weights import THREAD_PREFIX as WEIGHT_THREADS
@@ -37,7 +45,7 @@ from conveyor.workers.training.balance import SEQ_LEN_TAG
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["AsyncSource", "ROLLOUT_THREAD", "SWITCH_INTERVAL_S", "helper_threads_cpu"]
+__all__ = ["AsyncSource", "ROLLOUT_THREAD", "SWITCH_INTERVAL_S", "build_source", "helper_threads_cpu"]
 
 # The name of the thread an asynchronous source generates on (its prefix: the executor numbers it).
 ROLLOUT_THREAD = "conveyor-rollout"
@@ -510,3 +518,21 @@ def helper_threads_cpu() -> dict[str, float]:
             continue
         out[group] = out.get(group, 0.0) + ns / 1e9
     return out
+
+
+def build_source(stages: Stages, *, greedy_baseline: bool = False) -> SampleSource:
+    """The run's source: synchronous or asynchronous, its pipeline with ReMax's baseline (`greedy_baseline`), dynamic
+    sampling around it."""
+    cfg = stages.cfg
+    pipeline: Pipeline = GenerateAndScore(stages)
+    if greedy_baseline:
+        pipeline = GreedyBaseline(pipeline, stages)
+    pad = cfg.algorithm.filter_groups.enable
+    source: SampleSource
+    if cfg.trainer.v1.is_async:
+        source = AsyncSource(stages, pipeline, pad=pad)
+    else:
+        source = SyncSource(stages, pipeline, pad=pad)
+    if cfg.algorithm.filter_groups.enable:
+        source = DynamicSampling(source, stages)
+    return source

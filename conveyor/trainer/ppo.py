@@ -60,12 +60,12 @@ from conveyor.metrics.reduce import mean_over_calls, reduce_rank_metrics
 from conveyor.models.vision import vision_processor
 from conveyor.protocol import KVBatchMeta
 from conveyor.tasks.prompts import PromptEncoder
+from conveyor.trainer.async_source import build_source
 from conveyor.trainer.distillation import teacher_stage
 from conveyor.trainer.estimator_inputs import estimator_fields, estimator_inputs
 from conveyor.trainer.plan import RunPlan
 from conveyor.trainer.rollout_dumps import ReplaySource, RolloutDumps
 from conveyor.trainer.signals import StopRequested, StopSignals
-from conveyor.trainer.sources import build_source
 from conveyor.trainer.stages import Stages
 from conveyor.trainer.state import Checkpoints
 from conveyor.trainer.timing import CPU, timer, timing_metrics

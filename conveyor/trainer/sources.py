@@ -1,6 +1,7 @@
 """Where a step's samples come from: sample sources over the data plane.
 
-`PPOTrainer.step` takes its batch from one source (`build_source`); everything
+`PPOTrainer.step` takes its batch from one source (`build_source`, in
+`trainer/async_source.py` beside the asynchronous one it may choose); everything
 after stage 3 is the same whatever the source is. A source runs stages 1-3
 through the run's `Stages` (`trainer/stages.py`) and hands out handles
 (`KVBatchMeta`) to samples already in the data plane, scored; it never passes
@@ -46,7 +47,6 @@ __all__ = [
     "Pipeline",
     "GenerateAndScore",
     "GreedyBaseline",
-    "build_source",
 ]
 
 
@@ -300,23 +300,3 @@ class DynamicSampling(SampleSource):
     def close(self, failed: bool) -> None:
         """`inner`'s."""
         self.inner.close(failed)
-
-
-def build_source(stages: Stages, *, greedy_baseline: bool = False) -> SampleSource:
-    """The run's source: synchronous or asynchronous, its pipeline with ReMax's baseline (`greedy_baseline`), dynamic
-    sampling around it."""
-    cfg = stages.cfg
-    pipeline: Pipeline = GenerateAndScore(stages)
-    if greedy_baseline:
-        pipeline = GreedyBaseline(pipeline, stages)
-    pad = cfg.algorithm.filter_groups.enable
-    source: SampleSource
-    if cfg.trainer.v1.is_async:
-        from conveyor.trainer.async_source import AsyncSource  # it builds on this module's classes
-
-        source = AsyncSource(stages, pipeline, pad=pad)
-    else:
-        source = SyncSource(stages, pipeline, pad=pad)
-    if cfg.algorithm.filter_groups.enable:
-        source = DynamicSampling(source, stages)
-    return source
