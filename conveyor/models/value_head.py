@@ -6,6 +6,13 @@ causal LM (everything but the LM head) and puts a zero-initialised
 but owns its parameters, and its first values are exactly 0. The forward
 returns one float32 value per position.
 
+For a vision-language model (a config with a `vision_config`: Qwen2.5-VL,
+Qwen3-VL, Qwen3-VL-MoE) the body is the multimodal one, the vision tower and
+the text model together (`model.model`), not the text decoder alone that
+`get_decoder()` gives: the forward then takes the same pixels, image grids and
+M-RoPE positions as the policy's (`conveyor.workers.ranks.forward`), and the
+head sits on the text model's width (`text_config.hidden_size`).
+
 It deliberately does not compute returns, advantages or the value loss
 (`conveyor.algos`), nor save itself in the Hugging Face format: its
 `state_dict` is what checkpoints hold.
@@ -22,7 +29,12 @@ __all__ = ["ValueModel"]
 
 
 def _decoder_of(model: PreTrainedModel) -> nn.Module:
-    """The transformer body (no LM head) of a causal LM."""
+    """The transformer body (no LM head) of a causal LM; a vision-language model's with its vision tower."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        # get_decoder() of a Qwen-VL model is its text model alone: the image features would never be computed.
+        body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+        if isinstance(body, nn.Module) and body is not model:
+            return body
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
         decoder = get_decoder()
@@ -54,7 +66,11 @@ class ValueModel(nn.Module):
     def from_causal_lm(cls, model: PreTrainedModel, *, copy: bool = True) -> ValueModel:
         """A critic whose body is a copy of `model`'s (no parameters shared with `model`); `copy=False`: `model`'s
         own."""
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config = getattr(model, "config", None)
+        # A vision-language config keeps the text model's width in its text_config.
+        hidden = getattr(getattr(config, "text_config", None), "hidden_size", None) or getattr(
+            config, "hidden_size", None
+        )
         if hidden is None:
             raise ValueError(
                 f"ValueModel.from_causal_lm: {type(model).__name__} has no config.hidden_size to size the value head"
@@ -81,7 +97,8 @@ class ValueModel(nn.Module):
     ) -> Tensor:
         """Values (B, S) float32 for `input_ids`, `attention_mask`: (B, S); positions from the mask when None.
 
-        `kwargs` go to the backbone: a packed forward's sequence bounds (`conveyor.models.packing`).
+        `kwargs` go to the backbone: a packed forward's sequence bounds (`conveyor.models.packing`), a
+        vision-language body's pixels and image grids (its M-RoPE positions are `position_ids`).
         """
         if position_ids is None:
             # Left or right padding alike: a row's first real token is at position 0.

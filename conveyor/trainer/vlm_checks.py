@@ -2,10 +2,11 @@
 
 A run whose policy checkpoint has a vision tower (`is_vlm_config`) samples on
 the hf engine, colocated, and trains with the padded or packed forward, on one
-rank or under FSDP2; the reference (a KL loss) runs the same forward. Each setting that would
+rank or under FSDP2; the reference (a KL loss) and the critic (GAE: a value head on the
+vision tower and text model) run the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
 several ranks under another strategy than FSDP2, multi-turn
-tools and agents, partial rollouts, rollout processes of their own, a critic, a reward model
+tools and agents, partial rollouts, rollout processes of their own, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
 
@@ -52,8 +53,12 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
             "with images yet)",
         ),
         (
-            plan.use_critic,
-            "algorithm.adv_estimator=grpo (or another estimator without a critic)",
+            plan.use_critic and cfg.critic.ulysses_sequence_parallel_size > 1,
+            "critic.ulysses_sequence_parallel_size=1 (sequence parallelism does not cut images yet)",
+        ),
+        (
+            plan.use_critic and ranks > 1 and resolve_strategy(cfg.critic.strategy, ranks) != "fsdp2",
+            "critic.strategy=fsdp2 (several ranks with images are tested under fsdp2 only)",
         ),
         (plan.use_reward_model, "reward_model.enable=false (a text reward model would not see the images)"),
         (plan.use_judge, "reward_model.judge.enable=false (a text judge would not see the images)"),

@@ -16,6 +16,17 @@ from conveyor.tasks.visual import make_visual_sum_records
 from conveyor.workers.ranks.forward import packed_kwargs, padded_kwargs, sequence_inputs
 
 
+def visual_batch(path, model, tok) -> TensorDict:
+    """Stage 1's fields of three visual-task prompts and a text-only one (no responses yet)."""
+    enc = PromptEncoder(tok, 64, "error", vision=VisionProcessor(load_image_processor(path), tok, model.config))
+    records = make_visual_sum_records(3, seed=0)
+    records.append({**records[0], "images": [], "prompt": [{"role": "user", "content": "1+22="}]})
+    fields, _ = enc.fields(records, [f"p{i}" for i in range(4)], [0, 1, 2, 3])
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "mrope_positions", "rope_delta")}, [4])
+    td["pixel_values"], td["image_grid_thw"] = fields["pixel_values"], fields["image_grid_thw"]
+    return td
+
+
 @pytest.mark.parametrize("arch", TINY_VLM_ARCHS)
 def test_packed_logits_equal_padded_ones(tmp_path, arch: str) -> None:
     """Rows of different lengths (one without an image, one response sampling an image-pad token): the packed
@@ -23,12 +34,7 @@ def test_packed_logits_equal_padded_ones(tmp_path, arch: str) -> None:
     path = save_tiny_vlm(arch, tmp_path / arch)
     model, tok = load_causal_lm(path), load_tokenizer(path, padding_side="left")
     assert packing_unsupported_reason(model) is None
-    enc = PromptEncoder(tok, 64, "error", vision=VisionProcessor(load_image_processor(path), tok, model.config))
-    records = make_visual_sum_records(3, seed=0)
-    records.append({**records[0], "images": [], "prompt": [{"role": "user", "content": "1+22="}]})
-    fields, _ = enc.fields(records, [f"p{i}" for i in range(4)], [0, 1, 2, 3])
-    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "mrope_positions", "rope_delta")}, [4])
-    td["pixel_values"], td["image_grid_thw"] = fields["pixel_values"], fields["image_grid_thw"]
+    td = visual_batch(path, model, tok)
     td["responses"] = torch.randint(4, len(tok), (4, 5), generator=torch.Generator().manual_seed(0))
     td["responses"][0, 2] = model.config.image_token_id
     td["response_mask"] = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 5, [1] * 4 + [0]]).bool()

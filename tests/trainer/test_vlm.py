@@ -103,13 +103,13 @@ def test_a_verl_format_parquet_with_images_trains_with_a_custom_reward(vlm_path,
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("algorithm.adv_estimator=gae critic.ppo_mini_batch_size=4", "algorithm.adv_estimator=grpo"),
         ("trainer.num_cpu_workers=2 actor_rollout_ref.actor.strategy=dp", "actor_rollout_ref.actor.strategy=fsdp2"),
         ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name=hf"),
     ],
 )
 def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path, override: str, key: str) -> None:
-    """A critic, two DDP ranks, vLLM: one line naming the key, exit 2, before any worker is built."""
+    """Two DDP ranks, vLLM: one line naming the key, exit 2, before any worker is built (a critic trains:
+    tests/trainer/test_vlm_critic.py)."""
     done = subprocess.run(
         [sys.executable, "-m", "conveyor.cli", "train", *_run(vlm_path, tmp_path), *override.split()],
         capture_output=True,

@@ -7,6 +7,12 @@ busiest); each endpoint reports its phase's peak memory
 `critic.ulysses_sequence_parallel_size` > 1 the ranks of a group compute the
 group's rows together, each on its slice of every packed row
 (`conveyor.workers.training.sequence_parallel`), and each writes its own share.
+
+A vision-language policy's critic (`conveyor.models.value_head`: the vision
+tower and text model with a value head) reads the prompts' pixels, image grids,
+M-RoPE positions and rope deltas with them (`with_vision_fields`) and runs the
+actor's forward keywords, padded and packed (`padded_kwargs`, `packed_kwargs`):
+its values are of the sequence the policy's log-probs are of.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from conveyor.data_plane.base import DataPlane
 from conveyor.metrics.reduce import weighted
 from conveyor.models.packing import PackedRows, setup_packing
 from conveyor.models.value_head import ValueModel
+from conveyor.models.vision import VisionBatch, with_vision_fields
 from conveyor.protocol import KVBatchMeta
-from conveyor.workers.ranks.forward import sequence_inputs
+from conveyor.workers.ranks.forward import packed_kwargs, padded_kwargs, sequence_inputs
 from conveyor.workers.ranks.perf import begin_phase, phase_memory_metrics, result_handle, set_allocator_defaults
 from conveyor.workers.ranks.settings import CriticSettings, role_strategy
 from conveyor.workers.training.batching import in_row_order, plan_micro_batches, take
@@ -100,6 +107,8 @@ class CriticWorker(CheckpointEndpoints):
         return self.trained.optim_steps
 
     def _get(self, meta: KVBatchMeta, fields: list[str]) -> TensorDict:
+        # A forward over the prompts of a vision-language policy reads their pixels and positions too.
+        fields = with_vision_fields(fields, meta.fields)
         return self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields).to(
             self.device
         )
@@ -109,9 +118,15 @@ class CriticWorker(CheckpointEndpoints):
         input_ids, attention_mask, position_ids = sequence_inputs(td)
         resp_len = td["responses"].shape[1]
         module = self.trained.forward_module if train else self.model
+        config = self.model.config
         if self.packed:
             packed = PackedRows.from_masks(attention_mask, response_span(td["response_mask"]))
             if self.sp is not None:  # this rank's slice of the row; the values gathered into whole rows
+                if VisionBatch.from_fields(td) is not None:
+                    raise ValueError(
+                        "prompts with images do not run under sequence parallelism yet; set "
+                        "critic.ulysses_sequence_parallel_size=1 (docs/vlm.md)"
+                    )
                 shard = self.sp.shard(packed)
                 kwargs = shard.model_kwargs(input_ids, position_ids)
                 ids, positions = kwargs.pop("input_ids"), kwargs.pop("position_ids")
@@ -119,10 +134,11 @@ class CriticWorker(CheckpointEndpoints):
                 local = module(ids, None, positions, **kwargs)[0, shard.keep]
                 values = packed.responses(shard.gather_predicted(local[:, None].float())[:, 0], resp_len)
                 return values * td["response_mask"]
-            values = module(packed.pack(input_ids), None, packed.pack(position_ids), **packed.bounds())
+            # With images: their pixels and each sample's M-RoPE positions in the row, as the actor's forward has them.
+            values = module(**packed_kwargs(packed, td, input_ids, attention_mask, position_ids, config))
             values = packed.responses(values[0, packed.predict], resp_len)
             return values.float() * td["response_mask"]
-        values = module(input_ids, attention_mask, position_ids)
+        values = module(**padded_kwargs(td, input_ids, attention_mask, position_ids, config))
         return values[:, -resp_len - 1 : -1].float() * td["response_mask"]
 
     def _result(self, meta: KVBatchMeta, fields: list[str], metrics: dict[str, float], phase: str) -> KVBatchMeta:

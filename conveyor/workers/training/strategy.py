@@ -135,7 +135,14 @@ def ensure_process_group(device: torch.device) -> None:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks of a causal LM or a value model (the units FSDP2 shards one by one); a
     vision-language model's vision blocks first, then its text model's layers."""
-    names = ("model.layers", "backbone.layers", "model.model.layers", "model.language_model.layers", "transformer.h")
+    names = (
+        "model.layers",
+        "backbone.layers",
+        "model.model.layers",
+        "model.language_model.layers",
+        "backbone.language_model.layers",  # a vision-language critic: its body is the multimodal model
+        "transformer.h",
+    )
     for name in (*names, "layers"):
         node: Any = model
         for part in name.split("."):
@@ -143,7 +150,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             if node is None:
                 break
         if isinstance(node, (nn.ModuleList, list)) and len(node) > 0:
-            vision = getattr(getattr(getattr(model, "model", None), "visual", None), "blocks", None)
+            body = getattr(model, name.split(".")[0], None)  # the module holding the text layers (and the vision tower)
+            vision = getattr(getattr(body, "visual", None), "blocks", None)
             return [*(vision if isinstance(vision, nn.ModuleList) else []), *node]
     raise ValueError(f"fsdp2: cannot find the decoder layers of {type(model).__name__} to shard; use strategy=dp")
 
