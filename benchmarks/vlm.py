@@ -47,7 +47,7 @@ def _common(args: argparse.Namespace, run_dir: Path) -> list[str]:
         "data.max_prompt_length=16",
         "data.max_response_length=4",
         "data.synthetic.max_operand=9",
-        "data.synthetic.num_train=80",
+        "data.synthetic.num_train=64",
         "data.synthetic.num_val=8",
         f"trainer.total_training_steps={args.steps}",
         "trainer.test_freq=0",
@@ -71,14 +71,14 @@ def measure(overrides: list[str], run_dir: Path, samples: int) -> dict[str, floa
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, run both trainings, print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--smoke", action="store_true", help="2 steps of 2 x 2 samples")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.steps = 2, 2, 2
     samples = args.prompts * args.n

@@ -89,7 +89,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     v.add_argument("--arch", default="qwen2_5_vl", help="qwen2_5_vl, qwen3_vl or qwen3_vl_moe (%(default)s)")
     v.add_argument("--out", required=True, help="the checkpoint directory to write (actor_rollout_ref.model.path)")
-    v.add_argument("--seed", type=int, default=0, help="seed of the random weights (%(default)s)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random weights and the warm start (%(default)s)")
+    v.add_argument(
+        "--warmstart-until",
+        type=float,
+        default=0.0,
+        metavar="ACC",
+        help="warm-start on the sum task's (visual_sum) training split until greedy exact match reaches ACC "
+        "(0 < ACC <= 1), so that RL has something to learn; 0 = random weights (%(default)s)",
+    )
+    v.add_argument("--warmstart-steps", type=int, default=4000, help="at most this many warm-start steps (%(default)s)")
+    v.add_argument(
+        "--max-operand",
+        type=int,
+        default=9,
+        help="the sum task's largest number, as data.synthetic.max_operand (%(default)s)",
+    )
     return p, {"train": t, "config": c, "warmstart": w, "build-reward-models": b}
 
 
@@ -197,8 +212,25 @@ def _cmd_build_reward_models(args: argparse.Namespace) -> int:
 def _cmd_build_vlm(args: argparse.Namespace) -> int:
     from conveyor.models.tiny_vlm import save_tiny_vlm
 
-    path = save_tiny_vlm(args.arch, args.out, seed=args.seed)
-    print(f"{path}: tiny {args.arch} (model, tokenizer, image processor); use actor_rollout_ref.model.path={path}")
+    if not 0.0 <= args.warmstart_until <= 1.0:
+        raise ValueError(f"--warmstart-until must be in [0, 1] (0 = no warm start), got {args.warmstart_until}")
+    if args.warmstart_until > 0:
+        from conveyor.trainer.warmstart import warm_start_tiny_vlm
+
+        path, losses = warm_start_tiny_vlm(
+            args.arch,
+            args.out,
+            seed=args.seed,
+            until_accuracy=args.warmstart_until,
+            steps=args.warmstart_steps,
+            max_operand=args.max_operand,
+        )
+        what = f"warm-started {len(losses)} steps on the visual sum task"
+    else:
+        path, what = save_tiny_vlm(args.arch, args.out, seed=args.seed), "random weights"
+    print(
+        f"{path}: tiny {args.arch} ({what}; model, tokenizer, image processor); use actor_rollout_ref.model.path={path}"
+    )
     return 0
 
 

@@ -24,7 +24,8 @@ class SyntheticTaskConfig:
     task: str = F(
         "arithmetic",
         "arithmetic, arithmetic_tool (n-digit operands, a calculator to call; see docs/agent.md), code, or "
-        "visual_sum (two numbers drawn into an image: a vision-language policy, docs/vlm.md)",
+        "visual_sum (two numbers drawn into an image) or visual_count (discs to count): a vision-language policy, "
+        "docs/vlm.md",
         choices=registry("conveyor.tasks", "SYNTHETIC_TASKS"),
     )
 

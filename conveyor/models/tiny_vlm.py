@@ -12,8 +12,11 @@ The image processor resizes every image to `IMAGE_SIDE[arch]` pixels a side
 (min_pixels = max_pixels), so each image is a 4 x 4 grid of patches merged
 into 4 image-pad tokens: prompts stay short on a CPU.
 
-It deliberately does not download weights nor make the models good: they are
-for running the image paths (processor, M-RoPE, vision tower) end to end.
+It deliberately does not download weights: random weights run the image
+paths (processor, M-RoPE, vision tower) end to end, and RL alone teaches them
+the counting task. A policy that reads the sum task's digits now and then is a
+supervised warm start away (`conveyor.trainer.warmstart.warm_start_tiny_vlm`,
+`conveyor build-vlm --warmstart-until`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "build_vlm_tokenizer",
     "is_vlm_config",
     "save_tiny_vlm",
+    "save_vlm",
 ]
 
 #: The families `build_tiny_vlm` knows (transformers' model_type of each).
@@ -170,11 +174,16 @@ def save_tiny_vlm(arch: str, out: str | Path, *, seed: int = 0, max_positions: i
     """Build a tiny VLM of `arch` and write it, its tokenizer and its image processor into `out`; returns `out`."""
     tokenizer = build_vlm_tokenizer(model_max_length=max_positions)
     model = build_tiny_vlm(arch, tokenizer, seed=seed, max_positions=max_positions)
+    return save_vlm(model, tokenizer, build_tiny_image_processor(arch), out)
+
+
+def save_vlm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, image_processor: Any, out: str | Path) -> Path:
+    """Write a VLM, its tokenizer and its image processor into `out` (one checkpoint directory); returns `out`."""
     path = Path(out).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
-    build_tiny_image_processor(arch).save_pretrained(str(path))
+    image_processor.save_pretrained(str(path))
     return path
 
 

@@ -25,7 +25,7 @@ from conveyor.tasks.synthetic import (
     arithmetic_split,
     make_arithmetic_records,
 )
-from conveyor.tasks.visual import VISUAL_DATA_SOURCE, make_visual_sum_records
+from conveyor.tasks.visual import VISUAL_DATA_SOURCE, make_visual_count_records, make_visual_sum_records
 
 #: data.synthetic.task -> the function making its records: fn(n, *, seed, max_operand, ops, split) -> list[dict].
 SYNTHETIC_TASKS = {
@@ -33,6 +33,7 @@ SYNTHETIC_TASKS = {
     "arithmetic_tool": make_arithmetic_tool_records,
     "code": make_code_records,
     "visual_sum": make_visual_sum_records,
+    "visual_count": make_visual_count_records,
 }
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "make_arithmetic_records",
     "make_arithmetic_tool_records",
     "make_code_records",
+    "make_visual_count_records",
     "make_visual_sum_records",
     "register_reward_fn",
     "render_prompt",

@@ -27,6 +27,7 @@ __all__ = [
     "ARITHMETIC_DATA_SOURCE",
     "SUPPORTED_OPS",
     "TEST_FRACTION",
+    "split_of",
     "arithmetic_split",
     "make_arithmetic_records",
 ]
@@ -50,11 +51,17 @@ _SPLITS = ("train", "test")
 _ENUMERATE_LIMIT = 200_000
 
 
+def split_of(problem: str, test_fraction: float = TEST_FRACTION) -> str:
+    """The split ("train" or "test") a problem belongs to, fixed by hashing its text (`problem`): about
+    `test_fraction` of all problems are "test"."""
+    digest = hashlib.blake2b(problem.encode(), digest_size=8).digest()
+    fraction = int.from_bytes(digest, "big") / 2**64
+    return "test" if fraction < test_fraction else "train"
+
+
 def arithmetic_split(a: int, op: str, b: int) -> str:
     """The split ("train" or "test") problem `a op b` belongs to, fixed by hashing the triple."""
-    digest = hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=8).digest()
-    fraction = int.from_bytes(digest, "big") / 2**64
-    return "test" if fraction < TEST_FRACTION else "train"
+    return split_of(f"{a}{op}{b}")
 
 
 def evaluate(a: int, op: str, b: int) -> int:

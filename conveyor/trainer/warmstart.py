@@ -15,6 +15,12 @@ jump (it learns to carry), and a fixed step count lands before it on one CPU
 and after it on another; stopping at an accuracy hands RL the same starting
 point on every machine.
 
+A vision-language policy (`vision`, stage 1's `VisionProcessor`) trains on
+its records' images the way a rollout sees them: each `<image>` expanded to
+its image-pad tokens, the pixels through the vision tower, the M-RoPE
+positions of prompt + answer (`warm_start_tiny_vlm` builds a tiny VLM
+warm-started on the visual sum task).
+
 With `aux_loss_coef` > 0 the loss also carries the routers' load-balancing loss (what MoE pre-training uses
 to keep every expert trained): a model whose experts all learned the task, for measuring a routing control
 against (`benchmarks/router_control.py`).
@@ -26,6 +32,9 @@ import contextlib
 import logging
 import random
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -35,7 +44,7 @@ from conveyor.models.router_control import RouterTap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["supervised_warmstart", "WarmstartProgress"]
+__all__ = ["supervised_warmstart", "warm_start_tiny_vlm", "WarmstartProgress"]
 
 # Without a terminal (a log file, a CI job) a progress line every this many steps; a terminal gets a bar.
 _LOG_EVERY = 100
@@ -77,17 +86,57 @@ class WarmstartProgress:
             self._bar = None
 
 
-def _encode_pairs(tokenizer: PreTrainedTokenizerBase, records: list[dict]) -> list[tuple[list[int], list[int]]]:
+class _Pair(NamedTuple):
+    """One warm-start example: prompt and answer ids, and for a VLM the prompt's pixels and image grids."""
+
+    prompt: list[int]
+    answer: list[int]
+    pixels: torch.Tensor | None = None
+    grids: Sequence[Sequence[int]] = ()
+
+
+def _encode_pairs(tokenizer: PreTrainedTokenizerBase, records: list[dict], vision: Any = None) -> list[_Pair]:
     from conveyor.tasks.dataset import render_prompt
 
     pairs = []
-    for rec in records:
-        prompt = tokenizer(render_prompt(rec), add_special_tokens=False)["input_ids"]
+    for i, rec in enumerate(records):
+        pixels, grids = None, []
+        if vision is None:
+            text = render_prompt(rec)
+        else:
+            # As stage 1 renders it (the checkpoint's chat template), each <image> expanded to its pads.
+            where = f"warm-start record {i} (data_source {rec.get('data_source')!r})"
+            text = render_prompt(rec, tokenizer)
+            images = vision.images(rec, where)
+            if images:
+                pixels, grids = vision.process(images)
+                text = vision.expand(text, grids, where)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if vision is not None:
+            vision.positions(f"warm-start record {i}", prompt, grids)  # pads and pixels agree, or one error
         # A record may carry its own target (e.g. a tool-use trace); by default the target is the ground truth.
         target = (rec.get("extra_info") or {}).get("warmstart_target", rec["reward_model"]["ground_truth"])
         answer = tokenizer(str(target), add_special_tokens=False)["input_ids"]
-        pairs.append((prompt, answer + [tokenizer.eos_token_id]))
+        pairs.append(_Pair(prompt, answer + [tokenizer.eos_token_id], pixels, grids))
     return pairs
+
+
+def _vision_inputs(batch: list[_Pair], attn: torch.Tensor, vision: Any) -> dict[str, torch.Tensor]:
+    """The pixel keywords and (3, B, T) M-RoPE positions of a left-padded batch of prompt + answer rows."""
+    from conveyor.models.vision import mrope_positions
+
+    width = attn.shape[1]
+    positions = torch.zeros((3, len(batch), width), dtype=torch.long)
+    for i, pair in enumerate(batch):
+        seq = pair.prompt + pair.answer
+        # The answer continues the prompt's positions, as the rollout's decode does (index + rope delta).
+        positions[:, i, width - len(seq) :] = mrope_positions(seq, pair.grids, vision.image_token_id, vision.merge)[0]
+    kwargs: dict[str, torch.Tensor] = {"position_ids": positions}
+    pixels = [p.pixels for p in batch if p.pixels is not None]
+    if pixels:
+        kwargs["pixel_values"] = torch.cat(pixels)
+        kwargs["image_grid_thw"] = torch.tensor([g for p in batch for g in p.grids], dtype=torch.long)
+    return kwargs
 
 
 def supervised_warmstart(
@@ -104,6 +153,8 @@ def supervised_warmstart(
     aux_loss_coef: float = 0.0,
     aux_loss_tokens: str = "all",
     progress: bool | None = None,
+    vision: Any = None,
+    short_hint: str = "raise actor_rollout_ref.model.tiny.warmstart_steps or warmstart_lr",
 ) -> list[float]:
     """Train `model` in place with next-token loss on the answers for at most `steps` steps; returns the loss per step.
 
@@ -111,7 +162,9 @@ def supervised_warmstart(
     on the last `accuracy_window` training batches reaches it. With `aux_loss_coef` > 0 an MoE model's loss
     adds that times the routers' load-balancing loss (`conveyor.models.router_control`) over the real tokens, or
     with `aux_loss_tokens="answer"` over the answer tokens only (the ones a rollout generates). `progress`:
-    True draws a bar on stderr, False logs a line every 100 steps, None picks the bar on a terminal.
+    True draws a bar on stderr, False logs a line every 100 steps, None picks the bar on a terminal. `vision`
+    (a `conveyor.models.vision.VisionProcessor`) feeds a vision-language model its records' images. `short_hint`:
+    what the warning of a warm start that ends short of `until_accuracy` tells the user to change.
     """
     if steps <= 0:
         return []
@@ -123,7 +176,7 @@ def supervised_warmstart(
         raise ValueError(f"aux_loss_coef must be >= 0, and 0 for a model without MoE routers; got {aux_loss_coef}")
     if aux_loss_tokens not in ("all", "answer"):
         raise ValueError(f"aux_loss_tokens must be 'all' or 'answer', got {aux_loss_tokens!r}")
-    pairs = _encode_pairs(tokenizer, records)
+    pairs = _encode_pairs(tokenizer, records, vision)
     tap = RouterTap(model, keep_logits=True, count=False) if aux_loss_coef > 0 else None
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -135,20 +188,23 @@ def supervised_warmstart(
     try:
         for _step in range(steps):
             batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
-            seqs = [p + a for p, a in batch]
+            seqs = [p.prompt + p.answer for p in batch]
             width = max(len(s) for s in seqs)
             ids = torch.full((len(seqs), width), pad, dtype=torch.long)
             labels = torch.full((len(seqs), width), -100, dtype=torch.long)
             attn = torch.zeros((len(seqs), width), dtype=torch.long)
-            for i, ((p, a), s) in enumerate(zip(batch, seqs)):
+            for i, (pair, s) in enumerate(zip(batch, seqs)):
                 off = width - len(s)  # left padding, as at generation time
                 ids[i, off:] = torch.tensor(s)
                 attn[i, off:] = 1
-                labels[i, off + len(p) :] = torch.tensor(a)
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+                labels[i, off + len(pair.prompt) :] = torch.tensor(pair.answer)
+            if vision is None:
+                inputs = {"position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
+            else:
+                inputs = _vision_inputs(batch, attn, vision)
             rows = attn if aux_loss_tokens == "all" else (labels != -100).long()
             with tap.active(rows) if tap is not None else contextlib.nullcontext():
-                out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+                out = model(input_ids=ids, attention_mask=attn, use_cache=False, **inputs)
             logits = out.logits[:, :-1].float()
             targets = labels[:, 1:]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -174,9 +230,55 @@ def supervised_warmstart(
     logger.info("warm start: %d steps, loss %.3f -> %.3f%s", len(losses), losses[0], losses[-1], reached)
     if until_accuracy > 0 and sum(recent) / len(recent) < until_accuracy:
         logger.warning(
-            "the warm start used all %d steps without reaching exact match %.2f; RL starts lower than "
-            "intended: raise actor_rollout_ref.model.tiny.warmstart_steps or warmstart_lr",
+            "the warm start used all %d steps without reaching exact match %.2f; RL starts lower than intended: %s",
             steps,
             until_accuracy,
+            short_hint,
         )
     return losses
+
+
+def warm_start_tiny_vlm(
+    arch: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    until_accuracy: float = 0.25,
+    steps: int = 4000,
+    lr: float = 3e-3,
+    max_operand: int = 9,
+    progress: bool | None = None,
+) -> tuple[Path, list[float]]:
+    """Build a tiny VLM of `arch`, warm-start it on every training-split problem of the visual sum task, and save it.
+
+    The warm start stops at `until_accuracy` greedy exact match on its training batches (0: run all `steps`),
+    so that RL starts from a policy that reads the image now and then; the held-out split is never seen.
+    Returns the checkpoint directory and the loss per step."""
+    from conveyor.models.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_vlm_tokenizer, save_vlm
+    from conveyor.models.vision import VisionProcessor
+    from conveyor.tasks.visual import make_visual_sum_records, visual_sum_split_size
+
+    tokenizer = build_vlm_tokenizer()
+    model = build_tiny_vlm(arch, tokenizer, seed=seed)
+    image_processor = build_tiny_image_processor(arch)
+    records = make_visual_sum_records(
+        visual_sum_split_size(max_operand, "train"), seed=seed, max_operand=max_operand, split="train"
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        losses = supervised_warmstart(
+            model,
+            tokenizer,
+            records,
+            steps=steps,
+            lr=lr,
+            # Small batches: more updates per CPU second, and the plateau before the model reads the digits ends
+            # sooner in steps as well as in time.
+            batch_size=16,
+            seed=seed,
+            until_accuracy=until_accuracy,
+            progress=progress,
+            vision=VisionProcessor(image_processor, tokenizer, model.config),
+            short_hint="raise conveyor build-vlm --warmstart-steps, or lower --warmstart-until",
+        )
+    return save_vlm(model, tokenizer, image_processor, out), losses

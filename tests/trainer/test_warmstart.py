@@ -97,10 +97,10 @@ def test_the_load_balancing_loss_can_count_the_answer_tokens_only():
         return _tiny(tok, "qwen3_moe", intermediate_size=32, num_experts=8, top_k=2)
 
     pairs = _encode_pairs(tok, records)
-    width = max(len(p) + len(a) for p, a in pairs)
+    width = max(len(p.prompt) + len(p.answer) for p in pairs)
     ids = torch.full((len(pairs), width), tok.pad_token_id, dtype=torch.long)
     answer = torch.zeros((len(pairs), width), dtype=torch.long)
-    for i, (p, a) in enumerate(pairs):
+    for i, (p, a, *_) in enumerate(pairs):
         ids[i, width - len(p) - len(a) :] = torch.tensor(p + a)
         answer[i, width - len(a) :] = 1
     attention = (ids != tok.pad_token_id).long()
@@ -137,3 +137,38 @@ def test_runs_whose_lengths_differ_do_not_share_a_cached_tiny_model() -> None:
     positions = {p: json.loads((Path(p) / "config.json").read_text())["max_position_embeddings"] for p in (short, long)}
     cfg = load_config(None, base + ["data.max_response_length=64"])
     assert positions[long] >= cfg.data.max_prompt_length + 64 > positions[short]
+
+
+def test_a_vlm_warm_start_reads_the_images_at_transformers_own_positions(tmp_path) -> None:
+    """The warm start of a tiny Qwen2.5-VL feeds each record's pixels and the M-RoPE positions transformers would
+    compute itself (same logits), its loss falls, and `warm_start_tiny_vlm` writes a checkpoint with its processor."""
+    from conveyor.models.loading import load_model_config
+    from conveyor.models.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_vlm_tokenizer
+    from conveyor.models.vision import VisionProcessor
+    from conveyor.tasks.visual import make_visual_sum_records
+    from conveyor.trainer.warmstart import _encode_pairs, _vision_inputs, warm_start_tiny_vlm
+
+    tok = build_vlm_tokenizer()
+    model = build_tiny_vlm("qwen2_5_vl", tok, seed=0)
+    vision = VisionProcessor(build_tiny_image_processor("qwen2_5_vl"), tok, model.config)
+    records = make_visual_sum_records(24, seed=0)
+    records.append({**records[0], "images": [], "prompt": [{"role": "user", "content": "1+22="}]})  # no image
+    pairs = _encode_pairs(tok, records[-3:], vision)
+    width = max(len(p.prompt + p.answer) for p in pairs)
+    ids = torch.full((3, width), tok.pad_token_id)
+    attn = torch.zeros((3, width), dtype=torch.long)
+    for i, p in enumerate(pairs):
+        ids[i, width - len(p.prompt + p.answer) :] = torch.tensor(p.prompt + p.answer)
+        attn[i, width - len(p.prompt + p.answer) :] = 1
+    ours = _vision_inputs(pairs, attn, vision)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=attn, **ours).logits
+        pixels = {k: v for k, v in ours.items() if k != "position_ids"}
+        types = (ids == model.config.image_token_id).int()
+        own = model(input_ids=ids, attention_mask=attn, mm_token_type_ids=types, **pixels).logits
+    assert torch.allclose(got[attn.bool()], own[attn.bool()], atol=1e-5)
+    losses = supervised_warmstart(model, tok, records, steps=40, lr=3e-3, batch_size=16, vision=vision)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 / 2
+    path, losses = warm_start_tiny_vlm("qwen2_5_vl", tmp_path / "vlm", steps=2, until_accuracy=0.0)
+    assert len(losses) == 2 and (path / "preprocessor_config.json").is_file()
+    assert load_model_config(str(path)).vision_config is not None
