@@ -66,6 +66,7 @@ from conveyor.rollout.base import (
     engine_spec,
     mask_unfed_routing,
 )
+from conveyor.weights.local import place
 
 __all__ = ["HFEngine", "build_engine", "validate_config"]
 
@@ -249,9 +250,18 @@ class HFEngine(GenerationEngine):
                 target = own.get(name)
                 if target is None:
                     raise KeyError(f"HFEngine.update_weights: the model has no tensor {name!r}")
-                target.copy_(tensor)
+                place(target, tensor)  # a tensor `weight_target` placed arrived in place
         self.weights_version = version
         return time.perf_counter() - t0
+
+    def weight_targets(self) -> Callable[[str, torch.dtype, tuple[int, ...]], Tensor | None]:
+        """Where a weight channel may receive a large tensor straight into (`conveyor.weights.iter_received`'s
+        `into`): the model's own tensor of that name, as it is now (ask again for each sync)."""
+        own = {
+            **{n: t.detach() for n, t in self.model.named_parameters(remove_duplicate=False)},
+            **{n: t.detach() for n, t in self.model.named_buffers(remove_duplicate=False)},
+        }
+        return lambda name, dtype, shape: own.get(name)
 
     def _decode(
         self,

@@ -38,9 +38,9 @@ engine (the engine adapters do), or load tensors into an engine (the engine's `u
 
 from conveyor.weights.buckets import Staging, SyncStats, Table, buckets, layout, pack, unpack
 from conveyor.weights.channel import THREAD_PREFIX, WeightChannel, free_address, send_over
-from conveyor.weights.collective import iter_received, receive_buckets, send_buckets
+from conveyor.weights.collective import apart_bytes_for, iter_received, receive_buckets, send_buckets
 from conveyor.weights.delta import DeltaDecoder, DeltaEncoder, DeltaSettings, DeltaStats, checksum
-from conveyor.weights.local import copy_into, stream_to
+from conveyor.weights.local import copy_into, into_model, stream_to
 from conveyor.weights.naming import EXPERT_NAMES, ExpertNames, Layout, engine_names, expert_names_for, split_experts
 from conveyor.weights.object_store import get_packed, put_packed
 from conveyor.weights.shared import SharedSlots, map_shared
@@ -65,6 +65,8 @@ __all__ = [
     "receive_buckets",
     "iter_received",
     "copy_into",
+    "into_model",
+    "apart_bytes_for",
     "pack",
     "unpack",
     "layout",

@@ -15,7 +15,7 @@ What it deliberately does not do: move a buffer anywhere (the transports: `conve
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -117,13 +117,25 @@ def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[
         yield bucket
 
 
-def layout(bucket: list[tuple[str, Tensor]]) -> tuple[Table, int]:
-    """Each tensor's (name, dtype, shape, byte offset) in a bucket's flat buffer, and the buffer's size."""
-    meta, offset = [], 0
-    for name, tensor in bucket:
-        offset = -(-offset // _ALIGN) * _ALIGN
-        meta.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
-        offset += nbytes(tensor)
+def layout(bucket: list[tuple[str, Tensor]], apart: Sequence[bool] = ()) -> tuple[Table, int]:
+    """Each tensor's (name, dtype, shape, byte offset) in a bucket's flat buffer, and the buffer's size.
+
+    Tensors flagged in `apart` are placed after all the others (in table order still), so the others fill one
+    region at the start that travels as one piece while the flagged ones travel from their own memory.
+    """
+    flags = list(apart) or [False] * len(bucket)
+    offsets: list[int] = [0] * len(bucket)
+    offset = 0
+    for last in (False, True):
+        for i, (_, tensor) in enumerate(bucket):
+            if flags[i] == last:
+                offset = -(-offset // _ALIGN) * _ALIGN
+                offsets[i] = offset
+                offset += nbytes(tensor)
+    meta = [
+        (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), at)
+        for (name, tensor), at in zip(bucket, offsets)
+    ]
     return meta, offset
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as tdist
 
 from conveyor.weights.buckets import Staging, SyncStats
-from conveyor.weights.collective import iter_received, send_buckets
+from conveyor.weights.collective import Into, iter_received, send_buckets
 from conveyor.weights.delta import DeltaDecoder, DeltaEncoder, DeltaSettings
 
 __all__ = ["WeightChannel", "free_address", "send_over", "THREAD_PREFIX"]
@@ -120,12 +120,13 @@ class WeightChannel:
         self.encoder.report_mismatch(self.mismatches)
         return stats
 
-    def received(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A receiver: one sync's tensors as they arrive (`collective.iter_received`); `last` then holds its stats."""
+    def received(self, into: Into | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """A receiver: one sync's tensors as they arrive (`collective.iter_received`, `into` where the engine says
+        large tensors may land); `last` then holds its stats."""
         assert self.rank != 0 and self.decoder is not None, "rank 0 sends"
         self.last = SyncStats()
         yield from self.decoder.decode(
-            iter_received(group=self, src=0, device=self.device, stats=self.last, staging=self.staging)
+            iter_received(group=self, src=0, device=self.device, stats=self.last, staging=self.staging, into=into)
         )
         self.mismatches = self._sum_mismatches(self.decoder.mismatches)
 

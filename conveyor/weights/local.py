@@ -2,7 +2,7 @@
 
 No copy beyond what produced the tensors: each bucket goes to a `load` callback (`stream_to`), or the whole
 stream to one engine call. `copy_into` is the `load` of an engine that copies each tensor into its parameter
-at once (the benchmark's model).
+at once (the benchmark's model), and `into_model` lets a collective receiver put large tensors there directly.
 
 What it deliberately does not do: cross a process boundary (`collective`, `shared`, `object_store`) or keep
 copies for later (`conveyor.weights.staged`).
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from conveyor.weights.buckets import SyncStats, buckets
 
-__all__ = ["stream_to", "copy_into"]
+__all__ = ["stream_to", "copy_into", "into_model", "place"]
 
 
 def stream_to(
@@ -35,7 +35,8 @@ def stream_to(
 
 
 def copy_into(model: torch.nn.Module) -> Callable[[list[tuple[str, Tensor]]], None]:
-    """A `load` callback that copies each received tensor into `model`'s parameter or buffer of that name, in place."""
+    """A `load` callback that copies each received tensor into `model`'s parameter or buffer of that name, in place
+    (a tensor already received there, through `into_model`, is left as it is)."""
     targets = dict(model.state_dict(keep_vars=True))
 
     def load(bucket: list[tuple[str, Tensor]]) -> None:
@@ -43,6 +44,19 @@ def copy_into(model: torch.nn.Module) -> Callable[[list[tuple[str, Tensor]]], No
             for name, tensor in bucket:
                 if name not in targets:
                     raise KeyError(f"weight sync: the receiving model has no tensor named {name!r}")
-                targets[name].copy_(tensor)
+                place(targets[name], tensor)
 
     return load
+
+
+def into_model(model: torch.nn.Module) -> Callable[[str, torch.dtype, tuple[int, ...]], Tensor | None]:
+    """An `into` for `receive_buckets`: a large tensor is received straight into `model`'s tensor of that name."""
+    targets = model.state_dict()  # detached: the collective writes into the parameters' memory, outside autograd
+    return lambda name, dtype, shape: targets.get(name)
+
+
+def place(target: Tensor, tensor: Tensor) -> None:
+    """Copy `tensor` into `target` in place, unless it was received there already (the same memory)."""
+    if tensor.data_ptr() == target.data_ptr() and tensor.shape == target.shape and tensor.dtype == target.dtype:
+        return
+    target.copy_(tensor)

@@ -16,7 +16,7 @@ def test_weight_sync_benchmark_tiny(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     row = re.search(r"^tiny .* (True|False)$", out, re.M)
     assert row and row.group(1) == "True", out  # both syncs left the receiver equal to the sender
     assert "bucket 0.05 MiB" in out and "streamed / plain" in out
-    # A tiny model's timings are noise next to the per-bucket overhead, so the 2x bar is not asserted here.
+    # A tiny model's timings are noise next to the per-bucket overhead, so the 1.2x bar is not asserted here.
     assert status in (0, 1)
 
 

@@ -36,8 +36,16 @@ def _member(rank: int, address: tuple[str, int], world_port: int, results, done)
             stats = channel.send(iter(_tensors()), bucket_bytes=16 << 10)
             results.put(("sent", stats.bytes, stats.buckets))
         else:
-            got = {name: tensor.clone() for name, tensor in channel.received()}
-            results.put(("got", rank, got, channel.last.max_bucket_bytes, (channel.last.bytes, channel.last.buckets)))
+            # Receiver 2 names where "big" and "ids" may land; "ids" is packed with the small tensors after it (it
+            # does not travel alone), so only "big" lands in its target.
+            targets = {"big": torch.zeros(300, 200), "ids": torch.zeros(7, dtype=torch.int64)} if rank == 2 else {}
+            got, placed = {}, []
+            for name, tensor in channel.received(into=lambda name, dtype, shape: targets.get(name)):
+                got[name] = tensor.clone()
+                if name in targets and tensor.data_ptr() == targets[name].data_ptr():
+                    placed.append(name)
+            last = (channel.last.bytes, channel.last.buckets)
+            results.put(("got", rank, got, channel.last.max_bucket_bytes, last, placed))
     if rank == 0:
         t = torch.ones(1)
         tdist.all_reduce(t)  # the actor's group still works
@@ -70,7 +78,8 @@ def test_a_channel_streams_buckets_bit_for_bit_to_every_receiver() -> None:
     got = [o for o in out if o[0] == "got"]
     assert len(got) == 4
     largest = max(t.numel() * t.element_size() for t in want.values())
-    for _, _rank, tensors, max_bucket, last in got:
+    for _, rank, tensors, max_bucket, last, placed in got:
+        assert placed == (["big"] if rank == 2 else [])
         assert list(tensors) == list(want)
         for name, tensor in want.items():
             assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name

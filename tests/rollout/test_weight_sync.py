@@ -174,11 +174,11 @@ def test_iter_weights_strips_wrapper_names_and_moves_to_a_device(tok) -> None:
 # ------------------------------------------------------------------ two ranks
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
-    """Both two-rank cases, run once in one pair of spawned gloo processes; the folder of what each rank wrote."""
+    """The two-rank cases, run once in one pair of spawned gloo processes; the folder of what each rank wrote."""
     out = tmp_path_factory.mktemp("ranks")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(HERE / "weight_sync_ranks.py"), "transport,fsdp2", str(out)],
+        [sys.executable, str(HERE / "weight_sync_ranks.py"), "transport,apart,fsdp2", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -210,6 +210,39 @@ def test_gloo_transport_is_bit_exact_and_holds_one_bucket_at_a_time(ranks) -> No
     assert all(size <= BUCKET or size == big for size in got["sizes"]) and max(got["sizes"]) == big
     assert got["alive_before"] == [0] * got["buckets"]
     assert got["lazy_alive"] == [0] * len(sent)
+
+
+def test_large_tensors_travel_alone_and_land_where_the_receiver_says_when_they_fit(ranks) -> None:
+    sys.path.insert(0, str(HERE))
+    from weight_sync_ranks import apart_tensors
+
+    sent = dict(apart_tensors())
+    got = torch.load(ranks / "apart_1.pt")
+    assert list(got["received"]) == list(sent)  # packed and lone tensors come back in the sender's order
+    for name, tensor in sent.items():
+        r = got["received"][name]
+        assert r.dtype == tensor.dtype and r.shape == tensor.shape, name
+        assert torch.equal(_bits(r), _bits(tensor)), name
+    # Only contiguous targets of the right dtype and shape, for tensors that travel alone (256 bytes or more, or
+    # a bucket's only tensor: i.half, after h.big's bucket of one), are written in place.
+    assert got["placed"] == ["wide.float", "h.big", "i.half"]
+    for name in got["placed"]:
+        assert torch.equal(got["targets"][name], sent[name])
+    for name in ("a.weight", "g.transposed", "d.ids", "wide.wrong_shape", "wide.strided"):
+        assert not got["targets"][name].any(), name  # untouched: the stream handed its own tensor
+
+
+def test_copy_into_skips_a_tensor_received_in_place_and_copies_the_rest() -> None:
+    model = torch.nn.Linear(4, 3)
+    into = ws.into_model(model)
+    weight = into("weight", torch.float32, (3, 4))
+    assert weight is not None and weight.data_ptr() == model.weight.data_ptr() and not weight.requires_grad
+    weight.copy_(torch.ones(3, 4))  # what a broadcast into it does
+    ws.copy_into(model)([("weight", weight), ("bias", torch.full((3,), 2.0))])
+    assert torch.equal(model.weight.detach(), torch.ones(3, 4)) and torch.equal(
+        model.bias.detach(), torch.full((3,), 2.0)
+    )
+    assert into("missing", torch.float32, (1,)) is None
 
 
 def test_fsdp2_two_ranks_stream_the_whole_state_dict_one_tensor_at_a_time(ranks, tok) -> None:
@@ -315,3 +348,24 @@ def test_vllm_mixtral_refuses_fused_expert_names_and_serves_per_expert(tok, tmp_
         assert same, (theirs["responses"], ours["responses"])
     finally:
         engine.close()
+
+
+def test_an_hf_engine_names_its_own_tensors_and_loads_one_received_in_place_without_a_copy(tok) -> None:
+    from conveyor.models.tiny import build_tiny_model
+    from conveyor.rollout.hf import HFEngine
+
+    engine = HFEngine(
+        build_tiny_model("qwen3", tok, seed=0), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
+    source = build_tiny_model("qwen3", tok, seed=1)
+    into = engine.weight_targets()
+    name = "model.embed_tokens.weight"
+    target = into(name, torch.float32, tuple(source.get_parameter(name).shape))
+    assert target is not None and target.data_ptr() == engine.model.get_parameter(name).data_ptr()
+    assert into("no.such.tensor", torch.float32, (1,)) is None
+    target.copy_(source.get_parameter(name).detach())  # what the channel's broadcast into it does
+    named = [(n, target if n == name else t.detach()) for n, t in source.state_dict().items()]
+    engine.update_weights(iter(named), version=3)
+    for n, t in source.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[n], t), n
+    assert engine.weights_version == 3

@@ -4,7 +4,9 @@
 
 The cases run in turn in the same two processes (starting them is most of the cost). A CASE is `transport` (rank 0
 streams mixed tensors in small buckets to rank 1, which records what it
-received and how many buckets' views were alive at once) or `fsdp2` (a tiny Qwen3-MoE sharded with
+received and how many buckets' views were alive at once), `apart` (the same tensors with every one of 256 bytes
+or more broadcast on its own, received straight into tensors the receiver names where they fit), or `fsdp2`
+(a tiny Qwen3-MoE sharded with
 FSDP2 over both ranks; each rank streams its whole state dict with `iter_weights`). Each rank writes
 OUT_DIR/<case>_<rank>.pt.
 """
@@ -85,6 +87,46 @@ def _transport(rank: int, out: Path) -> None:
     )
 
 
+APART = 256
+
+
+def apart_targets() -> dict[str, torch.Tensor]:
+    """What rank 1 offers `into` in the `apart` case: fitting tensors, and ones that must not be used."""
+    sent = dict(transport_tensors())
+    return {
+        "a.weight": torch.zeros(7, 5),  # 140 bytes: under APART, so packed however it is offered
+        "g.transposed": torch.zeros(16, 48).t(),  # non-contiguous at the sender: packed
+        "h.big": torch.zeros(3000),  # fits: received in place
+        "d.ids": torch.zeros(11, dtype=torch.int32),  # wrong dtype (and small): not used
+        "wide.float": torch.zeros(40, 20),  # fits
+        "wide.wrong_shape": torch.zeros(20, 40),  # wrong shape: not used
+        "wide.strided": torch.zeros(40, 40)[:, ::2],  # not contiguous: not used
+        **{n: torch.zeros_like(sent[n]) for n in ("i.half",)},
+    }
+
+
+def apart_tensors() -> list[tuple[str, torch.Tensor]]:
+    """`transport_tensors` and three more of 3200 bytes, so buckets mix packed and lone tensors."""
+    g = torch.Generator().manual_seed(1)
+    wide = [(n, torch.randn(40, 20, generator=g)) for n in ("wide.float", "wide.wrong_shape", "wide.strided")]
+    return transport_tensors()[:4] + wide + transport_tensors()[4:]
+
+
+def _apart(rank: int, out: Path) -> None:
+    from conveyor import weights as ws
+
+    if rank == 0:
+        ws.send_buckets(iter(apart_tensors()), bucket_bytes=BUCKET, apart_bytes=APART)
+        return
+    targets = apart_targets()
+    received, placed = {}, []
+    for name, tensor in ws.iter_received(into=lambda name, dtype, shape: targets.get(name)):
+        received[name] = tensor.clone()
+        if name in targets and tensor.data_ptr() == targets[name].data_ptr():
+            placed.append(name)
+    torch.save({"received": received, "placed": placed, "targets": targets}, out / "apart_1.pt")
+
+
 def _fsdp2(rank: int, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -115,7 +157,7 @@ def _rank_main(rank: int, case: str, out: str, port: int) -> None:
     tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=3))
     try:
         for name in case.split(","):
-            {"transport": _transport, "fsdp2": _fsdp2}[name](rank, Path(out))
+            {"transport": _transport, "apart": _apart, "fsdp2": _fsdp2}[name](rank, Path(out))
             tdist.barrier()
     finally:
         tdist.destroy_process_group()

@@ -238,7 +238,9 @@ class ReplicaWorker:
         if stage:
             self.staged.stage(version, self.channel.received())
         else:
-            self.engine.update_weights(self.channel.received(), version=version)
+            targets = getattr(self.engine, "weight_targets", None)  # an engine whose tensors take the sender's
+            into = targets() if callable(targets) else None
+            self.engine.update_weights(self.channel.received(into), version=version)
             self.version = version
         got = self.channel.last
         return {
