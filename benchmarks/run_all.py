@@ -21,6 +21,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `sharding.py`: per-rank bytes of FSDP2 against DDP replicas on two gloo ranks;
 - `weight_sync.py`: the streamed weight sync against a plain broadcast of the same bytes (2 gloo processes);
 - `weight_sync.py --delta`: delta syncs' changed fraction and bytes over 10 AdamW steps at lr 1e-6, 1e-5, 6e-4 (507M);
+- `in_flight.py`: what a weight load in the middle of a generation costs, keeping or recomputing the KV (hf, vllm);
 - `mismatch.py`: the rollout-vs-trainer log-prob gap and IS ratios over {replay} x {bf16, fp32 head} x {top_p}, and
   exact mode's cost;
 - `vlm.py`: a GRPO step of the tiny VLM on the visual task against the tiny text model;
@@ -72,6 +73,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sharding", ()),
     ("weight_sync", ()),
     ("weight_sync", ("--delta",)),
+    ("in_flight", ()),
     ("mismatch", ()),
     ("vlm", ()),
     ("vlm_task", ()),

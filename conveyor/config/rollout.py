@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from conveyor.config.fields import F, S, check, registry
 from conveyor.config.model import DTYPES
 
+#: What a request in flight does with its KV cache when weights change under it (rollout.in_flight_kv).
+IN_FLIGHT_KV = ("recompute", "keep")
+
 __all__ = [
     "PLACEMENTS",
     "TRUNCATE_SIDES",
@@ -322,6 +325,16 @@ class RolloutConfig:
         "between rollouts so the update can use the memory (vLLM's sleep mode, level 2: "
         "the weights are synced again before each generation; GPU only, ignored on a CPU; "
         "a separate replica has no trainer to give memory to and never sleeps)",
+    )
+    in_flight_kv: str = F(
+        "recompute",
+        "partial rollouts (trainer.v1.separate_async.partial_rollout): what requests in flight do with the KV cache "
+        "when new weights load between two tokens: recompute = one prefill of each request's prompt and tokens so "
+        "far under the new weights (every later token is exactly what the new weights give for that prefix; costs "
+        "that prefill); keep = continue over the KV the old weights computed (no prefill; later tokens attend to "
+        "old-weight keys and values; on vllm, requests that start after the load read no prefix cache until the "
+        "generation ends; docs/async.md#partial-rollouts)",
+        choices=IN_FLIGHT_KV,
     )
     hf_whole_gather_max_gb: float = F(
         1.0,

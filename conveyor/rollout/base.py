@@ -206,15 +206,16 @@ class GenerationEngine(abc.ABC):
         params: SamplingParams,
         *,
         generator: torch.Generator | None = None,
-        interrupt: Callable[[int], bool] | None = None,
+        interrupt: Callable[[Any], bool] | None = None,
         synced: Callable[[bool], bool] | None = None,
     ) -> GenerationOutput:
         """Sample per left-padded prompt (`input_ids`, `attention_mask`: (B, P)) under `params`.
 
         `generator` seeds the sampling (on the engine's device). `interrupt` (interruptible engines only) is
-        called after every sampled token but the last with the tokens sampled so far; True means the weights
-        changed and the rest of the response comes from the new ones. `synced` (engines that share the
-        trainer's modules only) makes every rank step until all are done.
+        called between sampling steps with the tokens sampled so far: one int where every row advances together
+        (hf), a list of one count per row where they do not (vllm); True means the weights changed and the rest
+        of the response comes from the new ones (`rollout.in_flight_kv`: over a recomputed or a kept KV cache).
+        `synced` (engines that share the trainer's modules only) makes every rank step until all are done.
         """
 
     @abc.abstractmethod
@@ -313,7 +314,7 @@ def _vllm(device: str) -> EngineCapabilities:
     return EngineCapabilities(
         returns_routing=torch.device(device).type == "cuda",
         stop_sequences=True,
-        interruptible=False,
+        interruptible=True,
         shares_trainer_modules=False,
         multi_rank=True,
         claims_gpu_fraction=True,

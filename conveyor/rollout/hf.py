@@ -54,6 +54,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from conveyor.algos.sampling_mask import Truncation, truncate
+from conveyor.config.rollout import IN_FLIGHT_KV
 from conveyor.models.lean import LeanDecodeState, LeanForward
 from conveyor.models.moe_routing import MoEInfo, RoutingRecorder, moe_info
 from conveyor.models.packing import sdpa_compatible
@@ -136,7 +137,13 @@ class HFEngine(GenerationEngine):
     """Batched sampling with a KV cache from a Hugging Face causal LM (`model`), in our own decode loop."""
 
     def __init__(
-        self, model: PreTrainedModel, *, pad_token_id: int, eos_token_id: int, lean: LeanForward | None = None
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        eos_token_id: int,
+        lean: LeanForward | None = None,
+        in_flight_kv: str = "recompute",
     ) -> None:
         if pad_token_id is None:
             raise ValueError("HFEngine: `pad_token_id` is None; the tokenizer needs a pad token")
@@ -149,6 +156,10 @@ class HFEngine(GenerationEngine):
         self.capabilities = engine_spec("hf").capabilities(str(next(model.parameters()).device))
         # When given (a LeanForward over `model`), prefill and decode run through it.
         self.lean = lean
+        if in_flight_kv not in IN_FLIGHT_KV:
+            raise ValueError(f"HFEngine: in_flight_kv must be one of {IN_FLIGHT_KV}, got {in_flight_kv!r}")
+        # After an interrupt that changed the weights: "recompute" the cache with them, or "keep" the old one.
+        self.in_flight_kv = in_flight_kv
 
     def generate(
         self,
@@ -166,7 +177,8 @@ class HFEngine(GenerationEngine):
         `interrupt`, when given, is called after every sampled token that is not the last, with the number
         of tokens sampled so far; when it returns True (it changed the model's weights, say) the KV cache
         is recomputed from the prompts and the tokens so far before the next token is sampled, so the rest
-        of the response comes from the weights the model has now (a partial rollout).
+        of the response comes from the weights the model has now (a partial rollout); with
+        `in_flight_kv="keep"` the old cache is kept and decoding goes on over it with the new weights.
         `synced`, when given, is called once per step with whether this rank is done and answers whether
         every rank is: decoding goes on until the last rank is done, so every rank runs the same number of
         forwards, as forwards over FSDP2 shards (each one gathers the layers in turn) need. It runs the Hugging
@@ -328,7 +340,7 @@ class HFEngine(GenerationEngine):
                     done = synced(done)
                 if done:
                     break
-                if interrupt is not None and interrupt(steps):
+                if interrupt is not None and interrupt(steps) and self.in_flight_kv == "recompute":
                     # Resume under the model's weights as they are now: one prefill over each row's prompt and
                     # tokens so far rebuilds the cache, exactly as if generation had started from that prefix.
                     # Rows that finished ride along (their outputs are unused, as in a decode step); their
@@ -538,6 +550,7 @@ def build_engine(context: EngineContext) -> HFEngine:
         pad_token_id=context.tokenizer.pad_token_id,
         eos_token_id=context.tokenizer.eos_token_id,
         lean=context.lean,
+        in_flight_kv=context.rollout.in_flight_kv,
     )
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import time
@@ -62,6 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from conveyor.config.rollout import IN_FLIGHT_KV
 from conveyor.rollout.base import (
     EngineContext,
     GenerationEngine,
@@ -185,6 +187,7 @@ class VLLMEngine(GenerationEngine):
         load_format: str = "auto",
         bucket_bytes: int = 512 << 20,
         lm_head_fp32: bool = False,
+        in_flight_kv: str = "recompute",
     ) -> None:
         if pad_token_id is None or eos_token_id is None:
             raise ValueError("VLLMEngine: the tokenizer needs a pad token and an EOS token")
@@ -211,6 +214,13 @@ class VLLMEngine(GenerationEngine):
         # would sample from noise, so it is refused instead.
         self.holds_weights = load_format != "dummy"
         self.bucket_bytes = int(bucket_bytes)
+        if in_flight_kv not in IN_FLIGHT_KV:
+            raise ValueError(f"VLLMEngine: in_flight_kv must be one of {IN_FLIGHT_KV}, got {in_flight_kv!r}")
+        # Weights loaded while requests are in flight (an interruptible generation's hook): what their KV cache does.
+        self.in_flight_kv = in_flight_kv
+        self._flight: _Flight | None = None  # the interruptible generation running: a weight load is mid-generation
+        self._stale_prefix = False  # KV of older weights stays cached until the generation ends (in_flight_kv=keep)
+        self._request_ids = itertools.count()
         kwargs: dict[str, Any] = dict(
             model=model_path,
             skip_tokenizer_init=True,  # prompts arrive as token ids and responses leave as token ids
@@ -237,6 +247,12 @@ class VLLMEngine(GenerationEngine):
             # batch can hold at once is enough, with a floor for vLLM's block granularity.
             need = kv_bytes_per_token(hf_config, getattr(torch, dtype)) * int(max_model_len) * int(max_num_seqs)
             kwargs["kv_cache_memory_bytes"] = max(2 * need, 64 << 20)
+            # A prompt split over two steps has the token sampled after its first chunk thrown away, and vLLM
+            # then rewinds the request's generator, which a CPU generator cannot do ("CPU Generator does not
+            # use offset"): every seeded batch whose prompts overran the step's token budget mid-prompt failed.
+            # Whole prompts only: a step takes the prompts that fit, the next step the rest.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(max_model_len), 4096)
         # vLLM makes a one-rank torch.distributed group for its own use when none exists; close() removes it.
         world = trainer_world()
         self._owns_process_group = world is None
@@ -317,10 +333,20 @@ class VLLMEngine(GenerationEngine):
         # (fused 3-D names load for Qwen3-MoE but not Mixtral, whose vLLM module has another name).
         # Each tensor at the engine's dtype before it goes further: half the bytes where fp32 masters feed bf16.
         named = engine_names(cast_weights(named_tensors, self.dtype), layout="per_expert", model_type=self.model_type)
+        if self._flight is not None and self.in_flight_kv == "recompute":
+            # Before the load: the requests in flight stop with the tokens they have, their KV blocks freed, and
+            # continue as new requests whose prefill the new weights compute (so the cache can be emptied below).
+            self._flight.preempt()
         reload_vllm(self.llm, named, bucket_bytes=self.bucket_bytes)
+        if self._flight is not None and self.in_flight_kv == "keep":
+            # Requests in flight go on over the KV the old weights computed. Blocks of older weights now sit in the
+            # prefix cache: requests that have not started start again without reading it, as does every request
+            # added later in this generation, and the cache is emptied once it ends (`_generate_interruptible`).
+            self._stale_prefix = True
+            self._flight.restart_unstarted()
         # Full KV blocks of prompts seen before (a system prompt, a chat template, the validation set) were
         # computed by the old weights; vLLM would reuse them. A level-2 sleep clears them; nothing else does.
-        if not self.llm.reset_prefix_cache():
+        elif not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "VLLMEngine.update_weights: vLLM could not reset its prefix cache (requests still "
                 "hold KV blocks); the engine would serve KV of the old weights"
@@ -389,6 +415,9 @@ class VLLMEngine(GenerationEngine):
             )
         routing = params.capture_routing and self.returns_routing
         rows = [_Row(prompt) for prompt in prompts]
+        if interrupt is not None:
+            self._generate_interruptible(rows, seeds, params, routing, interrupt)
+            return self._collect(rows, mask, prompt_len, routing)
         self.wake()
         try:
             pending = list(range(batch))
@@ -404,6 +433,59 @@ class VLLMEngine(GenerationEngine):
         finally:
             self.sleep()
         return self._collect(rows, mask, prompt_len, routing)
+
+    def _generate_interruptible(
+        self,
+        rows: list[_Row],
+        seeds: list[int | None],
+        params: SamplingParams,
+        routing: bool,
+        interrupt: Callable[[list[int]], bool],
+    ) -> None:
+        """Generate `rows` one engine step at a time, calling `interrupt` between steps (partial rollouts).
+
+        `interrupt` gets each row's number of tokens sampled so far (rows do not advance together: vLLM schedules
+        requests as its batch allows) and may load new weights (`update_weights`), which apply from the next step:
+        what the requests in flight do with their KV cache is `in_flight_kv`. Under `recompute` they are
+        preempted (`_Flight.preempt`) and continue as new requests from their tokens so far, whose prefill the new
+        weights compute. Under `keep` they go on over their old KV; requests started after the load read no prefix
+        cache, and the cache is emptied when the generation ends, so no request is served KV of an older version.
+        """
+        flight = self._flight = _Flight(self, rows, seeds, params, routing)
+        self.wake()
+        try:
+            flight.requeue = list(range(len(rows)))
+            while flight.requeue or flight.live:
+                for i in flight.requeue:
+                    flight.add(i)
+                flight.requeue = []
+                for out in self.llm.llm_engine.step():
+                    i = flight.live.get(out.request_id)
+                    if i is None:
+                        continue
+                    flight.latest[out.request_id] = out
+                    flight.sampled[i] = len(rows[i].tokens) + len(out.outputs[0].token_ids)
+                    if out.finished:
+                        del flight.live[out.request_id], flight.latest[out.request_id]
+                        flight.rounds[i] += 1
+                        if self._extend(rows[i], out, params, routing, i):
+                            flight.requeue.append(i)  # stopped inside a stop sequence: sample on from its tokens
+                if flight.live and not self.llm.llm_engine.has_unfinished_requests():
+                    raise RuntimeError(f"VLLMEngine: vLLM finished without answering requests {sorted(flight.live)}")
+                if flight.live:
+                    interrupt(list(flight.sampled))
+        except BaseException:
+            if flight.live:
+                self.llm.llm_engine.abort_request(list(flight.live))
+                flight.live.clear()
+            raise
+        finally:
+            self._flight = None
+            if self._stale_prefix and not flight.live:
+                self._stale_prefix = not self.llm.reset_prefix_cache()
+            self.sleep()
+        if self._stale_prefix:
+            raise RuntimeError("VLLMEngine: the prefix cache held KV of older weights and could not be emptied")
 
     def _params(self, params: SamplingParams, seed: int | None, rounds: int, done: int) -> Any:
         """vLLM's SamplingParams of one request: `done` tokens already sampled in `rounds` earlier requests."""
@@ -473,6 +555,60 @@ class VLLMEngine(GenerationEngine):
         )
 
 
+class _Flight:
+    """The requests of one interruptible generation (`VLLMEngine._generate_interruptible`) and how to add or preempt
+    them."""
+
+    def __init__(
+        self, engine: VLLMEngine, rows: list[_Row], seeds: list[int | None], params: SamplingParams, routing: bool
+    ):
+        self.engine, self.rows, self.seeds, self.params, self.routing = engine, rows, seeds, params, routing
+        self.live: dict[str, int] = {}  # request id -> row
+        self.latest: dict[str, Any] = {}  # request id -> its last (cumulative) output
+        self.rounds = [0] * len(rows)  # requests each row has taken so far
+        self.sampled = [0] * len(rows)  # tokens each row has sampled so far
+        self.requeue: list[int] = []  # rows to continue as new requests before the next step
+
+    def add(self, i: int) -> None:
+        """Queue row `i` as a request from its prompt and its tokens so far."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, row = self.engine, self.rows[i]
+        sp = engine._params(self.params, self.seeds[i], self.rounds[i], len(row.tokens))
+        sp.output_kind = RequestOutputKind.CUMULATIVE  # every step's tokens so far, not just the final ones
+        if engine._stale_prefix:
+            sp.skip_reading_prefix_cache = True  # the cache holds blocks of weights older than the engine's
+        # Not LLM.enqueue: it asks for final outputs only, and each step's tokens are what the hook is told.
+        # (vLLM 0.32 warns once that raw token prompts will need its renderer.)
+        request = f"conveyor-{next(engine._request_ids)}"
+        engine.llm.llm_engine.add_request(request, {"prompt_token_ids": row.prompt + row.tokens}, sp)
+        self.live[request] = i
+
+    def restart_unstarted(self) -> None:
+        """Queue again every request that has sampled nothing yet (none of its KV is kept): it restarts as it was."""
+        waiting = [request for request in self.live if request not in self.latest]
+        if not waiting:
+            return
+        self.engine.llm.llm_engine.abort_request(waiting)
+        for request in waiting:
+            self.requeue.append(self.live.pop(request))
+
+    def preempt(self) -> None:
+        """Stop every request in flight where it is: its tokens so far go to its row, which continues as a new
+        request (a fresh seed) once the weights are loaded."""
+        if not self.live:
+            return
+        self.engine.llm.llm_engine.abort_request(list(self.live))
+        for request, i in self.live.items():
+            out = self.latest.get(request)
+            if out is not None:
+                self.engine._extend(self.rows[i], out, self.params, False, i)  # routing comes with the last request
+            self.rounds[i] += 1
+            self.requeue.append(i)
+        self.live.clear()
+        self.latest.clear()
+
+
 class _Row:
     """One prompt's response, assembled over the requests it took (more than one only at a partial stop sequence)."""
 
@@ -537,6 +673,7 @@ def build_engine(context: EngineContext) -> VLLMEngine:
         colocated=ro.placement == "colocated",
         bucket_bytes=ro.update_weights_bucket_megabytes << 20,
         lm_head_fp32=context.lm_head_fp32,
+        in_flight_kv=ro.in_flight_kv,
         # Every engine a worker builds gets the trainer's weights before its first generation (the actor's
         # `weights_version` and the rollout group's `served` start unknown; the asynchronous source stages its first
         # sync before any batch), and `generate` refuses to sample before one: reading the checkpoint would be wasted.

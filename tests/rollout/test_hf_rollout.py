@@ -431,6 +431,18 @@ def _rollout(engine, model, tok, eos=None):
     return HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=hf.eos_token_id, lean=LeanForward(model))
 
 
+def _loading_at(switch: int, model, new_state):
+    """An interrupt that loads `new_state` into `model` after `switch` sampled tokens, and says so."""
+
+    def interrupt(sampled: int) -> bool:
+        if sampled == switch:
+            model.load_state_dict(new_state)
+            return True
+        return False
+
+    return interrupt
+
+
 ENGINES = [(arch, "hf") for arch in TINY_ARCHS] + [("qwen3", "lean"), ("qwen3_moe", "lean")]
 
 
@@ -475,11 +487,7 @@ def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follo
     rollout = _rollout(engine, model, tok, eos=NEVER_EOS)
     switch = 3
 
-    def interrupt(sampled: int) -> bool:
-        if sampled == switch:
-            model.load_state_dict(new_state)
-            return True
-        return False
+    interrupt = _loading_at(switch, model, new_state)
 
     out = rollout.generate(
         ids,
@@ -511,6 +519,40 @@ def test_after_a_weight_change_mid_generation_tokens_log_probs_and_routing_follo
         old(input_ids=seq, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0))
         stale = rec.pop()
     assert not torch.equal(stale[known], expected[known])  # the old weights route differently
+
+
+def test_keeping_the_kv_across_a_weight_change_decodes_the_new_weights_over_the_old_weights_cache(tok) -> None:
+    old = build_tiny_model("qwen3", tok, seed=0, initializer_range=0.3).eval()
+    model = build_tiny_model("qwen3", tok, seed=0, initializer_range=0.3).eval()
+    new_state = build_tiny_model("qwen3", tok, seed=1, initializer_range=0.3).state_dict()
+    ids, mask = _prompts(tok)
+    rollout = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=NEVER_EOS, in_flight_kv="keep")
+    switch = 3
+
+    interrupt = _loading_at(switch, model, new_state)
+
+    params = SamplingParams(max_new_tokens=7, do_sample=True)
+    out = rollout.generate(ids, mask, params, generator=torch.Generator().manual_seed(0), interrupt=interrupt)
+    # The reference: the old weights' cache of the prompt and the tokens fed before the switch (all but the last
+    # one sampled), then the new weights over the rest of the sequence on top of it.
+    seq = torch.cat([ids, out["responses"]], dim=1)
+    att = torch.cat([mask, out["response_mask"].long()], dim=1)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    cut = ids.shape[1] + switch - 1
+    with torch.no_grad():
+        cache = old(input_ids=seq[:, :cut], attention_mask=att[:, :cut], position_ids=pos[:, :cut]).past_key_values
+        logits = model(
+            input_ids=seq[:, cut:-1], attention_mask=att[:, :-1], position_ids=pos[:, cut:-1], past_key_values=cache
+        ).logits
+    want = torch.log_softmax(logits.float(), -1).gather(-1, out["responses"][:, switch:, None])[..., 0]
+    before, _ = _teacher_forced_log_probs(old, ids, mask, out, 1.0)
+    torch.testing.assert_close(out["rollout_log_probs"][:, :switch], before[:, :switch], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["rollout_log_probs"][:, switch:], want, atol=1e-5, rtol=0)
+    # Not what recomputing the cache gives: the kept keys and values are the old weights'.
+    recomputed, _ = _teacher_forced_log_probs(model, ids, mask, out, 1.0)
+    assert (recomputed[:, switch:] - want).abs().max() > 0.01
+    with pytest.raises(ValueError, match="in_flight_kv"):
+        HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=NEVER_EOS, in_flight_kv="drop")
 
 
 @pytest.mark.parametrize("impl", ["hf", "lean"])

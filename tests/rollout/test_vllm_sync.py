@@ -117,6 +117,15 @@ def test_the_prompts_share_full_kv_blocks(built, tok) -> None:
     assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
 
 
+def test_on_a_cpu_a_step_prefills_whole_prompts_only(built) -> None:
+    # A prompt split over two steps has its first chunk's token discarded and the request's generator rewound,
+    # which a CPU generator cannot do: seeded batches overrunning the step budget mid-prompt failed
+    # (tests/benchmarks/test_in_flight_bench.py runs one).
+    _, engine, _ = built
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens >= MAX_MODEL_LEN
+
+
 def test_a_worker_s_engine_reads_no_checkpoint_and_refuses_to_sample_before_its_first_sync(built) -> None:
     _, engine, first = built
     assert engine.llm_kwargs["load_format"] == "dummy"
@@ -137,6 +146,112 @@ def test_after_each_sync_the_engine_serves_the_new_weights_not_cached_old_kv(bui
         # Reusing the old weights' KV blocks of the shared prefix puts the engine nats away (4-6 measured).
         assert gap < LOGP_TOL and same, f"sync {version}: log-probs off by {gap:.3g}"
     engine.update_weights(model.state_dict().items(), version=0)
+
+
+def _switching(engine, new, at: int, rows=min):
+    """An `interrupt` that loads `new`'s weights once `rows` (min: every row, max: some row) of the per-row counts
+    of sampled tokens reaches `at`; the counts then."""
+    counts: list[list[int]] = []
+
+    def interrupt(sampled: list[int]) -> bool:
+        if counts or rows(sampled) < at:
+            return False
+        counts.append(list(sampled))
+        engine.update_weights(new.state_dict().items(), version=7)
+        return True
+
+    return interrupt, counts
+
+
+def _perturbed(model, tok, seed: int):
+    new = _model(tok).eval()
+    new.load_state_dict(model.state_dict())
+    _perturb(new, seed)
+    return new
+
+
+def _split(out, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the response tokens each row sampled before the switch, those after it), as masks."""
+    cols = torch.arange(out["responses"].shape[1])[None]
+    before = cols < torch.tensor(counts)[:, None]
+    real = out["response_mask"].bool()
+    return before & real, ~before & real
+
+
+def test_weights_loaded_mid_generation_apply_from_the_next_token_over_a_recomputed_cache(built, tok) -> None:
+    model, engine, _ = built
+    new = _perturbed(model, tok, 11)
+    ids, mask = _prompts(tok)
+    _greedy(engine, ids, mask)  # the prefix cache now holds the old weights' blocks of the shared prefix
+    interrupt, counts = _switching(engine, new, 3)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    try:
+        out = engine.generate(ids, mask, params, interrupt=interrupt)
+        assert len(counts) == 1 and len(counts[0]) == len(SUFFIXES) and min(counts[0]) >= 3
+        before, after = _split(out, counts[0])
+        assert after.any()
+        old_lp = _teacher_forced_log_probs(model, ids, mask, out, 1.0)[0]
+        new_lp = _teacher_forced_log_probs(new, ids, mask, out, 1.0)[0]
+        got = out["rollout_log_probs"]
+        # Each token's log-prob is that of the weights that sampled it, the new ones over a cache they computed.
+        assert float((got - old_lp)[before].abs().max()) < LOGP_TOL
+        assert float((got - new_lp)[after].abs().max()) < LOGP_TOL
+        assert float((old_lp - new_lp)[after].abs().max()) > 0.05  # the two weights really differ there
+        # Nothing cached under the old weights is served afterwards (the prompts share full blocks).
+        gap, same = _gap(engine, new, tok)
+        assert gap < LOGP_TOL and same, f"after an in-flight update: log-probs off by {gap:.3g}"
+    finally:
+        engine.update_weights(model.state_dict().items(), version=0)
+
+
+def test_keeping_the_kv_in_flight_decodes_the_new_weights_over_the_old_cache_and_caches_nothing_stale(
+    built, tok
+) -> None:
+    model, engine, _ = built
+    new = _perturbed(model, tok, 12)
+    ids, mask = _prompts(tok)
+    _greedy(engine, ids, mask)  # the prefix cache now holds the old weights' blocks of the shared prefix
+    # Twice the prompts: 8 run at once (max_num_seqs), 4 wait, and have not started when the weights load.
+    ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)
+    interrupt, counts = _switching(engine, new, 3, rows=max)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    engine.in_flight_kv = "keep"
+    try:
+        out = engine.generate(ids, mask, params, interrupt=interrupt)
+        assert len(counts) == 1 and counts[0].count(0) == 4
+        before, after = _split(out, counts[0])
+        got = out["rollout_log_probs"]
+        old_lp = _teacher_forced_log_probs(model, ids, mask, out, 1.0)[0]
+        assert float((got - old_lp)[before].abs().max()) < LOGP_TOL
+        # The reference, row by row: the old weights' cache of the prompt and every token fed before the switch
+        # (all but the last one sampled), then the new weights over the rest of the sequence on top of it.
+        new_lp = _teacher_forced_log_probs(new, ids, mask, out, 1.0)[0]
+        checked = 0
+        for i, n in enumerate(counts[0]):
+            prompt = ids[i][mask[i].bool()]
+            length = int(out["response_mask"][i].sum())
+            if n == 0:
+                # Not started at the load: it started under the new weights, reading nothing the old ones cached.
+                assert float((got[i, :length] - new_lp[i, :length]).abs().max()) < LOGP_TOL, i
+                continue
+            if length <= n:
+                continue  # the row ended before the switch
+            seq = torch.cat([prompt, out["responses"][i, :length]])[None]
+            cut = prompt.numel() + n - 1
+            with torch.no_grad():
+                cache = model(input_ids=seq[:, :cut]).past_key_values
+                logits = new(input_ids=seq[:, cut:-1], past_key_values=cache).logits[0]
+            want = torch.log_softmax(logits.float(), -1).gather(-1, seq[0, cut + 1 :, None])[:, 0]
+            assert float((got[i, n:length] - want).abs().max()) < LOGP_TOL, i
+            checked += 1
+        assert checked >= len(SUFFIXES) // 2
+        kept = after & (torch.tensor(counts[0]) > 0)[:, None]
+        assert float((got - new_lp)[kept].abs().max()) > 0.01  # not what recomputing the cache gives
+        gap, same = _gap(engine, new, tok)  # the generation's blocks were dropped when it ended
+        assert gap < LOGP_TOL and same, f"after an in-flight update that kept the KV: log-probs off by {gap:.3g}"
+    finally:
+        engine.in_flight_kv = "recompute"
+        engine.update_weights(model.state_dict().items(), version=0)
 
 
 def test_sleeping_is_for_an_engine_colocated_with_a_trainer_on_a_device_with_sleep_mode(built) -> None:

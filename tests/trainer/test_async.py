@@ -293,6 +293,18 @@ def test_partial_rollouts_continue_unfinished_samples_with_the_new_weights(tmp_p
 def check_partial_rollouts(metrics: list[dict], run_dir) -> None:
     """Samples continued with newer weights, every token's version within the bound, the switches counted, and the
     routing R3 replays still on its tokens."""
+    check_token_versions(metrics, run_dir)
+    rows = {r["step"]: r for r in metrics}
+    for step in (1, 2, 3, 4):
+        # Routing that slipped off its tokens would agree with the update's own routing at about chance.
+        assert rows[step]["rollout/moe/routed_experts_found"] == 1.0
+        assert rows[step]["actor/moe/routing_agreement"] > 0.9
+        assert rows[step]["rollout/moe/routed_expert_assignments"] > 0 and "rollout/moe/max_vio/max" in rows[step]
+
+
+def check_token_versions(metrics: list[dict], run_dir) -> None:
+    """Samples continued with newer weights, none thrown away, every token's version within the bound, and the
+    switches counted in the metrics of the steps that trained them."""
     log = [json.loads(line) for line in (run_dir / "async_versions.jsonl").read_text().splitlines()]
     continued = 0
     for r in log:
@@ -306,11 +318,44 @@ def check_partial_rollouts(metrics: list[dict], run_dir) -> None:
     for row in partial:
         assert row["off_policy/weight_switches"] >= 1 and 0 < row["off_policy/partial_frac"] <= 1
         assert row["off_policy/token_staleness_mean"] < row["off_policy/staleness_mean"]
-    for step in (1, 2, 3, 4):
-        # Routing that slipped off its tokens would agree with the update's own routing at about chance.
-        assert rows[step]["rollout/moe/routed_experts_found"] == 1.0
-        assert rows[step]["actor/moe/routing_agreement"] > 0.9
-        assert rows[step]["rollout/moe/routed_expert_assignments"] > 0 and "rollout/moe/max_vio/max" in rows[step]
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_vllm_partial_rollouts_continue_samples_with_weights_loaded_between_engine_steps(
+    tmp_path, tiny_run, monkeypatch, kv
+) -> None:
+    # A rollout slower than the update (10 ms between engine steps), so weights reach vLLM mid-generation.
+    import time
+
+    from conveyor.rollout.vllm import VLLMEngine
+
+    run = VLLMEngine._generate_interruptible
+    seen: list[str] = []
+
+    def slow(self, rows, seeds, params, routing, interrupt):
+        seen.append(self.in_flight_kv)
+        return run(self, rows, seeds, params, routing, lambda sampled: time.sleep(0.01) or interrupt(sampled))
+
+    monkeypatch.setattr(VLLMEngine, "_generate_interruptible", slow)
+    metrics, run_dir = _run(
+        tmp_path,
+        tiny_run,
+        "run",
+        [
+            ASYNC,
+            # vLLM's CPU attention needs heads of 32 or more.
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.tiny.num_heads=2",
+            "actor_rollout_ref.model.tiny.num_kv_heads=2",
+            "trainer.v1.separate_async.partial_rollout=true",
+            f"actor_rollout_ref.rollout.in_flight_kv={kv}",
+            "trainer.total_training_steps=4",
+            "data.max_response_length=24",
+            "actor_rollout_ref.rollout.n=4",
+        ],
+    )
+    assert seen and set(seen) == {kv}  # every generation ran one engine step at a time, with the key's KV policy
+    check_token_versions(metrics, run_dir)
 
 
 def test_ray_workers_train_and_ship_their_weights_to_the_rollout(tmp_path, tiny_run):

@@ -293,22 +293,27 @@ def test_lora_makes_the_reference_the_actors_base(kl) -> None:
 
 def test_partial_rollouts_need_an_interruptible_engine() -> None:
     # The plan reads the capability: weights between two tokens need an engine that can stop between them.
-    cfg = load_config(
-        None,
-        [
-            "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.model.tiny.num_heads=2",
-            "actor_rollout_ref.model.tiny.num_kv_heads=2",
-            "trainer.v1.trainer_mode=separate_async",
-            "trainer.v1.separate_async.partial_rollout=true",
-        ],
+    import dataclasses
+
+    from conveyor.rollout.base import ROLLOUT_ENGINES, EngineSpec, register_rollout_engine
+
+    partial = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.partial_rollout=true"]
+    heads = ["actor_rollout_ref.model.tiny.num_heads=2", "actor_rollout_ref.model.tiny.num_kv_heads=2"]
+    hf = ROLLOUT_ENGINES["hf"]
+    register_rollout_engine(
+        EngineSpec(
+            "test_uninterruptible", hf.module, lambda d: dataclasses.replace(hf.capabilities(d), interruptible=False)
+        )
     )
-    with pytest.raises(ConfigError, match="interrupted between tokens.*partial_rollout=false"):
-        build_run_plan(cfg, "cpu")
-    assert build_run_plan(
-        load_config(None, ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.partial_rollout=true"]),
-        "cpu",
-    )
+    try:
+        cfg = load_config(None, ["actor_rollout_ref.rollout.name=test_uninterruptible", *partial])
+        with pytest.raises(ConfigError, match="interrupted between tokens.*partial_rollout=false or use hf, vllm"):
+            build_run_plan(cfg, "cpu")
+    finally:
+        ROLLOUT_ENGINES.pop("test_uninterruptible")
+    # Both built-in engines take weights between two tokens (vllm one engine step at a time).
+    assert build_run_plan(load_config(None, partial), "cpu")
+    assert build_run_plan(load_config(None, ["actor_rollout_ref.rollout.name=vllm", *heads, *partial]), "cpu")
 
 
 @pytest.mark.parametrize(

@@ -156,7 +156,8 @@ class ReplicaWorker:
         # The label of the weights the engine serves; -1: none synced yet (a vllm engine starts from dummy
         # weights and refuses to generate before its first sync).
         self.version = -1
-        self.switches: list[tuple[int, int]] = []  # (tokens sampled before, new version) in this generation
+        # (tokens sampled before: one int, or one per row, new version) in this generation
+        self.switches: list[tuple[int | list[int], int]] = []
         # Weights received while a generation ran (`receive_weights(stage=True)`), by version, until loaded, at the
         # dtype its engine holds.
         self.staged = StagedWeights(getattr(torch, served_dtype(ro, m.dtype, self.device.type)))
@@ -182,7 +183,11 @@ class ReplicaWorker:
             shape = fields["response_mask"].shape
             tokens = torch.full(shape, start, dtype=torch.long)
             for sampled, version in self.switches:
-                tokens[:, sampled:] = version
+                if isinstance(sampled, int):  # every row had sampled as many tokens (hf)
+                    tokens[:, sampled:] = version
+                else:  # one count per row (vllm schedules rows as its batch allows)
+                    for row, n in enumerate(sampled):
+                        tokens[row, n:] = version
             return {"policy_version": torch.full((shape[0],), start, dtype=torch.long), "token_policy_version": tokens}
 
         out = self.generation(meta, {}, extra_fields=versions)
@@ -206,7 +211,7 @@ class ReplicaWorker:
             )
         take = inbox.take if inbox is not None else (lambda: self.staged.newest_after(self.version))
 
-        def hook(sampled: int) -> bool:
+        def hook(sampled: int | list[int]) -> bool:
             staged = take()
             if staged is None:
                 return False
