@@ -43,6 +43,9 @@ from conveyor.workers.training.balance import SEQ_LEN_TAG, sequence_lengths, wit
 
 __all__ = ["Generation", "build_engine", "pad_responses"]
 
+# A row's count of sampled tokens that no response reaches: told for rows whose generation ended before a switch.
+_DONE = 2**31 - 1
+
 
 def build_engine(
     settings: Any,
@@ -382,7 +385,7 @@ class Generation:
         passes = self.passes(slices) if synced is not None else [(sl, True) for sl in slices]
         outs = []
         for sl, real in passes:
-            out = self._one(td[sl], call, generator, synced)
+            out = self._one(td[sl], call, generator, synced, interrupt=self._chunk_interrupt(sl, len(td)))
             if real:
                 outs.append(out)
         if len(outs) == 1:
@@ -391,6 +394,21 @@ class Generation:
         padded = [pad_responses(dict(o), width, int(self.tokenizer.pad_token_id)) for o in outs]
         return GenerationOutput(**{k: torch.cat([o[k] for o in padded]) for k in padded[0]})
 
+    def _chunk_interrupt(self, sl: slice, rows: int) -> Callable[[Any], bool] | None:
+        """`interrupt` for the chunk `sl` of `rows`: its count of sampled tokens, told per row of the whole share
+        (rows of earlier chunks are done, and a switch now changes none of their tokens; later ones have sampled
+        none, so every token of theirs comes from the new weights)."""
+        hook = self.interrupt
+        if hook is None:
+            return None
+        start, stop, _ = sl.indices(rows)
+
+        def interrupt(sampled: Any) -> bool:
+            counts = list(sampled) if isinstance(sampled, list) else [int(sampled)] * (stop - start)
+            return hook([_DONE] * start + counts + [0] * (rows - stop))
+
+        return interrupt
+
     def _one(
         self,
         td: TensorDict,
@@ -398,6 +416,7 @@ class Generation:
         generator: torch.Generator | None,
         synced: Callable[[bool], bool] | None = None,
         tasks: list[dict] | None = None,
+        interrupt: Callable[[Any], bool] | None = None,
     ) -> GenerationOutput:
         params = SamplingParams(
             max_new_tokens=int(call.max_new_tokens),
@@ -419,7 +438,7 @@ class Generation:
             td["prompt_mask"],
             params,
             generator=generator,
-            interrupt=self.interrupt,
+            interrupt=interrupt if interrupt is not None else self.interrupt,
             synced=synced,
             **extra,
         )
