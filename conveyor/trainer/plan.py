@@ -219,6 +219,16 @@ def _rollout_decision(cfg: Config, device: str, caps: Any, why: list[str]) -> tu
             "partial_rollout=false or use "
             + ", ".join(n for n in able if ROLLOUT_ENGINES[n].capabilities(device).interruptible)
         )
+    if v1.is_async and v1.separate_async.partial_rollout:
+        between = "two engine steps" if ro.name == "vllm" else "two sampled tokens"
+        kv = {
+            "recompute": "recompute their KV cache under the new weights (one prefill of prompt and tokens so far)",
+            "keep": "keep the KV cache the old weights computed (no prefill)",
+        }[ro.in_flight_kv]
+        why.append(
+            f"partial rollouts: weights that arrive mid-generation load between {between}, and the requests in "
+            f"flight {kv} (actor_rollout_ref.rollout.in_flight_kv={ro.in_flight_kv})"
+        )
     # The asynchronous source generates while the actor trains: on engines of their own, the rollout worker group.
     placement = "separate" if v1.is_async else ro.placement
     if placement == "separate":

@@ -311,9 +311,13 @@ def test_partial_rollouts_need_an_interruptible_engine() -> None:
             build_run_plan(cfg, "cpu")
     finally:
         ROLLOUT_ENGINES.pop("test_uninterruptible")
-    # Both built-in engines take weights between two tokens (vllm one engine step at a time).
-    assert build_run_plan(load_config(None, partial), "cpu")
-    assert build_run_plan(load_config(None, ["actor_rollout_ref.rollout.name=vllm", *heads, *partial]), "cpu")
+    # Both built-in engines take weights between two tokens (vllm one engine step at a time), and the plan says
+    # what the requests in flight do with their KV cache.
+    hf_plan = build_run_plan(load_config(None, partial), "cpu")
+    assert any("between two sampled tokens" in d and "in_flight_kv=recompute" in d for d in hf_plan.decisions)
+    kept = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.in_flight_kv=keep", *heads, *partial]
+    vllm_plan = build_run_plan(load_config(None, kept), "cpu")
+    assert any("between two engine steps" in d and "keep the KV cache" in d for d in vllm_plan.decisions)
 
 
 @pytest.mark.parametrize(
