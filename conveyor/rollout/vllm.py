@@ -236,6 +236,7 @@ class VLLMEngine(GenerationEngine):
             enable_sleep_mode=self.sleeps,
             load_format=load_format,
         )
+        kwargs.update(in_flight_scheduling(in_flight_kv))
         if self.returns_routing:
             kwargs["enable_return_routed_experts"] = True
         if lm_head_fp32:
@@ -630,6 +631,17 @@ class _Row:
         unknown = (self.routing[:n] < 0).all(dim=-1)
         take = (real & unknown)[..., None]
         self.routing[:n] = torch.where(take, seg, self.routing[:n])
+
+
+def in_flight_scheduling(in_flight_kv: str) -> dict[str, Any]:
+    """vLLM engine arguments that `in_flight_kv` needs: `keep` turns off asynchronous scheduling.
+
+    With it (vLLM's default on a GPU) the next step is already running when a step's tokens come back, so a weight
+    load between two steps would land under a step that sampled with the old weights and whose token is counted as
+    the new version's; `recompute` stops the requests in flight, which drops that step's tokens, and `keep` cannot.
+    On a CPU vLLM schedules synchronously anyway.
+    """
+    return {"async_scheduling": False} if in_flight_kv == "keep" else {}
 
 
 def validate_config(cfg: Any) -> None:

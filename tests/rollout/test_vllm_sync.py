@@ -288,6 +288,18 @@ def test_what_the_adapter_gives_vllm_llm_are_engine_args(built) -> None:
     assert engine.llm_kwargs["dtype"] == "float32" and engine.dtype == torch.float32
 
 
+def test_keeping_the_kv_in_flight_schedules_synchronously_and_recomputing_leaves_vllm_s_default(built) -> None:
+    import vllm
+
+    from conveyor.rollout.vllm import in_flight_scheduling
+
+    fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    assert in_flight_scheduling("keep") == {"async_scheduling": False} and "async_scheduling" in fields
+    assert in_flight_scheduling("recompute") == {}
+    _, engine, _ = built  # built with the default, recompute: vLLM decides
+    assert "async_scheduling" not in engine.llm_kwargs
+
+
 def test_the_engine_dtype_is_bf16_on_a_gpu_unless_set_and_the_model_s_on_a_cpu() -> None:
     assert RolloutConfig().engine_dtype("float32", "cuda") == "bfloat16"
     assert RolloutConfig().engine_dtype("float32", "cpu") == "float32"
