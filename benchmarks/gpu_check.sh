@@ -15,7 +15,8 @@
 # without gradient checkpointing in fp32 from a warm-started model (step-1 gradient norms agree); 4096-token
 # responses through the workers' endpoints against the memory accounting; expert parallelism of size 1
 # in fp32; the actor's parameter and optimizer offload with R3 and an offloaded reference; the hf rollout's
-# decode step against `model.generate`; the vLLM steps when vLLM is installed (skipped with a message if not).
+# decode step against `model.generate`; the vLLM steps when vLLM is installed (a colocated run, and weights
+# loaded mid-generation under both KV policies; skipped with a message if not).
 # It runs the same code as the CPU tests (gloo there, nccl here); only the device differs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -132,6 +133,9 @@ if "$PY" -c 'import vllm' >/dev/null 2>&1; then
     actor_rollout_ref.actor.strategy=none actor_rollout_ref.ref.strategy=none \
     actor_rollout_ref.actor.router_replay.mode=R3 actor_rollout_ref.rollout.free_cache_engine=true \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+  # Partial rollouts: weights loaded between two engine steps, the KV kept or recomputed; on a GPU vLLM schedules
+  # asynchronously (recompute) and synchronously (keep), which a CPU never does.
+  step vllm_in_flight 90 "$PY" benchmarks/in_flight.py --engines vllm --dtype bfloat16 --repeats 1
 else
   row vllm_colocated skipped 0 "vllm is not installed for $PY (pip install 'conveyor[vllm]' there to run it)"
 fi

@@ -18,6 +18,7 @@ from config (the character tokenizer, no EOS: every row runs the full length).
 
     python benchmarks/in_flight.py                                      # hf and vllm, 16 x (256 + 64) tokens
     python benchmarks/in_flight.py --engines hf --prompt-tokens 32 --new-tokens 4 --repeats 1   # seconds
+    python benchmarks/in_flight.py --engines vllm --dtype bfloat16   # on a GPU (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -106,15 +107,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens: at least 2 (the load happens halfway)")
     torch.set_num_threads(args.threads)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer=tokenizer, seed=args.seed, **MODEL).eval()
+    dtype = getattr(torch, args.dtype)
+    model = build_tiny_model(tokenizer=tokenizer, seed=args.seed, dtype=dtype, **MODEL).eval()
     model.config.eos_token_id = None
     never_eos = len(tokenizer) + 1
-    other = build_tiny_model(tokenizer=tokenizer, seed=args.seed + 1, **MODEL).eval()
+    other = build_tiny_model(tokenizer=tokenizer, seed=args.seed + 1, dtype=dtype, **MODEL).eval()
     # Two weight sets to alternate between, so every load changes every weight.
     states = [{k: v.clone() for k, v in m.state_dict().items()} for m in (other, model)]
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
                 hf_config=model.config,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=never_eos,
+                dtype=args.dtype,
                 max_model_len=args.prompt_tokens + args.new_tokens,
                 max_num_seqs=args.batch,
                 seed=args.seed,
@@ -156,6 +160,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
             seconds, load = rows[mode]
             extra = seconds - base
             print(f"{name:<8}{mode:<11}{seconds:>14.3f}{extra:>9.3f}{100 * extra / base:>8.1f}%{load:>8.3f}")
+    # One line for benchmarks/gpu_check.sh's summary: each engine's extra time per KV policy.
+    extra = {
+        name: {m: rows[m][0] / rows["none"][0] - 1 for m in ("keep", "recompute")} for name, rows in results.items()
+    }
+    print(
+        "FIGURE: " + "; ".join(f"{n} keep {e['keep']:+.1%}, recompute {e['recompute']:+.1%}" for n, e in extra.items())
+    )
     return results
 
 

@@ -22,3 +22,4 @@ def test_in_flight_benchmark_times_each_kv_policy_on_both_engines(capsys) -> Non
     assert not torch.distributed.is_initialized()  # the benchmark closed its engine
     out = capsys.readouterr().out
     assert "16 rows x (270 prompt + 4 new) tokens, a load after 2" in out
+    assert out.splitlines()[-1].startswith("FIGURE: hf keep ") and "vllm keep" in out.splitlines()[-1]
