@@ -67,7 +67,7 @@ from conveyor.rollout.base import (
     engine_spec,
     mask_unfed_routing,
 )
-from conveyor.weights.local import place
+from conveyor.weights.local import into_model, place
 
 __all__ = ["HFEngine", "build_engine", "validate_config"]
 
@@ -269,11 +269,7 @@ class HFEngine(GenerationEngine):
     def weight_targets(self) -> Callable[[str, torch.dtype, tuple[int, ...]], Tensor | None]:
         """Where a weight channel may receive a large tensor straight into (`conveyor.weights.iter_received`'s
         `into`): the model's own tensor of that name, as it is now (ask again for each sync)."""
-        own = {
-            **{n: t.detach() for n, t in self.model.named_parameters(remove_duplicate=False)},
-            **{n: t.detach() for n, t in self.model.named_buffers(remove_duplicate=False)},
-        }
-        return lambda name, dtype, shape: own.get(name)
+        return into_model(self.model)
 
     def _decode(
         self,
