@@ -33,6 +33,12 @@ groups' own `split_for_ranks`, and runs the jobs:
   each rank writes them to `out/logits_<rank>.pt`.
 - `iter_weights`: the weights as the vllm weight sync streams them (`iter_weights`, whole tensors);
   rank 0 writes them to `out/streamed.pt`.
+- `delta_sync`: three weight syncs as the shipper runs one in process (the actor's `weight_stream`, cast to bf16
+  by `cast_weights`, through a `DeltaEncoder` from the run's `rollout.delta_sync` settings and a `DeltaDecoder`):
+  sync 0 before any update, syncs 1 and 2 each after one update. Every rank walks the streams (the gathers are
+  collective); rank 0 alone encodes and decodes, and writes, per sync, the decoded tensors, the bf16 cast of a
+  second stream taken right after (the trainer's weights), the encoder's stats and the decoder's mismatches to
+  `out/delta.pt`.
 - `layout`: after an update, each rank writes the local shape, mesh dimension names and placements of every
   parameter and of its AdamW moment to `out/layout_<rank>.pt`.
 
@@ -124,6 +130,44 @@ def _layout(worker) -> dict:
             "moment_shape": tuple(moment_local.shape) if moment_local is not None else None,
         }
     return out
+
+
+def _delta_sync(worker, rank: int, update) -> list[dict]:
+    """Sync 0, then `update()` and a sync, twice: per sync (rank 0; empty elsewhere) the decoded weights, the trainer's
+    bf16 weights, the encoder's stats and the decoder's mismatches."""
+    from conveyor.weights import DeltaDecoder, DeltaEncoder, DeltaSettings, cast_weights
+
+    delta = worker.settings.rollout.delta_sync
+    encoder = DeltaEncoder(DeltaSettings(enable=delta.enable, full_every=delta.full_every)) if rank == 0 else None
+    decoder = DeltaDecoder("cpu") if rank == 0 else None
+    syncs: list[dict] = []
+    for sync in range(3):
+        if sync:
+            update()
+        stream = cast_weights(worker.weight_stream(), torch.bfloat16)
+        if encoder is None or decoder is None:  # not the sender: its part in the gathers only
+            for _ in stream:
+                pass
+        else:
+            # The decoder yields views of its own copies, which the next sync updates in place: cloned here.
+            decoded = {name: t.clone() for name, t in decoder.decode(encoder.encode(stream))}
+        trainer = {name: t.clone() for name, t in cast_weights(worker.weight_stream(), torch.bfloat16)}
+        if encoder is not None and decoder is not None:
+            stats = encoder.last
+            encoder.report_mismatch(decoder.mismatches)  # as the shipper does after each sync
+            syncs.append(
+                {
+                    "decoded": decoded,
+                    "trainer": trainer,
+                    "changed_frac": stats.changed_frac,
+                    "full": stats.full,
+                    "forced": stats.forced,
+                    "bytes": stats.bytes,
+                    "full_bytes": stats.full_bytes,
+                    "mismatches": decoder.mismatches,
+                }
+            )
+    return syncs
 
 
 def _run(rank: int, world: int, model_path: str, run: dict) -> None:
@@ -260,6 +304,15 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             streamed = {name: t.clone() for name, t in iter_weights(worker.model, device="cpu")}
             if rank == 0:
                 torch.save(streamed, out / "streamed.pt")
+        elif job == "delta_sync":
+
+            def update() -> None:
+                call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+                worker.update_actor(call)
+
+            syncs = _delta_sync(worker, rank, update)
+            if rank == 0:
+                torch.save(syncs, out / "delta.pt")
         elif job == "layout":
             torch.save(_layout(worker), out / f"layout_{rank}.pt")
         elif job.startswith("save:"):

@@ -49,6 +49,9 @@ FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 # HSDP in groups of one: each rank a replica (the `fsdp` dimension of size 1, `dp_replicate` of 2).
 HSDP = FSDP2 + ["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.num_cpu_workers=2"]
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# Delta weight sync on: at BASE's lr 1e-4 Adam's step changes ~85% of the bf16 elements of this tiny model (bitmaps
+# at ~0.9 of the whole bytes); at 1e-6 ~4% change, as at a real model's learning rate, so indices and bitmaps travel.
+DELTA = ["actor_rollout_ref.rollout.delta_sync.enable=true", "actor_rollout_ref.actor.optim.lr=1e-6"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory, model_path: str, batches, on
         "ep": (EP2, False, ["logits", "log_prob", "update", "layout", f"save:{root / 'ep-ckpt'}"]),
         "ep-R3": (EP2 + [R3], True, ["grads"]),
         "ep-gen": (EP2, False, ["generate", "iter_weights"]),
+        "ep-delta": (EP2 + DELTA, False, ["delta_sync"]),
         "ep-load-one": (EP2, False, [f"load:{one_rank_checkpoint['dir']}"]),
         "fsdp2-save": (FSDP2, False, ["update", f"save:{root / 'fsdp2-ckpt'}"]),
         "fsdp2-load-ep": (FSDP2, False, [f"load:{root / 'ep-ckpt'}"]),
@@ -224,6 +228,31 @@ def test_weight_sync_streams_whole_experts_under_ep(model_path: str, ranks) -> N
     for k in want:
         assert torch.equal(streamed[k], want[k]), k
     assert streamed["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+
+
+def test_delta_weight_sync_under_ep_is_bitwise_and_sends_less_than_whole(ranks) -> None:
+    """The shipper's in-process chain (weight_stream -> bf16 -> encode -> decode) over EP=2's gathered experts: the
+    receiver's copy equals the trainer's bf16 weights after every sync, and after an update only what changed went."""
+    syncs = torch.load(ranks["ep-delta"] / "delta.pt", weights_only=True)
+    assert len(syncs) == 3
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    for i, sync in enumerate(syncs):
+        decoded, trainer = sync["decoded"], sync["trainer"]
+        assert decoded.keys() == trainer.keys() and experts in trainer, i
+        for k in trainer:
+            assert decoded[k].dtype == trainer[k].dtype and torch.equal(decoded[k], trainer[k]), (i, k)
+        assert trainer[experts].dtype == torch.bfloat16 and trainer[experts].shape[0] == 8  # whole, not a shard
+        assert sync["mismatches"] == 0, i
+    first = syncs[0]
+    assert first["forced"] == "first" and first["full"] and first["changed_frac"] == 1.0
+    assert first["bytes"] >= first["full_bytes"]
+    for i, sync in enumerate(syncs[1:], 1):
+        # An update moved the weights (the experts' included), and the sync went as a delta, not whole.
+        before, after = syncs[i - 1]["trainer"], sync["trainer"]
+        assert not torch.equal(before[experts], after[experts]), i
+        assert sync["forced"] == "" and not sync["full"], i
+        assert 0 < sync["changed_frac"] < 0.1, (i, sync["changed_frac"])
+        assert sync["bytes"] < 0.25 * sync["full_bytes"], (i, sync["bytes"], sync["full_bytes"])
 
 
 def test_checkpoints_move_between_ep_and_plain_bitwise(model_path: str, ranks, one_rank_checkpoint) -> None:
