@@ -32,10 +32,11 @@ __all__ = [
     "nbytes",
     "bytes_of",
     "table_bytes",
+    "ALIGN",
 ]
 
 # Offsets into a bucket's flat buffer are aligned so that every tensor's view of it is aligned for its dtype.
-_ALIGN = 64
+ALIGN = 64
 
 # A flat buffer's table: each tensor's (name, dtype, shape, byte offset).
 Table = list[tuple[str, str, tuple[int, ...], int]]
@@ -129,7 +130,7 @@ def layout(bucket: list[tuple[str, Tensor]], apart: Sequence[bool] = ()) -> tupl
     for last in (False, True):
         for i, (_, tensor) in enumerate(bucket):
             if flags[i] == last:
-                offset = -(-offset // _ALIGN) * _ALIGN
+                offset = -(-offset // ALIGN) * ALIGN
                 offsets[i] = offset
                 offset += nbytes(tensor)
     meta = [

@@ -18,7 +18,8 @@ call (`loading`), in order with the batches.
 Delta sync (`conveyor.weights.delta`, `delta`): after a whole sync only what changed travels. In this process the
 shipper encodes and decodes itself (the engine is handed whole tensors); into Ray's object store it encodes and the
 replica's `StagedWeights` decodes; over the channel the actor's rank 0 encodes (`WeightChannel.configure_delta`).
-A sync into a shared-memory slot is always whole: the replica reads it from the slot straight into its engine.
+Into a shared-memory slot the trainer encodes and every replica decodes the slot into its staged copy at once (a
+whole sync there is read from the slot straight into the engine when the generation call that loads it comes).
 
 The workers' methods reach it as an `Endpoints` table, so this package names no worker class and the workers
 may import it; Ray's pending calls bring their own ways to wait (`together`, `beside`).
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from conveyor.weights.buckets import Table, layout, pack
+from conveyor.weights.buckets import ALIGN, Table, layout, pack
 from conveyor.weights.channel import THREAD_PREFIX
 from conveyor.weights.delta import DeltaDecoder, DeltaEncoder, DeltaSettings
 from conveyor.weights.object_store import put_packed
@@ -62,7 +63,8 @@ class Endpoints:
     join_receiver: Callable[..., Any]  # replica: join the channel as a receiver
     receive: Callable[..., Any]  # replica: take one sync from the channel (into the engine, or staged)
     take: Callable[..., Any]  # replica: stage a sync packed into Ray's object store
-    between_tokens: Callable[..., Any]  # replica: load new weights between two tokens (partial rollouts)
+    take_shared: Callable[..., Any] | None = None  # replica: stage a delta sync packed into a shared-memory slot
+    between_tokens: Callable[..., Any] | None = None  # replica: load new weights between two tokens (partial rollouts)
     load_staged: Callable[..., Any] | None = None  # replica: load a staged sync now (restoring a replaced replica)
 
 
@@ -279,13 +281,26 @@ class WeightShipper:
         return self._on_this_machine
 
     def _into_slot(self, label: int, named: list[tuple[str, torch.Tensor]]) -> Callable[[], Metrics] | None:
-        """Pack `named` into a free shared-memory slot; returns what has the next generation load it, or None when
-        no slot is free (both hold syncs whose loading calls have not returned)."""
+        """Pack `named` into a free shared-memory slot; returns what has the replicas load it, or None when no slot is
+        free (both hold syncs whose loading calls have not returned).
+
+        A whole sync rides on the next generation call (`loading`). A delta sync must reach every replica's decoder,
+        in order with any other: the replicas read it at once, beside the generation in progress, into their staged
+        copies (`take_shared`), on the sending thread like an object-store sync, and the slot is free again after.
+        """
         t0 = time.perf_counter()
-        table, nbytes = layout(named)
+        encoded = named if self._encoder is None else list(self._encoder.encode(named))
+        table, nbytes = layout(encoded)
         if self._slots is None:
-            self._slots = SharedSlots(table, nbytes)
-        slot = self._slots.write(named, table)
+            # A delta's parts (indices or bitmap, values, checksum) are each aligned: room for that beyond a whole sync.
+            margin = 0 if self._encoder is None else ALIGN * (3 * len(named) + 1)
+            self._slots = SharedSlots(layout(named)[1] + margin)
+        slot = self._slots.write(encoded, table, nbytes)
+        if self._encoder is not None:
+            delta = self._encoder.last.metrics()
+            if slot is None:  # both slots in use, or larger than a slot: encoded already, through the object store
+                return self._put_weights(label, *pack(encoded), delta=delta)
+            return self._take_shared(label, slot, delta, time.perf_counter() - t0)
         if slot is None:
             return None
         sent = {
@@ -299,6 +314,27 @@ class WeightShipper:
             return sent
 
         return load
+
+    def _take_shared(self, version: int, slot: int, delta: Metrics, packed_s: float) -> Callable[[], Metrics]:
+        """Have every replica decode the delta sync in shared-memory slot `slot` into its staged copy (on the sending
+        thread, in order with the other exchanges); the slot is free again once they have."""
+        assert self._slots is not None
+        handle = self._slots.handle(slot)
+
+        def send() -> tuple[Metrics, list[Metrics]]:
+            sent = {
+                "rollout/weight_send_s": packed_s,
+                "rollout/weight_send_gb": handle[3] / 1e9,
+                "rollout/weight_send_buckets": 1.0,
+            }
+            try:
+                return sent, self.replicas.submit_all(self.ends.take_shared, version, *handle).together()[0]
+            finally:
+                assert self._slots is not None
+                self._slots.release(slot)
+                self._slots.unlink()  # every replica has mapped the file: nothing to leave behind in /dev/shm
+
+        return self._in_order(version, lambda: self._delivered(send, delta))
 
     def _load_first(self, version: int, slot: int | None) -> None:
         """On the rollout's thread, in order with the batches: the next generation call loads `version` first (from
@@ -364,7 +400,7 @@ class WeightShipper:
         """Start handing the packed weights (`delta`: the metrics of the delta they encode) to every replica through
         Ray's object store, into its staging copy; returns what waits for it and gives its metrics."""
 
-        def run() -> Metrics:
+        def send() -> tuple[Metrics, list[Metrics]]:
             t0 = time.perf_counter()
             refs = put_packed(buffer)
             sent = {
@@ -372,15 +408,19 @@ class WeightShipper:
                 "rollout/weight_send_gb": buffer.numel() / 1e9,
                 "rollout/weight_send_buckets": 1.0,
             }
-            received = self.replicas.submit_all(self.ends.take, version, refs, table).together()[0]
-            metrics = _sync_metrics(sent, received)
-            if delta is not None and self._encoder is not None:
-                metrics.update(delta)
-                # A replica whose copy disagreed with the sender's checksum (where its `take` reports it): whole next.
-                self._encoder.report_mismatch(int(metrics.get("rollout/weight_sync/checksum_mismatches", 0)))
-            return metrics
+            return sent, self.replicas.submit_all(self.ends.take, version, refs, table).together()[0]
 
-        return self._in_order(version, run)
+        return self._in_order(version, lambda: self._delivered(send, delta))
+
+    def _delivered(self, send: Callable[[], tuple[Metrics, list[Metrics]]], delta: Metrics | None) -> Metrics:
+        """Run one packed sync's `send` (the sender's metrics, each replica's); the sync's metrics, and a replica's
+        checksum mismatch reported to the encoder (its next sync is then whole)."""
+        sent, received = send()
+        metrics = _sync_metrics(sent, received)
+        if delta is not None and self._encoder is not None:
+            metrics.update(delta)
+            self._encoder.report_mismatch(int(metrics.get("rollout/weight_sync/checksum_mismatches", 0)))
+        return metrics
 
     def _in_order(self, version: int, run: Callable[[], Metrics]) -> Callable[[], Metrics]:
         """Run one exchange (`run`) on the sending thread, after the ones started before; returns what waits for it

@@ -98,28 +98,40 @@ def test_shared_slots_hand_weights_to_another_mapping_and_never_overwrite_a_slot
         ("t", torch.randn(4, 6).t()),
     ]
     table, nbytes = ws.layout(named)
-    slots = ws.SharedSlots(table, nbytes)
+    slots = ws.SharedSlots(nbytes)
     try:
-        path, size, offset, n, got_table = slots.handle(0)
+        with pytest.raises(ValueError, match="holds no sync"):
+            slots.handle(0)
+        first = slots.write(named, table, nbytes)
+        path, size, offset, n, got_table = slots.handle(first)
         assert os.path.exists(path) and size == 2 * nbytes and n == nbytes and got_table == table
         mapped = ws.map_shared(path, size)  # what a replica maps: the same memory, not a copy of the file
-        first = slots.write(named, table)
-        second = slots.write([(k, v + 1) for k, v in named], table)
+        second = slots.write([(k, v + 1) for k, v in named], table, nbytes)
         assert {first, second} == {0, 1}
-        assert slots.write(named, table) is None  # both in use: the caller sends another way, it never waits
+        assert slots.write(named, table, nbytes) is None  # both in use: the caller sends another way, it never waits
         for slot, add in ((first, 0), (second, 1)):
             _, _, offset, n, _ = slots.handle(slot)
             for (name, want), (got_name, got) in zip(named, ws.unpack(mapped[offset : offset + n], table), strict=True):
                 assert got_name == name and torch.equal(got, want + add)
         slots.release(first)
-        assert slots.write([(k, v * 0) for k, v in named], table) == first
+        assert slots.write([(k, v * 0) for k, v in named], table, nbytes) == first
         _, _, offset, n, _ = slots.handle(first)
         assert all(not got.any() for _, got in ws.unpack(mapped[offset : offset + n], table))
         slots.release(second)
-        assert slots.write(named[:1], ws.layout(named[:1])[0]) is None  # another layout is not this file's
+        # Another layout that fits (a delta sync's) takes the slot; its handle names that layout and size.
+        small = [("a", named[0][1] * 3)]
+        small_table, small_bytes = ws.layout(small)
+        assert slots.write(small, small_table, small_bytes) == second
+        _, _, offset, n, got_table = slots.handle(second)
+        assert n == small_bytes and got_table == small_table
+        assert torch.equal(next(ws.unpack(mapped[offset : offset + n], got_table))[1], named[0][1] * 3)
+        slots.release(second)
+        bigger = named + [("d", torch.randn(16))]
+        assert slots.write(bigger, *ws.layout(bigger)) is None  # larger than a slot: sent another way
         slots.unlink()
         slots.unlink()
         assert not os.path.exists(path)
+        _, _, offset, n, _ = slots.handle(first)
         assert torch.equal(next(ws.unpack(mapped[offset : offset + n], table))[1], named[0][1] * 0)  # still mapped
     finally:
         slots.unlink()

@@ -120,6 +120,30 @@ def test_a_rollout_in_its_own_process_trains_exactly_what_the_thread_does(tmp_pa
     _same_weights(own_dir, thread_dir, tmp_path)
 
 
+def test_delta_syncs_through_shared_memory_train_what_whole_ones_do(tmp_path, tiny_run_base):
+    # The own process's syncs into shared-memory slots, delta-coded: every replica decodes each one into its staged
+    # copy in order, so the run equals the same run with whole syncs, and after the first only what changed went.
+    delta = "actor_rollout_ref.rollout.delta_sync.enable=true"
+    # Every weight moves (the untrained model's rewards are all 0: GRPO alone would leave them as they are).
+    moves = ["actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.optim.lr=1e-6"]
+    whole, whole_dir = _run(tmp_path, tiny_run_base, "whole", COMMON + moves + [ASYNC, OWN])
+    coded, coded_dir = _run(tmp_path, tiny_run_base, "delta", COMMON + moves + [ASYNC, OWN, delta])
+    sync_figures = ("rollout/weight_sync/", "rollout/weight_sync_s", "rollout/weight_send")
+    assert _strip([{k: v for k, v in r.items() if not k.startswith(sync_figures)} for r in coded]) == _strip(
+        [{k: v for k, v in r.items() if not k.startswith(sync_figures)} for r in whole]
+    )
+    # A step logs the latest of the syncs that finished since the last one: the first (whole) one is followed by
+    # another before step 2's row, so every row shows a delta, decoded without a mismatch.
+    syncs = [r for r in coded if "rollout/weight_sync/changed_frac" in r]
+    assert len(syncs) >= 2
+    for row in syncs:
+        assert row["rollout/weight_sync/full"] == 0.0 and row["rollout/weight_sync/checksum_mismatches"] == 0.0
+        assert row["rollout/weight_sync/bytes"] < row["rollout/weight_sync/full_bytes"]
+    assert not any(k.startswith("rollout/weight_sync/") for r in whole for k in r)
+    assert not list(Path("/dev/shm").glob("conveyor-weights-*"))
+    _same_weights(coded_dir, whole_dir, tmp_path)
+
+
 def test_k0_with_the_rollout_in_its_own_process_is_the_synchronous_trainer(tmp_path, tiny_run_base):
     sync, sync_dir = _run(tmp_path, tiny_run_base, "sync", COMMON)
     own, own_dir = _run(

@@ -227,6 +227,7 @@ WEIGHT_ENDPOINTS = Endpoints(
     join_receiver=ReplicaWorker.join_weight_channel,
     receive=ReplicaWorker.receive_weights,
     take=ReplicaWorker.take_weights,
+    take_shared=ReplicaWorker.take_shared_weights,
     between_tokens=ReplicaWorker.take_weights_between_tokens,
     load_staged=ReplicaWorker.load_staged_weights,
 )

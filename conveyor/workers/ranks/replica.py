@@ -262,7 +262,19 @@ class ReplicaWorker:
         On one node the array is read from shared memory in place; the staged copy is this process's own.
         """
         t0 = time.perf_counter()
-        buffer = get_packed(refs)
+        return self._stage_packed(version, get_packed(refs), table, t0)
+
+    def take_shared_weights(
+        self, version: int, path: str, size: int, offset: int, nbytes: int, table: Table
+    ) -> dict[str, float]:
+        """Stage a (delta) sync the trainer packed into a shared-memory slot (`SharedSlots`) as `version`, decoded
+        into this replica's copies now, in order with every other sync (the trainer frees the slot once this call has
+        returned); metrics."""
+        t0 = time.perf_counter()
+        return self._stage_packed(version, self.staged.shared(path, size, offset, nbytes), table, t0)
+
+    def _stage_packed(self, version: int, buffer: torch.Tensor, table: Table, t0: float) -> dict[str, float]:
+        """Stage the packed sync in `buffer` (read in place) as `version`; the exchange's metrics since `t0`."""
         self.staged.stage(version, unpack(buffer, table))
         return {
             "rollout/weight_sync_s": time.perf_counter() - t0,
