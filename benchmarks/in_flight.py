@@ -97,16 +97,21 @@ def bench_engine(name: str, engine, tokenizer, args, states: list[dict]) -> dict
     return {m: (statistics.median(times[m][1:]), statistics.median(loads[m][1:])) for m in MODES}
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, float]]]:
-    """Time each engine's generation with no load, a load keeping the KV and one recomputing it; print the table."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The batch's sizes, repetitions, threads and seed (shared with benchmarks/vllm_loop.py)."""
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, float]]]:
+    """Time each engine's generation with no load, a load keeping the KV and one recomputing it; print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    add_size_arguments(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:

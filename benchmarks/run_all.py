@@ -22,6 +22,7 @@ The scripts, with the arguments used here (`make bench` runs this file):
 - `weight_sync.py`: the streamed weight sync against a plain broadcast of the same bytes (2 gloo processes);
 - `weight_sync.py --delta`: delta syncs' changed fraction and bytes over 10 AdamW steps at lr 1e-6, 1e-5, 6e-4 (507M);
 - `in_flight.py`: what a weight load in the middle of a generation costs, keeping or recomputing the KV (hf, vllm);
+- `vllm_loop.py`: vLLM driven one engine step at a time (every generation) against its own `LLM.generate`;
 - `mismatch.py`: the rollout-vs-trainer log-prob gap and IS ratios over {replay} x {bf16, fp32 head} x {top_p}, and
   exact mode's cost;
 - `vlm.py`: a GRPO step of the tiny VLM on the visual task against the tiny text model;
@@ -74,6 +75,7 @@ BENCHMARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weight_sync", ()),
     ("weight_sync", ("--delta",)),
     ("in_flight", ()),
+    ("vllm_loop", ()),
     ("mismatch", ()),
     ("vlm", ()),
     ("vlm_task", ()),

@@ -342,7 +342,7 @@ class VLLMEngine(GenerationEngine):
         if self._flight is not None and self.in_flight_kv == "keep":
             # Requests in flight go on over the KV the old weights computed. Blocks of older weights now sit in the
             # prefix cache: requests that have not started start again without reading it, as does every request
-            # added later in this generation, and the cache is emptied once it ends (`_generate_interruptible`).
+            # added later in this generation, and the cache is emptied once it ends (`_generate_steps`).
             self._stale_prefix = True
             self._flight.restart_unstarted()
         # Full KV blocks of prompts seen before (a system prompt, a chat template, the validation set) were
@@ -416,41 +416,28 @@ class VLLMEngine(GenerationEngine):
             )
         routing = params.capture_routing and self.returns_routing
         rows = [_Row(prompt) for prompt in prompts]
-        if interrupt is not None:
-            self._generate_interruptible(rows, seeds, params, routing, interrupt)
-            return self._collect(rows, mask, prompt_len, routing)
-        self.wake()
-        try:
-            pending = list(range(batch))
-            rounds = 0
-            while pending:
-                outputs = self.llm.generate(
-                    [{"prompt_token_ids": rows[i].prompt + rows[i].tokens} for i in pending],
-                    [self._params(params, seeds[i], rounds, len(rows[i].tokens)) for i in pending],
-                    use_tqdm=False,
-                )
-                pending = [i for i, o in zip(pending, outputs) if self._extend(rows[i], o, params, routing, i)]
-                rounds += 1
-        finally:
-            self.sleep()
+        self._generate_steps(rows, seeds, params, routing, interrupt)
         return self._collect(rows, mask, prompt_len, routing)
 
-    def _generate_interruptible(
+    def _generate_steps(
         self,
         rows: list[_Row],
         seeds: list[int | None],
         params: SamplingParams,
         routing: bool,
-        interrupt: Callable[[list[int]], bool],
+        interrupt: Callable[[list[int]], bool] | None,
     ) -> None:
-        """Generate `rows` one engine step at a time, calling `interrupt` between steps (partial rollouts).
+        """Generate `rows` one engine step at a time, calling `interrupt` (if any) between steps (partial rollouts).
 
-        `interrupt` gets each row's number of tokens sampled so far (rows do not advance together: vLLM schedules
-        requests as its batch allows) and may load new weights (`update_weights`), which apply from the next step:
-        what the requests in flight do with their KV cache is `in_flight_kv`. Under `recompute` they are
-        preempted (`_Flight.preempt`) and continue as new requests from their tokens so far, whose prefill the new
-        weights compute. Under `keep` they go on over their old KV; requests started after the load read no prefix
-        cache, and the cache is emptied when the generation ends, so no request is served KV of an older version.
+        One loop for every call: the same seeded requests sample the same tokens as through vLLM's `LLM.generate`,
+        and a row continued as a new request joins the running batch at once (benchmarks/vllm_loop.py: 0.67-0.75x
+        `LLM.generate`'s time). `interrupt` gets each row's number of tokens sampled so far (rows do not advance
+        together: vLLM schedules requests as its batch allows) and may load new weights (`update_weights`), which
+        apply from the next step: what the requests in flight do with their KV cache is `in_flight_kv`. Under
+        `recompute` they are preempted (`_Flight.preempt`) and continue as new requests from their tokens so far,
+        whose prefill the new weights compute. Under `keep` they go on over their old KV; requests started after the
+        load read no prefix cache, and the cache is emptied when the generation ends, so no request is served KV of
+        an older version.
         """
         flight = self._flight = _Flight(self, rows, seeds, params, routing)
         self.wake()
@@ -473,7 +460,7 @@ class VLLMEngine(GenerationEngine):
                             flight.requeue.append(i)  # stopped inside a stop sequence: sample on from its tokens
                 if flight.live and not self.llm.llm_engine.has_unfinished_requests():
                     raise RuntimeError(f"VLLMEngine: vLLM finished without answering requests {sorted(flight.live)}")
-                if flight.live:
+                if flight.live and interrupt is not None:
                     interrupt(list(flight.sampled))
         except BaseException:
             if flight.live:
@@ -557,8 +544,7 @@ class VLLMEngine(GenerationEngine):
 
 
 class _Flight:
-    """The requests of one interruptible generation (`VLLMEngine._generate_interruptible`) and how to add or preempt
-    them."""
+    """The requests of one generation (`VLLMEngine._generate_steps`) and how to add or preempt them."""
 
     def __init__(
         self, engine: VLLMEngine, rows: list[_Row], seeds: list[int | None], params: SamplingParams, routing: bool
@@ -579,10 +565,11 @@ class _Flight:
         sp.output_kind = RequestOutputKind.CUMULATIVE  # every step's tokens so far, not just the final ones
         if engine._stale_prefix:
             sp.skip_reading_prefix_cache = True  # the cache holds blocks of weights older than the engine's
-        # Not LLM.enqueue: it asks for final outputs only, and each step's tokens are what the hook is told.
-        # (vLLM 0.32 warns once that raw token prompts will need its renderer.)
+        # Not LLM.enqueue: it asks for final outputs only, and each step's tokens are what the hook is told. The
+        # prompt is rendered as LLM.generate renders it (vLLM 0.32 deprecates raw prompts to add_request).
         request = f"conveyor-{next(engine._request_ids)}"
-        engine.llm.llm_engine.add_request(request, {"prompt_token_ids": row.prompt + row.tokens}, sp)
+        prompt = engine.llm._preprocess_cmpl_one({"prompt_token_ids": row.prompt + row.tokens})
+        engine.llm.llm_engine.add_request(request, prompt, sp)
         self.live[request] = i
 
     def restart_unstarted(self) -> None:

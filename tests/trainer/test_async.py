@@ -329,14 +329,14 @@ def test_vllm_partial_rollouts_continue_samples_with_weights_loaded_between_engi
 
     from conveyor.rollout.vllm import VLLMEngine
 
-    run = VLLMEngine._generate_interruptible
+    run = VLLMEngine._generate_steps
     seen: list[str] = []
 
     def slow(self, rows, seeds, params, routing, interrupt):
         seen.append(self.in_flight_kv)
         return run(self, rows, seeds, params, routing, lambda sampled: time.sleep(0.01) or interrupt(sampled))
 
-    monkeypatch.setattr(VLLMEngine, "_generate_interruptible", slow)
+    monkeypatch.setattr(VLLMEngine, "_generate_steps", slow)
     metrics, run_dir = _run(
         tmp_path,
         tiny_run,
