@@ -6,7 +6,7 @@ rank or under FSDP2; the reference (a KL loss) and the critic (GAE: a value head
 vision tower and text model) run the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
 several ranks under another strategy than FSDP2, multi-turn
-tools and agents, partial rollouts, rollout processes of their own, a reward model
+tools and agents, partial rollouts, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
 
@@ -46,11 +46,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
         (
             cfg.trainer.v1.is_async and cfg.trainer.v1.separate_async.partial_rollout,
             "trainer.v1.separate_async.partial_rollout=false (a resumed prefill would need the pixels again)",
-        ),
-        (
-            plan.rollout_process == "own",
-            "trainer.v1.separate_async.rollout_process=trainer (rollout processes of their own are not tested "
-            "with images yet)",
         ),
         (
             plan.use_critic and cfg.critic.ulysses_sequence_parallel_size > 1,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
@@ -176,6 +177,41 @@ def test_the_asynchronous_trainer_trains_on_images(vlm_path, tmp_path) -> None:
     partial = [*overrides, "trainer.v1.separate_async.partial_rollout=true", f"trainer.default_local_dir={tmp_path}/p"]
     with pytest.raises(ValueError, match=r"set trainer.v1.separate_async.partial_rollout=false"):
         run_training(load_config(None, partial))
+
+
+def test_a_rollout_process_of_its_own_trains_on_images_what_the_thread_does(vlm_path, tmp_path) -> None:
+    """rollout_process=own: the replica in a Ray actor of its own renders its share's prompts with their images,
+    generates over the pixels and writes them back; the run equals the rollout thread's bit for bit."""
+    import json
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    # Wall-clock, CPU and memory readings differ from run to run by nature; everything else must be equal.
+    measured = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_")
+    measured += ("off_policy/helper_", "weight_sync_s", "weight_load_s", "weight_send", "memory")
+
+    def run(process: str) -> list[dict]:
+        overrides = _run(vlm_path, tmp_path / process) + [
+            f"reward.custom_reward_function.path={reward}",
+            "trainer.v1.trainer_mode=separate_async",
+            f"trainer.v1.separate_async.rollout_process={process}",
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=0",
+            "ray.num_cpus=4",
+        ]
+        run_training(load_config(None, overrides))
+        rows = read_metrics_jsonl(tmp_path / process / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if not any(m in k for m in measured)} for r in rows]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the replica has: an op split over another number of threads may sum in another order
+    try:
+        own, thread = run("own"), run("trainer")
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "own" / "plan.json").read_text())["rollout_process"] == "own"
+    assert own == thread and len(own) == 4
+    assert all(r["actor/grad_norm"] > 0 for r in own[1:])
 
 
 def test_qwen3_vl_moe_records_the_rollouts_routing_and_replays_it(tmp_path) -> None:
