@@ -43,6 +43,7 @@ serve; faster engines belong in sibling modules of this package.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -190,10 +191,10 @@ class HFEngine(GenerationEngine):
         _check_inputs(input_ids, attention_mask)
         if vision is None:
             refuse_pads_without_pixels(input_ids, getattr(self.model, "config", None), "HFEngine.generate")
-        if vision is not None and (interrupt is not None or self.lean is not None):
+        if vision is not None and self.lean is not None:
             raise ValueError(
-                "HFEngine.generate: prompts with images take neither a partial rollout (its re-prefill would need "
-                "the pixels again) nor the lean forward; set actor_rollout_ref.model.forward_impl=hf"
+                "HFEngine.generate: prompts with images do not take the lean forward; set "
+                "actor_rollout_ref.model.forward_impl=hf"
             )
         if synced is not None and interrupt is not None:
             raise ValueError(
@@ -341,10 +342,25 @@ class HFEngine(GenerationEngine):
                     # tokens so far rebuilds the cache, exactly as if generation had started from that prefix.
                     # Rows that finished ride along (their outputs are unused, as in a decode step); their
                     # tokens after EOS count as real here, which changes no unfinished row.
-                    prefix = torch.cat([input_ids, responses[:, :steps]], dim=1)
+                    sampled = responses[:, :steps]
                     prefix_mask = torch.cat([prompt_mask, prompt_mask.new_ones((batch, steps))], dim=1)
+                    prefix_vision = None
+                    if vision is not None:
+                        # The prompt's pixels again, the tokens so far fed as decoding fed them (a sampled
+                        # image pad as vision-end), each at the position decoding gave it.
+                        sampled = unplaceholder(sampled, self.model.config)
+                        positions = vision.sequence_positions(prefix_mask).permute(1, 0, 2)
+                        prefix_vision = dataclasses.replace(vision, positions=positions)
+                    prefix = torch.cat([input_ids, sampled], dim=1)
                     engine = self._engine(
-                        prefix, prefix_mask, steps_max - steps, recorder, routed is not None, lean, margins
+                        prefix,
+                        prefix_mask,
+                        steps_max - steps,
+                        recorder,
+                        routed is not None,
+                        lean,
+                        margins,
+                        prefix_vision,
                     )
                     logits = engine.prefill()
                     if routed is not None:

@@ -6,7 +6,7 @@ rank or under FSDP2; the reference (a KL loss) and the critic (GAE: a value head
 vision tower and text model) run the same forward. Each setting that would
 take a path that does not carry images yet (sequence parallelism, vLLM,
 several ranks under another strategy than FSDP2, multi-turn
-tools and agents, partial rollouts, a reward model
+tools and agents, a reward model
 or a judge, a teacher) stops the run before any worker is built, with one
 line naming the key to change (docs/vlm.md).
 
@@ -42,10 +42,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
         (
             bool(ro.agent.command or ro.agent.callable),
             "actor_rollout_ref.rollout.agent.command/callable=null (the gateway's image parts are not accepted yet)",
-        ),
-        (
-            cfg.trainer.v1.is_async and cfg.trainer.v1.separate_async.partial_rollout,
-            "trainer.v1.separate_async.partial_rollout=false (a resumed prefill would need the pixels again)",
         ),
         (
             plan.use_critic and cfg.critic.ulysses_sequence_parallel_size > 1,

@@ -159,24 +159,39 @@ def test_a_separate_rollout_replica_samples_with_the_updated_weights(vlm_path, t
         assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
 
 
-def test_the_asynchronous_trainer_trains_on_images(vlm_path, tmp_path) -> None:
-    """trainer.v1.trainer_mode=separate_async: the rollout thread generates a batch ahead with the images, the
-    trainer updates on it; partial rollouts are refused at start."""
+def test_the_asynchronous_trainer_trains_on_images_with_partial_rollouts(vlm_path, tmp_path, monkeypatch) -> None:
+    """trainer.v1.trainer_mode=separate_async with partial rollouts: the rollout thread generates a batch ahead with
+    the images, and weights that arrive mid-generation load between two tokens, the KV cache recomputed from the
+    prompt's pixels and the tokens so far (tests/rollout/test_hf_vision.py); the trainer updates on them."""
+    import time
+
+    from test_async import check_token_versions
+
+    from conveyor.rollout.hf import HFEngine
+
+    generate = HFEngine.generate
+
+    def slow(self, *args, interrupt=None, **kwargs):  # a rollout slower than the update: weights arrive mid-way
+        hook = None if interrupt is None else (lambda sampled: time.sleep(0.02) or interrupt(sampled))
+        return generate(self, *args, interrupt=hook, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", slow)
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     overrides = _run(vlm_path, tmp_path / "run") + [
         f"reward.custom_reward_function.path={reward}",
         "actor_rollout_ref.rollout.placement=separate",
         "trainer.v1.trainer_mode=separate_async",
-        "trainer.total_training_steps=3",
+        "trainer.v1.separate_async.partial_rollout=true",
+        "data.max_response_length=12",
+        "trainer.total_training_steps=4",
         "trainer.test_freq=0",
     ]
     run_training(load_config(None, overrides))
-    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
-    assert sorted(rows) == [0, 1, 2, 3] and all(rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
-    partial = [*overrides, "trainer.v1.separate_async.partial_rollout=true", f"trainer.default_local_dir={tmp_path}/p"]
-    with pytest.raises(ValueError, match=r"set trainer.v1.separate_async.partial_rollout=false"):
-        run_training(load_config(None, partial))
+    metrics = read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")
+    rows = {r["step"]: r for r in metrics}
+    assert sorted(rows) == [0, 1, 2, 3, 4] and all(rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3, 4))
+    check_token_versions(metrics, tmp_path / "run")  # samples continued with newer weights, versions per token
 
 
 def test_a_rollout_process_of_its_own_trains_on_images_what_the_thread_does(vlm_path, tmp_path) -> None:
