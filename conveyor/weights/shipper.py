@@ -63,8 +63,8 @@ class Endpoints:
     join_receiver: Callable[..., Any]  # replica: join the channel as a receiver
     receive: Callable[..., Any]  # replica: take one sync from the channel (into the engine, or staged)
     take: Callable[..., Any]  # replica: stage a sync packed into Ray's object store
+    between_tokens: Callable[..., Any]  # replica: load new weights between two tokens (partial rollouts)
     take_shared: Callable[..., Any] | None = None  # replica: stage a delta sync packed into a shared-memory slot
-    between_tokens: Callable[..., Any] | None = None  # replica: load new weights between two tokens (partial rollouts)
     load_staged: Callable[..., Any] | None = None  # replica: load a staged sync now (restoring a replaced replica)
 
 

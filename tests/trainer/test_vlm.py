@@ -199,11 +199,10 @@ def test_a_rollout_process_of_its_own_trains_on_images_what_the_thread_does(vlm_
     generates over the pixels and writes them back; the run equals the rollout thread's bit for bit."""
     import json
 
+    from test_async_process import _strip  # every logged value but the measured ones (wall-clock, CPU)
+
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    # Wall-clock, CPU and memory readings differ from run to run by nature; everything else must be equal.
-    measured = ("timing_s/", "timing_cpu_s/", "perf/", "gen_time_s", "off_policy/trainer_", "off_policy/rollout_")
-    measured += ("off_policy/helper_", "weight_sync_s", "weight_load_s", "weight_send", "memory")
 
     def run(process: str) -> list[dict]:
         overrides = _run(vlm_path, tmp_path / process) + [
@@ -215,8 +214,7 @@ def test_a_rollout_process_of_its_own_trains_on_images_what_the_thread_does(vlm_
             "ray.num_cpus=4",
         ]
         run_training(load_config(None, overrides))
-        rows = read_metrics_jsonl(tmp_path / process / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if not any(m in k for m in measured)} for r in rows]
+        return _strip(read_metrics_jsonl(tmp_path / process / "metrics.jsonl"))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the replica has: an op split over another number of threads may sum in another order

@@ -209,10 +209,15 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
         worker = PolicyWorker(
             actor_settings(cfg, plan), model_path=model_path, data_plane=plane, rank=rank, world_size=world
         )
+
+    def update():
+        """One update of the run's role on this rank's share (the jobs' update)."""
+        call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
+        return worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
+
     for job in run["jobs"]:
         if job == "update":
-            call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
-            result = worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
+            result = update()
             (out / f"metrics_{rank}.json").write_text(json.dumps(result.extra_info))
             params = worker.model_state_dict()
             if rank == 0:
@@ -284,8 +289,7 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             torch.save(_both_no_grad(worker, run["role"], plane, lp_share), out / f"both_{rank}.pt")
         elif job in ("grads", "grads_update"):
             grads = _capture_grads(worker)
-            call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
-            result = worker.update_critic(call) if run["role"] == "critic" else worker.update_actor(call)
+            result = update()
             if rank == 0:
                 torch.save(grads, out / "grads.pt")
             if job == "grads_update":  # the update's outcome too, as `update` writes it
@@ -305,11 +309,6 @@ def _run(rank: int, world: int, model_path: str, run: dict) -> None:
             if rank == 0:
                 torch.save(streamed, out / "streamed.pt")
         elif job == "delta_sync":
-
-            def update() -> None:
-                call = share.with_extra_info(**UpdateCall(temperature=1.0, calculate_entropy=False).to_extra_info())
-                worker.update_actor(call)
-
             syncs = _delta_sync(worker, rank, update)
             if rank == 0:
                 torch.save(syncs, out / "delta.pt")
