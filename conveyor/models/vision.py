@@ -21,6 +21,7 @@ videos (refused where they are read).
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ class VisionBatch:
     image_grid_thw: torch.Tensor | None  # (images, 3)
     positions: torch.Tensor  # (B, 3, P): the prompts' M-RoPE positions, 0 on padding
     rope_delta: torch.Tensor  # (B,)
+    images_per_row: list[int] | None = None  # how many of the images are each row's, in order (None: unknown)
 
     @classmethod
     def from_fields(cls, td: Any) -> VisionBatch | None:
@@ -74,13 +76,38 @@ class VisionBatch:
         if VISION_FIELDS[0] not in td.keys():
             return None
         pixels = [p for p in _column(td, "pixel_values") if p is not None and p.numel()]
-        grids = [g for g in _column(td, "image_grid_thw") if g is not None and g.numel()]
+        row_grids = _column(td, "image_grid_thw")
+        grids = [g for g in row_grids if g is not None and g.numel()]
         device = td["mrope_positions"].device
         return cls(
             pixel_values=torch.cat(pixels).to(device) if pixels else None,
             image_grid_thw=torch.cat(grids).to(device) if grids else None,
             positions=td["mrope_positions"],
             rope_delta=td["rope_delta"],
+            images_per_row=[0 if g is None else int(g.shape[0]) for g in row_grids],
+        )
+
+    def rows(self, index: Sequence[int], positions: torch.Tensor | None = None) -> VisionBatch:
+        """The batch of rows `index` (in that order): their images and deltas, with `positions` (B', 3, W) in place
+        of the prompts' own when given (a prompt extended by tokens, say)."""
+        if self.images_per_row is None:
+            raise ValueError("VisionBatch.rows: the batch does not know which images are whose (images_per_row)")
+        grids = self.image_grid_thw if self.image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
+        patches = grids.prod(-1).tolist()
+        first_image = [0, *itertools.accumulate(self.images_per_row)]
+        first_patch = [0, *itertools.accumulate(patches)]
+        pixels, kept = [], []
+        for row in index:
+            a, b = first_image[row], first_image[row + 1]
+            kept += range(a, b)
+            if b > a and self.pixel_values is not None:
+                pixels.append(self.pixel_values[first_patch[a] : first_patch[b]])
+        return VisionBatch(
+            pixel_values=torch.cat(pixels) if pixels else None,
+            image_grid_thw=grids[kept] if kept else None,
+            positions=self.positions[list(index)] if positions is None else positions,
+            rope_delta=self.rope_delta[list(index)],
+            images_per_row=[self.images_per_row[row] for row in index],
         )
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:

@@ -51,6 +51,7 @@ from torch import Tensor
 
 from conveyor.algos.trajectory import response_span
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
+from conveyor.models.vision import VisionBatch, decode_positions, unplaceholder
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call, truncate_text
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
@@ -161,11 +162,14 @@ class AgentLoop:
         params: SamplingParams,
         *,
         generator: torch.Generator | None = None,
+        vision: VisionBatch | None = None,
     ) -> GenerationOutput:
         """Trajectories for left-padded prompts (B, P): `generate`'s fields plus `metrics` and per-sample
         `tool_rewards`.
 
         `params.max_new_tokens` is the whole trajectory's budget; the loop adds its tool-call stop sequences.
+        `vision`: the prompts' images and M-RoPE positions (a vision-language policy); every turn's context is
+        the prompt with its pixels, then the trajectory so far at the positions the trainer's forward gives it.
         """
         ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
         samples = [_Sample(i, ids[i][mask[i]].tolist()) for i in range(ids.shape[0])]
@@ -177,7 +181,7 @@ class AgentLoop:
                 active = [s for s in samples if not s.done]
                 if not active:
                     break
-                calls = self._model_turn(active, budget, capture_routing, sampling)
+                calls = self._model_turn(active, budget, capture_routing, sampling, vision)
                 if calls:
                     self._tool_turn(calls, budget)
         finally:
@@ -200,6 +204,7 @@ class AgentLoop:
         budget: int,
         capture_routing: bool,
         sampling: tuple[SamplingParams, torch.Generator | None],
+        vision: VisionBatch | None = None,
     ) -> list[tuple[_Sample, ToolCall | None, str | None]]:
         """One turn of every active sample; the (sample, call, parse error) of those that called a tool."""
         contexts = [s.prompt + s.tokens for s in active]
@@ -211,7 +216,12 @@ class AgentLoop:
             batch_mask[row, width - len(ctx) :] = 1
         left = [budget - len(s.tokens) for s in active]
         params, generator = sampling
-        out = self.engine.generate(batch_ids, batch_mask, params.replace(max_new_tokens=max(left)), generator=generator)
+        extra = {}
+        if vision is not None:
+            extra["vision"] = self._context_vision(vision, active, batch_ids, width)
+        out = self.engine.generate(
+            batch_ids, batch_mask, params.replace(max_new_tokens=max(left)), generator=generator, **extra
+        )
         responses = out["responses"].cpu()
         lengths = out["response_mask"].sum(-1).cpu().tolist()
         log_probs = out["rollout_log_probs"].cpu()
@@ -246,6 +256,27 @@ class AgentLoop:
                 continue
             calls.append((s, call, problem))
         return calls
+
+    def _context_vision(self, vision: VisionBatch, active: list[_Sample], batch_ids: Tensor, width: int) -> VisionBatch:
+        """The images of this turn's contexts, each context's tokens after its prompt at index + rope delta (as
+        `VisionBatch.sequence_positions` places a response), and those tokens fed as the trainer feeds a
+        response: an image-pad token among them, sampled or in a tool's text, has no pixels (`unplaceholder`)."""
+        config = getattr(getattr(self.engine, "model", None), "config", None)
+        if config is None:
+            raise ValueError(
+                f"AgentLoop: {type(self.engine).__name__} holds no Hugging Face model to read the vision token ids "
+                "from; trajectories over images run on the hf engine (actor_rollout_ref.rollout.name=hf)"
+            )
+        positions = torch.zeros((len(active), 3, width), dtype=torch.long)
+        for row, s in enumerate(active):
+            p, n = len(s.prompt), len(s.tokens)
+            own = vision.positions[s.index][:, vision.positions.shape[-1] - p :].cpu()
+            tail = decode_positions(int(vision.rope_delta[s.index]), p, n)
+            positions[row, :, width - p - n :] = torch.cat([own, tail], dim=1)
+            if n:
+                batch_ids[row, width - n :] = unplaceholder(batch_ids[row, width - n :], config)
+        device = vision.positions.device
+        return vision.rows([s.index for s in active], positions.to(device))
 
     def _record_routing(self, s: _Sample, routed: Tensor, width: int, ctx_len: int, n: int) -> None:
         """Copy this turn's routing into `s`: context positions not yet known, then the turn's own tokens."""

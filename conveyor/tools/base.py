@@ -21,7 +21,10 @@ The tool YAML (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
 `run_call` never raises: an exception becomes an error text for the model
 (and `ToolResult.error`), so one bad call does not stop a run. Timeouts are
 the caller's business (`conveyor.rollout.agent_loop`), because a thread
-cannot be stopped from inside.
+cannot be stopped from inside. The one exception is a tool that returns an
+image (a PIL image, or OpenAI-style content parts with an image): tool
+outputs reach the policy as text only so far, and such a tool would fail on
+every call, so the run stops naming it (`ToolOutputRefused`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,17 @@ from conveyor.files import read_text
 from conveyor.tools.formats import ToolCall
 from conveyor.user_code import describe_error, user_attribute
 
-__all__ = ["Tool", "ToolResult", "FunctionTool", "load_tools", "make_tool", "run_call", "release_all", "truncate_text"]
+__all__ = [
+    "Tool",
+    "ToolOutputRefused",
+    "ToolResult",
+    "FunctionTool",
+    "load_tools",
+    "make_tool",
+    "run_call",
+    "release_all",
+    "truncate_text",
+]
 
 _KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 
@@ -161,6 +174,21 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
     return tools
 
 
+class ToolOutputRefused(ValueError):
+    """A tool returned an image, which the loop cannot pass to the policy: the run stops rather than every call fail."""
+
+
+_IMAGE_PARTS = ("image", "image_url", "input_image")
+
+
+def _is_image(value: Any) -> bool:
+    """Whether a tool's answer is an image: a PIL image, or content parts (a dict or a list of them) holding one."""
+    if type(value).__module__.startswith("PIL.") and hasattr(value, "getbands"):
+        return True
+    parts = value if isinstance(value, list) else [value]
+    return any(isinstance(p, dict) and (p.get("type") in _IMAGE_PARTS or "image_url" in p) for p in parts)
+
+
 def _normalise(value: Any) -> tuple[str, float]:
     """(text, reward) from what a tool returned; ValueError when it is neither text nor (text, number)."""
     reward = 0.0
@@ -168,6 +196,12 @@ def _normalise(value: Any) -> tuple[str, float]:
         value, reward = value
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
             raise ValueError(f"the reward it returned is {reward!r}, not a finite number")
+    if _is_image(value):
+        raise ToolOutputRefused(
+            f"it returned an image ({type(value).__name__}); tool outputs reach the policy as text only so far "
+            "(images a tool returns are not passed to a vision-language policy yet, docs/vlm.md): return text, "
+            "or (text, reward)"
+        )
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -189,6 +223,8 @@ def run_call(tools: dict[str, Tool], call: ToolCall, instance_id: str, created: 
                 _resolve(tool.create(instance_id))
         text, reward = _normalise(_resolve(tool.execute(instance_id, call)))
         return ToolResult(text, reward, None, time.perf_counter() - start)
+    except ToolOutputRefused as err:
+        raise ToolOutputRefused(f"tool {call.name!r}: {err}") from None
     # sys.exit in a tool, or a coroutine tool cancelled from inside, is a failed call, not the end of the run.
     except (Exception, SystemExit, asyncio.CancelledError) as err:
         message = describe_error(err) if tool is not None else str(err).strip("'\"")

@@ -4,7 +4,9 @@
 the teachers' settings in `conveyor.workers.ranks.distill`); `check_teachers` runs at start, before any
 worker is built, and refuses a teacher whose checkpoint is missing or whose tokenizer or vocabulary
 differs from the student's (the losses compare log-probs token id by token id, so a teacher
-must read the student's token ids as the same text). `teacher_stage` is the
+must read the student's token ids as the same text), and, for a vision-language student, a
+teacher that would not read its samples' pixels alike (a text teacher, other vision tokens,
+patching or image processing). `teacher_stage` is the
 step's stage between the reference and the advantages: each sample's teacher
 writes its log-probs (`conveyor.workers.ranks.teacher`), and the stage returns
 the teachers' metrics (`distill/moe/routing_agreement`, their peak memory).
@@ -76,7 +78,7 @@ def check_teachers(cfg: Config, student_tokenizer: Any, student_config: Any) -> 
             raise ConfigError(f"{key}: {err}") from err
         diff = _vocab_difference(student_tokenizer, tokenizer)
         if diff is None:
-            s_size, t_size = getattr(student_config, "vocab_size", None), getattr(t_config, "vocab_size", None)
+            s_size, t_size = _vocab_size(student_config), _vocab_size(t_config)
             if s_size != t_size:
                 diff = f"vocab_size is {s_size} for the student's model, {t_size} for the teacher's"
         if diff is not None:
@@ -84,6 +86,66 @@ def check_teachers(cfg: Config, student_tokenizer: Any, student_config: Any) -> 
                 f"{key}: the teacher's tokenizer differs from the student's ({student_key}): {diff}; distillation "
                 "compares log-probs token id by token id, so use a teacher that shares the student's tokenizer"
             )
+        seeing = _vision_difference(cfg.actor_rollout_ref.model.path, student_config, path, t_config)
+        if seeing is not None:
+            raise ConfigError(f"{key}: {seeing}")
+
+
+def _vocab_size(config: Any) -> int | None:
+    """A model's vocabulary size: its config's, or its text model's for a vision-language config (which keeps it
+    in text_config)."""
+    size = getattr(config, "vocab_size", None)
+    return size if size is not None else getattr(getattr(config, "text_config", None), "vocab_size", None)
+
+
+# What makes two vision-language checkpoints read one sample's pixels alike: the vision tokens and the patching.
+_VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_PATCHING = ("patch_size", "spatial_merge_size", "temporal_patch_size")
+
+
+def _vision_difference(student_path: Any, student: Any, teacher_path: str, teacher: Any) -> str | None:
+    """Why a teacher cannot score a student's samples with their images, or None: each must see images if the other
+    does, with the same vision tokens, patching and image processing (the teacher reads the student's pixels)."""
+    from conveyor.models.tiny_vlm import is_vlm_config
+
+    s_vlm, t_vlm = is_vlm_config(student), is_vlm_config(teacher)
+    if not s_vlm and not t_vlm:
+        return None
+    if s_vlm != t_vlm:
+        who = (
+            "the student sees images and the teacher does not" if s_vlm else "the teacher sees images, the student not"
+        )
+        return (
+            f"{who}; a teacher scores the student's samples as they are (their image-pad tokens and pixels), so use a "
+            "vision-language teacher for a vision-language student, a text one for a text one (docs/vlm.md)"
+        )
+    for name in _VISION_IDS:
+        s_id, t_id = getattr(student, name, None), getattr(teacher, name, None)
+        if s_id != t_id:
+            return f"{name} is {s_id} for the student, {t_id} for the teacher"
+    for name in _PATCHING:
+        s_v, t_v = getattr(student.vision_config, name, None), getattr(teacher.vision_config, name, None)
+        if s_v != t_v:
+            return f"vision_config.{name} is {s_v} for the student, {t_v} for the teacher: it would read other patches"
+    s_proc, t_proc = _processor_settings(student_path), _processor_settings(teacher_path)
+    if s_proc != t_proc:
+        keys = sorted(k for k in set(s_proc) | set(t_proc) if s_proc.get(k) != t_proc.get(k))
+        return (
+            f"its image processor differs from the student's ({', '.join(keys)}); the teacher reads the pixels the "
+            "student's processor made, so give it the student's preprocessor_config.json"
+        )
+    return None
+
+
+def _processor_settings(path: Any) -> dict[str, Any]:
+    """The image processor's settings saved in a checkpoint (preprocessor_config.json), its class name left out."""
+    import json
+
+    file = Path(str(path)).expanduser() / "preprocessor_config.json"
+    if not path or not file.is_file():
+        return {}
+    settings = json.loads(file.read_text())
+    return {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
 
 
 def teacher_stage(teacher: TeacherGroup, meta: KVBatchMeta, temperature: float) -> tuple[KVBatchMeta, dict[str, float]]:

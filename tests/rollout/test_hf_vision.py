@@ -1,4 +1,5 @@
-"""The hf engine with images: M-RoPE positions in prefill and decode, log-probs equal to the padded forward."""
+"""The hf engine with images: M-RoPE positions in prefill and decode, log-probs equal to the padded forward, alone
+and in the multi-turn tool loop."""
 
 from __future__ import annotations
 
@@ -6,14 +7,31 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from conveyor.algos.trajectory import response_span
 from conveyor.models.loading import load_causal_lm, load_tokenizer
 from conveyor.models.tiny_vlm import load_image_processor, save_tiny_vlm
 from conveyor.models.vision import VisionBatch, VisionProcessor
+from conveyor.rollout.agent_loop import AgentLoop, AgentLoopSettings
 from conveyor.rollout.base import SamplingParams
 from conveyor.rollout.hf import HFEngine
 from conveyor.tasks.prompts import PromptEncoder, sample_keys
 from conveyor.tasks.visual import make_visual_sum_records
+from conveyor.tools.base import make_tool
+from conveyor.tools.formats import CallFormat, ToolCall
 from conveyor.workers.ranks.forward import padded_kwargs, sequence_inputs
+
+
+def _check_against_the_padded_forward(model, td: TensorDict, out) -> tuple[dict, torch.Tensor]:
+    """Assert that the engine's log-probs of its model tokens are the trainer's padded forward's (1e-4); returns
+    that forward's keywords and response logits."""
+    td["responses"], td["response_mask"] = out.responses, out.response_mask
+    with torch.no_grad():
+        kwargs = padded_kwargs(td, *sequence_inputs(td), model.config)
+        logits = model(**kwargs, use_cache=False).logits[:, td["prompts"].shape[1] - 1 : -1]
+    trainer = torch.log_softmax(logits.float(), -1).gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    diff = (trainer - out.rollout_log_probs).abs()[out.response_mask]
+    assert diff.max() < 1e-4, diff.max()
+    return kwargs, logits
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
@@ -35,13 +53,7 @@ def test_rollout_log_probs_match_the_padded_forward(tmp_path, arch: str) -> None
     gen = torch.Generator().manual_seed(0)
     vision = VisionBatch.from_fields(td)
     out = engine.generate(td["prompts"], td["prompt_mask"], params, generator=gen, vision=vision)
-    td["responses"], td["response_mask"] = out.responses, out.response_mask
-    with torch.no_grad():
-        kwargs = padded_kwargs(td, *sequence_inputs(td), model.config)
-        logits = model(**kwargs, use_cache=False).logits[:, td["prompts"].shape[1] - 1 : -1]
-    trainer = torch.log_softmax(logits.float(), -1).gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
-    diff = (trainer - out.rollout_log_probs).abs()[out.response_mask]
-    assert diff.max() < 1e-4, diff.max()
+    kwargs, logits = _check_against_the_padded_forward(model, td, out)
     # Without the images the same tokens score differently: the pixels reached both forwards.
     blind = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "image_grid_thw")}
     with torch.no_grad():
@@ -106,3 +118,66 @@ def test_a_generation_over_images_resumed_from_its_prefix_equals_the_uninterrupt
     flat = VisionBatch(vision.pixel_values, vision.image_grid_thw, plain, torch.zeros(4, dtype=torch.long))
     blind = engine.generate(td["prompts"], td["prompt_mask"], params, vision=flat, interrupt=interrupt)
     assert (blind.rollout_log_probs - whole.rollout_log_probs).abs().max() > 1e-4
+
+
+def _echo(text: str) -> str:
+    """A tool whose answer length varies with the call, with an image-pad token in it now and then: the loop and
+    the trainer feed it as vision-end (it has no pixels)."""
+    return ("ab" if len(text) % 2 else "a<|image_pad|>") * (len(text) % 3 + 1)
+
+
+# A random policy calls the tool whenever a turn ends at one of these characters: samples make 0, 1 or more calls.
+TURNS = CallFormat("turns", stop_texts=tuple("13579"), parser=lambda turn: ToolCall("echo", text=turn))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_multi_turn_trajectories_over_images_score_as_the_trainers_padded_forward(tmp_path, arch: str) -> None:
+    """The tool loop with images: every turn re-prefills the prompt's pixels and the trajectory so far at the
+    positions the trainer's forward gives a response, so each model token's log-prob is the padded forward's
+    (1e-4) over the whole stitched trajectory, tool turns included."""
+    path = save_tiny_vlm(arch, tmp_path / arch)
+    model, tok = load_causal_lm(path), load_tokenizer(path, padding_side="left")
+    encoder = PromptEncoder(tok, 64, "error", vision=VisionProcessor(load_image_processor(path), tok, model.config))
+    records = make_visual_sum_records(4, seed=2, split="train")
+    records.append({**records[0], "images": [], "prompt": [{"role": "user", "content": "1+2="}]})
+    fields, _ = encoder.fields(records, [f"b/p{i}" for i in range(5)], [0, 1, 2, 3, 4, 4])
+    td = TensorDict({k: fields[k] for k in ("prompts", "prompt_mask", "mrope_positions", "rope_delta")}, batch_size=[6])
+    td["pixel_values"], td["image_grid_thw"] = fields["pixel_values"], fields["image_grid_thw"]
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    loop = AgentLoop(engine, tok, {"echo": make_tool(_echo)}, TURNS, AgentLoopSettings(max_assistant_turns=4))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, do_sample=True)
+    out = loop.run(
+        td["prompts"],
+        td["prompt_mask"],
+        params,
+        generator=torch.Generator().manual_seed(0),
+        vision=VisionBatch.from_fields(td),
+    )
+    tool_tokens = response_span(out.response_mask) & ~out.response_mask
+    assert tool_tokens.any(dim=-1).sum() >= 3, "too few samples called the tool to test alignment"
+    assert out.metrics["rollout/multi_turn/tool_calls@sum"] >= 3
+    _check_against_the_padded_forward(model, td, out)
+
+
+def test_a_tool_that_returns_an_image_stops_the_loop_naming_it(tmp_path) -> None:
+    """Tool outputs reach the policy as text only: a tool returning an image (PIL, or content parts) stops the
+    run with one error naming the tool, rather than failing every call."""
+    from PIL import Image
+
+    from conveyor.tools.base import ToolOutputRefused, run_call
+
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "vlm")
+    tools = {
+        "draw": make_tool(lambda text: Image.new("RGB", (8, 8))),
+        "parts": make_tool(lambda text: [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]),
+    }
+    for name in tools:
+        with pytest.raises(ToolOutputRefused, match=rf"tool '{name}': it returned an image .* return text"):
+            run_call(tools, ToolCall(name, text="x"), "traj-1", set())
+    model, tok = load_causal_lm(path), load_tokenizer(path, padding_side="left")
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    always = CallFormat("always", stop_texts=tuple("0123456789"), parser=lambda turn: ToolCall("draw", text=turn))
+    loop = AgentLoop(engine, tok, {"draw": tools["draw"]}, always)
+    enc = tok(["1+2=", "3+4="], padding=True, return_tensors="pt")
+    with pytest.raises(ToolOutputRefused, match="tool 'draw'"):
+        loop.run(enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=40, do_sample=False))

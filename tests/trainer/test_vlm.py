@@ -12,6 +12,7 @@ from conveyor.config import load_config
 from conveyor.metrics.trackers import read_metrics_jsonl
 from conveyor.models.loading import load_causal_lm
 from conveyor.models.tiny_vlm import load_image_processor, save_tiny_vlm
+from conveyor.tools import CallFormat, ToolCall, register_call_format
 from conveyor.trainer.export import export_hf
 from conveyor.trainer.run import run_training
 
@@ -52,20 +53,29 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+def _train(vlm_path: str, tmp_path, extra: list[str]) -> dict[int, dict]:
+    """Train `_run`'s run under tmp_path/run, scored by REWARD, with `extra` overrides; its metrics rows by step."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run_training(
+        load_config(None, [*_run(vlm_path, tmp_path / "run"), f"reward.custom_reward_function.path={reward}", *extra])
+    )
+    return {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_grpo_on_the_visual_task_trains_with_the_engines_log_probs(vlm_path, tmp_path, packed: bool) -> None:
     """Two GRPO steps with a KL-loss reference and the old-log-prob forward, packed or padded: the trainer's
     log-probs of the sampled tokens equal the engine's (the text path's bar), validation reads the images too."""
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    overrides = _run(vlm_path, tmp_path / "run") + [
-        f"reward.custom_reward_function.path={reward}",
-        f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "algorithm.rollout_correction.bypass_mode=false",
-    ]
-    run_training(load_config(None, overrides))
-    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    rows = _train(
+        vlm_path,
+        tmp_path,
+        [
+            f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "algorithm.rollout_correction.bypass_mode=false",
+        ],
+    )
     assert sorted(rows) == [0, 1, 2]
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2]
     for step in (1, 2):
@@ -104,12 +114,15 @@ def test_a_verl_format_parquet_with_images_trains_with_a_custom_reward(vlm_path,
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("trainer.num_cpu_workers=2 actor_rollout_ref.actor.strategy=dp", "actor_rollout_ref.actor.strategy=fsdp2"),
         ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name=hf"),
+        (
+            "trainer.num_cpu_workers=2 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+        ),
     ],
 )
 def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path, override: str, key: str) -> None:
-    """Two DDP ranks, vLLM: one line naming the key, exit 2, before any worker is built (a critic trains:
+    """vLLM, sequence parallelism: one line naming the key, exit 2, before any worker is built (a critic trains:
     tests/trainer/test_vlm_critic.py)."""
     done = subprocess.run(
         [sys.executable, "-m", "conveyor.cli", "train", *_run(vlm_path, tmp_path), *override.split()],
@@ -125,35 +138,66 @@ def test_paths_without_images_refuse_at_start_naming_the_key(vlm_path, tmp_path,
 def test_lora_adapters_train_over_the_vision_tower_and_the_text_model(vlm_path, tmp_path) -> None:
     """LoRA (rank 4, every linear layer, the vision tower's included): the adapters train, the reference is the
     actor with them disabled (a KL loss), and the trainer's log-probs are the engine's."""
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    overrides = _run(vlm_path, tmp_path / "run") + [
-        f"reward.custom_reward_function.path={reward}",
-        "actor_rollout_ref.model.lora_rank=4",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "algorithm.rollout_correction.bypass_mode=false",
-        "trainer.test_freq=0",
-    ]
-    run_training(load_config(None, overrides))
-    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    rows = _train(
+        vlm_path,
+        tmp_path,
+        [
+            "actor_rollout_ref.model.lora_rank=4",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "algorithm.rollout_correction.bypass_mode=false",
+            "trainer.test_freq=0",
+        ],
+    )
     for step in (1, 2):
         assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
     assert rows[1]["actor/grad_norm"] > 0 and rows[2]["actor/kl_loss"] > 0
 
 
+# An untrained policy calls the calculator whenever a turn ends at an odd digit: tool turns without a warm start.
+register_call_format(
+    CallFormat("test_vlm_digit_calls", stop_texts=tuple("13579"), parser=lambda turn: ToolCall("calc", text=turn)),
+    overwrite=True,
+)
+
+
+def test_the_multi_turn_tool_loop_trains_a_vision_language_policy(vlm_path, tmp_path) -> None:
+    """multi_turn with images in the prompt: every turn re-prefills the pixels, tool answers are context, and the
+    trainer's log-probs of the model's tokens over the stitched trajectories are the engine's (the text bar)."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - name: calc\n    path: conveyor.tools.calculator:calculate\n")
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    rows = _train(
+        vlm_path,
+        tmp_path,
+        [
+            "data.max_response_length=16",
+            f"{mt}.enable=true",
+            f"{mt}.format=test_vlm_digit_calls",
+            f"{mt}.tool_config_path={tools}",
+            f"{mt}.max_user_turns=3",
+            "algorithm.rollout_correction.bypass_mode=false",
+            "trainer.test_freq=0",
+        ],
+    )
+    assert sum(rows[s]["rollout/multi_turn/tool_calls"] for s in (1, 2)) > 0
+    for step in (1, 2):
+        assert 0 < rows[step]["rollout/multi_turn/model_token_frac"] < 1
+        assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
+        assert rows[step]["actor/grad_norm"] > 0
+
+
 def test_a_separate_rollout_replica_samples_with_the_updated_weights(vlm_path, tmp_path) -> None:
     """The rollout on a replica of its own (`rollout.placement=separate`): it reads the images from the data plane,
     and after each update samples with the synced weights (step 2's log-probs are still the trainer's)."""
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    overrides = _run(vlm_path, tmp_path / "run") + [
-        f"reward.custom_reward_function.path={reward}",
-        "actor_rollout_ref.rollout.placement=separate",
-        "algorithm.rollout_correction.bypass_mode=false",
-        "trainer.test_freq=0",
-    ]
-    run_training(load_config(None, overrides))
-    rows = {r["step"]: r for r in read_metrics_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    rows = _train(
+        vlm_path,
+        tmp_path,
+        [
+            "actor_rollout_ref.rollout.placement=separate",
+            "algorithm.rollout_correction.bypass_mode=false",
+            "trainer.test_freq=0",
+        ],
+    )
     assert rows[1]["actor/grad_norm"] > 0
     for step in (1, 2):
         assert 0 <= rows[step]["rollout_corr/log_prob_abs_diff/max"] < 1e-4
@@ -270,3 +314,57 @@ def test_the_visual_task_with_a_text_policy_stops_at_load(tmp_path) -> None:
     cfg = load_config(None, [*overrides, "data.synthetic.num_val=4"])
     with pytest.raises(ValueError, match=r"draws images, but the policy is a text model; set actor_rollout_ref"):
         load_prompt_records(cfg)
+
+
+def test_a_vision_language_teacher_scores_the_students_samples_with_their_pixels(vlm_path, tmp_path) -> None:
+    """Distillation with a vision-language student: the teacher's forward reads each sample's pixels and M-RoPE
+    positions as the student's does. The student itself as the teacher, one mini-batch: the exact reverse KL of the
+    first update (taken before its optimizer step) is zero; the task reward then moves the student off the teacher,
+    and the second step's is not."""
+    loss = "distillation.distillation_loss"
+    rows = _train(
+        vlm_path,
+        tmp_path,
+        [
+            "distillation.enabled=true",
+            f"distillation.teacher_models.t.model_path={vlm_path}",
+            f"{loss}.loss_mode=full_reverse_kl",
+            f"{loss}.use_task_rewards=true",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=0",
+        ],
+    )
+    assert rows[1]["distill/kl_exact"] < 1e-6, rows[1]["distill/kl_exact"]
+    assert rows[2]["distill/kl_exact"] > 1e-6 and rows[1]["actor/grad_norm"] > 0
+
+
+def test_a_teacher_that_would_read_the_pixels_otherwise_is_refused(vlm_path, tmp_path) -> None:
+    """A text teacher for a vision-language student (same tokens), or one with another image processing: refused at
+    start naming the teacher's key and what differs."""
+    import json
+
+    from conveyor.config import ConfigError
+    from conveyor.models.loading import load_model_config, load_tokenizer
+    from conveyor.models.tiny import build_tiny_model
+    from conveyor.models.tiny_vlm import build_vlm_tokenizer
+    from conveyor.trainer.distillation import check_teachers
+
+    tok = build_vlm_tokenizer()
+    text = tmp_path / "text"
+    build_tiny_model("qwen3", tok, seed=0).save_pretrained(text)
+    tok.save_pretrained(text)
+    other = save_tiny_vlm("qwen2_5_vl", tmp_path / "other")
+    settings = json.loads((other / "preprocessor_config.json").read_text())
+    (other / "preprocessor_config.json").write_text(json.dumps({**settings, "image_mean": [0.5, 0.5, 0.5]}))
+    same = save_tiny_vlm("qwen2_5_vl", tmp_path / "same", seed=3)
+    student_tok, student = load_tokenizer(vlm_path), load_model_config(vlm_path)
+    key = "distillation.teacher_models.t.model_path"
+    for teacher, why in [
+        (text, "the student sees images and the teacher does not"),
+        (other, r"its image processor differs from the student's \(image_mean\)"),
+    ]:
+        cfg = load_config(None, [*_run(vlm_path, tmp_path), "distillation.enabled=true", f"{key}={teacher}"])
+        with pytest.raises(ConfigError, match=rf"{key}: {why}"):
+            check_teachers(cfg, student_tok, student)
+    cfg = load_config(None, [*_run(vlm_path, tmp_path), "distillation.enabled=true", f"{key}={same}"])
+    check_teachers(cfg, student_tok, student)  # another seed of the same family: the same pixels

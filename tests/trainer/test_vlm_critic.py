@@ -156,16 +156,22 @@ def test_packed_values_equal_padded_values(vlm_path) -> None:
     assert bool((padded[mask] != 0).all()) and bool((padded[~mask] == 0).all())
 
 
-def test_two_fsdp2_ranks_take_the_one_rank_critic_step(vlm_path, tmp_path) -> None:
-    """Pixels and positions split over two gloo ranks with their samples: two sharded, packed critic updates move
-    every weight, the vision tower's included, as two one-rank padded updates do."""
-    overrides = _worker_overrides(vlm_path)
+# DDP takes one sample a micro-batch: the text-only sample's leaves the vision tower unused on its rank.
+CRITIC_STRATEGIES = {"fsdp2": ["critic.strategy=fsdp2"], "dp": ["critic.strategy=dp"]}
+CRITIC_MICRO = {"fsdp2": [], "dp": ["critic.ppo_micro_batch_size_per_gpu=1"]}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "dp"])
+def test_two_ranks_take_the_one_rank_critic_step(vlm_path, tmp_path, strategy: str) -> None:
+    """Pixels and positions split over two gloo ranks with their samples: two sharded (FSDP2) or replicated (DDP),
+    packed critic updates move every weight, the vision tower's included, as two one-rank padded updates do."""
+    overrides = _worker_overrides(vlm_path) + CRITIC_MICRO[strategy]
     fields = _batch(vlm_path)
     torch.save(fields, tmp_path / "batch.pt")
     (tmp_path / "out").mkdir()
     run = {
         "role": "critic",
-        "overrides": overrides + ["critic.strategy=fsdp2"],
+        "overrides": overrides + CRITIC_STRATEGIES[strategy],
         # Two steps: the head starts at zero, so the first one moves only the head (no gradient reaches the body).
         "jobs": ["update", "update"],
         "out": str(tmp_path / "out"),

@@ -1,4 +1,4 @@
-"""A vision-language actor under FSDP2 over two gloo ranks takes the one-rank step (packed there, padded here)."""
+"""A vision-language actor under FSDP2 or DDP over two gloo ranks takes the one-rank step (packed, then padded)."""
 
 from __future__ import annotations
 
@@ -44,11 +44,18 @@ def _batch(path: str, overrides: list[str]) -> dict:
     return fields
 
 
-def test_two_fsdp2_ranks_take_the_one_rank_step(tmp_path) -> None:
-    """Pixels and M-RoPE positions split over ranks with their samples: the sharded, packed update moves the
-    weights (the vision tower's included) exactly as the one-rank padded update does."""
+# One sample a micro-batch under DDP: the text-only sample's micro-batch leaves the vision tower unused on its rank.
+STRATEGIES = {"fsdp2": FSDP2, "dp": ["actor_rollout_ref.actor.strategy=dp"]}
+MICRO = {"fsdp2": [], "dp": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "dp"])
+def test_two_ranks_take_the_one_rank_step(tmp_path, strategy: str) -> None:
+    """Pixels and M-RoPE positions split over ranks with their samples: the sharded (FSDP2) or replicated (DDP),
+    packed update moves the weights (the vision tower's included) exactly as the one-rank padded update does,
+    DDP's with a micro-batch of no images on one rank."""
     path = str(save_tiny_vlm("qwen2_5_vl", tmp_path / "vlm"))
-    overrides = [*BASE, f"actor_rollout_ref.model.path={path}"]
+    overrides = [*BASE, f"actor_rollout_ref.model.path={path}", *MICRO[strategy]]
     fields = _batch(path, overrides)
     torch.save(fields, tmp_path / "batch.pt")
     (tmp_path / "out").mkdir()
@@ -58,7 +65,7 @@ def test_two_fsdp2_ranks_take_the_one_rank_step(tmp_path) -> None:
         "runs": [
             {
                 "role": "actor",
-                "overrides": overrides + FSDP2,
+                "overrides": overrides + STRATEGIES[strategy],
                 "jobs": ["update"],
                 "out": str(tmp_path / "out"),
                 "batch": str(tmp_path / "batch.pt"),

@@ -428,11 +428,12 @@ class Generation:
             capture_routing=bool(call.capture_routing),
             capture_router_margins=bool(call.capture_router_margins),
         )
-        if self.agent_loop is not None:
-            extra = {"tasks": tasks} if tasks is not None else {}
-            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator, **extra)
         vision = VisionBatch.from_fields(td)
         extra = {"vision": vision} if vision is not None else {}  # engines that take no images are refused at start
+        if self.agent_loop is not None:
+            if tasks is not None:
+                extra["tasks"] = tasks
+            return self.agent_loop.run(td["prompts"], td["prompt_mask"], params, generator=generator, **extra)
         return self.engine.generate(
             td["prompts"],
             td["prompt_mask"],

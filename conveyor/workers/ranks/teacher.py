@@ -39,6 +39,7 @@ from conveyor.metrics.reduce import weighted
 from conveyor.models.lean import resolve_forward_impl
 from conveyor.models.moe_routing import compute_routing_agreement, moe_info, routed_experts_dtype
 from conveyor.models.packing import setup_packing
+from conveyor.models.vision import with_vision_fields
 from conveyor.protocol import KVBatchMeta
 from conveyor.workers.ranks.calls import LogProbCall
 from conveyor.workers.ranks.distill import TEACHER_FIELDS, TeacherModel, TeacherSettings
@@ -120,6 +121,9 @@ class TeacherWorker:
             fields.append(st.teacher_key)
         if st.routing_agreement:
             fields.append("routed_experts")
+        # A vision-language student's samples carry their pixels and M-RoPE positions: the teacher's forward reads
+        # them as the student's does (a teacher that would read them otherwise is refused at start).
+        fields = with_vision_fields(fields, meta.fields)
         td = self.data_plane.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields)
         rows = self._rows_of(td)
         td = td.exclude(st.teacher_key) if multi else td

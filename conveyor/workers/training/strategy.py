@@ -423,14 +423,18 @@ class DataParallel(TrainingStrategy):
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        # Every parameter takes part in every forward (transformers keeps a layer's experts in fused
-        # parameters, so an expert no token reached still gets a zero gradient): no unused-parameter search.
+        # Every parameter of a text model takes part in every forward (transformers keeps a layer's experts in
+        # fused parameters, so an expert no token reached still gets a zero gradient): no unused-parameter search.
+        # A vision-language model's vision tower sits out a micro-batch without images: DDP must look for the
+        # parameters a forward left unused, or one rank's reducer would wait for gradients that never come.
         # Buffers (rotary tables) are built identically on every rank: syncing them each forward would only
         # cost a collective.
+        from conveyor.models.tiny_vlm import is_vlm_config
+
         self._ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=False,
+            find_unused_parameters=is_vlm_config(getattr(model, "config", None) or {}),
             forward_sync_buffers=False,
             process_group=meshes.dim_group("dp_replicate"),
         )
