@@ -38,7 +38,10 @@ __all__ = [
     "check_image_tokens",
     "refuse_pads_without_pixels",
     "decode_positions",
+    "image_data_url",
+    "image_from_url",
     "load_image",
+    "openai_messages",
     "mrope_positions",
     "unplaceholder",
     "vision_processor",
@@ -165,6 +168,64 @@ def load_image(item: Any, where: str) -> Any:
         f"{where}: an image is neither bytes, a readable file nor a PIL image ({str(item)[:80]!r}); give each "
         "image as {'bytes': <encoded image>, 'path': ...} (verl's layout) or a path to a file"
     )
+
+
+def image_data_url(item: Any, where: str) -> str:
+    """A `data:` URL of one entry of an `images` column (the encoded bytes as they are, a path's file or a PIL image
+    as PNG): how an image travels to an agent inside OpenAI content parts."""
+    import base64
+
+    from PIL import Image
+
+    data = item.get("bytes") if isinstance(item, dict) else None
+    if not data:
+        image = load_image(item, where)
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        data = out.getvalue()
+    kind = (Image.open(io.BytesIO(data)).format or "PNG").lower()
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def image_from_url(url: Any, where: str) -> Any:
+    """The PIL RGB image of a `data:` URL (an `image_url` part's `url`); other URLs are refused (nothing is fetched)."""
+    import base64
+    import binascii
+
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError(f"{where}: an image must come as a data: URL (data:image/png;base64,...); nothing is fetched")
+    head, _, payload = url.partition(",")
+    if ";base64" not in head:
+        raise ValueError(f"{where}: an image's data: URL must be base64-encoded (data:image/png;base64,...)")
+    try:
+        data = base64.b64decode(payload, validate=True)
+        return load_image({"bytes": data}, where)
+    except (binascii.Error, OSError, ValueError) as err:
+        raise ValueError(f"{where}: the image does not decode ({err})") from None
+
+
+def openai_messages(messages: Any, images: Sequence[Any], where: str) -> Any:
+    """A record's chat messages in OpenAI's shape for an agent: each `<image>` of a message's content becomes an
+    `image_url` part holding the record's next image as a data URL, the text around it `text` parts (messages
+    without images stay as they are)."""
+    if not images or not isinstance(messages, list):
+        return messages
+    urls = [image_data_url(item, where) for item in images]
+    out, used = [], 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, str) or IMAGE_PLACEHOLDER not in content:
+            out.append(m)
+            continue
+        parts: list[dict] = []
+        for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
+            if i:
+                parts.append({"type": "image_url", "image_url": {"url": urls[used]}})
+                used += 1
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**m, "content": parts})
+    return out
 
 
 def mrope_positions(

@@ -447,10 +447,13 @@ def build_rollout_loop(rollout_cfg: Any, engine: GenerationEngine, tokenizer: An
     """What drives the engine past one call per batch: the agent gateway (`rollout.agent`), the tool loop
     (`rollout.multi_turn`), or None for plain generation."""
     if rollout_cfg.agent.enabled:
+        from conveyor.models.vision import vision_processor
         from conveyor.rollout.gateway.loop import build_gateway_loop
 
         name = model_path.rstrip("/").rsplit("/", 1)[-1] if model_path else ""
+        config = getattr(getattr(engine, "model", None), "config", None)
+        vision = vision_processor(model_path, tokenizer, config) if model_path else None
         return build_gateway_loop(
-            rollout_cfg.agent, rollout_cfg.multi_turn, engine, tokenizer, name or "conveyor-policy"
+            rollout_cfg.agent, rollout_cfg.multi_turn, engine, tokenizer, name or "conveyor-policy", vision
         )
     return build_agent_loop(rollout_cfg.multi_turn, engine, tokenizer)

@@ -53,11 +53,15 @@ def uid_of(key: str) -> str:
 class PromptEncoder:
     """Token ids and the prompt fields of records; each distinct prompt is rendered and tokenized once per run."""
 
-    def __init__(self, tokenizer: Any, max_prompt_length: int, truncation: str, vision: Any = None):
+    def __init__(
+        self, tokenizer: Any, max_prompt_length: int, truncation: str, vision: Any = None, agent_images: bool = False
+    ):
         self.tokenizer = tokenizer
         # A vision-language policy's processor (`conveyor.models.vision.VisionProcessor`): a record's images become
         # pixel values, image-pad tokens and M-RoPE positions here, once per prompt.
         self.vision = vision
+        # An agent reads its task's messages: with images, in OpenAI's shape (image_url parts holding data URLs).
+        self.agent_images = bool(agent_images) and vision is not None
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
         self._texts: dict[str, str] = {}  # a record's messages (their repr) -> its rendered prompt
         self._ids: dict[str, list[int]] = {}  # a rendered prompt -> its token ids
@@ -126,6 +130,10 @@ class PromptEncoder:
         """The prompt fields of samples (`rows[i]`: the index in `records` / `uids` of sample i's prompt), left-padded
         to the longest prompt or to `width` when wider; and each sample's prompt length in tokens."""
         texts, token_lists, media = self._encode(records)
+        if self.agent_images:
+            # An agent may show images in later turns too, and a sample's images must lie in its prompt columns (the
+            # trainer places what follows them at text positions): room for a prompt of data.max_prompt_length.
+            width = max(width or 0, self.max_prompt_length)
         width = max([len(x) for x in token_lists] + [width or 0])
         pad = self.tokenizer.pad_token_id
         # Left padding, built once per prompt and indexed per sample (one group per prompt).
@@ -140,13 +148,27 @@ class PromptEncoder:
             "data_source": [records[i]["data_source"] for i in rows],
             "ground_truth": [str(records[i]["reward_model"]["ground_truth"]) for i in rows],
             "raw_prompt": [texts[i] for i in rows],
-            PROMPT_MESSAGES: [records[i].get("prompt") for i in rows],
+            PROMPT_MESSAGES: self._messages(records, rows),
             # The record's own side data (verl's extra_info): an agent reads it with its task.
             "extra_info": [records[i].get("extra_info") for i in rows],
         }
         if self.vision is not None:
             fields.update(self._vision_fields(token_lists, media, uids, rows, width))
         return fields, [len(token_lists[i]) for i in rows]
+
+    def _messages(self, records: Sequence[dict], rows: Sequence[int]) -> list[Any]:
+        """Each sample's prompt messages; for an agent of a vision-language policy, with its images as OpenAI
+        `image_url` parts (data URLs) where the content says `<image>`."""
+        if not self.agent_images:
+            return [records[i].get("prompt") for i in rows]
+        from conveyor.models.vision import openai_messages
+
+        shaped: dict[int, Any] = {}
+        for i in dict.fromkeys(rows):
+            rec = records[i]
+            where = f"the prompt of data_source {rec.get('data_source')!r}"
+            shaped[i] = openai_messages(rec.get("prompt"), rec.get("images") or [], where)
+        return [shaped[i] for i in rows]
 
     def _vision_fields(
         self,

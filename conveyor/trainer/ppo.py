@@ -178,6 +178,7 @@ class PPOTrainer:
                 cfg.data.max_prompt_length,
                 cfg.data.truncation,
                 vision=vision_processor(cfg.actor_rollout_ref.model.path, tokenizer, model_config),
+                agent_images=cfg.actor_rollout_ref.rollout.agent.enabled,
             ),
             run_dir=self.run_dir,
         )

@@ -1,18 +1,18 @@
 """What a vision-language policy runs with so far, checked at start: every other path is refused naming its key.
 
 A run whose policy checkpoint has a vision tower (`is_vlm_config`) samples on
-the hf engine, alone or in the multi-turn tool loop (tools answer text), and
-trains with the padded or packed forward, on one rank or several (FSDP2 or
-DDP); the reference (a KL loss), the critic (GAE: a value head on the vision
-tower and text model) and a teacher (distillation) run the same forward over
-the same pixels. Each setting that would take a path that does not carry
-images yet (sequence parallelism, vLLM, agents through the gateway, a reward
-model or a judge) stops the run before any worker is built, with one line
-naming the key to change (docs/vlm.md). A teacher that would not read the
-pixels as the policy does (a text teacher, other vision tokens or image
-processing) is refused by `conveyor.trainer.distillation.check_teachers`; a
-tool that returns an image stops the run at its first call
-(`conveyor.tools.base.ToolOutputRefused`).
+the hf engine, alone, in the multi-turn tool loop (tools answer text) or
+through the agent gateway (images as `image_url` parts), and trains with the
+padded or packed forward, on one rank or several (FSDP2 or DDP); the
+reference (a KL loss), the critic (GAE: a value head on the vision tower and
+text model) and a teacher (distillation) run the same forward over the same
+pixels. Each setting that would take a path that does not carry images yet
+(sequence parallelism, vLLM, a reward model or a judge) stops the run before
+any worker is built, with one line naming the key to change (docs/vlm.md). A
+teacher that would not read the pixels as the policy does (a text teacher,
+other vision tokens or image processing) is refused by
+`conveyor.trainer.distillation.check_teachers`; a tool that returns an image
+stops the run at its first call (`conveyor.tools.base.ToolOutputRefused`).
 
 It deliberately checks settings only; the data's images are checked where
 they are read (`conveyor.models.vision`).
@@ -36,10 +36,6 @@ def _refusals(cfg: Config, plan: Any) -> list[tuple[bool, str]]:
         (a.ulysses_sequence_parallel_size > 1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"),
         (ref_sp is not None and ref_sp > 1, "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"),
         (ro.name != "hf", "actor_rollout_ref.rollout.name=hf (vLLM's multimodal inputs are not passed yet)"),
-        (
-            bool(ro.agent.command or ro.agent.callable),
-            "actor_rollout_ref.rollout.agent.command/callable=null (the gateway's image parts are not accepted yet)",
-        ),
         (
             plan.use_critic and cfg.critic.ulysses_sequence_parallel_size > 1,
             "critic.ulysses_sequence_parallel_size=1 (sequence parallelism does not cut images yet)",

@@ -40,6 +40,23 @@ def forgetful(base_url: str, api_key: str, task: dict) -> float:
     return 0.5
 
 
+def second_look(base_url: str, api_key: str, task: dict) -> None:
+    """Two turns over a task with images: the second shows the first image again in a user message, so it starts a
+    sample of its own (an image belongs to a sample's first prompt). A text-only task gets one turn."""
+    client = _client(base_url, api_key)
+    messages = list(task["prompt"])
+    reply = client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+    content = messages[0]["content"]
+    if not isinstance(content, list):
+        return
+    image = next(p for p in content if p["type"] == "image_url")
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content or ""},
+        {"role": "user", "content": [image, {"type": "text", "text": "again="}]},
+    ]
+    client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+
+
 def poster(base_url: str, api_key: str, task: dict) -> None:
     """One completion, then its reward posted to the session's /reward."""
     client = _client(base_url, api_key)

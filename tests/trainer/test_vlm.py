@@ -186,6 +186,31 @@ def test_the_multi_turn_tool_loop_trains_a_vision_language_policy(vlm_path, tmp_
         assert rows[step]["actor/grad_norm"] > 0
 
 
+@pytest.mark.parametrize("agent, samples", [("digits", 1), ("second_look", 2)])
+def test_agents_through_the_gateway_train_a_vision_language_policy(vlm_path, tmp_path, agent, samples) -> None:
+    """Agents on the openai client send the task's image as an image_url part: with tool turns every session is one
+    sample; one that shows its image again in a later turn is cut into two, the second sample's prompt holding both
+    images. Either way the trainer's log-probs of the model's tokens are the engine's (the text bar)."""
+    rows = _train(
+        vlm_path,
+        tmp_path,
+        [
+            "data.max_prompt_length=32",
+            "data.max_response_length=24",
+            "actor_rollout_ref.rollout.multi_turn.format=test_digit_calls",
+            "trainer.plugins=[tests/agent/digit_format.py]",
+            f"actor_rollout_ref.rollout.agent.callable=tests/agent/gateway_agents.py:{agent}",
+            "algorithm.rollout_correction.bypass_mode=false",
+            "trainer.test_freq=0",
+        ],
+    )
+    for step in (1, 2):
+        r = rows[step]
+        assert r["rollout/agent/ok"] == 8 and r["rollout/agent/samples_per_session"] == samples
+        assert 0 <= r["rollout_corr/log_prob_abs_diff/max"] < 1e-4
+        assert r["actor/grad_norm"] > 0
+
+
 def test_a_separate_rollout_replica_samples_with_the_updated_weights(vlm_path, tmp_path) -> None:
     """The rollout on a replica of its own (`rollout.placement=separate`): it reads the images from the data plane,
     and after each update samples with the synced weights (step 2's log-probs are still the trainer's)."""

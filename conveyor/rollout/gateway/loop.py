@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from conveyor.algos.trajectory import response_span
+from conveyor.models.vision import VisionBatch, mrope_positions, unplaceholder
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
 from conveyor.rollout.gateway import agents
 from conveyor.rollout.gateway.server import GatewayServer, Request
@@ -82,7 +83,14 @@ class GatewayLoop:
 
     needs_tasks = True  # the worker hands `run` each row's task
 
-    def __init__(self, engine: GenerationEngine, tokenizer: Any, call_format: CallFormat, settings: GatewaySettings):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer: Any,
+        call_format: CallFormat,
+        settings: GatewaySettings,
+        vision: Any = None,
+    ):
         if not engine.capabilities.stop_sequences:
             raise ValueError(
                 f"actor_rollout_ref.rollout.agent: {type(engine).__name__} does not stop at token sequences, which "
@@ -103,7 +111,17 @@ class GatewayLoop:
                 source, name, key="actor_rollout_ref.rollout.agent.callable", kind="function", must_be_callable=True
             )
         self.api_key = settings.api_key or f"conveyor-{secrets.token_hex(16)}"
-        self.renderer = Renderer(tokenizer, call_format)
+        # A vision-language policy's image processor (`conveyor.models.vision.VisionProcessor`): requests' image parts
+        # are its images, fed with the prompt's pixels at their M-RoPE positions.
+        self.renderer = Renderer(tokenizer, call_format, vision)
+        self._model_config = None
+        if vision is not None:
+            self._model_config = getattr(getattr(engine, "model", None), "config", None)
+            if self._model_config is None:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.agent: {type(engine).__name__} holds no Hugging Face model to read the "
+                    "vision token ids from; a vision-language policy's agents run on the hf engine"
+                )
         self.cwd = os.getcwd()  # the directory the run started in
         self.pad = int(engine.pad_token_id)
         self._cond = threading.Condition()
@@ -182,9 +200,11 @@ class GatewayLoop:
         *,
         generator: torch.Generator | None = None,
         tasks: list[dict] | None = None,
+        vision: VisionBatch | None = None,
     ) -> GenerationOutput:
         """One session per row of `input_ids` (B, P), its agent given `tasks[row]`; the rows of every session's
-        samples (`params.max_new_tokens` is each sample's response budget)."""
+        samples (`params.max_new_tokens` is each sample's response budget). `vision`: the prompts' images (a
+        vision-language policy), which the row of a session that never called keeps."""
         if tasks is None or len(tasks) != input_ids.shape[0]:
             raise ValueError("GatewayLoop.run needs one task per prompt row")
         ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
@@ -195,6 +215,8 @@ class GatewayLoop:
         for i, task in enumerate(tasks):
             sid = f"s{secrets.token_hex(8)}"
             sessions.append(Session(sid, i, task["agent_task"], ids[i][mask[i]].tolist(), task["raw_prompt"]))
+            if self.renderer.vision is not None:  # images belong to a sample's first prompt
+                sessions[-1].trajectories.image_token_id = self.renderer.vision.image_token_id
         results: dict[str, agents.AgentResult] = {}
         stop = threading.Event()
         t0 = time.perf_counter()
@@ -222,7 +244,7 @@ class GatewayLoop:
             for s in sessions:
                 self.server.remove(s)
         elapsed = time.perf_counter() - t0
-        return self._assemble(sessions, results, width, params, input_ids.device, elapsed)
+        return self._assemble(sessions, results, width, params, input_ids.device, elapsed, vision)
 
     def _session(self, session: Session, results: dict, stop: threading.Event) -> None:
         """Run one session's agent to its end (on a pool thread): live while its agent runs."""
@@ -321,12 +343,16 @@ class GatewayLoop:
         for row, r in enumerate(reqs):
             batch_ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt, dtype=torch.long)
             batch_mask[row, width - len(r.prompt) :] = 1
+        extra = {}
+        if self._model_config is not None:
+            extra["vision"] = self._vision_batch(reqs, batch_ids, width)
         t0 = time.perf_counter()
         out = self.engine.generate(
             batch_ids,
             batch_mask,
             params.replace(max_new_tokens=max(r.max_new_tokens for r in reqs)),
             generator=generator,
+            **extra,
         )
         self._engine_s += time.perf_counter() - t0
         self._engine_calls += 1
@@ -349,6 +375,7 @@ class GatewayLoop:
                 tuple(log_probs[row, :n].tolist()),
                 routing,
                 version,
+                r.images,
             )
             with r.session.lock:
                 # The text the sample's tokens now stand for ends with the completion as sampled, EOS included: a
@@ -356,6 +383,35 @@ class GatewayLoop:
                 r.session.record(call, r.text, self.renderer.decode(call.completion, raw=True) if r.text else "")
                 r.session.last_completion = self.renderer.decode(call.completion)
             r.future.set_result(call)
+
+    def _vision_batch(self, reqs: list[Request], batch_ids: Tensor, width: int) -> VisionBatch:
+        """The group's images and M-RoPE positions: each prompt's first prompt (its sample's) with its pixels, then
+        what followed it fed as the trainer feeds a response (an image pad there, sampled or in a tool's text, as
+        vision-end), at text positions."""
+        vision = self.renderer.vision
+        positions = torch.zeros((len(reqs), 3, width), dtype=torch.long)
+        deltas = torch.zeros(len(reqs), dtype=torch.long)
+        pixels, grids, counts = [], [], []
+        for row, r in enumerate(reqs):
+            n, tail = len(r.prompt), len(r.prompt) - r.head
+            if tail:
+                batch_ids[row, width - tail :] = unplaceholder(batch_ids[row, width - tail :], self._model_config)
+            own_pixels, own_grids = r.images if r.images is not None else (None, [])
+            fed = batch_ids[row, width - n :].tolist()
+            pos, delta = mrope_positions(fed, own_grids, vision.image_token_id, vision.merge)
+            positions[row, :, width - n :] = pos
+            deltas[row] = delta
+            if own_pixels is not None:
+                pixels.append(own_pixels)
+            grids.extend(own_grids)
+            counts.append(len(own_grids))
+        return VisionBatch(
+            pixel_values=torch.cat(pixels) if pixels else None,
+            image_grid_thw=torch.tensor(grids, dtype=torch.long).view(-1, 3) if grids else None,
+            positions=positions,
+            rope_delta=deltas,
+            images_per_row=counts,
+        )
 
     # ------------------------------------------------------------------ rows out
     def _version(self) -> int:
@@ -371,6 +427,7 @@ class GatewayLoop:
         params: SamplingParams,
         device: torch.device,
         elapsed: float,
+        vision: VisionBatch | None = None,
     ) -> GenerationOutput:
         rows: list[tuple[Session, Any]] = []
         for s in sessions:
@@ -406,6 +463,7 @@ class GatewayLoop:
                 versions[i, n:] = row.versions[-1]
         routed = self._routing(rows, laid, width, resp_width, params, prompt_mask, model_mask)
         rewards, completions, metrics = self._rewards(sessions, results, rows, elapsed)
+        seen = self._vision_fields(rows, laid, width, vision) if self._model_config is not None else {}
         return GenerationOutput(
             responses=responses,
             response_mask=model_mask,
@@ -422,9 +480,36 @@ class GatewayLoop:
                 "token_policy_version": versions,
                 "agent_completion": completions,
                 "agent_calls": [list(sample.records) if sample is not None else [] for _, sample in rows],
+                **seen,
             },
             metrics=metrics,
         ).to(device)
+
+    def _vision_fields(self, rows, laid, width: int, vision: VisionBatch | None) -> dict[str, Any]:
+        """`VISION_FIELDS` of the rows: each sample's first-prompt images, and the M-RoPE positions of the prompt
+        columns it fills (the row of a session that never called keeps its task's)."""
+        v = self.renderer.vision
+        positions = torch.zeros((len(rows), 3, width), dtype=torch.long)
+        deltas = torch.zeros(len(rows), dtype=torch.long)
+        pixels: list[Any] = []
+        grids: list[Tensor] = []
+        for i, (s, sample) in enumerate(rows):
+            if sample is None:
+                if vision is None:
+                    raise ValueError("GatewayLoop.run: a vision-language policy's prompts need their `vision`")
+                own = vision.rows([s.index])
+                pixels.append(own.pixel_values)
+                grids.append(own.image_grid_thw if own.image_grid_thw is not None else torch.zeros(0, 3).long())
+                positions[i], deltas[i] = own.positions[0].cpu(), own.rope_delta[0].cpu()
+                continue
+            own_pixels, own_grids = sample.images if sample.images is not None else (None, [])
+            head = laid[i].head
+            pos, delta = mrope_positions(laid[i].prompt[width - head :], own_grids, v.image_token_id, v.merge)
+            positions[i, :, width - head :] = pos
+            deltas[i] = delta
+            pixels.append(own_pixels)
+            grids.append(torch.tensor(own_grids, dtype=torch.long).view(-1, 3))
+        return {"pixel_values": pixels, "image_grid_thw": grids, "mrope_positions": positions, "rope_delta": deltas}
 
     def _routing(self, rows, laid, width, resp_width, params, prompt_mask, model_mask) -> Tensor | None:
         """(B', P+R, L, K) routing of the rows, -1 where unknown, under the engines' rule."""
@@ -494,9 +579,10 @@ class GatewayLoop:
 
 
 def build_gateway_loop(
-    agent: Any, multi_turn: Any, engine: GenerationEngine, tokenizer: Any, model_name: str
+    agent: Any, multi_turn: Any, engine: GenerationEngine, tokenizer: Any, model_name: str, vision: Any = None
 ) -> GatewayLoop | None:
-    """The gateway of `actor_rollout_ref.rollout.agent` (an AgentConfig), or None when no agent is set."""
+    """The gateway of `actor_rollout_ref.rollout.agent` (an AgentConfig), or None when no agent is set (`vision`: a
+    vision-language policy's `VisionProcessor`)."""
     if not agent.enabled:
         return None
     import dataclasses
@@ -506,4 +592,4 @@ def build_gateway_loop(
     # The config section's keys are the settings' own names (model_name: the config's, else the model path's).
     keys = {f.name: getattr(agent, f.name) for f in dataclasses.fields(GatewaySettings)}
     settings = GatewaySettings(**{**keys, "model_name": agent.model_name or model_name})
-    return GatewayLoop(engine, tokenizer, get_format(multi_turn.format), settings)
+    return GatewayLoop(engine, tokenizer, get_format(multi_turn.format), settings, vision)

@@ -71,6 +71,10 @@ class Request:
     stop: tuple[tuple[int, ...], ...]
     future: Future
     arrived: float
+    # A vision-language policy's: the images of the sample's first prompt (pixel values or None, grids), and how many
+    # of the prompt's tokens are that first prompt (the rest follows it, at text positions).
+    images: tuple[Any, list[list[int]]] | None = None
+    head: int = 0
 
 
 class GatewayServer:
@@ -346,13 +350,14 @@ class GatewayServer:
                 400, "tool_choice: only auto and none (the gateway does not constrain decoding)", param="tool_choice"
             )
         use_tools = bool(tools) and choice != "none"
-        text = self.renderer.chat_text(session, messages, tools if use_tools else None)
+        text, urls = self.renderer.chat_text(session, messages, tools if use_tools else None)
         prompt, text = self.renderer.prompt_ids(session, text)
         if use_tools:  # the run's call format ends a turn at its stop texts, as the built-in loop does
             stops = stops + self.renderer.format_stops
         req = Request(
             session, prompt, text, self._max_tokens(payload, session, prompt), stops, Future(), time.monotonic()
         )
+        self._see(req, urls, "messages")
         return {
             "request": req,
             "overridden": overridden,
@@ -391,12 +396,42 @@ class GatewayServer:
         else:
             raise GatewayError(400, "prompt must be a string or a list of token ids (one prompt)", param="prompt")
         req = Request(session, ids, text, self._max_tokens(payload, session, ids), stops, Future(), time.monotonic())
+        self._see(req, [], "prompt")
         return {
             "request": req,
             "overridden": overridden,
             "stream": stream,
             "logprobs": logprobs is not None and logprobs is not False,
         }
+
+    def _see(self, req: Request, urls: list[str], param: str) -> None:
+        """A vision-language policy's request: the images of the sample it extends (or its own, when it starts one),
+        checked against the image pads of that sample's first prompt, which must lie in the prompt columns."""
+        vision = self.renderer.vision
+        if vision is None:
+            return
+        from conveyor.models.vision import check_image_tokens
+
+        sample = req.session.trajectories.extends(req.prompt)
+        if sample is not None:
+            req.images, req.head = sample.images, len(sample.context)
+        else:
+            req.images, req.head = self.renderer.images(urls), len(req.prompt)
+        head = req.prompt[: req.head]
+        try:
+            check_image_tokens("the request", head, req.images[1], vision.image_token_id, vision.merge)
+        except ValueError as err:
+            raise GatewayError(400, str(err), param=param) from None
+        width = self.prompt_width()
+        if any(t == vision.image_token_id for t in head[width:]):
+            req.session.context_exceeded += 1
+            raise GatewayError(
+                400,
+                f"the prompt's images reach past its first {width} tokens (data.max_prompt_length), where a sample "
+                "keeps its prompt: shorten what comes before the last image, or raise data.max_prompt_length",
+                param=param,
+                kind="context_length_exceeded",
+            )
 
     # ------------------------------------------------------------------ responses
     def _finish(self, call: Call, req: Request) -> str:

@@ -82,11 +82,17 @@ class Session:
 
 class Renderer:
     """Turns a request's messages (or a completion prompt) into prompt token ids for one session, and completions
-    into OpenAI message fields, under the run's tokenizer and tool-call format."""
+    into OpenAI message fields, under the run's tokenizer and tool-call format.
 
-    def __init__(self, tokenizer: Any, call_format: CallFormat) -> None:
+    With a vision-language policy (`vision`, its `VisionProcessor`) a message's `image_url` parts (data URLs) are
+    images: each becomes the `<image>` of its content, which the rendered text spells as vision-start, the image's
+    pads and vision-end, as stage 1 spells a dataset row's; `images` gives their pixels and grids."""
+
+    def __init__(self, tokenizer: Any, call_format: CallFormat, vision: Any = None) -> None:
         self.tokenizer = tokenizer
         self.format = call_format
+        self.vision = vision
+        self._pixels: dict[str, tuple[Any, list[int]]] = {}  # a data URL -> its pixel rows and grid (agents resend)
         self.eos = tokenizer.eos_token_id
         # A fast tokenizer refuses two threads at once (the server's handlers run on several).
         self.lock = threading.Lock()
@@ -124,13 +130,15 @@ class Renderer:
             ids = ids[:-1]
         return self.decode(ids, raw=True)
 
-    def chat_text(self, session: Session, messages: list[dict], tools: list[dict] | None) -> str:
-        """The prompt text of a chat request: its messages through the chat template (served turns as written)."""
+    def chat_text(self, session: Session, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[str]]:
+        """The prompt text of a chat request: its messages through the chat template (served turns as written), with
+        each image spelled out; and the data URLs of its images, in order."""
         rendered = []
+        urls: list[str] | None = [] if self.vision is not None else None
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise GatewayError(400, f"messages[{i}] is not a message with a role", param="messages")
-            role, content = m["role"], _text_content(m.get("content"), i)
+            role, content = m["role"], _text_content(m.get("content"), i, urls)
             if role == "assistant":
                 raw = session.served.get(served_key(content, m.get("tool_calls")))
                 rendered.append({"role": "assistant", "content": raw if raw is not None else (content or "")})
@@ -145,18 +153,58 @@ class Renderer:
         with self.lock:
             if getattr(self.tokenizer, "chat_template", None):
                 kwargs = {"tools": tools} if tools else {}
-                return str(
+                text = str(
                     self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **kwargs)
                 )
-        return "\n".join(m["content"] for m in rendered)
+            else:
+                text = "\n".join(m["content"] for m in rendered)
+        if urls is None:
+            return text, []
+        _, grids = self.images(urls)
+        try:
+            return self.vision.expand(text, grids, "the request"), urls
+        except ValueError as err:  # an "<image>" typed into a message's text: placeholders and images disagree
+            raise GatewayError(400, str(err), param="messages") from None
+
+    def images(self, urls: list[str]) -> tuple[Any, list[list[int]]]:
+        """(pixel values of the images in order or None, each one's grid): each data URL decoded and processed
+        once (an agent sends its history's images again with every turn)."""
+        import torch
+
+        from conveyor.models.vision import image_from_url
+
+        if not urls:
+            return None, []
+        pixels, grids = [], []
+        for i, url in enumerate(urls):
+            got = self._pixels.get(url)
+            if got is None:
+                try:
+                    image = image_from_url(url, f"image {i} of the request")
+                except ValueError as err:
+                    raise GatewayError(400, str(err), param="messages") from None
+                values, (grid,) = self.vision.process([image])
+                got = (values, grid)
+                with self.lock:
+                    if len(self._pixels) >= 1024:
+                        self._pixels.pop(next(iter(self._pixels)))
+                    self._pixels[url] = got
+            pixels.append(got[0])
+            grids.append(got[1])
+        return torch.cat(pixels), grids
 
     def prompt_ids(self, session: Session, text: str) -> tuple[list[int], str]:
         """The token ids of a prompt text: a sample's own ids plus the new text's where the text extends it."""
         best: Sample | None = None
         best_text = ""
+        # An image is part of a sample's first prompt, never of what follows it (the trainer places the tokens after
+        # the prompt at text positions): a prompt that adds images after a sample's starts a sample of its own.
+        pad = self.vision.image_pad if self.vision is not None else None
         for sample in session.trajectories.samples:
             known = session.texts.get(id(sample))
             if known is not None and text.startswith(known) and len(known) > len(best_text):
+                if pad is not None and pad in text[len(known) :]:
+                    continue
                 best, best_text = sample, known
         if best is not None:
             return best.sequence + (self.encode(text[len(best_text) :]) if len(text) > len(best_text) else []), text
@@ -187,8 +235,11 @@ class Renderer:
         return content, tool_calls, self.raw_text(completion)
 
 
-def _text_content(content: Any, index: int) -> str | None:
-    """A message's content as text: a string, or a list of text parts joined (other parts are refused)."""
+def _text_content(content: Any, index: int, urls: list[str] | None = None) -> str | None:
+    """A message's content as text: a string, or a list of text parts joined; with `urls` (a policy that sees
+    images) an `image_url` part is its `<image>`, its URL appended to `urls`. Other parts are refused."""
+    from conveyor.models.vision import IMAGE_PLACEHOLDER
+
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -196,11 +247,19 @@ def _text_content(content: Any, index: int) -> str | None:
         for part in content:
             if isinstance(part, dict) and part.get("type") == "text":
                 parts.append(str(part.get("text", "")))
+            elif urls is not None and isinstance(part, dict) and part.get("type") == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str):
+                    raise GatewayError(400, "an image_url part needs a url", param=f"messages[{index}].content")
+                urls.append(url)
+                parts.append(IMAGE_PLACEHOLDER)
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                reads = "text and image_url parts" if urls is not None else "text only (text parts)"
                 raise GatewayError(
                     400,
-                    f"messages[{index}].content has a {kind!r} part; this policy reads text only (text parts)",
+                    f"messages[{index}].content has a {kind!r} part; this policy reads {reads}",
                     param=f"messages[{index}].content",
                 )
         return "".join(parts)

@@ -87,6 +87,7 @@ class Call:
     log_probs: tuple[float, ...]
     routing: Tensor | None = None
     version: int | None = None
+    images: tuple[Any, list[list[int]]] | None = None  # a vision-language policy's: the first prompt's pixels, grids
 
 
 @dataclass
@@ -103,6 +104,7 @@ class Sample:
     calls: int = 0
     # Per call: its prompt's and completion's token counts and the weights version that sampled it.
     records: list[dict] = field(default_factory=list)
+    images: tuple[Any, list[list[int]]] | None = None  # its first prompt's (pixel values or None, grids)
 
     @property
     def sequence(self) -> list[int]:
@@ -127,16 +129,24 @@ def room(sample: Sample | None, prompt_len: int, prompt_width: int, budget: int)
 
 
 class SessionTrajectories:
-    """The samples one session's calls make, built call by call."""
+    """The samples one session's calls make, built call by call.
 
-    def __init__(self) -> None:
+    `image_token_id` (a vision-language policy's image pad): an image belongs to a sample's first prompt, since the
+    trainer places every token after that prompt at text positions; a prompt whose new tokens hold an image pad
+    starts a sample of its own."""
+
+    def __init__(self, image_token_id: int | None = None) -> None:
         self.samples: list[Sample] = []
+        self.image_token_id = image_token_id
 
     def extends(self, prompt: list[int] | tuple[int, ...]) -> Sample | None:
         """The sample a call with `prompt` would continue (the longest one it extends), or None for a new one."""
         best = None
+        pad = self.image_token_id
         for s in self.samples:
             if s.extended_by(prompt) and (best is None or len(s.sequence) > len(best.sequence)):
+                if pad is not None and pad in prompt[len(s.sequence) :]:
+                    continue
                 best = s
         return best
 
@@ -147,7 +157,7 @@ class SessionTrajectories:
         n = len(call.completion)
         version = UNKNOWN_VERSION if call.version is None else int(call.version)
         if sample is None:
-            sample = Sample(context=prompt, context_version=version)
+            sample = Sample(context=prompt, context_version=version, images=call.images)
             self.samples.append(sample)
             if call.routing is not None:
                 sample.routing = call.routing[: len(prompt)].to(torch.int16).clone()

@@ -149,6 +149,7 @@ class ReplicaWorker:
                 settings.truncation,
                 # A replica that renders its prompts processes their images too (a vision-language policy).
                 vision=vision_processor(model_path, self.tokenizer, getattr(self.model, "config", None)),
+                agent_images=ro.agent.enabled,
             ),
         )
         self.channel: Any = None
