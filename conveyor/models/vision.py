@@ -338,6 +338,10 @@ class VisionProcessor:
         check_image_tokens(name, ids, grids, self.image_token_id, self.merge)
         return mrope_positions(ids, grids, self.image_token_id, self.merge)
 
+    def openai_messages(self, messages: Any, images: Sequence[Any], where: str) -> Any:
+        """A record's messages in OpenAI's shape for an agent, its images as `image_url` parts (`openai_messages`)."""
+        return openai_messages(messages, images, where)
+
     def expand(self, text: str, grids: list[list[int]], where: str) -> str:
         """The prompt text with each `<image>` replaced by its vision-start, image-pad tokens and vision-end."""
         parts = text.split(IMAGE_PLACEHOLDER)

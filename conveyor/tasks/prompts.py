@@ -161,13 +161,11 @@ class PromptEncoder:
         `image_url` parts (data URLs) where the content says `<image>`."""
         if not self.agent_images:
             return [records[i].get("prompt") for i in rows]
-        from conveyor.models.vision import openai_messages
-
         shaped: dict[int, Any] = {}
         for i in dict.fromkeys(rows):
             rec = records[i]
             where = f"the prompt of data_source {rec.get('data_source')!r}"
-            shaped[i] = openai_messages(rec.get("prompt"), rec.get("images") or [], where)
+            shaped[i] = self.vision.openai_messages(rec.get("prompt"), rec.get("images") or [], where)
         return [shaped[i] for i in rows]
 
     def _vision_fields(

@@ -247,7 +247,8 @@ def _truncated_tempered(logits, temperature, top_k, top_p):
     keep = torch.zeros_like(probs, dtype=torch.bool)
     mass = 0.0
     for rank, token in enumerate(probs.argsort(descending=True).tolist()):
-        if (top_k > 0 and rank >= top_k) or mass >= top_p:
+        # top_p 1.0 truncates nothing: a float sum of the probabilities may reach 1.0 before the last tokens.
+        if (top_k > 0 and rank >= top_k) or (top_p < 1.0 and mass >= top_p):
             break
         keep[token] = True
         mass += float(probs[token])
