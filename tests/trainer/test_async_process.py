@@ -132,13 +132,16 @@ def test_delta_syncs_through_shared_memory_train_what_whole_ones_do(tmp_path, ti
     assert _strip([{k: v for k, v in r.items() if not k.startswith(sync_figures)} for r in coded]) == _strip(
         [{k: v for k, v in r.items() if not k.startswith(sync_figures)} for r in whole]
     )
-    # A step logs the latest of the syncs that finished since the last one: the first (whole) one is followed by
-    # another before step 2's row, so every row shows a delta, decoded without a mismatch.
+    # A step logs the latest of the syncs that finished since its last row (how many rows get one depends on the
+    # machine's timing): each decoded without a mismatch, each delta smaller than whole, and the last one logged
+    # (a sync after an update, never the first) a delta.
     syncs = [r for r in coded if "rollout/weight_sync/changed_frac" in r]
-    assert len(syncs) >= 2
+    assert syncs, "no row logged a sync"
     for row in syncs:
-        assert row["rollout/weight_sync/full"] == 0.0 and row["rollout/weight_sync/checksum_mismatches"] == 0.0
-        assert row["rollout/weight_sync/bytes"] < row["rollout/weight_sync/full_bytes"]
+        assert row["rollout/weight_sync/checksum_mismatches"] == 0.0
+        if row["rollout/weight_sync/full"] == 0.0:
+            assert row["rollout/weight_sync/bytes"] < row["rollout/weight_sync/full_bytes"]
+    assert syncs[-1]["rollout/weight_sync/full"] == 0.0
     assert not any(k.startswith("rollout/weight_sync/") for r in whole for k in r)
     assert not list(Path("/dev/shm").glob("conveyor-weights-*"))
     _same_weights(coded_dir, whole_dir, tmp_path)
