@@ -33,6 +33,7 @@ __all__ = [
     "IMAGE_PLACEHOLDER",
     "VISION_FIELDS",
     "VisionBatch",
+    "context_vision",
     "with_vision_fields",
     "VisionProcessor",
     "check_image_tokens",
@@ -125,6 +126,42 @@ class VisionBatch:
         index = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, prompt_len:]
         tail = (index + self.rope_delta.view(-1, 1)).unsqueeze(0).expand(3, -1, -1)
         return torch.cat([self.positions.permute(1, 0, 2), tail], dim=-1)
+
+
+def context_vision(
+    rows: Sequence[tuple[torch.Tensor | None, Sequence[Sequence[int]], int, int]],
+    batch_ids: torch.Tensor,
+    config: Any,
+) -> VisionBatch:
+    """The images and M-RoPE positions of left-padded contexts (`batch_ids`, (B, W)), each a first prompt with its
+    images followed by tokens placed as the trainer places a response (index + rope delta, on every row).
+
+    `rows[i]`: (the first prompt's pixel values or None, its images' grids, its length, the context's length). The
+    tokens after the first prompt are fed as the trainer feeds a response, in place: an image pad there (sampled, or
+    in a tool's or user's text) has no pixels (`unplaceholder`). Used by the multi-turn loop and the agent gateway."""
+    image_token_id, merge = int(config.image_token_id), int(config.vision_config.spatial_merge_size)
+    width = batch_ids.shape[1]
+    positions = torch.zeros((len(rows), 3, width), dtype=torch.long)
+    deltas = torch.zeros(len(rows), dtype=torch.long)
+    pixels, grids, counts = [], [], []
+    for row, (own_pixels, own_grids, head, n) in enumerate(rows):
+        if n > head:
+            batch_ids[row, width - (n - head) :] = unplaceholder(batch_ids[row, width - (n - head) :], config)
+        # Text after the last image continues from index + delta: one pass over the context gives both parts.
+        pos, delta = mrope_positions(batch_ids[row, width - n :].tolist(), own_grids, image_token_id, merge)
+        positions[row, :, width - n :] = pos
+        deltas[row] = delta
+        if own_pixels is not None:
+            pixels.append(own_pixels)
+        grids.extend(list(map(int, g)) for g in own_grids)
+        counts.append(len(own_grids))
+    return VisionBatch(
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.tensor(grids, dtype=torch.long).view(-1, 3) if grids else None,
+        positions=positions,
+        rope_delta=deltas,
+        images_per_row=counts,
+    )
 
 
 def unplaceholder(ids: torch.Tensor, config: Any) -> torch.Tensor:

@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from torch import Tensor
 
 from conveyor.algos.trajectory import response_span
 from conveyor.deadline import DeadlineExceeded, call_with_deadline
-from conveyor.models.vision import VisionBatch, decode_positions, unplaceholder
+from conveyor.models.vision import VisionBatch, context_vision
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
 from conveyor.tools.base import Tool, ToolResult, release_all, run_call, truncate_text
 from conveyor.tools.formats import CallFormat, ToolCall, ToolCallError
@@ -258,25 +258,25 @@ class AgentLoop:
         return calls
 
     def _context_vision(self, vision: VisionBatch, active: list[_Sample], batch_ids: Tensor, width: int) -> VisionBatch:
-        """The images of this turn's contexts, each context's tokens after its prompt at index + rope delta (as
-        `VisionBatch.sequence_positions` places a response), and those tokens fed as the trainer feeds a
-        response: an image-pad token among them, sampled or in a tool's text, has no pixels (`unplaceholder`)."""
+        """The images of this turn's contexts: each sample's prompt with its pixels, then its trajectory so far as the
+        trainer's forward places and feeds a response (`context_vision`)."""
         config = getattr(getattr(self.engine, "model", None), "config", None)
         if config is None:
             raise ValueError(
                 f"AgentLoop: {type(self.engine).__name__} holds no Hugging Face model to read the vision token ids "
                 "from; trajectories over images run on the hf engine (actor_rollout_ref.rollout.name=hf)"
             )
-        positions = torch.zeros((len(active), 3, width), dtype=torch.long)
-        for row, s in enumerate(active):
-            p, n = len(s.prompt), len(s.tokens)
-            own = vision.positions[s.index][:, vision.positions.shape[-1] - p :].cpu()
-            tail = decode_positions(int(vision.rope_delta[s.index]), p, n)
-            positions[row, :, width - p - n :] = torch.cat([own, tail], dim=1)
-            if n:
-                batch_ids[row, width - n :] = unplaceholder(batch_ids[row, width - n :], config)
+        rows = []
+        for s in active:
+            own = vision.rows([s.index])
+            grids = own.image_grid_thw.tolist() if own.image_grid_thw is not None else []
+            rows.append((own.pixel_values, grids, len(s.prompt), len(s.prompt) + len(s.tokens)))
+        out = context_vision(rows, batch_ids, config)  # the pixels stay where the batch's are; the rest moves there
         device = vision.positions.device
-        return vision.rows([s.index for s in active], positions.to(device))
+        grids = None if out.image_grid_thw is None else out.image_grid_thw.to(device)
+        return replace(
+            out, image_grid_thw=grids, positions=out.positions.to(device), rope_delta=out.rope_delta.to(device)
+        )
 
     def _record_routing(self, s: _Sample, routed: Tensor, width: int, ctx_len: int, n: int) -> None:
         """Copy this turn's routing into `s`: context positions not yet known, then the turn's own tokens."""

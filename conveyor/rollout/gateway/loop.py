@@ -48,12 +48,12 @@ import torch
 from torch import Tensor
 
 from conveyor.algos.trajectory import response_span
-from conveyor.models.vision import VisionBatch, mrope_positions, unplaceholder
+from conveyor.models.vision import VisionBatch, context_vision, mrope_positions
 from conveyor.rollout.base import GenerationEngine, GenerationOutput, SamplingParams, mask_unfed_routing
 from conveyor.rollout.gateway import agents
 from conveyor.rollout.gateway.server import GatewayServer, Request
 from conveyor.rollout.gateway.session import GatewayError, Renderer, Session
-from conveyor.rollout.gateway.trajectory import TASK_FIELDS, UNKNOWN_VERSION, Call, Row, layout
+from conveyor.rollout.gateway.trajectory import TASK_FIELDS, UNKNOWN_VERSION, Call, Row, SessionTrajectories, layout
 from conveyor.tools.formats import CallFormat
 
 logger = logging.getLogger(__name__)
@@ -214,9 +214,10 @@ class GatewayLoop:
         sessions = []
         for i, task in enumerate(tasks):
             sid = f"s{secrets.token_hex(8)}"
-            sessions.append(Session(sid, i, task["agent_task"], ids[i][mask[i]].tolist(), task["raw_prompt"]))
-            if self.renderer.vision is not None:  # images belong to a sample's first prompt
-                sessions[-1].trajectories.image_token_id = self.renderer.vision.image_token_id
+            # A vision-language policy's images belong to a sample's first prompt (SessionTrajectories).
+            cuts = SessionTrajectories(self.renderer.vision.image_token_id if self.renderer.vision else None)
+            prompt = ids[i][mask[i]].tolist()
+            sessions.append(Session(sid, i, task["agent_task"], prompt, task["raw_prompt"], trajectories=cuts))
         results: dict[str, agents.AgentResult] = {}
         stop = threading.Event()
         t0 = time.perf_counter()
@@ -345,7 +346,7 @@ class GatewayLoop:
             batch_mask[row, width - len(r.prompt) :] = 1
         extra = {}
         if self._model_config is not None:
-            extra["vision"] = self._vision_batch(reqs, batch_ids, width)
+            extra["vision"] = self._vision_batch(reqs, batch_ids)
         t0 = time.perf_counter()
         out = self.engine.generate(
             batch_ids,
@@ -384,34 +385,14 @@ class GatewayLoop:
                 r.session.last_completion = self.renderer.decode(call.completion)
             r.future.set_result(call)
 
-    def _vision_batch(self, reqs: list[Request], batch_ids: Tensor, width: int) -> VisionBatch:
+    def _vision_batch(self, reqs: list[Request], batch_ids: Tensor) -> VisionBatch:
         """The group's images and M-RoPE positions: each prompt's first prompt (its sample's) with its pixels, then
-        what followed it fed as the trainer feeds a response (an image pad there, sampled or in a tool's text, as
-        vision-end), at text positions."""
-        vision = self.renderer.vision
-        positions = torch.zeros((len(reqs), 3, width), dtype=torch.long)
-        deltas = torch.zeros(len(reqs), dtype=torch.long)
-        pixels, grids, counts = [], [], []
-        for row, r in enumerate(reqs):
-            n, tail = len(r.prompt), len(r.prompt) - r.head
-            if tail:
-                batch_ids[row, width - tail :] = unplaceholder(batch_ids[row, width - tail :], self._model_config)
+        what followed it as the trainer places and feeds a response (`context_vision`)."""
+        rows = []
+        for r in reqs:
             own_pixels, own_grids = r.images if r.images is not None else (None, [])
-            fed = batch_ids[row, width - n :].tolist()
-            pos, delta = mrope_positions(fed, own_grids, vision.image_token_id, vision.merge)
-            positions[row, :, width - n :] = pos
-            deltas[row] = delta
-            if own_pixels is not None:
-                pixels.append(own_pixels)
-            grids.extend(own_grids)
-            counts.append(len(own_grids))
-        return VisionBatch(
-            pixel_values=torch.cat(pixels) if pixels else None,
-            image_grid_thw=torch.tensor(grids, dtype=torch.long).view(-1, 3) if grids else None,
-            positions=positions,
-            rope_delta=deltas,
-            images_per_row=counts,
-        )
+            rows.append((own_pixels, own_grids, r.head, len(r.prompt)))
+        return context_vision(rows, batch_ids, self._model_config)
 
     # ------------------------------------------------------------------ rows out
     def _version(self) -> int:

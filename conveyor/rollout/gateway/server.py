@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.rollout.gateway.session import GatewayError, Renderer, Session, served_key
-from conveyor.rollout.gateway.trajectory import Call, room
+from conveyor.rollout.gateway.trajectory import Call, Sample, room
 
 logger = logging.getLogger(__name__)
 
@@ -298,13 +298,13 @@ class GatewayServer:
             raise GatewayError(400, "stream must be true or false", param="stream")
         return overridden, stop_ids, stream
 
-    def _max_tokens(self, payload: dict, session: Session, prompt: list[int]) -> int:
-        """The request's max_tokens bounded by what its sample still has room for; 400 when none is left."""
+    def _max_tokens(self, payload: dict, session: Session, prompt: list[int], sample: Sample | None) -> int:
+        """The request's max_tokens bounded by what its sample (`sample`: the one it extends, None for a new one)
+        still has room for; 400 when none is left."""
         asked = payload.get("max_completion_tokens", payload.get("max_tokens"))
         if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
             param = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
             raise GatewayError(400, f"{param} must be a positive integer", param=param)
-        sample = session.trajectories.extends(prompt)
         left = room(sample, len(prompt), self.prompt_width(), self.budget())
         if left < 1:
             session.context_exceeded += 1
@@ -350,14 +350,14 @@ class GatewayServer:
                 400, "tool_choice: only auto and none (the gateway does not constrain decoding)", param="tool_choice"
             )
         use_tools = bool(tools) and choice != "none"
-        text, urls = self.renderer.chat_text(session, messages, tools if use_tools else None)
+        text, images = self.renderer.chat_text(session, messages, tools if use_tools else None)
         prompt, text = self.renderer.prompt_ids(session, text)
         if use_tools:  # the run's call format ends a turn at its stop texts, as the built-in loop does
             stops = stops + self.renderer.format_stops
-        req = Request(
-            session, prompt, text, self._max_tokens(payload, session, prompt), stops, Future(), time.monotonic()
-        )
-        self._see(req, urls, "messages")
+        sample = session.trajectories.extends(prompt)
+        left = self._max_tokens(payload, session, prompt, sample)
+        req = Request(session, prompt, text, left, stops, Future(), time.monotonic())
+        self._see(req, sample, images, "messages")
         return {
             "request": req,
             "overridden": overridden,
@@ -395,8 +395,11 @@ class GatewayServer:
             ids, text = list(prompt), None  # token in: taken as given
         else:
             raise GatewayError(400, "prompt must be a string or a list of token ids (one prompt)", param="prompt")
-        req = Request(session, ids, text, self._max_tokens(payload, session, ids), stops, Future(), time.monotonic())
-        self._see(req, [], "prompt")
+        sample = session.trajectories.extends(ids)
+        req = Request(
+            session, ids, text, self._max_tokens(payload, session, ids, sample), stops, Future(), time.monotonic()
+        )
+        self._see(req, sample, (None, []), "prompt")
         return {
             "request": req,
             "overridden": overridden,
@@ -404,19 +407,19 @@ class GatewayServer:
             "logprobs": logprobs is not None and logprobs is not False,
         }
 
-    def _see(self, req: Request, urls: list[str], param: str) -> None:
-        """A vision-language policy's request: the images of the sample it extends (or its own, when it starts one),
-        checked against the image pads of that sample's first prompt, which must lie in the prompt columns."""
+    def _see(self, req: Request, sample: Sample | None, images: tuple[Any, list[list[int]]], param: str) -> None:
+        """A vision-language policy's request: the images of the sample it extends (`sample`), or its own (`images`)
+        when it starts one, checked against the image pads of that sample's first prompt, which must lie in the
+        prompt columns."""
         vision = self.renderer.vision
         if vision is None:
             return
         from conveyor.models.vision import check_image_tokens
 
-        sample = req.session.trajectories.extends(req.prompt)
         if sample is not None:
             req.images, req.head = sample.images, len(sample.context)
         else:
-            req.images, req.head = self.renderer.images(urls), len(req.prompt)
+            req.images, req.head = images, len(req.prompt)
         head = req.prompt[: req.head]
         try:
             check_image_tokens("the request", head, req.images[1], vision.image_token_id, vision.merge)

@@ -130,9 +130,11 @@ class Renderer:
             ids = ids[:-1]
         return self.decode(ids, raw=True)
 
-    def chat_text(self, session: Session, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[str]]:
+    def chat_text(
+        self, session: Session, messages: list[dict], tools: list[dict] | None
+    ) -> tuple[str, tuple[Any, list[list[int]]]]:
         """The prompt text of a chat request: its messages through the chat template (served turns as written), with
-        each image spelled out; and the data URLs of its images, in order."""
+        each image spelled out; and its images in order (`images`: pixel values or None, grids)."""
         rendered = []
         urls: list[str] | None = [] if self.vision is not None else None
         for i, m in enumerate(messages):
@@ -159,10 +161,10 @@ class Renderer:
             else:
                 text = "\n".join(m["content"] for m in rendered)
         if urls is None:
-            return text, []
-        _, grids = self.images(urls)
+            return text, (None, [])
+        images = self.images(urls)
         try:
-            return self.vision.expand(text, grids, "the request"), urls
+            return self.vision.expand(text, images[1], "the request"), images
         except ValueError as err:  # an "<image>" typed into a message's text: placeholders and images disagree
             raise GatewayError(400, str(err), param="messages") from None
 
@@ -197,14 +199,9 @@ class Renderer:
         """The token ids of a prompt text: a sample's own ids plus the new text's where the text extends it."""
         best: Sample | None = None
         best_text = ""
-        # An image is part of a sample's first prompt, never of what follows it (the trainer places the tokens after
-        # the prompt at text positions): a prompt that adds images after a sample's starts a sample of its own.
-        pad = self.vision.image_pad if self.vision is not None else None
         for sample in session.trajectories.samples:
             known = session.texts.get(id(sample))
             if known is not None and text.startswith(known) and len(known) > len(best_text):
-                if pad is not None and pad in text[len(known) :]:
-                    continue
                 best, best_text = sample, known
         if best is not None:
             return best.sequence + (self.encode(text[len(best_text) :]) if len(text) > len(best_text) else []), text
